@@ -1,0 +1,160 @@
+"""The one schema for every measured result: a typed ``Record``, appended to and read from JSON Lines.
+
+Stdlib only, so benchmarks in either backend import it without pulling in pandas. Each benchmark writes one
+record per measured configuration; a failed configuration is a record too (``status`` 'oom' or 'error' with
+its message), never a silent gap. Provenance (git commit, device, library versions, date, command) is filled
+in automatically when a record is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+SCHEMA_VERSION = 1
+Status = Literal["ok", "oom", "error"]
+_LIBRARIES = ("torch", "triton", "jax", "jaxlib", "flax", "optax", "numpy")
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the installed numeric libraries; imported modules win over package metadata (the GPU
+    image runs from the source tree, so its versions come from the modules themselves)."""
+    versions = {"python": platform.python_version()}
+    for name in _LIBRARIES:
+        module = sys.modules.get(name)
+        version = getattr(module, "__version__", None) if module else None
+        if version is None:
+            try:
+                version = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        versions[name] = str(version)
+    return versions
+
+
+def provenance(device_name: str = "cpu") -> dict[str, Any]:
+    """Where and when a measurement was made, with what code and libraries."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(status) if status is not None else None,
+        "device_name": device_name,
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "versions": library_versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([os.path.basename(sys.executable), *sys.argv]),
+    }
+
+
+def timing_stats(times_ms: Iterable[float]) -> dict[str, float]:
+    """Median, mean, standard deviation, min and max of per-step times in milliseconds."""
+    times = list(times_ms)
+    if not times:
+        raise ValueError("timing_stats needs at least one time")
+    return {
+        "median_ms": statistics.median(times),
+        "mean_ms": statistics.fmean(times),
+        "std_ms": statistics.stdev(times) if len(times) > 1 else 0.0,
+        "min_ms": min(times),
+        "max_ms": max(times),
+    }
+
+
+@dataclass
+class Record:
+    """One measured configuration. Times are per step in milliseconds; FLOPs come from parallelism_calc."""
+
+    suite: str  # which benchmark wrote it, e.g. "e2e", "attention", "allreduce"
+    backend: Literal["torch", "jax"]
+    implementation: str  # what was measured within the backend, e.g. "sdpa", "flax-nnx naive"
+    model: str | None = None  # ModelSpec preset name
+    model_dims: dict[str, Any] | None = None  # dataclasses.asdict(ModelSpec)
+    batch_size: int | None = None
+    seq_len: int | None = None
+    dtype: str | None = None  # "fp32", "bf16", "bf16-autocast", ...
+    mode: str | None = None  # "forward", "forward_backward", "train_step", ...
+    world_size: int = 1
+    mesh: dict[str, int] | None = None  # e.g. {"dp": 1, "fsdp": 4, "tp": 2}
+    warmup_steps: int | None = None
+    timed_steps: int | None = None
+    timing: dict[str, float] | None = None  # timing_stats() of the whole step
+    phases: dict[str, dict[str, float]] | None = None  # timing_stats() per phase (forward, backward, ...)
+    tokens_per_s: float | None = None
+    flops_per_step: float | None = None
+    tflops: float | None = None  # achieved, per device
+    mfu: float | None = None  # achieved / peak dense FLOP/s of the device's HardwareSpec
+    peak_memory_bytes: int | None = None  # per device (worst device where several)
+    status: Status = "ok"
+    error: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)  # suite-specific numbers (losses, bandwidths, ...)
+    provenance: dict[str, Any] = field(default_factory=provenance)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("torch", "jax"):
+            raise ValueError(f"Record.backend={self.backend!r}; accepted: 'torch', 'jax'")
+        if self.status not in ("ok", "oom", "error"):
+            raise ValueError(f"Record.status={self.status!r}; accepted: 'ok', 'oom', 'error'")
+        if self.status != "ok" and not self.error:
+            raise ValueError(f"a record with status {self.status!r} needs an error message")
+
+    @property
+    def median_ms(self) -> float | None:
+        return self.timing["median_ms"] if self.timing else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Record":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"record has unknown fields {sorted(unknown)}; accepted: {sorted(known)}")
+        return cls(**data)
+
+
+def append_records(path: str | os.PathLike, records: Record | Iterable[Record]) -> Path:
+    """Append records to a JSON Lines file (created with its folder if missing); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    batch = [records] if isinstance(records, Record) else list(records)
+    with path.open("a", encoding="utf-8") as f:
+        for record in batch:
+            f.write(json.dumps(record.to_dict(), sort_keys=True) + "\n")
+    return path
+
+
+def read_records(path: str | os.PathLike) -> list[Record]:
+    """Every record of a JSON Lines file; a malformed line is an error naming the file and line."""
+    records = []
+    with Path(path).open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(Record.from_dict(json.loads(line)))
+            except (json.JSONDecodeError, TypeError, ValueError) as err:
+                raise ValueError(f"{path}:{number}: not a valid record: {err}") from None
+    return records

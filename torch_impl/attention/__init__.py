@@ -1,0 +1,10 @@
+"""Attention backends by name: each takes q, k, v shaped (..., n, d) and returns (..., n_queries, d).
+
+``TransformerLM(spec, attention=name)`` looks its backend up here. Backends register themselves with
+``@register_attention(name)``; later kernels (FlashAttention-2 in PyTorch and Triton) add theirs.
+"""
+
+from torch_impl.attention.registry import ATTENTION_BACKENDS, AttentionFn, get_attention, register_attention
+from torch_impl.attention import naive as _naive  # noqa: F401  (registers "naive" and "sdpa")
+
+__all__ = ["ATTENTION_BACKENDS", "AttentionFn", "get_attention", "register_attention"]

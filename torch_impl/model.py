@@ -1,0 +1,201 @@
+"""The Transformer LM in PyTorch, built from a ``ModelSpec``: the CS336 "basics" architecture.
+
+token embedding -> n_layers x [x + attn(RMSNorm(x)); x + SwiGLU(RMSNorm(x))] -> RMSNorm -> untied LM head.
+Attention is causal multi-head self-attention with rotary position embeddings (RoPE, Su et al. 2021, on
+adjacent pairs of features) and a backend chosen by name from ``torch_impl.attention``. No biases anywhere.
+
+Single-device model code (like nanoGPT's model.py): parallelism is applied from outside by wrappers.
+Parameter names are stable (``token_embeddings.weight``, ``layers.{i}.attn.q_proj.weight``, ...): they key
+the numpy weight dicts that cross to the Flax model (``to_numpy_weights`` / ``load_numpy_weights``), with
+linear weights in PyTorch's (out_features, in_features) layout.
+
+References: CS336 assignment 1 (2025); Zhang & Sennrich 2019 (RMSNorm); Shazeer 2020 (SwiGLU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from parallelism_calc.specs import ModelSpec
+from torch_impl import nvtx
+from torch_impl.attention import get_attention
+
+
+class Linear(nn.Module):
+    """y = x W^T without bias; W (out, in) ~ truncated normal, std sqrt(2 / (in + out)), cut at 3 std."""
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        std = math.sqrt(2.0 / (in_features + out_features))
+        nn.init.trunc_normal_(self.weight, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
+
+
+class Embedding(nn.Module):
+    """A lookup table (vocab, d_model) ~ truncated normal, std 1, cut at 3."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
+        nn.init.trunc_normal_(self.weight, std=1.0, a=-3.0, b=3.0)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[token_ids]
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * g, computed in float32 and cast back to the input dtype."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE on adjacent feature pairs (2k, 2k+1): rotate pair k of position i by i * theta^(-2k/d)."""
+
+    def __init__(self, d_head: int, max_seq_len: int, theta: float, device=None):
+        super().__init__()
+        inv_freq = theta ** (-torch.arange(0, d_head, 2, device=device, dtype=torch.float64) / d_head)
+        angles = torch.arange(max_seq_len, device=device, dtype=torch.float64)[:, None] * inv_freq  # (T, d/2)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: (..., T, d_head), positions: (T,) -> x rotated, same shape and dtype."""
+        cos, sin = self.cos[positions], self.sin[positions]  # (T, d/2)
+        x_even, x_odd = x.float()[..., 0::2], x.float()[..., 1::2]
+        rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+        return rotated.flatten(-2).to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with RoPE on queries and keys; the kernel comes from the registry."""
+
+    def __init__(self, spec: ModelSpec, rope: RotaryEmbedding, attention: str, device=None, dtype=None):
+        super().__init__()
+        d = spec.d_model
+        self.n_heads = spec.n_heads
+        self.q_proj = Linear(d, d, device=device, dtype=dtype)
+        self.k_proj = Linear(d, d, device=device, dtype=dtype)
+        self.v_proj = Linear(d, d, device=device, dtype=dtype)
+        self.output_proj = Linear(d, d, device=device, dtype=dtype)
+        self.rope = rope
+        self.attention_name = attention
+        self.attention = get_attention(attention)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        batch, seq, d_model = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, H, T, d_head)
+            return t.view(batch, seq, self.n_heads, d_model // self.n_heads).transpose(1, 2)
+
+        q = self.rope(heads(self.q_proj(x)), positions)
+        k = self.rope(heads(self.k_proj(x)), positions)
+        v = heads(self.v_proj(x))
+        with nvtx.range(f"attention {self.attention_name}"):
+            out = self.attention(q, k, v, is_causal=True)  # (B, H, T, d_head)
+        return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
+
+    def extra_repr(self) -> str:
+        return f"n_heads={self.n_heads}, attention={self.attention_name!r}"
+
+
+class SwiGLU(nn.Module):
+    """W2 (SiLU(W1 x) * W3 x)."""
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+        super().__init__()
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(RMSNorm(x)), then + SwiGLU(RMSNorm(x))."""
+
+    def __init__(self, spec: ModelSpec, rope: RotaryEmbedding, attention: str, device=None, dtype=None):
+        super().__init__()
+        self.ln1 = RMSNorm(spec.d_model, spec.norm_eps, device=device, dtype=dtype)
+        self.attn = CausalSelfAttention(spec, rope, attention, device=device, dtype=dtype)
+        self.ln2 = RMSNorm(spec.d_model, spec.norm_eps, device=device, dtype=dtype)
+        self.ffn = SwiGLU(spec.d_model, spec.d_ff, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), positions)
+        return x + self.ffn(self.ln2(x))
+
+
+class TransformerLM(nn.Module):
+    """Causal Transformer LM: token ids (B, T) -> logits (B, T, vocab)."""
+
+    def __init__(self, spec: ModelSpec, attention: str = "naive", device=None, dtype=None):
+        super().__init__()
+        if spec.arch != "transformer":
+            raise ValueError(f"TransformerLM needs arch='transformer'; spec {spec.name!r} is {spec.arch!r}")
+        self.spec = spec
+        get_attention(attention)  # fail early, with the list of backends
+        # One RoPE table shared by every block; a buffer, so it follows .to(device) and is never trained.
+        rope = RotaryEmbedding(spec.d_head, spec.context_length, spec.rope_theta, device=device)
+        self.token_embeddings = Embedding(spec.vocab_size, spec.d_model, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(
+            TransformerBlock(spec, rope, attention, device=device, dtype=dtype) for _ in range(spec.n_layers)
+        )
+        self.ln_final = RMSNorm(spec.d_model, spec.norm_eps, device=device, dtype=dtype)
+        self.lm_head = Linear(spec.d_model, spec.vocab_size, device=device, dtype=dtype)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if token_ids.ndim != 2:
+            raise ValueError(f"token_ids must be (batch, seq), got shape {tuple(token_ids.shape)}")
+        seq = token_ids.shape[1]
+        if seq > self.spec.context_length:
+            raise ValueError(
+                f"sequence length {seq} exceeds context_length {self.spec.context_length} of spec "
+                f"{self.spec.name!r}; build the model from spec.replace(context_length={seq})"
+            )
+        positions = torch.arange(seq, device=token_ids.device)
+        x = self.token_embeddings(token_ids)  # (B, T, d)
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self.lm_head(self.ln_final(x))  # (B, T, V)
+
+    def to_numpy_weights(self) -> dict[str, np.ndarray]:
+        """Every parameter as a float32 numpy array, keyed by its stable name (PyTorch layout)."""
+        return {name: p.detach().float().cpu().numpy() for name, p in self.named_parameters()}
+
+    @torch.no_grad()
+    def load_numpy_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Copy weights (as from ``to_numpy_weights``) into this model; names and shapes must match exactly."""
+        params = dict(self.named_parameters())
+        missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+        if missing or unexpected:
+            raise ValueError(f"weight names differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, param in params.items():
+            value = np.asarray(weights[name])
+            if value.shape != tuple(param.shape):
+                raise ValueError(f"weight {name!r}: shape {value.shape} != parameter shape {tuple(param.shape)}")
+            param.copy_(torch.from_numpy(value))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in float32: logits (B, T, V), targets (B, T)."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
