@@ -54,7 +54,7 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * g, computed in float32 and cast back to the input dtype."""
+    """x / sqrt(mean(x^2) + eps) * g, computed in at least float32 and cast back to the input dtype."""
 
     def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__()
@@ -62,25 +62,30 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE on adjacent feature pairs (2k, 2k+1): rotate pair k of position i by i * theta^(-2k/d)."""
+    """RoPE on adjacent feature pairs (2k, 2k+1): rotate pair k of position i by i * theta^(-2k/d).
 
-    def __init__(self, d_head: int, max_seq_len: int, theta: float, device=None):
+    The cos/sin tables are float32 (float64 for a float64 model); the rotation runs in at least float32.
+    """
+
+    def __init__(self, d_head: int, max_seq_len: int, theta: float, device=None, dtype=None):
         super().__init__()
+        table_dtype = torch.promote_types(dtype or torch.float32, torch.float32)
         inv_freq = theta ** (-torch.arange(0, d_head, 2, device=device, dtype=torch.float64) / d_head)
         angles = torch.arange(max_seq_len, device=device, dtype=torch.float64)[:, None] * inv_freq  # (T, d/2)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("cos", angles.cos().to(table_dtype), persistent=False)
+        self.register_buffer("sin", angles.sin().to(table_dtype), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (..., T, d_head), positions: (T,) -> x rotated, same shape and dtype."""
         cos, sin = self.cos[positions], self.sin[positions]  # (T, d/2)
-        x_even, x_odd = x.float()[..., 0::2], x.float()[..., 1::2]
+        wide = x.to(torch.promote_types(x.dtype, cos.dtype))
+        x_even, x_odd = wide[..., 0::2], wide[..., 1::2]  # (..., T, d/2) each
         rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
         return rotated.flatten(-2).to(x.dtype)
 
@@ -155,7 +160,7 @@ class TransformerLM(nn.Module):
         self.spec = spec
         get_attention(attention)  # fail early, with the list of backends
         # One RoPE table shared by every block; a buffer, so it follows .to(device) and is never trained.
-        rope = RotaryEmbedding(spec.d_head, spec.context_length, spec.rope_theta, device=device)
+        rope = RotaryEmbedding(spec.d_head, spec.context_length, spec.rope_theta, device=device, dtype=dtype)
         self.token_embeddings = Embedding(spec.vocab_size, spec.d_model, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
             TransformerBlock(spec, rope, attention, device=device, dtype=dtype) for _ in range(spec.n_layers)

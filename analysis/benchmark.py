@@ -1,0 +1,118 @@
+"""What the step benchmarks of both backends share: their common flags and the record a measurement becomes.
+
+``torch_impl.bench.e2e`` and ``jax_impl.bench.e2e`` take the same flags (``add_step_arguments``) and turn
+their per-step times into the same ``Record`` (``step_record``), with FLOPs from ``parallelism_calc`` and
+MFU against the ``HardwareSpec`` of the device, so the two backends are compared field by field.
+Stdlib and numpy only: no pandas, torch or jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any, Sequence
+
+import numpy as np
+
+from analysis.records import Record, append_records, timing_stats
+from parallelism_calc.compute import MODES, step_flops
+from parallelism_calc.specs import MODELS, ModelSpec, get_model, hardware_for_device
+
+DTYPES = ("fp32", "bf16")
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every step benchmark accepts."""
+    parser.add_argument("--model", default="tiny", help=f"model preset: {', '.join(MODELS)} (default tiny)")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the spec's context)")
+    parser.add_argument("--mode", choices=MODES, default="train_step",
+                        help="forward (no gradients), forward_backward, or train_step with AdamW (default)")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32",
+                        help="fp32, or bf16 compute with fp32 master weights (default fp32)")
+    parser.add_argument("--attention", default="naive", help="attention backend (default naive)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (default 5)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
+    parser.add_argument("--load-weights", metavar="NPZ", help="start from these weights (stable names, .npz)")
+    parser.add_argument("--save-weights", metavar="NPZ", help="save the initial weights here (.npz)")
+    parser.add_argument("--suite", default="e2e", help="suite name written into the records (default e2e)")
+    parser.add_argument("--out", metavar="JSONL", help="append the record to this JSON Lines file")
+    parser.add_argument("--json", action="store_true", help="print the record as JSON")
+
+
+def resolve_spec(args: argparse.Namespace) -> tuple[ModelSpec, int]:
+    """The model spec and sequence length of a run; the spec's context grows to fit a longer --seq-len."""
+    spec = get_model(args.model)
+    if spec.arch != "transformer":
+        raise ValueError(f"model {spec.name!r} is an analysis-only {spec.arch} model; pick a Transformer preset")
+    seq_len = args.seq_len or spec.context_length
+    for flag, value in (("--batch-size", args.batch_size), ("--seq-len", seq_len), ("--steps", args.steps)):
+        if value < 1:
+            raise ValueError(f"{flag}={value} must be >= 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup={args.warmup} must be >= 0")
+    if seq_len > spec.context_length:
+        spec = spec.replace(context_length=seq_len)
+    return spec, seq_len
+
+
+def step_record(
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    seq_len: int,
+    *,
+    backend: str,
+    implementation: str,
+    device_name: str,
+    step_times_ms: Sequence[float] | None = None,
+    phases_ms: dict[str, Sequence[float]] | None = None,
+    peak_memory_bytes: int | None = None,
+    metrics: dict[str, Any] | None = None,
+    status: str = "ok",
+    error: str | None = None,
+) -> Record:
+    """The record of one step benchmark: timing statistics, tokens/s, achieved TFLOP/s and MFU."""
+    flops = step_flops(spec, args.batch_size, seq_len, args.mode)
+    record = Record(
+        suite=args.suite, backend=backend, implementation=implementation, model=spec.name,
+        model_dims=dataclasses.asdict(spec), batch_size=args.batch_size, seq_len=seq_len, dtype=args.dtype,
+        mode=args.mode, warmup_steps=args.warmup, timed_steps=args.steps, flops_per_step=flops,
+        peak_memory_bytes=peak_memory_bytes, metrics=dict(metrics or {}), status=status, error=error,
+    )
+    record.provenance["device_name"] = device_name
+    if step_times_ms:
+        record.timing = timing_stats(step_times_ms)
+        seconds = record.timing["median_ms"] / 1e3
+        record.tokens_per_s = args.batch_size * seq_len / seconds
+        record.tflops = flops / seconds / 1e12
+        hardware = hardware_for_device(device_name)
+        if hardware is not None:
+            peak = hardware.bf16_flops if args.dtype == "bf16" else hardware.fp32_flops
+            record.mfu = flops / seconds / peak if peak else None
+    if phases_ms:
+        record.phases = {phase: timing_stats(times) for phase, times in phases_ms.items()}
+    return record
+
+
+def fixed_batch(seed: int, batch_size: int, seq_len: int, vocab_size: int) -> np.ndarray:
+    """(B, T + 1) int64 token ids from numpy's generator: the same batch in both backends for one seed."""
+    return np.random.default_rng(seed).integers(0, vocab_size, size=(batch_size, seq_len + 1), dtype=np.int64)
+
+
+def emit(args: argparse.Namespace, record: Record) -> int:
+    """Append the record to --out, print it (as JSON with --json, else one line); the exit code (0 if ok)."""
+    if args.out:
+        append_records(args.out, record)
+    if args.json:
+        print(json.dumps(record.to_dict(), sort_keys=True))
+    elif record.status != "ok":
+        print(f"{record.backend} {record.implementation} {record.model}: {record.status}: {record.error}")
+    else:
+        print(f"{record.backend} {record.implementation} {record.model} {record.mode} {record.dtype}: "
+              f"median {record.timing['median_ms']:.2f} ms/step, {record.tokens_per_s:,.0f} tokens/s, "
+              f"loss {record.metrics['loss_first']:.4f} -> {record.metrics['loss_last']:.4f}")
+    return 0 if record.status == "ok" else 1

@@ -1,0 +1,131 @@
+"""Tests for analysis.records: JSON Lines round trip, validation, error locations, timing statistics,
+provenance, and that importing the module stays stdlib-only."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from analysis.records import Record, append_records, provenance, read_records, timing_stats
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def random_record(rng: random.Random, **overrides) -> Record:
+    """A record with fresh random values in every kind of field (scalars, nested dicts, metrics)."""
+    fields = dict(
+        suite=rng.choice(["e2e", "attention", "allreduce"]),
+        backend=rng.choice(["torch", "jax"]),
+        implementation=f"impl-{rng.randrange(10**6)}",
+        model=rng.choice(["small", "medium", None]),
+        model_dims={"d_model": rng.choice([64, 768]), "n_layers": rng.randrange(1, 48)},
+        batch_size=rng.randrange(1, 512),
+        seq_len=rng.choice([128, 1024, 8192]),
+        dtype=rng.choice(["fp32", "bf16"]),
+        mode="train_step",
+        world_size=8,
+        mesh={"dp": 2, "fsdp": 2, "tp": 2},
+        warmup_steps=rng.randrange(5),
+        timed_steps=rng.randrange(1, 50),
+        timing=timing_stats(rng.uniform(1, 100) for _ in range(5)),
+        phases={"forward": timing_stats([rng.uniform(1, 10)])},
+        tokens_per_s=rng.uniform(1e3, 1e7),
+        flops_per_step=rng.uniform(1e12, 1e16),
+        tflops=rng.uniform(1, 900),
+        mfu=rng.random(),
+        peak_memory_bytes=rng.randrange(2**40),
+        metrics={"loss": rng.uniform(0, 10), "note": "x" * rng.randrange(1, 5)},
+    )
+    fields.update(overrides)
+    return Record(**fields)
+
+
+def test_round_trip_appends_and_reads_back(tmp_path: Path) -> None:
+    rng = random.Random()
+    first = [random_record(rng), random_record(rng, status="oom", error="out of memory", timing=None)]
+    second = random_record(rng)
+    path = tmp_path / "sub" / "runs.jsonl"
+    append_records(path, first)
+    append_records(path, second)  # a single record appends too, after the first batch
+    back = read_records(path)
+    assert [r.to_dict() for r in back] == [r.to_dict() for r in [*first, second]]
+    assert back[0].median_ms == first[0].timing["median_ms"]
+    assert back[1].median_ms is None
+    assert len(path.read_text().splitlines()) == 3
+
+
+def test_failed_record_requires_message() -> None:
+    for status in ("oom", "error"):
+        with pytest.raises(ValueError, match="needs an error message"):
+            Record(suite="e2e", backend="torch", implementation="sdpa", status=status)
+    record = Record(suite="e2e", backend="jax", implementation="flax", status="oom", error="RESOURCE_EXHAUSTED")
+    assert record.error == "RESOURCE_EXHAUSTED"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("backend", "tensorflow"), ("backend", "Torch"), ("status", "failed"), ("status", "OK")]
+)
+def test_invalid_backend_or_status_rejected(field: str, value: str) -> None:
+    fields = {"suite": "e2e", "backend": "torch", "implementation": "sdpa", field: value}
+    with pytest.raises(ValueError, match=f"Record.{field}="):
+        Record(**fields)
+
+
+def test_unknown_field_rejected() -> None:
+    data = Record(suite="e2e", backend="torch", implementation="sdpa").to_dict()
+    with pytest.raises(ValueError, match="unknown fields \\['colour'\\]"):
+        Record.from_dict({**data, "colour": "red"})
+
+
+@pytest.mark.parametrize("bad_line", ["{not json", '{"suite": "e2e"}', '{"suite": "e2e", "backend": "mxnet", '
+                                      '"implementation": "x"}', "[1, 2]"])  # fmt: skip
+def test_malformed_line_names_file_and_line(tmp_path: Path, bad_line: str) -> None:
+    path = tmp_path / "runs.jsonl"
+    append_records(path, random_record(random.Random()))
+    with path.open("a") as f:
+        f.write("\n" + bad_line + "\n")  # a blank line is skipped but still counted
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}:3: not a valid record"):
+        read_records(path)
+
+
+def test_timing_stats_against_hand_computation() -> None:
+    stats = timing_stats([10.0, 1.0, 3.0, 2.0])
+    # sorted 1, 2, 3, 10: median (2 + 3) / 2; mean 16 / 4; deviations -3, -2, -1, 6 -> sample var 50 / 3
+    assert stats == pytest.approx(
+        {"median_ms": 2.5, "mean_ms": 4.0, "std_ms": math.sqrt(50 / 3), "min_ms": 1.0, "max_ms": 10.0}
+    )
+    assert timing_stats(iter([7.5])) == {"median_ms": 7.5, "mean_ms": 7.5, "std_ms": 0.0, "min_ms": 7.5, "max_ms": 7.5}
+    with pytest.raises(ValueError):
+        timing_stats([])
+
+
+def test_provenance_filled_in() -> None:
+    before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    prov = Record(suite="e2e", backend="torch", implementation="sdpa").provenance
+    assert "git_commit" in prov and "git_dirty" in prov
+    assert prov["git_commit"] is None or (len(prov["git_commit"]) == 40 and int(prov["git_commit"], 16) >= 0)
+    date = datetime.datetime.fromisoformat(prov["date"])
+    assert date.tzinfo is not None
+    assert before <= date <= datetime.datetime.now(datetime.timezone.utc)
+    assert prov["device_name"] == "cpu"
+    assert prov["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert provenance("NVIDIA H100")["device_name"] == "NVIDIA H100"
+    json.dumps(prov)  # provenance must be JSON-serialisable as it is
+
+
+def test_importing_records_stays_light() -> None:
+    code = (
+        "import sys, analysis, analysis.records as r\n"
+        "r.Record(suite='e2e', backend='torch', implementation='sdpa')\n"
+        "print(','.join(m for m in ('pandas', 'numpy', 'torch', 'jax', 'matplotlib') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

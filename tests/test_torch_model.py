@@ -1,0 +1,122 @@
+"""The PyTorch TransformerLM against the float64 numpy reference, plus its contracts (names, errors, causality)."""
+
+import numpy as np
+import pytest
+import torch
+
+from parallelism_calc.specs import MODELS
+from tests._reference import reference_logits
+from torch_impl.attention import ATTENTION_BACKENDS, get_attention
+from torch_impl.model import TransformerLM
+
+TINY = MODELS["tiny"]
+
+
+def fresh_seed() -> int:
+    return int(np.random.SeedSequence().entropy % 2**31)
+
+
+def random_tokens(spec, batch, seq, seed):
+    return np.random.default_rng(seed).integers(0, spec.vocab_size, size=(batch, seq))
+
+
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+def test_float64_model_matches_numpy_reference(attention):
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    model = TransformerLM(TINY, attention=attention, dtype=torch.float64)
+    tokens = random_tokens(TINY, 2, 37, seed)  # a length that is no power of two
+    logits = model(torch.from_numpy(tokens)).detach().numpy()
+    weights = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    expected = reference_logits(TINY, weights, tokens)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-10 * np.abs(expected).max())
+
+
+def test_float32_model_matches_reference_and_broken_rope_does_not():
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    model = TransformerLM(TINY)
+    tokens = random_tokens(TINY, 2, 20, seed)
+    expected = reference_logits(TINY, model.to_numpy_weights(), tokens)
+    error = lambda m: np.abs(m(torch.from_numpy(tokens)).detach().numpy() - expected).max() / np.abs(expected).max()
+    assert error(model) < 1e-5  # float32 rounding over two blocks
+    model.layers[0].attn.rope.sin.neg_()  # rotate the wrong way: a real bug the check must see
+    assert error(model) > 1e-3
+
+
+def test_parameter_count_and_stable_names():
+    model = TransformerLM(TINY)
+    assert sum(p.numel() for p in model.parameters()) == TINY.n_params()
+    names = set(model.to_numpy_weights())
+    assert {"token_embeddings.weight", "layers.1.attn.q_proj.weight", "layers.0.ffn.w3.weight",
+            "layers.1.ln2.weight", "ln_final.weight", "lm_head.weight"} <= names
+    assert model.to_numpy_weights()["layers.0.ffn.w1.weight"].shape == (TINY.d_ff, TINY.d_model)  # (out, in)
+
+
+@pytest.mark.parametrize("preset", ["small", "medium", "large", "xl", "2.7B"])
+def test_module_parameter_count_equals_spec_on_meta_device(preset):
+    with torch.device("meta"):
+        model = TransformerLM(MODELS[preset])
+    assert sum(p.numel() for p in model.parameters()) == MODELS[preset].n_params()
+
+
+def test_numpy_weights_round_trip_and_errors():
+    source, target = TransformerLM(TINY), TransformerLM(TINY)
+    weights = source.to_numpy_weights()
+    target.load_numpy_weights(weights)
+    for name, value in target.to_numpy_weights().items():
+        np.testing.assert_array_equal(value, weights[name])
+    with pytest.raises(ValueError, match="missing"):
+        target.load_numpy_weights({k: v for k, v in weights.items() if k != "lm_head.weight"})
+    with pytest.raises(ValueError, match="shape"):
+        target.load_numpy_weights({**weights, "ln_final.weight": np.ones(3, np.float32)})
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+    model = TransformerLM(TINY)
+    tokens = torch.randint(0, TINY.vocab_size, (1, 24))
+    changed = tokens.clone()
+    changed[0, 12:] = torch.randint(0, TINY.vocab_size, (12,))
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :12], b[:, :12])
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="accepted: .*naive"):
+        TransformerLM(TINY, attention="nope")
+    with pytest.raises(ValueError, match="context_length"):
+        TransformerLM(TINY)(torch.zeros(1, TINY.context_length + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="ffn_only"):
+        TransformerLM(MODELS["xxl"])
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention("flash_nope")
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTION_BACKENDS))
+@pytest.mark.parametrize("n_queries,n_keys", [(7, 7), (5, 9)])
+def test_attention_backends_match_float64_softmax(attention, n_queries, n_keys):
+    q, k, v = (torch.randn(2, 3, n, 16, dtype=torch.float64) for n in (n_queries, n_keys, n_keys))
+    scores = q @ k.transpose(-1, -2) / 4.0
+    mask = torch.ones(n_queries, n_keys, dtype=torch.bool).tril()  # query i sees keys 0..i
+    expected = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+    torch.testing.assert_close(get_attention(attention)(q, k, v, is_causal=True), expected)
+    expected_full = torch.softmax(scores, -1) @ v
+    torch.testing.assert_close(get_attention(attention)(q, k, v, is_causal=False), expected_full)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+def test_cuda_bf16_autocast_close_to_float64_reference(attention):
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    model = TransformerLM(MODELS["tiny"].replace(context_length=256), attention=attention, device="cuda")
+    tokens = random_tokens(TINY, 4, 256, seed)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(torch.from_numpy(tokens).cuda()).float().cpu().numpy()
+    expected = reference_logits(model.spec, model.to_numpy_weights(), tokens)
+    # bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 2e-3 per product); over two blocks and the
+    # LM head the errors add up to ~1e-2 of the logit scale, so 3e-2 leaves room without hiding a bug
+    # (a wrong mask or rotation gives errors of order 1).
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < 3e-2

@@ -1,0 +1,127 @@
+"""End-to-end step benchmark of the PyTorch model: ``python -m torch_impl.bench.e2e --model tiny``.
+
+Times ``--mode`` forward (no gradients) | forward_backward | train_step (AdamW) for ``--warmup`` untimed and
+``--steps`` timed steps on a fixed random batch (so in train_step mode the loss falls as the model memorizes
+it), synchronizing the device around every step, and writes one record (``analysis.records``) with the
+per-step and per-phase times, tokens/s, TFLOP/s and MFU (FLOPs from ``parallelism_calc``), peak memory and
+the losses. The JAX twin, ``python -m jax_impl.bench.e2e``, takes the same flags; ``--save-weights`` here and
+``--load-weights`` there start both from the same weights. An OOM or error is recorded, not lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+
+import numpy as np
+import torch
+
+from analysis.benchmark import add_step_arguments, emit, fixed_batch, resolve_spec, step_record
+from analysis.records import Record
+from torch_impl import nvtx
+from torch_impl.model import TransformerLM, cross_entropy
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available; accepted here: cpu, auto")
+    return torch.device(name)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(args: argparse.Namespace) -> Record:
+    spec, seq_len = resolve_spec(args)
+    device = pick_device(args.device)
+    torch.manual_seed(args.seed)
+    model = TransformerLM(spec, attention=args.attention, device=device)
+    if args.load_weights:
+        model.load_numpy_weights(dict(np.load(args.load_weights)))
+    if args.save_weights:
+        np.savez(args.save_weights, **model.to_numpy_weights())
+    tokens = torch.from_numpy(fixed_batch(args.seed, args.batch_size, seq_len, spec.vocab_size)).to(device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  fused=device.type == "cuda")
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
+                else contextlib.nullcontext())
+
+    def timed(phase: str, fn):
+        synchronize(device)
+        start = time.perf_counter()
+        with nvtx.range(phase):
+            out = fn()
+        synchronize(device)
+        return out, (time.perf_counter() - start) * 1e3
+
+    def step() -> tuple[float, dict[str, float]]:
+        if args.mode == "forward":
+            with torch.no_grad(), autocast:
+                loss, t_fwd = timed("forward", lambda: cross_entropy(model(inputs), targets))
+            return loss.item(), {"forward": t_fwd}
+        with autocast:
+            loss, t_fwd = timed("forward", lambda: cross_entropy(model(inputs), targets))
+        _, t_bwd = timed("backward", loss.backward)
+        phases = {"forward": t_fwd, "backward": t_bwd}
+        if args.mode == "train_step":
+            _, phases["optimizer"] = timed("optimizer", optimizer.step)
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item(), phases
+
+    losses, step_ms, phases_ms = [], [], {}
+    with nvtx.range("warmup"):
+        for _ in range(args.warmup):
+            losses.append(step()[0])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(args.steps):
+        loss, phases = step()
+        losses.append(loss)
+        step_ms.append(sum(phases.values()))
+        for phase, ms in phases.items():
+            phases_ms.setdefault(phase, []).append(ms)
+    return step_record(
+        args, spec, seq_len, backend="torch", implementation=f"eager {args.attention}",
+        device_name=device_name(device), step_times_ms=step_ms, phases_ms=phases_ms,
+        peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        metrics={"loss_first": losses[0], "loss_last": losses[-1], "losses": losses},
+    )
+
+
+def failed_record(args: argparse.Namespace, err: Exception) -> Record:
+    """The record of a run that ran out of memory or failed, so the failure is a row, not a gap."""
+    spec, seq_len = resolve_spec(args)
+    oom = isinstance(err, torch.OutOfMemoryError)
+    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    return step_record(args, spec, seq_len, backend="torch", implementation=f"eager {args.attention}",
+                       device_name=device_name(torch.device(device)), status="oom" if oom else "error",
+                       error=f"{type(err).__name__}: {err}".splitlines()[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_impl.bench.e2e", description=__doc__.splitlines()[0])
+    add_step_arguments(parser)
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    args = parser.parse_args(argv)
+    try:
+        record = measure(args)
+    except (ValueError, OSError) as err:  # bad input (flags, weights file): one line, no record
+        sys.exit(f"error: {err}")
+    except (RuntimeError, torch.OutOfMemoryError) as err:
+        record = failed_record(args, err)
+    return emit(args, record)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
