@@ -184,8 +184,8 @@ class TransformerLM(nn.Module):
         return self.lm_head(self.ln_final(x))  # (B, T, V)
 
     def to_numpy_weights(self) -> dict[str, np.ndarray]:
-        """Every parameter as a float32 numpy array, keyed by its stable name (PyTorch layout)."""
-        return {name: p.detach().float().cpu().numpy() for name, p in self.named_parameters()}
+        """Every parameter as a float32 numpy copy, keyed by its stable name (PyTorch layout)."""
+        return {name: p.detach().float().cpu().numpy().copy() for name, p in self.named_parameters()}
 
     @torch.no_grad()
     def load_numpy_weights(self, weights: dict[str, np.ndarray]) -> None:

@@ -1,0 +1,63 @@
+"""Attention backends for the Flax model, by name: each maps q, k, v (B, T, H, D) -> (B, T, H, D), causal.
+
+* ``naive`` — softmax(q k^T / sqrt(D) + causal mask) v written out: the (B, H, T, T) score matrix is
+  materialized, the softmax runs in float32 and the weights are cast back to v's dtype for the last matmul.
+  It mirrors ``torch_impl.attention.naive`` step by step, so it is the parity reference.
+* ``dot_product`` — ``jax.nn.dot_product_attention(..., is_causal=True)``: JAX picks the implementation
+  (XLA on CPU; on a GPU it may pick cuDNN's fused kernel for bf16/fp16 inputs).
+
+The layout is JAX's (B, T, H, D) (batch, sequence, heads, head dim), the one ``jax.nn.dot_product_attention``
+takes, so no backend needs a transpose. ``TransformerLM(spec, attention=name)`` looks its backend up with
+``get_attention``; a new kernel (e.g. a Pallas FlashAttention) adds an entry to ``ATTENTION_BACKENDS``.
+
+Caveat: causal masking is top-left aligned (query i sees keys 0..i), which equals bottom-right alignment
+here because self-attention always has as many queries as keys.
+
+References: Vaswani et al. 2017 (scaled dot-product attention); the JAX docs of
+``jax.nn.dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def causal_mask(n_queries: int, n_keys: int) -> jax.Array:
+    """(n_queries, n_keys) bool, True where query i may attend key j (j <= i)."""
+    return jnp.tril(jnp.ones((n_queries, n_keys), dtype=bool))
+
+
+def naive_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention with the score matrix written out; q, k, v (B, T, H, D) -> (B, T, H, D)."""
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])  # (B, H, T, T), compute dtype
+    scores = scores.astype(jnp.float32)
+    scores = jnp.where(causal_mask(q.shape[1], k.shape[1]), scores, -jnp.inf)  # mask broadcasts over (B, H)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # (B, H, T, T)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)  # (B, T, H, D)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """``jax.nn.dot_product_attention`` with ``is_causal=True``; q, k, v (B, T, H, D) -> (B, T, H, D)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+ATTENTION_BACKENDS: dict[str, AttentionFn] = {
+    "naive": naive_attention,
+    "dot_product": dot_product_attention,
+}
+
+
+def get_attention(name: str) -> AttentionFn:
+    """The backend called ``name``, or a ValueError listing the accepted ones."""
+    try:
+        return ATTENTION_BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; accepted: {', '.join(sorted(ATTENTION_BACKENDS))}"
+        ) from None

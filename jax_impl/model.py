@@ -1,0 +1,309 @@
+"""The Transformer LM in JAX / Flax NNX, mirroring ``torch_impl/model.py`` layer for layer.
+
+token embedding -> n_layers x [x + attn(RMSNorm(x)); x + SwiGLU(RMSNorm(x))] -> RMSNorm -> untied LM head.
+Attention is causal multi-head self-attention with rotary position embeddings (RoPE on ADJACENT feature
+pairs (2k, 2k+1), as the PyTorch model) and a backend chosen by name from ``jax_impl.attention``
+("naive" or "dot_product"). No biases anywhere. Initialization follows the PyTorch model: linear kernels
+~ truncated normal with std sqrt(2 / (in + out)) cut at 3 std, embeddings ~ truncated normal std 1 cut
+at 3, norm gains = 1 (the same distributions, not the same numbers: exchange weights to compare).
+
+Public names:
+* ``TransformerLM(spec, *, rngs, attention="naive", param_dtype=jnp.float32, dtype=None)``:
+  ``model(token_ids (B, T) int) -> logits (B, T, V)``. ``param_dtype`` is the storage dtype of the
+  parameters, ``dtype`` the compute dtype (None: compute in ``param_dtype``), e.g. float32 parameters with
+  bfloat16 compute. Logits come back in the compute dtype (as the PyTorch model returns its own dtype);
+  ``cross_entropy`` upcasts them to float32. RMSNorm, RoPE and the naive softmax always run in float32.
+* ``to_numpy_weights(model)`` / ``load_numpy_weights(model, weights)``: float32 numpy arrays keyed by the
+  PyTorch model's ``named_parameters()`` names, linear weights in PyTorch's (out, in) layout (Flax stores
+  kernels (in, out), so they are transposed on the way in and out). This module never imports torch.
+* ``logical_axes(model)``: the logical axis names of every parameter, keyed by the same names, for the
+  JAX layout (a kernel's names are (in, out)).
+* ``cross_entropy(logits, targets)``: mean next-token loss in float32.
+
+Logical axes (MaxText style): every parameter is created through ``nnx.with_partitioning(init, names)``,
+which stores the names in the variable's sharding metadata (``out_sharding`` in Flax 0.12), where
+``nnx.get_partition_spec`` / ``nnx.get_named_sharding`` find them. A rules table elsewhere
+(``jax_impl.sharding``) maps logical names to mesh axes; the model holds no mesh code. The names:
+
+    "vocab"  the vocabulary dimension      token_embeddings (vocab, embed), lm_head (embed, vocab)
+    "embed"  the residual stream, d_model  every matrix, norm gains (embed,)
+    "heads"  n_heads * d_head (= d_model)  q/k/v kernels (embed, heads), output_proj (heads, embed)
+    "mlp"    the SwiGLU hidden width d_ff  w1, w3 (embed, mlp), w2 (mlp, embed)
+
+Caveats:
+* Flax 0.12 shards variables eagerly when they carry sharding names and a mesh is in context; built with
+  no mesh in context (``jax.sharding.get_abstract_mesh()`` empty), the model switches eager sharding off
+  while it creates its parameters, so it builds as plain single-device arrays. Built under
+  ``jax.set_mesh(mesh)`` it leaves Flax's default alone, and then ``nnx.logical_axis_rules`` must map the
+  logical names onto the mesh axes.
+* The RoPE tables (cos, sin for ``spec.context_length`` positions, computed in float64 and stored as
+  float32 like the PyTorch buffers) are ``RopeTable`` variables, not ``nnx.Param``: filter state by
+  ``nnx.Param`` to get the trainable parameters (the optimizer, parameter counts and weight exchange do).
+* Sequences longer than ``spec.context_length`` raise a ValueError (shapes are static, so also under jit).
+
+References: CS336 assignment 1 (2025); Su et al. 2021 (RoPE); Zhang & Sennrich 2019 (RMSNorm);
+Shazeer 2020 (SwiGLU); MaxText's logical axis annotations; the Flax NNX "Scale up on multiple devices" guide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_impl.attention import get_attention
+from parallelism_calc.specs import ModelSpec
+
+# Logical axis names (see the module docstring for which parameter uses which).
+VOCAB = "vocab"
+EMBED = "embed"
+HEADS = "heads"
+MLP = "mlp"
+
+
+def _truncated_normal(std: float):
+    """Truncated normal with std ``std`` (of the untruncated normal), cut at +-3 std, like torch's trunc_normal_."""
+    return nnx.initializers.truncated_normal(stddev=std, lower=-3.0, upper=3.0)
+
+
+@contextlib.contextmanager
+def _eager_sharding_only_under_a_mesh() -> Iterator[None]:
+    """Create variables unsharded when no mesh is in context (logical names need a mesh and rules)."""
+    if jax.sharding.get_abstract_mesh().empty:
+        with nnx.use_eager_sharding(False):
+            yield
+    else:
+        yield
+
+
+class RopeTable(nnx.Variable):
+    """A precomputed RoPE table (cos or sin): state of the model, never trained (not an ``nnx.Param``)."""
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel without bias; kernel (in, out) ~ truncated normal, std sqrt(2 / (in + out)), cut at 3 std."""
+
+    def __init__(self, in_features: int, out_features: int, axes: tuple[str, str], *, rngs: nnx.Rngs,
+                 param_dtype, dtype):
+        std = math.sqrt(2.0 / (in_features + out_features))
+        init = nnx.with_partitioning(_truncated_normal(std), axes)
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))  # (in, out)
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x.astype(self.dtype) @ self.kernel[...].astype(self.dtype)  # (..., in) -> (..., out)
+
+
+class Embedding(nnx.Module):
+    """A lookup table (vocab, d_model) ~ truncated normal, std 1, cut at 3."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, rngs: nnx.Rngs, param_dtype, dtype):
+        init = nnx.with_partitioning(_truncated_normal(1.0), (VOCAB, EMBED))
+        self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, embedding_dim), param_dtype))  # (V, d)
+        self.dtype = dtype
+
+    def __call__(self, token_ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], token_ids, axis=0).astype(self.dtype)  # (B, T) -> (B, T, d)
+
+
+class RMSNorm(nnx.Module):
+    """x / sqrt(mean(x^2) + eps) * g, computed in float32 and cast back to the input dtype."""
+
+    def __init__(self, d_model: int, eps: float, *, rngs: nnx.Rngs, param_dtype):
+        init = nnx.with_partitioning(nnx.initializers.ones, (EMBED,))
+        self.scale = nnx.Param(init(rngs.params(), (d_model,), param_dtype))  # (d,)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class RotaryEmbedding(nnx.Module):
+    """RoPE on adjacent feature pairs (2k, 2k+1): rotate pair k of position i by i * theta^(-2k/d)."""
+
+    def __init__(self, d_head: int, max_seq_len: int, theta: float):
+        # float64 on the host, then float32, exactly as the PyTorch buffers are made.
+        inv_freq = theta ** (-np.arange(0, d_head, 2, dtype=np.float64) / d_head)  # (d/2,)
+        angles = np.arange(max_seq_len, dtype=np.float64)[:, None] * inv_freq  # (T_max, d/2)
+        self.cos = RopeTable(jnp.asarray(np.cos(angles).astype(np.float32)))
+        self.sin = RopeTable(jnp.asarray(np.sin(angles).astype(np.float32)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: (B, T, H, D) at positions 0..T-1 -> x rotated, same shape and dtype (math in float32)."""
+        seq = x.shape[1]
+        cos = self.cos[...][:seq, None, :]  # (T, 1, D/2), broadcasts over batch and heads
+        sin = self.sin[...][:seq, None, :]
+        x32 = x.astype(jnp.float32)
+        x_even, x_odd = x32[..., 0::2], x32[..., 1::2]  # (B, T, H, D/2)
+        rotated = jnp.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), axis=-1)  # (B, T, H, D/2, 2)
+        return rotated.reshape(x.shape).astype(x.dtype)  # interleave back: (2k, 2k+1)
+
+
+class CausalSelfAttention(nnx.Module):
+    """Multi-head causal self-attention with RoPE on queries and keys; the kernel comes from the registry."""
+
+    def __init__(self, spec: ModelSpec, attention: str, *, rngs: nnx.Rngs, param_dtype, dtype):
+        d = spec.d_model
+        self.n_heads = spec.n_heads
+        self.q_proj = Linear(d, d, (EMBED, HEADS), rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.k_proj = Linear(d, d, (EMBED, HEADS), rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.v_proj = Linear(d, d, (EMBED, HEADS), rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.output_proj = Linear(d, d, (HEADS, EMBED), rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.attention_name = attention
+
+    def __call__(self, x: jax.Array, rope: RotaryEmbedding) -> jax.Array:
+        batch, seq, d_model = x.shape
+        heads = (batch, seq, self.n_heads, d_model // self.n_heads)  # (B, T, H, D)
+        q = rope(self.q_proj(x).reshape(heads))
+        k = rope(self.k_proj(x).reshape(heads))
+        v = self.v_proj(x).reshape(heads)
+        out = get_attention(self.attention_name)(q, k, v)  # (B, T, H, D)
+        return self.output_proj(out.reshape(batch, seq, d_model))  # (B, T, d)
+
+
+class SwiGLU(nnx.Module):
+    """w2(SiLU(w1 x) * w3 x)."""
+
+    def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, param_dtype, dtype):
+        self.w1 = Linear(d_model, d_ff, (EMBED, MLP), rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, (MLP, EMBED), rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.w3 = Linear(d_model, d_ff, (EMBED, MLP), rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.w2(jax.nn.silu(self.w1(x)) * self.w3(x))  # (B, T, d) -> (B, T, d_ff) -> (B, T, d)
+
+
+class TransformerBlock(nnx.Module):
+    """Pre-norm block: x + attn(RMSNorm(x)), then + SwiGLU(RMSNorm(x))."""
+
+    def __init__(self, spec: ModelSpec, attention: str, *, rngs: nnx.Rngs, param_dtype, dtype):
+        self.ln1 = RMSNorm(spec.d_model, spec.norm_eps, rngs=rngs, param_dtype=param_dtype)
+        self.attn = CausalSelfAttention(spec, attention, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.ln2 = RMSNorm(spec.d_model, spec.norm_eps, rngs=rngs, param_dtype=param_dtype)
+        self.ffn = SwiGLU(spec.d_model, spec.d_ff, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+
+    def __call__(self, x: jax.Array, rope: RotaryEmbedding) -> jax.Array:
+        x = x + self.attn(self.ln1(x), rope)
+        return x + self.ffn(self.ln2(x))
+
+
+class TransformerLM(nnx.Module):
+    """Causal Transformer LM: token ids (B, T) -> logits (B, T, vocab) in the compute dtype."""
+
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs, attention: str = "naive", param_dtype=jnp.float32,
+                 dtype=None):
+        if spec.arch != "transformer":
+            raise ValueError(f"TransformerLM needs arch='transformer'; spec {spec.name!r} is {spec.arch!r}")
+        get_attention(attention)  # fail early, with the list of backends
+        self.spec = spec
+        self.attention_name = attention
+        self.param_dtype = jnp.dtype(param_dtype)
+        self.dtype = jnp.dtype(dtype if dtype is not None else param_dtype)  # compute dtype
+        kw = dict(rngs=rngs, param_dtype=self.param_dtype, dtype=self.dtype)
+        with _eager_sharding_only_under_a_mesh():
+            # One RoPE table shared by every block (passed to each call), never trained.
+            self.rope = RotaryEmbedding(spec.d_head, spec.context_length, spec.rope_theta)
+            self.token_embeddings = Embedding(spec.vocab_size, spec.d_model, **kw)
+            self.layers = nnx.List([TransformerBlock(spec, attention, **kw) for _ in range(spec.n_layers)])
+            self.ln_final = RMSNorm(spec.d_model, spec.norm_eps, rngs=rngs, param_dtype=self.param_dtype)
+            self.lm_head = Linear(spec.d_model, spec.vocab_size, (EMBED, VOCAB), **kw)
+
+    def __call__(self, token_ids: jax.Array) -> jax.Array:
+        if token_ids.ndim != 2:
+            raise ValueError(f"token_ids must be (batch, seq), got shape {tuple(token_ids.shape)}")
+        if not jnp.issubdtype(token_ids.dtype, jnp.integer):
+            raise ValueError(f"token_ids must be integers, got dtype {token_ids.dtype}")
+        seq = token_ids.shape[1]
+        if seq > self.spec.context_length:
+            raise ValueError(
+                f"sequence length {seq} exceeds context_length {self.spec.context_length} of spec "
+                f"{self.spec.name!r}; build the model from spec.replace(context_length={seq})"
+            )
+        x = self.token_embeddings(token_ids)  # (B, T, d)
+        for layer in self.layers:
+            x = layer(x, self.rope)
+        return self.lm_head(self.ln_final(x))  # (B, T, V)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stable names, logical axes and weight exchange with the PyTorch model
+# ----------------------------------------------------------------------------------------------------
+
+
+def _param_table(model: TransformerLM) -> dict[str, tuple[nnx.Param, bool]]:
+    """Stable PyTorch name -> (Flax parameter, whether its PyTorch layout is the transpose), in torch order."""
+    table: dict[str, tuple[nnx.Param, bool]] = {"token_embeddings.weight": (model.token_embeddings.embedding, False)}
+    for i, layer in enumerate(model.layers):
+        table[f"layers.{i}.ln1.weight"] = (layer.ln1.scale, False)
+        for proj in ("q_proj", "k_proj", "v_proj", "output_proj"):
+            table[f"layers.{i}.attn.{proj}.weight"] = (getattr(layer.attn, proj).kernel, True)
+        table[f"layers.{i}.ln2.weight"] = (layer.ln2.scale, False)
+        for w in ("w1", "w2", "w3"):
+            table[f"layers.{i}.ffn.{w}.weight"] = (getattr(layer.ffn, w).kernel, True)
+    table["ln_final.weight"] = (model.ln_final.scale, False)
+    table["lm_head.weight"] = (model.lm_head.kernel, True)
+    return table
+
+
+def _axis_names(param: nnx.Variable) -> tuple[str, ...]:
+    """The logical names stored by ``nnx.with_partitioning`` (``out_sharding``; older 0.12 keys as fallback)."""
+    metadata = param.get_metadata()
+    for key in ("out_sharding", "sharding_names", "sharding"):
+        if metadata.get(key):
+            return tuple(metadata[key])
+    return ()
+
+
+def logical_axes(model: TransformerLM) -> dict[str, tuple[str, ...]]:
+    """Logical axis names of every parameter (JAX layout: kernels (in, out)), keyed by the stable names."""
+    return {name: _axis_names(param) for name, (param, _) in _param_table(model).items()}
+
+
+def to_numpy_weights(model: TransformerLM) -> dict[str, np.ndarray]:
+    """Every parameter as a float32 numpy array keyed by its stable name, in PyTorch layout ((out, in) linears)."""
+    weights = {}
+    for name, (param, transpose) in _param_table(model).items():
+        value = np.asarray(jax.device_get(param.get_value())).astype(np.float32)  # a fresh host copy
+        weights[name] = np.ascontiguousarray(value.T if transpose else value)
+    return weights
+
+
+def load_numpy_weights(model: TransformerLM, weights: dict[str, np.ndarray]) -> None:
+    """Copy weights (PyTorch names and layout, as from ``to_numpy_weights``) into ``model`` in place.
+
+    Names and shapes must match exactly (else a ValueError, and nothing is changed); values are cast to the
+    model's parameter dtype and placed with each parameter's current sharding.
+    """
+    table = _param_table(model)
+    missing, unexpected = sorted(set(table) - set(weights)), sorted(set(weights) - set(table))
+    if missing or unexpected:
+        raise ValueError(f"weight names differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    new_values = {}
+    for name, (param, transpose) in table.items():
+        value = np.asarray(weights[name])
+        value = value.T if transpose else value  # PyTorch (out, in) -> Flax (in, out)
+        current = param.get_value()
+        if value.shape != tuple(current.shape):
+            expected = tuple(current.shape)[::-1] if transpose else tuple(current.shape)
+            raise ValueError(
+                f"weight {name!r}: shape {np.asarray(weights[name]).shape} != parameter shape {expected} "
+                f"(PyTorch layout)"
+            )
+        new_values[name] = jax.device_put(value.astype(current.dtype), current.sharding)
+    for name, (param, _) in table.items():
+        param.set_value(new_values[name])
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in float32: logits (B, T, V), targets (B, T) int -> scalar."""
+    logits = logits.astype(jnp.float32)
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1)  # (B, T)
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (B, T)
+    return jnp.mean(log_normalizer - target_logits)

@@ -1,0 +1,55 @@
+"""The step benchmarks of both backends: records they write, same start in both, failures kept as rows."""
+
+import numpy as np
+import pytest
+
+from analysis.records import read_records
+from parallelism_calc.compute import step_flops
+from parallelism_calc.specs import MODELS
+from torch_impl.bench import e2e as torch_e2e
+
+FLAGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "24", "--warmup", "1", "--steps", "4"]
+
+
+def test_torch_and_jax_records_start_from_the_same_loss(tmp_path):
+    from jax_impl.bench import e2e as jax_e2e
+
+    out, weights = tmp_path / "runs.jsonl", tmp_path / "tiny.npz"
+    seed = str(np.random.SeedSequence().entropy % 1000)
+    assert torch_e2e.main([*FLAGS, "--seed", seed, "--save-weights", str(weights), "--out", str(out)]) == 0
+    assert jax_e2e.main([*FLAGS, "--seed", seed, "--load-weights", str(weights), "--out", str(out)]) == 0
+    torch_run, jax_run = read_records(out)
+    assert (torch_run.backend, jax_run.backend) == ("torch", "jax")
+    for run in (torch_run, jax_run):
+        assert run.status == "ok" and run.timed_steps == 4 and len(run.metrics["losses"]) == 5
+        assert run.flops_per_step == step_flops(MODELS["tiny"], 2, 24, "train_step")
+        assert run.tokens_per_s == pytest.approx(2 * 24 / (run.timing["median_ms"] / 1e3))
+        assert run.metrics["loss_last"] < run.metrics["loss_first"]  # AdamW memorizes the fixed batch
+    # Same weights and batch: the first losses agree to float32 rounding, and AdamW keeps them together.
+    assert jax_run.metrics["loss_first"] == pytest.approx(torch_run.metrics["loss_first"], rel=1e-5)
+    np.testing.assert_allclose(jax_run.metrics["losses"], torch_run.metrics["losses"], rtol=1e-3)
+    assert set(torch_run.phases) == {"forward", "backward", "optimizer"}
+
+
+def test_torch_forward_mode_and_failure_is_a_record(tmp_path, monkeypatch):
+    out = tmp_path / "runs.jsonl"
+    assert torch_e2e.main([*FLAGS, "--mode", "forward", "--out", str(out)]) == 0
+
+    def broken_model(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch_e2e, "TransformerLM", broken_model)
+    assert torch_e2e.main([*FLAGS, "--out", str(out)]) == 1
+    forward, failed = read_records(out)
+    assert forward.mode == "forward" and set(forward.phases) == {"forward"}
+    assert forward.metrics["loss_first"] == forward.metrics["loss_last"]  # no training in forward mode
+    assert failed.status == "error" and "illegal memory access" in failed.error and failed.timing is None
+
+
+def test_bad_flags_give_one_line_errors(capsys):
+    with pytest.raises(SystemExit, match="--steps=0 must be >= 1"):
+        torch_e2e.main([*FLAGS, "--steps", "0"])
+    with pytest.raises(SystemExit, match="analysis-only"):
+        torch_e2e.main(["--model", "xxl"])
+    with pytest.raises(SystemExit, match="accepted: naive, sdpa"):
+        torch_e2e.main([*FLAGS, "--attention", "flash"])
