@@ -113,7 +113,7 @@ def test_cuda_bf16_autocast_close_to_float64_reference(attention):
     torch.manual_seed(seed)
     model = TransformerLM(MODELS["tiny"].replace(context_length=256), attention=attention, device="cuda")
     tokens = random_tokens(TINY, 4, 256, seed)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         logits = model(torch.from_numpy(tokens).cuda()).float().cpu().numpy()
     expected = reference_logits(model.spec, model.to_numpy_weights(), tokens)
     # bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 2e-3 per product); over two blocks and the
