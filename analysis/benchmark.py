@@ -30,8 +30,10 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="train_step",
                         help="forward (no gradients), forward_backward, or train_step with AdamW (default)")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32",
-                        help="fp32, or bf16 compute with fp32 master weights (default fp32)")
+                        help="fp32 (full-precision matmuls, no TF32), or bf16 compute with fp32 master weights "
+                             "(default fp32)")
     parser.add_argument("--attention", default="naive", help="attention backend (default naive)")
+    parser.add_argument("--device", default="auto", help="auto (the accelerator if any), cpu, cuda or cuda:N")
     parser.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (default 5)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")

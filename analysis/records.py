@@ -53,11 +53,16 @@ def library_versions() -> dict[str, str]:
 
 
 def provenance(device_name: str = "cpu") -> dict[str, Any]:
-    """Where and when a measurement was made, with what code and libraries."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    """Where and when a measurement was made, with what code and libraries.
+
+    The commit comes from git, or from ``$RESULTS_GIT_COMMIT`` where the tree was copied without its history
+    (the GPU machines); whether the tree differed from it is then unknown (None).
+    """
+    commit = os.environ.get("RESULTS_GIT_COMMIT") or _git("rev-parse", "HEAD")
+    status = None if os.environ.get("RESULTS_GIT_COMMIT") else _git("status", "--porcelain", "--untracked-files=no")
     return {
-        "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(status) if status is not None else None,
+        "git_commit": commit,
+        "git_dirty": bool(status) if status is not None and commit else None,
         "device_name": device_name,
         "hostname": platform.node(),
         "platform": platform.platform(),

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The foundation's GPU run (device machine, from the source tree): the whole test suite with the
 # gpu-marked tests, then the e2e step benchmark of both backends on the same spec, batch and precision.
-#   bash scripts/gpu_foundation.sh OUT_DIR      -> OUT_DIR/{pytest.log, foundation.jsonl, foundation.md}
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_foundation.sh OUT_DIR
+#     -> OUT_DIR/{pytest.log, foundation.jsonl, foundation.md}
+# (the device machine gets the tree without its git history, so the commit is passed in for provenance)
 set -uo pipefail
 out=${1:?usage: scripts/gpu_foundation.sh OUT_DIR}
 mkdir -p "$out"

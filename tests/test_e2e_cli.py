@@ -8,7 +8,8 @@ from parallelism_calc.compute import step_flops
 from parallelism_calc.specs import MODELS
 from torch_impl.bench import e2e as torch_e2e
 
-FLAGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "24", "--warmup", "1", "--steps", "4"]
+# On the CPU in both backends, where fp32 is fp32 everywhere, so the two runs can be compared tightly.
+FLAGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "24", "--warmup", "1", "--steps", "4", "--device", "cpu"]
 
 
 def test_torch_and_jax_records_start_from_the_same_loss(tmp_path):
@@ -46,7 +47,11 @@ def test_torch_forward_mode_and_failure_is_a_record(tmp_path, monkeypatch):
     assert failed.status == "error" and "illegal memory access" in failed.error and failed.timing is None
 
 
-def test_bad_flags_give_one_line_errors(capsys):
+def test_bad_flags_give_one_line_errors():
+    from jax_impl.bench import e2e as jax_e2e
+
+    with pytest.raises(SystemExit, match="accepted: auto, cpu, cuda, cuda:N"):
+        jax_e2e.main([*FLAGS, "--device", "tpu"])
     with pytest.raises(SystemExit, match="--steps=0 must be >= 1"):
         torch_e2e.main([*FLAGS, "--steps", "0"])
     with pytest.raises(SystemExit, match="analysis-only"):

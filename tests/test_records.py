@@ -111,7 +111,8 @@ def test_provenance_filled_in() -> None:
     before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     prov = Record(suite="e2e", backend="torch", implementation="sdpa").provenance
     assert "git_commit" in prov and "git_dirty" in prov
-    assert prov["git_commit"] is None or (len(prov["git_commit"]) == 40 and int(prov["git_commit"], 16) >= 0)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
+    assert prov["git_commit"] == head.stdout.strip() and isinstance(prov["git_dirty"], bool)
     date = datetime.datetime.fromisoformat(prov["date"])
     assert date.tzinfo is not None
     assert before <= date <= datetime.datetime.now(datetime.timezone.utc)
@@ -119,6 +120,13 @@ def test_provenance_filled_in() -> None:
     assert prov["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
     assert provenance("NVIDIA H100")["device_name"] == "NVIDIA H100"
     json.dumps(prov)  # provenance must be JSON-serialisable as it is
+
+
+def test_provenance_commit_from_environment(monkeypatch) -> None:
+    """A tree copied without its history (the GPU machines) is told its commit; its dirtiness is unknown."""
+    monkeypatch.setenv("RESULTS_GIT_COMMIT", "f" * 40)
+    prov = provenance()
+    assert (prov["git_commit"], prov["git_dirty"]) == ("f" * 40, None)
 
 
 def test_importing_records_stays_light() -> None:

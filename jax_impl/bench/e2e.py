@@ -25,17 +25,40 @@ from analysis.records import Record
 from jax_impl.model import TransformerLM, cross_entropy, load_numpy_weights, to_numpy_weights
 
 
-def device_name() -> str:
-    device = jax.devices()[0]
+def pick_device(name: str) -> jax.Device:
+    """``--device``: auto (JAX's default device), cpu, cuda or cuda:N (the N-th GPU)."""
+    platform, _, index = name.partition(":")
+    if name == "auto":
+        return jax.devices()[0]
+    if platform not in ("cpu", "cuda") or (index and not index.isdigit()):
+        raise ValueError(f"--device {name!r}; accepted: auto, cpu, cuda, cuda:N")
+    try:
+        devices = jax.devices("cpu" if platform == "cpu" else "gpu")
+    except RuntimeError:
+        raise ValueError(f"--device {name}: JAX has no {platform} backend here; accepted: cpu, auto") from None
+    if int(index or 0) >= len(devices):
+        raise ValueError(f"--device {name}: only {len(devices)} {platform} device(s)")
+    return devices[int(index or 0)]
+
+
+def device_name(device: jax.Device) -> str:
     return "cpu" if device.platform == "cpu" else device.device_kind
 
 
-def peak_memory_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats()  # None on the CPU backend
+def peak_memory_bytes(device: jax.Device) -> int | None:
+    stats = device.memory_stats()  # None on the CPU backend
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
 def measure(args: argparse.Namespace) -> Record:
+    device = pick_device(args.device)
+    # fp32 means full fp32 matmuls, as PyTorch's default (JAX's default on a GPU would use TF32).
+    precision = "highest" if args.dtype == "fp32" else "default"
+    with jax.default_device(device), jax.default_matmul_precision(precision):
+        return measure_on_device(args, device)
+
+
+def measure_on_device(args: argparse.Namespace, device: jax.Device) -> Record:
     spec, seq_len = resolve_spec(args)
     compute_dtype = jnp.bfloat16 if args.dtype == "bf16" else None
     model = TransformerLM(spec, rngs=nnx.Rngs(args.seed), attention=args.attention, dtype=compute_dtype)
@@ -84,8 +107,8 @@ def measure(args: argparse.Namespace) -> Record:
         losses.append(step())
         step_ms.append((time.perf_counter() - start) * 1e3)
     return step_record(
-        args, spec, seq_len, backend="jax", implementation=f"jit {args.attention}", device_name=device_name(),
-        step_times_ms=step_ms, peak_memory_bytes=peak_memory_bytes(),
+        args, spec, seq_len, backend="jax", implementation=f"jit {args.attention}",
+        device_name=device_name(device), step_times_ms=step_ms, peak_memory_bytes=peak_memory_bytes(device),
         metrics={"loss_first": losses[0], "loss_last": losses[-1], "losses": losses},
     )
 
@@ -102,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         spec, seq_len = resolve_spec(args)
         oom = "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
         record = step_record(args, spec, seq_len, backend="jax", implementation=f"jit {args.attention}",
-                             device_name=device_name(), status="oom" if oom else "error",
+                             device_name=device_name(pick_device(args.device)), status="oom" if oom else "error",
                              error=f"{type(err).__name__}: {err}".splitlines()[0])
     return emit(args, record)
 

@@ -27,9 +27,12 @@ from torch_impl.model import TransformerLM, cross_entropy
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available; accepted here: cpu, auto")
-    return torch.device(name)
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available; accepted here: cpu, auto")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}; accepted: auto, cpu, cuda, cuda:N") from None
 
 
 def device_name(device: torch.device) -> str:
@@ -44,6 +47,8 @@ def synchronize(device: torch.device) -> None:
 def measure(args: argparse.Namespace) -> Record:
     spec, seq_len = resolve_spec(args)
     device = pick_device(args.device)
+    if args.dtype == "fp32":
+        torch.set_float32_matmul_precision("highest")  # no TF32: fp32 means fp32, as in the JAX twin
     torch.manual_seed(args.seed)
     model = TransformerLM(spec, attention=args.attention, device=device)
     if args.load_weights:
@@ -112,7 +117,6 @@ def failed_record(args: argparse.Namespace, err: Exception) -> Record:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_impl.bench.e2e", description=__doc__.splitlines()[0])
     add_step_arguments(parser)
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     args = parser.parse_args(argv)
     try:
         record = measure(args)
