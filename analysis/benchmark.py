@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from typing import Any, Sequence
+import sys
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -118,3 +119,37 @@ def emit(args: argparse.Namespace, record: Record) -> int:
               f"median {record.timing['median_ms']:.2f} ms/step, {record.tokens_per_s:,.0f} tokens/s, "
               f"loss {record.metrics['loss_first']:.4f} -> {record.metrics['loss_last']:.4f}")
     return 0 if record.status == "ok" else 1
+
+
+def run_benchmark(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    description: str,
+    measure: Callable[[argparse.Namespace], Record],
+    on_failure: Callable[[argparse.Namespace, RuntimeError], Record],
+) -> int:
+    """Parse the step flags, measure, and emit the record; the CLI body of both backends' step benchmarks.
+
+    Bad input (flags, a weights file) exits with a one-line message and no record; a RuntimeError while
+    measuring (out of memory, a kernel failure) becomes the record ``on_failure`` makes, a row not a gap.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_step_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        record = measure(args)
+    except (ValueError, OSError) as err:
+        sys.exit(f"error: {err}")
+    except RuntimeError as err:  # torch.OutOfMemoryError and jax's JaxRuntimeError are RuntimeErrors
+        record = on_failure(args, err)
+    return emit(args, record)
+
+
+def failure_record(args: argparse.Namespace, err: Exception, *, backend: str, implementation: str,
+                   device_name: str, oom: bool) -> Record:
+    """The record of a run that ran out of memory (``oom``) or failed, with the error's first line."""
+    spec, seq_len = resolve_spec(args)
+    return step_record(args, spec, seq_len, backend=backend, implementation=implementation,
+                       device_name=device_name, status="oom" if oom else "error",
+                       error=f"{type(err).__name__}: {err}".splitlines()[0])

@@ -220,12 +220,7 @@ class TransformerLM(nnx.Module):
             raise ValueError(f"token_ids must be (batch, seq), got shape {tuple(token_ids.shape)}")
         if not jnp.issubdtype(token_ids.dtype, jnp.integer):
             raise ValueError(f"token_ids must be integers, got dtype {token_ids.dtype}")
-        seq = token_ids.shape[1]
-        if seq > self.spec.context_length:
-            raise ValueError(
-                f"sequence length {seq} exceeds context_length {self.spec.context_length} of spec "
-                f"{self.spec.name!r}; build the model from spec.replace(context_length={seq})"
-            )
+        self.spec.check_seq_len(token_ids.shape[1])
         x = self.token_embeddings(token_ids)  # (B, T, d)
         for layer in self.layers:
             x = layer(x, self.rope)

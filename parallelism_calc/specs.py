@@ -65,6 +65,14 @@ class ModelSpec:
         """A copy with some fields changed (validated again), e.g. ``MODELS['small'].replace(context_length=256)``."""
         return dataclasses.replace(self, **changes)
 
+    def check_seq_len(self, seq_len: int) -> None:
+        """A ValueError if a sequence is longer than the context the model (its RoPE table) was built for."""
+        if seq_len > self.context_length:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds context_length {self.context_length} of spec "
+                f"{self.name!r}; build the model from spec.replace(context_length={seq_len})"
+            )
+
     def n_params_per_layer(self) -> int:
         """Parameters of one block."""
         ffn = 2 * self.d_model * self.d_ff  # W1 (d_ff x d), W2 (d x d_ff)

@@ -172,11 +172,7 @@ class TransformerLM(nn.Module):
         if token_ids.ndim != 2:
             raise ValueError(f"token_ids must be (batch, seq), got shape {tuple(token_ids.shape)}")
         seq = token_ids.shape[1]
-        if seq > self.spec.context_length:
-            raise ValueError(
-                f"sequence length {seq} exceeds context_length {self.spec.context_length} of spec "
-                f"{self.spec.name!r}; build the model from spec.replace(context_length={seq})"
-            )
+        self.spec.check_seq_len(seq)
         positions = torch.arange(seq, device=token_ids.device)
         x = self.token_embeddings(token_ids)  # (B, T, d)
         for layer in self.layers:

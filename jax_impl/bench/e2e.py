@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from analysis.benchmark import add_step_arguments, emit, fixed_batch, resolve_spec, step_record
+from analysis.benchmark import failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
 from analysis.records import Record
 from jax_impl.model import TransformerLM, cross_entropy, load_numpy_weights, to_numpy_weights
 
@@ -113,21 +113,16 @@ def measure_on_device(args: argparse.Namespace, device: jax.Device) -> Record:
     )
 
 
+def failed_record(args: argparse.Namespace, err: RuntimeError) -> Record:
+    """The record of a run that ran out of memory or failed, so the failure is a row, not a gap."""
+    oom = "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
+    return failure_record(args, err, backend="jax", implementation=f"jit {args.attention}",
+                          device_name=device_name(pick_device(args.device)), oom=oom)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_impl.bench.e2e", description=__doc__.splitlines()[0])
-    add_step_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        record = measure(args)
-    except (ValueError, OSError) as err:  # bad input (flags, weights file): one line, no record
-        sys.exit(f"error: {err}")
-    except Exception as err:  # XLA's out-of-memory is a RuntimeError-like XlaRuntimeError
-        spec, seq_len = resolve_spec(args)
-        oom = "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
-        record = step_record(args, spec, seq_len, backend="jax", implementation=f"jit {args.attention}",
-                             device_name=device_name(pick_device(args.device)), status="oom" if oom else "error",
-                             error=f"{type(err).__name__}: {err}".splitlines()[0])
-    return emit(args, record)
+    return run_benchmark(argv, prog="python -m jax_impl.bench.e2e", description=__doc__.splitlines()[0],
+                         measure=measure, on_failure=failed_record)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from analysis.benchmark import add_step_arguments, emit, fixed_batch, resolve_spec, step_record
+from analysis.benchmark import failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
 from analysis.records import Record
 from torch_impl import nvtx
 from torch_impl.model import TransformerLM, cross_entropy
@@ -104,27 +104,17 @@ def measure(args: argparse.Namespace) -> Record:
     )
 
 
-def failed_record(args: argparse.Namespace, err: Exception) -> Record:
+def failed_record(args: argparse.Namespace, err: RuntimeError) -> Record:
     """The record of a run that ran out of memory or failed, so the failure is a row, not a gap."""
-    spec, seq_len = resolve_spec(args)
-    oom = isinstance(err, torch.OutOfMemoryError)
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    return step_record(args, spec, seq_len, backend="torch", implementation=f"eager {args.attention}",
-                       device_name=device_name(torch.device(device)), status="oom" if oom else "error",
-                       error=f"{type(err).__name__}: {err}".splitlines()[0])
+    return failure_record(args, err, backend="torch", implementation=f"eager {args.attention}",
+                          device_name=device_name(torch.device(device)),
+                          oom=isinstance(err, torch.OutOfMemoryError))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torch_impl.bench.e2e", description=__doc__.splitlines()[0])
-    add_step_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        record = measure(args)
-    except (ValueError, OSError) as err:  # bad input (flags, weights file): one line, no record
-        sys.exit(f"error: {err}")
-    except (RuntimeError, torch.OutOfMemoryError) as err:
-        record = failed_record(args, err)
-    return emit(args, record)
+    return run_benchmark(argv, prog="python -m torch_impl.bench.e2e", description=__doc__.splitlines()[0],
+                         measure=measure, on_failure=failed_record)
 
 
 if __name__ == "__main__":
