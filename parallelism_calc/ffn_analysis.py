@@ -1,0 +1,158 @@
+"""The CS336 (2025, assignment 2) XXL analysis of an FFN-only model, as a ``Report``.
+
+(a) parameters, fp32 training state, bf16 activations saved for backward, how many devices that fills;
+(b) per-device memory when the state and half of the activations are sharded over N_FSDP devices, and the
+    smallest N_FSDP under a per-device budget;
+(c) the forward pass's compute-bound batch sizes in the TPU Scaling Book's notation (``scaling``), for the
+    chosen X = FSDP and Y = TP degrees and for the best split of N = X Y, under both readings of the book
+    (collectives overlapped: the larger cost must hide under the math; or serialized: their sum must).
+"""
+
+from __future__ import annotations
+
+import math
+
+from parallelism_calc.report import Quantity, Report, Section
+from parallelism_calc.scaling import Roofline, block_costs, max_tp_degree, min_batch_per_device_2d, optimal_fsdp_degree
+from parallelism_calc.specs import ModelSpec
+
+FP32, BF16 = 4, 2
+STATE_BYTES = {"master weights (fp32)": FP32, "accumulated gradients (fp32)": FP32,
+               "AdamW first and second moments (fp32)": 2 * FP32}
+
+
+def state_bytes(spec: ModelSpec) -> int:
+    """16 bytes per parameter: fp32 master weights (4) + gradients (4) + AdamW m and v (8)."""
+    return spec.n_params() * sum(STATE_BYTES.values())
+
+
+def activation_bytes_per_token(spec: ModelSpec) -> int:
+    """bf16 tensors saved for backward: each block keeps the inputs of its two linears, D + F per token."""
+    return spec.n_layers * (spec.d_model + spec.d_ff) * BF16
+
+
+def sharded_memory_per_device(spec: ModelSpec, activation_bytes: float, n_fsdp: int) -> float:
+    """(state + A / 2) / N_FSDP + A / 2: state and half the activations sharded, the other half not."""
+    return (state_bytes(spec) + activation_bytes / 2) / n_fsdp + activation_bytes / 2
+
+
+def min_fsdp_degree(spec: ModelSpec, activation_bytes: float, budget_bytes: float) -> int | None:
+    """Smallest N with (state + A/2) / N + A/2 <= budget: ceil((state + A/2) / (budget - A/2)); None when
+    the unsharded half of the activations alone reaches the budget."""
+    room = budget_bytes - activation_bytes / 2
+    if room <= 0:
+        return None
+    return math.ceil((state_bytes(spec) + activation_bytes / 2) / room)
+
+
+def xxl_report(spec: ModelSpec, *, fsdp: int, tp: int, roofline: Roofline, batch_tokens: float | None = None,
+               budget_bytes: float = 95e9, device_bytes: float = 80e9) -> Report:
+    """The report of ``python -m parallelism_calc xxl --fsdp X --tp Y`` (module docstring)."""
+    if spec.arch != "ffn_only":
+        raise ValueError(f"the FFN analysis needs an ffn_only spec; {spec.name!r} is {spec.arch!r}")
+    d, f, layers, x, y, r = spec.d_model, spec.d_ff, spec.n_layers, fsdp, tp, roofline
+    n = x * y
+    probe = block_costs(d, f, 1.0, r, x=x, y=y)
+    b_over, b_serial = probe.min_batch(overlapped=True), probe.min_batch(overlapped=False)
+    batch = batch_tokens if batch_tokens is not None else b_over
+    batch_note = "--batch-tokens" if batch_tokens is not None else "default: the smallest compute-bound batch, (c)"
+    if batch is None:
+        raise ValueError(f"TP degree {y} exceeds F M_Y / alpha = {max_tp_degree(f, r):.1f}: no batch is "
+                         "compute-bound, so pass --batch-tokens")
+    p, state, act_token = spec.n_params(), state_bytes(spec), activation_bytes_per_token(spec)
+    act = act_token * batch
+    total = state + act
+
+    memory = Section("memory", "(a) Memory on one device", (
+        Quantity("n_params", "parameters", p, "params", "L * 2 * D * F", f"{layers} * 2 * {d:,} * {f:,}"),
+        *(Quantity(f"state_{i}", name, p * width, "bytes", f"{width} * P", f"{width} * {p:,}")
+          for i, (name, width) in enumerate(STATE_BYTES.items())),
+        Quantity("state_bytes", "fp32 training state", state, "bytes", "16 bytes/param * P", f"16 * {p:,}"),
+        Quantity("activation_bytes_per_token", "bf16 activations saved for backward", act_token, "bytes/token",
+                 "L * (D + F) * 2 bytes", f"{layers} * ({d:,} + {f:,}) * 2"),
+        Quantity("batch_tokens", "batch", batch, "tokens", note=batch_note),
+        Quantity("activation_bytes", "activations of the batch (A)", act, "bytes", "activations/token * B",
+                 f"{act_token:,} * {batch:,.1f}"),
+        Quantity("total_bytes", "state + activations", total, "bytes", "state + A", f"{state:,} + {act:,.0f}"),
+        Quantity("devices_needed", f"{device_bytes / 1e9:g} GB devices to hold it", math.ceil(total / device_bytes),
+                 "devices", "ceil((state + A) / device memory)", f"ceil({total:,.0f} / {device_bytes:,.0f})"),
+    ))
+
+    n_min = min_fsdp_degree(spec, act, budget_bytes)
+    n_min_state = min_fsdp_degree(spec, 0.0, budget_bytes)
+    per_device = sharded_memory_per_device(spec, act, x)
+    sharding = Section("fsdp_memory", f"(b) Memory per device, state and half the activations sharded over N_FSDP", (
+        Quantity("per_device_bytes", f"per device at N_FSDP = {x}", per_device, "bytes",
+                 "(state + A/2) / N_FSDP + A/2", f"({state:,} + {act / 2:,.0f}) / {x} + {act / 2:,.0f}"),
+        Quantity("budget_bytes", "per-device budget", budget_bytes, "bytes"),
+        Quantity("min_fsdp", "smallest N_FSDP within budget", n_min, "devices",
+                 "ceil((state + A/2) / (budget - A/2))",
+                 f"ceil(({state:,} + {act / 2:,.0f}) / ({budget_bytes:,.0f} - {act / 2:,.0f}))",
+                 note="" if n_min else "none: the unsharded half of the activations alone exceeds the budget"),
+        Quantity("min_fsdp_state_only", "smallest N_FSDP for the state alone (A = 0)", n_min_state, "devices",
+                 "ceil(state / budget)", f"ceil({state:,} / {budget_bytes:,.0f})"),
+    ))
+
+    at_batch = block_costs(d, f, batch, r, x=x, y=y)
+    per_dev_2d = {o: min_batch_per_device_2d(f, r, overlapped=o) for o in (True, False)}
+
+    def tokens(value: float | None, divisor: int) -> float | None:
+        return None if value is None else value / divisor
+
+    compute = Section("compute_bound", f"(c) Forward pass: when is X = {x} (FSDP) x Y = {y} (TP) compute-bound?", (
+        Quantity("alpha", "alpha = C / W_ici", r.alpha, "", "C / W_ici", f"{r.flops:.4g} / {r.bandwidth:.4g}"),
+        Quantity("math_s", "math per block at the batch", at_batch.math, "s", "2 * 2 * B * D * F / (X * Y * C)",
+                 f"4 * {batch:,.1f} * {d:,} * {f:,} / ({x} * {y} * {r.flops:.4g})"),
+        Quantity("fsdp_comm_s", "FSDP all-gather of weights per block", at_batch.weight_comm, "s",
+                 "2 * 2 * D * F / (Y * W_ici * M_X)", f"4 * {d:,} * {f:,} / ({y} * {r.bandwidth:.4g} * {r.axes_x})"),
+        Quantity("tp_comm_s", "TP all-gather + reduce-scatter per block", at_batch.tp_comm, "s",
+                 "2 * 2 * B * D / (X * W_ici * M_Y)", f"4 * {batch:,.1f} * {d:,} / ({x} * {r.bandwidth:.4g} * {r.axes_y})"),
+        Quantity("min_batch_overlapped", "smallest compute-bound batch, collectives overlapped", b_over, "tokens",
+                 "B > X * alpha / M_X (math >= max(FSDP, TP); needs Y < F M_Y / alpha)",
+                 f"{x} * {r.alpha:.2f} / {r.axes_x}", note="" if b_over else "none: TP alone is comm-bound"),
+        Quantity("per_device_batch_overlapped", "  per device, B / (X * Y)", tokens(b_over, n), "tokens/device",
+                 "B / (X * Y)", f"{b_over or 0:,.1f} / {n}"),
+        Quantity("per_fsdp_rank_batch_overlapped", "  per FSDP rank, B / X", tokens(b_over, x), "tokens",
+                 "B / X", f"{b_over or 0:,.1f} / {x}"),
+        Quantity("min_batch_serial", "smallest compute-bound batch, collectives serialized", b_serial, "tokens",
+                 "B > (F / (Y M_X)) / (F / (X Y alpha) - 1 / (X M_Y))  (math >= FSDP + TP)",
+                 f"({f:,} / ({y} * {r.axes_x})) / ({f:,} / ({n} * {r.alpha:.2f}) - 1 / ({x} * {r.axes_y}))",
+                 note="" if b_serial else "none: TP alone is comm-bound"),
+        Quantity("per_device_batch_serial", "  per device, B / (X * Y)", tokens(b_serial, n), "tokens/device",
+                 "B / (X * Y)", f"{b_serial or 0:,.1f} / {n}"),
+        Quantity("per_fsdp_rank_batch_serial", "  per FSDP rank, B / X", tokens(b_serial, x), "tokens",
+                 "B / X", f"{b_serial or 0:,.1f} / {x}"),
+        Quantity("max_tp", "TP degree beyond which TP alone is comm-bound", max_tp_degree(f, r), "degree",
+                 "Y < F * M_Y / alpha", f"{f:,} * {r.axes_y} / {r.alpha:.2f}"),
+        Quantity("best_per_device_batch_overlapped", f"best split of N = {n}: per-device batch, overlapped",
+                 per_dev_2d[True], "tokens/device", "alpha^2 / (M_X M_Y F)  (at Y = F M_Y / alpha)",
+                 f"{r.alpha:.2f}^2 / ({r.axes_x} * {r.axes_y} * {f:,})"),
+        Quantity("best_per_device_batch_serial", f"best split of N = {n}: per-device batch, serialized",
+                 per_dev_2d[False], "tokens/device", "4 alpha^2 / (M_X M_Y F)  (at X = X_opt)",
+                 f"4 * {r.alpha:.2f}^2 / ({r.axes_x} * {r.axes_y} * {f:,})"),
+        Quantity("x_opt", "  X_opt at that batch", optimal_fsdp_degree(per_dev_2d[False] * n, f, n, r), "degree",
+                 "sqrt(B N M_X / (F M_Y))",
+                 f"sqrt({per_dev_2d[False] * n:,.1f} * {n} * {r.axes_x} / ({f:,} * {r.axes_y}))"),
+    ), notes=(
+        "The batch is B tokens in total; each of the X FSDP ranks sees B / X, shared by its Y TP ranks.",
+        "Every block costs the same, so these thresholds hold for the whole model (times above are per block).",
+    ))
+
+    return Report(
+        title=f"{spec.name}: FFN-only model, {layers} blocks of D={d:,} -> F={f:,} -> D, FSDP {x} x TP {y}",
+        assumptions=(
+            "Blocks of two bias-free linear layers D -> F -> D, no activation function, attention, embedding "
+            "or output layer (the CS336 XXL simplification).",
+            "fp32 master weights, accumulated gradients and AdamW state (16 bytes/parameter); bf16 activations "
+            "and gradient communication (2 bytes); no activation checkpointing.",
+            "Activations saved for backward: the input of each linear layer (D and F values per token per block).",
+            f"Scaling Book roofline: C = {r.flops:.4g} FLOP/s, W_ici = {r.bandwidth:.4g} B/s, M_X = {r.axes_x}, "
+            f"M_Y = {r.axes_y}; a collective of V bytes over an axis takes V / (M W_ici).",
+            "Forward pass only in (c); the FSDP weights all-gather, TP activations all-gather in and "
+            "reduce-scatter out (bf16).",
+        ),
+        sections=(memory, sharding, compute),
+        inputs={"model": spec.name, "fsdp": x, "tp": y, "batch_tokens": batch_tokens,
+                "budget_bytes": budget_bytes, "device_bytes": device_bytes,
+                "roofline": {"C": r.flops, "W_ici": r.bandwidth, "M_X": r.axes_x, "M_Y": r.axes_y}},
+    )
