@@ -6,10 +6,13 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from parallelism_calc.__main__ import main
+
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 XXL_PARAMS = 219_848_638_464  # 126 blocks x 2 x 16,384 x 53,248
 
@@ -116,3 +119,11 @@ def test_cli_is_fast_and_framework_free():
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "parallelism_calc", "--help"], capture_output=True, check=True)
     assert time.perf_counter() - start < 1.0
+
+
+def test_readme_shows_the_real_xxl_output(capsys):
+    command = "$ python -m parallelism_calc xxl --fsdp 16 --tp 4\n"
+    readme = README.read_text()
+    shown = readme[readme.index(command) + len(command):].split("\n```", 1)[0]
+    _, out, _ = run(capsys, "xxl", "--fsdp", "16", "--tp", "4")
+    assert shown == out.rstrip("\n")
