@@ -18,10 +18,12 @@ from typing import Callable
 from parallelism_calc.collectives import (ring_all_gather_time, ring_all_reduce_time, ring_reduce_scatter_time,
                                           whole_buffer_ring_all_reduce_time)
 from parallelism_calc.ffn_analysis import xxl_report
+from parallelism_calc.memory import ATTENTION, CHECKPOINTING, PRECISIONS
 from parallelism_calc.report import Quantity, Report, Section
 from parallelism_calc.scaling import CS336_V5P, Roofline
 from parallelism_calc.specs import HARDWARE, MODELS, ModelSpec, ParallelSpec, get_hardware, get_model
 from parallelism_calc.strategy_analysis import strategies_report
+from parallelism_calc.transformer_analysis import transformer_report
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,21 +122,40 @@ def report_main(argv: list[str]) -> int:
     _add_model(parser)
     _add_mesh(parser)
     parser.add_argument("--batch-tokens", type=positive_float,
-                        help="global batch in tokens (XXL default: the smallest compute-bound batch)")
-    parser.add_argument("--budget-gb", type=positive_float, default=95.0,
-                        help="per-device memory budget for the smallest N_FSDP (default 95, a TPU v5p)")
-    parser.add_argument("--device-memory-gb", type=positive_float, default=80.0,
-                        help="device size for 'how many devices' (default 80, an H100)")
+                        help="global batch in tokens (default: XXL the smallest compute-bound batch, "
+                             "Transformers 4 sequences per data-parallel rank)")
+    parser.add_argument("--budget-gb", type=positive_float,
+                        help="per-device budget for the smallest N_FSDP (default: --hardware's memory, else 95, a TPU v5p)")
+    parser.add_argument("--device-memory-gb", type=positive_float,
+                        help="device size for 'how many devices' and 'fits' (default: --hardware's memory, else 80, "
+                             "an H100)")
+    lm = parser.add_argument_group("Transformer presets")
+    lm.add_argument("--seq-len", type=positive_int, help="sequence length (default: the preset's context)")
+    lm.add_argument("--precision", choices=list(PRECISIONS), default="bf16_autocast",
+                    help="training precision (default bf16_autocast: fp32 state, bf16 activations)")
+    lm.add_argument("--checkpointing", choices=CHECKPOINTING, default="none", help="activation checkpointing")
+    lm.add_argument("--attention", choices=ATTENTION, default="naive", help="attention kernel (naive or flash)")
+    lm.add_argument("--prefetch-layers", type=int, default=1, help="FSDP layers gathered ahead (default 1)")
     _add_roofline(parser)
     _add_output(parser)
     args = parser.parse_args(argv)
     spec = _spec(args)
     mesh = _mesh(args, spec)
-    if spec.arch != "ffn_only":
-        raise ValueError(f"the report of Transformer presets is not built yet; {spec.name!r} is {spec.arch!r} "
-                         "(use 'strategies' for its FFN analysis)")
-    report = xxl_report(spec, fsdp=mesh.fsdp, tp=mesh.tp, roofline=_roofline(args), batch_tokens=args.batch_tokens,
-                        budget_bytes=args.budget_gb * 1e9, device_bytes=args.device_memory_gb * 1e9)
+    hardware_bytes = get_hardware(args.hardware).memory_bytes if args.hardware else None
+    device_bytes = args.device_memory_gb * 1e9 if args.device_memory_gb else hardware_bytes or 80e9
+    if spec.arch == "ffn_only":
+        budget_bytes = args.budget_gb * 1e9 if args.budget_gb else hardware_bytes or 95e9
+        report = xxl_report(spec, fsdp=mesh.fsdp, tp=mesh.tp, roofline=_roofline(args),
+                            batch_tokens=args.batch_tokens, budget_bytes=budget_bytes, device_bytes=device_bytes)
+    else:
+        seq_len = args.seq_len or spec.context_length
+        batch = args.batch_tokens or 4 * mesh.dp * mesh.fsdp * seq_len  # 4 sequences per data-parallel rank
+        if not float(batch).is_integer():
+            raise ValueError(f"--batch-tokens {batch} must be a whole number of tokens")
+        report = transformer_report(spec, mesh=mesh, batch_tokens=int(batch), seq_len=seq_len,
+                                    precision=args.precision, checkpointing=args.checkpointing,
+                                    attention=args.attention, device_bytes=device_bytes,
+                                    prefetch_layers=args.prefetch_layers)
     return _emit(report, args)
 
 

@@ -10,39 +10,15 @@
 
 from __future__ import annotations
 
-import math
-
+from parallelism_calc.memory import (devices_needed, fsdp_half_activation_bytes, get_precision,
+                                     handout_activation_bytes_per_token, min_fsdp_degree, state_bytes)
 from parallelism_calc.report import Quantity, Report, Section
 from parallelism_calc.scaling import Roofline, block_costs, max_tp_degree, min_batch_per_device_2d, optimal_fsdp_degree
 from parallelism_calc.specs import ModelSpec
 
-FP32, BF16 = 4, 2
-STATE_BYTES = {"master weights (fp32)": FP32, "accumulated gradients (fp32)": FP32,
-               "AdamW first and second moments (fp32)": 2 * FP32}
-
-
-def state_bytes(spec: ModelSpec) -> int:
-    """16 bytes per parameter: fp32 master weights (4) + gradients (4) + AdamW m and v (8)."""
-    return spec.n_params() * sum(STATE_BYTES.values())
-
-
-def activation_bytes_per_token(spec: ModelSpec) -> int:
-    """bf16 tensors saved for backward: each block keeps the inputs of its two linears, D + F per token."""
-    return spec.n_layers * (spec.d_model + spec.d_ff) * BF16
-
-
-def sharded_memory_per_device(spec: ModelSpec, activation_bytes: float, n_fsdp: int) -> float:
-    """(state + A / 2) / N_FSDP + A / 2: state and half the activations sharded, the other half not."""
-    return (state_bytes(spec) + activation_bytes / 2) / n_fsdp + activation_bytes / 2
-
-
-def min_fsdp_degree(spec: ModelSpec, activation_bytes: float, budget_bytes: float) -> int | None:
-    """Smallest N with (state + A/2) / N + A/2 <= budget: ceil((state + A/2) / (budget - A/2)); None when
-    the unsharded half of the activations alone reaches the budget."""
-    room = budget_bytes - activation_bytes / 2
-    if room <= 0:
-        return None
-    return math.ceil((state_bytes(spec) + activation_bytes / 2) / room)
+FP32 = get_precision("fp32")  # master weights (param_bytes), gradients, AdamW m and v: 4 + 4 + 8 bytes
+STATE_PARTS = {"master weights (fp32)": FP32.param_bytes, "accumulated gradients (fp32)": FP32.grad_bytes,
+               "AdamW first and second moments (fp32)": FP32.optimizer_bytes}
 
 
 def xxl_report(spec: ModelSpec, *, fsdp: int, tp: int, roofline: Roofline, batch_tokens: float | None = None,
@@ -59,14 +35,14 @@ def xxl_report(spec: ModelSpec, *, fsdp: int, tp: int, roofline: Roofline, batch
     if batch is None:
         raise ValueError(f"TP degree {y} exceeds F M_Y / alpha = {max_tp_degree(f, r):.1f}: no batch is "
                          "compute-bound, so pass --batch-tokens")
-    p, state, act_token = spec.n_params(), state_bytes(spec), activation_bytes_per_token(spec)
+    p, state, act_token = spec.n_params(), state_bytes(spec, FP32), handout_activation_bytes_per_token(spec)
     act = act_token * batch
     total = state + act
 
     memory = Section("memory", "(a) Memory on one device", (
         Quantity("n_params", "parameters", p, "params", "L * 2 * D * F", f"{layers} * 2 * {d:,} * {f:,}"),
         *(Quantity(f"state_{i}", name, p * width, "bytes", f"{width} * P", f"{width} * {p:,}")
-          for i, (name, width) in enumerate(STATE_BYTES.items())),
+          for i, (name, width) in enumerate(STATE_PARTS.items())),
         Quantity("state_bytes", "fp32 training state", state, "bytes", "16 bytes/param * P", f"16 * {p:,}"),
         Quantity("activation_bytes_per_token", "bf16 activations saved for backward", act_token, "bytes/token",
                  "L * (D + F) * 2 bytes", f"{layers} * ({d:,} + {f:,}) * 2"),
@@ -74,13 +50,13 @@ def xxl_report(spec: ModelSpec, *, fsdp: int, tp: int, roofline: Roofline, batch
         Quantity("activation_bytes", "activations of the batch (A)", act, "bytes", "activations/token * B",
                  f"{act_token:,} * {batch:,.1f}"),
         Quantity("total_bytes", "state + activations", total, "bytes", "state + A", f"{state:,} + {act:,.0f}"),
-        Quantity("devices_needed", f"{device_bytes / 1e9:g} GB devices to hold it", math.ceil(total / device_bytes),
+        Quantity("devices_needed", f"{device_bytes / 1e9:g} GB devices to hold it", devices_needed(total, device_bytes),
                  "devices", "ceil((state + A) / device memory)", f"ceil({total:,.0f} / {device_bytes:,.0f})"),
     ))
 
-    n_min = min_fsdp_degree(spec, act, budget_bytes)
-    n_min_state = min_fsdp_degree(spec, 0.0, budget_bytes)
-    per_device = sharded_memory_per_device(spec, act, x)
+    n_min = min_fsdp_degree(spec, batch, budget_bytes)
+    n_min_state = min_fsdp_degree(spec, 0, budget_bytes)
+    per_device = fsdp_half_activation_bytes(spec, batch, x)
     sharding = Section("fsdp_memory", f"(b) Memory per device, state and half the activations sharded over N_FSDP", (
         Quantity("per_device_bytes", f"per device at N_FSDP = {x}", per_device, "bytes",
                  "(state + A/2) / N_FSDP + A/2", f"({state:,} + {act / 2:,.0f}) / {x} + {act / 2:,.0f}"),

@@ -127,3 +127,48 @@ def test_readme_shows_the_real_xxl_output(capsys):
     shown = readme[readme.index(command) + len(command):].split("\n```", 1)[0]
     _, out, _ = run(capsys, "xxl", "--fsdp", "16", "--tp", "4")
     assert shown == out.rstrip("\n")
+
+
+def test_transformer_preset_report(capsys):
+    from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
+    from parallelism_calc.specs import MODELS, ParallelSpec
+
+    code, out, _ = run(capsys, "small", "--fsdp", "4", "--tp", "2", "--seq-len", "512", "--batch-tokens", "8192",
+                       "--json")
+    assert code == 0
+    sections = json.loads(out)["sections"]
+    small, mesh = MODELS["small"], ParallelSpec(fsdp=4, tp=2)
+    model = sections["model"]["quantities"]
+    assert model["n_params"]["value"] == 128_625_408
+    # forward FLOPs per token, written out: 2 L (4 d^2 + 3 d F + 2 T d) + 2 d V
+    assert model["forward_flops_per_token"]["value"] == pytest.approx(
+        2 * 12 * (4 * 768**2 + 3 * 768 * 3072 + 2 * 512 * 768) + 2 * 768 * 10_000)
+    acts = sections["activations"]["quantities"]
+    assert acts["selective_flash"]["value"] == activation_bytes_per_token(
+        small, 512, "bf16_autocast", "selective", "flash", tp=2).total_bytes
+    memory = sections["memory"]["quantities"]
+    assert set(memory) == {"ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp_tp"}
+    assert memory["zero2"]["value"] == per_device_memory(small, "zero2", 8, 8192, 512).total
+    assert memory["fsdp_tp"]["value"] == per_device_memory(small, "fsdp_tp", mesh, 8192, 512).total
+    assert memory["ddp"]["value"] > memory["zero1"]["value"] > memory["zero2"]["value"] > memory["zero3"]["value"]
+    _, text, _ = run(capsys, "small", "--fsdp", "4", "--tp", "2", "--seq-len", "512", "--batch-tokens", "8192")
+    assert f"{memory['fsdp_tp']['value']:,.0f} bytes" in text and "fits in 80 GB" in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["small", "--seq-len", "4096"], "exceeds context_length"),
+    (["small", "--batch-tokens", "1000"], "not a whole number of 1024-token sequences"),
+    (["small", "--fsdp", "3", "--batch-tokens", "2048"], "not divisible by dp x fsdp = 3"),
+    (["lm8b", "--tp", "3"], "does not divide"),
+])
+def test_transformer_report_bad_input(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_hardware_preset_sets_memory_defaults(capsys):
+    sections = xxl_json(capsys, "--hardware", "h200")
+    assert sections["fsdp_memory"]["quantities"]["budget_bytes"]["value"] == 141e9
+    _, out, _ = run(capsys, "small", "--hardware", "b200", "--json")
+    memory = json.loads(out)["sections"]["memory"]["quantities"]
+    assert memory["ddp"]["note"] == "fits in 180 GB"

@@ -1,0 +1,432 @@
+"""Training memory of the models in ``specs``: state bytes per parameter, activations saved for backward,
+and what one device holds under DDP, ZeRO-1/2/3, FSDP and FSDP x TP.
+
+These are the predictions the measured peak memory of our runs is checked against, so the activation
+accounting describes *our* PyTorch model (``torch_impl.model.TransformerLM``) tensor by tensor, not a
+textbook Transformer. It was checked, tensor for tensor, against ``torch.autograd.graph.saved_tensors_hooks``
+on the real model (``tests/test_calc_memory.py``): byte for byte on CPU in fp32, pure bf16 and bf16 autocast
+once the batch-independent tensors listed below are added, and per token on an H200 (torch 2.11) under CUDA
+autocast and pure bf16, for naive attention and for flash SDPA. Where our model differs from the
+textbook count, the difference is real and named in ``ActivationBreakdown.terms``:
+
+* RMSNorm computes in float32 whatever the model dtype (``x.to(promote(x.dtype, fp32))``): it saves its
+  input in fp32 (the fp32 residual stream itself, or an fp32 copy of a bf16 one), the normalized value
+  ``x * rsqrt(mean(x^2) + eps)`` before the gain (fp32, kept for the gain's gradient) and the fp32 rsqrt
+  per token. Three D-sized tensors per norm, not the textbook two.
+* Under autocast (fp32 parameters, bf16 compute) every linear casts its input itself, so the fp32 output of
+  a norm is not kept but each of its consumers keeps its own bf16 copy (q, k, v: 3; w1, w3: 2; lm_head: 1),
+  and every matmul keeps a bf16 copy of its weight (``MemoryBreakdown.cast_weights``; autocast caches casts
+  of leaf tensors only and our ``Linear`` multiplies by ``weight.T``, a view). On CUDA, autocast runs softmax
+  in fp32, so naive attention keeps fp32 probabilities and the bf16 copy the value product casts.
+* Not counted (batch-independent, O(T d_head + T^2) per layer): the RoPE cos/sin rows (four fp32 (T, d_head/2)
+  tensors per layer), naive attention's (T, T) bool causal mask, the loss's scalar total weight. They are
+  about 1% of the tiny test model at batch 2 and vanish against the per-token terms at real batch sizes.
+
+References: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
+(16 bytes of mixed-precision state per parameter; stages 1-3); Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models" (per-layer activation terms, selective recomputation, TP);
+Shoeybi et al. 2019 (Megatron-LM tensor parallelism); CS336 (Stanford, 2025) assignment 2, the XXL
+FFN-only analysis. Byte counts are exact integers where they can be; sharded state is a float (P / N).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Mapping
+
+from parallelism_calc.specs import ModelSpec, ParallelSpec
+
+FP32 = 4  # bytes of a float32: RMSNorm internals, log-softmax, log-sum-exp
+INT64 = 8  # bytes of an int64: the token ids the embedding's backward keeps
+
+CHECKPOINTING = ("none", "selective", "full")
+ATTENTION = ("naive", "flash")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp_tp")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Precision policies
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each piece of training state, and bytes per activation element.
+
+    ``param_bytes`` is also the dtype of the model itself, hence of its residual stream (an fp32 stream
+    stays fp32 when bf16 branch outputs are added to it under autocast).
+    """
+
+    name: str
+    param_bytes: int  # the weights the forward reads
+    grad_bytes: int  # the gradients backward writes
+    master_bytes: int  # a separate fp32 copy of the weights the optimizer updates (0: none)
+    optimizer_bytes: int  # AdamW first and second moments
+    activation_bytes: int  # the compute dtype of matmul inputs and outputs (autocast dtype)
+
+    def __post_init__(self) -> None:
+        for field in ("param_bytes", "grad_bytes", "master_bytes", "optimizer_bytes", "activation_bytes"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"Precision {self.name!r}: {field}={getattr(self, field)} must be >= 0")
+        if self.param_bytes < 1 or self.activation_bytes < 1:
+            raise ValueError(f"Precision {self.name!r}: param_bytes and activation_bytes must be >= 1")
+
+    @property
+    def autocast(self) -> bool:
+        """True when compute runs in a narrower dtype than the weights (casts happen inside each op)."""
+        return self.activation_bytes != self.param_bytes
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in [
+        # Plain fp32 training: fp32 weights and grads, AdamW m + v in fp32, fp32 activations.
+        Precision("fp32", param_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8, activation_bytes=4),
+        # Our PyTorch bf16 default: fp32 weights, grads and AdamW; torch.autocast(bfloat16) activations.
+        Precision("bf16_autocast", param_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8,
+                  activation_bytes=2),
+        # ZeRO paper's mixed precision: bf16 weights and grads; fp32 master weights, m and v.
+        Precision("bf16_mixed", param_bytes=2, grad_bytes=2, master_bytes=4, optimizer_bytes=8,
+                  activation_bytes=2),
+    ]
+}
+
+
+def get_precision(precision: str | Precision) -> Precision:
+    """A ``Precision`` itself, or the preset of that name (ValueError listing the presets)."""
+    if isinstance(precision, Precision):
+        return precision
+    try:
+        return PRECISIONS[precision]
+    except KeyError:
+        raise ValueError(f"unknown precision {precision!r}; accepted: {', '.join(PRECISIONS)}") from None
+
+
+def state_bytes_per_param(precision: str | Precision) -> int:
+    """Bytes of training state per parameter: param + grad + master + optimizer (16 for every preset:
+    fp32 4 + 4 + 0 + 8; bf16_mixed 2 + 2 + 4 + 8, the ZeRO paper's "16 Psi")."""
+    p = get_precision(precision)
+    return p.param_bytes + p.grad_bytes + p.master_bytes + p.optimizer_bytes
+
+
+def state_bytes(spec: ModelSpec, precision: str | Precision = "fp32") -> int:
+    """Training state of the whole model: P x state_bytes_per_param (XXL: 16 P = 3,517,578,215,424 bytes)."""
+    return spec.n_params() * state_bytes_per_param(precision)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Activations saved for backward
+
+
+@dataclass(frozen=True)
+class ActivationBreakdown:
+    """Bytes saved for backward, per token.
+
+    ``total_bytes = n_layers * per_layer_bytes + recompute_bytes + extra_bytes``. ``terms`` names every
+    contribution in bytes per token (``layer.*`` per layer, ``extra.*`` once, ``recompute`` once).
+    """
+
+    per_layer_bytes: int
+    n_layers: int
+    extra_bytes: int  # once per token outside the blocks: final norm, loss, token ids
+    recompute_bytes: int  # full checkpointing: one block's activations, live while it is recomputed
+    total_bytes: int
+    terms: Mapping[str, int]
+
+    def for_tokens(self, tokens: int) -> int:
+        """Bytes saved for ``tokens`` tokens (batch x sequence)."""
+        return self.total_bytes * tokens
+
+
+def _check_choice(what: str, value: str, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise ValueError(f"unknown {what} {value!r}; accepted: {', '.join(accepted)}")
+
+
+def _transformer_block_terms(spec: ModelSpec, seq_len: int, precision: Precision, attention: str,
+                             selective: bool, tp: int) -> dict[str, int]:
+    """Bytes per token one ``TransformerBlock`` saves for backward (see ``activation_bytes_per_token``)."""
+    d, f, h, p = spec.d_model, spec.d_ff, spec.n_heads, precision.activation_bytes
+    # Consumers of each norm's output: q, k, v read RMSNorm1's; w1, w3 read RMSNorm2's. In the model dtype
+    # they share one saved tensor; under autocast each consuming linear keeps its own cast copy.
+    norm_output_copies = 5 if precision.autocast else 2
+    terms = {
+        # RMSNorm1 and RMSNorm2 inputs, in fp32 (the norm upcasts; replicated under TP).
+        "layer.norm_inputs": 2 * d * FP32,
+        # x * rsqrt(...) before the gain, fp32, kept for the gain's gradient (replicated under TP).
+        "layer.norm_normalized": 2 * d * FP32,
+        # rsqrt(mean(x^2) + eps), one fp32 per token per norm.
+        "layer.norm_rsqrt": 2 * FP32,
+        # Norm outputs = inputs of q/k/v and of w1/w3, in p bytes (replicated: column-parallel inputs).
+        "layer.norm_outputs": norm_output_copies * d * p,
+        # q and k after RoPE and v (inputs of the attention core), split over heads by TP.
+        "layer.qkv": 3 * d * p // tp,
+        # Attention output, transposed back to (B, T, D): the input of output_proj (row-parallel).
+        "layer.attn_out": d * p // tp,
+        # SwiGLU: a = w1 x (SiLU's input), SiLU(a), b = w3 x (multiply), SiLU(a) * b (w2's input).
+        "layer.ffn": 4 * f * p // tp,
+    }
+    if selective:  # Korthikanti et al.: the attention core is recomputed, keeping only q, k, v
+        return terms
+    if attention == "naive":
+        # softmax probabilities, H x T per token (T = seq_len keys; causal entries are stored too).
+        # CUDA autocast runs softmax in fp32 and the value product keeps its own bf16 cast: 4 + p bytes.
+        prob_bytes = FP32 + p if precision.autocast else p
+        terms["layer.attn_probs"] = h * seq_len * prob_bytes // tp
+    else:
+        # flash: the kernel keeps its own output O (B, H, T, d_head) besides output_proj's contiguous
+        # (B, T, D) copy above, and one fp32 log-sum-exp per head per token. (A kernel that lays O out as
+        # (B, T, H, d_head), like PyTorch's memory-efficient SDPA for fp32 on CUDA, makes that copy a view:
+        # D p per layer less than counted here.)
+        terms["layer.attn_o"] = d * p // tp
+        terms["layer.attn_lse"] = h * FP32 // tp
+    return terms
+
+
+def _transformer_extra_terms(spec: ModelSpec, precision: Precision) -> dict[str, int]:
+    """Bytes per token saved once outside the blocks (no vocabulary-parallel loss: replicated under TP)."""
+    d, p = spec.d_model, precision.activation_bytes
+    return {
+        # Final RMSNorm: fp32 input, fp32 normalized value, fp32 rsqrt, and its output (lm_head's input) in p.
+        "extra.final_norm": 2 * d * FP32 + FP32 + d * p,
+        # cross_entropy on logits.float(): log-softmax of the logits in fp32, V per token.
+        "extra.loss_log_softmax": spec.vocab_size * FP32,
+        # The embedding's backward keeps the int64 token ids.
+        "extra.token_ids": INT64,
+    }
+
+
+def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | Precision = "fp32",
+                               checkpointing: str = "none", attention: str = "naive",
+                               tp: int = 1) -> ActivationBreakdown:
+    """Bytes saved for backward per token of a forward over sequences of ``seq_len`` tokens.
+
+    Transformer (``spec.arch == "transformer"``), per layer per token, p = precision.activation_bytes,
+    D = d_model, F = d_ff, H = n_heads, T = seq_len (each term is named in ``terms``):
+
+    * two RMSNorms, each: fp32 input (4 D), fp32 normalized value before the gain (4 D), fp32 rsqrt (4);
+      each norm's output in p bytes (D p; under autocast one cast copy per consuming linear: 3 D p + 2 D p);
+    * q and k after RoPE, v, and the attention output (output_proj's input): 4 D p;
+    * SwiGLU: w1 output a, SiLU(a), w3 output b, SiLU(a) * b: 4 F p;
+    * attention core: "naive" keeps the softmax probabilities, H T elements per token, p bytes each
+      (4 + p under autocast: CUDA autocast's fp32 softmax plus the value product's cast); "flash" keeps
+      instead the fp32 log-sum-exp (4 H) and its own output O (D p), a separate tensor from output_proj's
+      (B, T, D) input for kernels that return O as (B, H, T, d_head) (flash SDPA on CPU and CUDA).
+
+    Once per token outside the blocks: the final RMSNorm (4 D + 4 D + 4, output D p), the fp32
+    log-softmax of the logits for the loss (4 V) and the int64 token ids (8).
+
+    Checkpointing: "none"; "selective" (Korthikanti et al. 2022: the attention core is recomputed, so
+    the probabilities, or flash's O and LSE, are not kept); "full" (each block recomputed from its input:
+    keep its input, D x param_bytes (the residual stream's dtype), per layer, plus one block's full
+    activations while it is recomputed; an upper bound, since the loss's tensors are freed before the last
+    block is recomputed).
+
+    Tensor parallelism ``tp`` (Megatron-style, no sequence parallelism): norm inputs, outputs and stats
+    stay replicated; q, k, v, the attention output, the 4 F terms and the attention core's tensors are
+    divided by tp; the extras are replicated (no vocabulary-parallel loss). tp must divide H and F.
+
+    FFN-only (``arch == "ffn_only"``, blocks x -> x W1 -> (x W1) W2, no nonlinearity): each block keeps the
+    inputs of its two linears, (D + F / tp) p per token; "full" keeps D p per block plus one block;
+    "selective" equals "none" (no attention); no extras.
+
+    Not counted: batch-independent tensors (RoPE cos/sin rows, the (T, T) causal mask, scalars).
+    """
+    prec = get_precision(precision)
+    _check_choice("checkpointing", checkpointing, CHECKPOINTING)
+    _check_choice("attention", attention, ATTENTION)
+    if seq_len < 1 or tp < 1:
+        raise ValueError(f"seq_len={seq_len} and tp={tp} must be >= 1")
+    d, f, p = spec.d_model, spec.d_ff, prec.activation_bytes
+    if spec.arch == "ffn_only":
+        if f % tp:
+            raise ValueError(f"tp={tp} must divide d_ff={f} of {spec.name!r}")
+        block = {"layer.linear_inputs": d * p + f * p // tp}  # inputs of W1 (D, replicated) and W2 (F / tp)
+        extra: dict[str, int] = {}
+    else:
+        if spec.n_heads % tp or f % tp:
+            raise ValueError(f"tp={tp} must divide n_heads={spec.n_heads} and d_ff={f} of {spec.name!r}")
+        block = _transformer_block_terms(spec, seq_len, prec, attention, checkpointing == "selective", tp)
+        extra = _transformer_extra_terms(spec, prec)
+    block_bytes = sum(block.values())
+    if checkpointing == "full":
+        # Only each block's input (the residual stream, model dtype; FFN-only: p) survives the forward.
+        kept = d * (prec.param_bytes if spec.arch == "transformer" else p)
+        layer_terms, recompute = {"layer.block_input": kept}, block_bytes
+    else:
+        layer_terms, recompute = block, 0
+    per_layer = sum(layer_terms.values())
+    extra_bytes = sum(extra.values())
+    terms = {**layer_terms, **extra, **({"recompute": recompute} if recompute else {})}
+    total = spec.n_layers * per_layer + recompute + extra_bytes
+    return ActivationBreakdown(per_layer, spec.n_layers, extra_bytes, recompute, total, terms)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Per-device memory under a data-parallel / sharding strategy
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one device holds at the peak of a training step (``total`` is the sum of the parts)."""
+
+    strategy: str
+    params: float
+    grads: float
+    master: float
+    optimizer: float
+    activations: float
+    gathered: float  # ZeRO-3 / FSDP: all-gathered full parameters of the layers in flight
+    cast_weights: float  # autocast: each linear's bf16 weight copy, saved for backward
+    total: float
+    formulas: Mapping[str, str]
+
+
+def _mesh(strategy: str, n_devices: int | ParallelSpec) -> ParallelSpec:
+    """The mesh a strategy runs on: an int N means dp=N for "ddp", fsdp=N for the sharded strategies."""
+    if isinstance(n_devices, ParallelSpec):
+        if not n_devices.is_resolved:
+            raise ValueError(f"ParallelSpec {n_devices.degrees()} has a -1 degree: resolve it first")
+        if n_devices.tp != 1 and strategy != "fsdp_tp":
+            raise ValueError(f"strategy {strategy!r} has no tensor parallelism (tp={n_devices.tp}); use 'fsdp_tp'")
+        return n_devices
+    if n_devices < 1:
+        raise ValueError(f"n_devices={n_devices} must be >= 1")
+    if strategy == "fsdp_tp":
+        raise ValueError("strategy 'fsdp_tp' needs a ParallelSpec(dp=, fsdp=, tp=), not a device count")
+    return ParallelSpec(dp=n_devices) if strategy == "ddp" else ParallelSpec(fsdp=n_devices)
+
+
+def _largest_gather_unit(spec: ModelSpec) -> int:
+    """Parameters of the largest unit FSDP gathers at once: a block, or the embedding / LM head."""
+    if spec.arch == "ffn_only":
+        return spec.n_params_per_layer()
+    return max(spec.n_params_per_layer(), spec.vocab_size * spec.d_model)
+
+
+def _cast_params(spec: ModelSpec) -> int:
+    """Parameters of the matmul weights autocast copies: all but the embedding table and the norm gains."""
+    if spec.arch == "ffn_only":
+        return spec.n_params()
+    norms = spec.n_layers * 2 * spec.d_model + spec.d_model
+    return spec.n_params() - spec.vocab_size * spec.d_model - norms
+
+
+def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelSpec, batch_tokens: int,
+                      seq_len: int, precision: str | Precision = "bf16_autocast", checkpointing: str = "none",
+                      attention: str = "naive", prefetch_layers: int = 1) -> MemoryBreakdown:
+    """Bytes per device of a training step with AdamW (ZeRO paper, Rajbhandari et al. 2020).
+
+    P = spec.n_params(); per-parameter bytes from ``precision``; N_shard = the sharding degree.
+
+    * "ddp": everything replicated: P (param + grad + master + optimizer) bytes;
+    * "zero1": optimizer state, fp32 master included, sharded: (master + optimizer) / N_shard;
+    * "zero2": gradients sharded too; "zero3": parameters too, plus the all-gathered working set;
+    * "fsdp": the same accounting as "zero3" (FSDP is ZeRO-3 by another name);
+    * "fsdp_tp": state sharded over fsdp x tp; activations with the TP split of
+      ``activation_bytes_per_token``; the gathered working set divided by tp.
+
+    ``n_devices``: an int N means dp=N for "ddp" and fsdp=N otherwise; a ``ParallelSpec`` gives
+    N_shard = fsdp (x tp for "fsdp_tp"), its dp axis replicating (HSDP); "fsdp_tp" needs one, the others
+    need tp=1. Data-parallel ranks = dp x fsdp; each holds the activations of batch_tokens / (dp x fsdp)
+    tokens (``batch_tokens`` is the global batch, batch x seq_len; it must divide evenly).
+
+    Gathered working set (zero3, fsdp, fsdp_tp): (1 + prefetch_layers) x the largest unit's full
+    parameters (a block, or the V x D embedding / LM head) in param bytes, / tp. Its own shard is also
+    counted in ``params`` (a 1 / N_shard overcount).
+
+    Autocast (``precision.autocast``): every linear keeps a bf16 copy of its weight for backward; the copies
+    of all layers live from forward to backward, whatever the sharding: ``cast_weights`` =
+    (P - V D - norm gains) x activation_bytes / tp.
+    """
+    _check_choice("strategy", strategy, STRATEGIES)
+    prec = get_precision(precision)
+    mesh = _mesh(strategy, n_devices)
+    if batch_tokens < 1 or seq_len < 1 or prefetch_layers < 0:
+        raise ValueError(f"batch_tokens={batch_tokens}, seq_len={seq_len} must be >= 1, "
+                         f"prefetch_layers={prefetch_layers} >= 0")
+    ranks = mesh.dp * mesh.fsdp  # data-parallel ranks: each sees a different slice of the batch
+    if batch_tokens % ranks:
+        raise ValueError(f"batch_tokens={batch_tokens} is not divisible by dp x fsdp = {ranks}")
+    tp = mesh.tp
+    n_shard = mesh.fsdp * tp if strategy == "fsdp_tp" else (1 if strategy == "ddp" else mesh.fsdp)
+    stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "fsdp_tp": 3}[strategy]
+    n = spec.n_params()
+
+    def shard(bytes_per_param: int, from_stage: int) -> float:
+        # Sharded over N_shard from this ZeRO stage on, replicated before it.
+        return n * bytes_per_param / (n_shard if stage >= from_stage else 1)
+
+    params = shard(prec.param_bytes, 3)
+    grads = shard(prec.grad_bytes, 2)
+    master = shard(prec.master_bytes, 1)
+    optimizer = shard(prec.optimizer_bytes, 1)
+    tokens = batch_tokens // ranks
+    act = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp)
+    activations = float(act.total_bytes * tokens)
+    gathered = (1 + prefetch_layers) * _largest_gather_unit(spec) * prec.param_bytes / tp if stage == 3 else 0.0
+    cast_weights = _cast_params(spec) * prec.activation_bytes / tp if prec.autocast else 0.0
+    total = params + grads + master + optimizer + activations + gathered + cast_weights
+    s = "N_shard" if n_shard > 1 else "1"
+    formulas = {
+        "params": f"P * {prec.param_bytes}" + (f" / {s}" if stage >= 3 else ""),
+        "grads": f"P * {prec.grad_bytes}" + (f" / {s}" if stage >= 2 else ""),
+        "master": f"P * {prec.master_bytes}" + (f" / {s}" if stage >= 1 else ""),
+        "optimizer": f"P * {prec.optimizer_bytes}" + (f" / {s}" if stage >= 1 else ""),
+        "activations": f"{act.total_bytes} bytes/token * batch_tokens / (dp * fsdp) [tp={tp}]",
+        "gathered": f"(1 + {prefetch_layers}) * largest unit * {prec.param_bytes} / tp" if stage == 3 else "0",
+        "cast_weights": f"P_matmul * {prec.activation_bytes} / tp" if prec.autocast else "0",
+        "N_shard": str(n_shard),
+    }
+    return MemoryBreakdown(strategy, params, grads, master, optimizer, activations, gathered, cast_weights,
+                           total, formulas)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The CS336 XXL questions (FFN-only model; the CLI report uses these)
+
+
+def handout_activation_bytes_per_token(spec: ModelSpec) -> int:
+    """bf16 activations saved per token by the handout's FFN-only model, no checkpointing:
+    n_layers x (D + F) x 2 (XXL: 126 x (16,384 + 53,248) x 2 = 17,547,264 bytes per token)."""
+    if spec.arch != "ffn_only":
+        raise ValueError(f"the handout's activation count is for arch='ffn_only'; {spec.name!r} is {spec.arch!r}")
+    return activation_bytes_per_token(spec, 1, "bf16_mixed").total_bytes
+
+
+def devices_needed(total_bytes: float, device_bytes: float = 80e9) -> int:
+    """How many devices ``total_bytes`` fills: ceil(total / device) (XXL state: ceil(3.5176e12 / 80e9) = 44)."""
+    if device_bytes <= 0:
+        raise ValueError(f"device_bytes={device_bytes} must be > 0")
+    return math.ceil(total_bytes / device_bytes)
+
+
+def fsdp_half_activation_bytes(spec: ModelSpec, batch_tokens: int, n_fsdp: int) -> float:
+    """Per-device bytes when weights, grads, optimizer state and HALF the activations are sharded over N:
+
+        (16 P + A / 2) / N + A / 2,   A = batch_tokens x handout_activation_bytes_per_token(spec)
+
+    (the handout's assumption: half the saved activations shard with FSDP, the other half does not).
+    """
+    if n_fsdp < 1 or batch_tokens < 0:
+        raise ValueError(f"n_fsdp={n_fsdp} must be >= 1 and batch_tokens={batch_tokens} >= 0")
+    a = batch_tokens * handout_activation_bytes_per_token(spec)
+    return (state_bytes(spec, "fp32") + a / 2) / n_fsdp + a / 2
+
+
+def min_fsdp_degree(spec: ModelSpec, batch_tokens: int, budget_bytes: float) -> int | None:
+    """Smallest integer N with ``fsdp_half_activation_bytes(spec, batch_tokens, N) <= budget_bytes``.
+
+    (S + A/2) / N + A/2 <= B  <=>  N >= (S + A/2) / (B - A/2) = (2S + A) / (2B - A), so N = ceil of that
+    (at least 1), computed exactly with fractions. Returns None when A / 2 alone is at least the budget:
+    then no N fits, however many devices the state is sharded over.
+    """
+    if budget_bytes <= 0 or batch_tokens < 0:
+        raise ValueError(f"budget_bytes={budget_bytes} must be > 0 and batch_tokens={batch_tokens} >= 0")
+    s = Fraction(state_bytes(spec, "fp32"))
+    a = Fraction(batch_tokens * handout_activation_bytes_per_token(spec))
+    budget = Fraction(budget_bytes)
+    if 2 * budget <= a:
+        return None
+    return max(1, math.ceil((2 * s + a) / (2 * budget - a)))
