@@ -2,7 +2,8 @@
 
 * 8 fake CPU devices for JAX meshes: XLA reads XLA_FLAGS when jax is first imported, so it is set here,
   before any test module imports jax (a GPU machine still gets its GPUs as the default backend).
-* ``@pytest.mark.gpu`` tests are skipped where CUDA is not available (CI has no GPU).
+* ``@pytest.mark.gpu`` tests are skipped where CUDA is not available (CI has no GPU), and there Triton
+  kernels run under the interpreter (``TRITON_INTERPRET=1``).
 """
 
 import os
@@ -10,14 +11,17 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
     return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run on CPU tensors under the interpreter; Triton reads the variable when it is
+# first imported, which is after this (no test module has been imported yet).
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
