@@ -35,3 +35,22 @@ def step_flops(spec: ModelSpec, batch_size: int, seq_len: int, mode: str) -> flo
         raise ValueError(f"mode {mode!r}; accepted: {', '.join(MODES)}")
     multiplier = 1 if mode == "forward" else 3  # backward = 2 x forward
     return multiplier * forward_flops(spec, batch_size, seq_len)
+
+
+ATTENTION_PASSES = {"forward": 1.0, "backward": 2.5, "forward_backward": 3.5}
+
+
+def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, causal: bool, pass_: str) -> float:
+    """FLOPs of one attention pass over (batch, heads, seq_len, head_dim) q, k, v, as the CS336 and
+    FlashAttention benchmarks count them (unlike ``forward_flops``, causal work is halved here):
+
+    forward  = 2 products (S = Q K^T, O = P V) x 2 FLOPs per multiply-add x B H N^2 d, halved when causal;
+    backward = 2.5 x forward: five products (S recomputed, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q);
+    forward_backward = 3.5 x forward.
+    """
+    if pass_ not in ATTENTION_PASSES:
+        raise ValueError(f"pass {pass_!r}; accepted: {', '.join(ATTENTION_PASSES)}")
+    forward = 2 * 2 * batch * heads * seq_len * seq_len * head_dim  # two (N x N x d) products
+    if causal:
+        forward /= 2  # only the lower triangle of the N x N matrices is work
+    return ATTENTION_PASSES[pass_] * forward

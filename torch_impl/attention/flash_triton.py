@@ -40,6 +40,14 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _query_tile(IS_CAUSAL: tl.constexpr, n_q, BLOCK_M: tl.constexpr):
+    """The query tile of this program: in reverse order when causal (the work grows with the tile index)."""
+    if IS_CAUSAL:
+        return tl.cdiv(n_q, BLOCK_M) - 1 - tl.program_id(0)
+    return tl.program_id(0)
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, lo, hi, n_k, qk_scale,
                MASK_DIAGONAL: tl.constexpr, MASK_KEYS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online softmax over key tiles [lo, hi): acc, l_i, m_i updated in place (base-2 statistics)."""
@@ -51,13 +59,13 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
             k = tl.load(k_ptrs, mask=cols[None, :] < n_k, other=0.0)  # (D, BLOCK_N)
         else:
             k = tl.load(k_ptrs)
-        qk = tl.dot(q, k) * qk_scale  # (BLOCK_M, BLOCK_N), log2 domain
+        qk = tl.dot(q, k)  # (BLOCK_M, BLOCK_N), unscaled
         if MASK_DIAGONAL:
             qk = tl.where(offs_m[:, None] >= cols[None, :], qk, -float("inf"))
         if MASK_KEYS:
             qk = tl.where(cols[None, :] < n_k, qk, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # log2 domain (qk_scale > 0 commutes with max)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # one fused multiply-add per score
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK_KEYS:
@@ -78,8 +86,9 @@ def _fwd_kernel(Q, K, V, O, LSE, sm_scale,
                 n_heads, n_q, n_k, n_q_bucket, n_k_bucket,
                 HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (query tile, batch x head): O = softmax(Q K^T * scale) V and L = logsumexp."""
-    start_m = tl.program_id(0) * BLOCK_M
+    """One program per (query tile, batch x head): O = softmax(Q K^T * scale) V and L = logsumexp.
+    Causal: the last query tiles see the most keys, so they are launched first (less tail at the end)."""
+    start_m = _query_tile(IS_CAUSAL, n_q, BLOCK_M) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -178,8 +187,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      n_heads, n_q, n_k, n_q_bucket, n_k_bucket,
                      HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (key tile, batch x head): dK, dV over every query tile that sees the key tile."""
+                     RAGGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (key tile, batch x head): dK, dV over every query tile that sees the key tile.
+    RAGGED = not (EVEN_M and EVEN_N): rows and keys of partial tiles are masked."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
@@ -198,17 +208,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
     qk_scale = sm_scale * 1.4426950408889634
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    ragged = not (EVEN_M and EVEN_N)
     if IS_CAUSAL:
         # Query tiles on the diagonal (rows start_n .. start_n + BLOCK_N), masked; then the rows below, unmasked.
         diag_end = tl.minimum(start_n + BLOCK_N, n_q)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dom, offs_n,
-                             offs_m, start_n, diag_end, n_q, n_k, qk_scale, True, ragged, BLOCK_M)
+                             offs_m, start_n, diag_end, n_q, n_k, qk_scale, True, RAGGED, BLOCK_M)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dom, offs_n,
-                             offs_m, start_n + BLOCK_N, n_q, n_q, n_k, qk_scale, False, ragged, BLOCK_M)
+                             offs_m, start_n + BLOCK_N, n_q, n_q, n_k, qk_scale, False, RAGGED, BLOCK_M)
     else:
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dom, offs_n,
-                             offs_m, 0, n_q, n_q, n_k, qk_scale, False, ragged, BLOCK_M)
+                             offs_m, 0, n_q, n_q, n_k, qk_scale, False, RAGGED, BLOCK_M)
     dk *= sm_scale
     tl.store(DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -252,8 +261,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
                    n_heads, n_q, n_k, n_q_bucket, n_k_bucket,
                    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (query tile, batch x head): dQ over every key tile the query tile sees."""
-    start_m = tl.program_id(0) * BLOCK_M
+    """One program per (query tile, batch x head): dQ over every key tile the query tile sees (causal: the
+    heaviest tiles first, as in the forward)."""
+    start_m = _query_tile(IS_CAUSAL, n_q, BLOCK_M) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -295,12 +305,13 @@ def _configs(*configs: tuple[int, int, int, int]) -> list[triton.Config]:
 
 _TUNE_KEY = ["n_q_bucket", "n_k_bucket", "HEAD_DIM", "IS_CAUSAL"]
 # Forward and dQ: BLOCK_M % BLOCK_N == 0, so the diagonal stage starts on a key-tile boundary.
-_fwd_tuned = triton.autotune(_configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4),
-                                      (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4)), key=_TUNE_KEY)(_fwd_kernel)
-_dkdv_tuned = triton.autotune(_configs((32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3),
-                                       (32, 64, 4, 4)), key=_TUNE_KEY)(_bwd_dkdv_kernel)
-_dq_tuned = triton.autotune(_configs((128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
-                                     (64, 32, 4, 4)), key=_TUNE_KEY)(_bwd_dq_kernel)
+_fwd_tuned = triton.autotune(_configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
+                                      (128, 64, 4, 4), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4)),
+                             key=_TUNE_KEY)(_fwd_kernel)
+_dkdv_tuned = triton.autotune(_configs((32, 128, 4, 3), (32, 128, 4, 5), (32, 128, 8, 3), (64, 128, 8, 2),
+                                       (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)), key=_TUNE_KEY)(_bwd_dkdv_kernel)
+_dq_tuned = triton.autotune(_configs((128, 32, 4, 3), (128, 32, 4, 5), (128, 32, 8, 3), (128, 64, 8, 2),
+                                     (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)), key=_TUNE_KEY)(_bwd_dq_kernel)
 _INTERPRET_TILES = {"BLOCK_M": 16, "BLOCK_N": 16}  # the interpreter runs one fixed, small configuration
 
 
@@ -396,7 +407,7 @@ def flash_backward(do, q, k, v, o, lse, is_causal: bool):
     sizes = (heads, n_q, n_k, _bucket(n_q), _bucket(n_k))
     _launch(_dkdv_tuned, _bwd_dkdv_kernel, n_k, "BLOCK_N", q, k, v, do, lse, delta, dk, dv, sm_scale,
             *common, *_strides(dk), *_strides(dv), *sizes, HEAD_DIM=d, IS_CAUSAL=is_causal,
-            _bh=batch * heads, **even)
+            RAGGED=not (even["EVEN_M"] and even["EVEN_N"]), _bh=batch * heads, **even)
     _launch(_dq_tuned, _bwd_dq_kernel, n_q, "BLOCK_M", q, k, v, do, lse, delta, dq, sm_scale,
             *common, *_strides(dq), *sizes, HEAD_DIM=d, IS_CAUSAL=is_causal, _bh=batch * heads, **even)
     return dq, dk, dv
