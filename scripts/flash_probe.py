@@ -2,7 +2,7 @@
 next to cuDNN / flash SDPA in the same process. Development aid; the benchmark of record is
 ``python -m torch_impl.bench.attention``.
 
-    PYTHONPATH=. python3 scripts/flash_probe.py
+    PYTHONPATH=. python3 scripts/flash_probe.py [--all-checks] [--no-bench]
 """
 
 import math
@@ -61,10 +61,15 @@ def _sdpa(backend, q, k, v):
 
 
 if __name__ == "__main__":
+    import sys
+
     torch.manual_seed(0)
-    for args in [((2, 4, 1024, 64), 1024, True, torch.bfloat16), ((1, 3, 1000, 128), 777, True, torch.bfloat16),
-                 ((2, 2, 513, 64), 1100, False, torch.float16), ((1, 2, 300, 32), 300, True, torch.float32),
-                 ((1, 2, 256, 16), 256, False, torch.bfloat16)]:
+    checks = [((1, 3, 1000, 128), 777, True, torch.bfloat16), ((2, 2, 513, 64), 1100, False, torch.float16)]
+    if "--all-checks" in sys.argv:
+        checks += [((2, 4, 1024, 64), 1024, True, torch.bfloat16), ((1, 2, 300, 32), 300, True, torch.float32),
+                   ((1, 2, 256, 16), 256, False, torch.bfloat16)]
+    for args in checks:
         check(*args)
-    for d in (64, 128):
-        bench(d)
+    if "--no-bench" not in sys.argv:
+        for d in (64, 128):
+            bench(d)

@@ -56,5 +56,5 @@ def test_bad_flags_give_one_line_errors():
         torch_e2e.main([*FLAGS, "--steps", "0"])
     with pytest.raises(SystemExit, match="analysis-only"):
         torch_e2e.main(["--model", "xxl"])
-    with pytest.raises(SystemExit, match="accepted: naive, sdpa"):
+    with pytest.raises(SystemExit, match="unknown attention backend .flash.; accepted: flash_torch, flash_triton, naive, sdpa"):
         torch_e2e.main([*FLAGS, "--attention", "flash"])

@@ -6,6 +6,8 @@
 
 from torch_impl.attention.registry import ATTENTION_BACKENDS, AttentionFn, get_attention, register_attention
 from torch_impl.attention import naive as _naive  # noqa: F401  (registers "naive" and "sdpa")
+from torch_impl.attention.flash_torch import FlashAttention2Torch  # registers "flash_torch"
 from torch_impl.attention.flash_triton import FlashAttention2Triton  # registers "flash_triton"
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionFn", "FlashAttention2Triton", "get_attention", "register_attention"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionFn", "FlashAttention2Torch", "FlashAttention2Triton", "get_attention",
+           "register_attention"]
