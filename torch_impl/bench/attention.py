@@ -551,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         sys.exit(f"error: {err}")
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(torch.device(device).index or 0)
     failed = sum(record.status != "ok" for record in sweep(args, device))
     print(f"{failed} failed configuration(s) recorded in {args.out}" if failed else f"records in {args.out}")
     if not args.no_report:
