@@ -1,0 +1,89 @@
+"""Process groups from torchrun's environment: NCCL on GPUs, gloo on CPUs, always with a timeout.
+
+``with distributed_context() as ctx:`` reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (set by
+``torchrun``, single node or multi-node with the usual rendezvous flags), picks the backend and the device
+(``cuda:LOCAL_RANK`` when CUDA is available, else CPU), initializes the default group with a timeout, and
+destroys it on exit. A rank that fails or never arrives makes the others' collectives raise after the
+timeout instead of hanging the job; the exception names the rank and the timeout.
+
+Without torchrun's variables it runs as a single process (world size 1), so the same script runs alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                     device: str | None = None) -> DistributedContext:
+    """Initialize the default process group from torchrun's environment (see the module docstring).
+
+    ``backend``: "nccl" or "gloo" (default: nccl if CUDA is available, else gloo). ``device``: "cpu" forces
+    the CPU (and gloo). ``timeout_s`` bounds every collective, so a missing rank ends the job with an error.
+    """
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    use_cuda = torch.cuda.is_available() and device != "cpu"
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend {backend!r}; accepted: nccl, gloo")
+    if backend == "nccl" and not use_cuda:
+        raise ValueError("backend nccl needs CUDA devices; use gloo on CPUs")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s} must be > 0")
+    if use_cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        kwargs = {"device_id": dev} if backend == "nccl" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return DistributedContext(rank, world_size, local_rank, dev, backend)
+
+
+@contextlib.contextmanager
+def distributed_context(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                        device: str | None = None) -> Iterator[DistributedContext]:
+    """``init_distributed`` for the duration of a ``with`` block; the group is destroyed on the way out."""
+    ctx = init_distributed(backend, timeout_s, device)
+    try:
+        yield ctx
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
