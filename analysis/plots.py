@@ -192,6 +192,12 @@ def providers_of(frame: pd.DataFrame) -> list[str]:
     return _ordered(frame["implementation"], ATTENTION_PROVIDERS)
 
 
+def _selected(records_or_frame: RecordSource | Iterable[RecordSource] | pd.DataFrame) -> pd.DataFrame:
+    """A frame as given (its suite already chosen), or the attention suite's records as a frame."""
+    return attention_frame(records_or_frame, suite=None if isinstance(records_or_frame, pd.DataFrame)
+                           else ATTENTION_SUITE)
+
+
 def attention_pivot(frame: pd.DataFrame, value: str = "median_ms") -> pd.DataFrame:
     """Providers as columns, one row per configuration (``ATTENTION_KEYS``); failed runs are NaN."""
     keys = [k for k in ATTENTION_KEYS if k in frame]
@@ -243,8 +249,9 @@ def _markdown(cells: pd.DataFrame, drop: Sequence[str]) -> str:
 
 def attention_markdown(records_or_frame: RecordSource | Iterable[RecordSource] | pd.DataFrame,
                        baseline: str = ATTENTION_BASELINE) -> tuple[str, str]:  # fmt: skip
-    """The attention report in Markdown, and its speed-up table alone (for printing)."""
-    frame = attention_frame(records_or_frame)
+    """The attention report in Markdown, and its speed-up table alone (for printing). A frame is taken as
+    already selected (``attention_frame``); records are filtered to the attention suite."""
+    frame = _selected(records_or_frame)
     constant = _constant_keys(frame)
     lines = ["# Attention benchmark", "",
              "Generated from records by `analysis.plots.write_attention_report`; do not edit by hand.", ""]
@@ -280,8 +287,9 @@ def plot_attention(records_or_frame: RecordSource | Iterable[RecordSource] | pd.
                    out_dir: str | os.PathLike, prefix: str = "attention") -> list[Path]:  # fmt: skip
     """Latency (log-log) and TFLOP/s (log x) against sequence length, one line per provider, one panel per
     (pass, head dim); one pair of PNGs per dtype (and per device / batch / heads / causal where several are
-    present). Only successful runs are drawn. Returns the files written (none if nothing succeeded)."""
-    frame = attention_frame(records_or_frame)
+    present). Only successful runs are drawn. Returns the files written (none if nothing succeeded).
+    A frame is taken as already selected (``attention_frame``); records are filtered to the attention suite."""
+    frame = _selected(records_or_frame)
     frame = frame[frame["status"] == "ok"]
     if frame.empty:
         return []

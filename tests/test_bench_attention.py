@@ -161,3 +161,17 @@ def test_naive_provider_matches_sdpa_in_float64(causal):
     call = bench.PROVIDERS["naive"](bench.Shape(2, 3, 24, 8, "fp32", causal), torch.device("cpu"))
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
     torch.testing.assert_close(call(q, k, v), expected)
+
+
+def test_naive_attention_cli_is_the_naive_preset(tmp_path):
+    from torch_impl.bench import naive_attention
+
+    out = tmp_path / "naive.jsonl"
+    assert naive_attention.main([*CPU, "--seq-lens", "16", "--out", str(out), "--no-report"]) == 0
+    records = read_records(out)
+    assert {(r.implementation, r.mode) for r in records} == {
+        (p, m) for p in ("naive", "naive_compiled") for m in ("forward", "backward")}
+    for r in records:
+        assert r.suite == "naive_attention" and r.batch_size == 8 and r.metrics["heads"] == 1
+        assert r.metrics["causal"] is False and "memory_before_backward_bytes" in r.metrics
+        assert r.flops_per_step == attention_flops(8, 1, 16, 16, False, r.mode)

@@ -91,6 +91,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                   dtypes=["bf16", "fp32"], causal=True),
     # The CS336 FlashAttention leaderboard: forward + backward at one large shape.
     "leaderboard": dict(batch=1, heads=16, seq_lens=[16384], head_dims=[64, 128], dtypes=["bf16"], causal=True),
+    # CS336 assignment 2's PyTorch attention benchmark: batch 8, no heads, full attention, fp32, naive only.
+    "naive": dict(batch=8, heads=1, seq_lens=[256, 1024, 4096, 8192, 16384], head_dims=[16, 32, 64, 128],
+                  dtypes=["fp32"], causal=False, providers=["naive", "naive_compiled"],
+                  passes=["forward", "backward"]),
 }  # fmt: skip
 
 
@@ -292,6 +296,7 @@ def _is_oom(err: BaseException) -> bool:
 class Outcome:
     times_ms: list[float] | None = None
     peak_memory_bytes: int | None = None
+    memory_before_backward_bytes: int | None = None  # allocated after the forward, before its backward (CUDA)
     status: str = "ok"
     error: str | None = None
 
@@ -307,6 +312,8 @@ def _measure(call: AttentionCall, shape: Shape, pass_: str, device: torch.device
     else:
         out = call(q, k, v)  # (B, H, N, d); compiles (if compiled) outside the timing
         d_out = torch.randn(out.shape, generator=generator, device=device, dtype=out.dtype)
+        _synchronize(device)
+        before_backward = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         if pass_ == "backward":
             fn = lambda: out.backward(d_out, retain_graph=True)  # noqa: E731
         else:
@@ -315,7 +322,8 @@ def _measure(call: AttentionCall, shape: Shape, pass_: str, device: torch.device
     _synchronize(device)
     peak = _peak_memory(fn, device, [q, k, v])
     times = bench(fn, device, warmup_ms, rep_ms, [q, k, v])
-    return Outcome(times_ms=times, peak_memory_bytes=peak)
+    return Outcome(times_ms=times, peak_memory_bytes=peak,
+                   memory_before_backward_bytes=before_backward if pass_ == "backward" else None)
 
 
 def run_pass(call: AttentionCall, shape: Shape, pass_: str, device: torch.device, *, seed: int,
@@ -349,7 +357,8 @@ def make_record(provider: str, shape: Shape, pass_: str, outcome: Outcome, *, de
         metrics={"heads": shape.heads, "head_dim": shape.head_dim, "causal": shape.causal,
                  "warmup_ms": warmup_ms, "rep_ms": rep_ms,
                  "timer": timer,
-                 "float32_matmul_precision": torch.get_float32_matmul_precision()},
+                 "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                 "memory_before_backward_bytes": outcome.memory_before_backward_bytes},
     )  # fmt: skip
     if outcome.times_ms:
         record.timing = timing_stats(outcome.times_ms)
@@ -468,12 +477,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--preset", choices=PRESETS, default="cs336",
                         help="sweep defaults: cs336 (batch 1, 1 head, causal, seq 128..65536, d 16..128, bf16+fp32) "
-                             "or leaderboard (batch 1, 16 heads, causal, seq 16384, d 64,128, bf16); flags below "
-                             "override it (default cs336)")
-    parser.add_argument("--providers", type=_choices(tuple(PROVIDERS)), default=list(PROVIDERS),
-                        help=f"comma-separated subset of {','.join(PROVIDERS)} (default all)")
-    parser.add_argument("--passes", type=_choices(PASSES), default=list(PASSES),
-                        help=f"comma-separated subset of {','.join(PASSES)} (default all)")
+                             "leaderboard (batch 1, 16 heads, causal, seq 16384, d 64,128, bf16) or naive (batch 8, 1 head, "
+                             "full attention, seq 256..16384, d 16..128, fp32, naive eager and compiled, forward "
+                             "and backward); flags below override it (default cs336)")
+    parser.add_argument("--providers", type=_choices(tuple(PROVIDERS)),
+                        help=f"comma-separated subset of {','.join(PROVIDERS)} (default: the preset's, else all)")
+    parser.add_argument("--passes", type=_choices(PASSES),
+                        help=f"comma-separated subset of {','.join(PASSES)} (default: the preset's, else all)")
     parser.add_argument("--seq-lens", type=_ints, help="comma-separated sequence lengths")
     parser.add_argument("--head-dims", type=_ints, help="comma-separated head dimensions")
     parser.add_argument("--dtypes", type=_choices(tuple(DTYPES)), help="comma-separated of bf16,fp32")
@@ -500,6 +510,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, list(value) if isinstance(value, list) else value)
+    args.providers = args.providers or list(PROVIDERS)
+    args.passes = args.passes or list(PASSES)
     for flag, value in (("--batch", args.batch), ("--heads", args.heads)):
         if value < 1:
             raise ValueError(f"{flag}={value} must be >= 1")
