@@ -128,6 +128,7 @@ def run_benchmark(
     description: str,
     measure: Callable[[argparse.Namespace], Record],
     on_failure: Callable[[argparse.Namespace, RuntimeError], Record],
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> int:
     """Parse the step flags, measure, and emit the record; the CLI body of both backends' step benchmarks.
 
@@ -136,6 +137,8 @@ def run_benchmark(
     """
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_step_arguments(parser)
+    if add_arguments is not None:  # the backend's own flags
+        add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         record = measure(args)

@@ -21,7 +21,9 @@ import torch
 from analysis.benchmark import failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
 from analysis.records import Record
 from torch_impl import nvtx
+from torch_impl.checkpointing import apply_activation_checkpointing
 from torch_impl.model import TransformerLM, cross_entropy
+from torch_impl.profiling import profile_steps
 
 
 def pick_device(name: str) -> torch.device:
@@ -55,10 +57,15 @@ def measure(args: argparse.Namespace) -> Record:
         model.load_numpy_weights(dict(np.load(args.load_weights)))
     if args.save_weights:
         np.savez(args.save_weights, **model.to_numpy_weights())
+    if args.nested_checkpoint and not args.checkpoint_every:
+        raise ValueError("--nested-checkpoint needs --checkpoint-every K")
+    if args.checkpoint_every:
+        apply_activation_checkpointing(model, args.checkpoint_every, nested=args.nested_checkpoint)
     tokens = torch.from_numpy(fixed_batch(args.seed, args.batch_size, seq_len, spec.vocab_size)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                                  fused=device.type == "cuda")
+    fused = device.type == "cuda" if args.fused_adamw == "auto" else args.fused_adamw == "on"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused)
+    forward = torch.compile(model) if args.compile else model
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
                 else contextlib.nullcontext())
 
@@ -73,10 +80,10 @@ def measure(args: argparse.Namespace) -> Record:
     def step() -> tuple[float, dict[str, float]]:
         if args.mode == "forward":
             with torch.no_grad(), autocast:
-                loss, t_fwd = timed("forward", lambda: cross_entropy(model(inputs), targets))
+                loss, t_fwd = timed("forward", lambda: cross_entropy(forward(inputs), targets))
             return loss.item(), {"forward": t_fwd}
         with autocast:
-            loss, t_fwd = timed("forward", lambda: cross_entropy(model(inputs), targets))
+            loss, t_fwd = timed("forward", lambda: cross_entropy(forward(inputs), targets))
         _, t_bwd = timed("backward", loss.backward)
         phases = {"forward": t_fwd, "backward": t_bwd}
         if args.mode == "train_step":
@@ -96,25 +103,52 @@ def measure(args: argparse.Namespace) -> Record:
         step_ms.append(sum(phases.values()))
         for phase, ms in phases.items():
             phases_ms.setdefault(phase, []).append(ms)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    metrics = {"loss_first": losses[0], "loss_last": losses[-1], "losses": losses, "fused_adamw": fused,
+               "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint}
+    if args.profile:
+        rows = profile_steps(step, 3, args.profile, tag=f"{spec.name}_{args.mode}_{args.dtype}")
+        metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
     return step_record(
-        args, spec, seq_len, backend="torch", implementation=f"eager {args.attention}",
+        args, spec, seq_len, backend="torch", implementation=implementation_name(args),
         device_name=device_name(device), step_times_ms=step_ms, phases_ms=phases_ms,
-        peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        metrics={"loss_first": losses[0], "loss_last": losses[-1], "losses": losses},
+        peak_memory_bytes=peak, metrics=metrics,
     )
+
+
+def implementation_name(args: argparse.Namespace) -> str:
+    """e.g. 'compiled sdpa, ckpt 2 nested': how the model ran."""
+    name = f"{'compiled' if args.compile else 'eager'} {args.attention}"
+    if args.checkpoint_every:
+        name += f", ckpt {args.checkpoint_every}" + (" nested" if args.nested_checkpoint else "")
+    return name
 
 
 def failed_record(args: argparse.Namespace, err: RuntimeError) -> Record:
     """The record of a run that ran out of memory or failed, so the failure is a row, not a gap."""
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    return failure_record(args, err, backend="torch", implementation=f"eager {args.attention}",
+    return failure_record(args, err, backend="torch", implementation=implementation_name(args),
                           device_name=device_name(torch.device(device)),
                           oom=isinstance(err, torch.OutOfMemoryError))
 
 
+def add_torch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the PyTorch benchmark alone."""
+    torch_flags = parser.add_argument_group("PyTorch")
+    torch_flags.add_argument("--compile", action="store_true", help="torch.compile the model")
+    torch_flags.add_argument("--checkpoint-every", type=int, metavar="K",
+                             help="activation checkpointing: recompute every segment of K blocks")
+    torch_flags.add_argument("--nested-checkpoint", action="store_true",
+                             help="also checkpoint each block inside a segment (with --checkpoint-every)")
+    torch_flags.add_argument("--fused-adamw", choices=("auto", "on", "off"), default="auto",
+                             help="fused AdamW kernel (auto: on CUDA)")
+    torch_flags.add_argument("--profile", metavar="DIR",
+                             help="after timing, profile 3 steps: Chrome trace and kernel table in DIR")
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_benchmark(argv, prog="python -m torch_impl.bench.e2e", description=__doc__.splitlines()[0],
-                         measure=measure, on_failure=failed_record)
+                         measure=measure, on_failure=failed_record, add_arguments=add_torch_arguments)
 
 
 if __name__ == "__main__":

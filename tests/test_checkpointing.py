@@ -1,0 +1,60 @@
+"""Activation checkpointing: the same loss and gradients, fewer tensors saved for backward."""
+
+import pytest
+import torch
+
+from parallelism_calc.specs import MODELS
+from torch_impl.checkpointing import apply_activation_checkpointing
+from torch_impl.model import TransformerLM, cross_entropy
+
+SPEC = MODELS["tiny"].replace(n_layers=4)
+
+
+def saved_bytes(model, tokens):
+    """Bytes of the distinct non-parameter tensors autograd keeps for backward during one forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    return loss, sum(storages.values())
+
+
+def grads_by_block(model):
+    """Gradients keyed by (block index, name within the block), whatever the segment nesting."""
+    blocks = [b for seg in model.layers for b in (seg.blocks if hasattr(seg, "blocks") else [seg])]
+    return {(i, n): p.grad.clone() for i, b in enumerate(blocks) for n, p in b.named_parameters()}
+
+
+@pytest.mark.parametrize("every,nested", [(1, False), (2, False), (3, False), (2, True)])
+def test_same_gradients_less_memory(every, nested):
+    torch.manual_seed(0)
+    reference = TransformerLM(SPEC)
+    model = TransformerLM(SPEC)
+    model.load_state_dict(reference.state_dict())
+    apply_activation_checkpointing(model, every, nested)
+    tokens = torch.randint(0, SPEC.vocab_size, (2, 33))
+    ref_loss, ref_bytes = saved_bytes(reference, tokens)
+    loss, ckpt_bytes = saved_bytes(model, tokens)
+    ref_loss.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    expected = grads_by_block(reference)
+    for key, grad in grads_by_block(model).items():
+        torch.testing.assert_close(grad, expected[key], rtol=1e-6, atol=1e-7)
+    assert ckpt_bytes < ref_bytes / 2  # only segment inputs (and the head's tensors) are kept
+
+
+def test_segments_and_errors():
+    model = apply_activation_checkpointing(TransformerLM(SPEC), every=3)
+    assert [len(seg.blocks) for seg in model.layers] == [3, 1]
+    with pytest.raises(ValueError, match=">= 1"):
+        apply_activation_checkpointing(TransformerLM(SPEC), every=0)
+    with pytest.raises(ValueError, match="ModuleList"):
+        apply_activation_checkpointing(torch.nn.Linear(2, 2), every=1)

@@ -1,0 +1,42 @@
+"""Kernel categories and the e2e benchmark's profile, checkpointing and compile flags on a tiny model."""
+
+import json
+
+import pytest
+
+from analysis.records import read_records
+from torch_impl.bench import e2e
+from torch_impl.profiling import CATEGORIES, categorize
+
+FLAGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--warmup", "1", "--steps", "2", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("name,category", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_kernel__5x_cublas",
+     "matmul"),
+    ("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x4_tn", "matmul"),
+    ("aten::mm", "matmul"),
+    ("_attn_fwd", "matmul"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>", "reduction-softmax"),
+    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "reduction-softmax"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
+    ("aten::silu", "elementwise"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "other"),
+])
+def test_categorize(name, category):
+    assert categorize(name) == category
+
+
+def test_e2e_profile_checkpoint_and_fused_flags(tmp_path):
+    out, prof = tmp_path / "runs.jsonl", tmp_path / "prof"
+    assert e2e.main([*FLAGS, "--checkpoint-every", "1", "--fused-adamw", "off", "--profile", str(prof),
+                     "--out", str(out)]) == 0
+    record, = read_records(out)
+    assert record.implementation == "eager naive, ckpt 1" and record.metrics["fused_adamw"] is False
+    shares = [record.metrics[f"time_share.{c}"] for c in CATEGORIES]
+    assert sum(shares) == pytest.approx(1.0) and record.metrics["time_share.matmul"] > 0
+    trace = json.loads((prof / "tiny_train_step_fp32_trace.json").read_text())
+    assert trace["traceEvents"]
+    assert "| matmul |" in (prof / "tiny_train_step_fp32_kernels.md").read_text()
+    with pytest.raises(SystemExit, match="needs --checkpoint-every"):
+        e2e.main([*FLAGS, "--nested-checkpoint"])
