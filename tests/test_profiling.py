@@ -40,3 +40,16 @@ def test_e2e_profile_checkpoint_and_fused_flags(tmp_path):
     assert "| matmul |" in (prof / "tiny_train_step_fp32_kernels.md").read_text()
     with pytest.raises(SystemExit, match="needs --checkpoint-every"):
         e2e.main([*FLAGS, "--nested-checkpoint"])
+
+
+def test_records_carry_the_predicted_activation_memory(tmp_path):
+    from parallelism_calc.memory import activation_bytes_per_token
+    from parallelism_calc.specs import MODELS
+
+    out = tmp_path / "runs.jsonl"
+    for extra in ([], ["--mode", "forward"], ["--checkpoint-every", "2"], ["--attention", "sdpa"]):
+        assert e2e.main([*FLAGS, *extra, "--out", str(out)]) == 0
+    plain, forward, segments, sdpa = (r.metrics["predicted_activation_bytes"] for r in read_records(out))
+    assert plain == activation_bytes_per_token(MODELS["tiny"], 16, "fp32", "none", "naive").total_bytes * 2 * 16
+    assert forward is None and segments is None  # nothing saved / a policy the calculator does not model
+    assert 0 < sdpa < plain  # a fused kernel keeps no n x n probabilities

@@ -20,6 +20,7 @@ import torch
 
 from analysis.benchmark import failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
 from analysis.records import Record
+from parallelism_calc.memory import activation_bytes_per_token
 from torch_impl import nvtx
 from torch_impl.checkpointing import apply_activation_checkpointing
 from torch_impl.model import TransformerLM, cross_entropy
@@ -59,6 +60,8 @@ def measure(args: argparse.Namespace) -> Record:
         np.savez(args.save_weights, **model.to_numpy_weights())
     if args.nested_checkpoint and not args.checkpoint_every:
         raise ValueError("--nested-checkpoint needs --checkpoint-every K")
+    if args.memory_snapshot and device.type != "cuda":
+        raise ValueError("--memory-snapshot records the CUDA allocator: it needs --device cuda")
     if args.checkpoint_every:
         apply_activation_checkpointing(model, args.checkpoint_every, nested=args.nested_checkpoint)
     tokens = torch.from_numpy(fixed_batch(args.seed, args.batch_size, seq_len, spec.vocab_size)).to(device)
@@ -97,15 +100,21 @@ def measure(args: argparse.Namespace) -> Record:
             losses.append(step()[0])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    if args.memory_snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     for _ in range(args.steps):
         loss, phases = step()
         losses.append(loss)
         step_ms.append(sum(phases.values()))
         for phase, ms in phases.items():
             phases_ms.setdefault(phase, []).append(ms)
+    if args.memory_snapshot:
+        torch.cuda.memory._dump_snapshot(args.memory_snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     metrics = {"loss_first": losses[0], "loss_last": losses[-1], "losses": losses, "fused_adamw": fused,
-               "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint}
+               "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
+               "predicted_activation_bytes": predicted_activation_bytes(args, spec, seq_len)}
     if args.profile:
         rows = profile_steps(step, 3, args.profile, tag=f"{spec.name}_{args.mode}_{args.dtype}")
         metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
@@ -114,6 +123,18 @@ def measure(args: argparse.Namespace) -> Record:
         device_name=device_name(device), step_times_ms=step_ms, phases_ms=phases_ms,
         peak_memory_bytes=peak, metrics=metrics,
     )
+
+
+def predicted_activation_bytes(args: argparse.Namespace, spec, seq_len: int) -> int | None:
+    """What ``parallelism_calc.memory`` predicts the step saves for backward (None where it has no model:
+    forward-only runs save nothing, and segments of more than one block are not in its policies)."""
+    if args.mode == "forward" or (args.checkpoint_every or 1) > 1 or args.nested_checkpoint:
+        return None
+    precision = "fp32" if args.dtype == "fp32" else "bf16_autocast"
+    attention = "naive" if args.attention == "naive" else "flash"
+    policy = "full" if args.checkpoint_every == 1 else "none"
+    per_token = activation_bytes_per_token(spec, seq_len, precision, policy, attention).total_bytes
+    return per_token * args.batch_size * seq_len
 
 
 def implementation_name(args: argparse.Namespace) -> str:
@@ -144,6 +165,9 @@ def add_torch_arguments(parser: argparse.ArgumentParser) -> None:
                              help="fused AdamW kernel (auto: on CUDA)")
     torch_flags.add_argument("--profile", metavar="DIR",
                              help="after timing, profile 3 steps: Chrome trace and kernel table in DIR")
+    torch_flags.add_argument("--memory-snapshot", metavar="PICKLE",
+                             help="record the CUDA allocator's history over the timed steps and save the "
+                                  "snapshot that pytorch.org/memory_viz opens")
 
 
 def main(argv: list[str] | None = None) -> int:
