@@ -1,0 +1,286 @@
+"""The DDP family against single-process training, on 2 (and 3) gloo ranks on the CPU.
+
+For each toy model, every variant (naive, flat, individual, bucketed with a tiny / a middling / a huge bucket
+cap, and bucketed with ``zero_grad(set_to_none=False)``) trains for a few SGD steps (momentum and weight decay: sensitive to the gradients' scale, unlike Adam,
+and to a zero gradient where there should be none) with a different slice
+of the batch on each rank and a *different random initialization on each rank* (so the constructor's
+broadcast of rank 0's parameters and buffers is what makes the replicas agree). The reference trains rank
+0's initialization in one process on the concatenated batch with the mean loss; all in float64, so the
+comparison is tight. The models cover tied weights (one Parameter registered twice), a frozen parameter, a
+parameter never used, and one used by some ranks on some steps and by no rank on others (so its gradient
+must stay ``None`` and SGD must skip it (no weight decay), as in the reference). A failing, killed or hanging rank must end
+rank 0's collective with an error inside the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests._dist import run_ranks, run_ranks_outcomes
+
+STEPS = 3
+BATCH = 4  # per rank
+LR = 0.1
+MOMENTUM = 0.9
+WEIGHT_DECAY = 0.1
+VARIANTS = ("naive", "flat", "individual", "bucketed_tiny", "bucketed_mid", "bucketed_huge", "bucketed_keepgrads")
+
+
+# ----------------------------------------------------------------------------- toy models
+
+
+class MLP(nn.Module):
+    """Two layers and a buffer that enters the output (so an un-broadcast buffer changes the gradients)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 10)
+        self.fc2 = nn.Linear(10, 3)
+        self.register_buffer("shift", torch.randn(3))
+
+    def forward(self, x, rank_flag=False):
+        return self.fc2(torch.tanh(self.fc1(x))) + self.shift
+
+
+class Tied(nn.Module):
+    """Embedding and output head share one Parameter (registered under two names)."""
+
+    def __init__(self, vocab=11, d=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mid = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids, rank_flag=False):
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+class FrozenUnused(nn.Module):
+    """A frozen layer, a never-used parameter, and a branch used only where ``rank_flag`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(6, 8)
+        self.frozen.requires_grad_(False)
+        self.fc = nn.Linear(8, 3)
+        self.unused = nn.Parameter(torch.randn(5))
+        self.sometimes = nn.Linear(8, 3)
+
+    def forward(self, x, rank_flag=False):
+        h = torch.tanh(self.frozen(x))
+        y = self.fc(h)
+        return y + self.sometimes(h) if rank_flag else y
+
+
+MODELS = {"mlp": MLP, "tied": Tied, "frozen_unused": FrozenUnused}
+
+
+def _make_model(kind: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return MODELS[kind]().double()
+
+
+def _batch(kind: str, seed: int, step: int, world_size: int):
+    """The global batch of a step: (inputs, targets) with world_size * BATCH rows."""
+    gen = torch.Generator().manual_seed(seed * 7919 + step)
+    n = world_size * BATCH
+    if kind == "tied":
+        return torch.randint(0, 11, (n, 5), generator=gen), torch.randint(0, 11, (n, 5), generator=gen)
+    return torch.randn(n, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (n,), generator=gen)
+
+
+def _uses_branch(step: int, rank: int) -> bool:
+    """With 2 ranks: step 0 rank 0 only, step 1 no rank, step 2 rank 1 only (3 ranks: similar mix)."""
+    return (step + rank) % 3 == 0
+
+
+def _local_loss(model, kind, x, y, step, rank):
+    out = model(x, rank_flag=_uses_branch(step, rank))
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+
+
+def _reference(kind: str, seed: int, world_size: int, set_to_none: bool = True) -> dict[str, torch.Tensor]:
+    """Rank 0's initialization trained in one process on the concatenated batch, mean loss."""
+    model = _make_model(kind, seed)  # rank 0's seed
+    opt = _optimizer(model)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=set_to_none)
+        x, y = _batch(kind, seed, step, world_size)
+        # Equal-size chunks: the mean of the chunk means is the mean over the whole batch; each chunk takes
+        # the branch its rank takes.
+        loss = sum(_local_loss(model, kind, x[r * BATCH:(r + 1) * BATCH], y[r * BATCH:(r + 1) * BATCH], step, r)
+                   for r in range(world_size)) / world_size
+        loss.backward()
+        opt.step()
+    return _state(model)
+
+
+# ----------------------------------------------------------------------------- what each rank runs
+
+
+def _wrap(variant: str, model: nn.Module, mid_mb: float):
+    from torch_impl.distributed import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
+
+    if variant == "naive":
+        return NaiveDDP(model)
+    if variant == "flat":
+        return FlatDDP(model)
+    if variant == "individual":
+        return DDPIndividualParameters(model)
+    cap = {"bucketed_tiny": 1e-9, "bucketed_mid": mid_mb, "bucketed_huge": 1e3, "bucketed_keepgrads": mid_mb}
+    return DDPBucketed(model, bucket_size_mb=cap[variant])
+
+
+def _train_all_variants(rank: int, world_size: int, kind: str, seed: int) -> dict:
+    import torch.distributed as dist
+
+    results = {}
+    for variant in VARIANTS:
+        model = _make_model(kind, seed + 1 + rank if rank else seed)  # a different init on every rank
+        mid_mb = 2 * max(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        ddp = _wrap(variant, model, mid_mb)
+        assert ddp.module is model
+        init = _state(model)
+        set_to_none = variant != "bucketed_keepgrads"
+        opt = _optimizer(ddp)
+        none_grads = []
+        for step in range(STEPS):
+            if hasattr(ddp, "on_train_batch_start"):
+                ddp.on_train_batch_start()
+            opt.zero_grad(set_to_none=set_to_none)
+            x, y = _batch(kind, seed, step, world_size)
+            sl = slice(rank * BATCH, (rank + 1) * BATCH)
+            out = ddp(x[sl], rank_flag=_uses_branch(step, rank))
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), y[sl].reshape(-1)).backward()
+            ddp.finish_gradient_synchronization()
+            none_grads.append(sorted(n for n, p in model.named_parameters() if p.requires_grad and p.grad is None))
+            opt.step()
+        dist.barrier()
+        results[variant] = {
+            "init": init, "final": _state(model), "none_grads": none_grads,
+            "n_params": len(ddp._params),
+            "n_buckets": len(ddp.bucket_params) if hasattr(ddp, "bucket_params") else None,
+        }
+    return results
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def _assert_close_states(got: dict, want: dict, what: str) -> list[str]:
+    errors = []
+    assert got.keys() == want.keys(), f"{what}: state keys differ: {sorted(got)} vs {sorted(want)}"
+    for k in want:
+        if not torch.allclose(got[k], want[k], rtol=1e-9, atol=1e-11):
+            errors.append(f"{what}: {k} differs by {(got[k] - want[k]).abs().max().item():.3g}")
+    return errors
+
+
+@pytest.mark.parametrize("kind,world_size", [("mlp", 2), ("tied", 2), ("frozen_unused", 2), ("frozen_unused", 3)])
+def test_ddp_variants_match_single_process(kind, world_size):
+    seed = secrets.randbelow(2**20)
+    results = run_ranks(_train_all_variants, world_size, kind, seed, timeout_s=120)
+    init0 = _state(_make_model(kind, seed))
+    references = {True: _reference(kind, seed, world_size, True), False: _reference(kind, seed, world_size, False)}
+    n_trainable = sum(1 for p in _make_model(kind, seed).parameters() if p.requires_grad)  # tied counted once
+    errors = []
+    for rank, per_variant in enumerate(results):
+        for variant, res in per_variant.items():
+            what = f"[seed={seed}] rank {rank} {variant}"
+            # The constructor broadcast rank 0's parameters AND buffers (ranks initialized differently).
+            errors += _assert_close_states(res["init"], init0, what + " after construction")
+            errors += _assert_close_states(res["final"], references[variant != "bucketed_keepgrads"], what)
+            assert res["n_params"] == n_trainable, f"{what}: {res['n_params']} params, want {n_trainable}"
+            if variant == "bucketed_tiny":
+                assert res["n_buckets"] == n_trainable, what
+            if variant == "bucketed_huge":
+                assert res["n_buckets"] == 1, what
+            if kind == "frozen_unused" and variant != "bucketed_keepgrads":
+                # 'unused' never gets a gradient; 'sometimes' gets none on the steps where no rank uses it.
+                for step, nones in enumerate(res["none_grads"]):
+                    used = any(_uses_branch(step, r) for r in range(world_size))
+                    want = ["unused"] + ([] if used else ["sometimes.bias", "sometimes.weight"])
+                    assert nones == sorted(want), f"{what} step {step}: grads None for {nones}, want {want}"
+    assert not errors, "\n".join(errors)
+
+
+def test_bucket_assignment_reverse_order_and_caps():
+    """Buckets fill in reverse registration order; a cap between sizes groups neighbours; the layout is the
+    same on every rank."""
+    results = run_ranks(_bucket_layouts, 2, timeout_s=60)
+    assert results[0] == results[1]
+    layouts = results[0]
+    # fc2.bias (3), fc2.weight (30), fc1.bias (10), fc1.weight (60) float64 -> 24, 240, 80, 480 bytes.
+    assert layouts[1e-9] == [["fc2.bias"], ["fc2.weight"], ["fc1.bias"], ["fc1.weight"]]
+    assert layouts[300 / 2**20] == [["fc2.bias", "fc2.weight"], ["fc1.bias"], ["fc1.weight"]]
+    assert layouts[1.0] == [["fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"]]
+
+
+def _bucket_layouts(rank: int, world_size: int) -> dict:
+    from torch_impl.distributed import DDPBucketed
+
+    out = {}
+    for cap in (1e-9, 300 / 2**20, 1.0):
+        model = _make_model("mlp", 0)
+        names = {id(p): n for n, p in model.named_parameters()}
+        ddp = DDPBucketed(model, bucket_size_mb=cap)
+        out[cap] = [[names[id(p)] for p in bucket] for bucket in ddp.bucket_params]
+    return out
+
+
+# ----------------------------------------------------------------------------- failures end the job
+
+
+def _rank1_fails(rank: int, world_size: int, how: str) -> str:
+    from torch_impl.distributed import DDPBucketed
+
+    model = _make_model("mlp", rank)
+    ddp = DDPBucketed(model, bucket_size_mb=1e-9)  # the constructor's broadcast succeeds on both ranks
+    x, y = _batch("mlp", 0, 0, world_size)
+    if rank == 1:
+        if how == "raises":
+            raise RuntimeError("rank 1 fails before the gradient all-reduce")
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "hangs":
+            time.sleep(6)  # longer than the process group's timeout, then leaves without communicating
+            return "left"
+    F.cross_entropy(ddp(x[:BATCH]), y[:BATCH]).backward()  # launches async all-reduces
+    ddp.finish_gradient_synchronization()  # must raise on rank 0, not hang
+    return "finished"
+
+
+@pytest.mark.parametrize("how", ["raises", "killed", "hangs"])
+def test_failed_rank_ends_job_with_error(how):
+    start = time.monotonic()
+    outcomes = run_ranks_outcomes(_rank1_fails, 2, how, timeout_s=40, pg_timeout_s=4)
+    elapsed = time.monotonic() - start
+    rank0, rank1 = outcomes
+    assert not rank0.timed_out, f"rank 0 hung ({elapsed:.1f}s)"
+    assert rank0.error is not None, f"rank 0 finished although rank 1 {how}: {rank0.result}"
+    assert "Traceback" in rank0.error  # a real exception in rank 0, raised by the collective
+    if how == "raises":
+        assert "rank 1 fails before" in rank1.error
+    elif how == "killed":
+        assert rank1.exitcode == -signal.SIGKILL
+    else:  # rank 1 was still alive: rank 0's collective must have given up on the timeout, not on a closed socket
+        assert "timed out" in rank0.error.lower() or "timeout" in rank0.error.lower(), rank0.error[-500:]
+    assert elapsed < 30, f"took {elapsed:.1f}s"

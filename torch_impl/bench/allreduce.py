@@ -1,0 +1,321 @@
+"""All-reduce benchmark: ``torchrun --nproc_per_node N -m torch_impl.bench.allreduce [flags]``.
+
+For each size, every rank all-reduces (SUM) a float32 tensor of that many bytes: ``--warmup`` untimed calls
+(the first one checked for the right sum), then ``--iters`` timed calls, each preceded by a barrier so that
+every rank starts together. On GPUs (NCCL) each call is timed with CUDA events around the ``all_reduce``; on
+CPUs (gloo) with ``time.perf_counter`` around it. The ranks' per-call times are gathered to rank 0
+(``all_gather_object``); a call's time is the slowest rank's (a collective is done when the last rank is),
+and the record's timing statistics are over those per-call times. In the same run, as a reference, a *raw
+loop* times ``--iters`` back-to-back ``dist.all_reduce`` calls with a single synchronization before and after
+(no barrier or event per call; its time per call is the slowest rank's total / iters).
+
+Bandwidths (GB/s = 10**9 bytes/s, as nccl-tests report them), with S the tensor's bytes, t the median time:
+algorithm bandwidth ``algbw = S / t``; bus bandwidth ``busbw = algbw * 2 (n - 1) / n`` for n ranks
+(``parallelism_calc.collectives.bus_bandwidth``), comparable with the link bandwidth whatever n is.
+
+Sizes: ``--sizes 1MB,10MB,100MB,1GB`` use **binary** units: KB = KiB = 2**10, MB = MiB = 2**20,
+GB = GiB = 2**30 bytes (as torch DDP's ``bucket_cap_mb`` and the CS336 handout's sizes); a bare number is bytes.
+Bandwidths, in contrast, are decimal GB/s.
+
+Rank 0 prints progress and, with ``--out``, appends one ``Record`` per size (suite "allreduce", implementation
+"{backend} all_reduce", the world size, fp32; metrics: bytes, algbw/busbw in GB/s, each rank's median, and the
+raw loop's time and bandwidths). A size that fails on any rank (e.g. out of memory) becomes an error record on
+every rank's agreement, then the run goes on. ``--report-only FILE`` (no torchrun needed) reads the records
+and draws bus bandwidth against size, one line per (world size, benchmark | raw loop), one panel per backend
+(``analysis.plots.line_plot``), and prints a Markdown table.
+
+References: NCCL-tests PERFORMANCE.md (algbw / busbw); CS336 assignment 2 (2025), section 2.1 (benchmarking
+all-reduce on gloo/CPU and NCCL/GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from analysis.records import Record, append_records, read_records, timing_stats
+from parallelism_calc.collectives import bus_bandwidth
+
+SUITE = "allreduce"
+DEFAULT_SIZES = "1MB,10MB,100MB,1GB"
+_UNITS = {"": 1, "B": 1, "KB": 2**10, "KIB": 2**10, "MB": 2**20, "MIB": 2**20, "GB": 2**30, "GIB": 2**30}
+_GB = 1e9  # bandwidths in decimal GB/s
+FLOAT32_BYTES = 4
+
+
+def parse_size(text: str) -> int:
+    """'1MB' -> 1048576: binary units (KB/KiB = 2**10, MB/MiB = 2**20, GB/GiB = 2**30); a bare number is
+    bytes. The size must be a positive multiple of 4 bytes (float32)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"size {text!r}; write e.g. 4096, 64KB, 1MB, 1GB (binary units)")
+    nbytes = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if nbytes <= 0 or nbytes != int(nbytes) or int(nbytes) % FLOAT32_BYTES:
+        raise ValueError(f"size {text!r} = {nbytes:g} bytes must be a positive multiple of {FLOAT32_BYTES}")
+    return int(nbytes)
+
+
+def size_label(nbytes: int) -> str:
+    """1048576 -> '1MB' (binary units, as parsed by ``parse_size``)."""
+    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B"
+
+
+def bandwidths(nbytes: int, world_size: int, seconds: float) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (10**9 bytes/s) of an all-reduce of ``nbytes`` over ``world_size`` ranks."""
+    return nbytes / seconds / _GB, bus_bandwidth("all_reduce", nbytes, world_size, seconds) / _GB
+
+
+# ----------------------------------------------------------------------------- measuring (under torchrun)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_calls(tensor, iters: int) -> list[float]:
+    """Per-call milliseconds of ``iters`` all-reduces, each after a barrier (this rank's view)."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    cuda = tensor.device.type == "cuda"
+    for _ in range(iters):
+        _sync(tensor.device)
+        dist.barrier()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dist.all_reduce(tensor)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            dist.all_reduce(tensor)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _time_raw_loop(tensor, iters: int) -> float:
+    """Milliseconds per call of ``iters`` back-to-back all-reduces, synchronized only before and after."""
+    import torch.distributed as dist
+
+    _sync(tensor.device)
+    dist.barrier()
+    _sync(tensor.device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(tensor)
+    _sync(tensor.device)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def _allocate(nbytes: int, device):
+    """This rank's float32 tensor of ``nbytes`` (may raise, e.g. out of memory: before any collective on it)."""
+    import torch
+    import torch.distributed as dist
+
+    return torch.full((nbytes // FLOAT32_BYTES,), float(dist.get_rank() + 1), dtype=torch.float32,
+                      device=device)  # (numel,)
+
+
+def _measure(tensor, warmup: int, iters: int) -> dict[str, Any]:
+    """This rank's measurements on its tensor; every rank issues the same collectives whatever happens, and a
+    wrong sum is reported (``error``), not raised, so that the ranks stay in step."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+    dist.all_reduce(tensor)  # the first warm-up call, checked: sum over ranks of (rank + 1)
+    expected = world_size * (world_size + 1) / 2
+    error = None if bool((tensor == expected).all()) else (
+        f"all_reduce gave a wrong sum on rank {dist.get_rank()} (expected {expected:g} everywhere)")
+    tensor.zero_()  # repeated in-place sums stay finite
+    for _ in range(max(warmup - 1, 0)):
+        dist.all_reduce(tensor)
+    _sync(tensor.device)
+    times = _time_calls(tensor, iters)
+    raw_ms = _time_raw_loop(tensor, iters)
+    return {"times_ms": times, "raw_ms": raw_ms, "error": error}
+
+
+def _agree_all_ok(ok: bool, device) -> bool:
+    """True if every rank succeeded (a MIN all-reduce of one flag), so all ranks skip a failed size together."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def size_record(nbytes: int, world_size: int, backend: str, per_rank: list[dict], warmup: int, iters: int,
+                device_name: str) -> Record:
+    """The record of one size from every rank's measurements (rank 0, after the gather)."""
+    per_call = [max(rank["times_ms"][i] for rank in per_rank) for i in range(iters)]  # the slowest rank's
+    timing = timing_stats(per_call)
+    algbw, busbw = bandwidths(nbytes, world_size, timing["median_ms"] / 1e3)
+    raw_ms = max(rank["raw_ms"] for rank in per_rank)
+    raw_algbw, raw_busbw = bandwidths(nbytes, world_size, raw_ms / 1e3)
+    record = Record(
+        suite=SUITE, backend="torch", implementation=f"{backend} all_reduce", dtype="fp32", world_size=world_size,
+        warmup_steps=warmup, timed_steps=iters, timing=timing,
+        metrics={
+            "bytes": nbytes, "size": size_label(nbytes), "comm_backend": backend,
+            "algbw_gbps": algbw, "busbw_gbps": busbw,
+            "per_rank_median_ms": [statistics.median(rank["times_ms"]) for rank in per_rank],
+            "raw_loop_ms": raw_ms, "raw_loop_per_rank_ms": [rank["raw_ms"] for rank in per_rank],
+            "raw_algbw_gbps": raw_algbw, "raw_busbw_gbps": raw_busbw,
+            "busbw_over_raw": busbw / raw_busbw,
+        },
+    )
+    record.provenance["device_name"] = device_name
+    return record
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from torch_impl.distributed import distributed_context
+
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    with distributed_context(backend=args.backend, timeout_s=args.timeout,
+                             device="cpu" if args.backend == "gloo" else None) as ctx:
+        device = ctx.device
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        if ctx.is_main:
+            print(f"all_reduce benchmark: {ctx.backend}, {ctx.world_size} ranks, {device_name}, "
+                  f"warmup {args.warmup}, iters {args.iters}", flush=True)
+        failures = 0
+        for nbytes in sizes:
+            tensor = error = None
+            try:
+                tensor = _allocate(nbytes, device)
+            except RuntimeError as err:  # out of memory: found before any collective on the tensor
+                error = f"{type(err).__name__}: {err}".splitlines()[0]
+            mine = None
+            if _agree_all_ok(error is None, device):
+                mine = _measure(tensor, args.warmup, args.iters)
+                error = mine["error"]
+            del tensor
+            gathered = [None] * ctx.world_size
+            dist.all_gather_object(gathered, {"error": error} if mine is None else mine)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if not ctx.is_main:
+                continue
+            errors = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g["error"]]
+            if errors:
+                failures += 1
+                message = "; ".join(errors)
+                record = Record(suite=SUITE, backend="torch", implementation=f"{ctx.backend} all_reduce",
+                                dtype="fp32", world_size=ctx.world_size, warmup_steps=args.warmup,
+                                timed_steps=args.iters, status="oom" if "out of memory" in message.lower()
+                                else "error", error=message,
+                                metrics={"bytes": nbytes, "size": size_label(nbytes), "comm_backend": ctx.backend})
+                record.provenance["device_name"] = device_name
+                print(f"{size_label(nbytes):>6}: {record.status}: {message}", flush=True)
+            else:
+                record = size_record(nbytes, ctx.world_size, ctx.backend, gathered, args.warmup, args.iters,
+                                     device_name)
+                m = record.metrics
+                print(f"{m['size']:>6}: median {record.timing['median_ms']:9.3f} ms  algbw {m['algbw_gbps']:8.2f} "
+                      f"GB/s  busbw {m['busbw_gbps']:8.2f} GB/s  | raw loop {m['raw_loop_ms']:9.3f} ms  busbw "
+                      f"{m['raw_busbw_gbps']:8.2f} GB/s ({m['busbw_over_raw']:.1%})", flush=True)
+            if args.out:
+                append_records(args.out, record)
+        dist.barrier()
+    return 1 if failures else 0
+
+
+# ----------------------------------------------------------------------------- report (records -> plot)
+
+
+def report(path: str, plot: str | None = None) -> tuple[Path, str]:
+    """Bus bandwidth against size from the all-reduce records in ``path``: a PNG (default: ``<stem>_busbw.png``
+    next to it) with one line per (world size, benchmark | raw loop) and one panel per backend, and a Markdown
+    table of the successful runs. Returns (the PNG's path, the table)."""
+    import pandas as pd
+
+    from analysis.plots import line_plot
+    from analysis.tables import markdown_table
+
+    rows = []
+    for r in read_records(path):
+        if r.suite != SUITE or r.status != "ok":
+            continue
+        m = r.metrics
+        common = {"bytes": m["bytes"], "size": m["size"], "backend": m.get("comm_backend", r.implementation),
+                  "world_size": r.world_size, "device": r.provenance.get("device_name")}
+        rows.append({**common, "series": f"{r.world_size} ranks, benchmark", "median_ms": r.timing["median_ms"],
+                     "algbw_gbps": m["algbw_gbps"], "busbw_gbps": m["busbw_gbps"],
+                     "raw_busbw_gbps": m["raw_busbw_gbps"], "busbw_over_raw": m["busbw_over_raw"]})
+        rows.append({**common, "series": f"{r.world_size} ranks, raw loop", "median_ms": m["raw_loop_ms"],
+                     "algbw_gbps": m["raw_algbw_gbps"], "busbw_gbps": m["raw_busbw_gbps"]})
+    if not rows:
+        raise ValueError(f"{path}: no successful {SUITE!r} records")
+    frame = pd.DataFrame(rows)
+    out = Path(plot) if plot else Path(path).with_name(f"{Path(path).stem}_busbw.png")
+    series = sorted(frame["series"].unique(), key=lambda s: (int(s.split()[0]), s))
+    line_plot(frame, "bytes", "busbw_gbps", hue="series", col="backend", hue_order=series, logx=2,
+              xlabel="tensor size (bytes, float32)", ylabel="bus bandwidth (GB/s)",
+              title="all_reduce bus bandwidth", out=out)
+    table = frame[frame["series"].str.endswith("benchmark")].sort_values(["backend", "world_size", "bytes"])
+    text = markdown_table(table, ["backend", "device", "world_size", "size", "median_ms", "algbw_gbps", "busbw_gbps",
+                                  "raw_busbw_gbps", "busbw_over_raw"])
+    return out, text
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node N -m torch_impl.bench.allreduce",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                        help="gloo (CPU tensors) or nccl (GPU tensors); default nccl if CUDA is available, else gloo")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES,
+                        help=f"comma-separated tensor sizes, binary units (MB = 2**20 bytes); default {DEFAULT_SIZES}")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls per size (default 5; at least 1 runs, "
+                                                              "checked for the right sum)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per size (default 20)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds (default 300)")
+    parser.add_argument("--out", metavar="JSONL", help="append one record per size to this file (rank 0)")
+    parser.add_argument("--report-only", metavar="JSONL", help="no measuring: plot and tabulate the records in JSONL")
+    parser.add_argument("--plot", metavar="PNG", help="with --report-only: the plot's path (default <stem>_busbw.png)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.report_only:
+        try:
+            out, text = report(args.report_only, args.plot)
+        except (OSError, ValueError) as err:
+            parser.exit(2, f"error: {err}\n")
+        print(text)
+        print(f"plot: {out}")
+        return 0
+    if args.iters < 1 or args.warmup < 0:
+        parser.error(f"--iters={args.iters} must be >= 1 and --warmup={args.warmup} >= 0")
+    try:
+        [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError as err:
+        parser.error(str(err))
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
