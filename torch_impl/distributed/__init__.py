@@ -3,6 +3,10 @@
 Model code never imports this package; these wrappers are applied to a model from outside.
 """
 
+from torch_impl.distributed.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
+from torch_impl.distributed.fsdp import FSDP
 from torch_impl.distributed.process_group import DistributedContext, distributed_context, init_distributed
+from torch_impl.distributed.zero import ShardedOptimizer
 
-__all__ = ["DistributedContext", "distributed_context", "init_distributed"]
+__all__ = ["DDPBucketed", "DDPIndividualParameters", "DistributedContext", "FSDP", "FlatDDP", "NaiveDDP",
+           "ShardedOptimizer", "distributed_context", "init_distributed"]
