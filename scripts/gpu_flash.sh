@@ -7,7 +7,6 @@ set -uo pipefail
 out=${1:?usage: scripts/gpu_flash.sh OUT_DIR}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-python3 scripts/flash_probe.py --no-bench && \
-  true
+python3 scripts/flash_probe.py --no-bench
 python3 -m torch_impl.bench.attention --preset leaderboard \
   --providers flash_triton,sdpa_cudnn,sdpa_flash,sdpa_efficient,flex --out "$out/attention_leaderboard_h100.jsonl"
