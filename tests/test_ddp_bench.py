@@ -1,0 +1,142 @@
+"""The DDP step benchmark: flag parsing, and real CPU runs (one plain process, then 2 gloo ranks under torchrun).
+
+One module-scoped fixture runs ``--impl none`` as a plain ``python -m`` process and then every other impl in a
+single torchrun launch of 2 ranks (tiny model, seq 32, 1 warm-up + 2 timed steps), into one JSON Lines file;
+the tests check its records field by field, recomputing tokens/s and the scaling efficiency by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from analysis.records import read_records
+from tests._dist import free_port
+from torch_impl.bench.ddp import Config, configurations, main, parse_bucket_mb, parse_impls
+
+REPO = Path(__file__).resolve().parent.parent
+COMMON = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--warmup", "1",
+          "--steps", "2", "--timeout", "30"]
+MULTI = "naive,flat,individual,bucketed,zero1,fsdp,torch_ddp,fsdp2"
+ENV = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp") / "ddp.jsonl"
+    _run([sys.executable, "-m", "torch_impl.bench.ddp", *COMMON, "--impl", "none", "--out", str(out)])
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+          "--master_port", str(free_port()), "-m", "torch_impl.bench.ddp", *COMMON, "--impl", MULTI,
+          "--bucket-mb", "0.01,10", "--out", str(out)])
+    return out, read_records(out)
+
+
+def test_parse_flags():
+    assert parse_impls("naive, bucketed,naive") == ["naive", "bucketed"]
+    with pytest.raises(ValueError):
+        parse_impls("naive,ddp3")
+    assert parse_bucket_mb("1,10,25") == [1.0, 10.0, 25.0]
+    for bad in ("0", "-1", "ten", ""):
+        with pytest.raises(ValueError):
+            parse_bucket_mb(bad)
+    cfgs = configurations(["naive", "bucketed", "zero1", "torch_ddp"], [1.0, 25.0])
+    assert [c.name for c in cfgs] == ["naive", "bucketed 1MB", "bucketed 25MB", "zero1 + bucketed 1MB",
+                                      "zero1 + bucketed 25MB", "torch_ddp"]
+    assert Config("bucketed", 0.5).name == "bucketed 0.5MB"
+
+
+def test_one_record_per_configuration(records):
+    _, recs = records
+    assert [r.implementation for r in recs] == [
+        "none", "naive", "flat", "individual", "bucketed 0.01MB", "bucketed 10MB", "zero1 + bucketed 0.01MB",
+        "zero1 + bucketed 10MB", "fsdp", "torch_ddp", "fsdp2"]
+    assert recs[0].world_size == 1 and all(r.world_size == 2 for r in recs[1:])
+
+
+@pytest.mark.parametrize("index", range(11))
+def test_record_fields(records, index):
+    _, recs = records
+    r = recs[index]
+    assert r.status == "ok", r.error
+    assert (r.suite, r.backend, r.mode, r.dtype, r.model, r.batch_size, r.seq_len) == (
+        "ddp", "torch", "train_step", "fp32", "tiny", 2, 32)
+    assert (r.warmup_steps, r.timed_steps) == (1, 2)
+    assert set(r.phases) == {"forward", "backward", "comm_blocked", "optimizer"}
+    # tokens/s counts every rank's batch: world x batch x seq / median step.
+    assert r.tokens_per_s == pytest.approx(r.world_size * 2 * 32 / (r.timing["median_ms"] / 1e3))
+    m = r.metrics
+    assert m["predicted_memory_bytes"] > 0
+    assert len(m["per_rank_peak_memory_bytes"]) == r.world_size and r.peak_memory_bytes is None  # CPU
+    assert len(m["per_rank_median_ms"]) == r.world_size
+    # Each step's time is the slowest rank's: its median is >= every rank's own median.
+    assert r.timing["median_ms"] >= max(x["step"] for x in m["per_rank_median_ms"]) - 1e-9
+    assert m["comm_blocked_share"] == pytest.approx(r.phases["comm_blocked"]["median_ms"] / r.timing["median_ms"])
+    if m["impl"] in ("none", "torch_ddp", "fsdp2"):
+        assert r.phases["comm_blocked"]["max_ms"] < 1.0  # no wrapper to wait on (recorded ~0)
+
+
+def test_predicted_memory_follows_the_strategy(records):
+    _, recs = records
+    by_name = {r.implementation: r.metrics for r in recs}
+    ddp, zero1, fsdp = (by_name[n]["predicted_memory_bytes"] for n in ("naive", "zero1 + bucketed 10MB", "fsdp"))
+    assert by_name["naive"]["strategy"] == "ddp" and by_name["fsdp2"]["strategy"] == "fsdp"
+    assert fsdp < zero1 < ddp
+
+
+def test_scaling_efficiency_against_the_single_process_record(records):
+    _, recs = records
+    single = recs[0].tokens_per_s
+    assert "scaling_efficiency" not in recs[0].metrics
+    for r in recs[1:]:
+        assert r.metrics["single_tokens_per_s"] == pytest.approx(single)
+        assert r.metrics["scaling_efficiency"] == pytest.approx(r.tokens_per_s / (2 * single))
+
+
+def test_report_only_prints_the_table(records, capsys):
+    out, _ = records
+    assert main(["--report-only", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "scaling_efficiency" in text and "zero1 + bucketed 10MB" in text and "comm_blocked_median_ms" in text
+
+
+def test_none_under_torchrun_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # refused before any process group is made
+    with pytest.raises(SystemExit):
+        main([*COMMON, "--impl", "none,naive", "--out", str(tmp_path / "x.jsonl")])
+
+
+_FAILING = """
+import os, sys
+import torch_impl.bench.ddp as bench
+measure = bench._measure
+def failing(cfg, *args, **kwargs):  # rank 1 fails before the wrapper's broadcast, rank 0 waits in it
+    if os.environ["RANK"] == "1" and cfg.impl == "flat":
+        raise RuntimeError("injected failure on rank 1")
+    return measure(cfg, *args, **kwargs)
+bench._measure = failing
+sys.exit(bench.main())
+"""
+
+
+def test_a_rank_failing_out_of_step_ends_the_run_within_the_timeout(tmp_path):
+    script, out = tmp_path / "failing.py", tmp_path / "fail.jsonl"
+    script.write_text(_FAILING)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script), *COMMON[:-2], "--timeout", "5",
+           "--impl", "naive,flat,bucketed", "--bucket-mb", "10", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    recs = read_records(out)
+    assert [r.implementation for r in recs] == ["naive", "flat"]  # the run stopped at flat
+    assert recs[0].status == "ok"
+    assert recs[1].status == "error" and "collective failure" in recs[1].error

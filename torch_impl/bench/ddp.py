@@ -1,0 +1,527 @@
+"""Data-parallel training-step benchmark: ``torchrun --nproc_per_node N -m torch_impl.bench.ddp [flags]``.
+
+Each rank trains ``TransformerLM(--model)`` on its own fixed random batch (``--batch-size`` sequences of
+``--seq-len`` tokens, seed ``--seed + rank``) with AdamW (fused on CUDA), wrapped by ``--impl``:
+
+* ``none``: one process, no wrapper (the baseline of the scaling efficiency; world size 1 only);
+* ``naive``, ``flat``, ``individual``, ``bucketed``: our ``NaiveDDP``, ``FlatDDP``, ``DDPIndividualParameters``,
+  ``DDPBucketed(module, bucket_mb)`` (one configuration per ``--bucket-mb`` value);
+* ``torch_ddp``: ``torch.nn.parallel.DistributedDataParallel`` (``bucket_cap_mb=25``, its default;
+  no buffer broadcast per forward, ``forward_sync_buffers=False`` (torch >= 2.13) or
+  ``broadcast_buffers=False``, since our wrappers broadcast buffers only at construction too);
+* ``zero1``: our ``ShardedOptimizer(AdamW)`` over ``DDPBucketed`` (one configuration per ``--bucket-mb``);
+* ``fsdp``: our ``FSDP`` (``compute_dtype=bfloat16`` with ``--dtype bf16``);
+* ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` per ``TransformerBlock``, then the root
+  (``MixedPrecisionPolicy(param_dtype=bfloat16)`` with ``--dtype bf16``: the reduce dtype follows the
+  param dtype, as in our FSDP); an import failure is an error record.
+
+``--impl`` takes a comma list (``naive,bucketed,zero1``): the configurations run one after another in the
+same launch. ``--dtype bf16`` runs the forward under ``torch.autocast(bfloat16)``, fp32 weights (all impls).
+
+Phases of a step (ms): ``forward`` (model + loss), ``backward`` (``loss.backward()``), ``comm_blocked`` (time
+blocked in ``finish_gradient_synchronization()``: the gradient communication the backward did not hide),
+``optimizer`` (``optimizer.step()``; for ZeRO-1 it includes the broadcast of the updated parameters), and
+the step total (from the start of the forward to the end of the optimizer step, ``zero_grad`` excluded).
+Timing on CUDA: every step starts and ends with ``torch.cuda.synchronize()``; the boundaries *inside* a step
+synchronize the current (compute) stream only, so an NCCL all-reduce still running on its own stream when
+the backward's kernels finish is counted in ``comm_blocked`` (where ``finish_gradient_synchronization`` makes
+the compute stream wait for it), not folded into ``backward`` as a device-wide sync would. On the CPU
+(gloo), plain ``time.perf_counter``. Caveat: ``torch_ddp`` and ``fsdp2`` wait for their gradient
+communication inside ``backward`` itself (the autograd engine's final callback), so their ``comm_blocked``
+is recorded as 0 and their exposed communication is part of ``backward``; ``none`` also records 0.
+
+Records (rank 0 appends one per configuration to ``--out``): suite "ddp", implementation e.g.
+"bucketed 25MB" / "zero1 + bucketed 25MB", world_size, mode train_step. Every rank's per-step phase times
+and peak memory (``torch.cuda.max_memory_allocated`` after the warm-up, None on CPU) are gathered to rank 0
+(``all_gather_object``). **A step's time, and each phase's, is the slowest rank's at that step** (a
+data-parallel step is done when the last rank is); the record's timing / phase statistics are over those
+per-step maxima, so the phases' medians need not add up to the step's. ``tokens_per_s`` = world_size x
+batch x seq / median step; ``tflops`` / ``mfu`` per device from ``parallelism_calc.compute.step_flops`` of
+one rank's batch (``analysis.benchmark.step_record``'s conventions); ``peak_memory_bytes`` = the worst rank.
+Metrics: ``per_rank_peak_memory_bytes``, ``per_rank_median_ms`` (each rank's own step and phase medians),
+``predicted_memory_bytes`` (+ its breakdown) from ``parallelism_calc.memory.per_device_memory`` with the
+strategy the impl implements (ddp for none / the DDP variants / torch_ddp, zero1, fsdp for fsdp / fsdp2;
+precision fp32 or bf16_autocast; attention "naive" for --attention naive, else "flash"), and
+``comm_blocked_share`` = median comm_blocked / median step. Caveat: our FSDP shards only the Linear /
+Embedding weights (norm gains replicated); the calculator's "fsdp" shards all, a negligible difference.
+
+Scaling efficiency: when ``--out`` already holds an ok ``none`` record (world size 1) with the same model,
+batch, seq, dtype, attention and device name, each new record gets ``metrics.scaling_efficiency`` =
+tokens_per_s / (world_size x tokens_per_s of that record) (the latest such record), and
+``metrics.single_tokens_per_s``. ``--report-only FILE`` prints a Markdown table of the file's ddp records
+(``analysis.tables``) with that column, recomputed from the file for records written before their baseline.
+
+Failures: a configuration that fails on a rank (e.g. out of memory) becomes an error record ("oom" or
+"error") and the run goes on to the next configuration, provided every rank got to the agreement point at the
+end of the configuration (failures that strike every rank alike, such as an OOM of the same shapes, or one
+while building the model). A collective that fails or times out (``--timeout``, the process group's
+timeout), or ranks that disagree on where they failed, end the run: rank 0 writes an error record if it can,
+and every process exits non-zero (torchrun then stops the others) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from analysis.benchmark import fixed_batch, resolve_spec, step_record
+from analysis.records import Record, append_records, read_records
+
+SUITE = "ddp"
+IMPLS = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
+BUCKETED_IMPLS = ("bucketed", "zero1")  # one configuration per --bucket-mb value
+TORCH_DDP_BUCKET_MB = 25.0  # torch DDP's default bucket_cap_mb
+PHASES = ("forward", "backward", "comm_blocked", "optimizer")
+STRATEGY = {"none": "ddp", "naive": "ddp", "flat": "ddp", "individual": "ddp", "bucketed": "ddp",
+            "torch_ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp", "fsdp2": "fsdp"}
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective failed or timed out: the ranks are out of step, so the run must end."""
+
+
+@dataclass(frozen=True)
+class Config:
+    impl: str
+    bucket_mb: float | None = None
+
+    @property
+    def name(self) -> str:
+        """The record's implementation: 'bucketed 25MB', 'zero1 + bucketed 25MB', 'torch_ddp', ..."""
+        if self.impl == "bucketed":
+            return f"bucketed {_mb(self.bucket_mb)}MB"
+        if self.impl == "zero1":
+            return f"zero1 + bucketed {_mb(self.bucket_mb)}MB"
+        return self.impl
+
+
+def _mb(value: float) -> str:
+    return f"{value:g}"
+
+
+def parse_impls(text: str) -> list[str]:
+    """'naive, bucketed' -> ['naive', 'bucketed'] (order kept, repeats dropped); unknown names raise."""
+    impls = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown or not impls:
+        raise ValueError(f"--impl {text!r}: unknown {unknown}; accepted (comma list): {', '.join(IMPLS)}")
+    return impls
+
+
+def parse_bucket_mb(text: str) -> list[float]:
+    """'1,10,25' -> [1.0, 10.0, 25.0] MiB; each must be > 0."""
+    try:
+        values = [float(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--bucket-mb {text!r}: write numbers of MiB, e.g. 1,10,25,100") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"--bucket-mb {text!r}: every size must be > 0")
+    return values
+
+
+def configurations(impls: list[str], bucket_mb: list[float]) -> list[Config]:
+    """The configurations of a run, in order: bucketed and zero1 once per bucket size, the others once."""
+    out: list[Config] = []
+    for impl in impls:
+        if impl in BUCKETED_IMPLS:
+            out += [Config(impl, mb) for mb in bucket_mb]
+        elif impl == "torch_ddp":
+            out.append(Config(impl, TORCH_DDP_BUCKET_MB))
+        else:
+            out.append(Config(impl))
+    return out
+
+
+# ----------------------------------------------------------------------------- per-step timing
+
+
+def _sync_device(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _sync_stream(device) -> None:
+    """The compute stream only (see the module docstring: in-flight NCCL work is not waited for here)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _is_collective_error(err: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(err, (CollectiveFailure, getattr(dist, "DistError", ()))):
+        return True
+    text = str(err).lower()
+    return any(s in text for s in ("timed out", "timeout", "connection closed", "connection reset", "gloo",
+                                   "nccl", "peer", "broken pipe"))
+
+
+def _build(cfg: Config, args: argparse.Namespace, spec, device, world_size: int):
+    """(the module to call, the wrapper or None, the optimizer) for one configuration; collectives inside
+    (the wrappers' broadcasts) run on every rank alike."""
+    import torch
+    from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
+                                        ShardedOptimizer)
+    from torch_impl.model import TransformerLM
+
+    torch.manual_seed(args.seed)
+    model = TransformerLM(spec, attention=args.attention, device=device)
+    adamw = dict(lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
+    bf16 = args.dtype == "bf16"
+    if cfg.impl == "none":
+        return model, None, torch.optim.AdamW(model.parameters(), **adamw)
+    if cfg.impl in ("naive", "flat", "individual"):
+        cls = {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[cfg.impl]
+        wrapper = cls(model)
+        return wrapper, wrapper, torch.optim.AdamW(model.parameters(), **adamw)
+    if cfg.impl in ("bucketed", "zero1"):
+        wrapper = DDPBucketed(model, cfg.bucket_mb)
+        if cfg.impl == "zero1":
+            return wrapper, wrapper, ShardedOptimizer(model.parameters(), torch.optim.AdamW, **adamw)
+        return wrapper, wrapper, torch.optim.AdamW(model.parameters(), **adamw)
+    if cfg.impl == "torch_ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        import inspect
+
+        # No per-forward buffer broadcast (torch >= 2.13 renames the flag; 2.11 knows only the old one).
+        no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                   inspect.signature(DistributedDataParallel).parameters else {"broadcast_buffers": False})
+        ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                      bucket_cap_mb=cfg.bucket_mb, **no_sync)
+        return ddp, None, torch.optim.AdamW(ddp.parameters(), **adamw)
+    if cfg.impl == "fsdp":
+        fsdp = FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None)
+        return fsdp, fsdp, torch.optim.AdamW(fsdp.parameters(), **adamw)
+    if cfg.impl == "fsdp2":
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        except ImportError as err:
+            raise RuntimeError(f"fsdp2: torch.distributed.fsdp.fully_shard is not available: {err}") from None
+        from torch_impl.model import TransformerBlock
+
+        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if bf16 else {}
+        for block in model.modules():
+            if isinstance(block, TransformerBlock):
+                fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model, None, torch.optim.AdamW(model.parameters(), **adamw)
+    raise ValueError(f"unknown impl {cfg.impl!r}")
+
+
+def _measure(cfg: Config, args: argparse.Namespace, spec, seq_len: int, device, rank: int,
+             world_size: int) -> dict[str, Any]:
+    """This rank's per-step phase times (ms), its peak memory and its losses, for one configuration."""
+    import torch
+    from torch_impl.model import cross_entropy
+
+    forward, wrapper, optimizer = _build(cfg, args, spec, device, world_size)
+    tokens = torch.from_numpy(fixed_batch(args.seed + rank, args.batch_size, seq_len, spec.vocab_size)).to(device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
+                else contextlib.nullcontext())
+    start_batch = getattr(wrapper, "on_train_batch_start", None)
+
+    def step() -> tuple[float, dict[str, float], float]:
+        if start_batch is not None:
+            start_batch()
+        _sync_device(device)
+        t0 = time.perf_counter()
+        with autocast:
+            loss = cross_entropy(forward(inputs), targets)
+        _sync_stream(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync_stream(device)
+        t2 = time.perf_counter()
+        if wrapper is not None:
+            wrapper.finish_gradient_synchronization()
+        _sync_stream(device)
+        t3 = time.perf_counter()
+        optimizer.step()
+        _sync_device(device)
+        t4 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        phases = {"forward": t1 - t0, "backward": t2 - t1, "comm_blocked": t3 - t2, "optimizer": t4 - t3}
+        return loss.item(), {k: v * 1e3 for k, v in phases.items()}, (t4 - t0) * 1e3
+
+    losses = [step()[0] for _ in range(args.warmup)]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step_ms, phases_ms = [], {p: [] for p in PHASES}
+    for _ in range(args.steps):
+        loss, phases, total = step()
+        losses.append(loss)
+        step_ms.append(total)
+        for p in PHASES:
+            phases_ms[p].append(phases[p])
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"step_ms": step_ms, "phases_ms": phases_ms, "peak": peak, "losses": losses, "error": None}
+
+
+# ----------------------------------------------------------------------------- records (rank 0)
+
+
+def _step_args(args: argparse.Namespace) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "suite": SUITE, "mode": "train_step"})
+
+
+def predicted_memory(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world_size: int):
+    """``per_device_memory`` of the strategy ``cfg`` implements (see the module docstring)."""
+    from parallelism_calc.memory import per_device_memory
+
+    precision = "fp32" if args.dtype == "fp32" else "bf16_autocast"
+    attention = "naive" if args.attention == "naive" else "flash"
+    n = 1 if cfg.impl == "none" else world_size
+    return per_device_memory(spec, STRATEGY[cfg.impl], n, n * args.batch_size * seq_len, seq_len, precision,
+                             attention=attention)
+
+
+def _baseline_key(record: Record) -> tuple:
+    return (record.model, record.batch_size, record.seq_len, record.dtype, record.metrics.get("attention"),
+            record.provenance.get("device_name"))
+
+
+def single_process_baselines(records: list[Record]) -> dict[tuple, float]:
+    """tokens/s of the latest ok ``none`` (world size 1) record per (model, batch, seq, dtype, attention,
+    device name)."""
+    out = {}
+    for r in records:
+        if r.suite == SUITE and r.implementation == "none" and r.world_size == 1 and r.status == "ok" \
+                and r.tokens_per_s:
+            out[_baseline_key(r)] = r.tokens_per_s
+    return out
+
+
+def add_scaling_efficiency(record: Record, baselines: dict[tuple, float]) -> None:
+    """metrics.scaling_efficiency = tokens_per_s / (world_size x the single-process tokens/s), if known."""
+    single = baselines.get(_baseline_key(record))
+    if record.status != "ok" or not record.tokens_per_s or single is None or record.implementation == "none":
+        return
+    record.metrics["single_tokens_per_s"] = single
+    record.metrics["scaling_efficiency"] = record.tokens_per_s / (record.world_size * single)
+
+
+def make_record(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world_size: int, device_name: str,
+                gathered: list[dict[str, Any]]) -> Record:
+    """The record of one configuration from every rank's measurements (see the module docstring)."""
+    errors = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g.get("error")]
+    common = dict(backend="torch", implementation=cfg.name, device_name=device_name)
+    metrics: dict[str, Any] = {"impl": cfg.impl, "bucket_mb": cfg.bucket_mb, "attention": args.attention,
+                               "strategy": STRATEGY[cfg.impl], "fused_adamw": device_name != "cpu",
+                               "timing_rank": "slowest rank per step"}
+    try:
+        pred = predicted_memory(cfg, args, spec, seq_len, world_size)
+        metrics["predicted_memory_bytes"] = pred.total
+        metrics["predicted_memory"] = {f.name: getattr(pred, f.name) for f in dataclasses.fields(pred)
+                                       if isinstance(getattr(pred, f.name), (int, float))}
+    except ValueError as err:  # e.g. a batch the calculator cannot split
+        metrics["predicted_memory_error"] = str(err)
+    if errors:
+        message = "; ".join(errors)
+        oom = "out of memory" in message.lower()
+        record = step_record(_step_args(args), spec, seq_len, metrics=metrics, status="oom" if oom else "error",
+                             error=message, **common)
+    else:
+        steps = range(args.steps)
+        step_ms = [max(g["step_ms"][i] for g in gathered) for i in steps]
+        phases_ms = {p: [max(g["phases_ms"][p][i] for g in gathered) for i in steps] for p in PHASES}
+        peaks = [g["peak"] for g in gathered]
+        metrics.update({
+            "per_rank_peak_memory_bytes": peaks,
+            "per_rank_median_ms": [{"step": statistics.median(g["step_ms"]),
+                                    **{p: statistics.median(g["phases_ms"][p]) for p in PHASES}} for g in gathered],
+            "loss_first": gathered[0]["losses"][0], "loss_last": gathered[0]["losses"][-1],
+        })
+        record = step_record(_step_args(args), spec, seq_len, step_times_ms=step_ms, phases_ms=phases_ms,
+                             peak_memory_bytes=None if None in peaks else max(peaks), metrics=metrics, **common)
+        record.tokens_per_s = world_size * args.batch_size * seq_len / (record.timing["median_ms"] / 1e3)
+        record.metrics["comm_blocked_share"] = record.phases["comm_blocked"]["median_ms"] / record.timing["median_ms"]
+    record.world_size = world_size
+    record.mesh = {"dp": world_size} if STRATEGY[cfg.impl] != "fsdp" else {"fsdp": world_size}
+    return record
+
+
+def _describe(record: Record) -> str:
+    if record.status != "ok":
+        return f"{record.implementation:>24}: {record.status}: {record.error}"
+    m = record.metrics
+    phases = "  ".join(f"{p} {record.phases[p]['median_ms']:.2f}" for p in PHASES)
+    eff = f"  scaling {m['scaling_efficiency']:.1%}" if "scaling_efficiency" in m else ""
+    return (f"{record.implementation:>24}: step {record.timing['median_ms']:.2f} ms ({phases})  "
+            f"{record.tokens_per_s:,.0f} tokens/s{eff}")
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _failure_text(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}".splitlines()[0]
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    spec, seq_len = resolve_spec(args)
+    configs = configurations(parse_impls(args.impl), parse_bucket_mb(args.bucket_mb))
+    if args.dtype == "fp32":
+        torch.set_float32_matmul_precision("highest")
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    if all(c.impl == "none" for c in configs) and world_env == 1:  # no process group needed
+        device = torch.device(args.device)
+        return _run_configs(configs, args, spec, seq_len, device, rank=0, world_size=1)
+    if any(c.impl == "none" for c in configs) and world_env > 1:
+        raise ValueError("--impl none runs as one process: launch it with plain python -m (or --nproc_per_node 1)")
+    from torch_impl.distributed import distributed_context
+
+    with distributed_context(timeout_s=args.timeout, device=args.device) as ctx:
+        return _run_configs(configs, args, spec, seq_len, ctx.device, ctx.rank, ctx.world_size)
+
+
+def _run_configs(configs: list[Config], args, spec, seq_len: int, device, rank: int, world_size: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    baselines = single_process_baselines(read_records(args.out)) if rank == 0 and args.out and \
+        os.path.exists(args.out) else {}
+    if rank == 0:
+        print(f"ddp benchmark: {spec.name}, {world_size} rank(s), {device_name}, batch {args.batch_size}/rank x "
+              f"seq {seq_len}, {args.dtype}, warmup {args.warmup}, steps {args.steps}", flush=True)
+    failures = 0
+    for cfg in configs:
+        try:
+            mine = _measure(cfg, args, spec, seq_len, device, rank, world_size)
+        except Exception as err:  # noqa: BLE001 - recorded, or fatal if the ranks are out of step
+            if distributed and _is_collective_error(err):
+                _fatal(cfg, args, spec, seq_len, world_size, device_name, rank, err)
+            mine = {"error": _failure_text(err)}
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        gathered = [mine]
+        if distributed:
+            gathered = [None] * world_size
+            try:
+                dist.all_gather_object(gathered, mine)
+            except Exception as err:  # noqa: BLE001 - the ranks failed at different points
+                _fatal(cfg, args, spec, seq_len, world_size, device_name, rank, err)
+        if rank != 0:
+            continue
+        record = make_record(cfg, args, spec, seq_len, world_size, device_name, gathered)
+        add_scaling_efficiency(record, baselines)
+        if record.status == "ok" and cfg.impl == "none":
+            baselines[_baseline_key(record)] = record.tokens_per_s
+        failures += record.status != "ok"
+        print(_describe(record), flush=True)
+        if args.out:
+            append_records(args.out, record)
+    if distributed:
+        dist.barrier()
+    return 1 if failures else 0
+
+
+def _fatal(cfg: Config, args, spec, seq_len: int, world_size: int, device_name: str, rank: int,
+           err: BaseException) -> None:
+    """A collective failed: write what can be written (rank 0) and end this process with an error."""
+    message = f"collective failure (the run stopped here): {_failure_text(err)}"
+    print(f"{cfg.name}: rank {rank}: {message}", file=sys.stderr, flush=True)
+    if rank == 0 and args.out:  # the record's error reads "rank 0: collective failure ..."
+        record = make_record(cfg, args, spec, seq_len, world_size, device_name, [{"error": message}])
+        append_records(args.out, record)
+    os._exit(3)  # no teardown: the group's other ranks may be gone or stuck
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def report(path: str) -> str:
+    """A Markdown table of the ddp records in ``path`` with the step, phase medians, tokens/s, memory
+    (measured and predicted) and the scaling efficiency (recomputed against the file's ``none`` records)."""
+    from analysis.tables import markdown_table, records_frame
+
+    records = [r for r in read_records(path) if r.suite == SUITE]
+    if not records:
+        raise ValueError(f"{path}: no {SUITE!r} records")
+    baselines = single_process_baselines(records)
+    for r in records:
+        add_scaling_efficiency(r, baselines)
+    frame = records_frame(records)
+    for column in ("metrics.scaling_efficiency", "metrics.comm_blocked_share", "metrics.predicted_memory_bytes"):
+        if column not in frame:
+            frame[column] = None
+    columns = ["implementation", "model", "world_size", "dtype", "batch_size", "seq_len", "status", "median_ms",
+               *[f"{p}_median_ms" for p in PHASES if f"{p}_median_ms" in frame], "tokens_per_s", "mfu",
+               "peak_memory_bytes", "metrics.predicted_memory_bytes", "metrics.comm_blocked_share",
+               "metrics.scaling_efficiency"]
+    columns = [c for c in columns if c in frame]
+    return markdown_table(frame, columns)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import torch
+
+    parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node N -m torch_impl.bench.ddp",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="xl", help="model preset (default xl)")
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step (default 2)")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="fp32, or bf16 = torch.autocast(bfloat16) with fp32 weights (default fp32)")
+    parser.add_argument("--impl", default="bucketed", help=f"comma list of: {', '.join(IMPLS)} (default bucketed)")
+    parser.add_argument("--bucket-mb", default="1,10,25,100",
+                        help="bucket sizes in MiB for bucketed and zero1, one configuration each (default 1,10,25,100)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration (default 3)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration (default 10)")
+    parser.add_argument("--attention", default="sdpa", help="attention backend of the model (default sdpa)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights; rank r's data uses seed + r")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda (NCCL, cuda:LOCAL_RANK) or cpu (gloo); default cuda if available")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="process-group timeout in seconds: a failed collective ends the run (default 300)")
+    parser.add_argument("--out", default="results/ddp.jsonl", help="append records here (rank 0; default "
+                                                                   "results/ddp.jsonl)")
+    parser.add_argument("--report-only", metavar="JSONL", help="no measuring: print a Markdown table of JSONL")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.report_only:
+        try:
+            print(report(args.report_only))
+        except (OSError, ValueError) as err:
+            parser.exit(2, f"error: {err}\n")
+        return 0
+    try:
+        resolve_spec(argparse.Namespace(**{**vars(args), "mode": "train_step"}))
+        parse_impls(args.impl)
+        parse_bucket_mb(args.bucket_mb)
+        if args.timeout <= 0:
+            raise ValueError(f"--timeout={args.timeout} must be > 0")
+        return run(args)
+    except ValueError as err:
+        parser.error(str(err))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
