@@ -41,6 +41,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _tile(base, b, h, stride_b, stride_h, stride_row, rows, cols):
+    """Pointers to a (rows, cols) tile of head (b, h): rows along the sequence, cols along the head dim."""
+    return base + b * stride_b + h * stride_h + rows[:, None] * stride_row + cols[None, :]
+
+
+@triton.jit
 def _query_tile(IS_CAUSAL: tl.constexpr, n_q, BLOCK_M: tl.constexpr):
     """The query tile of this program: in reverse order when causal (the work grows with the tile index)."""
     if IS_CAUSAL:
@@ -95,9 +101,9 @@ def _fwd_kernel(Q, K, V, O, LSE, sm_scale,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    q_ptrs = _tile(Q, b, h, stride_qb, stride_qh, stride_qm, offs_m, offs_d)
     k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]  # K^T tile
-    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    v_ptrs = _tile(V, b, h, stride_vb, stride_vh, stride_vn, offs_n, offs_d)
     if EVEN_M:
         q = tl.load(q_ptrs)
     else:
@@ -120,7 +126,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sm_scale,
                                    0, n_k, n_k, qk_scale, False, not EVEN_N, BLOCK_N)
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634  # back to natural log
-    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    o_ptrs = _tile(O, b, h, stride_ob, stride_oh, stride_om, offs_m, offs_d)
     lse_ptrs = LSE + bh * n_q + offs_m
     if EVEN_M:
         tl.store(o_ptrs, acc.to(O.dtype.element_ty))
@@ -139,8 +145,8 @@ def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_dob, s
     b, h = bh // n_heads, bh % n_heads
     offs_d = tl.arange(0, HEAD_DIM)
     mask = offs_m[:, None] < n_q
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
+    o = tl.load(_tile(O, b, h, stride_ob, stride_oh, stride_om, offs_m, offs_d), mask=mask, other=0.0)
+    do = tl.load(_tile(DO, b, h, stride_dob, stride_doh, stride_dom, offs_m, offs_d),
                  mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + bh * n_q + offs_m, delta, mask=offs_m < n_q)
@@ -198,12 +204,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     kv_mask = offs_n[:, None] < n_k
-    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask,
+    k = tl.load(_tile(K, b, h, stride_kb, stride_kh, stride_kn, offs_n, offs_d), mask=kv_mask,
                 other=0.0)  # (BLOCK_N, D)
-    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask,
+    v = tl.load(_tile(V, b, h, stride_vb, stride_vh, stride_vn, offs_n, offs_d), mask=kv_mask,
                 other=0.0)
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
-    do_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :]
+    q_ptrs = _tile(Q, b, h, stride_qb, stride_qh, stride_qm, offs_m, offs_d)
+    do_ptrs = _tile(DO, b, h, stride_dob, stride_doh, stride_dom, offs_m, offs_d)
     lse_ptr = LSE + bh * n_q
     delta_ptr = DELTA + bh * n_q
     qk_scale = sm_scale * 1.4426950408889634
@@ -220,9 +226,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dom, offs_n,
                              offs_m, 0, n_q, n_q, n_k, qk_scale, False, RAGGED, BLOCK_M)
     dk *= sm_scale
-    tl.store(DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
+    tl.store(_tile(DK, b, h, stride_dkb, stride_dkh, stride_dkn, offs_n, offs_d),
              dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
+    tl.store(_tile(DV, b, h, stride_dvb, stride_dvh, stride_dvn, offs_n, offs_d),
              dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
@@ -271,14 +277,14 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_mask = offs_m[:, None] < n_q
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_mask,
+    q = tl.load(_tile(Q, b, h, stride_qb, stride_qh, stride_qm, offs_m, offs_d), mask=row_mask,
                 other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
+    do = tl.load(_tile(DO, b, h, stride_dob, stride_doh, stride_dom, offs_m, offs_d),
                  mask=row_mask, other=0.0)
     lse = tl.load(LSE + bh * n_q + offs_m, mask=offs_m < n_q, other=0.0) * 1.4426950408889634  # log2 domain
     delta = tl.load(DELTA + bh * n_q + offs_m, mask=offs_m < n_q, other=0.0)
-    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    k_ptrs = _tile(K, b, h, stride_kb, stride_kh, stride_kn, offs_n, offs_d)
+    v_ptrs = _tile(V, b, h, stride_vb, stride_vh, stride_vn, offs_n, offs_d)
     qk_scale = sm_scale * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if IS_CAUSAL:
@@ -292,7 +298,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
         dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, 0, n_k, n_k,
                        qk_scale, False, not EVEN_N, BLOCK_N)
     dq *= sm_scale
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
+    tl.store(_tile(DQ, b, h, stride_dqb, stride_dqh, stride_dqm, offs_m, offs_d),
              dq.to(DQ.dtype.element_ty), mask=row_mask)
 
 
