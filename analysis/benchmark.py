@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -45,6 +48,11 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", default="e2e", help="suite name written into the records (default e2e)")
     parser.add_argument("--out", metavar="JSONL", help="append the record to this JSON Lines file")
     parser.add_argument("--json", action="store_true", help="print the record as JSON")
+    sweep = parser.add_argument_group("sweep (each configuration in its own process; needs --out)")
+    sweep.add_argument("--sweep-models", help="comma-separated presets, e.g. small,medium,large,xl,2.7B")
+    sweep.add_argument("--sweep-seq-lens", help="comma-separated sequence lengths, e.g. 128,256,512,1024")
+    sweep.add_argument("--config-timeout", type=float, default=1800.0,
+                       help="seconds one sweep configuration may take before it is recorded as an error")
 
 
 def resolve_spec(args: argparse.Namespace) -> tuple[ModelSpec, int]:
@@ -140,6 +148,9 @@ def run_benchmark(
     if add_arguments is not None:  # the backend's own flags
         add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.sweep_models or args.sweep_seq_lens:
+        return run_sweep(args, list(sys.argv[1:] if argv is None else argv), module=prog.split(" -m ")[-1],
+                         backend=measure.__module__.split(".")[0].removesuffix("_impl"))
     try:
         record = measure(args)
     except (ValueError, OSError) as err:
@@ -156,3 +167,67 @@ def failure_record(args: argparse.Namespace, err: Exception, *, backend: str, im
     return step_record(args, spec, seq_len, backend=backend, implementation=implementation,
                        device_name=device_name, status="oom" if oom else "error",
                        error=f"{type(err).__name__}: {err}".splitlines()[0])
+
+
+_SWEEP_FLAGS = ("--sweep-models", "--sweep-seq-lens", "--config-timeout", "--model", "--seq-len")
+
+
+def _without(argv: list[str], flags: Sequence[str]) -> list[str]:
+    """``argv`` without the given valued flags (``--flag value`` or ``--flag=value``)."""
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token in flags:
+            skip = True
+        elif not token.startswith(tuple(f + "=" for f in flags)):
+            out.append(token)
+    return out
+
+
+def _count_lines(path: Path) -> int:
+    return sum(1 for _ in path.open(encoding="utf-8")) if path.exists() else 0
+
+
+def run_sweep(args: argparse.Namespace, argv: list[str], *, module: str, backend: str) -> int:
+    """The model x sequence-length grid, one ``python -m module`` process per configuration (so an
+    out-of-memory or a crash cannot poison the next one). A configuration that ends without writing its
+    record (a crash, a hang past ``--config-timeout``) gets an error record written here: a row, not a gap."""
+    if not args.out:
+        sys.exit("error: a sweep needs --out (its records are its result)")
+    models = [m for m in (args.sweep_models or args.model).split(",") if m]
+    seq_lens = [int(n) for n in (args.sweep_seq_lens or str(args.seq_len or "")).split(",") if n] or [None]
+    base = _without(argv, _SWEEP_FLAGS)
+    configs = list(itertools.product(models, seq_lens))
+    try:
+        from tqdm import tqdm
+        progress = tqdm(configs, desc=f"{module} sweep", unit="config")
+    except ImportError:  # the GPU image may lack tqdm: print a line per configuration instead
+        progress = configs
+    failures = 0
+    for i, (model, seq_len) in enumerate(progress, 1):
+        child = [sys.executable, "-m", module, *base, "--model", model]
+        child += ["--seq-len", str(seq_len)] if seq_len else []
+        before = _count_lines(Path(args.out))
+        try:
+            proc = subprocess.run(child, capture_output=True, text=True, timeout=args.config_timeout)
+            message = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        except subprocess.TimeoutExpired:
+            proc, message = None, f"no result within --config-timeout {args.config_timeout:g} s"
+        if _count_lines(Path(args.out)) == before:  # the child wrote nothing: record why
+            failures += 1
+            spec_args = argparse.Namespace(**{**vars(args), "model": model, "seq_len": seq_len})
+            try:
+                spec, n = resolve_spec(spec_args)
+            except ValueError as err:  # bad configuration: still a row, with the spec's own dims unknown
+                spec, n, message = get_model(model) if model in MODELS else None, seq_len, str(err)
+            record = Record(suite=args.suite, backend=backend, implementation=f"sweep {module}", model=model,
+                            model_dims=dataclasses.asdict(spec) if spec else None, batch_size=args.batch_size,
+                            seq_len=n, dtype=args.dtype, mode=args.mode, status="error", error=message)
+            append_records(args.out, record)
+        elif proc is not None and proc.returncode != 0:
+            failures += 1  # the child recorded its own failure (oom / error)
+        if progress is configs:
+            print(f"[{i}/{len(configs)}] {model} seq {seq_len}: {'ok' if proc and proc.returncode == 0 else 'failed'}")
+    print(f"sweep: {len(configs) - failures} of {len(configs)} configurations ok; records in {args.out}")
+    return 0

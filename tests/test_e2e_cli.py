@@ -58,3 +58,17 @@ def test_bad_flags_give_one_line_errors():
         torch_e2e.main(["--model", "xxl"])
     with pytest.raises(SystemExit, match="unknown attention backend .flash.; accepted: flash_torch, flash_triton, naive, sdpa"):
         torch_e2e.main([*FLAGS, "--attention", "flash"])
+
+
+def test_sweep_runs_each_configuration_and_records_failures(tmp_path):
+    """A model x sequence grid, one process per configuration; a configuration that dies is still a row."""
+    out = tmp_path / "sweep.jsonl"
+    sweep = ["--model", "tiny", "--batch-size", "1", "--warmup", "0", "--steps", "1", "--device", "cpu",
+             "--sweep-models", "tiny,xxl", "--sweep-seq-lens", "8,24", "--out", str(out)]
+    assert torch_e2e.main(sweep) == 0
+    rows = {(r.model, r.seq_len): r for r in read_records(out)}
+    assert set(rows) == {("tiny", 8), ("tiny", 24), ("xxl", 8), ("xxl", 24)}
+    assert rows[("tiny", 24)].status == "ok" and rows[("tiny", 24)].timed_steps == 1
+    assert rows[("xxl", 8)].status == "error" and "analysis-only" in rows[("xxl", 8)].error
+    with pytest.raises(SystemExit, match="needs --out"):
+        torch_e2e.main(["--sweep-models", "tiny"])
