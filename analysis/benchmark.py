@@ -149,8 +149,9 @@ def run_benchmark(
         add_arguments(parser)
     args = parser.parse_args(argv)
     if args.sweep_models or args.sweep_seq_lens:
-        return run_sweep(args, list(sys.argv[1:] if argv is None else argv), module=prog.split(" -m ")[-1],
-                         backend=measure.__module__.split(".")[0].removesuffix("_impl"))
+        module = prog.split(" -m ")[-1]  # e.g. jax_impl.bench.e2e, whose backend is "jax"
+        return run_sweep(args, list(sys.argv[1:] if argv is None else argv), module=module,
+                         backend=module.split(".")[0].removesuffix("_impl"))
     try:
         record = measure(args)
     except (ValueError, OSError) as err:
