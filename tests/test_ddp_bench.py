@@ -140,3 +140,14 @@ def test_a_rank_failing_out_of_step_ends_the_run_within_the_timeout(tmp_path):
     assert [r.implementation for r in recs] == ["naive", "flat"]  # the run stopped at flat
     assert recs[0].status == "ok"
     assert recs[1].status == "error" and "collective failure" in recs[1].error
+
+
+def test_reports_draw_the_ddp_suite(records, tmp_path):
+    from analysis import reports
+
+    out, _ = records
+    written = reports.write_reports(out.parent, tmp_path)
+    names = {p.name for p in written}
+    assert {"ddp.md", "ddp_tokens.png", "index.md"} <= names
+    text = (tmp_path / "ddp.md").read_text()
+    assert "scaling_efficiency" in text and "![throughput](ddp_tokens.png)" in text

@@ -73,13 +73,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from analysis.benchmark import fixed_batch, resolve_spec, step_record
+from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, report,
+                                     single_process_baselines)
 from analysis.records import Record, append_records, read_records
 
-SUITE = "ddp"
 IMPLS = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
 BUCKETED_IMPLS = ("bucketed", "zero1")  # one configuration per --bucket-mb value
 TORCH_DDP_BUCKET_MB = 25.0  # torch DDP's default bucket_cap_mb
-PHASES = ("forward", "backward", "comm_blocked", "optimizer")
 STRATEGY = {"none": "ddp", "naive": "ddp", "flat": "ddp", "individual": "ddp", "bucketed": "ddp",
             "torch_ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp", "fsdp2": "fsdp"}
 
@@ -289,31 +289,6 @@ def predicted_memory(cfg: Config, args: argparse.Namespace, spec, seq_len: int, 
                              attention=attention)
 
 
-def _baseline_key(record: Record) -> tuple:
-    return (record.model, record.batch_size, record.seq_len, record.dtype, record.metrics.get("attention"),
-            record.provenance.get("device_name"))
-
-
-def single_process_baselines(records: list[Record]) -> dict[tuple, float]:
-    """tokens/s of the latest ok ``none`` (world size 1) record per (model, batch, seq, dtype, attention,
-    device name)."""
-    out = {}
-    for r in records:
-        if r.suite == SUITE and r.implementation == "none" and r.world_size == 1 and r.status == "ok" \
-                and r.tokens_per_s:
-            out[_baseline_key(r)] = r.tokens_per_s
-    return out
-
-
-def add_scaling_efficiency(record: Record, baselines: dict[tuple, float]) -> None:
-    """metrics.scaling_efficiency = tokens_per_s / (world_size x the single-process tokens/s), if known."""
-    single = baselines.get(_baseline_key(record))
-    if record.status != "ok" or not record.tokens_per_s or single is None or record.implementation == "none":
-        return
-    record.metrics["single_tokens_per_s"] = single
-    record.metrics["scaling_efficiency"] = record.tokens_per_s / (record.world_size * single)
-
-
 def make_record(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world_size: int, device_name: str,
                 gathered: list[dict[str, Any]]) -> Record:
     """The record of one configuration from every rank's measurements (see the module docstring)."""
@@ -424,7 +399,7 @@ def _run_configs(configs: list[Config], args, spec, seq_len: int, device, rank: 
         record = make_record(cfg, args, spec, seq_len, world_size, device_name, gathered)
         add_scaling_efficiency(record, baselines)
         if record.status == "ok" and cfg.impl == "none":
-            baselines[_baseline_key(record)] = record.tokens_per_s
+            baselines[baseline_key(record)] = record.tokens_per_s
         failures += record.status != "ok"
         print(_describe(record), flush=True)
         if args.out:
@@ -446,29 +421,6 @@ def _fatal(cfg: Config, args, spec, seq_len: int, world_size: int, device_name: 
 
 
 # ----------------------------------------------------------------------------- report
-
-
-def report(path: str) -> str:
-    """A Markdown table of the ddp records in ``path`` with the step, phase medians, tokens/s, memory
-    (measured and predicted) and the scaling efficiency (recomputed against the file's ``none`` records)."""
-    from analysis.tables import markdown_table, records_frame
-
-    records = [r for r in read_records(path) if r.suite == SUITE]
-    if not records:
-        raise ValueError(f"{path}: no {SUITE!r} records")
-    baselines = single_process_baselines(records)
-    for r in records:
-        add_scaling_efficiency(r, baselines)
-    frame = records_frame(records)
-    for column in ("metrics.scaling_efficiency", "metrics.comm_blocked_share", "metrics.predicted_memory_bytes"):
-        if column not in frame:
-            frame[column] = None
-    columns = ["implementation", "model", "world_size", "dtype", "batch_size", "seq_len", "status", "median_ms",
-               *[f"{p}_median_ms" for p in PHASES if f"{p}_median_ms" in frame], "tokens_per_s", "mfu",
-               "peak_memory_bytes", "metrics.predicted_memory_bytes", "metrics.comm_blocked_share",
-               "metrics.scaling_efficiency"]
-    columns = [c for c in columns if c in frame]
-    return markdown_table(frame, columns)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -1,0 +1,86 @@
+"""Records of the data-parallel benchmark (``torch_impl.bench.ddp``): scaling efficiency against the
+single-process run of the same configuration, and the benchmark's table. Stdlib only, except the table
+(pandas, imported when it is drawn), so the benchmark can import it on every rank.
+
+Scaling efficiency = tokens/s on N ranks / (N x tokens/s of one process), for the same model, per-rank batch,
+sequence length, dtype, attention and device; 1.0 is perfect weak scaling.
+"""
+
+from __future__ import annotations
+
+from analysis.records import Record, read_records
+
+SUITE = "ddp"
+PHASES = ("forward", "backward", "comm_blocked", "optimizer")
+
+
+def baseline_key(record: Record) -> tuple:
+    """What a run and its single-process baseline share: model, batch, sequence, dtype, attention, device."""
+    return (record.model, record.batch_size, record.seq_len, record.dtype, record.metrics.get("attention"),
+            record.provenance.get("device_name"))
+
+
+def single_process_baselines(records: list[Record]) -> dict[tuple, float]:
+    """tokens/s of the latest ok ``none`` (world size 1) record per (model, batch, seq, dtype, attention,
+    device name)."""
+    out = {}
+    for r in records:
+        if r.suite == SUITE and r.implementation == "none" and r.world_size == 1 and r.status == "ok" \
+                and r.tokens_per_s:
+            out[baseline_key(r)] = r.tokens_per_s
+    return out
+
+
+def add_scaling_efficiency(record: Record, baselines: dict[tuple, float]) -> None:
+    """metrics.scaling_efficiency = tokens_per_s / (world_size x the single-process tokens/s), if known."""
+    single = baselines.get(baseline_key(record))
+    if record.status != "ok" or not record.tokens_per_s or single is None or record.implementation == "none":
+        return
+    record.metrics["single_tokens_per_s"] = single
+    record.metrics["scaling_efficiency"] = record.tokens_per_s / (record.world_size * single)
+
+
+def report(path: str) -> str:
+    """A Markdown table of the ddp records in ``path`` with the step, phase medians, tokens/s, memory
+    (measured and predicted) and the scaling efficiency (recomputed against the file's ``none`` records)."""
+    from analysis.tables import markdown_table, records_frame
+
+    records = [r for r in read_records(path) if r.suite == SUITE]
+    if not records:
+        raise ValueError(f"{path}: no {SUITE!r} records")
+    baselines = single_process_baselines(records)
+    for r in records:
+        add_scaling_efficiency(r, baselines)
+    frame = records_frame(records)
+    for column in ("metrics.scaling_efficiency", "metrics.comm_blocked_share", "metrics.predicted_memory_bytes"):
+        if column not in frame:
+            frame[column] = None
+    columns = ["implementation", "model", "world_size", "dtype", "batch_size", "seq_len", "status", "median_ms",
+               *[f"{p}_median_ms" for p in PHASES if f"{p}_median_ms" in frame], "tokens_per_s", "mfu",
+               "peak_memory_bytes", "metrics.predicted_memory_bytes", "metrics.comm_blocked_share",
+               "metrics.scaling_efficiency"]
+    columns = [c for c in columns if c in frame]
+    return markdown_table(frame, columns)
+
+
+def write_ddp_report(path, out_dir) -> list:
+    """``<stem>.md`` (the table) and ``<stem>_tokens.png`` (tokens/s against world size, one line per
+    implementation, one panel per model and dtype) in ``out_dir``; the files written."""
+    from pathlib import Path
+
+    from analysis.plots import line_plot
+    from analysis.tables import records_frame
+
+    path, out_dir = Path(path), Path(out_dir)
+    table = out_dir / f"{path.stem}.md"
+    plot = out_dir / f"{path.stem}_tokens.png"
+    frame = records_frame([r for r in read_records(path) if r.suite == SUITE and r.status == "ok"])
+    written = []
+    if not frame.empty:
+        frame["panel"] = frame["model"] + " " + frame["dtype"]
+        line_plot(frame, "world_size", "tokens_per_s", hue="implementation", col="panel", xlabel="ranks",
+                  ylabel="tokens / s", title="data-parallel throughput", out=plot)
+        written.append(plot)
+    image = f"![throughput]({plot.name})\n\n" if written else ""
+    table.write_text(f"# Data-parallel benchmark\n\n{image}{report(path)}\n")
+    return [table, *written]
