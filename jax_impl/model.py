@@ -247,7 +247,7 @@ def _param_table(model: TransformerLM) -> dict[str, tuple[nnx.Param, bool]]:
     return table
 
 
-def _axis_names(param: nnx.Variable) -> tuple[str, ...]:
+def axis_names(param: nnx.Variable) -> tuple[str, ...]:
     """The logical names stored by ``nnx.with_partitioning`` (``out_sharding``; older 0.12 keys as fallback)."""
     metadata = param.get_metadata()
     for key in ("out_sharding", "sharding_names", "sharding"):
@@ -258,7 +258,7 @@ def _axis_names(param: nnx.Variable) -> tuple[str, ...]:
 
 def logical_axes(model: TransformerLM) -> dict[str, tuple[str, ...]]:
     """Logical axis names of every parameter (JAX layout: kernels (in, out)), keyed by the stable names."""
-    return {name: _axis_names(param) for name, (param, _) in _param_table(model).items()}
+    return {name: axis_names(param) for name, (param, _) in _param_table(model).items()}
 
 
 def to_numpy_weights(model: TransformerLM) -> dict[str, np.ndarray]:

@@ -67,6 +67,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl.model import TransformerLM, axis_names
 from parallelism_calc.specs import ModelSpec, ParallelSpec
 
 MESH_AXES = ("dp", "fsdp", "tp")
@@ -186,15 +187,6 @@ def batch_sharding(mesh: Mesh, strategy: str, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, batch_spec(strategy, ndim))
 
 
-def _axis_names(variable: nnx.Variable) -> tuple[str, ...]:
-    """Logical names stored by ``nnx.with_partitioning`` (``out_sharding`` in flax 0.12; older keys as fallback)."""
-    metadata = variable.get_metadata()
-    for key in ("out_sharding", "sharding_names", "sharding"):
-        if metadata.get(key):
-            return tuple(metadata[key])
-    return ()
-
-
 def _ways(mesh: Mesh, spec: P) -> int:
     """Into how many pieces ``spec`` splits an array on ``mesh``."""
     ways = 1
@@ -205,7 +197,7 @@ def _ways(mesh: Mesh, spec: P) -> int:
 
 
 def _spec_for(variable: nnx.Variable, mesh: Mesh, strategy: str, where: str) -> P:
-    names = _axis_names(variable)
+    names = axis_names(variable)
     shape = tuple(variable.get_value().shape)
     if not names:
         return P()  # e.g. the RoPE tables: replicated
@@ -266,7 +258,6 @@ def create_sharded_model(spec: ModelSpec, mesh: Mesh, strategy: str, seed: int =
     ``out_shardings`` are the rules' shardings, so each device only ever materializes its own shards. The
     values equal those of the same model built unsharded with the same seed.
     """
-    from jax_impl.model import TransformerLM  # model code never imports sharding code, only the reverse
 
     _check_strategy(strategy)
     _check_model_fits(spec, mesh, strategy)
