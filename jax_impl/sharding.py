@@ -258,7 +258,6 @@ def create_sharded_model(spec: ModelSpec, mesh: Mesh, strategy: str, seed: int =
     ``out_shardings`` are the rules' shardings, so each device only ever materializes its own shards. The
     values equal those of the same model built unsharded with the same seed.
     """
-
     _check_strategy(strategy)
     _check_model_fits(spec, mesh, strategy)
 
