@@ -1,0 +1,198 @@
+"""A sharded, jitted training step for the Flax model: AdamW over a (dp, fsdp, tp) mesh, MaxText style.
+
+``ShardedTrainer`` owns the model state (split into a graphdef, the trainable ``nnx.Param`` state and the
+rest, i.e. the RoPE tables), the optax AdamW state and one jitted step:
+
+    tokens (B, T+1) int  --device_put with batch_sharding-->  inputs (B, T), targets (B, T)
+    loss, grads = value_and_grad(cross_entropy(model(inputs), targets))     # fp32 loss
+    grads = with_sharding_constraint(grads, param shardings)                # see sharding.py's docstring
+    params, opt_state = AdamW(grads, opt_state, params)                     # fp32 master weights
+
+Public names:
+* ``ShardedTrainer(spec, mesh, strategy, *, lr, weight_decay=0.0, seed=0, compute_dtype=None, remat=False,
+  attention="naive", b1=0.9, b2=0.999, eps=1e-8)``:
+  - parameters are created already sharded (``jax_impl.sharding.create_sharded_model``: no device ever
+    holds a full copy of a sharded parameter); the AdamW state is created by a jitted ``tx.init`` whose
+    ``out_shardings`` give each moment (mu, nu) its parameter's sharding and the step count replicated;
+  - ``.step(tokens) -> loss`` (a float32 scalar ``jax.Array``; ``float()`` it to wait): places the batch
+    with ``batch_sharding(mesh, strategy)`` (ValueError if B is not divisible by the data-parallel degree
+    dp x fsdp, or tokens are not a 2-D integer array with T+1 >= 2), runs the jitted step, keeps the new
+    params / optimizer state;
+  - ``.model``: an ``nnx.Module`` view of the current state (for ``assert_params_sharded``,
+    ``to_numpy_weights``, evaluation); ``.params`` / ``.opt_state`` / ``.rest``: the raw states;
+    ``.param_shardings`` / ``.opt_shardings`` / ``.batch_sharding``: the shardings used;
+    ``.train_step``: the jitted function ``(params, opt_state, rest, tokens) -> (params, opt_state, loss)``
+    (params and opt_state donated).
+* ``make_train_step(graphdef, tx, param_shardings, opt_shardings, rest_shardings, batch_sharding, *,
+  remat=False)``: that jitted function on its own, for callers (benchmarks) that hold their own state.
+
+Precision: parameters are stored in float32 (the master weights); ``compute_dtype=jnp.bfloat16`` builds
+the model with ``dtype=bfloat16``, so every matmul casts its operands to bf16 while RMSNorm, RoPE, the
+softmax and the loss stay float32 (``jax_impl.model``). Gradients come back in float32 (the parameters'
+dtype) and AdamW updates the float32 weights.
+
+Rematerialization (``remat=True``): each Transformer block's forward is wrapped in ``jax.checkpoint``
+(over the block's split state; ``nnx.remat`` trips over the RoPE table shared by all blocks), so only the block inputs are kept for the backward pass and the rest of each block
+is recomputed. The model's own ``__call__`` has no hook for this (model code stays single-device and
+transform-free), so the step runs its forward through ``_forward``, which mirrors
+``TransformerLM.__call__`` line by line (embedding -> blocks -> final norm -> LM head); keep the two in sync.
+
+References: MaxText ``train.py`` (``train_step``: jit with in/out shardings from the logical-axis rules,
+donated state, fp32 loss) and ``maxtext_utils.get_abstract_state`` (optimizer state sharded like the
+parameters); the Flax NNX "Scale up on multiple devices" guide (``nnx.split`` / jitted init with
+``out_shardings``); the optax ``tree_map_params`` docs; Chen et al. 2016 (gradient checkpointing).
+
+Caveats:
+* Axis types are Auto (``jax_impl.sharding``): GSPMD propagates activation shardings from the parameters
+  and the batch; only the token ids are pinned (``with_sharding_constraint`` to the batch sharding). Under
+  Auto axes GSPMD may pick replicated gradients for some parameters, hence the explicit gradient
+  constraint; the jit's ``out_shardings`` then pin the new parameters and moments to the rules' shardings.
+* Donation: params and opt_state passed to ``train_step`` are invalid after the call (their buffers are
+  reused); ``ShardedTrainer.step`` swaps in the new state, so never keep references to old leaves. On
+  backends that cannot donate (older CPU jaxlibs) JAX warns and copies instead.
+* The loss is the mean over all B x T tokens of the global batch (the same number on any mesh), so sharded
+  and single-device runs take identical steps up to float reassociation in the reductions; compare them
+  at ``jax.default_matmul_precision("highest")``, since TPU/GPU defaults use bf16/TF32 matmul passes.
+* Gradient accumulation, learning-rate schedules, gradient clipping and multi-host data loading are not
+  here (a single global batch per step, placed from one host).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_impl.model import TransformerLM, cross_entropy
+from jax_impl.sharding import batch_sharding, create_sharded_model, param_shardings
+from parallelism_calc.specs import ModelSpec
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _forward(model: TransformerLM, inputs: jax.Array, *, remat: bool) -> jax.Array:
+    """``model(inputs)`` (B, T) -> logits (B, T, V), optionally with each block rematerialized.
+
+    Mirrors ``TransformerLM.__call__``; without remat it simply calls the model.
+    """
+    if not remat:
+        return model(inputs)
+
+    # jax.checkpoint over a pure function of the block's state (nnx.remat would try to write the shared RoPE
+    # table back into the outer trace); the state arrays are the traced parameters, so gradients flow.
+    rope_def, rope_state = nnx.split(model.rope)
+    x = model.token_embeddings(inputs)  # (B, T, d)
+    for layer in model.layers:
+        layer_def, layer_state = nnx.split(layer)
+
+        @jax.checkpoint
+        def block(layer_state, rope_state, x, layer_def=layer_def):
+            return nnx.merge(layer_def, layer_state)(x, nnx.merge(rope_def, rope_state))
+
+        x = block(layer_state, rope_state, x)  # (B, T, d); only the block input is saved for backward
+    return model.lm_head(model.ln_final(x))  # (B, T, V)
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params: nnx.State, p_shardings: nnx.State,
+                        mesh: Mesh):
+    """Shardings for ``tx.init(params)``: every parameter-shaped leaf (AdamW's mu, nu) like its parameter,
+    everything else (the step count) replicated."""
+    abstract = jax.eval_shape(tx.init, params)
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract, p_shardings,
+        transform_non_params=lambda _: replicated, is_leaf=_is_variable)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, p_shardings, o_shardings, rest_shardings,
+                    tokens_sharding: NamedSharding, *, remat: bool = False):
+    """The jitted step ``(params, opt_state, rest, tokens (B, T+1)) -> (params, opt_state, loss)``.
+
+    params and opt_state are donated; in/out shardings are pinned to the given ones (the loss replicated).
+    """
+    replicated = NamedSharding(tokens_sharding.mesh, P())
+
+    def loss_fn(params, rest, inputs, targets):
+        model = nnx.merge(graphdef, params, rest)
+        logits = _forward(model, inputs, remat=remat)  # (B, T, V), compute dtype
+        return cross_entropy(logits, targets)  # float32
+
+    def train_step(params, opt_state, rest, tokens):
+        tokens = jax.lax.with_sharding_constraint(tokens, tokens_sharding)  # (B, T+1), batch split
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        loss, grads = jax.value_and_grad(loss_fn)(params, rest, inputs, targets)
+        grads = jax.lax.with_sharding_constraint(grads, p_shardings)  # grads follow the params
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, loss
+
+    return jax.jit(
+        train_step,
+        in_shardings=(p_shardings, o_shardings, rest_shardings, tokens_sharding),
+        out_shardings=(p_shardings, o_shardings, replicated),
+        donate_argnums=(0, 1),
+    )
+
+
+class ShardedTrainer:
+    """AdamW training of ``TransformerLM(spec)`` on ``mesh`` under ``strategy``'s rules (module docstring)."""
+
+    def __init__(self, spec: ModelSpec, mesh: Mesh, strategy: str, *, lr: float, weight_decay: float = 0.0,
+                 seed: int = 0, compute_dtype=None, remat: bool = False, attention: str = "naive",
+                 b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8):
+        self.spec, self.mesh, self.strategy = spec, mesh, strategy
+        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+        self.remat = remat
+        model = create_sharded_model(spec, mesh, strategy, seed=seed, attention=attention, dtype=compute_dtype)
+        self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.param_shardings = param_shardings(self.params, mesh, strategy)
+        self.rest_shardings = param_shardings(self.rest, mesh, strategy)  # no logical names: replicated
+        self.batch_sharding = batch_sharding(mesh, strategy)
+        self.tx = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)  # torch's AdamW defaults
+        self.opt_shardings = opt_state_shardings(self.tx, self.params, self.param_shardings, mesh)
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
+        self.train_step = make_train_step(self.graphdef, self.tx, self.param_shardings, self.opt_shardings,
+                                          self.rest_shardings, self.batch_sharding, remat=remat)
+
+    @property
+    def data_parallel_degree(self) -> int:
+        """How many ways the batch is split (the product of the mesh axes of the "batch" rule)."""
+        spec = self.batch_sharding.spec
+        axes = spec[0] if len(spec) else None
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        return int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
+
+    @property
+    def model(self) -> TransformerLM:
+        """The current parameters as a module (shares the arrays; do not keep it across ``step`` calls)."""
+        return nnx.merge(self.graphdef, self.params, self.rest)
+
+    def place_batch(self, tokens) -> jax.Array:
+        """Check ``tokens`` (B, T+1) and place it with the batch sharding."""
+        shape = tuple(np.shape(tokens))
+        dtype = np.dtype(getattr(tokens, "dtype", np.asarray(tokens).dtype))
+        if len(shape) != 2 or shape[1] < 2:
+            raise ValueError(f"tokens must be (batch, seq + 1) with seq >= 1, got shape {shape}")
+        if not np.issubdtype(dtype, np.integer):
+            raise ValueError(f"tokens must be integers, got dtype {dtype}")
+        degree = self.data_parallel_degree
+        if shape[0] % degree:
+            raise ValueError(
+                f"batch size {shape[0]} is not divisible by the data-parallel degree {degree} "
+                f"(batch split over {self.batch_sharding.spec} of mesh {dict(self.mesh.shape)})")
+        self.spec.check_seq_len(shape[1] - 1)
+        return jax.device_put(jnp.asarray(tokens, dtype=jnp.int32), self.batch_sharding)
+
+    def step(self, tokens) -> jax.Array:
+        """One AdamW step on ``tokens`` (B, T+1) (inputs ``[:, :-1]``, targets ``[:, 1:]``); returns the loss."""
+        tokens = self.place_batch(tokens)
+        self.params, self.opt_state, loss = self.train_step(self.params, self.opt_state, self.rest, tokens)
+        return loss

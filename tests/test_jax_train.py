@@ -1,0 +1,130 @@
+"""jax_impl.train on 8 fake CPU devices (tests/conftest.py sets XLA_FLAGS before jax is imported).
+
+Checked: 3 AdamW steps of ``tiny`` (one block) on meshes dp=8, fsdp=8, fsdp=4 x tp=2 and dp=4 x tp=2 give
+the same losses and final parameters as the same trainer on a 1-device mesh (float32, highest matmul
+precision, rtol 1e-5); afterwards parameters are placed as the rules say and each AdamW moment has its
+parameter's sharding; donated buffers are really consumed (and the steps after still work); rematerialization
+and bf16 compute run (remat gives the fp32 losses exactly); bad batches raise ValueError.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jax_impl.sharding import assert_params_sharded, make_mesh  # noqa: E402
+from jax_impl.train import ShardedTrainer  # noqa: E402
+from parallelism_calc.specs import MODELS, ParallelSpec  # noqa: E402
+
+TINY1 = MODELS["tiny"].replace(name="tiny1", n_layers=1)  # one block: half the compile time
+BATCH, SEQ, STEPS = 8, 16, 3
+# A large lr so 3 steps move the weights visibly. eps 1e-6 (torch's default is 1e-8) keeps the comparison
+# well conditioned: Adam's first update is lr * g / (|g| + eps), about lr * sign(g), so a gradient entry near
+# zero whose float reassociation differs across meshes by ~1e-10 moves its weight by up to lr * 1e-10 / eps.
+HP = dict(lr=1e-2, weight_decay=0.1, seed=0, eps=1e-6)
+
+MESHES = {  # id -> (ParallelSpec, strategy)
+    "dp8": (ParallelSpec(dp=8), "dp"),
+    "fsdp8": (ParallelSpec(fsdp=8), "fsdp"),
+    "fsdp4xtp2": (ParallelSpec(fsdp=4, tp=2), "fsdp_tp"),
+    "dp4xtp2": (ParallelSpec(dp=4, tp=2), "tp"),
+}
+
+
+def _cpu_devices(n: int) -> list:
+    try:
+        devices = jax.devices("cpu")
+    except RuntimeError as e:
+        pytest.skip(f"no JAX CPU backend ({e})")
+    if len(devices) < n:
+        pytest.skip(f"need {n} JAX CPU devices, got {len(devices)} (tests/conftest.py sets XLA_FLAGS)")
+    return devices[:n]
+
+
+def _batches(seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, TINY1.vocab_size, size=(BATCH, SEQ + 1), dtype=np.int32) for _ in range(STEPS)]
+
+
+def _run(trainer: ShardedTrainer, batches) -> tuple[list[float], dict]:
+    with jax.default_matmul_precision("highest"):
+        losses = [float(trainer.step(b)) for b in batches]
+    params = {".".join(map(str, path)): np.asarray(jax.device_get(v.get_value()))
+              for path, v in nnx.to_flat_state(trainer.params)}
+    return losses, params
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same 3 steps on a 1-device mesh."""
+    mesh = make_mesh(ParallelSpec(), _cpu_devices(1))
+    return _run(ShardedTrainer(TINY1, mesh, "dp", **HP), _batches())
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_sharded_steps_match_single_device(name, reference):
+    parallel, strategy = MESHES[name]
+    mesh = make_mesh(parallel, _cpu_devices(8))
+    trainer = ShardedTrainer(TINY1, mesh, strategy, **HP)
+    old_param, old_moment = jax.tree.leaves(trainer.params)[0], jax.tree.leaves(trainer.opt_state)[-1]
+    losses, params = _run(trainer, _batches())  # steps 2 and 3 run on the state step 1 returned
+    ref_losses, ref_params = reference
+
+    # Donation: the first step consumed the initial buffers (jax >= 0.4.30 donates on CPU too).
+    assert old_param.is_deleted() and old_moment.is_deleted()
+
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[-1] < losses[0]  # it trains
+    assert params.keys() == ref_params.keys()
+    for key in params:
+        # rtol 1e-5 plus 0.1% of one step's size for the near-zero-gradient entries (see HP above).
+        np.testing.assert_allclose(params[key], ref_params[key], rtol=1e-5, atol=HP["lr"] * 1e-3, err_msg=key)
+
+    # Placement after the steps: parameters as the rules say, each AdamW moment like its parameter.
+    assert_params_sharded(trainer.model, mesh, strategy)
+    adam = [s for s in jax.tree.leaves(trainer.opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)]
+    assert len(adam) == 1
+    flat_params = dict(nnx.to_flat_state(trainer.params))
+    for moments in (adam[0].mu, adam[0].nu):
+        flat = dict(nnx.to_flat_state(moments))
+        assert flat.keys() == flat_params.keys()
+        for path, moment in flat.items():
+            p, m = flat_params[path].get_value(), moment.get_value()
+            assert m.dtype == jnp.float32
+            assert m.sharding.is_equivalent_to(p.sharding, p.ndim), (path, m.sharding, p.sharding)
+    assert adam[0].count.sharding.is_fully_replicated
+
+
+def test_remat_and_bf16(reference):
+    # One device: remat and bf16 are mesh-independent code paths, and a 1-device compile is the cheapest.
+    mesh = make_mesh(ParallelSpec(), _cpu_devices(1))
+    remat_losses, _ = _run(ShardedTrainer(TINY1, mesh, "dp", remat=True, **HP), _batches())
+    np.testing.assert_allclose(remat_losses, reference[0], rtol=1e-5)
+
+    trainer = ShardedTrainer(TINY1, mesh, "dp", compute_dtype=jnp.bfloat16, remat=True, **HP)
+    losses, _ = _run(trainer, _batches())
+    assert trainer.model.dtype == jnp.bfloat16
+    for leaf in jax.tree.leaves(trainer.params):  # fp32 master weights
+        assert leaf.dtype == jnp.float32
+    np.testing.assert_allclose(losses, reference[0], rtol=2e-2)  # bf16 matmuls, fp32 loss
+
+
+def test_bad_batches_raise():
+    mesh = make_mesh(ParallelSpec(dp=4, tp=2), _cpu_devices(8))
+    trainer = ShardedTrainer(TINY1, mesh, "tp", **HP)
+    assert trainer.data_parallel_degree == 4
+    tokens = np.zeros((6, SEQ + 1), np.int32)
+    with pytest.raises(ValueError, match="not divisible by the data-parallel degree 4"):
+        trainer.step(tokens)
+    with pytest.raises(ValueError, match="integers"):
+        trainer.step(np.zeros((4, SEQ + 1), np.float32))
+    with pytest.raises(ValueError, match=r"\(batch, seq \+ 1\)"):
+        trainer.step(np.zeros((4,), np.int32))
+    with pytest.raises(ValueError):
+        trainer.step(np.zeros((4, TINY1.context_length + 2), np.int32))  # longer than the context
