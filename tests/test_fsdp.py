@@ -32,6 +32,10 @@ from torch_impl.distributed.fsdp import is_sharded_layer
 from torch_impl.model import TransformerLM, cross_entropy
 
 BATCH, SEQ, STEPS, LR = 6, 16, 3, 1e-3
+# AdamW's update is ~lr * g / (|g| + eps): with the default eps (1e-8), an element whose gradient is within
+# float32 round-off of zero can flip its update by ~lr when only the summation order changes. eps = 1e-4
+# bounds that sensitivity (|d update| <= lr * |d g| / eps) without changing what the test exercises.
+ADAM_EPS = 1e-4
 
 
 def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,8 +88,8 @@ def _body(rank: int, world_size: int, seed: int, compute_dtype: torch.dtype | No
                 for p in model.parameters():
                     p.add_(1.0)
         fsdp = FSDP(model, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
-        opt = torch.optim.AdamW(fsdp.parameters(), lr=LR, weight_decay=0.1)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+        opt = torch.optim.AdamW(fsdp.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.1)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.1)
         xs, ys = _data(seed)
         per = BATCH // world_size
         out: dict = {"param_err": [], "loss": [], "ref_loss": [], "gathered_after_forward": []}
@@ -177,10 +181,9 @@ def test_fsdp_fp32_matches_single_process(world_size):
     for r, res in enumerate(results):
         _check_common(res, world_size, None)
         assert res["grad_rel_err"] < 1e-5, (seed, r, res["grad_rel_err"])
-        # AdamW's first update is ~lr * g / (|g| + eps): for an element whose gradient is near eps (1e-8),
-        # float32 round-off in g moves the update by a fraction of lr. A real error would show in the
-        # gradients above (AdamW would hide a wrong gradient *scale*: hence the gradient check).
-        assert max(res["param_err"]) < 0.1 * LR, (seed, r, res["param_err"])
+        # Summation order only (see ADAM_EPS): ~1e-7 measured. AdamW would hide a wrong gradient *scale*:
+        # hence the gradient check above.
+        assert max(res["param_err"]) < 1e-2 * LR, (seed, r, res["param_err"])
         for a, b in zip(res["loss"], res["ref_loss"]):
             assert a == pytest.approx(b, rel=1e-5), (seed, r)
 
