@@ -9,7 +9,9 @@ at 3, norm gains = 1 (the same distributions, not the same numbers: exchange wei
 
 Public names:
 * ``TransformerLM(spec, *, rngs, attention="naive", param_dtype=jnp.float32, dtype=None)``:
-  ``model(token_ids (B, T) int) -> logits (B, T, V)``. ``param_dtype`` is the storage dtype of the
+  ``model(token_ids (B, T) int, *, apply_block=None) -> logits (B, T, V)``. ``apply_block(block, x, rope)``
+  replaces ``block(x, rope)`` for every block (the train step's hook for remat and sharding constraints,
+  so those transforms stay outside the model). ``param_dtype`` is the storage dtype of the
   parameters, ``dtype`` the compute dtype (None: compute in ``param_dtype``), e.g. float32 parameters with
   bfloat16 compute. Logits come back in the compute dtype (as the PyTorch model returns its own dtype);
   ``cross_entropy`` upcasts them to float32. RMSNorm, RoPE and the naive softmax always run in float32.
@@ -49,7 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +196,15 @@ class TransformerBlock(nnx.Module):
         return x + self.ffn(self.ln2(x))
 
 
+# ``apply_block(block, x, rope) -> block(x, rope)``, or a transform of it: the hook through which a train
+# step rematerializes blocks or pins activation shardings from outside (the model stays single-device).
+ApplyBlock = Callable[["TransformerBlock", jax.Array, RotaryEmbedding], jax.Array]
+
+
+def _call_block(block: TransformerBlock, x: jax.Array, rope: RotaryEmbedding) -> jax.Array:
+    return block(x, rope)
+
+
 class TransformerLM(nnx.Module):
     """Causal Transformer LM: token ids (B, T) -> logits (B, T, vocab) in the compute dtype."""
 
@@ -215,15 +226,17 @@ class TransformerLM(nnx.Module):
             self.ln_final = RMSNorm(spec.d_model, spec.norm_eps, rngs=rngs, param_dtype=self.param_dtype)
             self.lm_head = Linear(spec.d_model, spec.vocab_size, (EMBED, VOCAB), **kw)
 
-    def __call__(self, token_ids: jax.Array) -> jax.Array:
+    def __call__(self, token_ids: jax.Array, *, apply_block: ApplyBlock | None = None) -> jax.Array:
+        """Logits (B, T, V) of ``token_ids`` (B, T); ``apply_block`` (see ``ApplyBlock``) runs each block."""
         if token_ids.ndim != 2:
             raise ValueError(f"token_ids must be (batch, seq), got shape {tuple(token_ids.shape)}")
         if not jnp.issubdtype(token_ids.dtype, jnp.integer):
             raise ValueError(f"token_ids must be integers, got dtype {token_ids.dtype}")
         self.spec.check_seq_len(token_ids.shape[1])
+        apply_block = apply_block or _call_block
         x = self.token_embeddings(token_ids)  # (B, T, d)
         for layer in self.layers:
-            x = layer(x, self.rope)
+            x = apply_block(layer, x, self.rope)  # (B, T, d)
         return self.lm_head(self.ln_final(x))  # (B, T, V)
 
 

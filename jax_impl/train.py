@@ -25,17 +25,19 @@ Public names:
     (params and opt_state donated).
 * ``make_train_step(graphdef, tx, param_shardings, opt_shardings, rest_shardings, batch_sharding, *,
   remat=False)``: that jitted function on its own, for callers (benchmarks) that hold their own state.
+* ``block_transform(*, remat=False, activation_sharding=None)``: the model hook it uses (below).
 
 Precision: parameters are stored in float32 (the master weights); ``compute_dtype=jnp.bfloat16`` builds
 the model with ``dtype=bfloat16``, so every matmul casts its operands to bf16 while RMSNorm, RoPE, the
 softmax and the loss stay float32 (``jax_impl.model``). Gradients come back in float32 (the parameters'
 dtype) and AdamW updates the float32 weights.
 
-Rematerialization (``remat=True``): each Transformer block's forward is wrapped in ``jax.checkpoint``
-(over the block's split state; ``nnx.remat`` trips over the RoPE table shared by all blocks), so only the block inputs are kept for the backward pass and the rest of each block
-is recomputed. The model's own ``__call__`` has no hook for this (model code stays single-device and
-transform-free), so the step runs its forward through ``_forward``, which mirrors
-``TransformerLM.__call__`` line by line (embedding -> blocks -> final norm -> LM head); keep the two in sync.
+Activations and rematerialization: the step calls the model with ``apply_block=block_transform(...)``
+(the model's hook, so model code stays single-device and transform-free). It pins every block's input and
+output (B, T, d) to the batch sharding (batch over the rules' "batch" axes, T and d replicated: the
+Megatron layout between blocks), and with ``remat=True`` wraps each block in ``jax.checkpoint`` (over the
+block's split state; ``nnx.remat`` trips over the RoPE table shared by all blocks), so only the block
+inputs are kept for the backward pass and the rest of each block is recomputed.
 
 References: MaxText ``train.py`` (``train_step``: jit with in/out shardings from the logical-axis rules,
 donated state, fp32 loss) and ``maxtext_utils.get_abstract_state`` (optimizer state sharded like the
@@ -43,9 +45,8 @@ parameters); the Flax NNX "Scale up on multiple devices" guide (``nnx.split`` / 
 ``out_shardings``); the optax ``tree_map_params`` docs; Chen et al. 2016 (gradient checkpointing).
 
 Caveats:
-* Axis types are Auto (``jax_impl.sharding``): GSPMD propagates activation shardings from the parameters
-  and the batch; only the token ids are pinned (``with_sharding_constraint`` to the batch sharding). Under
-  Auto axes GSPMD may pick replicated gradients for some parameters, hence the explicit gradient
+* Axis types are Auto (``jax_impl.sharding``): GSPMD propagates shardings inside a block from the
+  parameters and the pinned block inputs (token ids and block boundaries, above). Under Auto axes GSPMD may pick replicated gradients for some parameters, hence the explicit gradient
   constraint; the jit's ``out_shardings`` then pin the new parameters and moments to the rules' shardings.
 * Donation: params and opt_state passed to ``train_step`` are invalid after the call (their buffers are
   reused); ``ShardedTrainer.step`` swaps in the new state, so never keep references to old leaves. On
@@ -69,7 +70,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.model import TransformerLM, cross_entropy
+from jax_impl.model import ApplyBlock, TransformerLM, cross_entropy
 from jax_impl.sharding import batch_sharding, create_sharded_model, param_shardings
 from parallelism_calc.specs import ModelSpec
 
@@ -78,27 +79,30 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _forward(model: TransformerLM, inputs: jax.Array, *, remat: bool) -> jax.Array:
-    """``model(inputs)`` (B, T) -> logits (B, T, V), optionally with each block rematerialized.
+def block_transform(*, remat: bool = False, activation_sharding: NamedSharding | None = None) -> ApplyBlock:
+    """The ``apply_block`` hook of ``TransformerLM.__call__`` for a train step: pins each block's input and
+    output (B, T, d) to ``activation_sharding`` (batch split, the rest replicated), and with ``remat`` wraps
+    each block in ``jax.checkpoint`` so only its input is saved for the backward pass."""
 
-    Mirrors ``TransformerLM.__call__``; without remat it simply calls the model.
-    """
-    if not remat:
-        return model(inputs)
+    def constrain(x: jax.Array) -> jax.Array:
+        return x if activation_sharding is None else jax.lax.with_sharding_constraint(x, activation_sharding)
 
-    # jax.checkpoint over a pure function of the block's state (nnx.remat would try to write the shared RoPE
-    # table back into the outer trace); the state arrays are the traced parameters, so gradients flow.
-    rope_def, rope_state = nnx.split(model.rope)
-    x = model.token_embeddings(inputs)  # (B, T, d)
-    for layer in model.layers:
-        layer_def, layer_state = nnx.split(layer)
+    def plain(block, x, rope):
+        return constrain(block(constrain(x), rope))
+
+    def rematerialized(block, x, rope):
+        # jax.checkpoint over a pure function of the block's state (nnx.remat would try to write the shared
+        # RoPE table back into the outer trace); the state arrays are the traced parameters, so gradients flow.
+        block_def, block_state = nnx.split(block)
+        rope_def, rope_state = nnx.split(rope)
 
         @jax.checkpoint
-        def block(layer_state, rope_state, x, layer_def=layer_def):
-            return nnx.merge(layer_def, layer_state)(x, nnx.merge(rope_def, rope_state))
+        def run(block_state, rope_state, x):
+            return plain(nnx.merge(block_def, block_state), x, nnx.merge(rope_def, rope_state))
 
-        x = block(layer_state, rope_state, x)  # (B, T, d); only the block input is saved for backward
-    return model.lm_head(model.ln_final(x))  # (B, T, V)
+        return run(block_state, rope_state, x)
+
+    return rematerialized if remat else plain
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, params: nnx.State, p_shardings: nnx.State,
@@ -119,10 +123,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, p_shardings, o_s
     params and opt_state are donated; in/out shardings are pinned to the given ones (the loss replicated).
     """
     replicated = NamedSharding(tokens_sharding.mesh, P())
+    activations = NamedSharding(tokens_sharding.mesh, P(*tokens_sharding.spec[:1], None, None))  # (B, T, d)
+    apply_block = block_transform(remat=remat, activation_sharding=activations)
 
     def loss_fn(params, rest, inputs, targets):
         model = nnx.merge(graphdef, params, rest)
-        logits = _forward(model, inputs, remat=remat)  # (B, T, V), compute dtype
+        logits = model(inputs, apply_block=apply_block)  # (B, T, V), compute dtype
         return cross_entropy(logits, targets)  # float32
 
     def train_step(params, opt_state, rest, tokens):

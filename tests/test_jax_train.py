@@ -1,10 +1,12 @@
 """jax_impl.train on 8 fake CPU devices (tests/conftest.py sets XLA_FLAGS before jax is imported).
 
-Checked: 3 AdamW steps of ``tiny`` (one block) on meshes dp=8, fsdp=8, fsdp=4 x tp=2 and dp=4 x tp=2 give
+Checked: 3 AdamW steps of ``tiny`` (one block) on meshes dp=8, fsdp=8, fsdp=4 x tp=2, dp=4 x tp=2 and
+dp=2 x fsdp=2 x tp=2 give
 the same losses and final parameters as the same trainer on a 1-device mesh (float32, highest matmul
 precision, rtol 1e-5); afterwards parameters are placed as the rules say and each AdamW moment has its
 parameter's sharding; donated buffers are really consumed (and the steps after still work); rematerialization
-and bf16 compute run (remat gives the fp32 losses exactly); bad batches raise ValueError.
+and bf16 compute run (remat gives the fp32 losses exactly); every block's input and output is pinned to the
+batch sharding in the lowered step; bad batches raise ValueError.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ MESHES = {  # id -> (ParallelSpec, strategy)
     "fsdp8": (ParallelSpec(fsdp=8), "fsdp"),
     "fsdp4xtp2": (ParallelSpec(fsdp=4, tp=2), "fsdp_tp"),
     "dp4xtp2": (ParallelSpec(dp=4, tp=2), "tp"),
+    "dp2xfsdp2xtp2": (ParallelSpec(dp=2, fsdp=2, tp=2), "fsdp_tp"),
 }
 
 
@@ -113,6 +116,19 @@ def test_remat_and_bf16(reference):
     for leaf in jax.tree.leaves(trainer.params):  # fp32 master weights
         assert leaf.dtype == jnp.float32
     np.testing.assert_allclose(losses, reference[0], rtol=2e-2)  # bf16 matmuls, fp32 loss
+
+
+def test_block_activations_are_pinned_to_the_batch_sharding():
+    spec = TINY1.replace(n_layers=2)
+    mesh = make_mesh(ParallelSpec(dp=2, fsdp=2, tp=2), _cpu_devices(8))
+    trainer = ShardedTrainer(spec, mesh, "fsdp_tp", **HP)
+    tokens = trainer.place_batch(_batches()[0])
+    text = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.rest, tokens).as_text()
+    activation = f"tensor<{BATCH}x{SEQ}x{spec.d_model}x"  # a (B, T, d) block input or output
+    # Shardy (sdy.sharding_constraint ... [{"dp", "fsdp"}, {}, {}]) or GSPMD (@Sharding, mhlo.sharding attr).
+    pinned = [line for line in text.splitlines() if activation in line and (
+        ('sharding_constraint' in line and '[{"dp", "fsdp"}, {}, {}]' in line) or "@Sharding" in line)]
+    assert len(pinned) >= 2 * spec.n_layers, text[:2000]
 
 
 def test_bad_batches_raise():
