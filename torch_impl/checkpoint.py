@@ -1,0 +1,138 @@
+"""Training checkpoints saved atomically by every rank of a job: shared state from rank 0, per-rank state each.
+
+Layout of a checkpoint folder::
+
+    DIR/latest                  the name of the newest complete checkpoint ("step-00000120")
+    DIR/step-00000120/shared.pt rank 0: what every rank holds alike (full model, consolidated optimizer, ...)
+    DIR/step-00000120/rank-00001.pt   rank 1: what only it holds (RNG states, FSDP shards, ...)
+
+``save_checkpoint(directory, step, shared, local, rank=, world_size=)`` (a collective when the world size is
+above 1): rank 0 makes ``step-N.tmp/``; every rank writes its file there (``torch.save`` to a temporary name,
+then ``os.replace``); after a barrier rank 0 renames the folder to ``step-N`` and then points ``latest`` at it
+(again a temporary file and ``os.replace``), and removes older checkpoints beyond ``keep``. A job killed at
+any moment leaves ``latest`` naming a complete checkpoint (or no ``latest`` at all), never a partial one.
+``load_checkpoint(directory, rank)`` reads the one ``latest`` names: ``shared`` and this rank's ``local``
+(None when the checkpoint was written by fewer ranks).
+
+``capture_rng()`` / ``restore_rng(state)``: Python's ``random``, numpy's global generator, torch's CPU
+generator and every CUDA device's, so a resumed run draws what the uninterrupted one would have.
+
+Caveats: all ranks must see one file system (one node, or a shared one). Files are loaded with
+``torch.load(weights_only=False)``, because they hold numpy and Python RNG states: load only checkpoints you
+wrote. What goes into ``shared`` / ``local`` is the trainer's business (``torch_impl.train``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "latest"
+SHARED = "shared.pt"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
+
+
+def _save_atomically(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _write_text_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, shared: dict | None, local: dict, *, rank: int = 0,
+                    world_size: int = 1, keep: int = 2) -> Path:
+    """Write checkpoint ``step`` (see the module docstring); ``shared`` is used on rank 0 only. Collective."""
+    if keep < 1:
+        raise ValueError(f"keep={keep} must be >= 1")
+    root = Path(directory)
+    final = root / _step_name(step)
+    staging = root / (final.name + ".tmp")
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a job killed while saving
+        staging.mkdir()
+    _barrier(world_size)
+    if rank == 0:
+        _save_atomically({**shared, "world_size": world_size, "step": step}, staging / SHARED)
+    _save_atomically(local, staging / _rank_file(rank))
+    _barrier(world_size)
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a rerun)
+        os.replace(staging, final)
+        _write_text_atomically(root / LATEST, final.name)
+        steps = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for old in steps[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier(world_size)
+    return final
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The folder ``latest`` names, or None if there is no complete checkpoint."""
+    pointer = Path(directory) / LATEST
+    if not pointer.exists():
+        return None
+    folder = Path(directory) / pointer.read_text().strip()
+    return folder if (folder / SHARED).exists() else None
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    shared: dict
+    local: dict | None  # None: this rank has no file (the checkpoint was written by fewer ranks)
+
+    @property
+    def world_size(self) -> int:
+        return self.shared["world_size"]
+
+
+def load_checkpoint(directory: str | os.PathLike, rank: int = 0) -> Checkpoint:
+    """The latest checkpoint's shared state and this rank's own (a ValueError if there is none)."""
+    folder = latest_checkpoint(directory)
+    if folder is None:
+        raise ValueError(f"no checkpoint in {directory} (no {LATEST!r} naming a complete step-* folder)")
+    # Our own files: they hold numpy / Python RNG states, which weights_only=True refuses.
+    shared = torch.load(folder / SHARED, map_location="cpu", weights_only=False)
+    path = folder / _rank_file(rank)
+    local = torch.load(path, map_location="cpu", weights_only=False) if path.exists() else None
+    return Checkpoint(folder, shared, local)
+
+
+def capture_rng() -> dict[str, Any]:
+    """The states of Python's, numpy's (global), torch's CPU and every CUDA device's generators."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,677 @@
+"""The training loop: ``python -m torch_impl.train`` (one process) or ``torchrun --nproc_per_node N -m torch_impl.train``.
+
+Trains ``TransformerLM`` on a token dataset (``torch_impl.data``: the built-in standard-library byte corpus,
+a text file or a ``.npy`` token file) for ``--epochs`` epochs of ``--steps-per-epoch`` optimizer steps, with
+AdamW, linear warm-up then cosine decay of the learning rate (``lr_at``), gradient clipping, gradient
+accumulation over ``--grad-accum`` micro-batches of ``--batch-size`` sequences per rank, optional bf16
+autocast, any attention backend, and one of the data-parallel modes ``--dist``:
+``none`` (one process), our ``naive`` / ``flat`` / ``individual`` / ``bucketed`` DDP, ``torch_ddp``
+(``DistributedDataParallel``), ``zero1`` (``ShardedOptimizer(AdamW)`` over bucketed DDP) and ``fsdp``. The
+wrappers are built exactly as the DDP benchmark builds them (``torch_impl.bench.ddp._build``).
+
+Data: each optimizer step draws one *global* batch of ``grad_accum x world_size x batch_size`` random windows
+from one numpy generator (seeded with ``--seed``, identical on every rank), laid out as (micro-batch, rank,
+row): rank r's micro-batch j is row block [j, r]. So the global batch of a step depends only on the seed and
+the global batch size: one process with ``--grad-accum 4`` sees what 2 ranks with ``--grad-accum 2`` or 4
+ranks without accumulation see, and their training agrees to float32 round-off. Validation (each epoch) is
+the first ``--val-batches`` batches of fixed, non-overlapping windows of the validation split, spread over
+the ranks; its loss is the mean over all those windows whatever the world size.
+
+Gradient accumulation: each micro-batch's loss is divided by ``grad_accum``, so the accumulated gradient is
+the mean over the global batch. Communication: ``naive`` and ``flat`` communicate only in
+``finish_gradient_synchronization()``, so the micro-batches accumulate locally and are reduced once;
+``torch_ddp`` skips the reduction of all but the last micro-batch with ``no_sync()``; our hook-driven
+wrappers (``individual``, ``bucketed``, ``zero1``) reduce every micro-batch (they refuse a second gradient
+before a synchronization) and ``fsdp`` reduce-scatters every backward by design, both exact because an
+already averaged gradient plus the next local one, averaged again, is the running mean.
+
+Gradient clipping (``--grad-clip``, 0 = off) scales every gradient by min(1, clip / (norm + 1e-6)), as
+``torch.nn.utils.clip_grad_norm_``, with the *global* 2-norm: under FSDP each rank holds 1/N of the sharded
+weights' gradients (the squares of its shard are all-reduced) plus full copies of the replicated ones (norm
+gains; counted once); every other mode holds full, averaged gradients after synchronization.
+
+Timing (per rank; CUDA is synchronized at every phase boundary, so phases are exact and the run is a bit
+slower than an unsynchronized one): per step ``data`` (windows to device), ``forward`` (the model),
+``loss`` (cross-entropy), ``backward``, ``comm`` (time blocked in ``finish_gradient_synchronization``: the
+communication the backward did not hide; inside ``backward`` for torch DDP), ``optimizer`` (clipping, step,
+schedule, zero_grad); per epoch ``training``, ``validation``, ``checkpoint`` and ``epoch`` (all three);
+``worker`` (since the trainer started, after the process group) and ``total`` (since this module was
+imported: about the process's life). One record per epoch (rank 0 appends it to ``--out``): suite "train",
+implementation the mode (e.g. "bucketed 25MB"), batch_size the per-rank micro-batch, timing / phases over
+the epoch's steps (rank 0's; ms per optimizer step), tokens_per_s = tokens of the epoch's global batches /
+training seconds, flops_per_step and tflops / mfu per device from ``parallelism_calc.compute.step_flops`` of
+one rank's ``batch_size x grad_accum`` sequences, peak_memory_bytes the worst rank's
+``torch.cuda.max_memory_allocated`` (None on a CPU); metrics: train_loss (the epoch's mean),
+train_losses (per step, averaged over ranks), val_loss, samples_per_epoch, phase totals (s, slowest rank),
+every rank's peak memory, the data set, the learning rate, the gradient norms.
+
+Checkpoints (``--checkpoint-dir``, every ``--checkpoint-every`` epochs and at ``--stop-after-epochs``;
+``torch_impl.checkpoint``, atomic): rank 0 writes the model, the optimizer (ZeRO-1's consolidated
+``state_dict()``, a collective), the LR scheduler, the data generator's state and the step; every rank
+writes its RNG states, and under FSDP its weight shards and its optimizer's state (so FSDP resumes on the
+same number of ranks only; the others on any). ``--resume`` loads the latest and continues, giving exactly
+the uninterrupted run's losses (same world size and mode). ``--stop-after-epochs K`` ends the job after
+epoch K (with a checkpoint), keeping the schedule of ``--epochs``: a preemption, on purpose.
+
+Caveats: sampling is with replacement (CS336's ``get_batch``), so an "epoch" is a number of steps, not a
+pass over the data; the default steps per epoch make one epoch about one pass over the training tokens.
+AdamW's weight decay applies to every parameter (as in the DDP benchmark). The first epoch includes
+warm-up costs (allocator, autotuning, the first NCCL calls).
+
+References: CS336 (Stanford, 2025) assignment 1 (AdamW, cosine schedule with warm-up, gradient clipping,
+checkpointing, the training loop) and assignment 2 (DDP and optimizer-state sharding); nanoGPT's
+``train.py`` (gradient accumulation with ``no_sync``, autocast, the loop's shape).
+"""
+
+from __future__ import annotations
+
+import time
+
+_IMPORTED = time.perf_counter()  # "total" time counts from here (about the process's start)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from analysis.benchmark import step_record  # noqa: E402
+from analysis.records import Record, append_records  # noqa: E402
+from parallelism_calc.specs import MODELS, ModelSpec, get_model  # noqa: E402
+from torch_impl import checkpoint as ckpt  # noqa: E402
+from torch_impl.data import (DEFAULT_BUILTIN_BYTES, DEFAULT_VAL_FRACTION, TokenData, batch_at,  # noqa: E402
+                             prepare_data, sample_starts, validation_batches)
+from torch_impl.distributed.process_group import DistributedContext, init_distributed  # noqa: E402
+from torch_impl.model import cross_entropy  # noqa: E402
+
+SUITE = "train"
+DIST_MODES = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp")
+SYNC_ONCE = ("naive", "flat")  # communicate only in finish_gradient_synchronization: one per step
+STEP_PHASES = ("data", "forward", "loss", "backward", "comm", "optimizer")
+# Settings a resumed run must share with the checkpoint for its trajectory to be the uninterrupted one's.
+RESUME_KEYS = ("model", "d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "seq_len", "epochs",
+               "steps_per_epoch", "lr", "min_lr", "warmup_steps", "grad_clip", "weight_decay", "adam_eps",
+               "betas", "seed", "dtype", "data", "val_batches")
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a run (the CLI's flags, same names)."""
+
+    model: str = "tiny"
+    d_model: int | None = None
+    d_ff: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    vocab_size: int | None = None
+    epochs: int = 1
+    steps_per_epoch: int | None = None  # None: about one pass over the training tokens
+    stop_after_epochs: int | None = None
+    batch_size: int = 8
+    grad_accum: int = 1
+    seq_len: int = 64
+    lr: float = 1e-3
+    min_lr: float | None = None  # None: lr / 10
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    weight_decay: float = 0.01
+    adam_eps: float = 1e-8
+    betas: tuple[float, float] = (0.9, 0.999)
+    dtype: str = "fp32"
+    attention: str = "sdpa"
+    dist: str = "none"
+    bucket_mb: float = 25.0
+    val_batches: int = 8
+    data: str = "builtin"
+    cache_dir: str = ".cache/data"
+    builtin_mb: float = DEFAULT_BUILTIN_BYTES / 2**20
+    val_fraction: float = DEFAULT_VAL_FRACTION
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 1
+    resume: bool = False
+    out: str | None = None
+    seed: int = 0
+    device: str = "auto"
+    timeout: float = 300.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        if self.dist not in DIST_MODES:
+            raise ValueError(f"--dist {self.dist!r}; accepted: {', '.join(DIST_MODES)}")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"--dtype {self.dtype!r}; accepted: fp32, bf16")
+        for name in ("epochs", "batch_size", "grad_accum", "seq_len", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
+        for name in ("steps_per_epoch", "stop_after_epochs"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
+        for name in ("warmup_steps", "val_batches", "grad_clip", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 0")
+        if not self.lr > 0 or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"--lr={self.lr} must be > 0 and --min-lr={self.min_lr} in [0, lr]")
+        if not (self.bucket_mb > 0 and self.adam_eps > 0 and self.timeout > 0):
+            raise ValueError("--bucket-mb, --adam-eps and --timeout must be > 0")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir")
+
+    def spec(self) -> ModelSpec:
+        """The preset with any dimension overridden, its context grown to --seq-len if shorter."""
+        spec = get_model(self.model)
+        if spec.arch != "transformer":
+            raise ValueError(f"model {spec.name!r} is an analysis-only {spec.arch} model; pick a Transformer preset")
+        changes = {k: getattr(self, k) for k in ("d_model", "d_ff", "n_layers", "n_heads", "vocab_size")
+                   if getattr(self, k) is not None}
+        if self.seq_len > spec.context_length:
+            changes["context_length"] = self.seq_len
+        return spec.replace(**changes) if changes else spec
+
+    @property
+    def final_lr(self) -> float:
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based): linear warm-up lr * (step + 1) / warmup_steps
+    for the first ``warmup_steps`` steps, then a cosine from lr (at step ``warmup_steps``) down to min_lr
+    (at the last step, ``total_steps - 1``): min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2 with
+    p = (step - warmup_steps) / (total_steps - 1 - warmup_steps), clamped to [0, 1]."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps))
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------- model, wrapper, optimizer
+
+
+@dataclass
+class Parts:
+    forward: torch.nn.Module  # what a training step calls (the wrapper, or the model)
+    model: torch.nn.Module  # the bare TransformerLM (its parameters are FSDP's shards under fsdp)
+    wrapper: Any  # ours (has finish_gradient_synchronization) or None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    dist: str
+
+    @property
+    def eval_forward(self) -> torch.nn.Module:
+        """FSDP must run its own forward (it gathers the weights); torch DDP's bookkeeping is not needed."""
+        return self.forward if self.dist == "fsdp" else self.model
+
+
+def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: int, total_steps: int) -> Parts:
+    """Model, wrapper and AdamW as the DDP benchmark builds them, with our Adam options and LR schedule."""
+    from torch_impl.bench.ddp import _build, configurations
+
+    config = configurations([cfg.dist], [cfg.bucket_mb])[0]
+    forward, wrapper, optimizer = _build(config, cfg, spec, device, world_size)
+    for group in optimizer.param_groups:  # ZeRO-1 copies its outer groups' options into the inner ones
+        group.update(eps=cfg.adam_eps, betas=cfg.betas)
+    model = getattr(forward, "module", forward)
+    schedule = dict(lr=cfg.lr, min_lr=cfg.final_lr, warmup_steps=cfg.warmup_steps, total_steps=total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, **schedule) / cfg.lr)
+    return Parts(forward, model, wrapper, optimizer, scheduler, cfg.dist)
+
+
+def implementation_name(cfg: TrainConfig) -> str:
+    from torch_impl.bench.ddp import configurations
+
+    return configurations([cfg.dist], [cfg.bucket_mb])[0].name
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def global_grad_norm(parts: Parts) -> torch.Tensor:
+    """The 2-norm of the whole model's (synchronized) gradient; under FSDP the sharded weights' squares are
+    summed over the ranks and the replicated parameters (identical everywhere) are counted once."""
+    sharded = set()
+    if parts.dist == "fsdp":
+        names = set(parts.forward.sharded_param_names())
+        sharded = {id(p) for n, p in parts.model.named_parameters() if n in names}
+    params = [p for p in parts.model.parameters() if p.grad is not None]
+    device = next(parts.model.parameters()).device
+    squares = torch.zeros(2, dtype=torch.float32, device=device)  # (sharded, replicated)
+    for p in params:
+        squares[0 if id(p) in sharded else 1] += p.grad.detach().float().pow(2).sum()
+    if sharded and dist.is_initialized() and dist.get_world_size() > 1:
+        shard_sq = squares[:1].clone()
+        dist.all_reduce(shard_sq)
+        squares[0] = shard_sq[0]
+    return squares.sum().sqrt()
+
+
+@torch.no_grad()
+def clip_gradients(parts: Parts, max_norm: float) -> torch.Tensor:
+    """Scale every gradient by min(1, max_norm / (global norm + 1e-6)); returns the norm before clipping."""
+    norm = global_grad_norm(parts)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in parts.model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef)
+    return norm
+
+
+# ----------------------------------------------------------------------------- one step, validation
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase, with the device synchronized around each (CUDA)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        self.sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else contextlib.nullcontext()
+
+
+def train_step(parts: Parts, cfg: TrainConfig, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+               timer: PhaseTimer, device: torch.device) -> tuple[float, float | None]:
+    """One optimizer step over the micro-batches: (this rank's mean loss, the gradient norm before clipping)."""
+    k = len(micro_batches)
+    start = getattr(parts.wrapper, "on_train_batch_start", None)
+    if start is not None:
+        start()
+    total = torch.zeros((), device=device)
+    for j, (x, y) in enumerate(micro_batches):
+        last = j == k - 1
+        skip_sync = parts.forward.no_sync() if parts.dist == "torch_ddp" and not last else contextlib.nullcontext()
+        with skip_sync:
+            with timer("forward"), _autocast(cfg, device):
+                logits = parts.forward(x)  # (B, T, V)
+            with timer("loss"):
+                loss = cross_entropy(logits, y) / k
+            with timer("backward"):
+                loss.backward()
+        if parts.wrapper is not None and (last or parts.dist not in SYNC_ONCE):
+            with timer("comm"):
+                parts.wrapper.finish_gradient_synchronization()
+        total += loss.detach()
+    with timer("optimizer"):
+        norm = clip_gradients(parts, cfg.grad_clip) if cfg.grad_clip > 0 else None
+        parts.optimizer.step()
+        parts.scheduler.step()
+        parts.optimizer.zero_grad(set_to_none=True)
+    return total.item(), None if norm is None else norm.item()
+
+
+def _all_reduce_sum(values: list[float], device: torch.device, world_size: int) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if world_size > 1:
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+@torch.no_grad()
+def evaluate(parts: Parts, cfg: TrainConfig, data: TokenData, device: torch.device, rank: int,
+             world_size: int) -> float | None:
+    """Mean loss over the validation windows (the first ``val_batches`` batches), all ranks together."""
+    if cfg.val_batches == 0:
+        return None
+    parts.model.eval()
+    loss_sum, windows = 0.0, 0
+    for x, y in validation_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.val_batches, device, rank,
+                                   world_size):
+        with _autocast(cfg, device):
+            logits = parts.eval_forward(x)
+        loss_sum += cross_entropy(logits, y).item() * len(x)
+        windows += len(x)
+    parts.model.train()
+    loss_sum, windows = _all_reduce_sum([loss_sum, windows], device, world_size)
+    return loss_sum / windows
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _settings(cfg: TrainConfig, data: TokenData) -> dict[str, Any]:
+    values = {k: getattr(cfg, k) for k in RESUME_KEYS}
+    values["data"] = data.digest
+    values["global_batch"] = None  # filled by the caller (depends on the world size)
+    return values
+
+
+def save(parts: Parts, cfg: TrainConfig, step: int, generator: np.random.Generator, settings: dict,
+         rank: int, world_size: int) -> None:
+    """A checkpoint of everything the next step depends on (see the module docstring). Collective."""
+    optimizer_state = parts.optimizer.state_dict() if parts.dist != "fsdp" else None  # ZeRO-1: collective
+    local: dict[str, Any] = {"rng": ckpt.capture_rng()}
+    if parts.dist == "fsdp":
+        local.update(model=parts.model.state_dict(), optimizer=parts.optimizer.state_dict())
+    shared = None
+    if rank == 0:
+        shared = {"settings": settings, "dist": parts.dist, "scheduler": parts.scheduler.state_dict(),
+                  "data_generator": generator.bit_generator.state,
+                  "model": parts.model.state_dict() if parts.dist != "fsdp" else None,
+                  "optimizer": optimizer_state}
+    ckpt.save_checkpoint(cfg.checkpoint_dir, step, shared, local, rank=rank, world_size=world_size)
+
+
+def restore(parts: Parts, cfg: TrainConfig, generator: np.random.Generator, settings: dict, rank: int,
+            world_size: int) -> int:
+    """Load the latest checkpoint into ``parts`` and ``generator``; returns its step."""
+    state = ckpt.load_checkpoint(cfg.checkpoint_dir, rank)
+    saved = state.shared["settings"]
+    differ = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
+    if differ:
+        raise ValueError(f"--resume: settings differ from the checkpoint {state.path} (saved, now): {differ}")
+    if parts.dist == "fsdp" or state.shared["dist"] == "fsdp":
+        if state.shared["dist"] != parts.dist or state.world_size != world_size:
+            raise ValueError(f"--resume: an fsdp checkpoint resumes as fsdp on {state.world_size} ranks only "
+                             f"(saved: {state.shared['dist']} on {state.world_size}; now {parts.dist} on {world_size})")
+        parts.model.load_state_dict(state.local["model"])
+        parts.optimizer.load_state_dict(state.local["optimizer"])
+    else:
+        parts.model.load_state_dict(state.shared["model"])
+        parts.optimizer.load_state_dict(state.shared["optimizer"])
+    parts.scheduler.load_state_dict(state.shared["scheduler"])
+    generator.bit_generator.state = state.shared["data_generator"]
+    ckpt.restore_rng((state.local or ckpt.load_checkpoint(cfg.checkpoint_dir, 0).local)["rng"])
+    return state.shared["step"]
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass
+class TrainResult:
+    records: list[Record]  # one per epoch run (on every rank; rank 0 wrote them to --out)
+    train_losses: list[float]  # per step run, averaged over ranks
+    val_losses: list[float | None]  # per epoch run
+    start_step: int  # 0, or the step resumed from
+    params: dict[str, torch.Tensor] | None = None  # full final parameters on the CPU (keep_params=True)
+    stopped_early: bool = False
+
+
+@dataclass
+class _EpochStats:
+    step_ms: list[float] = field(default_factory=list)
+    phase_ms: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in STEP_PHASES})
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the GPU image may lack tqdm: the per-epoch line is printed anyway
+        return None
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr, leave=False)
+
+
+def _context(cfg: TrainConfig) -> DistributedContext:
+    if dist.is_available() and dist.is_initialized():
+        return init_distributed(device="cpu" if cfg.device == "cpu" else None)  # no re-initialization
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if cfg.device == "auto" else cfg.device))
+    return DistributedContext(0, 1, 0, device, "none")
+
+
+def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
+                 keep_params: bool = False) -> TrainResult:
+    """Train as configured; ``ctx`` defaults to the initialized process group, or one process."""
+    worker_start = time.perf_counter()
+    ctx = ctx or _context(cfg)
+    rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
+    if cfg.dist == "none" and world_size > 1:
+        raise ValueError("--dist none runs as one process; pick a data-parallel mode for several ranks")
+    if cfg.dtype == "fp32":
+        torch.set_float32_matmul_precision("highest")
+    spec = cfg.spec()
+    data = prepare_data(cfg.data, cfg.cache_dir, builtin_bytes=int(cfg.builtin_mb * 2**20),
+                        val_fraction=cfg.val_fraction)
+    data.check_vocab(spec.vocab_size)
+    global_batch = cfg.grad_accum * world_size * cfg.batch_size
+    steps_per_epoch = cfg.steps_per_epoch or max(1, len(data.train) // (global_batch * cfg.seq_len))
+    total_steps = cfg.epochs * steps_per_epoch
+    parts = build(cfg, spec, device, world_size, total_steps)
+    generator = np.random.default_rng(cfg.seed)
+    settings = {**_settings(cfg, data), "steps_per_epoch": steps_per_epoch, "global_batch": global_batch}
+    step = restore(parts, cfg, generator, settings, rank, world_size) if cfg.resume else 0
+    if rank == 0 and cfg.resume:
+        print(f"resumed from step {step} ({cfg.checkpoint_dir})", flush=True)
+    result = TrainResult([], [], [], start_step=step)
+    stop_epoch = min(cfg.epochs, cfg.stop_after_epochs or cfg.epochs)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    for epoch in range(step // steps_per_epoch, stop_epoch):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        epoch_start = time.perf_counter()
+        stats = _EpochStats()
+        bar = _progress(steps_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and rank == 0)
+        for _ in range(steps_per_epoch):
+            timer = PhaseTimer(device)
+            step_start = time.perf_counter()
+            with timer("data"):
+                starts = sample_starts(len(data.train), global_batch, cfg.seq_len, generator)
+                starts = starts.reshape(cfg.grad_accum, world_size, cfg.batch_size)  # (micro, rank, row)
+                micro = [batch_at(data.train, starts[j, rank], cfg.seq_len, device) for j in range(cfg.grad_accum)]
+            loss, norm = train_step(parts, cfg, micro, timer, device)
+            stats.step_ms.append((time.perf_counter() - step_start) * 1e3)
+            for p in STEP_PHASES:
+                stats.phase_ms[p].append(timer.seconds.get(p, 0.0) * 1e3)
+            stats.losses.append(loss)
+            if norm is not None:
+                stats.grad_norms.append(norm)
+            step += 1
+            if bar is not None:
+                tokens_s = global_batch * cfg.seq_len * len(stats.step_ms) / (sum(stats.step_ms) / 1e3)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_s:,.0f}", refresh=False)
+                bar.update()
+        if bar is not None:
+            bar.close()
+        training_s = time.perf_counter() - epoch_start
+        val_start = time.perf_counter()
+        val_loss = evaluate(parts, cfg, data, device, rank, world_size)
+        validation_s = time.perf_counter() - val_start
+        losses = [v / world_size for v in _all_reduce_sum(stats.losses, device, world_size)]
+        checkpoint_s = 0.0
+        last = epoch + 1 == stop_epoch
+        if cfg.checkpoint_dir and ((epoch + 1) % cfg.checkpoint_every == 0 or last):
+            ckpt_start = time.perf_counter()
+            save(parts, cfg, step, generator, settings, rank, world_size)
+            checkpoint_s = time.perf_counter() - ckpt_start
+        mine = {"phase_s": {p: sum(v) / 1e3 for p, v in stats.phase_ms.items()},
+                "peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+                "training_s": training_s, "validation_s": validation_s, "checkpoint_s": checkpoint_s,
+                "epoch_s": time.perf_counter() - epoch_start}
+        gathered = [mine]
+        if world_size > 1:
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, mine)
+        times = {"worker_s": time.perf_counter() - worker_start, "total_s": time.perf_counter() - _IMPORTED}
+        record = _epoch_record(cfg, spec, epoch, steps_per_epoch, step, global_batch, world_size, device_name,
+                               stats, losses, val_loss, gathered, times, data, parts)
+        result.records.append(record)
+        result.train_losses += losses
+        result.val_losses.append(val_loss)
+        if rank == 0:
+            if cfg.out:
+                append_records(cfg.out, record)
+            print(_describe(record), flush=True)
+    result.stopped_early = stop_epoch < cfg.epochs
+    if keep_params:
+        full = parts.forward.gather_full_params() if cfg.dist == "fsdp" else dict(parts.model.named_parameters())
+        result.params = {k: v.detach().cpu().clone() for k, v in full.items()}
+    return result
+
+
+def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch: int, step: int,
+                  global_batch: int, world_size: int, device_name: str, stats: _EpochStats,
+                  losses: list[float], val_loss: float | None, gathered: list[dict], times: dict,
+                  data: TokenData, parts: Parts) -> Record:
+    worst = {k: max(g[k] for g in gathered) for k in ("training_s", "validation_s", "checkpoint_s", "epoch_s")}
+    peaks = [g["peak"] for g in gathered]
+    step_args = argparse.Namespace(suite=SUITE, mode="train_step", dtype=cfg.dtype, warmup=0,
+                                   steps=len(stats.step_ms), batch_size=cfg.batch_size * cfg.grad_accum)
+    metrics = {
+        "epoch": epoch + 1, "epochs": cfg.epochs, "step": step, "steps_per_epoch": steps_per_epoch,
+        "attention": cfg.attention, "dist": cfg.dist, "grad_accum": cfg.grad_accum, "global_batch": global_batch,
+        "samples_per_epoch": global_batch * steps_per_epoch,
+        "tokens_per_epoch": global_batch * steps_per_epoch * cfg.seq_len,
+        "train_loss": statistics.fmean(losses), "train_losses": losses, "val_loss": val_loss,
+        "lr": lr_at(step - 1, lr=cfg.lr, min_lr=cfg.final_lr, warmup_steps=cfg.warmup_steps,
+                    total_steps=cfg.epochs * steps_per_epoch),  # of the epoch's last step
+        "grad_norms": stats.grad_norms,
+        **worst, **times,
+        "phase_totals_s": {p: max(g["phase_s"][p] for g in gathered) for p in STEP_PHASES},
+        "per_rank_peak_memory_bytes": peaks, "data": data.describe(), "seed": cfg.seed,
+        "lr_max": cfg.lr, "min_lr": cfg.final_lr, "warmup_steps": cfg.warmup_steps, "grad_clip": cfg.grad_clip,
+        "weight_decay": cfg.weight_decay,
+    }
+    record = step_record(step_args, spec, cfg.seq_len, backend="torch", implementation=implementation_name(cfg),
+                         device_name=device_name, step_times_ms=stats.step_ms, phases_ms=stats.phase_ms,
+                         peak_memory_bytes=None if None in peaks else max(peaks), metrics=metrics)
+    record.batch_size = cfg.batch_size
+    record.world_size = world_size
+    record.mesh = {"fsdp" if cfg.dist == "fsdp" else "dp": world_size}
+    record.tokens_per_s = metrics["tokens_per_epoch"] / worst["training_s"]
+    return record
+
+
+def _describe(record: Record) -> str:
+    m = record.metrics
+    val = f"{m['val_loss']:.4f}" if m["val_loss"] is not None else "-"
+    return (f"epoch {m['epoch']}/{m['epochs']}: train loss {m['train_loss']:.4f}, val loss {val}, "
+            f"{m['epoch_s']:.2f} s ({m['training_s']:.2f} training, {m['validation_s']:.2f} validation), "
+            f"{record.tokens_per_s:,.0f} tokens/s, {m['samples_per_epoch']} samples")
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _betas(text: str) -> tuple[float, float]:
+    try:
+        b1, b2 = (float(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write two numbers, e.g. 0.9,0.95") from None
+    return b1, b2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m torch_impl.train", description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--model", default=d.model, help=f"model preset: {', '.join(MODELS)} (default {d.model})")
+    for flag in ("--d-model", "--d-ff", "--n-layers", "--n-heads", "--vocab-size"):
+        a(flag, type=int, help="override the preset's dimension")
+    a("--epochs", type=int, default=d.epochs, help=f"epochs (default {d.epochs})")
+    a("--steps-per-epoch", type=int, help="optimizer steps per epoch (default: about one pass over the tokens)")
+    a("--stop-after-epochs", type=int, help="end the job after this many epochs (checkpointed), keeping the "
+                                            "schedule of --epochs; continue with --resume")
+    a("--batch-size", type=int, default=d.batch_size, help=f"sequences per micro-batch per rank (default {d.batch_size})")
+    a("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step (default 1)")
+    a("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
+    a("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    a("--min-lr", type=float, help="learning rate at the last step (default lr / 10)")
+    a("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps (default 0)")
+    a("--grad-clip", type=float, default=d.grad_clip, help=f"max global gradient norm, 0 = off (default {d.grad_clip})")
+    a("--weight-decay", type=float, default=d.weight_decay, help=f"AdamW weight decay (default {d.weight_decay})")
+    a("--adam-eps", type=float, default=d.adam_eps, help=f"AdamW eps (default {d.adam_eps})")
+    a("--betas", type=_betas, default=d.betas, help="AdamW betas (default 0.9,0.999)")
+    a("--dtype", choices=("fp32", "bf16"), default=d.dtype, help="fp32, or bf16 autocast with fp32 weights")
+    a("--attention", default=d.attention, help=f"attention backend (default {d.attention})")
+    a("--dist", choices=DIST_MODES, default=d.dist, help=f"data-parallel mode (default {d.dist})")
+    a("--bucket-mb", type=float, default=d.bucket_mb, help="bucket size in MiB for bucketed and zero1 (default 25)")
+    a("--val-batches", type=int, default=d.val_batches, help="validation batches per epoch, 0 = none (default 8)")
+    a("--data", default=d.data, help="builtin (the stdlib's source as bytes), a .npy token file, or a text file")
+    a("--cache-dir", default=d.cache_dir, help=f"where byte corpora are built (default {d.cache_dir})")
+    a("--builtin-mb", type=float, default=d.builtin_mb, help=f"size of the built-in corpus (default {d.builtin_mb:g})")
+    a("--val-fraction", type=float, default=d.val_fraction, help="share of the data for validation (default 0.05)")
+    a("--checkpoint-dir", help="save checkpoints here")
+    a("--checkpoint-every", type=int, default=d.checkpoint_every, help="epochs between checkpoints (default 1)")
+    a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    a("--out", metavar="JSONL", help="append one record per epoch here")
+    a("--seed", type=int, default=d.seed, help="seed of the weights and the data order (default 0)")
+    a("--device", default=d.device, help="auto (CUDA if available), cpu, or cuda")
+    a("--timeout", type=float, default=d.timeout, help="process-group timeout in seconds (default 300)")
+    a("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def _failure_record(cfg: TrainConfig, err: BaseException, world_size: int) -> Record:
+    oom = isinstance(err, torch.OutOfMemoryError)
+    record = Record(suite=SUITE, backend="torch", implementation=implementation_name(cfg), model=cfg.model,
+                    batch_size=cfg.batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype, mode="train_step",
+                    world_size=world_size, status="oom" if oom else "error",
+                    error=f"{type(err).__name__}: {err}".splitlines()[0],
+                    metrics={"attention": cfg.attention, "dist": cfg.dist, "grad_accum": cfg.grad_accum})
+    record.provenance["device_name"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = TrainConfig(**vars(args))
+        cfg.spec()
+    except ValueError as err:
+        parser.error(str(err))
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.dist == "none" and world_env > 1:
+        parser.error("--dist none runs as one process; pick a data-parallel mode for several ranks")
+    return _main(cfg, parser)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _main(cfg: TrainConfig, parser: argparse.ArgumentParser) -> int:
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        if cfg.dist == "none":
+            run_training(cfg)
+            return 0
+        if world_size == 1:  # a one-rank group for the wrappers, on a free port
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        from torch_impl.distributed import distributed_context
+
+        with distributed_context(timeout_s=cfg.timeout, device="cpu" if cfg.device == "cpu" else None) as ctx:
+            run_training(cfg, ctx)
+        return 0
+    except ValueError as err:
+        parser.error(str(err))
+    except RuntimeError as err:  # out of memory, a kernel or a collective failing: a record, not a gap
+        if rank == 0 and cfg.out:
+            append_records(cfg.out, _failure_record(cfg, err, world_size))
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
