@@ -13,7 +13,7 @@
     files (``sysconfig.get_paths()["stdlib"]``, ``*.py`` outside ``site-packages`` and test folders,
     sorted by relative path, taken in that order until ``builtin_bytes``), encoded as bytes (ids 0-255) with
     ``SEPARATOR`` = 256 after each file (vocabulary 257). Every ``round(1 / val_fraction)``-th file goes to
-    validation, so both splits span the whole library.
+    validation (the last file, when there are fewer), so both splits span the whole subset.
   - a ``.npy`` file of token ids (1-D, integer): memory-mapped as it is; the last ``val_fraction`` of it is
     the validation split (views, nothing copied).
   - any other file: its bytes are the tokens (vocabulary 257, as the built-in corpus); tail split.
@@ -218,8 +218,13 @@ def builtin_corpus(cache_dir: str | os.PathLike, limit_bytes: int = DEFAULT_BUIL
 
     def build():
         docs = [p.read_bytes() for p in files]
-        train = encode_documents([d for i, d in enumerate(docs) if i % every != every - 1])
-        val = encode_documents([d for i, d in enumerate(docs) if i % every == every - 1])
+        if len(docs) < 2:
+            raise ValueError(f"the built-in corpus needs 2 files or more; raise its size ({limit_bytes} bytes)")
+        # Every `every`-th file, or the last one when there are fewer than `every`.
+        is_val = [i % every == every - 1 for i in range(len(docs))] if len(docs) >= every else \
+            [i == len(docs) - 1 for i in range(len(docs))]
+        train = encode_documents([d for d, v in zip(docs, is_val) if not v])
+        val = encode_documents([d for d, v in zip(docs, is_val) if v])
         meta = {"name": name, "digest": digest, "vocab_size": BYTE_VOCAB, "files": len(files),
                 "val_every": every, "stdlib": str(root)}
         return train, val, meta

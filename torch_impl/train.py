@@ -450,6 +450,9 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
     data = prepare_data(cfg.data, cfg.cache_dir, builtin_bytes=int(cfg.builtin_mb * 2**20),
                         val_fraction=cfg.val_fraction)
     data.check_vocab(spec.vocab_size)
+    if len(data.train) < cfg.seq_len + 1 or (cfg.val_batches and len(data.val) < cfg.seq_len + 1):
+        raise ValueError(f"data {data.name!r} ({len(data.train)} training, {len(data.val)} validation tokens) is "
+                         f"too small for --seq-len {cfg.seq_len}: each split needs {cfg.seq_len + 1} tokens")
     global_batch = cfg.grad_accum * world_size * cfg.batch_size
     steps_per_epoch = cfg.steps_per_epoch or max(1, len(data.train) // (global_batch * cfg.seq_len))
     total_steps = cfg.epochs * steps_per_epoch
