@@ -139,6 +139,7 @@ class TrainConfig:
     resume: bool = False
     out: str | None = None
     seed: int = 0
+    run_name: str | None = None  # tags the records (metrics.run), e.g. a sweep's cell
     device: str = "auto"
     timeout: float = 300.0
     progress: bool = True
@@ -549,7 +550,7 @@ def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch
         "phase_totals_s": {p: max(g["phase_s"][p] for g in gathered) for p in STEP_PHASES},
         "per_rank_peak_memory_bytes": peaks, "data": data.describe(), "seed": cfg.seed,
         "lr_max": cfg.lr, "min_lr": cfg.final_lr, "warmup_steps": cfg.warmup_steps, "grad_clip": cfg.grad_clip,
-        "weight_decay": cfg.weight_decay,
+        "weight_decay": cfg.weight_decay, "run": cfg.run_name,
     }
     record = step_record(step_args, spec, cfg.seq_len, backend="torch", implementation=implementation_name(cfg),
                          device_name=device_name, step_times_ms=stats.step_ms, phases_ms=stats.phase_ms,
@@ -615,6 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     a("--out", metavar="JSONL", help="append one record per epoch here")
     a("--seed", type=int, default=d.seed, help="seed of the weights and the data order (default 0)")
+    a("--run-name", help="a name for this run, written into its records (metrics.run)")
     a("--device", default=d.device, help="auto (CUDA if available), cpu, or cuda")
     a("--timeout", type=float, default=d.timeout, help="process-group timeout in seconds (default 300)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -627,7 +629,8 @@ def _failure_record(cfg: TrainConfig, err: BaseException, world_size: int) -> Re
                     batch_size=cfg.batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype, mode="train_step",
                     world_size=world_size, status="oom" if oom else "error",
                     error=f"{type(err).__name__}: {err}".splitlines()[0],
-                    metrics={"attention": cfg.attention, "dist": cfg.dist, "grad_accum": cfg.grad_accum})
+                    metrics={"attention": cfg.attention, "dist": cfg.dist, "grad_accum": cfg.grad_accum,
+                             "run": cfg.run_name})
     record.provenance["device_name"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return record
 
