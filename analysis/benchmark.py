@@ -85,25 +85,33 @@ def step_record(
     metrics: dict[str, Any] | None = None,
     status: str = "ok",
     error: str | None = None,
+    mesh: dict[str, int] | None = None,
 ) -> Record:
-    """The record of one step benchmark: timing statistics, tokens/s, achieved TFLOP/s and MFU."""
+    """The record of one step benchmark: timing statistics, tokens/s, achieved TFLOP/s and MFU.
+
+    ``args.batch_size`` is the batch of one step of the measured program. With a ``mesh`` (one program over
+    several devices, as JAX's), that batch is global: ``tflops`` and ``mfu`` are per device (the step's
+    FLOPs / the number of devices), ``world_size`` is the mesh's device count.
+    """
     flops = step_flops(spec, args.batch_size, seq_len, args.mode)
+    world_size = int(np.prod(list(mesh.values()))) if mesh else 1
     record = Record(
         suite=args.suite, backend=backend, implementation=implementation, model=spec.name,
         model_dims=dataclasses.asdict(spec), batch_size=args.batch_size, seq_len=seq_len, dtype=args.dtype,
-        mode=args.mode, warmup_steps=args.warmup, timed_steps=args.steps, flops_per_step=flops,
-        peak_memory_bytes=peak_memory_bytes, metrics=dict(metrics or {}), status=status, error=error,
+        mode=args.mode, world_size=world_size, mesh=mesh, warmup_steps=args.warmup, timed_steps=args.steps,
+        flops_per_step=flops, peak_memory_bytes=peak_memory_bytes, metrics=dict(metrics or {}), status=status,
+        error=error,
     )
     record.provenance["device_name"] = device_name
     if step_times_ms:
         record.timing = timing_stats(step_times_ms)
         seconds = record.timing["median_ms"] / 1e3
         record.tokens_per_s = args.batch_size * seq_len / seconds
-        record.tflops = flops / seconds / 1e12
+        record.tflops = flops / world_size / seconds / 1e12
         hardware = hardware_for_device(device_name)
         if hardware is not None:
             peak = hardware.bf16_flops if args.dtype == "bf16" else hardware.fp32_flops
-            record.mfu = flops / seconds / peak if peak else None
+            record.mfu = flops / world_size / seconds / peak if peak else None
     if phases_ms:
         record.phases = {phase: timing_stats(times) for phase, times in phases_ms.items()}
     return record
@@ -137,11 +145,13 @@ def run_benchmark(
     measure: Callable[[argparse.Namespace], Record],
     on_failure: Callable[[argparse.Namespace, RuntimeError], Record],
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    is_writer: Callable[[], bool] = lambda: True,
 ) -> int:
     """Parse the step flags, measure, and emit the record; the CLI body of both backends' step benchmarks.
 
     Bad input (flags, a weights file) exits with a one-line message and no record; a RuntimeError while
     measuring (out of memory, a kernel failure) becomes the record ``on_failure`` makes, a row not a gap.
+    Only the process for which ``is_writer()`` holds (e.g. process 0 of a multi-host run) emits the record.
     """
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_step_arguments(parser)
@@ -158,15 +168,17 @@ def run_benchmark(
         sys.exit(f"error: {err}")
     except RuntimeError as err:  # torch.OutOfMemoryError and jax's JaxRuntimeError are RuntimeErrors
         record = on_failure(args, err)
+    if not is_writer():
+        return 0 if record.status == "ok" else 1
     return emit(args, record)
 
 
 def failure_record(args: argparse.Namespace, err: Exception, *, backend: str, implementation: str,
-                   device_name: str, oom: bool) -> Record:
+                   device_name: str, oom: bool, mesh: dict[str, int] | None = None) -> Record:
     """The record of a run that ran out of memory (``oom``) or failed, with the error's first line."""
     spec, seq_len = resolve_spec(args)
     return step_record(args, spec, seq_len, backend=backend, implementation=implementation,
-                       device_name=device_name, status="oom" if oom else "error",
+                       device_name=device_name, mesh=mesh, status="oom" if oom else "error",
                        error=f"{type(err).__name__}: {err}".splitlines()[0])
 
 

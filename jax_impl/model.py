@@ -304,7 +304,8 @@ def load_numpy_weights(model: TransformerLM, weights: dict[str, np.ndarray]) -> 
                 f"weight {name!r}: shape {np.asarray(weights[name]).shape} != parameter shape {expected} "
                 f"(PyTorch layout)"
             )
-        new_values[name] = jax.device_put(value.astype(current.dtype), current.sharding)
+        value = value.astype(current.dtype)  # each device (of any process) takes its shard of the host copy
+        new_values[name] = jax.make_array_from_callback(value.shape, current.sharding, lambda i, v=value: v[i])
     for name, (param, _) in table.items():
         param.set_value(new_values[name])
 

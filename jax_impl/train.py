@@ -18,6 +18,7 @@ Public names:
     with ``batch_sharding(mesh, strategy)`` (ValueError if B is not divisible by the data-parallel degree
     dp x fsdp, or tokens are not a 2-D integer array with T+1 >= 2), runs the jitted step, keeps the new
     params / optimizer state;
+  - ``.load_weights(weights)``: start from numpy weights keyed by the stable names (e.g. PyTorch's);
   - ``.model``: an ``nnx.Module`` view of the current state (for ``assert_params_sharded``,
     ``to_numpy_weights``, evaluation); ``.params`` / ``.opt_state`` / ``.rest``: the raw states;
     ``.param_shardings`` / ``.opt_shardings`` / ``.batch_sharding``: the shardings used;
@@ -25,7 +26,9 @@ Public names:
     (params and opt_state donated).
 * ``make_train_step(graphdef, tx, param_shardings, opt_shardings, rest_shardings, batch_sharding, *,
   remat=False)``: that jitted function on its own, for callers (benchmarks) that hold their own state.
-* ``block_transform(*, remat=False, activation_sharding=None)``: the model hook it uses (below).
+* ``make_loss_fn(graphdef, batch_sharding, *, remat=False)``: its loss ``(params, rest, tokens) -> loss``
+  (for forward-only or forward+backward benchmarks); ``block_transform(*, remat=False,
+  activation_sharding=None)``: the model hook it uses (below).
 
 Precision: parameters are stored in float32 (the master weights); ``compute_dtype=jnp.bfloat16`` builds
 the model with ``dtype=bfloat16``, so every matmul casts its operands to bf16 while RMSNorm, RoPE, the
@@ -70,7 +73,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.model import ApplyBlock, TransformerLM, cross_entropy
+from jax_impl.model import ApplyBlock, TransformerLM, cross_entropy, load_numpy_weights
 from jax_impl.sharding import batch_sharding, create_sharded_model, param_shardings
 from parallelism_calc.specs import ModelSpec
 
@@ -116,6 +119,21 @@ def opt_state_shardings(tx: optax.GradientTransformation, params: nnx.State, p_s
         transform_non_params=lambda _: replicated, is_leaf=_is_variable)
 
 
+def make_loss_fn(graphdef, tokens_sharding: NamedSharding, *, remat: bool = False):
+    """``loss_fn(params, rest, tokens (B, T+1)) -> float32 loss`` (inputs ``[:, :-1]``, targets ``[:, 1:]``):
+    the tokens pinned to ``tokens_sharding``, every block's activations to the batch sharding, optional remat."""
+    activations = NamedSharding(tokens_sharding.mesh, P(*tokens_sharding.spec[:1], None, None))  # (B, T, d)
+    apply_block = block_transform(remat=remat, activation_sharding=activations)
+
+    def loss_fn(params, rest, tokens):
+        tokens = jax.lax.with_sharding_constraint(tokens, tokens_sharding)  # (B, T+1), batch split
+        model = nnx.merge(graphdef, params, rest)
+        logits = model(tokens[:, :-1], apply_block=apply_block)  # (B, T, V), compute dtype
+        return cross_entropy(logits, tokens[:, 1:])  # float32
+
+    return loss_fn
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, p_shardings, o_shardings, rest_shardings,
                     tokens_sharding: NamedSharding, *, remat: bool = False):
     """The jitted step ``(params, opt_state, rest, tokens (B, T+1)) -> (params, opt_state, loss)``.
@@ -123,18 +141,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, p_shardings, o_s
     params and opt_state are donated; in/out shardings are pinned to the given ones (the loss replicated).
     """
     replicated = NamedSharding(tokens_sharding.mesh, P())
-    activations = NamedSharding(tokens_sharding.mesh, P(*tokens_sharding.spec[:1], None, None))  # (B, T, d)
-    apply_block = block_transform(remat=remat, activation_sharding=activations)
-
-    def loss_fn(params, rest, inputs, targets):
-        model = nnx.merge(graphdef, params, rest)
-        logits = model(inputs, apply_block=apply_block)  # (B, T, V), compute dtype
-        return cross_entropy(logits, targets)  # float32
+    loss_fn = make_loss_fn(graphdef, tokens_sharding, remat=remat)
 
     def train_step(params, opt_state, rest, tokens):
-        tokens = jax.lax.with_sharding_constraint(tokens, tokens_sharding)  # (B, T+1), batch split
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        loss, grads = jax.value_and_grad(loss_fn)(params, rest, inputs, targets)
+        loss, grads = jax.value_and_grad(loss_fn)(params, rest, tokens)
         grads = jax.lax.with_sharding_constraint(grads, p_shardings)  # grads follow the params
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -181,6 +191,13 @@ class ShardedTrainer:
         """The current parameters as a module (shares the arrays; do not keep it across ``step`` calls)."""
         return nnx.merge(self.graphdef, self.params, self.rest)
 
+    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Replace the parameters by ``weights`` (stable PyTorch names and layout, ``load_numpy_weights``),
+        each placed with its current sharding. Call before the first step (the moments start at zero)."""
+        model = self.model
+        load_numpy_weights(model, weights)
+        self.params = nnx.state(model, nnx.Param)
+
     def place_batch(self, tokens) -> jax.Array:
         """Check ``tokens`` (B, T+1) and place it with the batch sharding."""
         shape = tuple(np.shape(tokens))
@@ -195,7 +212,8 @@ class ShardedTrainer:
                 f"batch size {shape[0]} is not divisible by the data-parallel degree {degree} "
                 f"(batch split over {self.batch_sharding.spec} of mesh {dict(self.mesh.shape)})")
         self.spec.check_seq_len(shape[1] - 1)
-        return jax.device_put(jnp.asarray(tokens, dtype=jnp.int32), self.batch_sharding)
+        host = np.asarray(tokens, dtype=np.int32)  # every process holds the global batch (multi-host too)
+        return jax.make_array_from_callback(shape, self.batch_sharding, lambda index: host[index])
 
     def step(self, tokens) -> jax.Array:
         """One AdamW step on ``tokens`` (B, T+1) (inputs ``[:, :-1]``, targets ``[:, 1:]``); returns the loss."""

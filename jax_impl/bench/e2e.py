@@ -1,10 +1,26 @@
-"""End-to-end step benchmark of the Flax model: ``python -m jax_impl.bench.e2e --model tiny``.
+"""End-to-end step benchmark of the Flax model, on one device or a mesh: ``python -m jax_impl.bench.e2e``.
 
 The JAX twin of ``torch_impl.bench.e2e``: the same flags, the same fixed random batch (numpy's generator,
 same seed), the same AdamW hyperparameters and the same record, so the two backends compare field by field.
-The step is one ``jax.jit`` (forward, backward and the optax update fused, parameters and optimizer state
-donated), so only whole-step times are recorded; the first call compiles and is a warm-up step.
-``--load-weights`` starts from the PyTorch model's weights (``--save-weights`` there).
+Every run is the sharded program of ``jax_impl.train`` (``make_train_step`` / ``make_loss_fn``) on a mesh:
+``--mesh dp=2,fsdp=2,tp=2`` (``-1`` fills in the device count) with the strategy its degrees call for
+(``jax_impl.sharding.strategy_for``; ``--strategy`` overrides), and without ``--mesh`` a 1-device mesh of
+``--device``. Each mode is one ``jax.jit`` (train_step: forward, backward and the optax update fused,
+parameters and optimizer state donated), compiled ahead of time, so only whole-step times are recorded.
+
+Record (``analysis.benchmark.step_record``): ``--batch-size`` is the global batch (one program over the
+mesh, JAX's convention; the PyTorch DDP benchmark's batch is per rank); ``tflops`` / ``mfu`` per device;
+``world_size`` and ``mesh`` from the mesh; ``peak_memory_bytes`` the worst device's allocator peak (GPU; None
+on CPU). Metrics: ``strategy``, ``remat``, ``compile_s``, ``compiled_memory`` (the compiled step's
+``memory_analysis()`` per device: arguments, outputs, aliased (donated) and temporary bytes, and
+``estimate_bytes`` = arguments + outputs - aliased + temporaries), the losses, and
+``predicted_memory_bytes`` from ``parallelism_calc.memory.per_device_memory`` for the strategy's sharding.
+``--profile DIR`` writes a ``jax.profiler`` trace (TensorBoard / Perfetto) of three extra steps after the
+timed ones. ``--load-weights`` starts from the PyTorch model's weights (``--save-weights`` there).
+
+Multi-host: ``jax_impl.distributed.initialize_from_env()`` runs first, so the same command under a
+launcher (SLURM, Open MPI, torchrun-style variables, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+JAX_PROCESS_ID) runs one program over every host's devices; process 0 writes the record.
 """
 
 from __future__ import annotations
@@ -12,117 +28,216 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from functools import partial
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from analysis.benchmark import failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
 from analysis.records import Record
-from jax_impl.model import TransformerLM, cross_entropy, load_numpy_weights, to_numpy_weights
+from jax_impl.distributed import initialize_from_env
+from jax_impl.model import to_numpy_weights
+from jax_impl.sharding import STRATEGIES, make_mesh, strategy_for
+from jax_impl.train import ShardedTrainer, make_loss_fn
+from parallelism_calc.specs import ModelSpec, ParallelSpec
+
+PROFILED_STEPS = 3
+
+
+def _platform_devices(platform: str) -> list[jax.Device]:
+    if platform == "auto":
+        return jax.devices()
+    try:
+        return jax.devices("cpu" if platform == "cpu" else "gpu")
+    except RuntimeError:
+        raise ValueError(f"--device {platform}: JAX has no {platform} backend here; accepted: cpu, auto") from None
 
 
 def pick_device(name: str) -> jax.Device:
     """``--device``: auto (JAX's default device), cpu, cuda or cuda:N (the N-th GPU)."""
     platform, _, index = name.partition(":")
-    if name == "auto":
-        return jax.devices()[0]
-    if platform not in ("cpu", "cuda") or (index and not index.isdigit()):
+    if platform not in ("auto", "cpu", "cuda") or (index and (platform == "auto" or not index.isdigit())):
         raise ValueError(f"--device {name!r}; accepted: auto, cpu, cuda, cuda:N")
-    try:
-        devices = jax.devices("cpu" if platform == "cpu" else "gpu")
-    except RuntimeError:
-        raise ValueError(f"--device {name}: JAX has no {platform} backend here; accepted: cpu, auto") from None
+    devices = _platform_devices(platform)
     if int(index or 0) >= len(devices):
         raise ValueError(f"--device {name}: only {len(devices)} {platform} device(s)")
     return devices[int(index or 0)]
+
+
+def build_mesh(args: argparse.Namespace) -> tuple[Mesh, str]:
+    """The mesh of ``--mesh`` over the first devices of ``--device``'s platform, and its strategy."""
+    if not args.mesh:
+        mesh = make_mesh(ParallelSpec(), [pick_device(args.device)])
+    else:
+        if ":" in args.device:
+            raise ValueError(f"--device {args.device} names one device; with --mesh use auto, cpu or cuda")
+        parallel = ParallelSpec.parse(args.mesh)
+        devices = _platform_devices(args.device)
+        wanted = int(np.prod([d for d in parallel.degrees().values() if d != -1]))
+        if parallel.is_resolved:
+            if wanted > len(devices):
+                raise ValueError(f"--mesh {args.mesh} needs {wanted} devices; {len(devices)} available")
+            devices = devices[:wanted]
+        mesh = make_mesh(parallel, devices)
+    resolved = ParallelSpec(**{axis: int(size) for axis, size in mesh.shape.items()})
+    strategy = args.strategy or strategy_for(resolved)
+    return mesh, strategy
 
 
 def device_name(device: jax.Device) -> str:
     return "cpu" if device.platform == "cpu" else device.device_kind
 
 
-def peak_memory_bytes(device: jax.Device) -> int | None:
-    stats = device.memory_stats()  # None on the CPU backend
-    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+def peak_memory_bytes(mesh: Mesh) -> int | None:
+    """The largest allocator peak over this process's devices of the mesh (None where not reported: CPU)."""
+    peaks = []
+    for device in mesh.devices.flat:
+        if device.process_index == jax.process_index():
+            stats = device.memory_stats()
+            if not stats or "peak_bytes_in_use" not in stats:
+                return None
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
+def compiled_memory(compiled) -> dict[str, int] | None:
+    """Per-device bytes of a compiled step from XLA's ``memory_analysis()`` (None where unsupported)."""
+    try:
+        analysis = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError):
+        return None
+    if analysis is None:
+        return None
+    fields = ("argument", "output", "alias", "temp", "generated_code")
+    out = {name: int(getattr(analysis, f"{name}_size_in_bytes", 0) or 0) for name in fields}
+    out["estimate_bytes"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def predicted_memory(spec: ModelSpec, args: argparse.Namespace, seq_len: int, mesh: Mesh,
+                     strategy: str) -> dict[str, Any]:
+    """``parallelism_calc``'s per-device memory for this run (train_step only), or why there is none."""
+    from parallelism_calc.memory import per_device_memory
+
+    if args.mode != "train_step":
+        return {}
+    dp, fsdp, tp = (int(mesh.shape[a]) for a in ("dp", "fsdp", "tp"))
+    calc = {"dp": ("ddp", ParallelSpec(dp=dp * fsdp)) if tp == 1 else None,
+            "fsdp": ("fsdp", ParallelSpec(dp=dp, fsdp=fsdp)) if tp == 1 else None,
+            "tp": ("fsdp_tp", ParallelSpec(dp=dp * fsdp, tp=tp)),
+            "fsdp_tp": ("fsdp_tp", ParallelSpec(dp=dp, fsdp=fsdp, tp=tp))}[strategy]
+    if calc is None:
+        return {"predicted_memory_error": f"strategy {strategy!r} with tp={tp} replicates work; not modelled"}
+    precision = "fp32" if args.dtype == "fp32" else "bf16_autocast"
+    attention = "naive" if args.attention == "naive" else "flash"
+    try:
+        pred = per_device_memory(spec, calc[0], calc[1], args.batch_size * seq_len, seq_len, precision,
+                                 checkpointing="full" if args.remat else "none", attention=attention)
+    except ValueError as err:
+        return {"predicted_memory_error": str(err)}
+    return {"predicted_memory_bytes": pred.total, "predicted_strategy": calc[0]}
 
 
 def measure(args: argparse.Namespace) -> Record:
-    device = pick_device(args.device)
+    initialize_from_env()
     # fp32 means full fp32 matmuls, as PyTorch's default (JAX's default on a GPU would use TF32).
     precision = "highest" if args.dtype == "fp32" else "default"
-    with jax.default_device(device), jax.default_matmul_precision(precision):
-        return measure_on_device(args, device)
+    mesh, strategy = build_mesh(args)
+    with jax.default_matmul_precision(precision):
+        return measure_on_mesh(args, mesh, strategy)
 
 
-def measure_on_device(args: argparse.Namespace, device: jax.Device) -> Record:
+def _compile_step(args: argparse.Namespace, trainer: ShardedTrainer, tokens: jax.Array) -> Callable[[], float]:
+    """The AOT-compiled program of ``args.mode`` and a closure running one step (returns the loss)."""
+    if args.mode == "train_step":
+        compiled = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.rest, tokens).compile()
+
+        def step() -> float:
+            trainer.params, trainer.opt_state, loss = compiled(trainer.params, trainer.opt_state, trainer.rest,
+                                                               tokens)
+            return float(loss)  # float() waits for the device
+    else:
+        loss_fn = make_loss_fn(trainer.graphdef, trainer.batch_sharding, remat=trainer.remat)
+        fn = loss_fn if args.mode == "forward" else jax.value_and_grad(loss_fn)
+        replicated = NamedSharding(trainer.mesh, P())
+        out = replicated if args.mode == "forward" else (replicated, trainer.param_shardings)
+        compiled = jax.jit(fn, in_shardings=(trainer.param_shardings, trainer.rest_shardings,
+                                             trainer.batch_sharding), out_shardings=out) \
+            .lower(trainer.params, trainer.rest, tokens).compile()
+
+        def step() -> float:
+            result = jax.block_until_ready(compiled(trainer.params, trainer.rest, tokens))
+            return float(result if args.mode == "forward" else result[0])
+    step.compiled = compiled  # type: ignore[attr-defined]
+    return step
+
+
+def measure_on_mesh(args: argparse.Namespace, mesh: Mesh, strategy: str) -> Record:
     spec, seq_len = resolve_spec(args)
-    compute_dtype = jnp.bfloat16 if args.dtype == "bf16" else None
-    model = TransformerLM(spec, rngs=nnx.Rngs(args.seed), attention=args.attention, dtype=compute_dtype)
+    trainer = ShardedTrainer(spec, mesh, strategy, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
+                             compute_dtype=jnp.bfloat16 if args.dtype == "bf16" else None, remat=args.remat,
+                             attention=args.attention)
     if args.load_weights:
-        load_numpy_weights(model, dict(np.load(args.load_weights)))
-    if args.save_weights:
-        np.savez(args.save_weights, **to_numpy_weights(model))
-    tokens = jnp.asarray(fixed_batch(args.seed, args.batch_size, seq_len, spec.vocab_size), dtype=jnp.int32)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        trainer.load_weights(dict(np.load(args.load_weights)))
+    if args.save_weights and jax.process_index() == 0:
+        np.savez(args.save_weights, **to_numpy_weights(trainer.model))
+    tokens = trainer.place_batch(fixed_batch(args.seed, args.batch_size, seq_len, spec.vocab_size))
 
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = optax.adamw(args.lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=args.weight_decay)  # torch's defaults
-    opt_state = tx.init(params)
-
-    def loss_fn(params, inputs, targets):
-        return cross_entropy(nnx.merge(graphdef, params, rest)(inputs), targets)
-
-    @jax.jit
-    def forward(params, inputs, targets):
-        return loss_fn(params, inputs, targets)
-
-    @jax.jit
-    def forward_backward(params, inputs, targets):
-        return jax.value_and_grad(loss_fn)(params, inputs, targets)
-
-    @partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, inputs, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    def step() -> float:
-        nonlocal params, opt_state
-        if args.mode == "forward":
-            loss = forward(params, inputs, targets)
-        elif args.mode == "forward_backward":
-            loss, _ = jax.block_until_ready(forward_backward(params, inputs, targets))
-        else:
-            params, opt_state, loss = jax.block_until_ready(train_step(params, opt_state, inputs, targets))
-        return float(loss)  # float() waits for the device
-
+    start = time.perf_counter()
+    step = _compile_step(args, trainer, tokens)
+    compile_s = time.perf_counter() - start
     losses = [step() for _ in range(args.warmup)]
     step_ms = []
     for _ in range(args.steps):
         start = time.perf_counter()
         losses.append(step())
         step_ms.append((time.perf_counter() - start) * 1e3)
+    metrics: dict[str, Any] = {
+        "strategy": strategy, "remat": args.remat, "attention": args.attention, "compile_s": compile_s,
+        "compiled_memory": compiled_memory(step.compiled), "loss_first": losses[0], "loss_last": losses[-1],
+        "losses": losses, **predicted_memory(spec, args, seq_len, mesh, strategy)}
+    if args.profile:
+        with jax.profiler.trace(args.profile):
+            for _ in range(PROFILED_STEPS):
+                step()
+        metrics["profile_dir"] = args.profile
     return step_record(
-        args, spec, seq_len, backend="jax", implementation=f"jit {args.attention}",
-        device_name=device_name(device), step_times_ms=step_ms, peak_memory_bytes=peak_memory_bytes(device),
-        metrics={"loss_first": losses[0], "loss_last": losses[-1], "losses": losses},
+        args, spec, seq_len, backend="jax", implementation=implementation_name(args, mesh, strategy),
+        device_name=device_name(mesh.devices.flat[0]), step_times_ms=step_ms, peak_memory_bytes=peak_memory_bytes(mesh),
+        mesh={axis: int(size) for axis, size in mesh.shape.items()}, metrics=metrics,
     )
+
+
+def implementation_name(args: argparse.Namespace, mesh: Mesh | None, strategy: str | None) -> str:
+    """e.g. "jit naive" on one device, "jit dot_product fsdp_tp" on a mesh of several."""
+    name = f"jit {args.attention}" + (" remat" if args.remat else "")
+    return name if mesh is None or mesh.size == 1 else f"{name} {strategy}"
 
 
 def failed_record(args: argparse.Namespace, err: RuntimeError) -> Record:
     """The record of a run that ran out of memory or failed, so the failure is a row, not a gap."""
     oom = "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
-    return failure_record(args, err, backend="jax", implementation=f"jit {args.attention}",
-                          device_name=device_name(pick_device(args.device)), oom=oom)
+    mesh, strategy = build_mesh(args)
+    return failure_record(args, err, backend="jax", implementation=implementation_name(args, mesh, strategy),
+                          device_name=device_name(mesh.devices.flat[0]), oom=oom,
+                          mesh={axis: int(size) for axis, size in mesh.shape.items()})
+
+
+def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mesh", help="device mesh, e.g. dp=2,fsdp=2,tp=2 or fsdp=-1 (default: one device)")
+    parser.add_argument("--strategy", choices=STRATEGIES,
+                        help="sharding rules (default: the ones the mesh's degrees call for)")
+    parser.add_argument("--remat", action="store_true", help="rematerialize every block in the backward pass")
+    parser.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of 3 extra steps here")
 
 
 def main(argv: list[str] | None = None) -> int:
     return run_benchmark(argv, prog="python -m jax_impl.bench.e2e", description=__doc__.splitlines()[0],
-                         measure=measure, on_failure=failed_record)
+                         measure=measure, on_failure=failed_record, add_arguments=add_jax_arguments,
+                         is_writer=lambda: jax.process_index() == 0)
 
 
 if __name__ == "__main__":
