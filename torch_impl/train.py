@@ -88,7 +88,7 @@ from analysis.records import Record, append_records  # noqa: E402
 from parallelism_calc.specs import MODELS, ModelSpec, get_model  # noqa: E402
 from torch_impl import checkpoint as ckpt  # noqa: E402
 from torch_impl.data import (DEFAULT_BUILTIN_BYTES, DEFAULT_VAL_FRACTION, TokenData, batch_at,  # noqa: E402
-                             prepare_data, sample_starts, validation_batches)
+                             prepare_data, sample_starts, validation_batches, validation_starts)
 from torch_impl.distributed.process_group import DistributedContext, init_distributed  # noqa: E402
 from torch_impl.model import cross_entropy  # noqa: E402
 
@@ -333,17 +333,25 @@ def _all_reduce_sum(values: list[float], device: torch.device, world_size: int) 
 @torch.no_grad()
 def evaluate(parts: Parts, cfg: TrainConfig, data: TokenData, device: torch.device, rank: int,
              world_size: int) -> float | None:
-    """Mean loss over the validation windows (the first ``val_batches`` batches), all ranks together."""
+    """Mean loss over the validation windows (the first ``val_batches`` batches), all ranks together.
+
+    Under FSDP every forward is a collective, so a rank with fewer batches (their count not a multiple of
+    the world size) runs its first batch again, uncounted, until all ranks have run as many forwards."""
     if cfg.val_batches == 0:
         return None
+    mine = list(validation_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.val_batches, device, rank,
+                                   world_size))
+    n_windows = min(len(validation_starts(len(data.val), cfg.seq_len)), cfg.val_batches * cfg.batch_size)
+    forwards = math.ceil(math.ceil(n_windows / cfg.batch_size) / world_size) if parts.dist == "fsdp" else len(mine)
     parts.model.eval()
     loss_sum, windows = 0.0, 0
-    for x, y in validation_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.val_batches, device, rank,
-                                   world_size):
+    for i in range(forwards):
+        x, y = mine[i] if i < len(mine) else mine[0] if mine else batch_at(data.val, [0], cfg.seq_len, device)
         with _autocast(cfg, device):
             logits = parts.eval_forward(x)
-        loss_sum += cross_entropy(logits, y).item() * len(x)
-        windows += len(x)
+        if i < len(mine):
+            loss_sum += cross_entropy(logits, y).item() * len(x)
+            windows += len(x)
     parts.model.train()
     loss_sum, windows = _all_reduce_sum([loss_sum, windows], device, world_size)
     return loss_sum / windows
