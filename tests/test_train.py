@@ -2,7 +2,7 @@
 loop written here (whole global batch, ``torch.nn.utils.clip_grad_norm_``, the schedule set by hand) with
 gradient accumulation, on 2 gloo ranks with every data-parallel mode and with FSDP's global clipping norm;
 stop-and-resume gives the uninterrupted run's losses exactly (one process, and 2 ranks with ZeRO-1); the CLI
-writes a record per epoch, alone and under torchrun.
+writes a record per epoch and resumes from its checkpoints.
 
 Seeds are fresh per run (``secrets``) and printed in the assertion messages. The comparisons against the
 reference use AdamW eps 1e-4 (as ``tests/test_fsdp.py`` does): with the default 1e-8 an element whose true
@@ -25,7 +25,7 @@ import torch
 
 from analysis.records import read_records
 from parallelism_calc.specs import MODELS
-from tests._dist import free_port, run_ranks
+from tests._dist import run_ranks
 from torch_impl.data import prepare_data
 from torch_impl.model import TransformerLM
 from torch_impl.train import TrainConfig, lr_at, main, run_training
@@ -264,19 +264,18 @@ def test_cli_writes_a_record_per_epoch(cache, tmp_path):
         assert r.peak_memory_bytes is None and m["per_rank_peak_memory_bytes"] == [None]  # CPU
 
 
-def test_cli_torchrun_zero1_stops_and_resumes(cache, tmp_path):
+def test_cli_stops_and_resumes(cache, tmp_path):
+    """Through the CLI with a process group of one (--dist zero1); torchrun launches are in test_train_matrix."""
     out, folder = tmp_path / "train.jsonl", tmp_path / "ckpt"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                "127.0.0.1", "--master_port"]
-    args = ["-m", "torch_impl.train", *_cli_args(cache, out), "--dist", "zero1", "--checkpoint-dir", str(folder),
-            "--timeout", "60"]
-    _run([*torchrun, str(free_port()), *args, "--stop-after-epochs", "1"])
-    proc = _run([*torchrun, str(free_port()), *args, "--resume"])
+    args = [sys.executable, "-m", "torch_impl.train", *_cli_args(cache, out), "--dist", "zero1", "--checkpoint-dir",
+            str(folder), "--timeout", "60"]
+    _run([*args, "--stop-after-epochs", "1"])
+    proc = _run([*args, "--resume"])
     assert "resumed from step 2" in proc.stdout, proc.stdout
     records = read_records(out)
     assert [(r.metrics["epoch"], r.world_size, r.implementation) for r in records] == [
-        (1, 2, "zero1 + bucketed 25MB"), (2, 2, "zero1 + bucketed 25MB")]
-    assert records[1].metrics["samples_per_epoch"] == 2 * 2 * 2
+        (1, 1, "zero1 + bucketed 25MB"), (2, 1, "zero1 + bucketed 25MB")]
+    assert (folder / "latest").read_text() == f"step-{2 * STEPS:08d}"
 
 
 @pytest.mark.parametrize("argv,message", [
