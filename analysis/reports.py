@@ -2,7 +2,8 @@
 
 Reads each ``*.jsonl`` record file in a folder and, per suite, writes its report into ``--out``: the attention
 suites their latency / TFLOP/s tables, speed-ups and plots (``plots.write_attention_report``), the all-reduce
-suite its bus-bandwidth plot and table (``plots.write_allreduce_report``), the data-parallel suite its
+suite its bus-bandwidth plot and table (``plots.write_allreduce_report``; the JAX collectives suite likewise,
+``plots.write_collectives_report``), the data-parallel suite its
 table with scaling efficiency and a throughput plot (``data_parallel.write_ddp_report``), the precision suite its two tables,
 and every other suite (e2e, foundation, ddp, ...) a table of its records. An ``index.md`` lists what was
 written. Nothing is typed by hand: rerun it after adding records.
@@ -15,7 +16,8 @@ import sys
 from pathlib import Path
 
 from analysis.data_parallel import SUITE as DDP_SUITE, write_ddp_report
-from analysis.plots import ALLREDUCE_SUITE, write_allreduce_report, write_attention_report
+from analysis.plots import (ALLREDUCE_SUITE, COLLECTIVES_SUITE, write_allreduce_report, write_attention_report,
+                            write_collectives_report)
 from analysis.records import Record, read_records
 from analysis.tables import markdown_table, records_frame
 
@@ -49,6 +51,11 @@ def suite_report(path: Path, suite: str, records: list[Record], out_dir: Path) -
         plot, table = write_allreduce_report(path, out_dir / f"{stem}_busbw.png")
         markdown = out_dir / f"{stem}.md"
         markdown.write_text(f"# All-reduce bus bandwidth\n\n![bus bandwidth]({plot.name})\n\n{table}\n")
+        return [markdown, plot]
+    if suite == COLLECTIVES_SUITE:
+        plot, table = write_collectives_report(path, out_dir / f"{stem}_busbw.png")
+        markdown = out_dir / f"{stem}.md"
+        markdown.write_text(f"# JAX collectives: bus bandwidth\n\n![bus bandwidth]({plot.name})\n\n{table}\n")
         return [markdown, plot]
     if suite == DDP_SUITE:
         return write_ddp_report(path, out_dir)
