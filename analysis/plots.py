@@ -2,6 +2,7 @@
 
 * ``line_plot(frame, x, y, hue=..., row=..., col=...)``: one line per ``hue`` value in a grid of panels, one
   panel per (``row``, ``col``) value; log axes on request; saved as PNG when given ``out``.
+* ``bar_plot(frame, x, y, hue=..., col=...)``: grouped bars, failed rows marked by a note where the bar would be.
 * ``plot_attention(records_or_frame, out_dir)``: for each dtype (and device, batch, heads, causal where
   several are present), latency and TFLOP/s against sequence length, one line per provider, one panel per
   (pass, head dim); failed runs are left out of the plots (the table shows them).
@@ -145,6 +146,70 @@ def line_plot(
         order = [h for h in hues if h in handles]
         fig.legend([handles[h] for h in order], [str(h) for h in order], title=hue, loc="center left",
                    bbox_to_anchor=(1.0, 0.5), fontsize=8)  # fmt: skip
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format="png", dpi=120, bbox_inches="tight")
+    return fig
+
+
+def bar_plot(
+    frame: pd.DataFrame,
+    x: str,
+    y: str,
+    *,
+    hue: str,
+    col: str | None = None,
+    note: str | None = None,
+    x_order: Sequence[Any] = (),
+    hue_order: Sequence[Any] = (),
+    xlabel: str | None = None,
+    ylabel: str | None = None,
+    title: str | None = None,
+    out: str | os.PathLike | None = None,
+) -> Figure:
+    """Grouped bars of ``y``: one group per ``x`` value, one bar per ``hue`` value (colours as ``color_map``),
+    one panel per ``col`` value. A row whose ``y`` is missing shows its ``note`` column's text (e.g. "oom")
+    where its bar would be. Saved as PNG when given ``out``; ValueError on an unknown column."""
+    unknown = [c for c in (x, y, hue, col, note) if c is not None and c not in frame.columns]
+    if unknown:
+        raise ValueError(f"unknown column(s) {', '.join(unknown)}; accepted: {', '.join(map(str, frame.columns))}")
+    if frame.empty:
+        raise ValueError("nothing to plot: no rows")
+    cols = _ordered(frame[col]) if col else [None]
+    xs = _ordered(frame[x], x_order)
+    hues = _ordered(frame[hue], hue_order)
+    colors = color_map(hues)
+    width = 0.8 / len(hues)
+    fig = Figure(figsize=((1.2 * len(xs) * max(1, len(hues)) ** 0.5 + 1.5) * len(cols) + 2.2, 3.8))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(cols), squeeze=False)[0]
+    handles: dict[Any, Any] = {}
+    for ax, col_value in zip(axes, cols):
+        panel = frame if col is None else frame[frame[col] == col_value]
+        for i, hue_value in enumerate(hues):
+            for j, x_value in enumerate(xs):
+                cell = panel[(panel[hue] == hue_value) & (panel[x] == x_value)]
+                if cell.empty:
+                    continue
+                position, height = j - 0.4 + width * (i + 0.5), cell[y].iloc[0]
+                if height is not None and height == height:  # not None / NaN
+                    handles[hue_value] = ax.bar(position, float(height), width, color=colors[hue_value])
+                elif note is not None:
+                    ax.text(position, 0, str(cell[note].iloc[0]), rotation=90, ha="center", va="bottom",
+                            fontsize=7, color=colors[hue_value])
+        ax.set_xticks(range(len(xs)), [str(v) for v in xs], rotation=20, ha="right", fontsize=8)
+        ax.set_xlim(-0.6, len(xs) - 0.4)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_xlabel(x if xlabel is None else xlabel)
+        ax.set_title(str(col_value) if col else "", fontsize=9)
+    axes[0].set_ylabel(y if ylabel is None else ylabel)
+    order = [h for h in hues if h in handles]
+    fig.legend([handles[h] for h in order], [str(h) for h in order], title=hue, loc="center left",
+               bbox_to_anchor=(1.0, 0.5), fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -394,6 +459,6 @@ def write_collectives_report(path: str | os.PathLike, plot: str | os.PathLike | 
 
 __all__ = [
     "ATTENTION_PROVIDERS", "attention_frame", "attention_markdown", "attention_pivot", "color_map",
-    "line_plot", "plot_attention", "speedups", "write_allreduce_report", "write_attention_report",
+    "bar_plot", "line_plot", "plot_attention", "speedups", "write_allreduce_report", "write_attention_report",
     "write_collectives_report",
 ]  # fmt: skip

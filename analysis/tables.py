@@ -172,7 +172,7 @@ def _number_format(column: str, floatfmt: str) -> Callable[[Any], str]:
         return format_bytes
     if name.endswith("_ms"):
         return lambda v: f"{v:.3f}"
-    if name == "mfu":
+    if name == "mfu" or name.endswith("_mfu"):
         return lambda v: f"{v:.1%}"
     if name.endswith("tokens_per_s"):
         return lambda v: f"{v:,.0f}"

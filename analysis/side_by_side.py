@@ -1,0 +1,143 @@
+"""``python -m analysis.side_by_side RECORDS... --out DIR``: PyTorch vs JAX on the same spec, batch and precision.
+
+Reads step-benchmark records of both backends (``torch_impl.bench.e2e``, ``torch_impl.bench.ddp``,
+``jax_impl.bench.e2e``; any suite whose records carry a mode and timings) and lines them up by
+configuration: model, sequence length, dtype, mode, global batch, number of devices and device kind. The
+global batch is the records' batch, times the world size for the PyTorch data-parallel suite (whose batch
+is per rank; ``PER_RANK_BATCH_SUITES``); JAX records carry the global batch of their one program.
+
+Writes into ``--out``:
+* ``side_by_side.md``: the head-to-head table (per configuration, the fastest PyTorch and the fastest JAX
+  implementation: step time, tokens/s, MFU, peak memory per device, and the JAX / PyTorch step-time ratio),
+  then every measured implementation (failures as rows with their status), with measured / predicted
+  peak memory where the benchmark recorded ``parallelism_calc``'s prediction;
+* ``side_by_side_tokens_per_s.png`` and ``side_by_side_memory.png``: bars per configuration, one per
+  implementation, one panel per device count.
+
+Nothing is typed by hand: rerun it after adding records. References: the record format in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+from analysis.plots import bar_plot
+from analysis.records import Record
+from analysis.tables import RecordSource, load_records, markdown_table
+
+PER_RANK_BATCH_SUITES = ("ddp",)
+CONFIG_KEYS = ("model", "seq_len", "dtype", "mode", "global_batch", "devices", "device")
+
+
+def _global_batch(r: Record) -> int | None:
+    if r.batch_size is None:
+        return None
+    return r.batch_size * (r.world_size if r.suite in PER_RANK_BATCH_SUITES else 1)
+
+
+def side_by_side_frame(sources: RecordSource | Iterable[RecordSource], mode: str | None = None) -> pd.DataFrame:
+    """One row per step-benchmark record (the latest of repeated configurations), with the config keys."""
+    rows = []
+    for r in load_records(sources):
+        if r.mode is None or r.seq_len is None or (mode and r.mode != mode):
+            continue
+        metrics = r.metrics or {}
+        predicted = metrics.get("predicted_memory_bytes")
+        rows.append({
+            "model": r.model, "seq_len": r.seq_len, "dtype": r.dtype, "mode": r.mode, "global_batch": _global_batch(r),
+            "devices": r.world_size, "device": r.provenance.get("device_name"), "backend": r.backend,
+            "implementation": r.implementation, "suite": r.suite, "status": r.status, "error": r.error,
+            "median_ms": r.median_ms, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
+            "peak_memory_bytes": r.peak_memory_bytes, "predicted_memory_bytes": predicted,
+            "memory_over_predicted": (r.peak_memory_bytes / predicted
+                                      if r.peak_memory_bytes and predicted else None),
+        })
+    columns = [*CONFIG_KEYS, "backend", "implementation", "suite", "status", "error", "median_ms", "tokens_per_s",
+               "mfu", "peak_memory_bytes", "predicted_memory_bytes", "memory_over_predicted"]
+    frame = pd.DataFrame(rows, columns=columns)
+    return frame.drop_duplicates([*CONFIG_KEYS, "backend", "implementation"], keep="last").reset_index(drop=True)
+
+
+def head_to_head(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration measured in both backends: the fastest ok run of each and the JAX / PyTorch ratio."""
+    ok = frame[(frame["status"] == "ok") & frame["median_ms"].notna()]
+    rows = []
+    for key, group in ok.groupby(list(CONFIG_KEYS), dropna=False, sort=True):
+        best = {b: g.loc[g["median_ms"].idxmin()] for b, g in group.groupby("backend")}
+        if set(best) != {"torch", "jax"}:
+            continue
+        torch_row, jax_row = best["torch"], best["jax"]
+        rows.append({
+            **dict(zip(CONFIG_KEYS, key)),
+            "torch": torch_row["implementation"], "torch_ms": torch_row["median_ms"], "torch_mfu": torch_row["mfu"],
+            "torch_peak_memory_bytes": torch_row["peak_memory_bytes"],
+            "jax": jax_row["implementation"], "jax_ms": jax_row["median_ms"], "jax_mfu": jax_row["mfu"],
+            "jax_peak_memory_bytes": jax_row["peak_memory_bytes"],
+            "jax_over_torch_time": jax_row["median_ms"] / torch_row["median_ms"],
+        })
+    return pd.DataFrame(rows)
+
+
+def _config_label(row: pd.Series) -> str:
+    return f"{row['model']} {row['global_batch']}x{row['seq_len']} {row['dtype']}"
+
+
+def write_side_by_side(sources: RecordSource | Iterable[RecordSource], out_dir: str | Path,
+                       mode: str | None = "train_step") -> list[Path]:
+    """The Markdown report and two plots (module docstring); the files written."""
+    frame = side_by_side_frame(sources, mode)
+    if frame.empty:
+        raise ValueError(f"no step-benchmark records{f' in mode {mode}' if mode else ''} to compare")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = head_to_head(frame)
+    frame = frame.sort_values([*CONFIG_KEYS, "backend", "median_ms"], na_position="last")
+    bars = frame.assign(config=frame.apply(_config_label, axis=1),
+                        run=frame["backend"] + ": " + frame["implementation"],
+                        panel=frame["devices"].map(lambda n: f"{n} device{'s' if n != 1 else ''}"),
+                        peak_gib=frame["peak_memory_bytes"] / 2**30)
+    plots = {"tokens_per_s": ("tokens / s", "throughput"), "peak_gib": ("peak memory per device (GiB)", "memory")}
+    written = []
+    for column, (label, name) in plots.items():
+        path = out / f"side_by_side_{name}.png"
+        if column == "peak_gib" and not bars[column].notna().any():
+            continue  # CPU-only records carry no allocator peak
+        bar_plot(bars, "config", column, hue="run", col="panel", note="status", ylabel=label, xlabel="",
+                 title=f"PyTorch vs JAX: {name}", out=path)
+        written.append(path)
+    lines = ["# PyTorch vs JAX, side by side", "", "Generated by `python -m analysis.side_by_side` from the records.", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in written] + [""]
+    lines += ["## Head to head (fastest implementation of each backend)", ""]
+    if pairs.empty:
+        lines.append("No configuration was measured in both backends.")
+    else:
+        lines.append(markdown_table(pairs, list(pairs.columns)))
+    lines += ["", "## Every measured implementation", "",
+              markdown_table(frame, [c for c in frame.columns if c != "error" or frame["status"].ne("ok").any()])]
+    report = out / "side_by_side.md"
+    report.write_text("\n".join(lines) + "\n")
+    return [report, *written]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.side_by_side", description=__doc__.splitlines()[0])
+    parser.add_argument("records", nargs="+", help="record files, folders or globs (JSON Lines)")
+    parser.add_argument("--out", default="results/side_by_side", help="output folder (default results/side_by_side)")
+    parser.add_argument("--mode", default="train_step", help="compare this mode only; 'all' for every mode")
+    args = parser.parse_args(argv)
+    try:
+        written = write_side_by_side(args.records, args.out, None if args.mode == "all" else args.mode)
+    except (ValueError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")
+    print("\n".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
