@@ -10,7 +10,9 @@ Writes into ``--out``:
 * ``side_by_side.md``: the head-to-head table (per configuration, the fastest PyTorch and the fastest JAX
   implementation: step time, tokens/s, MFU, peak memory per device, and the JAX / PyTorch step-time ratio),
   then every measured implementation (failures as rows with their status), with measured / predicted
-  peak memory where the benchmark recorded ``parallelism_calc``'s prediction;
+  peak memory where the benchmark recorded ``parallelism_calc``'s prediction, and the weak-scaling
+  efficiency of multi-device runs (``scaling``: tokens/s over devices x the fastest 1-device run of the same
+  backend at the per-device batch);
 * ``side_by_side_tokens_per_s.png`` and ``side_by_side_memory.png``: bars per configuration, one per
   implementation, one panel per device count.
 
@@ -84,6 +86,28 @@ def head_to_head(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def scaling(frame: pd.DataFrame) -> pd.DataFrame:
+    """Weak-scaling efficiency of every ok multi-device run: tokens/s / (devices x tokens/s of the fastest
+    1-device run of the same backend, model, seq, dtype, mode and device kind at the per-device batch)."""
+    ok = frame[(frame["status"] == "ok") & frame["tokens_per_s"].notna()]
+    single = ok[ok["devices"] == 1]
+    rows = []
+    for _, run in ok[ok["devices"] > 1].iterrows():
+        per_device = run["global_batch"] / run["devices"]
+        base = single[(single["backend"] == run["backend"]) & (single["global_batch"] == per_device) &
+                      (single[["model", "seq_len", "dtype", "mode", "device"]] ==
+                       run[["model", "seq_len", "dtype", "mode", "device"]]).all(axis=1)]
+        if base.empty:
+            continue
+        best = base["tokens_per_s"].max()
+        rows.append({"backend": run["backend"], "implementation": run["implementation"], "model": run["model"],
+                     "seq_len": run["seq_len"], "dtype": run["dtype"], "devices": run["devices"],
+                     "global_batch": run["global_batch"], "tokens_per_s": run["tokens_per_s"],
+                     "single_device_tokens_per_s": best,
+                     "scaling_efficiency": run["tokens_per_s"] / (run["devices"] * best)})
+    return pd.DataFrame(rows)
+
+
 def _config_label(row: pd.Series) -> str:
     return f"{row['model']} {row['global_batch']}x{row['seq_len']} {row['dtype']}"
 
@@ -118,6 +142,10 @@ def write_side_by_side(sources: RecordSource | Iterable[RecordSource], out_dir: 
         lines.append("No configuration was measured in both backends.")
     else:
         lines.append(markdown_table(pairs, list(pairs.columns)))
+    weak = scaling(frame)
+    if not weak.empty:
+        lines += ["", "## Scaling efficiency (against the fastest 1-device run at the per-device batch)", "",
+                  markdown_table(weak, list(weak.columns))]
     lines += ["", "## Every measured implementation", "",
               markdown_table(frame, [c for c in frame.columns if c != "error" or frame["status"].ne("ok").any()])]
     report = out / "side_by_side.md"

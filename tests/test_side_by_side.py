@@ -12,7 +12,7 @@ import random
 import pytest
 
 from analysis.records import Record, append_records
-from analysis.side_by_side import head_to_head, main, side_by_side_frame
+from analysis.side_by_side import head_to_head, main, scaling, side_by_side_frame
 
 
 def _record(backend: str, impl: str, ms: float | None, *, batch: int = 8, world: int = 1, suite: str = "e2e",
@@ -51,11 +51,18 @@ def test_head_to_head_picks_the_fastest_of_each_backend(tmp_path):
     assert one["jax_over_torch_time"] == pytest.approx(jax_times[best_jax] / times[best_torch])
     assert pairs.loc[4, "jax_over_torch_time"] == pytest.approx(fsdp_ms / ddp_ms)
 
+    # Weak scaling: the 4-device runs (global batch 8) against the fastest 1-device run at batch 2.
+    single = {"torch": rng.uniform(5, 50), "jax": rng.uniform(5, 50)}
+    records += [_record(b, "base", ms, batch=2) for b, ms in single.items()]
+    weak = side_by_side_frame(records).pipe(scaling).set_index("backend")
+    assert weak.loc["torch", "scaling_efficiency"] == pytest.approx(single["torch"] / ddp_ms)
+    assert weak.loc["jax", "scaling_efficiency"] == pytest.approx(single["jax"] / fsdp_ms)
+
     path = tmp_path / "runs.jsonl"
     append_records(path, records)
     assert main([str(path), "--out", str(tmp_path / "report")]) == 0
     text = (tmp_path / "report" / "side_by_side.md").read_text()
-    assert "oom" in text and "bucketed 25MB" in text and best_torch in text
+    assert "oom" in text and "bucketed 25MB" in text and best_torch in text and "Scaling efficiency" in text
     for name in ("throughput", "memory"):
         assert (tmp_path / "report" / f"side_by_side_{name}.png").stat().st_size > 0
 
