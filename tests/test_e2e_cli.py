@@ -56,7 +56,7 @@ def test_bad_flags_give_one_line_errors():
         torch_e2e.main([*FLAGS, "--steps", "0"])
     with pytest.raises(SystemExit, match="analysis-only"):
         torch_e2e.main(["--model", "xxl"])
-    with pytest.raises(SystemExit, match="unknown attention backend .flash.; accepted: flash_torch, flash_triton, naive, sdpa"):
+    with pytest.raises(SystemExit, match="unknown attention backend .flash.; accepted: flash_torch, flash_triton, naive, sdpa, sdpa_cudnn, sdpa_efficient, sdpa_flash"):
         torch_e2e.main([*FLAGS, "--attention", "flash"])
 
 

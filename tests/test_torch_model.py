@@ -94,7 +94,7 @@ def test_bad_input_is_a_clear_error():
         get_attention("flash_nope")
 
 
-@pytest.mark.parametrize("attention", ["naive", "sdpa"])  # the flash kernels: tests/test_flash_attention.py
+@pytest.mark.parametrize("attention", ["naive", "sdpa", "sdpa_flash"])  # ours: tests/test_flash_attention.py
 @pytest.mark.parametrize("n_queries,n_keys", [(7, 7), (5, 9)])
 def test_reference_backends_match_float64_softmax(attention, n_queries, n_keys):
     q, k, v = (torch.randn(2, 3, n, 16, dtype=torch.float64) for n in (n_queries, n_keys, n_keys))
@@ -106,8 +106,16 @@ def test_reference_backends_match_float64_softmax(attention, n_queries, n_keys):
     torch.testing.assert_close(get_attention(attention)(q, k, v, is_causal=False), expected_full)
 
 
+def test_forced_sdpa_kernels_compile_whole_and_never_fall_back():
+    q = torch.randn(1, 2, 8, 16)
+    compiled = torch.compile(get_attention("sdpa_flash"), fullgraph=True)  # fullgraph: no graph break
+    torch.testing.assert_close(compiled(q, q, q), get_attention("sdpa")(q, q, q))
+    with pytest.raises(RuntimeError, match="No viable backend"):  # no cuDNN on a CPU tensor, and no fallback
+        get_attention("sdpa_cudnn")(q, q, q)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+@pytest.mark.parametrize("attention", ["naive", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"])
 def test_cuda_bf16_autocast_close_to_float64_reference(attention):
     seed = fresh_seed()
     torch.manual_seed(seed)

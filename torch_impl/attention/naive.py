@@ -1,5 +1,11 @@
 """Reference attention backends: ``naive`` (the n x n score matrix, materialized) and ``sdpa`` (PyTorch's).
 
+Also ``sdpa_cudnn``, ``sdpa_flash`` and ``sdpa_efficient``: SDPA with one kernel forced through
+``torch.nn.attention.sdpa_kernel`` (which ``torch.compile`` traces without a graph break), so a model can run
+exactly the kernel a benchmark names (e.g. "stock PyTorch's best": cuDNN attention + compile + fused AdamW).
+A forced kernel that cannot run the inputs (a CPU tensor, an unsupported head dim) raises PyTorch's
+"No available kernel" RuntimeError rather than silently falling back.
+
 ``naive`` is softmax(q k^T / sqrt(d) + causal mask) v written out step by step, each step inside an NVTX
 range so a profile shows where the time goes; ``sdpa`` is ``torch.nn.functional.scaled_dot_product_attention``,
 which dispatches to FlashAttention / cuDNN / memory-efficient kernels on a GPU. With is_causal and
@@ -12,6 +18,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torch_impl import nvtx
 from torch_impl.attention.registry import register_attention
@@ -41,3 +48,17 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
         mask = causal_mask(q.shape[-2], k.shape[-2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+def _forced_sdpa(name: str, backend: SDPBackend) -> None:
+    @register_attention(name)
+    def forced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
+        with sdpa_kernel([backend]):
+            return sdpa_attention(q, k, v, is_causal)
+
+    forced.__name__ = forced.__qualname__ = f"{name}_attention"
+
+
+for _name, _backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                        ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+    _forced_sdpa(_name, _backend)
