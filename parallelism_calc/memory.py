@@ -18,6 +18,9 @@ textbook count, the difference is real and named in ``ActivationBreakdown.terms`
   and every matmul keeps a bf16 copy of its weight (``MemoryBreakdown.cast_weights``; autocast caches casts
   of leaf tensors only and our ``Linear`` multiplies by ``weight.T``, a view). On CUDA, autocast runs softmax
   in fp32, so naive attention keeps fp32 probabilities and the bf16 copy the value product casts.
+  Stage-3 sharding (ZeRO-3 / FSDP) instead gathers the weights in the compute dtype and frees them after
+  each unit's forward (our ``FSDP(compute_dtype=)``, torch FSDP2 with ``MixedPrecisionPolicy(param_dtype=)``):
+  the cast is a no-op and no weight copy lives from forward to backward (``per_device_memory``).
 * Not counted (batch-independent, O(T d_head + T^2) per layer): the RoPE cos/sin rows (four fp32 (T, d_head/2)
   tensors per layer), naive attention's (T, T) bool causal mask, the loss's scalar total weight. They are
   about 1% of the tiny test model at batch 2 and vanish against the per-token terms at real batch sizes.
@@ -44,6 +47,7 @@ INT64 = 8  # bytes of an int64: the token ids the embedding's backward keeps
 CHECKPOINTING = ("none", "selective", "full")
 ATTENTION = ("naive", "flash")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp_tp")
+GATHER_UNITS = ("block", "layer")  # what stage-3 sharding all-gathers at once (see per_device_memory)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -277,8 +281,8 @@ class MemoryBreakdown:
     master: float
     optimizer: float
     activations: float
-    gathered: float  # ZeRO-3 / FSDP: all-gathered full parameters of the layers in flight
-    cast_weights: float  # autocast: each linear's bf16 weight copy, saved for backward
+    gathered: float  # ZeRO-3 / FSDP: all-gathered full parameters alive at once, in the compute dtype
+    cast_weights: float  # autocast under ddp / zero1 / zero2: each linear's bf16 weight copy, saved for backward
     total: float
     formulas: Mapping[str, str]
 
@@ -298,11 +302,24 @@ def _mesh(strategy: str, n_devices: int | ParallelSpec) -> ParallelSpec:
     return ParallelSpec(dp=n_devices) if strategy == "ddp" else ParallelSpec(fsdp=n_devices)
 
 
-def _largest_gather_unit(spec: ModelSpec) -> int:
-    """Parameters of the largest unit FSDP gathers at once: a block, or the embedding / LM head."""
-    if spec.arch == "ffn_only":
-        return spec.n_params_per_layer()
-    return max(spec.n_params_per_layer(), spec.vocab_size * spec.d_model)
+def _gather_working_set(spec: ModelSpec, gather_unit: str, reshard_root: bool) -> tuple[int, int]:
+    """Parameters of stage-3 sharding's gathered working set: (resident, largest unit).
+
+    ``resident``: parameters that stay gathered for the whole step (the root when it is not resharded after
+    forward: embedding V D + final norm D + LM head D V). ``largest unit``: the largest unit the window of
+    (1 + prefetch) units in flight is made of (see ``per_device_memory``).
+    """
+    d, f = spec.d_model, spec.d_ff
+    if spec.arch == "ffn_only":  # blocks D -> F -> D, no embedding, norm or LM head: no root
+        return 0, (2 * d * f if gather_unit == "block" else d * f)
+    root = 2 * spec.vocab_size * d + d  # embedding + final norm gain + untied LM head
+    if gather_unit == "block":
+        block = spec.n_params_per_layer()  # 4 D^2 + 3 D F + 2 D (the norm gains go with their block)
+        # Resharded root: the embedding and the LM head are gathered as units of their own, V D each.
+        return (0, max(block, spec.vocab_size * d)) if reshard_root else (root, block)
+    # "layer": each weight matrix is a unit; a block's largest is W1 / W2 / W3 (D F) or, if F < D, a D x D.
+    matrix = d * max(d, f)
+    return (0, max(matrix, spec.vocab_size * d)) if reshard_root else (root, matrix)
 
 
 def _cast_params(spec: ModelSpec) -> int:
@@ -315,7 +332,8 @@ def _cast_params(spec: ModelSpec) -> int:
 
 def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelSpec, batch_tokens: int,
                       seq_len: int, precision: str | Precision = "bf16_autocast", checkpointing: str = "none",
-                      attention: str = "naive", prefetch_layers: int = 1) -> MemoryBreakdown:
+                      attention: str = "naive", prefetch_layers: int = 1, gather_unit: str = "block",
+                      reshard_root: bool = True) -> MemoryBreakdown:
     """Bytes per device of a training step with AdamW (ZeRO paper, Rajbhandari et al. 2020).
 
     P = spec.n_params(); per-parameter bytes from ``precision``; N_shard = the sharding degree.
@@ -332,15 +350,32 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     need tp=1. Data-parallel ranks = dp x fsdp; each holds the activations of batch_tokens / (dp x fsdp)
     tokens (``batch_tokens`` is the global batch, batch x seq_len; it must divide evenly).
 
-    Gathered working set (zero3, fsdp, fsdp_tp): (1 + prefetch_layers) x the largest unit's full
-    parameters (a block, or the V x D embedding / LM head) in param bytes, / tp. Its own shard is also
+    Gathered working set (zero3, fsdp, fsdp_tp), with reshard-after-forward semantics: each unit is
+    all-gathered in the compute dtype (``precision.activation_bytes``: bf16 under autocast, as our
+    ``FSDP(compute_dtype=bfloat16)`` and FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16)`` do), freed
+    after its forward and gathered again for its backward; at most the unit in use plus ``prefetch_layers``
+    units gathered ahead are alive:
+
+        gathered = (resident + (1 + prefetch_layers) x largest unit) x activation_bytes / tp
+
+    ``gather_unit`` "block" (FSDP2 ``fully_shard`` per block, ZeRO-3 by block): a unit is a block,
+    4 D^2 + 3 D F + 2 D parameters, or the V x D embedding or LM head; "layer" (our ``FSDP``: every Linear /
+    Embedding weight on its own): a unit is one weight matrix, the largest being max(V D, D F, D^2).
+    FFN-only: a block is 2 D F, a layer D F. ``reshard_root=False`` (FSDP2's root, ``fully_shard(model)``
+    over per-block units, is not resharded after forward): the embedding, final norm and LM head,
+    resident = 2 V D + D, stay gathered from the forward to the end of the backward, and the window holds
+    the blocks' units only. An upper bound: the window's units need not all be the largest (our FSDP on
+    ``tiny``: the LM head + two D F matrices at most, 0.56 x the bound). Each unit's own shard is also
     counted in ``params`` (a 1 / N_shard overcount).
 
-    Autocast (``precision.autocast``): every linear keeps a bf16 copy of its weight for backward; the copies
-    of all layers live from forward to backward, whatever the sharding: ``cast_weights`` =
-    (P - V D - norm gains) x activation_bytes / tp.
+    Autocast (``precision.autocast``) under ddp, zero1, zero2: every linear keeps a bf16 copy of its weight
+    for backward; the copies of all layers live from forward to backward: ``cast_weights`` =
+    (P - V D - norm gains) x activation_bytes / tp. Stage 3 gathers in bf16 already (the cast is a no-op)
+    and frees the gathered weights after each unit's forward: ``cast_weights`` = 0. (A stage-3 wrapper that
+    gathered fp32 under autocast would keep those copies too: not modelled.)
     """
     _check_choice("strategy", strategy, STRATEGIES)
+    _check_choice("gather_unit", gather_unit, GATHER_UNITS)
     prec = get_precision(precision)
     mesh = _mesh(strategy, n_devices)
     if batch_tokens < 1 or seq_len < 1 or prefetch_layers < 0:
@@ -365,8 +400,12 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     tokens = batch_tokens // ranks
     act = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp)
     activations = float(act.total_bytes * tokens)
-    gathered = (1 + prefetch_layers) * _largest_gather_unit(spec) * prec.param_bytes / tp if stage == 3 else 0.0
-    cast_weights = _cast_params(spec) * prec.activation_bytes / tp if prec.autocast else 0.0
+    resident, unit = _gather_working_set(spec, gather_unit, reshard_root)
+    # Stage 3: the resident root + the unit in use + prefetch_layers units ahead, gathered in the compute
+    # dtype (activation_bytes), each matrix split over tp.
+    gathered = (resident + (1 + prefetch_layers) * unit) * prec.activation_bytes / tp if stage == 3 else 0.0
+    # Autocast's bf16 weight copies, saved for backward: only where the forward reads fp32 weights (not stage 3).
+    cast_weights = _cast_params(spec) * prec.activation_bytes / tp if prec.autocast and stage < 3 else 0.0
     total = params + grads + master + optimizer + activations + gathered + cast_weights
     s = "N_shard" if n_shard > 1 else "1"
     formulas = {
@@ -375,8 +414,9 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
         "master": f"P * {prec.master_bytes}" + (f" / {s}" if stage >= 1 else ""),
         "optimizer": f"P * {prec.optimizer_bytes}" + (f" / {s}" if stage >= 1 else ""),
         "activations": f"{act.total_bytes} bytes/token * batch_tokens / (dp * fsdp) [tp={tp}]",
-        "gathered": f"(1 + {prefetch_layers}) * largest unit * {prec.param_bytes} / tp" if stage == 3 else "0",
-        "cast_weights": f"P_matmul * {prec.activation_bytes} / tp" if prec.autocast else "0",
+        "gathered": (f"({'root + ' if resident else ''}(1 + {prefetch_layers}) * largest unit [{gather_unit}]) * "
+                     f"{prec.activation_bytes} / tp" if stage == 3 else "0"),
+        "cast_weights": f"P_matmul * {prec.activation_bytes} / tp" if prec.autocast and stage < 3 else "0",
         "N_shard": str(n_shard),
     }
     return MemoryBreakdown(strategy, params, grads, master, optimizer, activations, gathered, cast_weights,

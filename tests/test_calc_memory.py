@@ -179,11 +179,56 @@ def test_fsdp_tp_and_autocast_weight_copies():
     assert got.params == P * 4 / 4 and got.grads == P * 4 / 4 and got.optimizer == P * 8 / 4
     # 256 tokens over dp x fsdp = 4 ranks: 64 tokens each, with the TP split.
     assert got.activations == 64 * activation_bytes_per_token(TINY, 32, "bf16_autocast", tp=2).total_bytes
-    assert got.gathered == max(4 * 64 * 64 + 3 * 64 * 176 + 2 * 64, 512 * 64) * 4 / 2
-    # autocast's bf16 weight copies: every matmul weight (all but the embedding and the norm gains) / tp.
-    assert got.cast_weights == (2 * (4 * 64 * 64 + 3 * 64 * 176) + 64 * 512) * 2 / 2
+    # Stage 3 gathers in the compute dtype (bf16, 2 bytes): the largest of a block and the 512 x 64 table, / tp.
+    assert got.gathered == max(4 * 64 * 64 + 3 * 64 * 176 + 2 * 64, 512 * 64) * 2 / 2
+    # ...and frees the gathered bf16 weights after each forward: no autocast copies live until backward.
+    assert got.cast_weights == 0
     assert got.total == pytest.approx(got.params + got.grads + got.master + got.optimizer + got.activations
                                       + got.gathered + got.cast_weights)
+    # Without stage 3 the forward reads the fp32 weights: every matmul weight (all but the embedding and the
+    # norm gains) keeps a bf16 copy for backward, whatever the sharding of the optimizer state or gradients.
+    matmul = 2 * (4 * 64 * 64 + 3 * 64 * 176) + 64 * 512
+    for strategy in ("ddp", "zero1", "zero2"):
+        other = per_device_memory(TINY, strategy, 4, 8 * 32, 32, "bf16_autocast")
+        assert (other.cast_weights, other.gathered) == (matmul * 2, 0), strategy
+        assert other.formulas["cast_weights"] == "P_matmul * 2 / tp" and other.formulas["gathered"] == "0"
+    assert per_device_memory(TINY, "zero2", 4, 8 * 32, 32, "fp32").cast_weights == 0  # no autocast, no copies
+
+
+def test_stage3_gather_units_by_hand():
+    # TINY: D 64, F 176, V 512, 2 layers; 4 devices; 8 sequences of 32 tokens.
+    D, F, V = 64, 176, 512
+    block = 4 * D * D + 3 * D * F + 2 * D  # 50,304: q, k, v, o, W1, W2, W3 and the two norm gains
+    root = V * D + D + D * V  # 65,600: embedding, final norm gain, LM head
+
+    def mem(precision="bf16_autocast", **kw):
+        return per_device_memory(TINY, "fsdp", 4, 8 * 32, 32, precision, **kw)
+
+    # Our FSDP: every weight matrix its own unit, 2 prefetched; the largest is the 512 x 64 embedding / LM head.
+    ours = mem(gather_unit="layer", prefetch_layers=2)
+    assert ours.gathered == 3 * 32_768 * 2 == 196_608 and ours.cast_weights == 0
+    assert ours.formulas["gathered"] == "((1 + 2) * largest unit [layer]) * 2 / tp"
+    assert mem("fp32", gather_unit="layer", prefetch_layers=2).gathered == 3 * 32_768 * 4
+    # FSDP2 fully_shard per block + the root: the root (embedding, norm, LM head) stays gathered; 2 blocks.
+    fsdp2 = mem(gather_unit="block", prefetch_layers=1, reshard_root=False)
+    assert fsdp2.gathered == (root + 2 * block) * 2 == 332_416
+    assert fsdp2.formulas["gathered"] == "(root + (1 + 1) * largest unit [block]) * 2 / tp"
+    # The default (block units, the table a unit of its own, resharded): 2 x the block, the larger here.
+    assert mem().gathered == 2 * max(block, V * D) * 2 == 201_216
+    # The rest of the breakdown does not depend on how the working set is gathered.
+    assert ours.total - ours.gathered == pytest.approx(fsdp2.total - fsdp2.gathered)
+    # A model whose block matrix beats its vocabulary table: TOY (D 8, F 16, V 10) in fp32.
+    toy = per_device_memory(TOY, "zero3", 4, 64, 16, "fp32", gather_unit="layer", prefetch_layers=2)
+    assert toy.gathered == 3 * (8 * 16) * 4
+    toy_root = per_device_memory(TOY, "zero3", 4, 64, 16, "fp32", gather_unit="layer", reshard_root=False)
+    assert toy_root.gathered == (10 * 8 + 8 + 8 * 10 + 2 * 8 * 16) * 4
+    # FFN-only: a block is W1 + W2 (2 D F), a layer one of them (D F); no root, whatever reshard_root says.
+    ffn = dict(n_devices=64, batch_tokens=64 * 16, seq_len=16, precision="bf16_mixed", prefetch_layers=1)
+    assert per_device_memory(XXL, "zero3", **ffn).gathered == 2 * 2 * 16_384 * 53_248 * 2
+    assert per_device_memory(XXL, "zero3", gather_unit="layer", reshard_root=False, **ffn).gathered == \
+        2 * 16_384 * 53_248 * 2
+    # Not stage 3: nothing gathered, whatever the unit.
+    assert per_device_memory(TINY, "zero2", 4, 8 * 32, 32, gather_unit="layer", prefetch_layers=2).gathered == 0
 
 
 def test_errors_are_one_line_and_name_accepted_values():
@@ -193,6 +238,7 @@ def test_errors_are_one_line_and_name_accepted_values():
         (lambda: per_device_memory(TOY, "zero3", ParallelSpec(fsdp=2, tp=2), 64, 16), "fsdp_tp"),
         (lambda: per_device_memory(TOY, "ddp", 3, 64, 16), "not divisible"),
         (lambda: per_device_memory(TOY, "ddp", 0, 64, 16), ">= 1"),
+        (lambda: per_device_memory(TOY, "fsdp", 2, 64, 16, gather_unit="param"), "accepted: block, layer"),
         (lambda: activation_bytes_per_token(TOY, 16, "fp16"), "accepted: fp32"),
         (lambda: activation_bytes_per_token(TOY, 16, checkpointing="some"), "accepted: none"),
         (lambda: activation_bytes_per_token(TOY, 16, attention="ring"), "accepted: naive"),
