@@ -7,6 +7,7 @@ the tests check its records field by field, recomputing tokens/s and the scaling
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from analysis.records import read_records
+from parallelism_calc.specs import MODELS
 from tests._dist import free_port
-from torch_impl.bench.ddp import Config, configurations, main, parse_bucket_mb, parse_impls
+from torch_impl.bench.ddp import Config, configurations, main, parse_bucket_mb, parse_impls, predicted_memory
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--warmup", "1",
@@ -91,6 +93,27 @@ def test_predicted_memory_follows_the_strategy(records):
     ddp, zero1, fsdp = (by_name[n]["predicted_memory_bytes"] for n in ("naive", "zero1 + bucketed 10MB", "fsdp"))
     assert by_name["naive"]["strategy"] == "ddp" and by_name["fsdp2"]["strategy"] == "fsdp"
     assert fsdp < zero1 < ddp
+    # The gathered working set, by hand (tiny: D 64, F 176, V 512; fp32, 4 bytes): our FSDP gathers each weight
+    # matrix on its own with 2 prefetched, the largest being the 512 x 64 embedding / LM head; FSDP2 keeps its
+    # root (embedding, final norm, LM head) gathered and holds 2 blocks (4 D^2 + 3 D F + 2 D each).
+    ours, fsdp2 = by_name["fsdp"]["predicted_memory"], by_name["fsdp2"]["predicted_memory"]
+    assert ours["gathered"] == 3 * 512 * 64 * 4
+    assert fsdp2["gathered"] == (2 * 512 * 64 + 64 + 2 * (4 * 64 * 64 + 3 * 64 * 176 + 2 * 64)) * 4
+    assert ours["cast_weights"] == fsdp2["cast_weights"] == 0
+    assert ours["total"] - ours["gathered"] == pytest.approx(fsdp2["total"] - fsdp2["gathered"])
+
+
+def test_predicted_memory_in_bf16_gathers_bf16_without_weight_copies():
+    # --dtype bf16: autocast over fp32 weights. Both FSDPs gather in bf16 (2 bytes) and free after each forward,
+    # so no bf16 weight copy lives until backward; zero1 reads the fp32 weights, so every matmul weight keeps one.
+    args = argparse.Namespace(dtype="bf16", attention="sdpa", batch_size=2)
+    tiny = MODELS["tiny"]  # D 64, F 176, V 512, 2 layers
+    ours, fsdp2 = (predicted_memory(Config(impl), args, tiny, 32, 2) for impl in ("fsdp", "fsdp2"))
+    assert (ours.gathered, ours.cast_weights) == (3 * 512 * 64 * 2, 0)
+    assert (fsdp2.gathered, fsdp2.cast_weights) == (
+        (2 * 512 * 64 + 64 + 2 * (4 * 64 * 64 + 3 * 64 * 176 + 2 * 64)) * 2, 0)
+    zero1 = predicted_memory(Config("zero1", 10.0), args, tiny, 32, 2)
+    assert (zero1.gathered, zero1.cast_weights) == (0, (2 * (4 * 64 * 64 + 3 * 64 * 176) + 64 * 512) * 2)
 
 
 def test_scaling_efficiency_against_the_single_process_record(records):

@@ -41,9 +41,16 @@ one rank's batch (``analysis.benchmark.step_record``'s conventions); ``peak_memo
 Metrics: ``per_rank_peak_memory_bytes``, ``per_rank_median_ms`` (each rank's own step and phase medians),
 ``predicted_memory_bytes`` (+ its breakdown) from ``parallelism_calc.memory.per_device_memory`` with the
 strategy the impl implements (ddp for none / the DDP variants / torch_ddp, zero1, fsdp for fsdp / fsdp2;
-precision fp32 or bf16_autocast; attention "naive" for --attention naive, else "flash"), and
-``comm_blocked_share`` = median comm_blocked / median step. Caveat: our FSDP shards only the Linear /
-Embedding weights (norm gains replicated); the calculator's "fsdp" shards all, a negligible difference.
+precision fp32 or bf16_autocast; attention "naive" for --attention naive, else "flash") and, for the two
+FSDPs, the working set each really gathers (in the compute dtype, so no autocast weight copies): ``fsdp``
+every weight matrix on its own, ``FSDP``'s default 2 prefetched (``gather_unit="layer"``,
+``prefetch_layers=2``); ``fsdp2`` a block at a time, 1 prefetched, plus its root (embedding, final norm, LM
+head), which FSDP2 does not reshard after forward (``gather_unit="block"``, ``prefetch_layers=1``,
+``reshard_root=False``); and ``comm_blocked_share`` = median comm_blocked / median step. Caveats: our FSDP
+shards the Linear / Embedding weights and replicates the norm gains (the calculator's "fsdp" shards all, a
+negligible difference); it keeps each layer's full-size gradient (in the reduce dtype) until
+``finish_gradient_synchronization()``, so at the end of the backward it holds an unsharded gradient copy,
+P x 2 bytes in bf16 (4 in fp32), that the calculator does not count.
 
 Scaling efficiency: when ``--out`` already holds an ok ``none`` record (world size 1) with the same model,
 batch, seq, dtype, attention and device name, each new record gets ``metrics.scaling_efficiency`` =
@@ -279,14 +286,19 @@ def _step_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def predicted_memory(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world_size: int):
-    """``per_device_memory`` of the strategy ``cfg`` implements (see the module docstring)."""
+    """``per_device_memory`` of the strategy ``cfg`` implements, with the gathered working set of each FSDP
+    (see the module docstring): ours per weight matrix with its default prefetch, FSDP2 per block with its
+    unresharded root."""
     from parallelism_calc.memory import per_device_memory
+    from torch_impl.distributed.fsdp import MAX_PREFETCH_LAYERS  # FSDP's default prefetch_layers
 
     precision = "fp32" if args.dtype == "fp32" else "bf16_autocast"
     attention = "naive" if args.attention == "naive" else "flash"
     n = 1 if cfg.impl == "none" else world_size
+    gathering = {"fsdp": dict(gather_unit="layer", prefetch_layers=MAX_PREFETCH_LAYERS),
+                 "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False)}.get(cfg.impl, {})
     return per_device_memory(spec, STRATEGY[cfg.impl], n, n * args.batch_size * seq_len, seq_len, precision,
-                             attention=attention)
+                             attention=attention, **gathering)
 
 
 def make_record(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world_size: int, device_name: str,
