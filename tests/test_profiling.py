@@ -50,7 +50,15 @@ def test_records_carry_the_predicted_activation_memory(tmp_path):
     long = ["--seq-len", "64"]
     for extra in ([], ["--mode", "forward"], ["--checkpoint-every", "2"], long, [*long, "--attention", "sdpa"]):
         assert e2e.main([*FLAGS, *extra, "--out", str(out)]) == 0
-    plain, forward, segments, naive64, sdpa64 = (r.metrics["predicted_activation_bytes"] for r in read_records(out))
-    assert plain == activation_bytes_per_token(MODELS["tiny"], 16, "fp32", "none", "naive").total_bytes * 2 * 16
-    assert forward is None and segments is None  # nothing saved / a policy the calculator does not model
+    records = read_records(out)
+    plain, forward, segments, naive64, sdpa64 = (r.metrics["predicted_activation_bytes"] for r in records)
+    tiny = MODELS["tiny"]
+    assert plain == activation_bytes_per_token(tiny, 16, "fp32", "none", "naive").total_bytes * 2 * 16
+    assert forward is None  # nothing saved for backward
+    # tiny has 2 blocks: one segment of 2 keeps its input and both blocks' activations while recomputed.
+    a = activation_bytes_per_token(tiny, 16, "fp32", "full", "naive").per_layer_bytes
+    assert segments == plain + a * 2 * 16
     assert 0 < sdpa64 < naive64  # at 64 tokens the n x n probabilities outweigh a fused kernel's extra O
+    # The train step's predicted peak: those activations plus weights, gradients and AdamW state (16 B/param).
+    assert records[0].metrics["predicted_peak_bytes"] == plain + 16 * tiny.n_params()
+    assert records[1].metrics["predicted_peak_bytes"] is None

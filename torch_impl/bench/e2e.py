@@ -20,7 +20,8 @@ import torch
 
 from analysis.benchmark import failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
 from analysis.records import Record
-from parallelism_calc.memory import activation_bytes_per_token
+from parallelism_calc.checkpointing import checkpointed_activation_bytes
+from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
 from torch_impl import nvtx
 from torch_impl.checkpointing import apply_activation_checkpointing
 from torch_impl.model import TransformerLM, cross_entropy
@@ -114,7 +115,7 @@ def measure(args: argparse.Namespace) -> Record:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     metrics = {"loss_first": losses[0], "loss_last": losses[-1], "losses": losses, "fused_adamw": fused,
                "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
-               "predicted_activation_bytes": predicted_activation_bytes(args, spec, seq_len)}
+               **predicted_memory(args, spec, seq_len)}
     if args.profile:
         rows = profile_steps(step, 3, args.profile, tag=f"{spec.name}_{args.mode}_{args.dtype}")
         metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
@@ -125,16 +126,27 @@ def measure(args: argparse.Namespace) -> Record:
     )
 
 
-def predicted_activation_bytes(args: argparse.Namespace, spec, seq_len: int) -> int | None:
-    """What ``parallelism_calc.memory`` predicts the step saves for backward (None where it has no model:
-    forward-only runs save nothing, and segments of more than one block are not in its policies)."""
-    if args.mode == "forward" or (args.checkpoint_every or 1) > 1 or args.nested_checkpoint:
-        return None
+def predicted_memory(args: argparse.Namespace, spec, seq_len: int) -> dict[str, int | None]:
+    """What ``parallelism_calc`` predicts for this run: the activations saved for backward at the step's peak
+    (``checkpointing.checkpointed_activation_bytes`` for ``--checkpoint-every K`` flat or nested, else
+    ``memory.activation_bytes_per_token``) and, for a train step, the device's peak: those activations
+    plus weights, gradients and AdamW state (``memory.per_device_memory``, one device). Forward-only runs
+    save nothing for backward: None."""
+    if args.mode == "forward":
+        return {"predicted_activation_bytes": None, "predicted_peak_bytes": None}
     precision = "fp32" if args.dtype == "fp32" else "bf16_autocast"
     attention = "naive" if args.attention == "naive" else "flash"
-    policy = "full" if args.checkpoint_every == 1 else "none"
-    per_token = activation_bytes_per_token(spec, seq_len, precision, policy, attention).total_bytes
-    return per_token * args.batch_size * seq_len
+    tokens = args.batch_size * seq_len
+    if args.checkpoint_every:
+        activations = checkpointed_activation_bytes(spec, seq_len, precision, args.checkpoint_every,
+                                                    args.nested_checkpoint, attention).for_tokens(tokens)
+    else:
+        activations = activation_bytes_per_token(spec, seq_len, precision, "none", attention).for_tokens(tokens)
+    peak = None
+    if args.mode == "train_step":
+        state = per_device_memory(spec, "ddp", 1, tokens, seq_len, precision, attention=attention)
+        peak = int(state.total - state.activations + activations)
+    return {"predicted_activation_bytes": activations, "predicted_peak_bytes": peak}
 
 
 def implementation_name(args: argparse.Namespace) -> str:

@@ -1,0 +1,58 @@
+"""parallelism_calc.checkpointing against hand counts from the per-block terms, and its limits.
+
+a = one block input, b = one block's saved activations, e = extras (each checked against
+``activation_bytes_per_token`` and, there, against what the real model saves: tests/test_calc_memory.py).
+"""
+
+import math
+
+import pytest
+
+from parallelism_calc.checkpointing import best_checkpoint_every, checkpointed_activation_bytes
+from parallelism_calc.memory import activation_bytes_per_token
+from parallelism_calc.specs import MODELS
+
+SPEC = MODELS["2.7B"]  # 32 blocks
+
+
+def _abe(precision="bf16_autocast", attention="flash", seq=2048):
+    none = activation_bytes_per_token(SPEC, seq, precision, "none", attention)
+    full = activation_bytes_per_token(SPEC, seq, precision, "full", attention)
+    return full.per_layer_bytes, none.per_layer_bytes, none.extra_bytes
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8, 31, 32, 40])
+def test_flat_and_nested_by_hand(k):
+    a, b, e = _abe()
+    assert a == SPEC.d_model * 4  # the residual stream between blocks, fp32 under autocast
+    segments, largest = math.ceil(32 / k), min(k, 32)
+    flat = checkpointed_activation_bytes(SPEC, 2048, "bf16_autocast", k, False, "flash")
+    nested = checkpointed_activation_bytes(SPEC, 2048, "bf16_autocast", k, True, "flash")
+    assert flat.total_bytes == segments * a + largest * b + e
+    assert nested.total_bytes == segments * a + (largest - 1) * a + b + e
+    assert flat.for_tokens(8192) == 8192 * flat.total_bytes
+    assert nested.total_bytes <= flat.total_bytes
+
+
+def test_limits_match_the_uniform_policies():
+    full = activation_bytes_per_token(SPEC, 2048, "fp32", "full", "naive").total_bytes
+    none = activation_bytes_per_token(SPEC, 2048, "fp32", "none", "naive")
+    assert checkpointed_activation_bytes(SPEC, 2048, "fp32", 1, False, "naive").total_bytes == full
+    # One segment of everything keeps what no checkpointing keeps, plus that segment's input.
+    a = activation_bytes_per_token(SPEC, 2048, "fp32", "full", "naive").per_layer_bytes
+    assert checkpointed_activation_bytes(SPEC, 2048, "fp32", 32, False, "naive").total_bytes == none.total_bytes + a
+
+
+def test_best_k_by_brute_force():
+    # Blocks keep ~20x their input, so flat checkpointing is best at k = 1; nested near sqrt(32) ~ 5.7.
+    a, b, e = _abe()
+    brute_flat = min(range(1, 33), key=lambda k: (math.ceil(32 / k) * a + k * b, k))
+    brute_nested = min(range(1, 33), key=lambda k: (math.ceil(32 / k) * a + (k - 1) * a + b, k))
+    assert best_checkpoint_every(SPEC, 2048, "bf16_autocast", False, "flash") == brute_flat == 1
+    assert best_checkpoint_every(SPEC, 2048, "bf16_autocast", True, "flash") == brute_nested
+    assert 4 <= brute_nested <= 8
+
+
+def test_bad_k():
+    with pytest.raises(ValueError, match="must be >= 1"):
+        checkpointed_activation_bytes(SPEC, 2048, every=0)
