@@ -4,7 +4,8 @@ Reads each ``*.jsonl`` record file in a folder and, per suite, writes its report
 suites their latency / TFLOP/s tables, speed-ups and plots (``plots.write_attention_report``), the all-reduce
 suite its bus-bandwidth plot and table (``plots.write_allreduce_report``; the JAX collectives suite likewise,
 ``plots.write_collectives_report``), the data-parallel suite its
-table with scaling efficiency and a throughput plot (``data_parallel.write_ddp_report``), the precision suite its two tables,
+table with scaling efficiency and a throughput plot (``data_parallel.write_ddp_report``), the single-GPU suites
+"memory", "kernels" and "checkpointing" their tables and plots (``single_gpu``), the precision suite its two tables,
 and every other suite (e2e, foundation, ddp, ...) a table of its records. An ``index.md`` lists what was
 written. Nothing is typed by hand: rerun it after adding records.
 """
@@ -19,6 +20,7 @@ from analysis.data_parallel import SUITE as DDP_SUITE, write_ddp_report
 from analysis.plots import (ALLREDUCE_SUITE, COLLECTIVES_SUITE, write_allreduce_report, write_attention_report,
                             write_collectives_report)
 from analysis.records import Record, read_records
+from analysis.single_gpu import REPORTS as SINGLE_GPU_REPORTS
 from analysis.tables import markdown_table, records_frame
 
 ATTENTION_SUITES = ("attention", "naive_attention")
@@ -57,6 +59,8 @@ def suite_report(path: Path, suite: str, records: list[Record], out_dir: Path) -
         markdown = out_dir / f"{stem}.md"
         markdown.write_text(f"# JAX collectives: bus bandwidth\n\n![bus bandwidth]({plot.name})\n\n{table}\n")
         return [markdown, plot]
+    if suite in SINGLE_GPU_REPORTS:
+        return SINGLE_GPU_REPORTS[suite](records, out_dir, stem)
     if suite == DDP_SUITE:
         return write_ddp_report(path, out_dir)
     if suite == "precision":
