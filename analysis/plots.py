@@ -142,9 +142,15 @@ def line_plot(
                 ax.set_xlabel(xlabel or x)
             if j == 0:
                 ax.set_ylabel(ylabel or y)
-    if hue:
-        order = [h for h in hues if h in handles]
-        fig.legend([handles[h] for h in order], [str(h) for h in order], title=hue, loc="center left",
+    return _finish(fig, handles, [h for h in hues if h in handles] if hue else [], hue, title, out)
+
+
+def _finish(fig: Figure, handles: dict[Any, Any], order: Sequence[Any], legend_title: str | None,
+            title: str | None, out: str | os.PathLike | None) -> Figure:
+    """A figure's shared ending: the legend right of the panels (``order`` of ``handles``), the title, and
+    the PNG at ``out`` (folders created)."""
+    if order:
+        fig.legend([handles[h] for h in order], [str(h) for h in order], title=legend_title, loc="center left",
                    bbox_to_anchor=(1.0, 0.5), fontsize=8)  # fmt: skip
     if title:
         fig.suptitle(title)
@@ -207,17 +213,7 @@ def bar_plot(
         ax.set_xlabel(x if xlabel is None else xlabel)
         ax.set_title(str(col_value) if col else "", fontsize=9)
     axes[0].set_ylabel(y if ylabel is None else ylabel)
-    order = [h for h in hues if h in handles]
-    fig.legend([handles[h] for h in order], [str(h) for h in order], title=hue, loc="center left",
-               bbox_to_anchor=(1.0, 0.5), fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format="png", dpi=120, bbox_inches="tight")
-    return fig
+    return _finish(fig, handles, [h for h in hues if h in handles], hue, title, out)
 
 
 # ----------------------------------------------------------------------------- attention records
