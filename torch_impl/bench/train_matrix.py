@@ -18,8 +18,8 @@ A cell that fails (out of memory, a crash, a bad setting, ``--cell-timeout``) is
 Report (``--report-dir``, also regenerated alone by ``--report-only JSONL``): from the records, for each cell
 the latest summary (file order) and that run's epoch records: ``train_matrix.md`` (the table) and five PNG
 charts: ``time_per_epoch.png`` (s per epoch against epoch), ``peak_memory.png``, ``throughput.png`` (tokens/s),
-``samples_per_epoch.png`` (grouped bars per mode, one colour per attention kernel; a failed cell shows its
-status instead of a bar) and ``loss_convergence.png`` (training and validation loss against epoch).
+``samples_per_epoch.png`` (``analysis.plots.bar_plot``: bars per mode, one colour per attention kernel; a
+failed cell shows its status instead of a bar) and ``loss_convergence.png`` (training and validation loss against epoch).
 
 Caveats: on a CPU, memory is not measured (the chart says so); cells run one after another on the same
 GPUs, so the numbers are comparable within one sweep; ``--train-args`` passes further flags to every cell.
@@ -243,51 +243,9 @@ def _frames(summaries: list[Record], epochs: list[Record]):
     return cells, pd.DataFrame(rows, columns=["cell", "epoch", "epoch_s", "split", "loss"])
 
 
-def grouped_bars(cells, value: str, *, ylabel: str, title: str, out: str | os.PathLike, dists: list[str],
-                 attentions: list[str]):
-    """Bars of ``value`` per data-parallel mode, one per attention kernel (colours as ``analysis.plots``); a
-    failed cell writes its status where its bar would be; no value anywhere writes "not measured"."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from analysis.plots import color_map
-
-    colors = color_map(attentions)
-    fig = Figure(figsize=(1.6 * len(dists) + 3.0, 3.6))
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    width = 0.8 / max(1, len(attentions))
-    for i, attention in enumerate(attentions):
-        for j, dist_mode in enumerate(dists):
-            row = cells[(cells["attention"] == attention) & (cells["dist"] == dist_mode)]
-            if row.empty:
-                continue
-            x, status, height = j - 0.4 + width * (i + 0.5), row["status"].iloc[0], row[value].iloc[0]
-            if status != "ok":
-                ax.text(x, 0, status, rotation=90, ha="center", va="bottom", fontsize=8, color=colors[attention])
-            elif height is not None and height == height:  # not None / NaN
-                ax.bar(x, height, width, color=colors[attention], label=attention)
-    if not cells[value].notna().any():
-        ax.text(0.5, 0.5, "not measured on this device", transform=ax.transAxes, ha="center", va="center")
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    if unique:
-        ax.legend(unique.values(), unique.keys(), title="attention", fontsize=8, loc="best")
-    ax.set_xticks(range(len(dists)), dists)
-    ax.set_xlim(-0.6, len(dists) - 0.4)
-    ax.set_xlabel("data-parallel mode")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=120)
-    return fig
-
-
 def write_report(jsonl: str | os.PathLike, out_dir: str | os.PathLike) -> str:
     """The table (``train_matrix.md``) and the five charts from ``jsonl``'s records; returns the table."""
-    from analysis.plots import line_plot
+    from analysis.plots import bar_plot, line_plot
 
     summaries, epochs = latest_cells(read_records(jsonl))
     out = Path(out_dir)
@@ -295,18 +253,19 @@ def write_report(jsonl: str | os.PathLike, out_dir: str | os.PathLike) -> str:
     table = markdown(summaries)
     (out / "train_matrix.md").write_text(table + "\n")
     cells, per_epoch = _frames(summaries, epochs)
-    dists = list(dict.fromkeys(cells["dist"]))
-    attentions = list(dict.fromkeys(cells["attention"]))
+    order = dict(x_order=list(dict.fromkeys(cells["dist"])), hue_order=list(dict.fromkeys(cells["attention"])))
     bars = {"peak_memory": ("peak_memory_gib", "peak memory per GPU, worst rank (GiB)"),
             "throughput": ("tokens_per_s", "tokens/s"),
             "samples_per_epoch": ("samples_per_epoch", "samples per epoch")}
     for name, (value, label) in bars.items():
-        grouped_bars(cells, value, ylabel=label, title=label, out=out / f"{name}.png", dists=dists,
-                     attentions=attentions)
-    if per_epoch.empty:  # no cell finished an epoch: the line charts say so
+        # A missing bar says why: the cell's status, or that this device does not measure it (CPU memory).
+        notes = cells.assign(note=cells["status"].where(cells["status"] != "ok", "not measured"))
+        bar_plot(notes, "dist", value, hue="attention", note="note", **order, xlabel="data-parallel mode", ylabel=label,
+                 title=label, out=out / f"{name}.png")
+    if per_epoch.empty:  # no cell finished an epoch: the line charts show each cell's status instead
         for name in ("time_per_epoch", "loss_convergence"):
-            grouped_bars(cells.assign(nothing=None), "nothing", ylabel="", title=name.replace("_", " "),
-                         out=out / f"{name}.png", dists=dists, attentions=attentions)
+            bar_plot(cells.assign(nothing=None), "dist", "nothing", hue="attention", note="status", **order,
+                     xlabel="data-parallel mode", ylabel="", title=name.replace("_", " "), out=out / f"{name}.png")
         return table
     epoch_rows = per_epoch.drop_duplicates(["cell", "epoch"])
     line_plot(epoch_rows, "epoch", "epoch_s", hue="cell", ylabel="seconds per epoch", title="time per epoch",
