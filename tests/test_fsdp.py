@@ -8,7 +8,8 @@ Linear / Embedding weight is an fp32 master seen through a ``torch.nn.utils.para
 the layer's floating inputs are cast to fp16, so weights compute in fp16 and gradients land in fp32.
 Also checked: the wrapped model keeps its parameter names; every rank holds 1/N of each sharded weight
 (padded) in fp32 and the replicated parameters whole; no gathered weight is alive between forward and
-backward, and at most three layers' (current + 2 prefetched) at any time; gradients arrive fp32; no warnings.
+backward, and at most three layers' (current + 2 prefetched) at any time; at most two layers' full-size
+gradients wait for their reduce-scatter after backward; gradients arrive fp32; no warnings.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def _body(rank: int, world_size: int, seed: int, compute_dtype: torch.dtype | No
                                  ys[step, rank * per:(rank + 1) * per])
             out["gathered_after_forward"].append(_gathered_bytes_settled(fsdp))
             loss.backward()
+            out.setdefault("pending_after_backward", []).append(fsdp.pending_gradient_bytes())
             fsdp.finish_gradient_synchronization()
             ref_opt.zero_grad()
             if compute_dtype is None:  # fp32: one process on the whole batch
@@ -144,6 +146,7 @@ def _body(rank: int, world_size: int, seed: int, compute_dtype: torch.dtype | No
         out["state_dtypes"] = sorted({str(t.dtype) for s in opt.state.values() for k, t in s.items() if k != "step"})
         out["peak_gathered"] = fsdp.peak_gathered_bytes
         out["largest_gathered"] = largest * (2 if compute_dtype == torch.float16 else 4)
+        out["largest_reduced"] = largest * (reduce_dtype or compute_dtype or torch.float32).itemsize
         out["all_gathered"] = sum(math.ceil(shapes[n].numel() / world_size) * world_size for n in sharded) * \
             (2 if compute_dtype == torch.float16 else 4)
         out["warnings_as_errors"] = True
@@ -172,6 +175,8 @@ def _check_common(res: dict, world_size: int, compute_dtype) -> None:
     assert res["gathered_after_forward"] == [0] * STEPS
     assert 0 < res["peak_gathered"] <= 3 * res["largest_gathered"]
     assert res["peak_gathered"] < res["all_gathered"]
+    # Full-size gradient buffers: at most two reduce-scatters in flight at the end of backward, not every layer's.
+    assert all(0 < b <= 2 * res["largest_reduced"] for b in res["pending_after_backward"]), res["pending_after_backward"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

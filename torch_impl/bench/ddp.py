@@ -48,9 +48,9 @@ every weight matrix on its own, ``FSDP``'s default 2 prefetched (``gather_unit="
 head), which FSDP2 does not reshard after forward (``gather_unit="block"``, ``prefetch_layers=1``,
 ``reshard_root=False``); and ``comm_blocked_share`` = median comm_blocked / median step. Caveats: our FSDP
 shards the Linear / Embedding weights and replicates the norm gains (the calculator's "fsdp" shards all, a
-negligible difference); it keeps each layer's full-size gradient (in the reduce dtype) until
-``finish_gradient_synchronization()``, so at the end of the backward it holds an unsharded gradient copy,
-P x 2 bytes in bf16 (4 in fp32), that the calculator does not count.
+negligible difference); up to two layers' full-size gradients (``MAX_PENDING_REDUCE_SCATTERS``, in the
+reduce dtype) wait for their reduce-scatter at a time, which the calculator does not count (at most 2 x the
+largest layer, the size of its "layer" gather unit).
 
 Scaling efficiency: when ``--out`` already holds an ok ``none`` record (world size 1) with the same model,
 batch, seq, dtype, attention and device name, each new record gets ``metrics.scaling_efficiency`` =

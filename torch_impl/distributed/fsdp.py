@@ -29,9 +29,12 @@ autograd node that needed it is done. This needs no change to the layers' forwar
 
 Gradients: ``_GatherWeight.backward`` pads the full weight gradient, divides it by N and launches an
 asynchronous reduce-scatter (in ``reduce_dtype``: the compute dtype by default, like torch FSDP2's
-``MixedPrecisionPolicy``); ``finish_gradient_synchronization()`` waits for them, casts each piece to the
-master dtype and accumulates it into the shard's ``.grad`` (so gradients arrive fp32, in the master dtype),
-and all-reduces the replicated parameters' gradients (a parameter with no gradient on any rank keeps
+``MixedPrecisionPolicy``). At most ``MAX_PENDING_REDUCE_SCATTERS`` (2) are in flight: launching another first
+waits for the oldest and lands its piece, so the padded full-size gradient buffers alive at once are bounded
+by two layers' (``pending_gradient_bytes()``), not all of them (the rate limit of Zhao et al.). Landing a
+piece casts it to the master dtype and accumulates it into the shard's ``.grad`` (so gradients arrive fp32,
+in the master dtype); ``finish_gradient_synchronization()`` lands the rest and all-reduces the replicated
+parameters' gradients (a parameter with no gradient on any rank keeps
 ``None``). Call it once after the backward(s) of a step, before ``optimizer.step()``.
 
 ``compute_dtype`` (e.g. ``torch.bfloat16``/``torch.float16``): each shard is cast *before* the all-gather (so
@@ -68,6 +71,7 @@ import torch.nn as nn
 
 SHARDED_CLASS_NAMES = ("Linear", "Embedding")
 MAX_PREFETCH_LAYERS = 2
+MAX_PENDING_REDUCE_SCATTERS = 2  # gradient reduce-scatters in flight (each holds a full-size gradient buffer)
 
 # torch 2.13 renames the flat collectives (and warns on the old names); torch 2.11 only has the old ones.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -360,25 +364,36 @@ class FSDP(nn.Module):
             flat[:unit.numel] = grad_full.reshape(-1)
             flat.div_(self.world_size)
         if self.world_size == 1:
-            self._pending_grads.append((None, flat, unit, flat))
+            self._land_grad(None, flat, unit)
             return
         piece = torch.empty(unit.padded // self.world_size, dtype=dtype, device=grad_full.device)
         work = _reduce_scatter_flat(piece, flat, group=self.process_group, async_op=True)
         self._pending_grads.append((work, piece, unit, flat))
+        while len(self._pending_grads) > MAX_PENDING_REDUCE_SCATTERS:
+            self._land_grad(*self._pending_grads.pop(0)[:3])
+
+    @torch.no_grad()
+    def _land_grad(self, work: Any, piece: torch.Tensor, unit: _Unit) -> None:
+        """Wait for a reduce-scatter (the full-size buffer it read is dropped with its entry) and accumulate
+        its piece, in the master dtype, into the shard's ``.grad``."""
+        if work is not None:
+            work.wait()
+        grad = piece.to(unit.shard.dtype)
+        if unit.shard.grad is None:
+            unit.shard.grad = grad
+        else:
+            unit.shard.grad += grad
+
+    def pending_gradient_bytes(self) -> int:
+        """Bytes of the full-size gradient buffers of reduce-scatters still in flight (at most two layers')."""
+        return sum(flat.numel() * flat.element_size() for *_, flat in self._pending_grads)
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        """Wait for the gradient reduce-scatters, accumulate them (fp32) into the shards' ``.grad``, and
-        average the replicated parameters' gradients over the ranks."""
-        for work, piece, unit, _ in self._pending_grads:
-            if work is not None:
-                work.wait()
-            grad = piece.to(unit.shard.dtype)
-            if unit.shard.grad is None:
-                unit.shard.grad = grad
-            else:
-                unit.shard.grad += grad
-        self._pending_grads = []
+        """Land the gradient reduce-scatters still in flight (fp32, into the shards' ``.grad``) and average the
+        replicated parameters' gradients over the ranks."""
+        while self._pending_grads:
+            self._land_grad(*self._pending_grads.pop(0)[:3])
         self._drop_pending()
         for unit in self._units:
             unit.bwd_ref = None
