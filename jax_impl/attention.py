@@ -5,16 +5,21 @@
   It mirrors ``torch_impl.attention.naive`` step by step, so it is the parity reference.
 * ``dot_product`` — ``jax.nn.dot_product_attention(..., is_causal=True)``: JAX picks the implementation
   (XLA on CPU; on a GPU it may pick cuDNN's fused kernel for bf16/fp16 inputs).
+* ``pallas_flash`` — the FlashAttention forward and backward JAX ships in Pallas
+  (``jax.experimental.pallas.ops.gpu.attention.mha``, lowered through Triton), where the installed JAX still
+  ships it: compiled on a GPU, run by the Pallas interpreter on other platforms
+  (``jax.lax.platform_dependent`` picks per lowering platform), so CPU tests check the same kernel code.
+  Its tiles need the sequence length to be a multiple of min(128, T) forward and of 32 backward.
 
 The layout is JAX's (B, T, H, D) (batch, sequence, heads, head dim), the one ``jax.nn.dot_product_attention``
 takes, so no backend needs a transpose. ``TransformerLM(spec, attention=name)`` looks its backend up with
-``get_attention``; a new kernel (e.g. a Pallas FlashAttention) adds an entry to ``ATTENTION_BACKENDS``.
+``get_attention``; a new kernel adds an entry to ``ATTENTION_BACKENDS``.
 
 Caveat: causal masking is top-left aligned (query i sees keys 0..i), which equals bottom-right alignment
 here because self-attention always has as many queries as keys.
 
 References: Vaswani et al. 2017 (scaled dot-product attention); the JAX docs of
-``jax.nn.dot_product_attention``.
+``jax.nn.dot_product_attention``; Dao 2023 (FlashAttention-2) and JAX's Pallas ``ops/gpu/attention.py``.
 """
 
 from __future__ import annotations
@@ -47,17 +52,42 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
+def _pallas_mha():
+    """JAX's Pallas FlashAttention ``mha``, or a ValueError where this JAX no longer ships it."""
+    try:
+        from jax.experimental.pallas.ops.gpu import attention
+    except ImportError as err:
+        raise ValueError(f"attention backend 'pallas_flash' needs jax.experimental.pallas.ops.gpu.attention, "
+                         f"which this JAX ({jax.__version__}) does not ship: {err}") from None
+    return attention.mha
+
+
+def pallas_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Pallas FlashAttention, causal; q, k, v (B, T, H, D) -> (B, T, H, D). Compiled on GPUs, interpreted elsewhere."""
+    mha = _pallas_mha()
+    scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def run(interpret: bool):
+        return lambda q, k, v: mha(q, k, v, None, sm_scale=scale, causal=True, interpret=interpret)
+
+    return jax.lax.platform_dependent(q, k, v, cuda=run(False), default=run(True))
+
+
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {
     "naive": naive_attention,
     "dot_product": dot_product_attention,
+    "pallas_flash": pallas_flash_attention,
 }
 
 
 def get_attention(name: str) -> AttentionFn:
     """The backend called ``name``, or a ValueError listing the accepted ones."""
     try:
-        return ATTENTION_BACKENDS[name]
+        backend = ATTENTION_BACKENDS[name]
     except KeyError:
         raise ValueError(
             f"unknown attention backend {name!r}; accepted: {', '.join(sorted(ATTENTION_BACKENDS))}"
         ) from None
+    if backend is pallas_flash_attention:
+        _pallas_mha()  # fail at model construction, not inside a trace
+    return backend

@@ -163,9 +163,9 @@ def test_sequence_longer_than_context_raises():
 
 
 def test_unknown_attention_raises_with_the_accepted_names():
-    with pytest.raises(ValueError, match="accepted: dot_product, naive"):
+    with pytest.raises(ValueError, match="accepted: dot_product, naive, pallas_flash"):
         TransformerLM(TINY, rngs=nnx.Rngs(0), attention="flash")
-    assert set(ATTENTION_BACKENDS) == {"naive", "dot_product"}
+    assert set(ATTENTION_BACKENDS) == {"naive", "dot_product", "pallas_flash"}
 
 
 def test_other_bad_inputs_raise():
@@ -186,6 +186,23 @@ def test_attention_backends_agree():
     fused = TransformerLM(TINY, rngs=nnx.Rngs(3), attention="dot_product")  # same seed: same weights
     tokens = random_tokens(1)
     assert relative_error(forward(fused, tokens), forward(naive, tokens)) <= 1e-5
+
+
+def test_pallas_flash_matches_naive_forward_and_backward():
+    # The Pallas kernels under the Pallas interpreter (the CPU branch of jax.lax.platform_dependent): the
+    # same kernel code the GPU compiles, against the materialized softmax, values and all three gradients.
+    from jax_impl.attention import naive_attention, pallas_flash_attention
+
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 16)), jnp.float32) for _ in range(3))
+    cotangent = jnp.asarray(rng.standard_normal((1, 64, 2, 16)), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        out = {}
+        for name, fn in (("naive", naive_attention), ("pallas", jax.jit(pallas_flash_attention))):
+            value, vjp = jax.vjp(fn, q, k, v)
+            out[name] = (value, *vjp(cotangent))
+    for got, want in zip(out["pallas"], out["naive"]):
+        assert relative_error(got, want) <= 1e-5
 
 
 @pytest.mark.parametrize("attention", ["naive", "dot_product"])

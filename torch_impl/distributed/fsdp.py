@@ -15,8 +15,9 @@ so ``named_parameters()`` never changes). The gather is ``_GatherWeight``, an ``
 forward all-gathers the (cast) shard and whose backward reduce-scatters the weight's gradient. Prefetch:
 before waiting for its own gather, a layer starts asynchronous all-gathers for the next ``prefetch_layers``
 (at most 2) sharded layers in execution order (recorded in the previous forward; registration order in the
-first one), so communication overlaps the current layer's compute; no more than two layers ahead are ever
-in flight.
+first one), so communication overlaps the current layer's compute. Two layers ahead are in flight at most,
+except in the first forward, where registration order can differ from execution order (SwiGLU's w2 is
+registered before w3 but runs after it) and a layer prefetched too early stays gathered until it runs.
 
 Freeing after use, and gathering again for backward: ``FSDP.forward`` runs the module under
 ``torch.autograd.graph.saved_tensors_hooks``. When autograd saves a tensor that lives in a gathered weight's
