@@ -14,6 +14,7 @@ rank 0's collective with an error inside the process group's timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -220,6 +221,74 @@ def test_ddp_variants_match_single_process(kind, world_size):
                     want = ["unused"] + ([] if used else ["sometimes.bias", "sometimes.weight"])
                     assert nones == sorted(want), f"{what} step {step}: grads None for {nones}, want {want}"
     assert not errors, "\n".join(errors)
+
+
+MICRO = 3  # micro-batches per step in the no_sync test
+
+
+def _accumulate_with_no_sync(rank: int, world_size: int, seed: int) -> dict:
+    """Each variant: MICRO micro-batches per step, all but the last backward inside no_sync(); counts the
+    all-reduces issued inside no_sync() and in total."""
+    import torch.distributed as dist
+
+    calls = {"inside": 0, "total": 0}
+    inside = False
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        calls["total"] += 1
+        calls["inside"] += int(inside)
+        return real_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    results = {}
+    for variant in ("naive", "flat", "individual", "bucketed_mid"):
+        model = _make_model("mlp", seed + rank)  # different inits: the broadcast makes them agree
+        mid_mb = 2 * max(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        ddp, calls["inside"], calls["total"] = _wrap(variant, model, mid_mb), 0, 0
+        opt = _optimizer(ddp)
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            x, y = _batch("mlp", seed, step, world_size * MICRO)  # rows (micro, rank, BATCH)
+            for j in range(MICRO):
+                rows = slice((j * world_size + rank) * BATCH, (j * world_size + rank + 1) * BATCH)
+                inside = j < MICRO - 1
+                with ddp.no_sync() if inside else contextlib.nullcontext():
+                    (F.cross_entropy(ddp(x[rows]), y[rows]) / MICRO).backward()
+            inside = False
+            ddp.finish_gradient_synchronization()
+            opt.step()
+        with ddp.no_sync():
+            try:
+                ddp.finish_gradient_synchronization()
+                refused = False
+            except RuntimeError:
+                refused = True
+        results[variant] = {"final": _state(model), "inside": calls["inside"], "total": calls["total"],
+                            "refused": refused}
+    dist.all_reduce = real_all_reduce
+    return results
+
+
+def test_no_sync_accumulates_locally_and_communicates_once():
+    seed = secrets.randbelow(2**20)
+    world_size = 2
+    results = run_ranks(_accumulate_with_no_sync, world_size, seed, timeout_s=120)
+    # Reference: rank 0's initialization, one process, the mean loss over every rank's micro-batches.
+    model = _make_model("mlp", seed)
+    opt = _optimizer(model)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        x, y = _batch("mlp", seed, step, world_size * MICRO)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    want = _state(model)
+    for rank, per_variant in enumerate(results):
+        for variant, res in per_variant.items():
+            what = f"[seed={seed}] rank {rank} {variant}"
+            assert not _assert_close_states(res["final"], want, what)
+            assert res["inside"] == 0, f"{what}: {res['inside']} all-reduces inside no_sync()"
+            assert res["total"] > 0 and res["refused"], what
 
 
 def test_bucket_assignment_reverse_order_and_caps():

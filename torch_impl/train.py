@@ -18,12 +18,10 @@ the first ``--val-batches`` batches of fixed, non-overlapping windows of the val
 the ranks; its loss is the mean over all those windows whatever the world size.
 
 Gradient accumulation: each micro-batch's loss is divided by ``grad_accum``, so the accumulated gradient is
-the mean over the global batch. Communication: ``naive`` and ``flat`` communicate only in
-``finish_gradient_synchronization()``, so the micro-batches accumulate locally and are reduced once;
-``torch_ddp`` skips the reduction of all but the last micro-batch with ``no_sync()``; our hook-driven
-wrappers (``individual``, ``bucketed``, ``zero1``) reduce every micro-batch (they refuse a second gradient
-before a synchronization) and ``fsdp`` reduce-scatters every backward by design, both exact because an
-already averaged gradient plus the next local one, averaged again, is the running mean.
+the mean over the global batch. Communication: every data-parallel wrapper (ours and torch DDP) runs all but
+the last micro-batch's backward inside its ``no_sync()``, so the micro-batches accumulate locally and are
+reduced once per step; ``fsdp`` reduce-scatters every backward by design
+(exact: an already averaged gradient plus the next local one, averaged again, is the running mean).
 
 Gradient clipping (``--grad-clip``, 0 = off) scales every gradient by min(1, clip / (norm + 1e-6)), as
 ``torch.nn.utils.clip_grad_norm_``, with the *global* 2-norm: under FSDP each rank holds 1/N of the sharded
@@ -94,7 +92,6 @@ from torch_impl.model import cross_entropy  # noqa: E402
 
 SUITE = "train"
 DIST_MODES = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp")
-SYNC_ONCE = ("naive", "flat")  # communicate only in finish_gradient_synchronization: one per step
 STEP_PHASES = ("data", "forward", "loss", "backward", "comm", "optimizer")
 # Settings a resumed run must share with the checkpoint for its trajectory to be the uninterrupted one's.
 RESUME_KEYS = ("model", "d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "seq_len", "epochs",
@@ -303,7 +300,8 @@ def train_step(parts: Parts, cfg: TrainConfig, micro_batches: list[tuple[torch.T
     total = torch.zeros((), device=device)
     for j, (x, y) in enumerate(micro_batches):
         last = j == k - 1
-        skip_sync = parts.forward.no_sync() if parts.dist == "torch_ddp" and not last else contextlib.nullcontext()
+        no_sync = getattr(parts.forward, "no_sync", None)  # every data-parallel wrapper but FSDP has one
+        skip_sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
         with skip_sync:
             with timer("forward"), _autocast(cfg, device):
                 logits = parts.forward(x)  # (B, T, V)
@@ -311,7 +309,7 @@ def train_step(parts: Parts, cfg: TrainConfig, micro_batches: list[tuple[torch.T
                 loss = cross_entropy(logits, y) / k
             with timer("backward"):
                 loss.backward()
-        if parts.wrapper is not None and (last or parts.dist not in SYNC_ONCE):
+        if parts.wrapper is not None and (last or parts.dist == "fsdp"):  # FSDP lands its pieces per backward
             with timer("comm"):
                 parts.wrapper.finish_gradient_synchronization()
         total += loss.detach()

@@ -32,10 +32,15 @@ training (so an optimizer with weight decay or momentum skips it there too). Wit
 ``find_unused_parameters=False`` that count (and its device-to-host sync) is skipped and such a parameter
 ends the step with a zero gradient instead.
 
+Gradient accumulation: run the backward of every micro-batch but the last inside ``with ddp.no_sync():``
+(as with torch DDP): gradients accumulate locally in ``.grad`` and nothing is communicated (the hooks of the
+overlapped variants stand down); the last backward, outside it, communicates the accumulated gradients once,
+and ``finish_gradient_synchronization()`` follows it as usual (calling it inside ``no_sync()`` raises).
+
 Caveats:
-* One backward per step: call ``finish_gradient_synchronization()`` after each backward and before the
-  optimizer step (no gradient accumulation across several backward passes without synchronizing; the
-  hook-driven variants raise if a parameter's gradient arrives twice in one step).
+* One synchronized backward per step: call ``finish_gradient_synchronization()`` after it and before the
+  optimizer step (the hook-driven variants raise if a parameter's gradient arrives twice between two
+  synchronizations outside ``no_sync()``).
 * Gradients are averaged (summed, then divided by the world size), matching a mean loss.
 * Collectives go to ``process_group`` (default: the default group), which must be initialized first
   (``torch_impl.distributed.init_distributed``).
@@ -49,8 +54,9 @@ parameters; Stanford CS336 assignment 2 (2025), section 2.3 (naive, flat, indivi
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -99,6 +105,7 @@ class _DataParallel(nn.Module):
         # Trainable parameters, each once (module.parameters() already drops repeats of a tied Parameter;
         # _unique guards against modules that override it), in registration order.
         self._params: list[nn.Parameter] = [p for p in _unique(module.parameters()) if p.requires_grad]
+        self._sync = True  # False inside no_sync()
         self._broadcast_state()
 
     # ------------------------------------------------------------------ construction
@@ -121,6 +128,21 @@ class _DataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without any communication (as torch DDP's
+        ``no_sync``); the next backward outside communicates the accumulated gradients."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _check_sync(self) -> None:
+        if not self._sync:
+            raise RuntimeError(f"{type(self).__name__}.finish_gradient_synchronization() inside no_sync(): "
+                               "call it after the last micro-batch's backward, outside no_sync()")
 
     def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group, async_op=async_op)
@@ -164,6 +186,7 @@ class NaiveDDP(_DataParallel):
     """
 
     def finish_gradient_synchronization(self) -> None:
+        self._check_sync()
         grads, present = zip(*(self._grad_or_zeros(p) for p in self._params)) if self._params else ((), ())
         for g in grads:  # same order on every rank: registration order
             self._all_reduce(g)
@@ -176,6 +199,7 @@ class FlatDDP(_DataParallel):
     the backward. Pays the collective latency once, at the price of a copy in and out of the flat buffer."""
 
     def finish_gradient_synchronization(self) -> None:
+        self._check_sync()
         grads, present = zip(*(self._grad_or_zeros(p) for p in self._params)) if self._params else ((), ())
         grads, present = list(grads), list(present)
         presence = self._launch_presence(present)
@@ -233,6 +257,8 @@ class _OverlappedDDP(_DataParallel):
 
     def _make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
+            if not self._sync:  # inside no_sync(): the gradient just accumulates in .grad
+                return
             if self._ready[i]:
                 raise RuntimeError(f"{type(self).__name__}: parameter {i} received a second gradient before "
                                    "finish_gradient_synchronization(); run one backward per step")
@@ -255,6 +281,7 @@ class _OverlappedDDP(_DataParallel):
         raise NotImplementedError
 
     def finish_gradient_synchronization(self) -> None:
+        self._check_sync()
         for i, p in enumerate(self._params):  # parameters whose hook never fired this step
             if not self._ready[i]:
                 self._present[i] = p.grad is not None  # e.g. a gradient set by hand
