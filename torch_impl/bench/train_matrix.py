@@ -39,6 +39,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
 from analysis.records import Record, append_records, read_records
 
 SUITE = "train_matrix"
@@ -102,7 +104,7 @@ def _median_after_first(values: list[float]) -> float | None:
 
 
 def summarize(cell: Cell, run_name: str, epochs: list[Record], wall_s: float, failure: str | None,
-              args: argparse.Namespace) -> Record:
+              args: argparse.Namespace, suite: str = SUITE) -> Record:
     """The cell's summary record from its epoch records (see the module docstring)."""
     ok = [r for r in epochs if r.status == "ok"]
     failed = [r for r in epochs if r.status != "ok"]
@@ -115,7 +117,7 @@ def summarize(cell: Cell, run_name: str, epochs: list[Record], wall_s: float, fa
     peaks = [r.peak_memory_bytes for r in ok if r.peak_memory_bytes is not None]
     last = ok[-1].metrics if ok else {}
     record = Record(
-        suite=SUITE, backend="torch", implementation=first.implementation if first else cell.dist,
+        suite=suite, backend="torch", implementation=first.implementation if first else cell.dist,
         model=first.model if first else args.model, model_dims=first.model_dims if first else None,
         batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype, mode="train",
         world_size=first.world_size if first else (1 if cell.dist == "none" else args.nproc),
@@ -145,8 +147,10 @@ def failure_line(text: str) -> str:
     return hits[-1] if hits else (lines[-1] if lines else "")
 
 
-def run_cell(cell: Cell, args: argparse.Namespace, run_name: str) -> Record:
-    """Run one cell's trainer; its summary record (appended to --out)."""
+def run_cell(cell: Cell, args: argparse.Namespace, run_name: str, suite: str = SUITE,
+             finish: Callable[[Record, list[Record]], Record] | None = None) -> Record:
+    """Run one cell's trainer; its summary record (suite ``suite``, completed by ``finish(summary, epochs)``
+    where given, then appended to --out)."""
     start = time.perf_counter()
     failure = None
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
@@ -162,7 +166,9 @@ def run_cell(cell: Cell, args: argparse.Namespace, run_name: str) -> Record:
     out = Path(args.out)
     epochs = [r for r in read_records(out) if r.suite == TRAIN_SUITE and r.metrics.get("run") == run_name] \
         if out.exists() else []
-    record = summarize(cell, run_name, epochs, wall_s, failure, args)
+    record = summarize(cell, run_name, epochs, wall_s, failure, args, suite)
+    if finish is not None:
+        record = finish(record, epochs)
     append_records(out, record)
     return record
 
