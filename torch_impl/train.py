@@ -7,7 +7,7 @@ accumulation over ``--grad-accum`` micro-batches of ``--batch-size`` sequences p
 autocast, any attention backend, and one of the data-parallel modes ``--dist``:
 ``none`` (one process), our ``naive`` / ``flat`` / ``individual`` / ``bucketed`` DDP, ``torch_ddp``
 (``DistributedDataParallel``), ``zero1`` (``ShardedOptimizer(AdamW)`` over bucketed DDP) and ``fsdp``. The
-wrappers are built exactly as the DDP benchmark builds them (``torch_impl.bench.ddp._build``).
+wrappers are built exactly as the DDP benchmark builds them (``torch_impl.bench.ddp.build_data_parallel``).
 
 Data: each optimizer step draws one *global* batch of ``grad_accum x world_size x batch_size`` random windows
 from one numpy generator (seeded with ``--seed``, identical on every rank), laid out as (micro-batch, rank,
@@ -210,10 +210,10 @@ class Parts:
 
 def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: int, total_steps: int) -> Parts:
     """Model, wrapper and AdamW as the DDP benchmark builds them, with our Adam options and LR schedule."""
-    from torch_impl.bench.ddp import _build, configurations
+    from torch_impl.bench.ddp import build_data_parallel, configurations
 
     config = configurations([cfg.dist], [cfg.bucket_mb])[0]
-    forward, wrapper, optimizer = _build(config, cfg, spec, device, world_size)
+    forward, wrapper, optimizer = build_data_parallel(config, cfg, spec, device, world_size)
     for group in optimizer.param_groups:  # ZeRO-1 copies its outer groups' options into the inner ones
         group.update(eps=cfg.adam_eps, betas=cfg.betas)
     model = getattr(forward, "module", forward)

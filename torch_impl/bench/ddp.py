@@ -175,9 +175,11 @@ def _is_collective_error(err: BaseException) -> bool:
                                    "nccl", "peer", "broken pipe"))
 
 
-def _build(cfg: Config, args: argparse.Namespace, spec, device, world_size: int):
-    """(the module to call, the wrapper or None, the optimizer) for one configuration; collectives inside
-    (the wrappers' broadcasts) run on every rank alike."""
+def build_data_parallel(cfg: Config, args: argparse.Namespace, spec, device, world_size: int):
+    """(the module to call, the wrapper or None, the optimizer) for one configuration: the model on ``device``
+    wrapped by ``cfg.impl`` with AdamW (fused on CUDA), from ``args`` (seed, attention, lr, weight_decay,
+    dtype). Shared by this benchmark and the trainer (``torch_impl.train``); collectives inside (the wrappers'
+    broadcasts) run on every rank alike."""
     import torch
     from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
                                         ShardedOptimizer)
@@ -234,7 +236,7 @@ def _measure(cfg: Config, args: argparse.Namespace, spec, seq_len: int, device, 
     import torch
     from torch_impl.model import cross_entropy
 
-    forward, wrapper, optimizer = _build(cfg, args, spec, device, world_size)
+    forward, wrapper, optimizer = build_data_parallel(cfg, args, spec, device, world_size)
     tokens = torch.from_numpy(fixed_batch(args.seed + rank, args.batch_size, seq_len, spec.vocab_size)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
