@@ -3,8 +3,10 @@
 * ``naive`` — softmax(q k^T / sqrt(D) + causal mask) v written out: the (B, H, T, T) score matrix is
   materialized, the softmax runs in float32 and the weights are cast back to v's dtype for the last matmul.
   It mirrors ``torch_impl.attention.naive`` step by step, so it is the parity reference.
-* ``dot_product`` — ``jax.nn.dot_product_attention(..., is_causal=True)``: JAX picks the implementation
-  (XLA on CPU; on a GPU it may pick cuDNN's fused kernel for bf16/fp16 inputs).
+* ``dot_product`` — ``jax.nn.dot_product_attention(..., is_causal=True)`` with JAX's default implementation,
+  which in JAX 0.10-0.11 is always XLA's (the scores are materialized; no fused kernel is picked on a GPU).
+* ``dot_product_cudnn`` — the same with ``implementation="cudnn"``: cuDNN's fused flash attention, GPU only,
+  bf16 / fp16 inputs (elsewhere JAX raises while tracing: "cuDNN is not detected").
 * ``pallas_flash`` — the FlashAttention forward and backward JAX ships in Pallas
   (``jax.experimental.pallas.ops.gpu.attention.mha``, lowered through Triton), where the installed JAX still
   ships it: compiled on a GPU, run by the Pallas interpreter on other platforms
@@ -52,6 +54,11 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
+def dot_product_cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """cuDNN's fused attention through ``jax.nn.dot_product_attention``; q, k, v (B, T, H, D), bf16 / fp16."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
 def _pallas_mha():
     """JAX's Pallas FlashAttention ``mha``, or a ValueError where this JAX no longer ships it."""
     try:
@@ -76,6 +83,7 @@ def pallas_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Arra
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {
     "naive": naive_attention,
     "dot_product": dot_product_attention,
+    "dot_product_cudnn": dot_product_cudnn_attention,
     "pallas_flash": pallas_flash_attention,
 }
 

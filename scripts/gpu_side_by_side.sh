@@ -2,15 +2,17 @@
 # PyTorch vs JAX on the device machines (issue 7; the 1-GPU part also issue 5's MFU target), each phase one
 # device call of under 10 minutes, records appended under OUT_DIR, the report regenerated at the end:
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_side_by_side.sh OUT_DIR single   # 1 GPU: 2.7B, 8,192 tokens/step
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_side_by_side.sh OUT_DIR single_jax  # the other JAX kernels
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_side_by_side.sh OUT_DIR mesh     # 2 or 4 GPUs: xl, DP/FSDP/FSDP x TP
 #     -> OUT_DIR/side_by_side.jsonl, OUT_DIR/collectives.jsonl, OUT_DIR/report/side_by_side.md + charts
 # "single": stock PyTorch's best (cuDNN SDPA + torch.compile + fused AdamW), ours (flash_triton + compile),
-# and JAX (cuDNN dot_product attention; naive), bf16, batch 4 x 2,048. "mesh": a 1-GPU baseline at the
+# and JAX with cuDNN attention, bf16, batch 4 x 2,048; "single_jax": JAX with Pallas flash attention and
+# with naive attention + remat. "mesh": a 1-GPU baseline at the
 # per-GPU batch, then torch DDP / FSDP / FSDP2 (torchrun) and JAX FSDP / FSDP x TP over all GPUs, and the
 # JAX collectives over the FSDP axis.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_side_by_side.sh OUT_DIR single|mesh}
-phase=${2:?usage: scripts/gpu_side_by_side.sh OUT_DIR single|mesh}
+phase=${2:?usage: scripts/gpu_side_by_side.sh OUT_DIR single|single_jax|mesh}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 runs="$out/side_by_side.jsonl"
@@ -20,21 +22,25 @@ single)
   flags=(--model 2.7B --batch-size 4 --seq-len 2048 --dtype bf16 --warmup 5 --steps 10 --suite side_by_side --out "$runs")
   python3 -m torch_impl.bench.e2e "${flags[@]}" --attention sdpa_cudnn --compile --fused-adamw on
   python3 -m torch_impl.bench.e2e "${flags[@]}" --attention flash_triton --compile --fused-adamw on
-  python3 -m jax_impl.bench.e2e "${flags[@]}" --attention dot_product
+  python3 -m jax_impl.bench.e2e "${flags[@]}" --attention dot_product_cudnn
+  ;;
+single_jax)
+  flags=(--model 2.7B --batch-size 4 --seq-len 2048 --dtype bf16 --warmup 5 --steps 10 --suite side_by_side --out "$runs")
+  python3 -m jax_impl.bench.e2e "${flags[@]}" --attention pallas_flash
   python3 -m jax_impl.bench.e2e "${flags[@]}" --attention naive --remat
   ;;
 mesh)
   n=$(nvidia-smi -L | wc -l)
   flags=(--model xl --seq-len 512 --dtype bf16 --warmup 3 --steps 10 --suite side_by_side --out "$runs")
   python3 -m torch_impl.bench.e2e "${flags[@]}" --batch-size 4 --attention sdpa
-  python3 -m jax_impl.bench.e2e "${flags[@]}" --batch-size 4 --attention dot_product
+  python3 -m jax_impl.bench.e2e "${flags[@]}" --batch-size 4 --attention dot_product_cudnn
   torchrun --standalone --nproc_per_node "$n" -m torch_impl.bench.ddp --model xl --seq-len 512 --dtype bf16 \
     --batch-size 4 --impl bucketed,torch_ddp,fsdp,fsdp2 --bucket-mb 25 --attention sdpa --out "$runs"
   for mesh in "fsdp=$n" "fsdp=$((n / 2)),tp=2"; do
-    python3 -m jax_impl.bench.e2e "${flags[@]}" --batch-size $((4 * n)) --attention dot_product --mesh "$mesh"
+    python3 -m jax_impl.bench.e2e "${flags[@]}" --batch-size $((4 * n)) --attention dot_product_cudnn --mesh "$mesh"
   done
   python3 -m jax_impl.bench.collectives --mesh "fsdp=$n" --axis fsdp --out "$out/collectives.jsonl"
   ;;
-*) echo "unknown phase $phase; accepted: single, mesh" >&2; exit 2 ;;
+*) echo "unknown phase $phase; accepted: single, single_jax, mesh" >&2; exit 2 ;;
 esac
 python3 -m analysis.side_by_side "$runs" --out "$out/report"

@@ -163,9 +163,9 @@ def test_sequence_longer_than_context_raises():
 
 
 def test_unknown_attention_raises_with_the_accepted_names():
-    with pytest.raises(ValueError, match="accepted: dot_product, naive, pallas_flash"):
+    with pytest.raises(ValueError, match="accepted: dot_product, dot_product_cudnn, naive, pallas_flash"):
         TransformerLM(TINY, rngs=nnx.Rngs(0), attention="flash")
-    assert set(ATTENTION_BACKENDS) == {"naive", "dot_product", "pallas_flash"}
+    assert set(ATTENTION_BACKENDS) == {"naive", "dot_product", "dot_product_cudnn", "pallas_flash"}
 
 
 def test_other_bad_inputs_raise():
@@ -186,6 +186,17 @@ def test_attention_backends_agree():
     fused = TransformerLM(TINY, rngs=nnx.Rngs(3), attention="dot_product")  # same seed: same weights
     tokens = random_tokens(1)
     assert relative_error(forward(fused, tokens), forward(naive, tokens)) <= 1e-5
+
+
+def test_cudnn_backend_is_never_a_silent_fallback():
+    # On a machine without cuDNN the forced implementation fails loudly instead of quietly running XLA's.
+    from jax_impl.attention import dot_product_cudnn_attention
+
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("a GPU is present: cuDNN may run")
+    q = jnp.ones((1, 16, 2, 16), jnp.bfloat16)
+    with pytest.raises(RuntimeError, match="cuDNN"):
+        dot_product_cudnn_attention(q, q, q)
 
 
 def test_pallas_flash_matches_naive_forward_and_backward():
