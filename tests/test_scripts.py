@@ -1,0 +1,43 @@
+"""The GPU scripts of record (``scripts/*.sh``) parse, name modules that exist, and pass only flags those
+modules accept: device time is scarce, so a typo must fail here, on CPU, not on the device machine.
+
+Each ``python3 -m MODULE`` (or ``torchrun ... -m MODULE``) in a script is resolved to the module's
+``--help`` text (printed by its own argparse parser, in-process); every ``--flag`` written in the script
+must appear in the help of at least one module the script runs (flags of torchrun, nvidia-smi and pytest
+aside). Weak in one way (a flag valid for one module but given to another passes) and exact in the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "scripts").glob("*.sh"))
+OTHER_TOOLS_FLAGS = {"--standalone", "--nproc_per_node", "--query-gpu", "--format", "--no-bench"}
+NOT_OURS = ("pytest",)
+
+
+def _help(module: str) -> str:
+    main = importlib.import_module(module).main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code in (0, None), module
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_parses_and_uses_known_flags(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = re.sub(r"#.*", "", script.read_text())  # comments out
+    modules = sorted(set(re.findall(r"-m ([a-z_]+(?:\.[a-z_0-9]+)+)", text)) - set(NOT_OURS))
+    helps = {m: _help(m) for m in modules}
+    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", text)) - OTHER_TOOLS_FLAGS
+    unknown = sorted(f for f in flags if not any(re.search(rf"{re.escape(f)}\b", h) for h in helps.values()))
+    assert not unknown, f"{script.name}: flags no module of {modules} accepts: {unknown}"
