@@ -6,8 +6,9 @@ suite its bus-bandwidth plot and table (``plots.write_allreduce_report``; the JA
 ``plots.write_collectives_report``), the data-parallel suite its
 table with scaling efficiency and a throughput plot (``data_parallel.write_ddp_report``), the single-GPU suites
 "memory", "kernels" and "checkpointing" their tables and plots (``single_gpu``), the precision suite its two tables,
-and every other suite (e2e, foundation, ddp, ...) a table of its records. An ``index.md`` lists what was
-written. Nothing is typed by hand: rerun it after adding records.
+and every other suite (e2e, foundation, ddp, ...) a table of its records; where some configuration was
+measured in both backends, the PyTorch-vs-JAX report (``analysis.side_by_side``) into ``side_by_side/``. An
+``index.md`` lists what was written. Nothing is typed by hand: rerun it after adding records.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from analysis.data_parallel import SUITE as DDP_SUITE, write_ddp_report
 from analysis.plots import (ALLREDUCE_SUITE, COLLECTIVES_SUITE, write_allreduce_report, write_attention_report,
                             write_collectives_report)
 from analysis.records import Record, read_records
+from analysis.side_by_side import head_to_head, side_by_side_frame, write_side_by_side
 from analysis.single_gpu import REPORTS as SINGLE_GPU_REPORTS
 from analysis.tables import markdown_table, records_frame
 
@@ -82,6 +84,15 @@ def _scalar_metrics(records: list[Record]) -> list[str]:
     return [name for name, scalar in names.items() if scalar]
 
 
+def _side_by_side(files: list[Path], out_dir: Path) -> list[Path]:
+    """The PyTorch-vs-JAX report (``analysis.side_by_side``) into ``out_dir/side_by_side`` when some
+    configuration was measured in both backends."""
+    frame = side_by_side_frame(files, "train_step")
+    if frame.empty or head_to_head(frame).empty:
+        return []
+    return write_side_by_side(files, out_dir / "side_by_side")
+
+
 def write_reports(results: Path, out_dir: Path) -> list[Path]:
     """Every suite's report for every record file in ``results``, and an index; the files written."""
     files = sorted(results.glob("*.jsonl"))
@@ -93,9 +104,10 @@ def write_reports(results: Path, out_dir: Path) -> list[Path]:
         records = read_records(path)
         for suite in dict.fromkeys(r.suite for r in records):
             written += suite_report(path, suite, [r for r in records if r.suite == suite], out_dir)
+    written += _side_by_side(files, out_dir)
     index = out_dir / "index.md"
     lines = ["# Reports", "", f"Generated from `{results}/*.jsonl` by `python -m analysis.reports`.", ""]
-    lines += [f"- [{p.name}]({p.name})" for p in written]
+    lines += [f"- [{p.relative_to(out_dir)}]({p.relative_to(out_dir)})" for p in written]
     index.write_text("\n".join(lines) + "\n")
     return [*written, index]
 

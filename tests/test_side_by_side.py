@@ -12,6 +12,7 @@ import random
 import pytest
 
 from analysis.records import Record, append_records
+from analysis.reports import write_reports
 from analysis.side_by_side import head_to_head, main, scaling, side_by_side_frame
 
 
@@ -65,6 +66,10 @@ def test_head_to_head_picks_the_fastest_of_each_backend(tmp_path):
     assert "oom" in text and "bucketed 25MB" in text and best_torch in text and "Scaling efficiency" in text
     for name in ("throughput", "memory"):
         assert (tmp_path / "report" / f"side_by_side_{name}.png").stat().st_size > 0
+    # The one command that regenerates every report includes it.
+    written = write_reports(tmp_path, tmp_path / "reports")
+    assert tmp_path / "reports" / "side_by_side" / "side_by_side.md" in written
+    assert "side_by_side/side_by_side.md" in (tmp_path / "reports" / "index.md").read_text()
 
 
 def test_no_step_records_is_a_one_line_error(tmp_path):
