@@ -49,8 +49,8 @@ parameters); the Flax NNX "Scale up on multiple devices" guide (``nnx.split`` / 
 
 Caveats:
 * Axis types are Auto (``jax_impl.sharding``): GSPMD propagates shardings inside a block from the
-  parameters and the pinned block inputs (token ids and block boundaries, above). Under Auto axes GSPMD may pick replicated gradients for some parameters, hence the explicit gradient
-  constraint; the jit's ``out_shardings`` then pin the new parameters and moments to the rules' shardings.
+  parameters and the pinned block inputs (token ids and block boundaries, above). Under Auto axes GSPMD
+  may pick replicated gradients for some parameters, hence the explicit gradient constraint; the jit's ``out_shardings`` then pin the new parameters and moments to the rules' shardings.
 * Donation: params and opt_state passed to ``train_step`` are invalid after the call (their buffers are
   reused); ``ShardedTrainer.step`` swaps in the new state, so never keep references to old leaves. On
   backends that cannot donate (older CPU jaxlibs) JAX warns and copies instead.
