@@ -92,15 +92,19 @@ def device_name(device: jax.Device) -> str:
 
 
 def peak_memory_bytes(mesh: Mesh) -> int | None:
-    """The largest allocator peak over this process's devices of the mesh (None where not reported: CPU)."""
+    """The largest allocator peak over the mesh's devices, every process's (None where not reported: CPU)."""
     peaks = []
     for device in mesh.devices.flat:
         if device.process_index == jax.process_index():
-            stats = device.memory_stats()
-            if not stats or "peak_bytes_in_use" not in stats:
-                return None
-            peaks.append(int(stats["peak_bytes_in_use"]))
-    return max(peaks) if peaks else None
+            stats = device.memory_stats() or {}
+            peaks.append(int(stats.get("peak_bytes_in_use", -1)))
+    local = min(peaks) if peaks and min(peaks) < 0 else max(peaks, default=-1)  # -1: a device did not report
+    if jax.process_count() > 1:  # a collective: every process calls it
+        from jax.experimental import multihost_utils
+
+        every = np.asarray(multihost_utils.process_allgather(np.int64(local)))
+        local = -1 if (every < 0).any() else int(every.max())
+    return None if local < 0 else local
 
 
 def compiled_memory(compiled) -> dict[str, int] | None:
