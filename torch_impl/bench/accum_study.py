@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from analysis.records import Record, read_records
-from torch_impl.bench.train_matrix import Cell, parse_list, run_cell
+from torch_impl.bench.train_matrix import Cell, parse_list, report_only, run_cell
 from torch_impl.train import STEP_PHASES
 
 SUITE = "accum_study"
@@ -171,12 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.report_only:
-        try:
-            print(write_report(args.report_only, args.report_dir))
-        except (OSError, ValueError) as err:
-            parser.exit(2, f"error: {err}\n")
-        return 0
+    if (code := report_only(parser, args, write_report)) is not None:
+        return code
     try:
         parse_settings(args.settings)
         from torch_impl.bench.train_matrix import ACCEPTED_DISTS

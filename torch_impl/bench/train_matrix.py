@@ -307,15 +307,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def report_only(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                write: Callable[[str, str], str]) -> int | None:
+    """``--report-only JSONL``: ``write(JSONL, --report-dir)``, print its table, and the exit code; None when
+    not asked. A missing or record-less file is a one-line error (exit 2)."""
+    if not args.report_only:
+        return None
+    try:
+        print(write(args.report_only, args.report_dir))
+    except (OSError, ValueError) as err:
+        parser.exit(2, f"error: {err}\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.report_only:
-        try:
-            print(write_report(args.report_only, args.report_dir))
-        except (OSError, ValueError) as err:
-            parser.exit(2, f"error: {err}\n")
-        return 0
+    if (code := report_only(parser, args, write_report)) is not None:
+        return code
     try:
         parse_list(args.attention, "--attention")
         parse_list(args.dist, "--dist", ACCEPTED_DISTS)
