@@ -51,6 +51,10 @@ Caveats:
 * Axis types are Auto (``jax_impl.sharding``): GSPMD propagates shardings inside a block from the
   parameters and the pinned block inputs (token ids and block boundaries, above). Under Auto axes GSPMD
   may pick replicated gradients for some parameters, hence the explicit gradient constraint; the jit's ``out_shardings`` then pin the new parameters and moments to the rules' shardings.
+* On meshes with dp, fsdp and tp all above 1, XLA's SPMD partitioner (seen with JAX 0.10 on CPU) warns of
+  "involuntary full rematerialization" for a few backward cotangents it reshards from the batch split to
+  the fsdp-split embed dim (with or without the block constraints): correct, but extra communication.
+  fsdp x tp and dp x tp meshes do not show it.
 * Donation: params and opt_state passed to ``train_step`` are invalid after the call (their buffers are
   reused); ``ShardedTrainer.step`` swaps in the new state, so never keep references to old leaves. On
   backends that cannot donate (older CPU jaxlibs) JAX warns and copies instead.
