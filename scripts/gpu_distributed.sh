@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Issues 6 and 8 on the NCCL machines (2 or 4 GPUs), one phase per device call (each under 10 minutes);
 # records go to OUT_DIR/<suite>.jsonl, then every table and chart is regenerated into OUT_DIR/reports:
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|matrix|accum
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|sharded|matrix|accum
 # allreduce: NCCL all-reduce 1 MB ... 1 GB on 2 and (where there are) 4 GPUs, against a raw loop;
-# ddp: xl, bf16, batch 2 x 512 per rank: one GPU alone (the scaling baseline), then every DDP variant, ZeRO-1,
-# our FSDP and FSDP2 over all GPUs, with parallelism_calc's memory prediction; matrix: the training matrix
+# ddp: xl, bf16, batch 2 x 512 per rank: one GPU alone (the scaling baseline), then every DDP variant over all
+# GPUs; sharded: ZeRO-1, our FSDP and FSDP2 (memory against parallelism_calc's prediction) and bucketed DDP
+# at 1, 10 and 100 MB buckets; matrix: the training matrix
 # (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs); accum: the batch x
 # accumulation study (16x64 ... 1024x1, bucketed DDP, small at 128 tokens).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
-phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|matrix|accum}
+phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|sharded|matrix|accum}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 n=$(nvidia-smi -L | wc -l)
@@ -24,7 +25,11 @@ ddp)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 2 --seq-len 512 --dtype bf16 --attention sdpa
        --bucket-mb 25 --out "$out/ddp.jsonl")
   python3 "${ddp[@]}" --impl none
-  "${run[@]}" "$n" "${ddp[@]}" --impl naive,flat,individual,bucketed,torch_ddp,zero1,fsdp,fsdp2
+  "${run[@]}" "$n" "${ddp[@]}" --impl naive,flat,individual,bucketed,torch_ddp ;;
+sharded)
+  ddp=(-m torch_impl.bench.ddp --model xl --batch-size 2 --seq-len 512 --dtype bf16 --attention sdpa
+       --out "$out/ddp.jsonl")
+  "${run[@]}" "$n" "${ddp[@]}" --impl zero1,fsdp,fsdp2 --bucket-mb 25
   "${run[@]}" "$n" "${ddp[@]}" --impl bucketed --bucket-mb 1,10,100 ;;
 matrix)
   python3 -m torch_impl.bench.train_matrix --nproc "$n" --model small --batch-size 8 --seq-len 512 --epochs 5 \
@@ -32,6 +37,6 @@ matrix)
 accum)
   python3 -m torch_impl.bench.accum_study --nproc "$n" --model small --seq-len 128 --epochs 2 --steps-per-epoch 5 \
     --dist bucketed --out "$out/accum_study.jsonl" --report-dir "$out/accum_study" ;;
-*) echo "unknown phase $phase; accepted: allreduce, ddp, matrix, accum" >&2; exit 2 ;;
+*) echo "unknown phase $phase; accepted: allreduce, ddp, sharded, matrix, accum" >&2; exit 2 ;;
 esac
 python3 -m analysis.reports "$out" --out "$out/reports"
