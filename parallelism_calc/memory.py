@@ -322,12 +322,16 @@ def _gather_working_set(spec: ModelSpec, gather_unit: str, reshard_root: bool) -
     return (0, max(matrix, spec.vocab_size * d)) if reshard_root else (root, matrix)
 
 
+def _norm_gains(spec: ModelSpec) -> int:
+    """Parameters of the RMSNorm gains: two per block and the final norm, D each (none in FFN-only models)."""
+    return 0 if spec.arch == "ffn_only" else (2 * spec.n_layers + 1) * spec.d_model
+
+
 def _cast_params(spec: ModelSpec) -> int:
     """Parameters of the matmul weights autocast copies: all but the embedding table and the norm gains."""
     if spec.arch == "ffn_only":
         return spec.n_params()
-    norms = spec.n_layers * 2 * spec.d_model + spec.d_model
-    return spec.n_params() - spec.vocab_size * spec.d_model - norms
+    return spec.n_params() - spec.vocab_size * spec.d_model - _norm_gains(spec)
 
 
 def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelSpec, batch_tokens: int,
@@ -342,8 +346,10 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     * "zero1": optimizer state, fp32 master included, sharded: (master + optimizer) / N_shard;
     * "zero2": gradients sharded too; "zero3": parameters too, plus the all-gathered working set;
     * "fsdp": the same accounting as "zero3" (FSDP is ZeRO-3 by another name);
-    * "fsdp_tp": state sharded over fsdp x tp; activations with the TP split of
-      ``activation_bytes_per_token``; the gathered working set divided by tp.
+    * "fsdp_tp": state sharded over fsdp x tp, except the norm gains G = (2 L + 1) D, which have no TP
+      dimension (Megatron replicates them over tp) and are split over fsdp only: (P - G) / (fsdp tp) +
+      G / fsdp per byte of state; activations with the TP split of ``activation_bytes_per_token``; the
+      gathered working set divided by tp.
 
     ``n_devices``: an int N means dp=N for "ddp" and fsdp=N otherwise; a ``ParallelSpec`` gives
     N_shard = fsdp (x tp for "fsdp_tp"), its dp axis replicating (HSDP); "fsdp_tp" needs one, the others
@@ -389,9 +395,14 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "fsdp_tp": 3}[strategy]
     n = spec.n_params()
 
+    # Under fsdp_tp the norm gains have no TP dimension (Megatron replicates them over tp): split over fsdp only.
+    gains = _norm_gains(spec) if strategy == "fsdp_tp" else 0
+
     def shard(bytes_per_param: int, from_stage: int) -> float:
         # Sharded over N_shard from this ZeRO stage on, replicated before it.
-        return n * bytes_per_param / (n_shard if stage >= from_stage else 1)
+        if stage < from_stage:
+            return n * bytes_per_param
+        return ((n - gains) / n_shard + gains / mesh.fsdp) * bytes_per_param
 
     params = shard(prec.param_bytes, 3)
     grads = shard(prec.grad_bytes, 2)
@@ -408,6 +419,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     cast_weights = _cast_params(spec) * prec.activation_bytes / tp if prec.autocast and stage < 3 else 0.0
     total = params + grads + master + optimizer + activations + gathered + cast_weights
     s = "N_shard" if n_shard > 1 else "1"
+    if gains:
+        s = f"N_shard [norm gains G = {gains:,}: (P - G) / N_shard + G / fsdp]"
     formulas = {
         "params": f"P * {prec.param_bytes}" + (f" / {s}" if stage >= 3 else ""),
         "grads": f"P * {prec.grad_bytes}" + (f" / {s}" if stage >= 2 else ""),

@@ -176,7 +176,9 @@ def test_fsdp_tp_and_autocast_weight_copies():
     got = per_device_memory(TINY, "fsdp_tp", mesh, batch_tokens=8 * 32, seq_len=32, precision="bf16_autocast",
                             prefetch_layers=0)
     P = TINY.n_params()
-    assert got.params == P * 4 / 4 and got.grads == P * 4 / 4 and got.optimizer == P * 8 / 4
+    G = (2 * 2 + 1) * 64  # tiny's norm gains (2 blocks x 2 + the final one, 64 each): no TP dim, over fsdp only
+    per_param = (P - G) / 4 + G / 2
+    assert got.params == per_param * 4 and got.grads == per_param * 4 and got.optimizer == per_param * 8
     # 256 tokens over dp x fsdp = 4 ranks: 64 tokens each, with the TP split.
     assert got.activations == 64 * activation_bytes_per_token(TINY, 32, "bf16_autocast", tp=2).total_bytes
     # Stage 3 gathers in the compute dtype (bf16, 2 bytes): the largest of a block and the 512 x 64 table, / tp.
