@@ -11,7 +11,9 @@
   (``jax.experimental.pallas.ops.gpu.attention.mha``, lowered through Triton), where the installed JAX still
   ships it: compiled on a GPU, run by the Pallas interpreter on other platforms
   (``jax.lax.platform_dependent`` picks per lowering platform), so CPU tests check the same kernel code.
-  Its tiles need the sequence length to be a multiple of min(128, T) forward and of 32 backward.
+  Its tiles need the sequence length to be a multiple of min(128, T) forward and of 32 backward. One
+  device only for now: XLA cannot partition a compiled Pallas call over a sharded mesh (it asks for a
+  ``shard_map``), so sharded runs use ``dot_product_cudnn``.
 
 The layout is JAX's (B, T, H, D) (batch, sequence, heads, head dim), the one ``jax.nn.dot_product_attention``
 takes, so no backend needs a transpose. ``TransformerLM(spec, attention=name)`` looks its backend up with
