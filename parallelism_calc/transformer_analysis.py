@@ -64,9 +64,10 @@ def transformer_report(spec: ModelSpec, *, mesh: ParallelSpec, batch_tokens: int
     fsdp_tp = f"dp {mesh.dp} x fsdp {mesh.fsdp} x tp {mesh.tp}"
     memory = Section("memory", f"Per-device memory over {world} devices", tuple(memory_rows), notes=(
         f"DDP and ZeRO-1/2/3 / FSDP spread over all {world} devices as data parallelism; FSDP x TP uses the mesh "
-        f"{fsdp_tp} (state sharded over fsdp x tp, replicated over dp).",
+        f"{fsdp_tp} (state sharded over fsdp x tp, the norm gains over fsdp only; replicated over dp).",
         "ZeRO-3 and FSDP are the same accounting; both hold the all-gathered working set of "
-        f"{1 + prefetch_layers} units (a block or the embedding / LM head).",
+        f"{1 + prefetch_layers} units (a block or the embedding / LM head), gathered in the compute dtype and "
+        "freed after each unit's forward (so no autocast weight copies live until backward).",
     ))
 
     return Report(
