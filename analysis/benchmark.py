@@ -117,6 +117,18 @@ def step_record(
     return record
 
 
+def progress(items: Sequence[Any], desc: str, unit: str, enabled: bool = True):
+    """(``items`` wrapped in a tqdm bar on stderr, its ``write``) where tqdm is installed; else (``items``
+    themselves, ``print``): the GPU image may lack tqdm. ``write(line)`` prints a result line without
+    breaking the bar; ``enabled=False`` hides the bar (e.g. on all but one process)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items, print
+    bar = tqdm(items, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, disable=not enabled)
+    return bar, bar.write
+
+
 def fixed_batch(seed: int, batch_size: int, seq_len: int, vocab_size: int) -> np.ndarray:
     """(B, T + 1) int64 token ids from numpy's generator: the same batch in both backends for one seed."""
     return np.random.default_rng(seed).integers(0, vocab_size, size=(batch_size, seq_len + 1), dtype=np.int64)
@@ -212,13 +224,9 @@ def run_sweep(args: argparse.Namespace, argv: list[str], *, module: str, backend
     seq_lens = [int(n) for n in (args.sweep_seq_lens or str(args.seq_len or "")).split(",") if n] or [None]
     base = _without(argv, _SWEEP_FLAGS)
     configs = list(itertools.product(models, seq_lens))
-    try:
-        from tqdm import tqdm
-        progress = tqdm(configs, desc=f"{module} sweep", unit="config")
-    except ImportError:  # the GPU image may lack tqdm: print a line per configuration instead
-        progress = configs
+    bar, _ = progress(configs, f"{module} sweep", "config")
     failures = 0
-    for i, (model, seq_len) in enumerate(progress, 1):
+    for i, (model, seq_len) in enumerate(bar, 1):
         child = [sys.executable, "-m", module, *base, "--model", model]
         child += ["--seq-len", str(seq_len)] if seq_len else []
         before = _count_lines(Path(args.out))
@@ -240,7 +248,7 @@ def run_sweep(args: argparse.Namespace, argv: list[str], *, module: str, backend
             append_records(args.out, record)
         elif proc is not None and proc.returncode != 0:
             failures += 1  # the child recorded its own failure (oom / error)
-        if progress is configs:
+        if bar is configs:  # no tqdm: a line per configuration instead
             print(f"[{i}/{len(configs)}] {model} seq {seq_len}: {'ok' if proc and proc.returncode == 0 else 'failed'}")
     print(f"sweep: {len(configs) - failures} of {len(configs)} configurations ok; records in {args.out}")
     return 0

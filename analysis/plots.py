@@ -424,7 +424,6 @@ def write_allreduce_report(path: str | os.PathLike, plot: str | os.PathLike | No
     return out, text
 
 
-
 COLLECTIVES_SUITE = "collectives"
 
 

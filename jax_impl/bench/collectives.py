@@ -42,7 +42,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from analysis.benchmark import progress
 from analysis.records import Record, append_records, timing_stats
+from jax_impl.bench.e2e import platform_devices
 from jax_impl.distributed import initialize_from_env
 from jax_impl.sharding import MESH_AXES, make_mesh
 from parallelism_calc.collectives import OPS, bus_bandwidth
@@ -151,7 +153,7 @@ def make_record(op: str, axis: str, mesh: Mesh, nbytes: int, measured: dict[str,
 
 def run_all(args: argparse.Namespace) -> int:
     initialize_from_env()
-    mesh = make_mesh(args.mesh, _devices(args.device))
+    mesh = make_mesh(args.mesh, platform_devices(args.device))
     if args.axis not in MESH_AXES:
         raise ValueError(f"--axis {args.axis!r}; accepted: {', '.join(MESH_AXES)}")
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
@@ -162,8 +164,8 @@ def run_all(args: argparse.Namespace) -> int:
     writer = jax.process_index() == 0
     failures = 0
     configs = [(op, nbytes) for op in ops for nbytes in sizes]
-    progress = _progress(configs, writer)
-    for op, nbytes in progress:
+    bar, write = progress(configs, "collectives", "config", enabled=writer)
+    for op, nbytes in bar:
         try:
             run, x, check = build(mesh, args.axis, op, nbytes)
             measured = measure(run, x, check, args.warmup, args.iters)
@@ -183,27 +185,8 @@ def run_all(args: argparse.Namespace) -> int:
             if args.json:
                 import json
                 line = json.dumps(record.to_dict(), sort_keys=True)
-            (progress.write if hasattr(progress, "write") else print)(line)
+            write(line)
     return 1 if failures else 0
-
-
-def _devices(platform: str) -> list:
-    if platform == "auto":
-        return jax.devices()
-    if platform not in ("cpu", "cuda"):
-        raise ValueError(f"--device {platform!r}; accepted: auto, cpu, cuda")
-    try:
-        return jax.devices("cpu" if platform == "cpu" else "gpu")
-    except RuntimeError:
-        raise ValueError(f"--device {platform}: JAX has no {platform} backend here") from None
-
-
-def _progress(items: list, enabled: bool):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the GPU image may lack tqdm: the per-configuration lines are the progress
-        return items
-    return tqdm(items, desc="collectives", unit="config", disable=not enabled)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,10 @@ from parallelism_calc.specs import ModelSpec, ParallelSpec
 PROFILED_STEPS = 3
 
 
-def _platform_devices(platform: str) -> list[jax.Device]:
+def platform_devices(platform: str) -> list[jax.Device]:
+    """Every device of ``--device``'s platform: auto (JAX's default backend), cpu or cuda."""
+    if platform not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device {platform!r}; accepted: auto, cpu, cuda")
     if platform == "auto":
         return jax.devices()
     try:
@@ -61,7 +64,7 @@ def pick_device(name: str) -> jax.Device:
     platform, _, index = name.partition(":")
     if platform not in ("auto", "cpu", "cuda") or (index and (platform == "auto" or not index.isdigit())):
         raise ValueError(f"--device {name!r}; accepted: auto, cpu, cuda, cuda:N")
-    devices = _platform_devices(platform)
+    devices = platform_devices(platform)
     if int(index or 0) >= len(devices):
         raise ValueError(f"--device {name}: only {len(devices)} {platform} device(s)")
     return devices[int(index or 0)]
@@ -75,7 +78,7 @@ def build_mesh(args: argparse.Namespace) -> tuple[Mesh, str]:
         if ":" in args.device:
             raise ValueError(f"--device {args.device} names one device; with --mesh use auto, cpu or cuda")
         parallel = ParallelSpec.parse(args.mesh)
-        devices = _platform_devices(args.device)
+        devices = platform_devices(args.device)
         wanted = int(np.prod([d for d in parallel.degrees().values() if d != -1]))
         if parallel.is_resolved:
             if wanted > len(devices):

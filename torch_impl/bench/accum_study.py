@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from analysis.benchmark import progress
 from analysis.records import Record, read_records
 from torch_impl.bench.train_matrix import Cell, parse_list, report_only, run_cell
 from torch_impl.train import STEP_PHASES
@@ -74,13 +75,9 @@ def run_study(args: argparse.Namespace) -> int:
     settings = parse_settings(args.settings)
     sweep = time.strftime("%Y%m%dT%H%M%S")
     cell = Cell(args.attention, args.dist)
-    try:
-        from tqdm import tqdm
-        progress = tqdm(settings, desc="accum study", unit="setting", file=sys.stderr, dynamic_ncols=True)
-    except ImportError:  # the GPU image may lack tqdm: a line per setting is printed anyway
-        progress = settings
+    bar, write = progress(settings, "accum study", "setting")  # a line per setting with or without tqdm
     failures = 0
-    for local, accum in progress:
+    for local, accum in bar:
         setting = copy.copy(args)
         setting.batch_size, setting.grad_accum = local, accum
         run_name = f"{sweep}/{local}x{accum}"
@@ -89,7 +86,7 @@ def run_study(args: argparse.Namespace) -> int:
         failures += record.status != "ok"
         line = (f"{local}x{accum}: {record.status}" + (f" ({record.error})" if record.error else "") +
                 (f", {record.tokens_per_s:,.0f} tokens/s" if record.tokens_per_s else ""))
-        (progress.write if hasattr(progress, "write") else print)(line)
+        write(line)
     if args.report_dir:
         print(write_report(args.out, args.report_dir))
     return 1 if failures else 0

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from analysis.benchmark import progress
 from analysis.records import Record, append_records, read_records
 
 SUITE = "train_matrix"
@@ -177,21 +178,17 @@ def run_matrix(args: argparse.Namespace) -> int:
     cells = [Cell(a, d) for a in parse_list(args.attention, "--attention")
              for d in parse_list(args.dist, "--dist", ACCEPTED_DISTS)]
     sweep = time.strftime("%Y%m%dT%H%M%S")
-    try:
-        from tqdm import tqdm
-        progress = tqdm(cells, desc="train matrix", unit="cell", file=sys.stderr, dynamic_ncols=True)
-    except ImportError:  # the GPU image may lack tqdm: a line per cell is printed anyway
-        progress = cells
+    bar, write = progress(cells, "train matrix", "cell")  # a line per cell is printed with or without tqdm
     failures = 0
-    for cell in progress:
-        if hasattr(progress, "set_postfix_str"):
-            progress.set_postfix_str(cell.label)
+    for cell in bar:
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(cell.label)
         record = run_cell(cell, args, f"{sweep}/{cell.attention}/{cell.dist}")
         failures += record.status != "ok"
         m = record.metrics
         line = (f"{cell.label}: {record.status}" + (f" ({record.error})" if record.error else "") +
                 f", {m['epochs_done']} epochs, wall {m['wall_s']:.1f} s")
-        (progress.write if hasattr(progress, "write") else print)(line)
+        write(line)
     if args.report_dir:
         table = write_report(args.out, args.report_dir)
         print(table)
