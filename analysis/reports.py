@@ -23,7 +23,7 @@ from analysis.plots import (ALLREDUCE_SUITE, COLLECTIVES_SUITE, write_allreduce_
 from analysis.records import Record, read_records
 from analysis.side_by_side import head_to_head, side_by_side_frame, write_side_by_side
 from analysis.single_gpu import REPORTS as SINGLE_GPU_REPORTS
-from analysis.tables import markdown_table, records_frame
+from analysis.tables import load_records, markdown_table, records_frame
 
 ATTENTION_SUITES = ("attention", "naive_attention")
 
@@ -87,10 +87,11 @@ def _scalar_metrics(records: list[Record]) -> list[str]:
 def _side_by_side(files: list[Path], out_dir: Path) -> list[Path]:
     """The PyTorch-vs-JAX report (``analysis.side_by_side``) into ``out_dir/side_by_side`` when some
     configuration was measured in both backends."""
-    frame = side_by_side_frame(files, "train_step")
+    records = load_records(files)  # read once, for the check and the report
+    frame = side_by_side_frame(records, "train_step")
     if frame.empty or head_to_head(frame).empty:
         return []
-    return write_side_by_side(files, out_dir / "side_by_side")
+    return write_side_by_side(records, out_dir / "side_by_side")
 
 
 def write_reports(results: Path, out_dir: Path) -> list[Path]:
