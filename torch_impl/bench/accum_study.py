@@ -82,7 +82,7 @@ def run_study(args: argparse.Namespace) -> int:
         setting.batch_size, setting.grad_accum = local, accum
         run_name = f"{sweep}/{local}x{accum}"
         record = run_cell(cell, setting, run_name, suite=SUITE,
-                          finish=lambda summary, epochs: add_breakdown(summary, epochs))
+                          finish=add_breakdown)
         failures += record.status != "ok"
         line = (f"{local}x{accum}: {record.status}" + (f" ({record.error})" if record.error else "") +
                 (f", {record.tokens_per_s:,.0f} tokens/s" if record.tokens_per_s else ""))
