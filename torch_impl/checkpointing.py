@@ -27,13 +27,14 @@ class CheckpointedSegment(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.nested = nested
 
-    def _run(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = checkpoint(block, x, positions, use_reentrant=False) if self.nested else block(x, positions)
+            x = checkpoint(block, x, *args, use_reentrant=False) if self.nested else block(x, *args)
         return x
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self._run, x, positions, use_reentrant=False)
+    def forward(self, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        """x: the residual stream; args: what every block takes besides it (positions, RoPE tables)."""
+        return checkpoint(self._run, x, *args, use_reentrant=False)
 
 
 def apply_activation_checkpointing(model: nn.Module, every: int, nested: bool = False) -> nn.Module:

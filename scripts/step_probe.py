@@ -1,0 +1,191 @@
+"""Where does a training step's time go? A one-call probe for the step issue (GPU): ``python3 scripts/step_probe.py OUT``.
+
+For each configuration (xl 4 x 512, xl 4 x 2,048, or ``--configs``) and variant (the stock reference or ours;
+eager, compiled per block, or compiled whole), times ``--steps`` full train steps (bf16 autocast, fused AdamW)
+after 3 warm-up steps (the first's time is the compile time), one synchronization per step, phases from CUDA
+events; then the same variant with the device synchronized around every phase (the old harness); then a
+``torch.profiler`` run of 2 steps: device-busy time per step against wall time (the gap is the CPU-bound idle
+time) and the largest kernels. Prints a table; writes everything to OUT/step_probe.json. Not a record: the
+e2e benchmark makes those; this finds what to fix (notes/train_step.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from parallelism_calc.specs import get_model
+from torch_impl.model import TransformerLM, cross_entropy
+from torch_impl.parallelize import apply_compile
+from torch_impl.stock import StockTransformerLM
+
+VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager")
+
+
+def build(variant: str, spec, attention: str):
+    torch.manual_seed(0)
+    model = TransformerLM(spec, attention=attention, device="cuda")
+    if variant.startswith("stock"):
+        stock = StockTransformerLM(spec, attention=attention, device="cuda")
+        stock.load_state_dict(model.state_dict())
+        model = stock
+    mode = variant.split("_")[1].removesuffix("+graph")
+    if mode == "block":
+        apply_compile(model)
+    forward = torch.compile(model, dynamic=False) if mode == "whole" else model
+    loss_fn = cross_entropy if mode == "eager" else torch.compile(cross_entropy, dynamic=False)
+    return model, forward, loss_fn
+
+
+def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: str, steps: int) -> dict:
+    spec = get_model(model_name)
+    spec = spec.replace(context_length=max(seq, spec.context_length))
+    t_start = time.perf_counter()
+    model, forward, loss_fn = build(variant, spec, attention)
+    graphed = variant.endswith("+graph")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, spec.vocab_size, (batch, seq + 1), generator=g).cuda()
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def eager_step(sync_phases: bool = False):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        events[0].record()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(forward(inputs), targets)
+        if sync_phases:
+            torch.cuda.synchronize()
+        events[1].record()
+        loss.backward()
+        if sync_phases:
+            torch.cuda.synchronize()
+        events[2].record()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        events[3].record()
+        return loss, events
+
+    step = eager_step
+    if graphed:  # the whole step (forward, backward, AdamW) as one CUDA graph, replayed
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                eager_step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                static_loss = loss_fn(forward(inputs), targets)
+            static_loss.backward()
+            opt.step()
+
+        def step(sync_phases: bool = False):
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            events[0].record()
+            graph.replay()
+            for e in events[1:]:
+                e.record()
+            return static_loss, events
+
+    result = {"variant": variant, "model": model_name, "batch": batch, "seq": seq}
+    loss, _ = step()
+    first_loss = loss.item()
+    result["first_step_s"] = time.perf_counter() - t_start  # build, compile, capture and one step
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for sync_phases in (False, True):
+        walls, phases = [], []
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss, ev = step(sync_phases)
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) * 1e3)
+            phases.append([ev[i].elapsed_time(ev[i + 1]) for i in range(3)])
+        key = "synced" if sync_phases else "one_sync"
+        result[f"{key}_step_ms"] = statistics.median(walls)
+        result[f"{key}_step_min_ms"] = min(walls)
+        result[f"{key}_phases_ms"] = [statistics.median(p[i] for p in phases) for i in range(3)]
+    result["loss_first"], result["loss_last"] = first_loss, loss.item()
+    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name.setdefault(e.name, []).append(e.time_range.elapsed_us() / 2e3)
+    kernels = sorted(((name, sum(ms), len(ms) // 2) for name, ms in by_name.items()), key=lambda k: -k[1])
+    result["device_busy_ms"] = sum(k[1] for k in kernels)
+    result["top_kernels"] = [(name[:90], round(ms, 3), n) for name, ms, n in kernels[:25]]
+    del model, forward, opt, step, eager_step
+    gc.collect()
+    torch.cuda.empty_cache()
+    if variant.startswith("ours_block"):
+        explained = torch._dynamo.explain(TransformerLM(spec, attention, device="cuda").layers[0])(
+            torch.randn(batch, seq, spec.d_model, device="cuda"), torch.arange(seq, device="cuda"))
+        result["explain_block"] = {"graphs": explained.graph_count, "breaks": explained.graph_break_count,
+                                   "reasons": [str(b.reason)[:120] for b in explained.break_reasons]}
+    torch._dynamo.reset()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--configs", default="xl:4:512,xl:4:2048")
+    parser.add_argument("--variants", default="stock_block,ours_block,stock_whole")
+    parser.add_argument("--attention", default="sdpa_cudnn")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for config in args.configs.split(","):
+        model_name, batch, seq = config.split(":")
+        for variant in args.variants.split(","):
+            print(f"--- {config} {variant}", flush=True)
+            try:
+                r = run_variant(variant, model_name, int(batch), int(seq), args.attention, args.steps)
+            except Exception as err:  # keep going: a failed variant is a row
+                r = {"variant": variant, "config": config, "error": f"{type(err).__name__}: {err}"[:300]}
+                gc.collect()
+                torch.cuda.empty_cache()
+            results.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}), flush=True)
+            (out / "step_probe.json").write_text(json.dumps(results, indent=1))
+    print(f"\n{'config':<14}{'variant':<13}{'compile s':>10}{'step ms':>9}{'min':>8}{'synced':>8}"
+          f"{'fwd/bwd/opt ms':>22}{'busy ms':>9}{'GiB':>6}  loss")
+    for r in results:
+        if "error" in r:
+            print(f"{r['config']:<14}{r['variant']:<13} {r['error'][:100]}")
+            continue
+        ph = "/".join(f"{p:.1f}" for p in r["one_sync_phases_ms"])
+        print(f"{r['model']}:{r['batch']}x{r['seq']:<8}{r['variant']:<13}{r['first_step_s']:>10.1f}"
+              f"{r['one_sync_step_ms']:>9.1f}{r['one_sync_step_min_ms']:>8.1f}{r['synced_step_ms']:>8.1f}{ph:>22}"
+              f"{r['device_busy_ms']:>9.1f}{r['peak_gib']:>6.1f}  {r['loss_first']:.3f}->{r['loss_last']:.3f}")
+    for r in results:
+        if "top_kernels" in r:
+            print(f"\n{r['model']} {r['batch']}x{r['seq']} {r['variant']}: top kernels (ms/step, calls/step)")
+            for name, ms, n in r["top_kernels"][:25]:
+                print(f"  {ms:8.3f} {n:4d}  {name}")
+        if "explain_block" in r:
+            print("  explain(block):", r["explain_block"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
