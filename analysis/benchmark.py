@@ -145,7 +145,9 @@ def emit(args: argparse.Namespace, record: Record) -> int:
     else:
         print(f"{record.backend} {record.implementation} {record.model} {record.mode} {record.dtype}: "
               f"median {record.timing['median_ms']:.2f} ms/step, {record.tokens_per_s:,.0f} tokens/s, "
-              f"loss {record.metrics['loss_first']:.4f} -> {record.metrics['loss_last']:.4f}")
+              f"loss {record.metrics['loss_first']:.4f} -> {record.metrics['loss_last']:.4f}"
+              + (f", MFU {record.mfu:.1%}" if record.mfu else "")
+              + (f", {record.metrics['x_stock']:.2f}x stock" if "x_stock" in record.metrics else ""))
     return 0 if record.status == "ok" else 1
 
 
@@ -154,15 +156,16 @@ def run_benchmark(
     *,
     prog: str,
     description: str,
-    measure: Callable[[argparse.Namespace], Record],
+    measure: Callable[[argparse.Namespace], Record | list[Record]],
     on_failure: Callable[[argparse.Namespace, RuntimeError], Record],
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
     is_writer: Callable[[], bool] = lambda: True,
 ) -> int:
     """Parse the step flags, measure, and emit the record; the CLI body of both backends' step benchmarks.
 
-    Bad input (flags, a weights file) exits with a one-line message and no record; a RuntimeError while
-    measuring (out of memory, a kernel failure) becomes the record ``on_failure`` makes, a row not a gap.
+    ``measure`` returns a record or several (e.g. a reference and ours, timed in one process). Bad input (flags,
+    a weights file) exits with a one-line message and no record; a RuntimeError while measuring (out of memory,
+    a kernel failure) becomes the record ``on_failure`` makes, a row not a gap.
     Only the process for which ``is_writer()`` holds (e.g. process 0 of a multi-host run) emits the record.
     """
     parser = argparse.ArgumentParser(prog=prog, description=description)
@@ -175,14 +178,15 @@ def run_benchmark(
         return run_sweep(args, list(sys.argv[1:] if argv is None else argv), module=module,
                          backend=module.split(".")[0].removesuffix("_impl"))
     try:
-        record = measure(args)
+        records = measure(args)
     except (ValueError, OSError) as err:
         sys.exit(f"error: {err}")
     except RuntimeError as err:  # torch.OutOfMemoryError and jax's JaxRuntimeError are RuntimeErrors
-        record = on_failure(args, err)
+        records = on_failure(args, err)
+    records = [records] if isinstance(records, Record) else records
     if not is_writer():
-        return 0 if record.status == "ok" else 1
-    return emit(args, record)
+        return 0 if all(r.status == "ok" for r in records) else 1
+    return max(emit(args, record) for record in records)
 
 
 def failure_record(args: argparse.Namespace, err: Exception, *, backend: str, implementation: str,

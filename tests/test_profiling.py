@@ -35,9 +35,9 @@ def test_e2e_profile_checkpoint_and_fused_flags(tmp_path):
     assert record.implementation == "eager naive, ckpt 1" and record.metrics["fused_adamw"] is False
     shares = [record.metrics[f"time_share.{c}"] for c in CATEGORIES]
     assert sum(shares) == pytest.approx(1.0) and record.metrics["time_share.matmul"] > 0
-    trace = json.loads((prof / "tiny_train_step_fp32_trace.json").read_text())
+    trace = json.loads((prof / "tiny_2x16_train_step_fp32_trace.json").read_text())
     assert trace["traceEvents"]
-    assert "| matmul |" in (prof / "tiny_train_step_fp32_kernels.md").read_text()
+    assert "| matmul |" in (prof / "tiny_2x16_train_step_fp32_kernels.md").read_text()
     with pytest.raises(SystemExit, match="needs --checkpoint-every"):
         e2e.main([*FLAGS, "--nested-checkpoint"])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import sys
 import time
 
@@ -23,9 +24,11 @@ from analysis.records import Record
 from parallelism_calc.checkpointing import checkpointed_activation_bytes
 from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
 from torch_impl import nvtx
-from torch_impl.checkpointing import apply_activation_checkpointing
 from torch_impl.model import TransformerLM, cross_entropy
+from torch_impl.parallelize import apply_activation_checkpointing, apply_compile
 from torch_impl.profiling import profile_steps
+from torch_impl.stock import SDPA_BACKENDS, StockTransformerLM
+from torch_impl.timing import PhaseTimer, capture_step
 
 
 def pick_device(name: str) -> torch.device:
@@ -48,79 +51,138 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(args: argparse.Namespace) -> Record:
-    spec, seq_len = resolve_spec(args)
-    device = pick_device(args.device)
-    if args.dtype == "fp32":
-        torch.set_float32_matmul_precision("highest")  # no TF32: fp32 means fp32, as in the JAX twin
+def build_model(args: argparse.Namespace, spec, device: torch.device, stock: bool) -> torch.nn.Module:
+    """Our TransformerLM, or the stock reference with the same weights (``torch_impl.stock``), with
+    activation checkpointing as the flags ask. Same seed, same weights, whichever is built."""
     torch.manual_seed(args.seed)
     model = TransformerLM(spec, attention=args.attention, device=device)
     if args.load_weights:
         model.load_numpy_weights(dict(np.load(args.load_weights)))
-    if args.save_weights:
+    if args.save_weights and not stock:
         np.savez(args.save_weights, **model.to_numpy_weights())
+    if stock:
+        reference = StockTransformerLM(spec, attention=args.stock, device=device)
+        reference.load_state_dict(model.state_dict())
+        model = reference
+    if args.checkpoint_every:
+        apply_activation_checkpointing(model, args.checkpoint_every, nested=args.nested_checkpoint)
+    return model
+
+
+def measure(args: argparse.Namespace) -> list[Record]:
+    """Ours, and first the stock reference with ``--stock BACKEND``, one after the other in this process; each
+    record of ours then carries ``metrics.x_stock`` = stock's median step time / ours (> 1: ours is faster)."""
+    check_flags(args)
+    records = [measure_one(args, stock=True)] if args.stock else []
+    records.append(measure_one(args, stock=False))
+    if args.stock and records[0].status == "ok" and records[1].status == "ok":
+        records[1].metrics["x_stock"] = records[0].timing["median_ms"] / records[1].timing["median_ms"]
+    return records
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    device = pick_device(args.device)
     if args.nested_checkpoint and not args.checkpoint_every:
         raise ValueError("--nested-checkpoint needs --checkpoint-every K")
     if args.memory_snapshot and device.type != "cuda":
         raise ValueError("--memory-snapshot records the CUDA allocator: it needs --device cuda")
-    if args.checkpoint_every:
-        apply_activation_checkpointing(model, args.checkpoint_every, nested=args.nested_checkpoint)
+    if args.cuda_graph and device.type != "cuda":
+        raise ValueError("--cuda-graph captures the step on the GPU: it needs --device cuda")
+    if args.stock and args.stock not in SDPA_BACKENDS:
+        raise ValueError(f"--stock {args.stock!r}: the stock model runs SDPA; accepted: {', '.join(SDPA_BACKENDS)}")
+
+
+def measure_one(args: argparse.Namespace, stock: bool) -> Record:
+    """One model's record; an out-of-memory or other runtime failure becomes a failure record."""
+    try:
+        return _measure(args, stock)
+    except RuntimeError as err:  # torch.OutOfMemoryError is one
+        return failed_record(args, err, stock=stock)
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _measure(args: argparse.Namespace, stock: bool) -> Record:
+    spec, seq_len = resolve_spec(args)
+    device = pick_device(args.device)
+    if args.dtype == "fp32":
+        torch.set_float32_matmul_precision("highest")  # no TF32: fp32 means fp32, as in the JAX twin
+    model = build_model(args, spec, device, stock)
     tokens = torch.from_numpy(fixed_batch(args.seed, args.batch_size, seq_len, spec.vocab_size)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     fused = device.type == "cuda" if args.fused_adamw == "auto" else args.fused_adamw == "on"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused)
-    forward = torch.compile(model) if args.compile else model
+    graphed = args.cuda_graph and not stock
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused,
+                                  capturable=graphed)
+    forward, loss_fn = model, cross_entropy
+    if args.compile and stock:  # the stock way: the whole model as one graph
+        forward = torch.compile(model)
+    elif args.compile:
+        apply_compile(model)
+        loss_fn = torch.compile(cross_entropy)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
                 else contextlib.nullcontext())
+    timer = PhaseTimer(device)
 
-    def timed(phase: str, fn):
-        synchronize(device)
-        start = time.perf_counter()
-        with nvtx.range(phase):
-            out = fn()
-        synchronize(device)
-        return out, (time.perf_counter() - start) * 1e3
-
-    def step() -> tuple[float, dict[str, float]]:
-        if args.mode == "forward":
-            with torch.no_grad(), autocast:
-                loss, t_fwd = timed("forward", lambda: cross_entropy(forward(inputs), targets))
-            return loss.item(), {"forward": t_fwd}
-        with autocast:
-            loss, t_fwd = timed("forward", lambda: cross_entropy(forward(inputs), targets))
-        _, t_bwd = timed("backward", loss.backward)
-        phases = {"forward": t_fwd, "backward": t_bwd}
-        if args.mode == "train_step":
-            _, phases["optimizer"] = timed("optimizer", optimizer.step)
+    def step(mark) -> torch.Tensor:
+        """One step, ``mark(phase)`` after each phase; gradients start as None, so a captured step makes
+        them inside its graph."""
         optimizer.zero_grad(set_to_none=True)
-        return loss.item(), phases
+        with autocast, torch.set_grad_enabled(args.mode != "forward"):
+            loss = loss_fn(forward(inputs), targets)
+        mark("forward")
+        if args.mode != "forward":
+            loss.backward()
+            mark("backward")
+        if args.mode == "train_step":
+            optimizer.step()
+            mark("optimizer")
+        return loss.detach()
 
-    losses, step_ms, phases_ms = [], [], {}
-    with nvtx.range("warmup"):
-        for _ in range(args.warmup):
-            losses.append(step()[0])
+    start = time.perf_counter()
+    if graphed:
+        replay = capture_step(lambda: step(lambda phase: None))
+
+        def run() -> torch.Tensor:
+            timer.start()
+            loss = replay().clone()
+            timer.mark("step")  # one graph: its phases cannot be told apart
+            return loss
+    else:
+        def run() -> torch.Tensor:
+            timer.start()
+            return step(timer.mark)
+
+    losses = [run()]
+    synchronize(device)
+    compile_s = time.perf_counter() - start  # building the step: compilation, autotuning, capture
+    if args.warmup:  # the first step (compilation, capture) was the first warm-up step: not timed
+        with nvtx.range("warmup"):
+            losses += [run() for _ in range(args.warmup - 1)]
+        timer = PhaseTimer(device)
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     if args.memory_snapshot:
         torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-    for _ in range(args.steps):
-        loss, phases = step()
-        losses.append(loss)
-        step_ms.append(sum(phases.values()))
-        for phase, ms in phases.items():
-            phases_ms.setdefault(phase, []).append(ms)
+    losses += [run() for _ in range(args.steps - (0 if args.warmup else 1))]
+    step_ms, phases_ms = timer.results()
     if args.memory_snapshot:
         torch.cuda.memory._dump_snapshot(args.memory_snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    losses = [float(loss) for loss in losses]
     metrics = {"loss_first": losses[0], "loss_last": losses[-1], "losses": losses, "fused_adamw": fused,
                "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
-               **predicted_memory(args, spec, seq_len)}
+               "compile_s": compile_s, **predicted_memory(args, spec, seq_len)}
     if args.profile:
-        rows = profile_steps(step, 3, args.profile, tag=f"{spec.name}_{args.mode}_{args.dtype}")
+        tag = f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}_{args.dtype}" + ("_stock" if stock else "")
+        rows = profile_steps(run, 3, args.profile, tag=tag)
         metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
     return step_record(
-        args, spec, seq_len, backend="torch", implementation=implementation_name(args),
+        args, spec, seq_len, backend="torch", implementation=implementation_name(args, stock),
         device_name=device_name(device), step_times_ms=step_ms, phases_ms=phases_ms,
         peak_memory_bytes=peak, metrics=metrics,
     )
@@ -149,18 +211,22 @@ def predicted_memory(args: argparse.Namespace, spec, seq_len: int) -> dict[str, 
     return {"predicted_activation_bytes": activations, "predicted_peak_bytes": peak}
 
 
-def implementation_name(args: argparse.Namespace) -> str:
-    """e.g. 'compiled sdpa, ckpt 2 nested': how the model ran."""
-    name = f"{'compiled' if args.compile else 'eager'} {args.attention}"
+def implementation_name(args: argparse.Namespace, stock: bool = False) -> str:
+    """e.g. 'compiled sdpa, ckpt 2 nested', 'compiled sdpa_cudnn, cuda graph', 'stock compiled sdpa_cudnn'."""
+    name = f"{'compiled' if args.compile else 'eager'} {args.stock if stock else args.attention}"
+    if stock:
+        name = "stock " + name
+    elif args.cuda_graph:
+        name += ", cuda graph"
     if args.checkpoint_every:
         name += f", ckpt {args.checkpoint_every}" + (" nested" if args.nested_checkpoint else "")
     return name
 
 
-def failed_record(args: argparse.Namespace, err: RuntimeError) -> Record:
+def failed_record(args: argparse.Namespace, err: RuntimeError, stock: bool = False) -> Record:
     """The record of a run that ran out of memory or failed, so the failure is a row, not a gap."""
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    return failure_record(args, err, backend="torch", implementation=implementation_name(args),
+    return failure_record(args, err, backend="torch", implementation=implementation_name(args, stock),
                           device_name=device_name(torch.device(device)),
                           oom=isinstance(err, torch.OutOfMemoryError))
 
@@ -168,7 +234,13 @@ def failed_record(args: argparse.Namespace, err: RuntimeError) -> Record:
 def add_torch_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the PyTorch benchmark alone."""
     torch_flags = parser.add_argument_group("PyTorch")
-    torch_flags.add_argument("--compile", action="store_true", help="torch.compile the model")
+    torch_flags.add_argument("--compile", action="store_true",
+                             help="torch.compile each block and the loss (the stock reference: the whole model)")
+    torch_flags.add_argument("--cuda-graph", action="store_true",
+                             help="capture the whole step in a CUDA graph and replay it (GPU; not the stock model)")
+    torch_flags.add_argument("--stock", metavar="SDPA_BACKEND",
+                             help="first time the stock reference with this SDPA backend (e.g. sdpa_cudnn) in the "
+                                  f"same process, same flags: {', '.join(SDPA_BACKENDS)}")
     torch_flags.add_argument("--checkpoint-every", type=int, metavar="K",
                              help="activation checkpointing: recompute every segment of K blocks")
     torch_flags.add_argument("--nested-checkpoint", action="store_true",

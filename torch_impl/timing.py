@@ -1,0 +1,81 @@
+"""Timing training steps by phase without stalling the device, and replaying a whole step as a CUDA graph.
+
+``PhaseTimer`` marks phase boundaries (``start()``, then ``mark("forward")``, ``mark("backward")``, ...). On
+CUDA each mark records an event on the current stream and nothing waits: the host keeps queueing kernels
+while the device runs, as in real training, and the times (read once, by ``results()``) are the device's time
+between the marks, idle gaps included, so a host too slow to feed the device still shows. A synchronization
+at every phase boundary, as this harness did before, drains the queue three times a step and makes the
+device wait for the host's next launches (notes/train_step.md). On the CPU the marks are host clocks.
+
+``capture_step(step)`` records one call of ``step`` (forward, backward, optimizer) in a CUDA graph and
+returns a function that replays it: one launch per step instead of thousands, for steps whose kernels are
+too short to hide the host's launch time (PyTorch's "whole network capture", torch.cuda.graphs docs). The
+inputs, parameters, gradients and optimizer state must keep their addresses: gradients are created inside
+the graph (set to None before capture) and the optimizer must be ``capturable``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+class PhaseTimer:
+    """Per-step phase times: ``start()`` before a step, ``mark(phase)`` at the end of each phase."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._steps: list[list[tuple[str, object]]] = []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._steps.append([("start", self._now())])
+
+    def mark(self, phase: str) -> None:
+        self._steps[-1].append((phase, self._now()))
+
+    def results(self) -> tuple[list[float], dict[str, list[float]]]:
+        """(step times in ms, {phase: times in ms}) of every started step; waits for the device once."""
+        if self.cuda:
+            torch.cuda.synchronize()
+
+        def ms(a, b) -> float:
+            return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+        steps, phases = [], {}
+        for marks in self._steps:
+            steps.append(ms(marks[0][1], marks[-1][1]))
+            for (_, before), (phase, after) in zip(marks, marks[1:]):
+                phases.setdefault(phase, []).append(ms(before, after))
+        return steps, phases
+
+
+def capture_step(step: Callable[[], torch.Tensor], warmup: int = 2) -> Callable[[], torch.Tensor]:
+    """Run ``step`` ``warmup`` times on a side stream, capture one call in a CUDA graph, and return a function
+    that replays it and returns the (static) tensor the captured call returned, e.g. the loss."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # lazy initialisation (cuBLAS workspaces, autotuning) stays out of the graph
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the graph's private pool cannot reuse cached blocks: hand them back first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    replay.graph = graph  # keep the graph (and its memory pool) alive as long as the function
+    return replay
