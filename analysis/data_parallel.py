@@ -15,14 +15,14 @@ PHASES = ("forward", "backward", "comm_blocked", "optimizer")
 
 
 def baseline_key(record: Record) -> tuple:
-    """What a run and its single-process baseline share: model, batch, sequence, dtype, attention, device."""
+    """What a run and its single-process baseline share: model, batch, sequence, dtype, attention, compiled
+    or not, device."""
     return (record.model, record.batch_size, record.seq_len, record.dtype, record.metrics.get("attention"),
-            record.provenance.get("device_name"))
+            bool(record.metrics.get("compiled")), record.provenance.get("device_name"))
 
 
 def single_process_baselines(records: list[Record]) -> dict[tuple, float]:
-    """tokens/s of the latest ok ``none`` (world size 1) record per (model, batch, seq, dtype, attention,
-    device name)."""
+    """tokens/s of the latest ok ``none`` (world size 1) record per ``baseline_key``."""
     out = {}
     for r in records:
         if r.suite == SUITE and r.implementation == "none" and r.world_size == 1 and r.status == "ok" \

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 CATEGORIES = ("matmul", "reduction-softmax", "elementwise", "other")
 _PATTERNS = (  # checked in order: a GEMM kernel named "..._reduce..." is still a GEMM
     ("other", r"nccl|allreduce|allgather|reducescatter|memcpy|memset"),  # communication and copies
-    ("matmul", r"gemm|matmul|\bmm\b|addmm|bmm|cutlass|xmma|wgmma|gemv|cublas|linear|_attn_fwd|flash|sdpa"),
+    ("matmul", r"gemm|matmul|\bmm\b|addmm|bmm|cutlass|xmma|wgmma|gemv|cublas|nvjet|linear|_attn_fwd|flash|sdpa"),
     ("reduction-softmax", r"softmax|reduce|reduction|\bsum\b|mean|norm|\bmax\b|\bmin\b|logsumexp|cross_entropy|nll"),
     ("elementwise", r"elementwise|vectorized|unrolled|\badd|\bmul|\bdiv|\bsub|silu|sigmoid|\bexp|pow|rsqrt|copy|"
                     r"cast|fill|where|masked|\bneg|\bcat\b|stack|index|embedding|clone|_to_copy|foreach|adam|sqrt|lerp|"
@@ -43,16 +43,30 @@ class KernelRow:
     time_ms: float
     fraction: float
     top: str  # the largest kernels of the category, with their times
+    kernels: tuple[tuple[str, float], ...] = ()  # every kernel of the category, (name, ms / step), largest first
+
+
+def _is_kernel(event) -> bool:
+    """A device-side kernel or copy: not the host operator that launched it (``aten::mm`` carries its
+    kernels' device time too), not a user annotation drawn on the device timeline (``Optimizer.step#...``),
+    not a profiler marker (``Command Buffer Full``): each of those would count the same time twice."""
+    return (event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation
+            and event.key not in _MARKERS and event.self_device_time_total > 0)
+
+
+_MARKERS = ("Command Buffer Full",)
 
 
 def kernel_table(prof: profile, n_steps: int) -> list[KernelRow]:
     """Per-step time by category: device kernels where CUDA ran, else CPU aten operators (self time)."""
     events = prof.key_averages()
-    on_device = any(getattr(e, "self_device_time_total", 0) > 0 for e in events)
+    on_device = any(_is_kernel(e) for e in events)
     times: dict[str, dict[str, float]] = {c: {} for c in CATEGORIES}
     for e in events:
+        if on_device and not _is_kernel(e) or not on_device and not e.key.startswith("aten::"):
+            continue
         us = e.self_device_time_total if on_device else e.self_cpu_time_total
-        if us <= 0 or (not on_device and not e.key.startswith("aten::")):
+        if us <= 0:
             continue
         times[categorize(e.key)][e.key] = us / 1e3 / n_steps
     total = sum(sum(kernels.values()) for kernels in times.values()) or 1.0
@@ -61,13 +75,16 @@ def kernel_table(prof: profile, n_steps: int) -> list[KernelRow]:
         kernels = sorted(times[category].items(), key=lambda kv: -kv[1])
         time_ms = sum(ms for _, ms in kernels)
         top = "; ".join(f"{name[:60]} {ms:.3f}" for name, ms in kernels[:3])
-        rows.append(KernelRow(category, time_ms, time_ms / total, top))
+        rows.append(KernelRow(category, time_ms, time_ms / total, top, tuple(kernels)))
     return rows
 
 
 def markdown(rows: list[KernelRow], title: str) -> str:
     lines = [f"### {title}", "", "| category | ms / step | share | largest (ms / step) |", "|:--|--:|--:|:--|"]
     lines += [f"| {r.category} | {r.time_ms:.3f} | {r.fraction:.1%} | {r.top} |" for r in rows]
+    largest = sorted(((ms, name, r.category) for r in rows for name, ms in r.kernels), reverse=True)
+    lines += ["", f"The {min(len(largest), 40)} largest:", "", "| ms / step | category | kernel |", "|--:|:--|:--|"]
+    lines += [f"| {ms:.3f} | {category} | `{name[:110]}` |" for ms, name, category in largest[:40]]
     return "\n".join(lines)
 
 

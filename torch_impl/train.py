@@ -124,6 +124,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     dtype: str = "fp32"
     attention: str = "sdpa"
+    compile: bool = False
     dist: str = "none"
     bucket_mb: float = 25.0
     val_batches: int = 8
@@ -145,6 +146,11 @@ class TrainConfig:
         self.betas = tuple(self.betas)
         if self.dist not in DIST_MODES:
             raise ValueError(f"--dist {self.dist!r}; accepted: {', '.join(DIST_MODES)}")
+        from torch_impl.bench.ddp import COMPILE_UNSUPPORTED
+
+        if self.compile and self.dist in COMPILE_UNSUPPORTED:
+            raise ValueError(f"--compile with --dist {self.dist}: its per-layer gathers run inside the compiled "
+                             f"blocks; compile works with every other --dist")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"--dtype {self.dtype!r}; accepted: fp32, bf16")
         for name in ("epochs", "batch_size", "grad_accum", "seq_len", "checkpoint_every"):
@@ -545,7 +551,7 @@ def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch
                                    steps=len(stats.step_ms), batch_size=cfg.batch_size * cfg.grad_accum)
     metrics = {
         "epoch": epoch + 1, "epochs": cfg.epochs, "step": step, "steps_per_epoch": steps_per_epoch,
-        "attention": cfg.attention, "dist": cfg.dist, "grad_accum": cfg.grad_accum, "global_batch": global_batch,
+        "attention": cfg.attention, "compiled": cfg.compile, "dist": cfg.dist, "grad_accum": cfg.grad_accum, "global_batch": global_batch,
         "samples_per_epoch": global_batch * steps_per_epoch,
         "tokens_per_epoch": global_batch * steps_per_epoch * cfg.seq_len,
         "train_loss": statistics.fmean(losses), "train_losses": losses, "val_loss": val_loss,
@@ -610,6 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--betas", type=_betas, default=d.betas, help="AdamW betas (default 0.9,0.999)")
     a("--dtype", choices=("fp32", "bf16"), default=d.dtype, help="fp32, or bf16 autocast with fp32 weights")
     a("--attention", default=d.attention, help=f"attention backend (default {d.attention})")
+    a("--compile", action="store_true", help="torch.compile each block (not with --dist fsdp)")
     a("--dist", choices=DIST_MODES, default=d.dist, help=f"data-parallel mode (default {d.dist})")
     a("--bucket-mb", type=float, default=d.bucket_mb, help="bucket size in MiB for bucketed and zero1 (default 25)")
     a("--val-batches", type=int, default=d.val_batches, help="validation batches per epoch, 0 = none (default 8)")
@@ -635,7 +642,7 @@ def _failure_record(cfg: TrainConfig, err: BaseException, world_size: int) -> Re
                     batch_size=cfg.batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype, mode="train_step",
                     world_size=world_size, status="oom" if oom else "error",
                     error=f"{type(err).__name__}: {err}".splitlines()[0],
-                    metrics={"attention": cfg.attention, "dist": cfg.dist, "grad_accum": cfg.grad_accum,
+                    metrics={"attention": cfg.attention, "compiled": cfg.compile, "dist": cfg.dist, "grad_accum": cfg.grad_accum,
                              "run": cfg.run_name})
     record.provenance["device_name"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return record

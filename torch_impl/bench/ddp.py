@@ -85,6 +85,7 @@ from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, basel
 from analysis.records import Record, append_records, read_records
 
 IMPLS = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
+COMPILE_UNSUPPORTED = ("fsdp", "fsdp2")  # our FSDP and FSDP2 gather weights inside the blocks
 BUCKETED_IMPLS = ("bucketed", "zero1")  # one configuration per --bucket-mb value
 TORCH_DDP_BUCKET_MB = 25.0  # torch DDP's default bucket_cap_mb
 STRATEGY = {"none": "ddp", "naive": "ddp", "flat": "ddp", "individual": "ddp", "bucketed": "ddp",
@@ -178,15 +179,20 @@ def _is_collective_error(err: BaseException) -> bool:
 def build_data_parallel(cfg: Config, args: argparse.Namespace, spec, device, world_size: int):
     """(the module to call, the wrapper or None, the optimizer) for one configuration: the model on ``device``
     wrapped by ``cfg.impl`` with AdamW (fused on CUDA), from ``args`` (seed, attention, lr, weight_decay,
-    dtype). Shared by this benchmark and the trainer (``torch_impl.train``); collectives inside (the wrappers'
-    broadcasts) run on every rank alike."""
+    dtype, compile). Shared by this benchmark and the trainer (``torch_impl.train``); collectives inside (the
+    wrappers' broadcasts) run on every rank alike. ``args.compile``: each block compiled before wrapping
+    (``torch_impl.parallelize.apply_compile``), for every impl but the two FSDPs, whose gathers run inside
+    the blocks."""
     import torch
     from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
                                         ShardedOptimizer)
     from torch_impl.model import TransformerLM
+    from torch_impl.parallelize import apply_compile
 
     torch.manual_seed(args.seed)
     model = TransformerLM(spec, attention=args.attention, device=device)
+    if args.compile:  # the CLIs reject it for COMPILE_UNSUPPORTED
+        apply_compile(model)
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     bf16 = args.dtype == "bf16"
     if cfg.impl == "none":
@@ -309,6 +315,7 @@ def make_record(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world
     errors = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g.get("error")]
     common = dict(backend="torch", implementation=cfg.name, device_name=device_name)
     metrics: dict[str, Any] = {"impl": cfg.impl, "bucket_mb": cfg.bucket_mb, "attention": args.attention,
+                               "compiled": bool(args.compile),
                                "strategy": STRATEGY[cfg.impl], "fused_adamw": device_name != "cpu",
                                "timing_rank": "slowest rank per step"}
     try:
@@ -456,6 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration (default 3)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration (default 10)")
     parser.add_argument("--attention", default="sdpa", help="attention backend of the model (default sdpa)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each block before wrapping (not with fsdp, fsdp2)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights; rank r's data uses seed + r")
@@ -480,7 +489,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         resolve_spec(argparse.Namespace(**{**vars(args), "mode": "train_step"}))
-        parse_impls(args.impl)
+        unsupported = [i for i in parse_impls(args.impl) if args.compile and i in COMPILE_UNSUPPORTED]
+        if unsupported:
+            raise ValueError(f"--compile with {', '.join(unsupported)}: their per-layer gathers run inside the "
+                             f"compiled blocks; compile works with: "
+                             f"{', '.join(i for i in IMPLS if i not in COMPILE_UNSUPPORTED)}")
         parse_bucket_mb(args.bucket_mb)
         if args.timeout <= 0:
             raise ValueError(f"--timeout={args.timeout} must be > 0")

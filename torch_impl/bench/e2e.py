@@ -70,14 +70,18 @@ def build_model(args: argparse.Namespace, spec, device: torch.device, stock: boo
 
 
 def measure(args: argparse.Namespace) -> list[Record]:
-    """Ours, and first the stock reference with ``--stock BACKEND``, one after the other in this process; each
-    record of ours then carries ``metrics.x_stock`` = stock's median step time / ours (> 1: ours is faster)."""
+    """Ours (with ``--cuda-graph both``: without, then with the graph), and first the stock reference with
+    ``--stock BACKEND``, one after the other in this process; each record of ours then carries
+    ``metrics.x_stock`` = stock's median step time / ours (> 1: ours is faster)."""
     check_flags(args)
-    records = [measure_one(args, stock=True)] if args.stock else []
-    records.append(measure_one(args, stock=False))
-    if args.stock and records[0].status == "ok" and records[1].status == "ok":
-        records[1].metrics["x_stock"] = records[0].timing["median_ms"] / records[1].timing["median_ms"]
-    return records
+    stock = measure_one(args, stock=True, graphed=False) if args.stock else None
+    graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
+    ours = [measure_one(args, stock=False, graphed=graphed) for graphed in graphs]
+    if stock is not None and stock.status == "ok":
+        for record in ours:
+            if record.status == "ok":
+                record.metrics["x_stock"] = stock.timing["median_ms"] / record.timing["median_ms"]
+    return ([stock] if stock else []) + ours
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -86,25 +90,26 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--nested-checkpoint needs --checkpoint-every K")
     if args.memory_snapshot and device.type != "cuda":
         raise ValueError("--memory-snapshot records the CUDA allocator: it needs --device cuda")
-    if args.cuda_graph and device.type != "cuda":
+    if args.cuda_graph != "off" and device.type != "cuda":
         raise ValueError("--cuda-graph captures the step on the GPU: it needs --device cuda")
     if args.stock and args.stock not in SDPA_BACKENDS:
         raise ValueError(f"--stock {args.stock!r}: the stock model runs SDPA; accepted: {', '.join(SDPA_BACKENDS)}")
 
 
-def measure_one(args: argparse.Namespace, stock: bool) -> Record:
+def measure_one(args: argparse.Namespace, stock: bool, graphed: bool) -> Record:
     """One model's record; an out-of-memory or other runtime failure becomes a failure record."""
     try:
-        return _measure(args, stock)
+        return _measure(args, stock, graphed)
     except RuntimeError as err:  # torch.OutOfMemoryError is one
-        return failed_record(args, err, stock=stock)
-    finally:
+        return failed_record(args, err, stock=stock, graphed=graphed)
+    finally:  # free this model before the next is built: compiled code and cached blocks included
+        torch._dynamo.reset()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def _measure(args: argparse.Namespace, stock: bool) -> Record:
+def _measure(args: argparse.Namespace, stock: bool, graphed: bool) -> Record:
     spec, seq_len = resolve_spec(args)
     device = pick_device(args.device)
     if args.dtype == "fp32":
@@ -113,7 +118,6 @@ def _measure(args: argparse.Namespace, stock: bool) -> Record:
     tokens = torch.from_numpy(fixed_batch(args.seed, args.batch_size, seq_len, spec.vocab_size)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     fused = device.type == "cuda" if args.fused_adamw == "auto" else args.fused_adamw == "on"
-    graphed = args.cuda_graph and not stock
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused,
                                   capturable=graphed)
     forward, loss_fn = model, cross_entropy
@@ -143,6 +147,8 @@ def _measure(args: argparse.Namespace, stock: bool) -> Record:
 
     start = time.perf_counter()
     if graphed:
+        # The graph's memory pool is made once, at capture, and never freed: count it in the peak.
+        torch.cuda.reset_peak_memory_stats(device)
         replay = capture_step(lambda: step(lambda phase: None))
 
         def run() -> torch.Tensor:
@@ -164,7 +170,8 @@ def _measure(args: argparse.Namespace, stock: bool) -> Record:
         timer = PhaseTimer(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        if not graphed:  # the peak of a step after the warm-up
+            torch.cuda.reset_peak_memory_stats(device)
     if args.memory_snapshot:
         torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     losses += [run() for _ in range(args.steps - (0 if args.warmup else 1))]
@@ -178,11 +185,11 @@ def _measure(args: argparse.Namespace, stock: bool) -> Record:
                "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
                "compile_s": compile_s, **predicted_memory(args, spec, seq_len)}
     if args.profile:
-        tag = f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}_{args.dtype}" + ("_stock" if stock else "")
+        tag = f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}_{args.dtype}" + ("_stock" if stock else "_graph" if graphed else "")
         rows = profile_steps(run, 3, args.profile, tag=tag)
         metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
     return step_record(
-        args, spec, seq_len, backend="torch", implementation=implementation_name(args, stock),
+        args, spec, seq_len, backend="torch", implementation=implementation_name(args, stock, graphed),
         device_name=device_name(device), step_times_ms=step_ms, phases_ms=phases_ms,
         peak_memory_bytes=peak, metrics=metrics,
     )
@@ -211,22 +218,22 @@ def predicted_memory(args: argparse.Namespace, spec, seq_len: int) -> dict[str, 
     return {"predicted_activation_bytes": activations, "predicted_peak_bytes": peak}
 
 
-def implementation_name(args: argparse.Namespace, stock: bool = False) -> str:
+def implementation_name(args: argparse.Namespace, stock: bool = False, graphed: bool = False) -> str:
     """e.g. 'compiled sdpa, ckpt 2 nested', 'compiled sdpa_cudnn, cuda graph', 'stock compiled sdpa_cudnn'."""
     name = f"{'compiled' if args.compile else 'eager'} {args.stock if stock else args.attention}"
     if stock:
         name = "stock " + name
-    elif args.cuda_graph:
+    elif graphed:
         name += ", cuda graph"
     if args.checkpoint_every:
         name += f", ckpt {args.checkpoint_every}" + (" nested" if args.nested_checkpoint else "")
     return name
 
 
-def failed_record(args: argparse.Namespace, err: RuntimeError, stock: bool = False) -> Record:
+def failed_record(args: argparse.Namespace, err: RuntimeError, stock: bool = False, graphed: bool = False) -> Record:
     """The record of a run that ran out of memory or failed, so the failure is a row, not a gap."""
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    return failure_record(args, err, backend="torch", implementation=implementation_name(args, stock),
+    return failure_record(args, err, backend="torch", implementation=implementation_name(args, stock, graphed),
                           device_name=device_name(torch.device(device)),
                           oom=isinstance(err, torch.OutOfMemoryError))
 
@@ -236,8 +243,9 @@ def add_torch_arguments(parser: argparse.ArgumentParser) -> None:
     torch_flags = parser.add_argument_group("PyTorch")
     torch_flags.add_argument("--compile", action="store_true",
                              help="torch.compile each block and the loss (the stock reference: the whole model)")
-    torch_flags.add_argument("--cuda-graph", action="store_true",
-                             help="capture the whole step in a CUDA graph and replay it (GPU; not the stock model)")
+    torch_flags.add_argument("--cuda-graph", choices=("off", "on", "both"), default="off",
+                             help="capture our whole step in a CUDA graph and replay it (GPU; never the stock "
+                                  "model); both: time ours without, then with (default off)")
     torch_flags.add_argument("--stock", metavar="SDPA_BACKEND",
                              help="first time the stock reference with this SDPA backend (e.g. sdpa_cudnn) in the "
                                   f"same process, same flags: {', '.join(SDPA_BACKENDS)}")
