@@ -135,8 +135,9 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: 
     gc.collect()
     torch.cuda.empty_cache()
     if variant.startswith("ours_block"):
-        explained = torch._dynamo.explain(TransformerLM(spec, attention, device="cuda").layers[0])(
-            torch.randn(batch, seq, spec.d_model, device="cuda"), torch.arange(seq, device="cuda"))
+        block = TransformerLM(spec.replace(n_layers=1), attention, device="cuda").layers[0]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            explained = torch._dynamo.explain(block)(torch.randn(batch, seq, spec.d_model, device="cuda"))
         result["explain_block"] = {"graphs": explained.graph_count, "breaks": explained.graph_break_count,
                                    "reasons": [str(b.reason)[:120] for b in explained.break_reasons]}
     torch._dynamo.reset()
