@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from analysis.data_parallel import baseline_key
 from analysis.records import read_records
 from parallelism_calc.specs import MODELS
 from tests._dist import free_port
@@ -130,6 +131,19 @@ def test_report_only_prints_the_table(records, capsys):
     assert main(["--report-only", str(out)]) == 0
     text = capsys.readouterr().out
     assert "scaling_efficiency" in text and "zero1 + bucketed 10MB" in text and "comm_blocked_median_ms" in text
+
+
+def test_compiled_baseline_is_its_own_baseline(tmp_path, capsys):
+    """``--compile`` compiles each block; its records say so and only a compiled ``none`` is their baseline."""
+    out = tmp_path / "ddp.jsonl"
+    assert main([*COMMON, "--impl", "none", "--compile", "--out", str(out)]) == 0
+    assert main([*COMMON, "--impl", "none", "--out", str(out)]) == 0
+    compiled, eager = read_records(out)
+    assert compiled.metrics["compiled"] is True and eager.metrics["compiled"] is False
+    assert baseline_key(compiled) != baseline_key(eager)
+    with pytest.raises(SystemExit):
+        main([*COMMON, "--impl", "none,fsdp", "--compile", "--out", str(out)])
+    assert "--compile with fsdp" in capsys.readouterr().err
 
 
 def test_none_under_torchrun_is_refused(tmp_path, monkeypatch):

@@ -284,6 +284,7 @@ def test_cli_stops_and_resumes(cache, tmp_path):
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--vocab-size", "100"], "vocab_size >= 257"),
     (["--model", "xxl"], "analysis-only"),
+    (["--compile", "--dist", "fsdp"], "--compile with --dist fsdp"),
 ])
 def test_cli_rejects_bad_input(cache, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

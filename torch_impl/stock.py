@@ -29,8 +29,8 @@ def rope_tables(spec: ModelSpec, device=None) -> tuple[torch.Tensor, torch.Tenso
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on adjacent pairs (2k, 2k+1) of x (..., T, d_head), in float32, returned in x's dtype."""
-    pairs = x.float().unflatten(-1, (-1, 2))  # (..., T, d/2, 2)
+    """RoPE on adjacent pairs (2k, 2k+1) of x (..., T, d_head), in at least float32, returned in x's dtype."""
+    pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))  # (..., T, d/2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).type_as(x)
 

@@ -1,0 +1,130 @@
+"""The stock reference, the step harness's phase timing, regional compilation and the captured step.
+
+The stock model (``torch_impl.stock``) must compute the same function as ours from the same weights: checked in
+float64 on fresh random weights and tokens, logits and every gradient. The e2e benchmark times it in the same
+process (``--stock``) and states ours as "x times stock"; its phases come from ``PhaseTimer`` marks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from analysis.records import read_records
+from parallelism_calc.specs import MODELS
+from torch_impl.bench import e2e
+from torch_impl.model import TransformerLM, cross_entropy
+from torch_impl.parallelize import apply_compile
+from torch_impl.stock import StockTransformerLM
+from torch_impl.timing import PhaseTimer, capture_step
+
+FLAGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--warmup", "1", "--steps", "3",
+         "--device", "cpu", "--attention", "sdpa"]
+
+
+def _random_pair(seed: int, dtype=torch.float64):
+    """Ours and the stock model with the same random weights (norm gains too), and random tokens."""
+    spec = MODELS["tiny"].replace(n_layers=3)
+    torch.manual_seed(seed)
+    ours = TransformerLM(spec, attention="sdpa").to(dtype)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # norm gains away from 1
+    stock = StockTransformerLM(spec, attention="sdpa").to(dtype)
+    stock.load_state_dict(ours.state_dict())
+    tokens = torch.randint(0, spec.vocab_size, (3, 20))
+    return ours, stock, tokens
+
+
+def test_stock_model_computes_our_function():
+    seed = int(np.random.SeedSequence().entropy % 10_000)
+    ours, stock, tokens = _random_pair(seed)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in stock.named_parameters()]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = [model(inputs) for model in (ours, stock)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-6, atol=1e-9)  # tables are fp32 in both
+    for model, out in zip((ours, stock), logits):
+        cross_entropy(out, targets).backward()
+    for (name, p), q in zip(ours.named_parameters(), stock.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_stock_model_accepts_sdpa_backends_only():
+    with pytest.raises(ValueError, match="accepted: sdpa, sdpa_cudnn"):
+        StockTransformerLM(MODELS["tiny"], attention="flash_triton")
+
+
+def test_regional_compilation_keeps_names_and_function():
+    ours, _, tokens = _random_pair(0, dtype=torch.float32)
+    names = [n for n, _ in ours.named_parameters()]
+    expected = ours(tokens)
+    apply_compile(ours)
+    assert [n for n, _ in ours.named_parameters()] == names
+    torch.testing.assert_close(ours(tokens), expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="ModuleList of blocks"):
+        apply_compile(torch.nn.Linear(2, 2))
+
+
+def test_phase_timer_marks_add_up_to_the_step():
+    timer = PhaseTimer(torch.device("cpu"))
+    for _ in range(3):
+        timer.start()
+        time.sleep(0.004)
+        timer.mark("forward")
+        time.sleep(0.008)
+        timer.mark("backward")
+    steps, phases = timer.results()
+    assert len(steps) == 3 and set(phases) == {"forward", "backward"}
+    for i, step in enumerate(steps):
+        assert step == pytest.approx(phases["forward"][i] + phases["backward"][i])
+        assert phases["forward"][i] >= 4 and phases["backward"][i] >= 8
+
+
+def test_e2e_times_stock_then_ours_in_one_process(tmp_path):
+    out = tmp_path / "runs.jsonl"
+    assert e2e.main([*FLAGS, "--stock", "sdpa", "--out", str(out)]) == 0
+    stock, ours = read_records(out)
+    assert (stock.implementation, ours.implementation) == ("stock eager sdpa", "eager sdpa")
+    assert ours.metrics["x_stock"] == pytest.approx(stock.timing["median_ms"] / ours.timing["median_ms"])
+    assert "x_stock" not in stock.metrics
+    # Same weights, same batch, same function: the same losses, step after step.
+    np.testing.assert_allclose(ours.metrics["losses"], stock.metrics["losses"], rtol=1e-5)
+    for record in (stock, ours):
+        assert set(record.phases) == {"forward", "backward", "optimizer"} and record.timed_steps == 3
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--stock", "flash_triton"], "the stock model runs SDPA; accepted: sdpa, sdpa_cudnn"),
+    (["--cuda-graph", "on"], "--cuda-graph captures the step on the GPU: it needs --device cuda"),
+])
+def test_e2e_rejects_bad_stock_and_graph_flags(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        e2e.main([*FLAGS, *argv])
+
+
+@pytest.mark.gpu
+def test_captured_step_trains_like_the_eager_step():
+    """A replayed CUDA graph of forward + backward + AdamW gives the eager step's losses, step after step."""
+    spec = MODELS["tiny"]
+    tokens = torch.randint(0, spec.vocab_size, (2, 33), device="cuda")
+    losses = {}
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        model = TransformerLM(spec, attention="sdpa", device="cuda")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=graphed)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            optimizer.step()
+            return loss.detach()
+
+        run = capture_step(step, warmup=2) if graphed else step
+        if not graphed:
+            [step() for _ in range(2)]  # the captured run's two warm-up steps
+        losses[graphed] = [run().item() for _ in range(4)]
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
