@@ -2,9 +2,17 @@
 
 Times ``--mode`` forward (no gradients) | forward_backward | train_step (AdamW) for ``--warmup`` untimed and
 ``--steps`` timed steps on a fixed random batch (so in train_step mode the loss falls as the model memorizes
-it), synchronizing the device around every step, and writes one record (``analysis.records``) with the
-per-step and per-phase times, tokens/s, TFLOP/s and MFU (FLOPs from ``parallelism_calc``), peak memory and
-the losses. The JAX twin, ``python -m jax_impl.bench.e2e``, takes the same flags; ``--save-weights`` here and
+it), and writes one record (``analysis.records``) with the per-step and per-phase times, tokens/s, TFLOP/s and
+MFU (FLOPs from ``parallelism_calc``), peak memory, the losses and the time the first step took to build
+(compilation, capture: ``metrics.compile_s``). Phases are marked with CUDA events and the device is waited for
+once, after the timed steps (``torch_impl.timing.PhaseTimer``), so the harness does not stall the step it times.
+
+``--stock BACKEND`` first times the stock reference (``torch_impl.stock``, compiled as a whole with
+``--compile``) in the same process with the same flags and weights; ours then carries ``metrics.x_stock``.
+``--compile`` compiles ours per block (``torch_impl.parallelize.apply_compile``) and its loss; ``--cuda-graph``
+replays our whole step as one CUDA graph (``torch_impl.timing.capture_step``; ``both``: ours without, then with).
+
+The JAX twin, ``python -m jax_impl.bench.e2e``, takes the same step flags; ``--save-weights`` here and
 ``--load-weights`` there start both from the same weights. An OOM or error is recorded, not lost.
 """
 
