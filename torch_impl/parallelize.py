@@ -7,8 +7,8 @@ data-parallel wrapper. The trainer and every benchmark call these, so a fix made
 * ``apply_compile(model)``: regional compilation, ``torch.compile`` of each Transformer block in place
   (torchtitan's ``apply_compile``; PyTorch's "regional compilation" recipe). The blocks are identical, so one
   graph serves all of them: xl's 48 blocks compile in the time of one (seconds), where compiling the whole
-  model as one graph took 141 s on an H100 (notes/train_step.md). The embedding, the final norm and the LM
-  head stay eager; the loss is compiled on its own (``compiled_loss``).
+  model as one graph took 87-169 s on an H100 (notes/train_step.md). The embedding, the final norm and the LM
+  head stay eager (the e2e benchmark compiles its loss function on its own).
 """
 
 from __future__ import annotations
