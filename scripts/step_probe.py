@@ -1,4 +1,5 @@
-"""Where does a training step's time go? A one-call probe for the step issue (GPU): ``python3 scripts/step_probe.py OUT``.
+"""Where does a training step's time go? A one-call probe for the step issue (GPU):
+``python3 scripts/step_probe.py OUT``.
 
 For each configuration (xl 4 x 512, xl 4 x 2,048, or ``--configs``) and variant (the stock reference or ours;
 eager, compiled per block, or compiled whole), times ``--steps`` full train steps (bf16 autocast, fused AdamW)
@@ -25,7 +26,9 @@ from torch.profiler import ProfilerActivity, profile
 from parallelism_calc.specs import get_model
 from torch_impl.model import TransformerLM, cross_entropy
 from torch_impl.parallelize import apply_compile
+from torch_impl.profiling import is_kernel
 from torch_impl.stock import StockTransformerLM
+from torch_impl.timing import capture_step
 
 VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager")
 
@@ -75,27 +78,23 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: 
 
     step = eager_step
     if graphed:  # the whole step (forward, backward, AdamW) as one CUDA graph, replayed
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                eager_step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        opt.zero_grad(set_to_none=True)
-        with torch.cuda.graph(graph):
+        def body() -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                static_loss = loss_fn(forward(inputs), targets)
-            static_loss.backward()
+                loss = loss_fn(forward(inputs), targets)
+            loss.backward()
             opt.step()
+            return loss.detach()
+
+        replay = capture_step(body, warmup=3)
 
         def step(sync_phases: bool = False):
             events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
             events[0].record()
-            graph.replay()
+            loss = replay()
             for e in events[1:]:
                 e.record()
-            return static_loss, events
+            return loss, events
 
     result = {"variant": variant, "model": model_name, "batch": batch, "seq": seq}
     loss, _ = step()
@@ -124,11 +123,8 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: 
         for _ in range(2):
             step()
         torch.cuda.synchronize()
-    by_name: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            by_name.setdefault(e.name, []).append(e.time_range.elapsed_us() / 2e3)
-    kernels = sorted(((name, sum(ms), len(ms) // 2) for name, ms in by_name.items()), key=lambda k: -k[1])
+    kernels = sorted(((e.key, e.self_device_time_total / 2e3, e.count // 2) for e in prof.key_averages()
+                      if is_kernel(e)), key=lambda k: -k[1])
     result["device_busy_ms"] = sum(k[1] for k in kernels)
     result["top_kernels"] = [(name[:90], round(ms, 3), n) for name, ms, n in kernels[:25]]
     del model, forward, opt, step, eager_step

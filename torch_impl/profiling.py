@@ -46,7 +46,7 @@ class KernelRow:
     kernels: tuple[tuple[str, float], ...] = ()  # every kernel of the category, (name, ms / step), largest first
 
 
-def _is_kernel(event) -> bool:
+def is_kernel(event) -> bool:
     """A device-side kernel or copy: not the host operator that launched it (``aten::mm`` carries its
     kernels' device time too), not a user annotation drawn on the device timeline (``Optimizer.step#...``),
     not a profiler marker (``Command Buffer Full``): each of those would count the same time twice."""
@@ -60,10 +60,10 @@ _MARKERS = ("Command Buffer Full",)
 def kernel_table(prof: profile, n_steps: int) -> list[KernelRow]:
     """Per-step time by category: device kernels where CUDA ran, else CPU aten operators (self time)."""
     events = prof.key_averages()
-    on_device = any(_is_kernel(e) for e in events)
+    on_device = any(is_kernel(e) for e in events)
     times: dict[str, dict[str, float]] = {c: {} for c in CATEGORIES}
     for e in events:
-        if on_device and not _is_kernel(e) or not on_device and not e.key.startswith("aten::"):
+        if on_device and not is_kernel(e) or not on_device and not e.key.startswith("aten::"):
             continue
         us = e.self_device_time_total if on_device else e.self_cpu_time_total
         if us <= 0:

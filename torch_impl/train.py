@@ -146,11 +146,10 @@ class TrainConfig:
         self.betas = tuple(self.betas)
         if self.dist not in DIST_MODES:
             raise ValueError(f"--dist {self.dist!r}; accepted: {', '.join(DIST_MODES)}")
-        from torch_impl.bench.ddp import COMPILE_UNSUPPORTED
+        from torch_impl.bench.ddp import check_compile
 
-        if self.compile and self.dist in COMPILE_UNSUPPORTED:
-            raise ValueError(f"--compile with --dist {self.dist}: its per-layer gathers run inside the compiled "
-                             f"blocks; compile works with every other --dist")
+        if self.compile:
+            check_compile([self.dist], flag="--dist ")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"--dtype {self.dtype!r}; accepted: fp32, bf16")
         for name in ("epochs", "batch_size", "grad_accum", "seq_len", "checkpoint_every"):

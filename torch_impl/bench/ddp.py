@@ -86,6 +86,15 @@ from analysis.records import Record, append_records, read_records
 
 IMPLS = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
 COMPILE_UNSUPPORTED = ("fsdp", "fsdp2")  # our FSDP and FSDP2 gather weights inside the blocks
+
+
+def check_compile(impls: list[str], flag: str) -> None:
+    """ValueError if ``--compile`` meets an impl in ``COMPILE_UNSUPPORTED`` (``flag``: how the CLI names impls)."""
+    unsupported = [i for i in impls if i in COMPILE_UNSUPPORTED]
+    if unsupported:
+        raise ValueError(f"--compile with {flag}{', '.join(unsupported)}: their per-layer gathers run inside the "
+                         f"compiled blocks; compile works with: "
+                         f"{', '.join(i for i in IMPLS if i not in COMPILE_UNSUPPORTED)}")
 BUCKETED_IMPLS = ("bucketed", "zero1")  # one configuration per --bucket-mb value
 TORCH_DDP_BUCKET_MB = 25.0  # torch DDP's default bucket_cap_mb
 STRATEGY = {"none": "ddp", "naive": "ddp", "flat": "ddp", "individual": "ddp", "bucketed": "ddp",
@@ -489,11 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         resolve_spec(argparse.Namespace(**{**vars(args), "mode": "train_step"}))
-        unsupported = [i for i in parse_impls(args.impl) if args.compile and i in COMPILE_UNSUPPORTED]
-        if unsupported:
-            raise ValueError(f"--compile with {', '.join(unsupported)}: their per-layer gathers run inside the "
-                             f"compiled blocks; compile works with: "
-                             f"{', '.join(i for i in IMPLS if i not in COMPILE_UNSUPPORTED)}")
+        impls = parse_impls(args.impl)
+        if args.compile:
+            check_compile(impls, flag="")
         parse_bucket_mb(args.bucket_mb)
         if args.timeout <= 0:
             raise ValueError(f"--timeout={args.timeout} must be > 0")

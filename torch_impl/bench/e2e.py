@@ -193,7 +193,8 @@ def _measure(args: argparse.Namespace, stock: bool, graphed: bool) -> Record:
                "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
                "compile_s": compile_s, **predicted_memory(args, spec, seq_len)}
     if args.profile:
-        tag = f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}_{args.dtype}" + ("_stock" if stock else "_graph" if graphed else "")
+        variant = "_stock" if stock else "_graph" if graphed else ""
+        tag = f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}_{args.dtype}{variant}"
         rows = profile_steps(run, 3, args.profile, tag=tag)
         metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
     return step_record(
