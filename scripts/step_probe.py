@@ -30,7 +30,7 @@ from torch_impl.profiling import is_kernel
 from torch_impl.stock import StockTransformerLM
 from torch_impl.timing import capture_step
 
-VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager")
+VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager")  # +graph, +bf16
 
 
 def build(variant: str, spec, attention: str):
@@ -40,7 +40,9 @@ def build(variant: str, spec, attention: str):
         stock = StockTransformerLM(spec, attention=attention, device="cuda")
         stock.load_state_dict(model.state_dict())
         model = stock
-    mode = variant.split("_")[1].removesuffix("+graph")
+    if "+bf16" in variant:  # pure bf16: parameters, gradients and AdamW state in bf16, no autocast casts
+        model.to(torch.bfloat16)
+    mode = variant.split("+")[0].split("_")[1]
     if mode == "block":
         apply_compile(model)
     forward = torch.compile(model, dynamic=False) if mode == "whole" else model
@@ -53,7 +55,8 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: 
     spec = spec.replace(context_length=max(seq, spec.context_length))
     t_start = time.perf_counter()
     model, forward, loss_fn = build(variant, spec, attention)
-    graphed = variant.endswith("+graph")
+    graphed = "+graph" in variant
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled="+bf16" not in variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (batch, seq + 1), generator=g).cuda()
@@ -62,7 +65,7 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: 
     def eager_step(sync_phases: bool = False):
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         events[0].record()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with autocast:
             loss = loss_fn(forward(inputs), targets)
         if sync_phases:
             torch.cuda.synchronize()
@@ -80,7 +83,7 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: 
     if graphed:  # the whole step (forward, backward, AdamW) as one CUDA graph, replayed
         def body() -> torch.Tensor:
             opt.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with autocast:
                 loss = loss_fn(forward(inputs), targets)
             loss.backward()
             opt.step()
@@ -127,6 +130,10 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: 
                       if is_kernel(e)), key=lambda k: -k[1])
     result["device_busy_ms"] = sum(k[1] for k in kernels)
     result["top_kernels"] = [(name[:90], round(ms, 3), n) for name, ms, n in kernels[:25]]
+    host = sorted(((e.key, e.self_cpu_time_total / 2e3, e.count // 2) for e in prof.key_averages()
+                   if e.self_cpu_time_total > 0), key=lambda k: -k[1])
+    result["host_ms"] = sum(k[1] for k in host)
+    result["top_host"] = [(name[:90], round(ms, 3), n) for name, ms, n in host[:25]]
     del model, forward, opt, step, eager_step
     gc.collect()
     torch.cuda.empty_cache()
@@ -178,6 +185,9 @@ def main() -> int:
         if "top_kernels" in r:
             print(f"\n{r['model']} {r['batch']}x{r['seq']} {r['variant']}: top kernels (ms/step, calls/step)")
             for name, ms, n in r["top_kernels"][:25]:
+                print(f"  {ms:8.3f} {n:4d}  {name}")
+            print(f"  host (self CPU ms/step, calls/step), total {r['host_ms']:.1f} ms:")
+            for name, ms, n in r["top_host"][:25]:
                 print(f"  {ms:8.3f} {n:4d}  {name}")
         if "explain_block" in r:
             print("  explain(block):", r["explain_block"])
