@@ -30,7 +30,7 @@ from torch_impl.profiling import is_kernel
 from torch_impl.stock import StockTransformerLM
 from torch_impl.timing import capture_step
 
-VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager")  # +graph, +bf16
+VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager")  # +graph, +bf16, +cpp, +ro
 
 
 def build(variant: str, spec, attention: str):
@@ -43,7 +43,11 @@ def build(variant: str, spec, attention: str):
     if "+bf16" in variant:  # pure bf16: parameters, gradients and AdamW state in bf16, no autocast casts
         model.to(torch.bfloat16)
     mode = variant.split("+")[0].split("_")[1]
-    if mode == "block":
+    if mode == "block" and ("+cpp" in variant or "+ro" in variant):  # Inductor's C++ wrapper / CUDA graph trees
+        for block in model.layers:
+            block.compile(fullgraph=True, dynamic=False, options={"cpp_wrapper": "+cpp" in variant,
+                                                                  "triton.cudagraphs": "+ro" in variant})
+    elif mode == "block":
         apply_compile(model)
     forward = torch.compile(model, dynamic=False) if mode == "whole" else model
     loss_fn = cross_entropy if mode == "eager" else torch.compile(cross_entropy, dynamic=False)
