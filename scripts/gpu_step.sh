@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The one-GPU training step against the stock reference (issue 12), one device call per phase:
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_step.sh OUT_DIR records|profile
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_step.sh OUT_DIR records|ddp|profile
 # records: xl 4 x 512, xl 4 x 2,048 and 2.7B 2 x 2,048 (bf16 autocast, fused AdamW, cuDNN SDPA), one process
-# each timing the stock reference (plain torch.compile of the whole model), then ours compiled per block, then
-# ours compiled per block with the step replayed as a CUDA graph (records in OUT_DIR/e2e_h100.jsonl, ours with
-# metrics.x_stock); then the DDP benchmark's one-GPU baseline (xl 2 x 512) eager and compiled per block
-# (OUT_DIR/ddp_one_gpu_h100.jsonl). profile: xl at 4 x 512 and 4 x 2,048, stock and ours, each with its
-# torch.profiler kernel table (OUT_DIR/*_kernels.md). Tables are regenerated into OUT_DIR/reports.
+# each timing the stock reference (plain torch.compile of the whole model), then ours compiled per block
+# without CUDA graphs, with each block's graph replayed (CUDA graph trees), and with the whole step replayed
+# as one graph (records in OUT_DIR/e2e_h100.jsonl, ours with metrics.x_stock). ddp: the DDP benchmark's
+# one-GPU baseline (xl 2 x 512) eager and compiled per block (OUT_DIR/ddp_one_gpu_h100.jsonl), then the GPU
+# tests of the step. profile: xl at 4 x 512 and 4 x 2,048, stock and ours, each with its torch.profiler kernel
+# table (OUT_DIR/*_kernels.md). Tables are regenerated into OUT_DIR/reports.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|profile}
-phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|profile}
+out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile}
+phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 step() {  # model batch seq, then extra flags
@@ -18,18 +19,20 @@ step() {  # model batch seq, then extra flags
 }
 case "$phase" in
 records)
-  step xl 4 512 --cuda-graph both
-  step xl 4 2048 --cuda-graph both
-  step 2.7B 2 2048 --cuda-graph both
+  step xl 4 512 --cuda-graph off,blocks,step
+  step xl 4 2048 --cuda-graph off,blocks,step
+  step 2.7B 2 2048 --cuda-graph off,blocks,step ;;
+ddp)
   for compiled in "" --compile; do
     python3 -m torch_impl.bench.ddp --impl none --model xl --batch-size 2 --seq-len 512 --dtype bf16 \
       --attention sdpa_cudnn $compiled --out "$out/ddp_one_gpu_h100.jsonl"
-  done ;;
+  done
+  python3 -m pytest -q -m gpu tests/test_stock.py 2>&1 | tail -5 | tee "$out/gpu_tests.txt" ;;
 profile)
   for seq in 512 2048; do
     step xl 4 "$seq" --profile "/tmp/profile_xl_$seq" --out "$out/profile.jsonl"
     cp "/tmp/profile_xl_$seq"/*_kernels.md "$out/"
   done ;;
-*) echo "unknown phase $phase; accepted: records, profile" >&2; exit 2 ;;
+*) echo "unknown phase $phase; accepted: records, ddp, profile" >&2; exit 2 ;;
 esac
 python3 -m analysis.reports "$out" --out "$out/reports"

@@ -98,7 +98,11 @@ def test_e2e_times_stock_then_ours_in_one_process(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--stock", "flash_triton"], "the stock model runs SDPA; accepted: sdpa, sdpa_cudnn"),
-    (["--cuda-graph", "on"], "--cuda-graph captures the step on the GPU: it needs --device cuda"),
+    (["--cuda-graph", "step"], "--cuda-graph blocks/step replays CUDA graphs: it needs --device cuda"),
+    (["--cuda-graph", "on"], "a comma-separated list of distinct modes from off, blocks, step"),
+    (["--cuda-graph", "off,off"], "a comma-separated list of distinct modes from off, blocks, step"),
+    (["--cuda-graph", "blocks"], "--cuda-graph blocks replays the graphs of the compiled blocks: it needs --compile"),
+    (["--cuda-graph", "off,blocks", "--compile", "--checkpoint-every", "1"], "not with --checkpoint-every"),
 ])
 def test_e2e_rejects_bad_stock_and_graph_flags(argv, message):
     with pytest.raises(SystemExit, match=message):
@@ -123,8 +127,29 @@ def test_captured_step_trains_like_the_eager_step():
             optimizer.step()
             return loss.detach()
 
-        run = capture_step(step, warmup=2) if graphed else step
+        run = capture_step(step, optimizer, warmup=2) if graphed else step
         if not graphed:
             [step() for _ in range(2)]  # the captured run's two warm-up steps
         losses[graphed] = [run().item() for _ in range(4)]
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_block_cuda_graphs_train_like_the_compiled_blocks():
+    """Blocks compiled with CUDA graph trees (replayed per block) give the compiled blocks' losses."""
+    spec = MODELS["tiny"]
+    tokens = torch.randint(0, spec.vocab_size, (2, 33), device="cuda")
+    losses = {}
+    for cuda_graphs in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = apply_compile(TransformerLM(spec, attention="sdpa", device="cuda"), cuda_graphs=cuda_graphs)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        losses[cuda_graphs] = []
+        for _ in range(5):  # warm-up, recording, then replays
+            optimizer.zero_grad(set_to_none=True)
+            loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            optimizer.step()
+            losses[cuda_graphs].append(loss.item())
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)

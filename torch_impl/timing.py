@@ -11,7 +11,8 @@ device wait for the host's next launches (notes/train_step.md). On the CPU the m
 returns a function that replays it: one launch per step instead of thousands, for steps whose kernels are
 too short to hide the host's launch time (PyTorch's "whole network capture", torch.cuda.graphs docs). The
 inputs, parameters, gradients and optimizer state must keep their addresses: gradients are created inside
-the graph (set to None before capture) and the optimizer must be ``capturable``.
+the graph (set to None before capture) and the optimizer must be ``capturable``. Steps compiled with
+``torch_impl.parallelize.apply_compile(model, cuda_graphs=True)`` replay one graph per block instead.
 """
 
 from __future__ import annotations
@@ -58,9 +59,12 @@ class PhaseTimer:
         return steps, phases
 
 
-def capture_step(step: Callable[[], torch.Tensor], warmup: int = 2) -> Callable[[], torch.Tensor]:
+def capture_step(step: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer | None = None,
+                 warmup: int = 2) -> Callable[[], torch.Tensor]:
     """Run ``step`` ``warmup`` times on a side stream, capture one call in a CUDA graph, and return a function
-    that replays it and returns the (static) tensor the captured call returned, e.g. the loss."""
+    that replays it and returns the (static) tensor the captured call returned, e.g. the loss. The gradients
+    of ``optimizer``'s parameters are released before the capture, so that the graph's pool, which makes
+    them anew, does not sit beside the warm-up's."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # lazy initialisation (cuBLAS workspaces, autotuning) stays out of the graph
@@ -68,6 +72,8 @@ def capture_step(step: Callable[[], torch.Tensor], warmup: int = 2) -> Callable[
             step()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()  # the graph's private pool cannot reuse cached blocks: hand them back first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -9,8 +9,10 @@ once, after the timed steps (``torch_impl.timing.PhaseTimer``), so the harness d
 
 ``--stock BACKEND`` first times the stock reference (``torch_impl.stock``, compiled as a whole with
 ``--compile``) in the same process with the same flags and weights; ours then carries ``metrics.x_stock``.
-``--compile`` compiles ours per block (``torch_impl.parallelize.apply_compile``) and its loss; ``--cuda-graph``
-replays our whole step as one CUDA graph (``torch_impl.timing.capture_step``; ``both``: ours without, then with).
+``--compile`` compiles ours per block (``torch_impl.parallelize.apply_compile``) and its loss. ``--cuda-graph``
+names how ours replays CUDA graphs, one record each, in the given order: ``off`` (none), ``blocks`` (each
+compiled block's graph, Inductor's CUDA graph trees: needs ``--compile``), ``step`` (the whole step, forward,
+backward and AdamW, as one graph: ``torch_impl.timing.capture_step``); e.g. ``--cuda-graph off,blocks,step``.
 
 The JAX twin, ``python -m jax_impl.bench.e2e``, takes the same step flags; ``--save-weights`` here and
 ``--load-weights`` there start both from the same weights. An OOM or error is recorded, not lost.
@@ -37,6 +39,8 @@ from torch_impl.parallelize import apply_activation_checkpointing, apply_compile
 from torch_impl.profiling import profile_steps
 from torch_impl.stock import SDPA_BACKENDS, StockTransformerLM
 from torch_impl.timing import PhaseTimer, capture_step
+
+CUDA_GRAPH_MODES = ("off", "blocks", "step")  # --cuda-graph: none, one per compiled block, one for the step
 
 
 def pick_device(name: str) -> torch.device:
@@ -78,13 +82,12 @@ def build_model(args: argparse.Namespace, spec, device: torch.device, stock: boo
 
 
 def measure(args: argparse.Namespace) -> list[Record]:
-    """Ours (with ``--cuda-graph both``: without, then with the graph), and first the stock reference with
-    ``--stock BACKEND``, one after the other in this process; each record of ours then carries
-    ``metrics.x_stock`` = stock's median step time / ours (> 1: ours is faster)."""
-    check_flags(args)
-    stock = measure_one(args, stock=True, graphed=False) if args.stock else None
-    graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
-    ours = [measure_one(args, stock=False, graphed=graphed) for graphed in graphs]
+    """Ours, once per ``--cuda-graph`` mode, and first the stock reference with ``--stock BACKEND``, one after
+    the other in this process; each record of ours then carries ``metrics.x_stock`` = stock's median step
+    time / ours (> 1: ours is faster)."""
+    graphs = check_flags(args)
+    stock = measure_one(args, stock=True, graph="off") if args.stock else None
+    ours = [measure_one(args, stock=False, graph=graph) for graph in graphs]
     if stock is not None and stock.status == "ok":
         for record in ours:
             if record.status == "ok":
@@ -92,24 +95,36 @@ def measure(args: argparse.Namespace) -> list[Record]:
     return ([stock] if stock else []) + ours
 
 
-def check_flags(args: argparse.Namespace) -> None:
+def check_flags(args: argparse.Namespace) -> list[str]:
+    """Rejects flags that cannot go together; returns the ``--cuda-graph`` modes in order."""
     device = pick_device(args.device)
+    graphs = args.cuda_graph.split(",")
+    unknown = [g for g in graphs if g not in CUDA_GRAPH_MODES]
+    if unknown or len(set(graphs)) < len(graphs):
+        raise ValueError(f"--cuda-graph {args.cuda_graph!r}: a comma-separated list of distinct modes from "
+                         f"{', '.join(CUDA_GRAPH_MODES)}")
     if args.nested_checkpoint and not args.checkpoint_every:
         raise ValueError("--nested-checkpoint needs --checkpoint-every K")
     if args.memory_snapshot and device.type != "cuda":
         raise ValueError("--memory-snapshot records the CUDA allocator: it needs --device cuda")
-    if args.cuda_graph != "off" and device.type != "cuda":
-        raise ValueError("--cuda-graph captures the step on the GPU: it needs --device cuda")
+    if "blocks" in graphs and not args.compile:
+        raise ValueError("--cuda-graph blocks replays the graphs of the compiled blocks: it needs --compile")
+    if "blocks" in graphs and args.checkpoint_every:
+        raise ValueError("--cuda-graph blocks: not with --checkpoint-every (the recomputation would replay the "
+                         "blocks' graphs inside the backward); use --cuda-graph step")
+    if graphs != ["off"] and device.type != "cuda":
+        raise ValueError("--cuda-graph blocks/step replays CUDA graphs: it needs --device cuda")
     if args.stock and args.stock not in SDPA_BACKENDS:
         raise ValueError(f"--stock {args.stock!r}: the stock model runs SDPA; accepted: {', '.join(SDPA_BACKENDS)}")
+    return graphs
 
 
-def measure_one(args: argparse.Namespace, stock: bool, graphed: bool) -> Record:
+def measure_one(args: argparse.Namespace, stock: bool, graph: str) -> Record:
     """One model's record; an out-of-memory or other runtime failure becomes a failure record."""
     try:
-        return _measure(args, stock, graphed)
+        return _measure(args, stock, graph)
     except RuntimeError as err:  # torch.OutOfMemoryError is one
-        return failed_record(args, err, stock=stock, graphed=graphed)
+        return failed_record(args, err, stock=stock, graph=graph)
     finally:  # free this model before the next is built: compiled code and cached blocks included
         torch._dynamo.reset()
         gc.collect()
@@ -117,7 +132,7 @@ def measure_one(args: argparse.Namespace, stock: bool, graphed: bool) -> Record:
             torch.cuda.empty_cache()
 
 
-def _measure(args: argparse.Namespace, stock: bool, graphed: bool) -> Record:
+def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
     spec, seq_len = resolve_spec(args)
     device = pick_device(args.device)
     if args.dtype == "fp32":
@@ -126,13 +141,14 @@ def _measure(args: argparse.Namespace, stock: bool, graphed: bool) -> Record:
     tokens = torch.from_numpy(fixed_batch(args.seed, args.batch_size, seq_len, spec.vocab_size)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     fused = device.type == "cuda" if args.fused_adamw == "auto" else args.fused_adamw == "on"
+    graphed = graph == "step"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused,
                                   capturable=graphed)
     forward, loss_fn = model, cross_entropy
     if args.compile and stock:  # the stock way: the whole model as one graph
         forward = torch.compile(model)
     elif args.compile:
-        apply_compile(model)
+        apply_compile(model, cuda_graphs=graph == "blocks")
         loss_fn = torch.compile(cross_entropy)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
                 else contextlib.nullcontext())
@@ -157,7 +173,7 @@ def _measure(args: argparse.Namespace, stock: bool, graphed: bool) -> Record:
     if graphed:
         # The graph's memory pool is made once, at capture, and never freed: count it in the peak.
         torch.cuda.reset_peak_memory_stats(device)
-        replay = capture_step(lambda: step(lambda phase: None))
+        replay = capture_step(lambda: step(lambda phase: None), optimizer)
 
         def run() -> torch.Tensor:
             timer.start()
@@ -193,12 +209,12 @@ def _measure(args: argparse.Namespace, stock: bool, graphed: bool) -> Record:
                "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
                "compile_s": compile_s, **predicted_memory(args, spec, seq_len)}
     if args.profile:
-        variant = "_stock" if stock else "_graph" if graphed else ""
+        variant = "_stock" if stock else "" if graph == "off" else f"_graph_{graph}"
         tag = f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}_{args.dtype}{variant}"
         rows = profile_steps(run, 3, args.profile, tag=tag)
         metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
     return step_record(
-        args, spec, seq_len, backend="torch", implementation=implementation_name(args, stock, graphed),
+        args, spec, seq_len, backend="torch", implementation=implementation_name(args, stock, graph),
         device_name=device_name(device), step_times_ms=step_ms, phases_ms=phases_ms,
         peak_memory_bytes=peak, metrics=metrics,
     )
@@ -227,22 +243,23 @@ def predicted_memory(args: argparse.Namespace, spec, seq_len: int) -> dict[str, 
     return {"predicted_activation_bytes": activations, "predicted_peak_bytes": peak}
 
 
-def implementation_name(args: argparse.Namespace, stock: bool = False, graphed: bool = False) -> str:
-    """e.g. 'compiled sdpa, ckpt 2 nested', 'compiled sdpa_cudnn, cuda graph', 'stock compiled sdpa_cudnn'."""
+def implementation_name(args: argparse.Namespace, stock: bool = False, graph: str = "off") -> str:
+    """e.g. 'compiled sdpa, ckpt 2 nested', 'compiled sdpa_cudnn, cuda graph' (the whole step),
+    'compiled sdpa_cudnn, cuda graph per block', 'stock compiled sdpa_cudnn'."""
     name = f"{'compiled' if args.compile else 'eager'} {args.stock if stock else args.attention}"
     if stock:
         name = "stock " + name
-    elif graphed:
-        name += ", cuda graph"
+    elif graph != "off":
+        name += {"step": ", cuda graph", "blocks": ", cuda graph per block"}[graph]
     if args.checkpoint_every:
         name += f", ckpt {args.checkpoint_every}" + (" nested" if args.nested_checkpoint else "")
     return name
 
 
-def failed_record(args: argparse.Namespace, err: RuntimeError, stock: bool = False, graphed: bool = False) -> Record:
+def failed_record(args: argparse.Namespace, err: RuntimeError, stock: bool = False, graph: str = "off") -> Record:
     """The record of a run that ran out of memory or failed, so the failure is a row, not a gap."""
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    return failure_record(args, err, backend="torch", implementation=implementation_name(args, stock, graphed),
+    return failure_record(args, err, backend="torch", implementation=implementation_name(args, stock, graph),
                           device_name=device_name(torch.device(device)),
                           oom=isinstance(err, torch.OutOfMemoryError))
 
@@ -252,9 +269,10 @@ def add_torch_arguments(parser: argparse.ArgumentParser) -> None:
     torch_flags = parser.add_argument_group("PyTorch")
     torch_flags.add_argument("--compile", action="store_true",
                              help="torch.compile each block and the loss (the stock reference: the whole model)")
-    torch_flags.add_argument("--cuda-graph", choices=("off", "on", "both"), default="off",
-                             help="capture our whole step in a CUDA graph and replay it (GPU; never the stock "
-                                  "model); both: time ours without, then with (default off)")
+    torch_flags.add_argument("--cuda-graph", default="off", metavar="MODES",
+                             help="how ours replays CUDA graphs (GPU; never the stock model), a comma-separated "
+                                  "list timed in order, one record each: off, blocks (each compiled block: needs "
+                                  "--compile), step (the whole step); default off"),
     torch_flags.add_argument("--stock", metavar="SDPA_BACKEND",
                              help="first time the stock reference with this SDPA backend (e.g. sdpa_cudnn) in the "
                                   f"same process, same flags: {', '.join(SDPA_BACKENDS)}")
