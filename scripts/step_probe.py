@@ -30,10 +30,34 @@ from torch_impl.profiling import is_kernel
 from torch_impl.stock import StockTransformerLM
 from torch_impl.timing import capture_step
 
-VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager")  # +graph, +bf16, +cpp, +ro
+VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager")  # +graph, +bf16, +cpp, +ro, +fuse
+
+
+def fuse_projections() -> None:
+    """+fuse: one GEMM for q, k, v and one for w1, w3, on weights concatenated inside the graph (the
+    parameters and their names stay): does a wider GEMM pay for the concatenation? (an experiment)"""
+    import torch.nn.functional as F
+
+    from torch_impl import model as ours
+
+    def attention(self, x, positions=None):
+        batch, seq, d_model = x.shape
+        weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2)
+                   for t in F.linear(x, weight).split(d_model, dim=-1))
+        out = self.attention(self.rope(q, positions), self.rope(k, positions), v, is_causal=True)
+        return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
+
+    def swiglu(self, x):
+        gate, up = F.linear(x, torch.cat((self.w1.weight, self.w3.weight))).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+    ours.CausalSelfAttention.forward, ours.SwiGLU.forward = attention, swiglu
 
 
 def build(variant: str, spec, attention: str):
+    if "+fuse" in variant:
+        fuse_projections()
     torch.manual_seed(0)
     model = TransformerLM(spec, attention=attention, device="cuda")
     if variant.startswith("stock"):
