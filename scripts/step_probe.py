@@ -6,8 +6,8 @@ eager, compiled per block, or compiled whole), times ``--steps`` full train step
 after 3 warm-up steps (the first's time is the compile time), one synchronization per step, phases from CUDA
 events; then the same variant with the device synchronized around every phase (the old harness); then a
 ``torch.profiler`` run of 2 steps: device-busy time per step against wall time (the gap is the CPU-bound idle
-time) and the largest kernels. Prints a table; writes everything to OUT/step_probe.json. Not a record: the
-e2e benchmark makes those; this finds what to fix (notes/train_step.md).
+time), the largest kernels and the host's self-CPU time per op. Prints a table; writes everything to
+OUT/step_probe.json. Not a record: the e2e benchmark makes those; this finds what to fix (notes/train_step.md).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from torch_impl.profiling import is_kernel
 from torch_impl.stock import StockTransformerLM
 from torch_impl.timing import capture_step
 
-VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager")  # +graph, +bf16, +cpp, +ro, +fuse
+# each may add +graph (the step as one CUDA graph), +ro (CUDA graph trees per block), +bf16 (pure bf16 parameters),
+# +cpp (Inductor's C++ wrapper), +fuse (fused projections: fuse_projections)
+VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager")
 
 
 def fuse_projections() -> None:

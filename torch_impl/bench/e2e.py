@@ -40,7 +40,8 @@ from torch_impl.profiling import profile_steps
 from torch_impl.stock import SDPA_BACKENDS, StockTransformerLM
 from torch_impl.timing import PhaseTimer, capture_step
 
-CUDA_GRAPH_MODES = ("off", "blocks", "step")  # --cuda-graph: none, one per compiled block, one for the step
+# --cuda-graph: each mode and what it adds to the implementation's name (none, one per compiled block, one step)
+CUDA_GRAPH_MODES = {"off": "", "blocks": ", cuda graph per block", "step": ", cuda graph"}
 
 
 def pick_device(name: str) -> torch.device:
@@ -206,9 +207,9 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
     # CUDA graph trees hand their pool's blocks back to the allocator's books after recording, so the allocated
     # peak misses what the blocks' graphs keep (xl 4 x 512: 23 GiB, below the 32 GiB of weights, gradients and
     # AdamW state): the reserved peak, an upper bound, is the honest figure there.
-    peak_kind = "reserved" if graph == "blocks" else "allocated"
-    peak = None
+    peak = peak_kind = None
     if device.type == "cuda":
+        peak_kind = "reserved" if graph == "blocks" else "allocated"
         peak = (torch.cuda.max_memory_reserved if graph == "blocks" else torch.cuda.max_memory_allocated)(device)
     losses = [float(loss) for loss in losses]
     metrics = {"loss_first": losses[0], "loss_last": losses[-1], "losses": losses, "fused_adamw": fused,
@@ -256,8 +257,8 @@ def implementation_name(args: argparse.Namespace, stock: bool = False, graph: st
     name = f"{'compiled' if args.compile else 'eager'} {args.stock if stock else args.attention}"
     if stock:
         name = "stock " + name
-    elif graph != "off":
-        name += {"step": ", cuda graph", "blocks": ", cuda graph per block"}[graph]
+    else:
+        name += CUDA_GRAPH_MODES[graph]
     if args.checkpoint_every:
         name += f", ckpt {args.checkpoint_every}" + (" nested" if args.nested_checkpoint else "")
     return name
