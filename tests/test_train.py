@@ -1,8 +1,9 @@
 """``torch_impl.train`` on CPU: the loss falls on the built-in corpus; training matches a plain single-process
 loop written here (whole global batch, ``torch.nn.utils.clip_grad_norm_``, the schedule set by hand) with
 gradient accumulation, on 2 gloo ranks with every data-parallel mode and with FSDP's global clipping norm;
-stop-and-resume gives the uninterrupted run's losses exactly (one process, and 2 ranks with ZeRO-1); the CLI
-writes a record per epoch and resumes from its checkpoints.
+stop-and-resume gives the uninterrupted run's losses exactly (one process, also in a folder holding an earlier,
+longer run's checkpoints, and 2 ranks with ZeRO-1); the CLI writes a record per epoch and resumes from its
+checkpoints.
 
 Seeds are fresh per run (``secrets``) and printed in the assertion messages. The comparisons against the
 reference use AdamW eps 1e-4 (as ``tests/test_fsdp.py`` does): with the default 1e-8 an element whose true
@@ -176,6 +177,20 @@ def test_resume_reproduces_the_uninterrupted_run(cache, tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["latest", f"step-{2 * STEPS:08d}", f"step-{3 * STEPS:08d}"]
     with pytest.raises(ValueError, match="settings differ.*'lr'"):
         run_training(_cfg(cache, checkpoint_dir=str(folder), resume=True, lr=1e-3, **common))
+
+
+def test_a_stopped_run_keeps_its_checkpoint_beside_an_earlier_longer_run(cache, tmp_path):
+    """Issue 17, item 1: a 3-epoch run, then a new one stopped after 1 epoch in the same folder, then --resume."""
+    seed = secrets.randbelow(2**31)
+    common = dict(seed=seed, epochs=3, checkpoint_dir=str(tmp_path))
+    whole = run_training(_cfg(cache, **common))
+    first = run_training(_cfg(cache, stop_after_epochs=1, **common))
+    assert (tmp_path / "latest").read_text() == f"step-{STEPS:08d}"
+    rest = run_training(_cfg(cache, resume=True, **common))
+    assert rest.start_step == STEPS
+    assert first.train_losses + rest.train_losses == whole.train_losses, seed
+    assert (tmp_path / "latest").read_text() == f"step-{3 * STEPS:08d}"
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{2 * STEPS:08d}", f"step-{3 * STEPS:08d}"]
 
 
 # ----------------------------------------------------------------------------- 2 gloo ranks

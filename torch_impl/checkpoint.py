@@ -9,8 +9,11 @@ Layout of a checkpoint folder::
 ``save_checkpoint(directory, step, shared, local, rank=, world_size=)`` (a collective when the world size is
 above 1): rank 0 makes ``step-N.tmp/``; every rank writes its file there (``torch.save`` to a temporary name,
 then ``os.replace``); after a barrier rank 0 renames the folder to ``step-N`` and then points ``latest`` at it
-(again a temporary file and ``os.replace``), and removes older checkpoints beyond ``keep``. A job killed at
-any moment leaves ``latest`` naming a complete checkpoint (or no ``latest`` at all), never a partial one.
+(again a temporary file and ``os.replace``), and removes older checkpoints beyond ``keep``: by step number,
+counting the one just saved, which always survives. Steps numbered above it are an earlier, longer run's in the
+same folder (a run counts up): they are left alone and named on stderr, ``latest`` names the step just saved, and
+the new run replaces them as it reaches their step numbers. A job killed at any moment leaves ``latest`` naming a
+complete checkpoint (or no ``latest`` at all), never a partial one.
 ``load_checkpoint(directory, rank)`` reads the one ``latest`` names: ``shared`` and this rank's ``local``
 (None when the checkpoint was written by fewer ranks).
 
@@ -26,7 +29,9 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +69,23 @@ def _write_text_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _step_of(folder: Path) -> int | None:
+    """The step number of a checkpoint folder ``step-N``; None for anything else (``.tmp`` staging, other names)."""
+    match = re.fullmatch(r"step-(\d+)", folder.name)
+    return int(match.group(1)) if match and folder.is_dir() else None
+
+
+def _prune(root: Path, step: int, keep: int) -> None:
+    """Remove checkpoints numbered up to ``step`` (just saved) beyond the ``keep`` highest; never higher ones."""
+    steps = sorted((n, p) for p in root.iterdir() if (n := _step_of(p)) is not None)
+    for old in [p for n, p in steps if n <= step][:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    later = [p.name for n, p in steps if n > step]
+    if later:
+        print(f"checkpoint: kept {', '.join(later)} in {root}, from an earlier run (above step {step}); "
+              f"{LATEST!r} names {_step_name(step)}", file=sys.stderr, flush=True)
+
+
 def save_checkpoint(directory: str | os.PathLike, step: int, shared: dict | None, local: dict, *, rank: int = 0,
                     world_size: int = 1, keep: int = 2) -> Path:
     """Write checkpoint ``step`` (see the module docstring); ``shared`` is used on rank 0 only. Collective."""
@@ -85,9 +107,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, shared: dict | None
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a rerun)
         os.replace(staging, final)
         _write_text_atomically(root / LATEST, final.name)
-        steps = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in steps[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(root, step, keep)
     _barrier(world_size)
     return final
 
