@@ -18,6 +18,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal
@@ -140,23 +141,76 @@ class Record:
         return cls(**data)
 
 
+def _truncated(line: bytes) -> bool:
+    """A line a writer did not finish (killed mid-line, a full disk): no newline at its end, and not JSON."""
+    if line.endswith(b"\n"):
+        return False
+    try:
+        json.loads(line)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        return True
+    return False
+
+
+def _set_aside_truncated_tail(path: Path) -> None:
+    """Before appending: move a truncated last line into ``<name>.corrupt`` (appended there) and cut it off the
+    file, saying so in one line on stderr, so that the next record starts a line of its own and the file stays
+    readable; a last line that is whole JSON but lacks its newline only gets the newline."""
+    if not path.exists():
+        return
+    with path.open("r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        data = f.read()
+        start = data.rfind(b"\n") + 1
+        number = data.count(b"\n") + 1
+        tail = data[start:]
+        if not _truncated(tail):
+            f.write(b"\n")
+            return
+        corrupt = path.with_name(path.name + ".corrupt")
+        with corrupt.open("ab") as c:  # kept before it is cut off: a kill in between loses nothing
+            c.write(tail + b"\n")
+            c.flush()
+            os.fsync(c.fileno())
+        f.truncate(start)
+        f.flush()
+        os.fsync(f.fileno())
+    print(f"{path}:{number}: a truncated last line ({len(tail)} bytes) moved to {corrupt}",
+          file=sys.stderr, flush=True)
+
+
 def append_records(path: str | os.PathLike, records: Record | Iterable[Record]) -> Path:
-    """Append records to a JSON Lines file (created with its folder if missing); returns the path."""
+    """Append records to a JSON Lines file (created with its folder if missing); returns the path.
+
+    A truncated last line left by an earlier writer is moved out first (``_set_aside_truncated_tail``). The
+    records go in one write, flushed to disk, so a writer killed here leaves at most one truncated last line."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     batch = [records] if isinstance(records, Record) else list(records)
+    _set_aside_truncated_tail(path)
     with path.open("a", encoding="utf-8") as f:
-        for record in batch:
-            f.write(json.dumps(record.to_dict(), sort_keys=True) + "\n")
+        f.write("".join(json.dumps(record.to_dict(), sort_keys=True) + "\n" for record in batch))
+        f.flush()
+        os.fsync(f.fileno())
     return path
 
 
 def read_records(path: str | os.PathLike) -> list[Record]:
-    """Every record of a JSON Lines file; a malformed line is an error naming the file and line."""
+    """Every record of a JSON Lines file; a malformed line is an error naming the file and line, except a
+    truncated last line (a writer stopped mid-line), which is skipped with a warning naming them."""
     records = []
-    with Path(path).open(encoding="utf-8") as f:
+    with Path(path).open("rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
+                continue
+            if _truncated(line):  # only the last line can lack its newline
+                warnings.warn(f"{path}:{number}: skipped a truncated last line ({len(line)} bytes)", stacklevel=2)
                 continue
             try:
                 records.append(Record.from_dict(json.loads(line)))

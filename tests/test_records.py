@@ -1,5 +1,6 @@
-"""Tests for analysis.records: JSON Lines round trip, validation, error locations, timing statistics,
-provenance, and that importing the module stays stdlib-only."""
+"""Tests for analysis.records: JSON Lines round trip, validation, error locations, a truncated last line (set
+aside by the writer, skipped by the reader), timing statistics, provenance, and that importing the module
+stays stdlib-only."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import random
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -95,6 +97,65 @@ def test_malformed_line_names_file_and_line(tmp_path: Path, bad_line: str) -> No
         f.write("\n" + bad_line + "\n")  # a blank line is skipped but still counted
     with pytest.raises(ValueError, match=f"^{re.escape(str(path))}:3: not a valid record"):
         read_records(path)
+
+
+def _write_truncated(path: Path, rng: random.Random) -> tuple[list[Record], str]:
+    """Two good records, then a third cut mid-line (a writer killed, a full disk); returns them and the cut."""
+    good = [random_record(rng), random_record(rng)]
+    append_records(path, good)
+    line = json.dumps(random_record(rng).to_dict(), sort_keys=True)
+    fragment = line[: rng.randrange(1, len(line) - 1)]
+    with path.open("a") as f:
+        f.write(fragment)
+    return good, fragment
+
+
+def test_append_after_a_truncated_last_line_sets_it_aside(tmp_path: Path, capsys) -> None:
+    """Issue 17, item 2: the new record is not glued onto the broken line; the fragment is kept and reported."""
+    rng = random.Random()
+    path = tmp_path / "runs.jsonl"
+    good, fragment = _write_truncated(path, rng)
+    new = random_record(rng)
+    append_records(path, new)
+    corrupt = tmp_path / "runs.jsonl.corrupt"
+    assert capsys.readouterr().err == f"{path}:3: a truncated last line ({len(fragment)} bytes) moved to {corrupt}\n"
+    assert corrupt.read_text() == fragment + "\n"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the file is whole again: read without a warning
+        back = read_records(path)
+    assert [r.to_dict() for r in back] == [r.to_dict() for r in [*good, new]]
+    assert path.read_text().endswith("\n") and len(path.read_text().splitlines()) == 3
+
+
+def test_reader_skips_a_truncated_last_line_with_a_warning(tmp_path: Path) -> None:
+    path = tmp_path / "runs.jsonl"
+    good, _ = _write_truncated(path, random.Random())
+    with pytest.warns(UserWarning, match=f"^{re.escape(str(path))}:3: skipped a truncated last line"):
+        back = read_records(path)
+    assert [r.to_dict() for r in back] == [r.to_dict() for r in good]
+
+
+def test_a_broken_line_in_the_middle_is_still_refused(tmp_path: Path) -> None:
+    """What the old writer left: a fragment glued onto the next record, with records after it."""
+    rng = random.Random()
+    path = tmp_path / "runs.jsonl"
+    _write_truncated(path, rng)
+    with path.open("a") as f:
+        f.write(json.dumps(random_record(rng).to_dict()) + "\n")
+    append_records(path, random_record(rng))
+    assert not (tmp_path / "runs.jsonl.corrupt").exists()  # the file ends with a newline: nothing to set aside
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}:3: not a valid record"):
+        read_records(path)
+
+
+def test_a_whole_last_line_without_newline_only_gets_one(tmp_path: Path) -> None:
+    rng = random.Random()
+    path = tmp_path / "runs.jsonl"
+    first, second = random_record(rng), random_record(rng)
+    path.write_text(json.dumps(first.to_dict()))  # valid, written by hand without the final newline
+    append_records(path, second)
+    assert [r.to_dict() for r in read_records(path)] == [first.to_dict(), second.to_dict()]
+    assert not (tmp_path / "runs.jsonl.corrupt").exists()
 
 
 def test_timing_stats_against_hand_computation() -> None:
