@@ -69,12 +69,11 @@ def build(variant: str, spec, attention: str):
     if "+bf16" in variant:  # pure bf16: parameters, gradients and AdamW state in bf16, no autocast casts
         model.to(torch.bfloat16)
     mode = variant.split("+")[0].split("_")[1]
-    if mode == "block" and ("+cpp" in variant or "+ro" in variant):  # Inductor's C++ wrapper / CUDA graph trees
+    if mode == "block" and "+cpp" in variant:  # Inductor's C++ wrapper (apply_compile has no such option)
         for block in model.layers:
-            block.compile(fullgraph=True, dynamic=False, options={"cpp_wrapper": "+cpp" in variant,
-                                                                  "triton.cudagraphs": "+ro" in variant})
+            block.compile(fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
     elif mode == "block":
-        apply_compile(model)
+        apply_compile(model, cuda_graphs="+ro" in variant)
     forward = torch.compile(model, dynamic=False) if mode == "whole" else model
     loss_fn = cross_entropy if mode == "eager" else torch.compile(cross_entropy, dynamic=False)
     return model, forward, loss_fn

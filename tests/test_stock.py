@@ -109,47 +109,43 @@ def test_e2e_rejects_bad_stock_and_graph_flags(argv, message):
         e2e.main([*FLAGS, *argv])
 
 
+def tiny_training(compiled: bool = False, cuda_graphs: bool = False, capturable: bool = False):
+    """A tiny model on the GPU (blocks compiled if ``compiled``, with CUDA graph trees if ``cuda_graphs``), its
+    AdamW and a fixed batch: returns the optimizer and ``step()``, one train step returning the detached loss."""
+    spec = MODELS["tiny"]
+    generator = torch.Generator("cuda").manual_seed(0)
+    tokens = torch.randint(0, spec.vocab_size, (2, 33), device="cuda", generator=generator)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TransformerLM(spec, attention="sdpa", device="cuda")
+    if compiled:
+        apply_compile(model, cuda_graphs=cuda_graphs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=capturable)
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return optimizer, step
+
+
 @pytest.mark.gpu
 def test_captured_step_trains_like_the_eager_step():
     """A replayed CUDA graph of forward + backward + AdamW gives the eager step's losses, step after step."""
-    spec = MODELS["tiny"]
-    tokens = torch.randint(0, spec.vocab_size, (2, 33), device="cuda")
-    losses = {}
-    for graphed in (False, True):
-        torch.manual_seed(0)
-        model = TransformerLM(spec, attention="sdpa", device="cuda")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=graphed)
-
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
-            optimizer.step()
-            return loss.detach()
-
-        run = capture_step(step, optimizer, warmup=2) if graphed else step
-        if not graphed:
-            [step() for _ in range(2)]  # the captured run's two warm-up steps
-        losses[graphed] = [run().item() for _ in range(4)]
-    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
+    _, step = tiny_training()
+    eager = [step().item() for _ in range(6)]  # the first two: the captured run's warm-up steps
+    optimizer, step = tiny_training(capturable=True)
+    replay = capture_step(step, optimizer, warmup=2)
+    np.testing.assert_allclose([replay().item() for _ in range(4)], eager[2:], rtol=1e-4)
 
 
 @pytest.mark.gpu
 def test_block_cuda_graphs_train_like_the_compiled_blocks():
-    """Blocks compiled with CUDA graph trees (replayed per block) give the compiled blocks' losses."""
-    spec = MODELS["tiny"]
-    tokens = torch.randint(0, spec.vocab_size, (2, 33), device="cuda")
-    losses = {}
-    for cuda_graphs in (False, True):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = apply_compile(TransformerLM(spec, attention="sdpa", device="cuda"), cuda_graphs=cuda_graphs)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-        losses[cuda_graphs] = []
-        for _ in range(5):  # warm-up, recording, then replays
-            optimizer.zero_grad(set_to_none=True)
-            loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
-            optimizer.step()
-            losses[cuda_graphs].append(loss.item())
-    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
+    """Blocks compiled with CUDA graph trees (warm-up, recording, then replays) give the compiled blocks' losses."""
+    _, step = tiny_training(compiled=True)
+    compiled = [step().item() for _ in range(5)]
+    _, step = tiny_training(compiled=True, cuda_graphs=True)
+    np.testing.assert_allclose([step().item() for _ in range(5)], compiled, rtol=1e-4)

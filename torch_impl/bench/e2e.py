@@ -210,7 +210,7 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
     peak = peak_kind = None
     if device.type == "cuda":
         peak_kind = "reserved" if graph == "blocks" else "allocated"
-        peak = (torch.cuda.max_memory_reserved if graph == "blocks" else torch.cuda.max_memory_allocated)(device)
+        peak = getattr(torch.cuda, f"max_memory_{peak_kind}")(device)
     losses = [float(loss) for loss in losses]
     metrics = {"loss_first": losses[0], "loss_last": losses[-1], "losses": losses, "fused_adamw": fused,
                "peak_memory_kind": peak_kind,
