@@ -23,7 +23,10 @@ from analysis.records import Record, append_records, timing_stats
 from parallelism_calc.compute import MODES, step_flops
 from parallelism_calc.specs import MODELS, ModelSpec, get_model, hardware_for_device
 
-DTYPES = ("fp32", "bf16")
+# --dtype: each value and the calculator's precision of it (parallelism_calc.memory.PRECISIONS)
+DTYPES = {"fp32": "fp32",  # fp32 weights, gradients, AdamW state and matmuls (no TF32)
+          "bf16": "bf16_autocast",  # fp32 weights, gradients and AdamW state; bf16 compute under autocast
+          "bf16_mixed": "bf16_mixed"}  # bf16 weights and gradients; fp32 master weights and AdamW state
 
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +36,9 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the spec's context)")
     parser.add_argument("--mode", choices=MODES, default="train_step",
                         help="forward (no gradients), forward_backward, or train_step with AdamW (default)")
-    parser.add_argument("--dtype", choices=DTYPES, default="fp32",
-                        help="fp32 (full-precision matmuls, no TF32), or bf16 compute with fp32 master weights "
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                        help="fp32 (full-precision matmuls, no TF32); bf16 (autocast: fp32 weights, bf16 compute); "
+                             "bf16_mixed (bf16 weights, fp32 master weights in the optimizer; PyTorch only) "
                              "(default fp32)")
     parser.add_argument("--attention", default="naive", help="attention backend (default naive)")
     parser.add_argument("--device", default="auto", help="auto (the accelerator if any), cpu, cuda or cuda:N")
@@ -110,7 +114,7 @@ def step_record(
         record.tflops = flops / world_size / seconds / 1e12
         hardware = hardware_for_device(device_name)
         if hardware is not None:
-            peak = hardware.bf16_flops if args.dtype == "bf16" else hardware.fp32_flops
+            peak = hardware.fp32_flops if args.dtype == "fp32" else hardware.bf16_flops
             record.mfu = flops / world_size / seconds / peak if peak else None
     if phases_ms:
         record.phases = {phase: timing_stats(times) for phase, times in phases_ms.items()}

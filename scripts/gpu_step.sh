@@ -7,10 +7,13 @@
 # as one graph (records in OUT_DIR/e2e_h100.jsonl, ours with metrics.x_stock). ddp: the DDP benchmark's
 # one-GPU baseline (xl 2 x 512) eager and compiled per block (OUT_DIR/ddp_one_gpu_h100.jsonl), then the GPU
 # tests of the step. profile: xl at 4 x 512 and 4 x 2,048, stock and ours, each with its torch.profiler kernel
-# table (OUT_DIR/*_kernels.md). Tables are regenerated into OUT_DIR/reports.
+# table (OUT_DIR/*_kernels.md). mixed: bf16 weights with fp32 masters (--dtype bf16_mixed, MasterAdamW): its CPU
+# and GPU tests, the optimizer alone against torch's fused AdamW (OUT_DIR/optim_probe.json), then xl 4 x 2,048
+# and 4 x 512 against the stock reference (autocast) in one process each (OUT_DIR/e2e_h100.jsonl).
+# Tables are regenerated into OUT_DIR/reports.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile}
-phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile}
+out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed}
+phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 step() {  # model batch seq, then extra flags
@@ -33,6 +36,12 @@ profile)
     step xl 4 "$seq" --profile "/tmp/profile_xl_$seq" --out "$out/profile.jsonl"
     cp "/tmp/profile_xl_$seq"/*_kernels.md "$out/"
   done ;;
-*) echo "unknown phase $phase; accepted: records, ddp, profile" >&2; exit 2 ;;
+mixed)
+  python3 -m pytest -q tests/test_optim.py 2>&1 | tail -3 | tee "$out/gpu_tests_mixed.txt"
+  python3 -m pytest -q -m gpu tests/test_stock.py 2>&1 | tail -3 | tee -a "$out/gpu_tests_mixed.txt"
+  python3 scripts/optim_probe.py "$out"
+  step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
+  step xl 4 512 --dtype bf16_mixed --cuda-graph blocks,step ;;
+*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed" >&2; exit 2 ;;
 esac
 python3 -m analysis.reports "$out" --out "$out/reports"

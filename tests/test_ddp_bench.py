@@ -144,6 +144,9 @@ def test_compiled_baseline_is_its_own_baseline(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*COMMON, "--impl", "none,fsdp", "--compile", "--out", str(out)])
     assert "--compile with fsdp" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*COMMON, "--impl", "none,fsdp2", "--dtype", "bf16_mixed", "--out", str(out)])
+    assert "--dtype bf16_mixed with fsdp2: they shard or cast the weights themselves" in capsys.readouterr().err
 
 
 def test_none_under_torchrun_is_refused(tmp_path, monkeypatch):

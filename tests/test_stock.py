@@ -17,6 +17,7 @@ from analysis.records import read_records
 from parallelism_calc.specs import MODELS
 from torch_impl.bench import e2e
 from torch_impl.model import TransformerLM, cross_entropy
+from torch_impl.optim import MasterAdamW
 from torch_impl.parallelize import apply_compile
 from torch_impl.stock import StockTransformerLM
 from torch_impl.timing import PhaseTimer, capture_step
@@ -96,6 +97,18 @@ def test_e2e_times_stock_then_ours_in_one_process(tmp_path):
         assert set(record.phases) == {"forward", "backward", "optimizer"} and record.timed_steps == 3
 
 
+def test_e2e_bf16_mixed_trains_like_autocast_beside_stock(tmp_path):
+    """Ours with bf16 weights and fp32 masters (MasterAdamW) beside the stock model under autocast: same start,
+    and the losses stay within bf16 rounding of each other (the residual stream is bf16 in ours)."""
+    out = tmp_path / "runs.jsonl"
+    assert e2e.main([*FLAGS, "--dtype", "bf16_mixed", "--stock", "sdpa", "--out", str(out)]) == 0
+    stock, ours = read_records(out)
+    assert (stock.dtype, ours.dtype) == ("bf16", "bf16_mixed")
+    assert (stock.metrics["optimizer"], ours.metrics["optimizer"]) == ("AdamW", "MasterAdamW")
+    np.testing.assert_allclose(ours.metrics["losses"], stock.metrics["losses"], rtol=2e-2)
+    assert ours.metrics["loss_last"] < ours.metrics["loss_first"] - 0.1
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--stock", "flash_triton"], "the stock model runs SDPA; accepted: sdpa, sdpa_cudnn"),
     (["--cuda-graph", "step"], "--cuda-graph blocks/step replays CUDA graphs: it needs --device cuda"),
@@ -109,18 +122,21 @@ def test_e2e_rejects_bad_stock_and_graph_flags(argv, message):
         e2e.main([*FLAGS, *argv])
 
 
-def tiny_training(compiled: bool = False, cuda_graphs: bool = False, capturable: bool = False):
+def tiny_training(compiled: bool = False, cuda_graphs: bool = False, capturable: bool = False,
+                  master: bool = False):
     """A tiny model on the GPU (blocks compiled if ``compiled``, with CUDA graph trees if ``cuda_graphs``), its
-    AdamW and a fixed batch: returns the optimizer and ``step()``, one train step returning the detached loss."""
+    AdamW (``MasterAdamW`` over bf16 weights if ``master``) and a fixed batch: returns the optimizer and
+    ``step()``, one train step returning the detached loss."""
     spec = MODELS["tiny"]
     generator = torch.Generator("cuda").manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (2, 33), device="cuda", generator=generator)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = TransformerLM(spec, attention="sdpa", device="cuda")
+    optimizer = (MasterAdamW(model.parameters(), lr=1e-3) if master else  # before compiling: it casts the weights
+                 torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=capturable))
     if compiled:
         apply_compile(model, cuda_graphs=cuda_graphs)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=capturable)
 
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
@@ -133,11 +149,13 @@ def tiny_training(compiled: bool = False, cuda_graphs: bool = False, capturable:
 
 
 @pytest.mark.gpu
-def test_captured_step_trains_like_the_eager_step():
-    """A replayed CUDA graph of forward + backward + AdamW gives the eager step's losses, step after step."""
-    _, step = tiny_training()
+@pytest.mark.parametrize("master", [False, True], ids=["adamw", "master_adamw"])
+def test_captured_step_trains_like_the_eager_step(master):
+    """A replayed CUDA graph of forward + backward + AdamW gives the eager step's losses, step after step (with
+    MasterAdamW too: its gradient-address table is uploaded inside the capture)."""
+    _, step = tiny_training(master=master)
     eager = [step().item() for _ in range(6)]  # the first two: the captured run's warm-up steps
-    optimizer, step = tiny_training(capturable=True)
+    optimizer, step = tiny_training(capturable=True, master=master)
     replay = capture_step(step, optimizer, warmup=2)
     np.testing.assert_allclose([replay().item() for _ in range(4)], eager[2:], rtol=1e-4)
 

@@ -158,9 +158,10 @@ def test_accumulation_matches_one_large_batch(cache, batch_size, grad_accum):
     _assert_matches(result, ref, f"batch {batch_size} x accumulation {grad_accum}", seed)
 
 
-def test_resume_reproduces_the_uninterrupted_run(cache, tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16_mixed"])  # bf16_mixed: the master weights are saved too
+def test_resume_reproduces_the_uninterrupted_run(cache, tmp_path, dtype):
     seed = secrets.randbelow(2**31)
-    common = dict(seed=seed, epochs=3, grad_accum=2, adam_eps=1e-8)
+    common = dict(seed=seed, epochs=3, grad_accum=2, adam_eps=1e-8, dtype=dtype)
     whole = run_training(_cfg(cache, checkpoint_dir=str(tmp_path / "a"), **common), keep_params=True)
     first = run_training(_cfg(cache, checkpoint_dir=str(tmp_path / "b"), stop_after_epochs=1, **common))
     assert first.stopped_early and len(first.records) == 1
@@ -300,6 +301,7 @@ def test_cli_stops_and_resumes(cache, tmp_path):
     (["--vocab-size", "100"], "vocab_size >= 257"),
     (["--model", "xxl"], "analysis-only"),
     (["--compile", "--dist", "fsdp"], "--compile with --dist fsdp"),
+    (["--dtype", "bf16_mixed", "--dist", "zero1"], "--dtype bf16_mixed with --dist zero1"),
 ])
 def test_cli_rejects_bad_input(cache, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

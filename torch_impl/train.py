@@ -81,7 +81,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from analysis.benchmark import step_record  # noqa: E402
+from analysis.benchmark import DTYPES, step_record  # noqa: E402
 from analysis.records import Record, append_records  # noqa: E402
 from parallelism_calc.specs import MODELS, ModelSpec, get_model  # noqa: E402
 from torch_impl import checkpoint as ckpt  # noqa: E402
@@ -146,12 +146,11 @@ class TrainConfig:
         self.betas = tuple(self.betas)
         if self.dist not in DIST_MODES:
             raise ValueError(f"--dist {self.dist!r}; accepted: {', '.join(DIST_MODES)}")
-        from torch_impl.bench.ddp import check_compile
+        from torch_impl.bench.ddp import check_supported
 
-        if self.compile:
-            check_compile([self.dist], flag="--dist ")
-        if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"--dtype {self.dtype!r}; accepted: fp32, bf16")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}; accepted: {', '.join(DTYPES)}")
+        check_supported([self.dist], self.compile, self.dtype, flag="--dist ")
         for name in ("epochs", "batch_size", "grad_accum", "seq_len", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
@@ -613,7 +612,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--weight-decay", type=float, default=d.weight_decay, help=f"AdamW weight decay (default {d.weight_decay})")
     a("--adam-eps", type=float, default=d.adam_eps, help=f"AdamW eps (default {d.adam_eps})")
     a("--betas", type=_betas, default=d.betas, help="AdamW betas (default 0.9,0.999)")
-    a("--dtype", choices=("fp32", "bf16"), default=d.dtype, help="fp32, or bf16 autocast with fp32 weights")
+    a("--dtype", choices=list(DTYPES), default=d.dtype,
+      help="fp32; bf16 autocast with fp32 weights; bf16_mixed: bf16 weights, fp32 masters in the optimizer")
     a("--attention", default=d.attention, help=f"attention backend (default {d.attention})")
     a("--compile", action="store_true", help="torch.compile each block (not with --dist fsdp)")
     a("--dist", choices=DIST_MODES, default=d.dist, help=f"data-parallel mode (default {d.dist})")

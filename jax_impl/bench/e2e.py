@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from analysis.benchmark import failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
+from analysis.benchmark import DTYPES, failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
 from analysis.records import Record
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights
@@ -138,7 +138,7 @@ def predicted_memory(spec: ModelSpec, args: argparse.Namespace, seq_len: int, me
             "fsdp_tp": ("fsdp_tp", ParallelSpec(dp=dp, fsdp=fsdp, tp=tp))}[strategy]
     if calc is None:
         return {"predicted_memory_error": f"strategy {strategy!r} with tp={tp} replicates work; not modelled"}
-    precision = "fp32" if args.dtype == "fp32" else "bf16_autocast"
+    precision = DTYPES[args.dtype]
     attention = "naive" if args.attention == "naive" else "flash"
     try:
         pred = per_device_memory(spec, calc[0], calc[1], args.batch_size * seq_len, seq_len, precision,
@@ -149,6 +149,9 @@ def predicted_memory(spec: ModelSpec, args: argparse.Namespace, seq_len: int, me
 
 
 def measure(args: argparse.Namespace) -> Record:
+    if args.dtype == "bf16_mixed":
+        raise ValueError("--dtype bf16_mixed (bf16 weights, fp32 master weights) is the PyTorch benchmark's; "
+                         "the JAX twin accepts fp32, bf16")
     initialize_from_env()
     # fp32 means full fp32 matmuls, as PyTorch's default (JAX's default on a GPU would use TF32).
     precision = "highest" if args.dtype == "fp32" else "default"

@@ -79,22 +79,26 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from analysis.benchmark import fixed_batch, resolve_spec, step_record
+from analysis.benchmark import DTYPES, fixed_batch, resolve_spec, step_record
 from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, report,
                                      single_process_baselines)
 from analysis.records import Record, append_records, read_records
 
 IMPLS = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
-COMPILE_UNSUPPORTED = ("fsdp", "fsdp2")  # our FSDP and FSDP2 gather weights inside the blocks
+# what an impl cannot be combined with: the flag, the impls, why
+UNSUPPORTED = {"--compile": (("fsdp", "fsdp2"), "their per-layer gathers run inside the compiled blocks"),
+               "--dtype bf16_mixed": (("zero1", "fsdp", "fsdp2"), "they shard or cast the weights themselves")}
 
 
-def check_compile(impls: list[str], flag: str) -> None:
-    """ValueError if ``--compile`` meets an impl in ``COMPILE_UNSUPPORTED`` (``flag``: how the CLI names impls)."""
-    unsupported = [i for i in impls if i in COMPILE_UNSUPPORTED]
-    if unsupported:
-        raise ValueError(f"--compile with {flag}{', '.join(unsupported)}: their per-layer gathers run inside the "
-                         f"compiled blocks; compile works with: "
-                         f"{', '.join(i for i in IMPLS if i not in COMPILE_UNSUPPORTED)}")
+def check_supported(impls: list[str], compile: bool, dtype: str, flag: str) -> None:
+    """ValueError if ``--compile`` or ``--dtype bf16_mixed`` meets an impl that cannot take it (``UNSUPPORTED``;
+    ``flag``: how the CLI names impls)."""
+    for option, wanted in (("--compile", compile), ("--dtype bf16_mixed", dtype == "bf16_mixed")):
+        excluded, why = UNSUPPORTED[option]
+        unsupported = [i for i in impls if i in excluded] if wanted else []
+        if unsupported:
+            raise ValueError(f"{option} with {flag}{', '.join(unsupported)}: {why}; {option} works with: "
+                             f"{', '.join(i for i in IMPLS if i not in excluded)}")
 BUCKETED_IMPLS = ("bucketed", "zero1")  # one configuration per --bucket-mb value
 TORCH_DDP_BUCKET_MB = 25.0  # torch DDP's default bucket_cap_mb
 STRATEGY = {"none": "ddp", "naive": "ddp", "flat": "ddp", "individual": "ddp", "bucketed": "ddp",
@@ -196,25 +200,30 @@ def build_data_parallel(cfg: Config, args: argparse.Namespace, spec, device, wor
     from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
                                         ShardedOptimizer)
     from torch_impl.model import TransformerLM
+    from torch_impl.optim import adamw_for
     from torch_impl.parallelize import apply_compile
 
+    check_supported([cfg.impl], args.compile, args.dtype, flag="")
     torch.manual_seed(args.seed)
     model = TransformerLM(spec, attention=args.attention, device=device)
-    if args.compile:  # the CLIs reject it for COMPILE_UNSUPPORTED
+    if args.compile:
         apply_compile(model)
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     bf16 = args.dtype == "bf16"
+    # before any wrapper sees the weights: with bf16_mixed the optimizer casts them to bf16
+    mixed_ok = cfg.impl not in UNSUPPORTED["--dtype bf16_mixed"][0]
+    optimizer = adamw_for(args.dtype, model.parameters(), **adamw) if mixed_ok else None
     if cfg.impl == "none":
-        return model, None, torch.optim.AdamW(model.parameters(), **adamw)
+        return model, None, optimizer
     if cfg.impl in ("naive", "flat", "individual"):
         cls = {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[cfg.impl]
         wrapper = cls(model)
-        return wrapper, wrapper, torch.optim.AdamW(model.parameters(), **adamw)
+        return wrapper, wrapper, optimizer
     if cfg.impl in ("bucketed", "zero1"):
         wrapper = DDPBucketed(model, cfg.bucket_mb)
         if cfg.impl == "zero1":
             return wrapper, wrapper, ShardedOptimizer(model.parameters(), torch.optim.AdamW, **adamw)
-        return wrapper, wrapper, torch.optim.AdamW(model.parameters(), **adamw)
+        return wrapper, wrapper, optimizer
     if cfg.impl == "torch_ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -225,7 +234,7 @@ def build_data_parallel(cfg: Config, args: argparse.Namespace, spec, device, wor
                    inspect.signature(DistributedDataParallel).parameters else {"broadcast_buffers": False})
         ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                       bucket_cap_mb=cfg.bucket_mb, **no_sync)
-        return ddp, None, torch.optim.AdamW(ddp.parameters(), **adamw)
+        return ddp, None, optimizer
     if cfg.impl == "fsdp":
         fsdp = FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None)
         return fsdp, fsdp, torch.optim.AdamW(fsdp.parameters(), **adamw)
@@ -309,7 +318,7 @@ def predicted_memory(cfg: Config, args: argparse.Namespace, spec, seq_len: int, 
     from parallelism_calc.memory import per_device_memory
     from torch_impl.distributed.fsdp import MAX_PREFETCH_LAYERS  # FSDP's default prefetch_layers
 
-    precision = "fp32" if args.dtype == "fp32" else "bf16_autocast"
+    precision = DTYPES[args.dtype]
     attention = "naive" if args.attention == "naive" else "flash"
     n = 1 if cfg.impl == "none" else world_size
     gathering = {"fsdp": dict(gather_unit="layer", prefetch_layers=MAX_PREFETCH_LAYERS),
@@ -464,8 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="xl", help="model preset (default xl)")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step (default 2)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                        help="fp32, or bf16 = torch.autocast(bfloat16) with fp32 weights (default fp32)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                        help="fp32; bf16 = torch.autocast(bfloat16) with fp32 weights; bf16_mixed = bf16 weights "
+                             "with fp32 masters in torch_impl.optim.MasterAdamW (default fp32)")
     parser.add_argument("--impl", default="bucketed", help=f"comma list of: {', '.join(IMPLS)} (default bucketed)")
     parser.add_argument("--bucket-mb", default="1,10,25,100",
                         help="bucket sizes in MiB for bucketed and zero1, one configuration each (default 1,10,25,100)")
@@ -499,8 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolve_spec(argparse.Namespace(**{**vars(args), "mode": "train_step"}))
         impls = parse_impls(args.impl)
-        if args.compile:
-            check_compile(impls, flag="")
+        check_supported(impls, args.compile, args.dtype, flag="")
         parse_bucket_mb(args.bucket_mb)
         if args.timeout <= 0:
             raise ValueError(f"--timeout={args.timeout} must be > 0")

@@ -9,6 +9,9 @@ once, after the timed steps (``torch_impl.timing.PhaseTimer``), so the harness d
 
 ``--stock BACKEND`` first times the stock reference (``torch_impl.stock``, compiled as a whole with
 ``--compile``) in the same process with the same flags and weights; ours then carries ``metrics.x_stock``.
+``--dtype bf16_mixed`` trains ours with bf16 weights and ``torch_impl.optim.MasterAdamW`` (fp32 master weights
+and moments, one Triton kernel) instead of autocast and torch's AdamW; the stock reference beside it trains
+bf16 the stock way (autocast, fused AdamW) and its record says ``bf16``.
 ``--compile`` compiles ours per block (``torch_impl.parallelize.apply_compile``) and its loss. ``--cuda-graph``
 names how ours replays CUDA graphs, one record each, in the given order: ``off`` (none), ``blocks`` (each
 compiled block's graph, Inductor's CUDA graph trees: needs ``--compile``), ``step`` (the whole step, forward,
@@ -29,12 +32,13 @@ import time
 import numpy as np
 import torch
 
-from analysis.benchmark import failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
+from analysis.benchmark import DTYPES, failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
 from analysis.records import Record
 from parallelism_calc.checkpointing import checkpointed_activation_bytes
 from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
 from torch_impl import nvtx
 from torch_impl.model import TransformerLM, cross_entropy
+from torch_impl.optim import adamw_for
 from torch_impl.parallelize import apply_activation_checkpointing, apply_compile
 from torch_impl.profiling import profile_steps
 from torch_impl.stock import SDPA_BACKENDS, StockTransformerLM
@@ -87,7 +91,9 @@ def measure(args: argparse.Namespace) -> list[Record]:
     the other in this process; each record of ours then carries ``metrics.x_stock`` = stock's median step
     time / ours (> 1: ours is faster)."""
     graphs = check_flags(args)
-    stock = measure_one(args, stock=True, graph="off") if args.stock else None
+    # the stock model trains bf16 the stock way, under autocast, also beside ours with bf16_mixed
+    stock_args = argparse.Namespace(**{**vars(args), "dtype": "bf16" if args.dtype == "bf16_mixed" else args.dtype})
+    stock = measure_one(stock_args, stock=True, graph="off") if args.stock else None
     ours = [measure_one(args, stock=False, graph=graph) for graph in graphs]
     if stock is not None and stock.status == "ok":
         for record in ours:
@@ -141,17 +147,18 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
     model = build_model(args, spec, device, stock)
     tokens = torch.from_numpy(fixed_batch(args.seed, args.batch_size, seq_len, spec.vocab_size)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    fused = device.type == "cuda" if args.fused_adamw == "auto" else args.fused_adamw == "on"
     graphed = graph == "step"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=fused,
-                                  capturable=graphed)
+    mixed = args.dtype == "bf16_mixed"
+    fused = not mixed and (device.type == "cuda" if args.fused_adamw == "auto" else args.fused_adamw == "on")
+    optimizer = adamw_for(args.dtype, model.parameters(), fused=fused, capturable=graphed, lr=args.lr,
+                          weight_decay=args.weight_decay)
     forward, loss_fn = model, cross_entropy
     if args.compile and stock:  # the stock way: the whole model as one graph
         forward = torch.compile(model)
     elif args.compile:
         apply_compile(model, cuda_graphs=graph == "blocks")
         loss_fn = torch.compile(cross_entropy)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype != "fp32" and not mixed
                 else contextlib.nullcontext())
     timer = PhaseTimer(device)
 
@@ -213,6 +220,7 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
         peak = getattr(torch.cuda, f"max_memory_{peak_kind}")(device)
     losses = [float(loss) for loss in losses]
     metrics = {"loss_first": losses[0], "loss_last": losses[-1], "losses": losses, "fused_adamw": fused,
+               "optimizer": type(optimizer).__name__,
                "peak_memory_kind": peak_kind,
                "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
                "compile_s": compile_s, **predicted_memory(args, spec, seq_len)}
@@ -236,7 +244,7 @@ def predicted_memory(args: argparse.Namespace, spec, seq_len: int) -> dict[str, 
     save nothing for backward: None."""
     if args.mode == "forward":
         return {"predicted_activation_bytes": None, "predicted_peak_bytes": None}
-    precision = "fp32" if args.dtype == "fp32" else "bf16_autocast"
+    precision = DTYPES[args.dtype]
     attention = "naive" if args.attention == "naive" else "flash"
     tokens = args.batch_size * seq_len
     if args.checkpoint_every:
