@@ -9,11 +9,12 @@
 # tests of the step. profile: xl at 4 x 512 and 4 x 2,048, stock and ours, each with its torch.profiler kernel
 # table (OUT_DIR/*_kernels.md). mixed: bf16 weights with fp32 masters (--dtype bf16_mixed, MasterAdamW): its CPU
 # and GPU tests, the optimizer alone against torch's fused AdamW (OUT_DIR/optim_probe.json), then xl 4 x 2,048
-# and 4 x 512 against the stock reference (autocast) in one process each (OUT_DIR/e2e_h100.jsonl).
+# and 4 x 512 against the stock reference (autocast) in one process each (OUT_DIR/e2e_h100.jsonl); mixed_large:
+# the same for 2.7B 2 x 2,048, then ours at xl 4 x 2,048 profiled.
 # Tables are regenerated into OUT_DIR/reports.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed}
-phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed}
+out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large}
+phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 step() {  # model batch seq, then extra flags
@@ -42,6 +43,11 @@ mixed)
   python3 scripts/optim_probe.py "$out"
   step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
   step xl 4 512 --dtype bf16_mixed --cuda-graph blocks,step ;;
-*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed" >&2; exit 2 ;;
+mixed_large)  # 2.7B 2 x 2,048 against stock, then ours at xl 4 x 2,048 profiled (OUT_DIR/*_kernels.md)
+  step 2.7B 2 2048 --dtype bf16_mixed --cuda-graph off,blocks
+  python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
+    --attention sdpa_cudnn --compile --warmup 3 --steps 10 --profile /tmp/profile_mixed --out "$out/profile.jsonl"
+  cp /tmp/profile_mixed/*_kernels.md "$out/" ;;
+*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large" >&2; exit 2 ;;
 esac
 python3 -m analysis.reports "$out" --out "$out/reports"
