@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one-GPU training step against the stock reference (issue 12), one device call per phase:
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_step.sh OUT_DIR records|ddp|profile
-# records: xl 4 x 512, xl 4 x 2,048 and 2.7B 2 x 2,048 (bf16 autocast, fused AdamW, cuDNN SDPA), one process
-# each timing the stock reference (plain torch.compile of the whole model), then ours compiled per block
-# without CUDA graphs, with each block's graph replayed (CUDA graph trees), and with the whole step replayed
-# as one graph (records in OUT_DIR/e2e_h100.jsonl, ours with metrics.x_stock). ddp: the DDP benchmark's
+# records: xl 4 x 2,048, 2.7B 2 x 2,048 and xl 4 x 512 (cuDNN SDPA), one process each timing the stock reference
+# (plain torch.compile of the whole model, bf16 autocast, fused AdamW), then ours (bf16 weights with fp32 masters in
+# MasterAdamW: --dtype bf16_mixed) compiled per block without CUDA graphs, with each block's graph replayed (CUDA
+# graph trees), and with the whole step replayed as one graph (records in OUT_DIR/e2e_h100.jsonl, ours with
+# metrics.x_stock; the records of ours under autocast came from this phase at commit 8a639b9). ddp: the DDP benchmark's
 # one-GPU baseline (xl 2 x 512) eager and compiled per block (OUT_DIR/ddp_one_gpu_h100.jsonl), then the GPU
 # tests of the step. profile: xl at 4 x 512 and 4 x 2,048, stock and ours, each with its torch.profiler kernel
 # table (OUT_DIR/*_kernels.md). mixed: bf16 weights with fp32 masters (--dtype bf16_mixed, MasterAdamW): its CPU
@@ -23,9 +24,9 @@ step() {  # model batch seq, then extra flags
 }
 case "$phase" in
 records)
-  step xl 4 512 --cuda-graph off,blocks,step
-  step xl 4 2048 --cuda-graph off,blocks,step
-  step 2.7B 2 2048 --cuda-graph off,blocks,step ;;
+  step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
+  step 2.7B 2 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
+  step xl 4 512 --dtype bf16_mixed --cuda-graph off,blocks,step ;;
 ddp)
   for compiled in "" --compile; do
     python3 -m torch_impl.bench.ddp --impl none --model xl --batch-size 2 --seq-len 512 --dtype bf16 \
