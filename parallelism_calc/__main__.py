@@ -26,8 +26,8 @@ from parallelism_calc.strategy_analysis import strategies_report
 from parallelism_calc.transformer_analysis import transformer_report
 
 
-from parallelism_calc.cli import (ArgumentParser as _Parser, nonnegative_float, nonnegative_int, positive_float,
-                                  positive_int, run_cli)
+from parallelism_calc.cli import (ArgumentParser as _Parser, BadInput, error_boundary, nonnegative_float,
+                                  nonnegative_int, positive_float, positive_int)
 
 
 def _add_model(parser: argparse.ArgumentParser) -> None:
@@ -209,7 +209,10 @@ SUBCOMMANDS = {"strategies": strategies_main, "collectives": collectives_main}
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     run = SUBCOMMANDS.get(argv[0], report_main) if argv else report_main
-    return run_cli(run, argv[1:] if run is not report_main else argv, prog="python -m parallelism_calc")
+    try:
+        return error_boundary(run, prog="python -m parallelism_calc")(argv[1:] if run is not report_main else argv)
+    except BadInput as exit:
+        return exit.code
 
 
 if __name__ == "__main__":

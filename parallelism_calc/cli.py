@@ -9,9 +9,9 @@
   ``argument --batch-tokens: '0.5' is not a whole number; accepted: integers > 0``.
 * ``writable_path``: a file the command may create or append to (its folder exists or can be made, and is a
   folder; the file, if it exists, is a writable file), checked before any measurement starts.
-* ``run_cli(main)``: the top-level boundary of a ``python -m`` entry point: bad input or an unusable file
-  (``ValueError``, ``OSError``) ends as ``prog: error: <one line>`` on stderr and exit status 2, never a
-  traceback. Anything else (a bug) still shows its traceback.
+* ``error_boundary``: the decorator of every entry point's ``main(argv)``: bad input or an unusable file
+  (``ValueError``, ``OSError``) ends as ``prog: error: <one line>`` on stderr and exit status 2 (``BadInput``,
+  a ``SystemExit``), never a traceback. Anything else (a bug) still shows its traceback.
 
 Standard library only, so the calculator, ``analysis`` and both backends import it (``parallelism_calc``
 imports nothing of ours).
@@ -20,6 +20,7 @@ imports nothing of ours).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -30,10 +31,12 @@ BAD_INPUT_STATUS = 2  # the exit status of every refused input, argparse's own i
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage dump) and exit status 2."""
+    """argparse with a one-line error (no usage dump) and exit status 2 (``BadInput``, whose ``str()`` is
+    the message)."""
 
     def error(self, message: str):
-        self.exit(BAD_INPUT_STATUS, f"{self.prog}: error: {one_line(message)}\n")
+        print(f"{self.prog}: error: {one_line(message)}", file=sys.stderr, flush=True)
+        raise BadInput(one_line(message))
 
 
 def one_line(message: object) -> str:
@@ -118,27 +121,48 @@ def check_writable(path: str | os.PathLike) -> Path:
     return path
 
 
-def writable_path(text: str) -> Path:
-    """An argparse type: a file path ``check_writable`` accepts."""
+def writable_path(text: str) -> str:
+    """An argparse type: a file path ``check_writable`` accepts (returned as given)."""
     try:
-        return check_writable(text)
+        check_writable(text)
     except OSError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
-def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None,
-            prog: str | None = None) -> int:
-    """Run ``main(argv)``; a ``ValueError`` or ``OSError`` escaping it becomes ``prog: error: <one line>`` on
-    stderr and exit status 2. Use as ``sys.exit(run_cli(main))`` under ``if __name__ == "__main__"``."""
-    if prog is None:
-        module = main.__module__
-        if module == "__main__":  # run as `python -m package.module`: the module's own name
-            spec = getattr(sys.modules["__main__"], "__spec__", None)
-            module = spec.name.removesuffix(".__main__") if spec else os.path.basename(sys.argv[0])
-        prog = f"python -m {module}"
-    try:
-        return main(argv) or 0
-    except (ValueError, OSError) as err:
-        sys.stdout.flush()
-        print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
-        return BAD_INPUT_STATUS
+class BadInput(SystemExit):
+    """Exit status 2 for refused input; ``str()`` is the one-line message (already printed on stderr)."""
+
+    def __init__(self, message: str):
+        super().__init__(BAD_INPUT_STATUS)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _prog_of(main: Callable) -> str:
+    module = main.__module__
+    if module == "__main__":  # run as `python -m package.module`: the module's own name
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name.removesuffix(".__main__") if spec else os.path.basename(sys.argv[0])
+    return f"python -m {module}"
+
+
+def error_boundary(main: Callable[..., int | None] | None = None, *, prog: str | None = None):
+    """The top-level boundary of a CLI's ``main(argv)`` (a decorator, bare or with ``prog=``): a ``ValueError``
+    or ``OSError`` escaping it becomes ``prog: error: <one line>`` on stderr and ``BadInput`` (a ``SystemExit``
+    with status 2, like argparse's own errors), never a traceback. Anything else (a bug) keeps its traceback."""
+    def wrap(function: Callable[..., int | None]) -> Callable[..., int]:
+        @functools.wraps(function)
+        def run(*args, **kwargs) -> int:
+            try:
+                return function(*args, **kwargs) or 0
+            except (ValueError, OSError) as err:
+                message = one_line(err)
+                sys.stdout.flush()
+                print(f"{prog or _prog_of(function)}: error: {message}", file=sys.stderr, flush=True)
+                raise BadInput(message) from None
+        return run
+
+    return wrap(main) if main is not None else wrap

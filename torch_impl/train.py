@@ -82,7 +82,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from analysis.benchmark import step_record  # noqa: E402
-from analysis.records import Record, append_records  # noqa: E402
+from analysis.records import Record, save_records  # noqa: E402
 from parallelism_calc.specs import MODELS, ModelSpec, get_model  # noqa: E402
 from torch_impl import checkpoint as ckpt  # noqa: E402
 from torch_impl.data import (DEFAULT_BUILTIN_BYTES, DEFAULT_VAL_FRACTION, TokenData, batch_at,  # noqa: E402
@@ -531,7 +531,7 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
         result.val_losses.append(val_loss)
         if rank == 0:
             if cfg.out:
-                append_records(cfg.out, record)
+                save_records(cfg.out, record)
             print(_describe(record), flush=True)
     result.stopped_early = stop_epoch < cfg.epochs
     if keep_params:
@@ -686,7 +686,7 @@ def _main(cfg: TrainConfig, parser: argparse.ArgumentParser) -> int:
         parser.error(str(err))
     except RuntimeError as err:  # out of memory, a kernel or a collective failing: a record, not a gap
         if rank == 0 and cfg.out:
-            append_records(cfg.out, _failure_record(cfg, err, world_size))
+            save_records(cfg.out, _failure_record(cfg, err, world_size))
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         return 1
 

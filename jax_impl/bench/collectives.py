@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from analysis.benchmark import progress
-from analysis.records import Record, append_records, timing_stats
+from analysis.records import Record, save_records, timing_stats
 from jax_impl.bench.e2e import platform_devices
 from jax_impl.distributed import initialize_from_env
 from jax_impl.sharding import MESH_AXES, make_mesh
@@ -176,7 +176,7 @@ def run_all(args: argparse.Namespace) -> int:
         failures += record.status != "ok"
         if writer:
             if args.out:
-                append_records(args.out, record)
+                save_records(args.out, record)
             m = record.metrics
             line = (f"{op} {m['size']} over {args.axis}={mesh.shape[args.axis]}: " +
                     (f"{record.timing['median_ms']:.3f} ms, busbw {m['busbw_gbps']:.1f} GB/s "

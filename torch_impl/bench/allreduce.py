@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from analysis.records import Record, append_records, timing_stats
+from analysis.records import Record, save_records, timing_stats
 from parallelism_calc.collectives import bus_bandwidth
 from parallelism_calc.units import FLOAT32_BYTES, parse_size, size_label
 
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
                       f"GB/s  busbw {m['busbw_gbps']:8.2f} GB/s  | raw loop {m['raw_loop_ms']:9.3f} ms  busbw "
                       f"{m['raw_busbw_gbps']:8.2f} GB/s ({m['busbw_over_raw']:.1%})", flush=True)
             if args.out:
-                append_records(args.out, record)
+                save_records(args.out, record)
         dist.barrier()
     return 1 if failures else 0
 

@@ -78,7 +78,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from analysis.records import Record, append_records, provenance, timing_stats
+from analysis.records import Record, provenance, save_records, timing_stats
 from parallelism_calc.compute import ATTENTION_PASSES, attention_flops
 from parallelism_calc.specs import hardware_for_device
 
@@ -434,7 +434,7 @@ def sweep(args: argparse.Namespace, device: torch.device) -> Iterator[Record]:
                     record = make_record(provider, shape, pass_, outcomes[pass_], device_name=name,
                                          base_provenance=base, warmup_ms=args.warmup, rep_ms=args.rep,
                                          timer=timer, suite=args.suite)  # fmt: skip
-                    append_records(args.out, record)
+                    save_records(args.out, record)
                     progress.update(_summary(provider, shape, pass_, record))
                     yield record
                 call = None

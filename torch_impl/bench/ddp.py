@@ -82,7 +82,7 @@ from typing import Any
 from analysis.benchmark import fixed_batch, resolve_spec, step_record
 from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, report,
                                      single_process_baselines)
-from analysis.records import Record, append_records, read_records
+from analysis.records import Record, read_records, save_records
 
 IMPLS = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
 COMPILE_UNSUPPORTED = ("fsdp", "fsdp2")  # our FSDP and FSDP2 gather weights inside the blocks
@@ -433,7 +433,7 @@ def _run_configs(configs: list[Config], args, spec, seq_len: int, device, rank: 
         failures += record.status != "ok"
         print(_describe(record), flush=True)
         if args.out:
-            append_records(args.out, record)
+            save_records(args.out, record)
     if distributed:
         dist.barrier()
     return 1 if failures else 0
@@ -446,7 +446,7 @@ def _fatal(cfg: Config, args, spec, seq_len: int, world_size: int, device_name: 
     print(f"{cfg.name}: rank {rank}: {message}", file=sys.stderr, flush=True)
     if rank == 0 and args.out:  # the record's error reads "rank 0: collective failure ..."
         record = make_record(cfg, args, spec, seq_len, world_size, device_name, [{"error": message}])
-        append_records(args.out, record)
+        save_records(args.out, record)
     os._exit(3)  # no teardown: the group's other ranks may be gone or stuck
 
 

@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from analysis.records import Record, append_records
+from analysis.records import Record, save_records
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # (accumulator, addend, cast the addend to the accumulator's dtype before adding)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("error: --device cuda: no CUDA device is available; accepted here: cpu")
     rows = records(args.device, autocast)
     if args.out:
-        append_records(args.out, rows)
+        save_records(args.out, rows)
     text = tables(rows)
     print(text)
     if args.table:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Callable
 
 from analysis.benchmark import progress
-from analysis.records import Record, append_records, read_records
+from analysis.records import Record, read_records, save_records
 
 SUITE = "train_matrix"
 TRAIN_SUITE = "train"
@@ -170,7 +170,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, run_name: str, suite: str = S
     record = summarize(cell, run_name, epochs, wall_s, failure, args, suite)
     if finish is not None:
         record = finish(record, epochs)
-    append_records(out, record)
+    save_records(out, record)
     return record
 
 
