@@ -25,7 +25,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 BAD_INPUT_STATUS = 2  # the exit status of every refused input, argparse's own included
 
