@@ -80,8 +80,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
                                     timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         except dist.DistNetworkError as err:  # e.g. the port is taken: name it and say what to do
             address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-            raise ConnectionError(f"cannot start the process group at MASTER_ADDR:MASTER_PORT = {address} "
-                                  f"({str(err).split('message: ')[-1].strip()}); pick a free port with MASTER_PORT "
+            raise ConnectionError(f"cannot start the process group at {address} (MASTER_ADDR:MASTER_PORT): "
+                                  f"{str(err).split('message: ')[-1].strip()}; pick a free port with MASTER_PORT "
                                   "or torchrun --master-port") from None
     return DistributedContext(rank, world_size, local_rank, dev, backend)
 
