@@ -20,8 +20,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from analysis.records import Record, divergence, save_records, timing_stats
-from parallelism_calc.cli import (ArgumentParser, error_boundary, int_list, nonnegative_float, nonnegative_int, positive_float,
-                                  positive_int, writable_path)
+from parallelism_calc.cli import (ArgumentParser, error_boundary, int_list, nonnegative_float, nonnegative_int,
+                                  positive_float, positive_int, writable_path)
 from parallelism_calc.compute import MODES, step_flops
 from parallelism_calc.specs import MODELS, ModelSpec, get_model, hardware_for_device
 
@@ -33,7 +33,8 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every step benchmark accepts."""
     parser.add_argument("--model", default="tiny", help=f"model preset: {', '.join(MODELS)} (default tiny)")
     parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (default 4)")
-    parser.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the spec's context)")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="tokens per sequence (default: the spec's context)")
     parser.add_argument("--mode", choices=MODES, default="train_step",
                         help="forward (no gradients), forward_backward, or train_step with AdamW (default)")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32",
@@ -44,7 +45,8 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=nonnegative_int, default=5, help="untimed warm-up steps (default 5)")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    parser.add_argument("--weight-decay", type=nonnegative_float, default=0.01, help="AdamW weight decay (default 0.01)")
+    parser.add_argument("--weight-decay", type=nonnegative_float, default=0.01,
+                        help="AdamW weight decay (default 0.01)")
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of weights and data (default 0)")
     parser.add_argument("--load-weights", metavar="NPZ", help="start from these weights (stable names, .npz)")
     parser.add_argument("--save-weights", metavar="NPZ", help="save the initial weights here (.npz)")

@@ -135,8 +135,8 @@ def write_reports(results: Path, out_dir: Path) -> list[Path]:
                 try:
                     written += suite_report(path, suite, mine, staging)
                 except (KeyError, TypeError, AttributeError) as err:  # a field the report reads is missing
-                    raise ValueError(f"{path}: its {suite!r} records do not fit the {suite} report ({type(err).__name__}"
-                                     f": {err}): are they filed under the right suite?") from None
+                    raise ValueError(f"{path}: its {suite!r} records do not fit the {suite} report "
+                                     f"({type(err).__name__}: {err}): are they filed under the right suite?") from None
         written += _side_by_side(files, staging)
         index = staging / "index.md"
         lines = ["# Reports", "", f"Generated from `{results}/*.jsonl` by `python -m analysis.reports`.", ""]

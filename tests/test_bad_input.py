@@ -80,7 +80,8 @@ class Case:
 
 CALC, E2E, JAX_E2E, TRAIN = "parallelism_calc", "torch_impl.bench.e2e", "jax_impl.bench.e2e", "torch_impl.train"
 PRECISION, ALLREDUCE, DDP = "torch_impl.bench.precision", "torch_impl.bench.allreduce", "torch_impl.bench.ddp"
-ATTENTION, MATRIX, COLLECTIVES = "torch_impl.bench.attention", "torch_impl.bench.train_matrix", "jax_impl.bench.collectives"
+ATTENTION, MATRIX = "torch_impl.bench.attention", "torch_impl.bench.train_matrix"
+COLLECTIVES = "jax_impl.bench.collectives"
 TABLE, REPORTS = "analysis.table", "analysis.reports"
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 

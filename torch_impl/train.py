@@ -621,31 +621,39 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--d-model", "--d-ff", "--n-layers", "--n-heads", "--vocab-size"):
         a(flag, type=positive_int, help="override the preset's dimension")
     a("--epochs", type=positive_int, default=d.epochs, help=f"epochs (default {d.epochs})")
-    a("--steps-per-epoch", type=positive_int, help="optimizer steps per epoch (default: about one pass over the tokens)")
+    a("--steps-per-epoch", type=positive_int,
+      help="optimizer steps per epoch (default: about one pass over the tokens)")
     a("--stop-after-epochs", type=positive_int, help="end the job after this many epochs (checkpointed), keeping the "
                                             "schedule of --epochs; continue with --resume")
-    a("--batch-size", type=positive_int, default=d.batch_size, help=f"sequences per micro-batch per rank (default {d.batch_size})")
+    a("--batch-size", type=positive_int, default=d.batch_size,
+      help=f"sequences per micro-batch per rank (default {d.batch_size})")
     a("--grad-accum", type=positive_int, default=d.grad_accum, help="micro-batches per optimizer step (default 1)")
     a("--seq-len", type=positive_int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
     a("--lr", type=positive_float, default=d.lr, help=f"peak learning rate (default {d.lr})")
     a("--min-lr", type=nonnegative_float, help="learning rate at the last step (default lr / 10)")
     a("--warmup-steps", type=nonnegative_int, default=d.warmup_steps, help="linear warm-up steps (default 0)")
-    a("--grad-clip", type=nonnegative_float, default=d.grad_clip, help=f"max global gradient norm, 0 = off (default {d.grad_clip})")
-    a("--weight-decay", type=nonnegative_float, default=d.weight_decay, help=f"AdamW weight decay (default {d.weight_decay})")
+    a("--grad-clip", type=nonnegative_float, default=d.grad_clip,
+      help=f"max global gradient norm, 0 = off (default {d.grad_clip})")
+    a("--weight-decay", type=nonnegative_float, default=d.weight_decay,
+      help=f"AdamW weight decay (default {d.weight_decay})")
     a("--adam-eps", type=positive_float, default=d.adam_eps, help=f"AdamW eps (default {d.adam_eps})")
     a("--betas", type=_betas, default=d.betas, help="AdamW betas (default 0.9,0.999)")
     a("--dtype", choices=("fp32", "bf16"), default=d.dtype, help="fp32, or bf16 autocast with fp32 weights")
     a("--attention", default=d.attention, help=f"attention backend (default {d.attention})")
     a("--compile", action="store_true", help="torch.compile each block (not with --dist fsdp)")
     a("--dist", choices=DIST_MODES, default=d.dist, help=f"data-parallel mode (default {d.dist})")
-    a("--bucket-mb", type=positive_float, default=d.bucket_mb, help="bucket size in MiB for bucketed and zero1 (default 25)")
-    a("--val-batches", type=nonnegative_int, default=d.val_batches, help="validation batches per epoch, 0 = none (default 8)")
+    a("--bucket-mb", type=positive_float, default=d.bucket_mb,
+      help="bucket size in MiB for bucketed and zero1 (default 25)")
+    a("--val-batches", type=nonnegative_int, default=d.val_batches,
+      help="validation batches per epoch, 0 = none (default 8)")
     a("--data", default=d.data, help="builtin (the stdlib's source as bytes), a .npy token file, or a text file")
     a("--cache-dir", default=d.cache_dir, help=f"where byte corpora are built (default {d.cache_dir})")
-    a("--builtin-mb", type=positive_float, default=d.builtin_mb, help=f"size of the built-in corpus (default {d.builtin_mb:g})")
+    a("--builtin-mb", type=positive_float, default=d.builtin_mb,
+      help=f"size of the built-in corpus (default {d.builtin_mb:g})")
     a("--val-fraction", type=fraction, default=d.val_fraction, help="share of the data for validation (default 0.05)")
     a("--checkpoint-dir", help="save checkpoints here")
-    a("--checkpoint-every", type=positive_int, default=d.checkpoint_every, help="epochs between checkpoints (default 1)")
+    a("--checkpoint-every", type=positive_int, default=d.checkpoint_every,
+      help="epochs between checkpoints (default 1)")
     a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     a("--out", metavar="JSONL", type=writable_path, help="append one record per epoch here")
     a("--seed", type=nonnegative_int, default=d.seed, help="seed of the weights and the data order (default 0)")

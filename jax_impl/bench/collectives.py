@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated: {', '.join(OPS)} (default all)")
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"buffer sizes, binary units (default {DEFAULT_SIZES})")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
-    parser.add_argument("--warmup", type=nonnegative_int, default=5, help="untimed calls after the checked one (default 5)")
+    parser.add_argument("--warmup", type=nonnegative_int, default=5,
+                        help="untimed calls after the checked one (default 5)")
     parser.add_argument("--iters", type=positive_int, default=20, help="timed calls (default 20)")
     parser.add_argument("--out", metavar="JSONL", type=writable_path, help="append one record per (op, size) here")
     parser.add_argument("--json", action="store_true", help="print each record as JSON")

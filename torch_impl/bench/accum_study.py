@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--settings", default=DEFAULT_SETTINGS, help=f"LOCALxACCUM list (default {DEFAULT_SETTINGS})")
     p.add_argument("--attention", default="sdpa", help="attention backend (default sdpa)")
     p.add_argument("--dist", default="bucketed", help="data-parallel mode (default bucketed)")
-    p.add_argument("--out", default="results/accum_study.jsonl", type=writable_path, help="records (default results/accum_study.jsonl)")
+    p.add_argument("--out", default="results/accum_study.jsonl", type=writable_path,
+                   help="records (default results/accum_study.jsonl)")
     p.add_argument("--report-dir", default="results/accum_study", help="table and charts (default results/accum_study)")
     p.add_argument("--report-only", metavar="JSONL", help="no training: regenerate the table and charts from JSONL")
     return p

@@ -243,10 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="gloo (CPU tensors) or nccl (GPU tensors); default nccl if CUDA is available, else gloo")
     parser.add_argument("--sizes", default=DEFAULT_SIZES,
                         help=f"comma-separated tensor sizes, binary units (MB = 2**20 bytes); default {DEFAULT_SIZES}")
-    parser.add_argument("--warmup", type=nonnegative_int, default=5, help="untimed calls per size (default 5; at least 1 runs, "
-                                                              "checked for the right sum)")
+    parser.add_argument("--warmup", type=nonnegative_int, default=5,
+                        help="untimed calls per size (default 5; at least 1 runs, checked for the right sum)")
     parser.add_argument("--iters", type=positive_int, default=20, help="timed calls per size (default 20)")
-    parser.add_argument("--timeout", type=positive_float, default=300.0, help="process-group timeout in seconds (default 300)")
+    parser.add_argument("--timeout", type=positive_float, default=300.0,
+                        help="process-group timeout in seconds (default 300)")
     parser.add_argument("--out", metavar="JSONL", type=writable_path,
                         help="append one record per size to this file (rank 0)")
     parser.add_argument("--report-only", metavar="JSONL", help="no measuring: plot and tabulate the records in JSONL")

@@ -485,8 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                         help="causal masking (--no-causal for full attention)")
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a tiny functional run")
-    parser.add_argument("--warmup", type=nonnegative_float, default=25.0, help="do_bench warm-up budget in ms (default 25)")
-    parser.add_argument("--rep", type=positive_float, default=100.0, help="do_bench measurement budget in ms (default 100)")
+    parser.add_argument("--warmup", type=nonnegative_float, default=25.0,
+                        help="do_bench warm-up budget in ms (default 25)")
+    parser.add_argument("--rep", type=positive_float, default=100.0,
+                        help="do_bench measurement budget in ms (default 100)")
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random inputs (default 0)")
     parser.add_argument("--suite", default=SUITE, help=f"suite written into the records (default {SUITE})")
     parser.add_argument("--out", type=lambda text: Path(writable_path(text)), default=Path(DEFAULT_OUT),

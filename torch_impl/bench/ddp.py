@@ -480,14 +480,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each block before wrapping (not with fsdp, fsdp2)")
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    parser.add_argument("--weight-decay", type=nonnegative_float, default=0.01, help="AdamW weight decay (default 0.01)")
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights; rank r's data uses seed + r")
+    parser.add_argument("--weight-decay", type=nonnegative_float, default=0.01,
+                        help="AdamW weight decay (default 0.01)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0,
+                        help="seed of the weights; rank r's data uses seed + r")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda (NCCL, cuda:LOCAL_RANK) or cpu (gloo); default cuda if available")
     parser.add_argument("--timeout", type=positive_float, default=300.0,
                         help="process-group timeout in seconds: a failed collective ends the run (default 300)")
-    parser.add_argument("--out", default="results/ddp.jsonl", type=writable_path, help="append records here (rank 0; default "
-                                                                   "results/ddp.jsonl)")
+    parser.add_argument("--out", default="results/ddp.jsonl", type=writable_path,
+                        help="append records here (rank 0; default results/ddp.jsonl)")
     parser.add_argument("--report-only", metavar="JSONL", help="no measuring: print a Markdown table of JSONL")
     return parser
 

@@ -299,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default="auto", help="auto, cpu or cuda (passed to the trainer)")
     a("--train-args", default="", help="further trainer flags for every cell, e.g. \"--lr 1e-3 --warmup-steps 20\"")
     a("--cell-timeout", type=positive_float, default=3600.0, help="seconds a cell may take (default 3600)")
-    a("--out", default="results/train_matrix.jsonl", type=writable_path, help="records (default results/train_matrix.jsonl)")
+    a("--out", default="results/train_matrix.jsonl", type=writable_path,
+      help="records (default results/train_matrix.jsonl)")
     a("--report-dir", default="results/train_matrix", help="table and charts (default results/train_matrix)")
     a("--report-only", metavar="JSONL", help="no training: regenerate the table and charts from JSONL")
     return p
