@@ -19,7 +19,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from analysis.records import Record, append_records, timing_stats
+from analysis.records import Record, divergence, save_records, timing_stats
+from parallelism_calc.cli import (ArgumentParser, error_boundary, int_list, nonnegative_float, nonnegative_int,
+                                  positive_float, positive_int, writable_path)
 from parallelism_calc.compute import MODES, step_flops
 from parallelism_calc.specs import MODELS, ModelSpec, get_model, hardware_for_device
 
@@ -27,13 +29,15 @@ from parallelism_calc.specs import MODELS, ModelSpec, get_model, hardware_for_de
 DTYPES = {"fp32": "fp32",  # fp32 weights, gradients, AdamW state and matmuls (no TF32)
           "bf16": "bf16_autocast",  # fp32 weights, gradients and AdamW state; bf16 compute under autocast
           "bf16_mixed": "bf16_mixed"}  # bf16 weights and gradients; fp32 master weights and AdamW state
+LOSS_METRICS = ("losses", "train_losses", "val_loss")  # metrics holding losses: one not finite = "diverged"
 
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every step benchmark accepts."""
     parser.add_argument("--model", default="tiny", help=f"model preset: {', '.join(MODELS)} (default tiny)")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the spec's context)")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (default 4)")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="tokens per sequence (default: the spec's context)")
     parser.add_argument("--mode", choices=MODES, default="train_step",
                         help="forward (no gradients), forward_backward, or train_step with AdamW (default)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
@@ -42,20 +46,23 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default fp32)")
     parser.add_argument("--attention", default="naive", help="attention backend (default naive)")
     parser.add_argument("--device", default="auto", help="auto (the accelerator if any), cpu, cuda or cuda:N")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (default 5)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
+    parser.add_argument("--warmup", type=nonnegative_int, default=5, help="untimed warm-up steps (default 5)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    parser.add_argument("--weight-decay", type=nonnegative_float, default=0.01,
+                        help="AdamW weight decay (default 0.01)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of weights and data (default 0)")
     parser.add_argument("--load-weights", metavar="NPZ", help="start from these weights (stable names, .npz)")
     parser.add_argument("--save-weights", metavar="NPZ", help="save the initial weights here (.npz)")
     parser.add_argument("--suite", default="e2e", help="suite name written into the records (default e2e)")
-    parser.add_argument("--out", metavar="JSONL", help="append the record to this JSON Lines file")
+    parser.add_argument("--out", metavar="JSONL", type=writable_path,
+                        help="append the record to this JSON Lines file")
     parser.add_argument("--json", action="store_true", help="print the record as JSON")
     sweep = parser.add_argument_group("sweep (each configuration in its own process; needs --out)")
     sweep.add_argument("--sweep-models", help="comma-separated presets, e.g. small,medium,large,xl,2.7B")
-    sweep.add_argument("--sweep-seq-lens", help="comma-separated sequence lengths, e.g. 128,256,512,1024")
-    sweep.add_argument("--config-timeout", type=float, default=1800.0,
+    sweep.add_argument("--sweep-seq-lens", type=int_list,
+                       help="comma-separated sequence lengths, e.g. 128,256,512,1024")
+    sweep.add_argument("--config-timeout", type=positive_float, default=1800.0,
                        help="seconds one sweep configuration may take before it is recorded as an error")
 
 
@@ -91,7 +98,8 @@ def step_record(
     error: str | None = None,
     mesh: dict[str, int] | None = None,
 ) -> Record:
-    """The record of one step benchmark: timing statistics, tokens/s, achieved TFLOP/s and MFU.
+    """The record of one step benchmark: timing statistics, tokens/s, achieved TFLOP/s and MFU; status
+    "diverged" where a loss in ``metrics`` (``LOSS_METRICS``) is not finite.
 
     ``args.batch_size`` is the batch of one step of the measured program. With a ``mesh`` (one program over
     several devices, as JAX's), that batch is global: ``tflops`` and ``mfu`` are per device (the step's
@@ -106,6 +114,8 @@ def step_record(
         flops_per_step=flops, peak_memory_bytes=peak_memory_bytes, metrics=dict(metrics or {}), status=status,
         error=error,
     )
+    if status == "ok" and (why := divergence(_losses(record.metrics))):
+        record.status, record.error = "diverged", why
     record.provenance["device_name"] = device_name
     if step_times_ms:
         record.timing = timing_stats(step_times_ms)
@@ -119,6 +129,15 @@ def step_record(
     if phases_ms:
         record.phases = {phase: timing_stats(times) for phase, times in phases_ms.items()}
     return record
+
+
+def _losses(metrics: dict[str, Any]) -> list[float]:
+    """Every loss in ``metrics`` (``LOSS_METRICS``: lists or single values; None, e.g. no validation, skipped)."""
+    values = []
+    for name in LOSS_METRICS:
+        value = metrics.get(name)
+        values += value if isinstance(value, list) else [value]
+    return [v for v in values if v is not None]
 
 
 def progress(items: Sequence[Any], desc: str, unit: str, enabled: bool = True):
@@ -141,7 +160,7 @@ def fixed_batch(seed: int, batch_size: int, seq_len: int, vocab_size: int) -> np
 def emit(args: argparse.Namespace, record: Record) -> int:
     """Append the record to --out, print it (as JSON with --json, else one line); the exit code (0 if ok)."""
     if args.out:
-        append_records(args.out, record)
+        save_records(args.out, record)
     if args.json:
         print(json.dumps(record.to_dict(), sort_keys=True))
     elif record.status != "ok":
@@ -171,8 +190,15 @@ def run_benchmark(
     a weights file) exits with a one-line message and no record; a RuntimeError while measuring (out of memory,
     a kernel failure) becomes the record ``on_failure`` makes, a row not a gap.
     Only the process for which ``is_writer()`` holds (e.g. process 0 of a multi-host run) emits the record.
+    Refused input and an unwritable ``--out`` end at ``parallelism_calc.cli.error_boundary``: one line, status 2.
     """
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    return error_boundary(_run_benchmark, prog=prog)(argv, prog=prog, description=description, measure=measure,
+                                                    on_failure=on_failure, add_arguments=add_arguments,
+                                                    is_writer=is_writer)
+
+
+def _run_benchmark(argv, *, prog, description, measure, on_failure, add_arguments, is_writer) -> int:
+    parser = ArgumentParser(prog=prog, description=description)
     add_step_arguments(parser)
     if add_arguments is not None:  # the backend's own flags
         add_arguments(parser)
@@ -183,8 +209,6 @@ def run_benchmark(
                          backend=module.split(".")[0].removesuffix("_impl"))
     try:
         records = measure(args)
-    except (ValueError, OSError) as err:
-        sys.exit(f"error: {err}")
     except RuntimeError as err:  # torch.OutOfMemoryError and jax's JaxRuntimeError are RuntimeErrors
         records = on_failure(args, err)
     records = [records] if isinstance(records, Record) else records
@@ -227,9 +251,9 @@ def run_sweep(args: argparse.Namespace, argv: list[str], *, module: str, backend
     out-of-memory or a crash cannot poison the next one). A configuration that ends without writing its
     record (a crash, a hang past ``--config-timeout``) gets an error record written here: a row, not a gap."""
     if not args.out:
-        sys.exit("error: a sweep needs --out (its records are its result)")
+        raise ValueError("a sweep needs --out (its records are its result)")
     models = [m for m in (args.sweep_models or args.model).split(",") if m]
-    seq_lens = [int(n) for n in (args.sweep_seq_lens or str(args.seq_len or "")).split(",") if n] or [None]
+    seq_lens = args.sweep_seq_lens or [args.seq_len]
     base = _without(argv, _SWEEP_FLAGS)
     configs = list(itertools.product(models, seq_lens))
     bar, _ = progress(configs, f"{module} sweep", "config")
@@ -253,7 +277,7 @@ def run_sweep(args: argparse.Namespace, argv: list[str], *, module: str, backend
             record = Record(suite=args.suite, backend=backend, implementation=f"sweep {module}", model=model,
                             model_dims=dataclasses.asdict(spec) if spec else None, batch_size=args.batch_size,
                             seq_len=n, dtype=args.dtype, mode=args.mode, status="error", error=message)
-            append_records(args.out, record)
+            save_records(args.out, record)
         elif proc is not None and proc.returncode != 0:
             failures += 1  # the child recorded its own failure (oom / error)
         if bar is configs:  # no tqdm: a line per configuration instead

@@ -1,9 +1,12 @@
 """The one schema for every measured result: a typed ``Record``, appended to and read from JSON Lines.
 
 Stdlib only, so benchmarks in either backend import it without pulling in pandas. Each benchmark writes one
-record per measured configuration; a failed configuration is a record too (``status`` 'oom' or 'error' with
-its message), never a silent gap. Provenance (git commit, device, library versions, date, command) is filled
-in automatically when a record is made.
+record per measured configuration, as soon as it exists (``save_records``: if ``--out`` cannot be written the
+record is printed on stdout, never lost); a failed configuration is a record too (``status`` one of
+``STATUSES``: 'diverged', 'oom' or 'error', with its message), never a silent gap. Provenance (git commit,
+device, library versions, date, command) is filled in automatically when a record is made. Reading checks
+each record against the schema (field names and types, ``schema_version``) and names the file and line of
+one that does not fit.
 """
 
 from __future__ import annotations
@@ -12,19 +15,24 @@ import dataclasses
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shlex
 import statistics
 import subprocess
 import sys
+import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
 SCHEMA_VERSION = 1
-Status = Literal["ok", "oom", "error"]
+# How a measurement ended: "ok"; "diverged" (it ran, but a loss was not finite: its numbers mean nothing);
+# "oom" (out of memory); "error" (anything else that stopped it). Every status but "ok" carries a message.
+Status = Literal["ok", "diverged", "oom", "error"]
+STATUSES: tuple[str, ...] = typing.get_args(Status)
 _LIBRARIES = ("torch", "triton", "jax", "jaxlib", "flax", "optax", "numpy")
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -120,8 +128,8 @@ class Record:
     def __post_init__(self) -> None:
         if self.backend not in ("torch", "jax"):
             raise ValueError(f"Record.backend={self.backend!r}; accepted: 'torch', 'jax'")
-        if self.status not in ("ok", "oom", "error"):
-            raise ValueError(f"Record.status={self.status!r}; accepted: 'ok', 'oom', 'error'")
+        if self.status not in STATUSES:
+            raise ValueError(f"Record.status={self.status!r}; accepted: {', '.join(map(repr, STATUSES))}")
         if self.status != "ok" and not self.error:
             raise ValueError(f"a record with status {self.status!r} needs an error message")
 
@@ -134,11 +142,66 @@ class Record:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Record":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
+        """The record a ``to_dict()`` made; a ValueError names what does not fit the schema: an unknown or
+        missing field, a value of the wrong type, a ``schema_version`` newer than this code reads."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a record is a JSON object, not {type(data).__name__}")
+        unknown = set(data) - set(_FIELD_TYPES)
         if unknown:
-            raise ValueError(f"record has unknown fields {sorted(unknown)}; accepted: {sorted(known)}")
+            raise ValueError(f"record has unknown fields {sorted(unknown)}; accepted: {sorted(_FIELD_TYPES)}")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"record lacks the fields {missing}")
+        version = data.get("schema_version", SCHEMA_VERSION)
+        if type(version) is not int or not 1 <= version <= SCHEMA_VERSION:
+            raise ValueError(f"schema_version {version!r}: this code reads versions 1 to {SCHEMA_VERSION} (a newer "
+                             "writer's records need newer code)")
+        for name, value in data.items():
+            accepted = _FIELD_TYPES[name]
+            if not _is_a(value, accepted):
+                raise ValueError(f"field {name!r} is {type(value).__name__} {_short(value)}; accepted: "
+                                 f"{' or '.join(t.__name__ for t in accepted)}")
         return cls(**data)
+
+
+def _field_types() -> dict[str, tuple[type, ...]]:
+    """Each field's accepted JSON types, from ``Record``'s annotations (``X | None``, ``dict[...]``,
+    ``Literal[...]`` of strings)."""
+    types = {}
+    for name, hint in typing.get_type_hints(Record).items():
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types_union) else (hint,)
+        accepted = []
+        for option in options:
+            origin = typing.get_origin(option)
+            if origin is Literal:
+                accepted.append(str)
+            elif option is Any:
+                accepted.append(object)
+            else:
+                accepted.append(origin or option)
+        types[name] = tuple(dict.fromkeys(accepted))
+    return types
+
+
+def _is_a(value: Any, accepted: tuple[type, ...]) -> bool:
+    """JSON's view of ``isinstance``: a bool is no number; an int is a float too."""
+    if value is None:
+        return type(None) in accepted
+    if isinstance(value, bool):
+        return bool in accepted or object in accepted
+    if isinstance(value, int) and float in accepted:
+        return True
+    return isinstance(value, accepted)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+types_union = type(int | None)
+_FIELD_TYPES = _field_types()
 
 
 def _truncated(line: bytes) -> bool:
@@ -199,6 +262,37 @@ def append_records(path: str | os.PathLike, records: Record | Iterable[Record]) 
         f.flush()
         os.fsync(f.fileno())
     return path
+
+
+class RecordsNotWritten(OSError):
+    """``--out`` could not be written; the records were printed on stdout instead (``save_records``)."""
+
+
+def save_records(path: str | os.PathLike, records: Record | Iterable[Record]) -> Path:
+    """Append records to ``path`` as ``append_records`` does; where the file cannot be written (a read-only
+    folder, a full disk, a file where a folder should be), print each record as one JSON line on stdout, so
+    the measurement is not lost, and raise ``RecordsNotWritten`` naming the path (the CLIs' error boundary,
+    ``parallelism_calc.cli.run_cli``, turns it into one line on stderr and exit status 2). Benchmarks call it
+    as soon as each record exists."""
+    batch = [records] if isinstance(records, Record) else list(records)
+    try:
+        return append_records(path, batch)
+    except OSError as err:
+        sys.stderr.flush()
+        for record in batch:
+            print(json.dumps(record.to_dict(), sort_keys=True), flush=True)
+        reason = err.strerror or str(err)
+        raise RecordsNotWritten(f"cannot write records to {path} ({reason}): the {len(batch)} record(s) are "
+                                "printed on stdout above") from err
+
+
+def divergence(losses: Iterable[float]) -> str | None:
+    """Why a run's losses mean nothing (its record's status is then "diverged"), or None: the first loss
+    that is not finite (NaN or infinite), named with its 1-based position."""
+    for i, loss in enumerate(losses, 1):
+        if loss is None or not math.isfinite(loss):
+            return f"loss {loss} at step {i}: not finite (the run diverged)"
+    return None
 
 
 def read_records(path: str | os.PathLike) -> list[Record]:

@@ -13,8 +13,9 @@ measured in both backends, the PyTorch-vs-JAX report (``analysis.side_by_side``)
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from analysis.data_parallel import SUITE as DDP_SUITE, write_ddp_report
@@ -24,8 +25,16 @@ from analysis.records import Record, read_records
 from analysis.side_by_side import head_to_head, side_by_side_frame, write_side_by_side
 from analysis.single_gpu import REPORTS as SINGLE_GPU_REPORTS
 from analysis.tables import load_records, markdown_table, records_frame
+from parallelism_calc.cli import ArgumentParser, error_boundary
 
 ATTENTION_SUITES = ("attention", "naive_attention")
+# What each suite's report reads from the metrics of its successful records (check_suite).
+REPORT_METRICS = {
+    **{suite: ("heads", "head_dim", "causal") for suite in ATTENTION_SUITES},
+    ALLREDUCE_SUITE: ("bytes", "size", "algbw_gbps", "busbw_gbps", "raw_loop_ms", "raw_algbw_gbps", "raw_busbw_gbps",
+                      "busbw_over_raw"),
+    COLLECTIVES_SUITE: ("op", "axis", "bytes", "size", "algbw_gbps", "busbw_gbps", "raw_busbw_gbps"),
+}
 
 
 def precision_markdown(records: list[Record]) -> str:
@@ -94,35 +103,61 @@ def _side_by_side(files: list[Path], out_dir: Path) -> list[Path]:
     return write_side_by_side(records, out_dir / "side_by_side")
 
 
+def check_suite(path: Path, suite: str, records: list[Record]) -> None:
+    """Refuse records that do not carry what their suite's report reads (``REPORT_METRICS``): a record filed
+    under the wrong suite is a ValueError naming the file, the suite and what is missing, not a table of blanks."""
+    needed = REPORT_METRICS.get(suite, ())
+    for r in records:
+        missing = [name for name in needed if name not in r.metrics]
+        if r.status == "ok" and missing:
+            raise ValueError(f"{path}: a {suite!r} record ({r.backend} {r.implementation}) lacks the metrics "
+                             f"{', '.join(missing)} that the {suite} report reads: is it filed under the right suite?")
+
+
 def write_reports(results: Path, out_dir: Path) -> list[Path]:
-    """Every suite's report for every record file in ``results``, and an index; the files written."""
+    """Every suite's report for every record file in ``results``, and an index; the files written.
+
+    All or nothing: the reports are written into a staging folder inside ``out_dir`` and moved into place only
+    when every suite's report and the index are done, so a record that does not fit its report (a ValueError
+    naming the file and suite) leaves ``out_dir`` as it was."""
     files = sorted(results.glob("*.jsonl"))
     if not files:
         raise FileNotFoundError(f"no *.jsonl record files in {results}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    for path in files:
-        records = read_records(path)
-        for suite in dict.fromkeys(r.suite for r in records):
-            written += suite_report(path, suite, [r for r in records if r.suite == suite], out_dir)
-    written += _side_by_side(files, out_dir)
-    index = out_dir / "index.md"
-    lines = ["# Reports", "", f"Generated from `{results}/*.jsonl` by `python -m analysis.reports`.", ""]
-    lines += [f"- [{p.relative_to(out_dir)}]({p.relative_to(out_dir)})" for p in written]
-    index.write_text("\n".join(lines) + "\n")
-    return [*written, index]
+    with tempfile.TemporaryDirectory(prefix=".staging-", dir=out_dir) as tmp:
+        staging = Path(tmp)
+        written: list[Path] = []
+        for path in files:
+            records = read_records(path)
+            for suite in dict.fromkeys(r.suite for r in records):
+                mine = [r for r in records if r.suite == suite]
+                check_suite(path, suite, mine)
+                try:
+                    written += suite_report(path, suite, mine, staging)
+                except (KeyError, TypeError, AttributeError) as err:  # a field the report reads is missing
+                    raise ValueError(f"{path}: its {suite!r} records do not fit the {suite} report "
+                                     f"({type(err).__name__}: {err}): are they filed under the right suite?") from None
+        written += _side_by_side(files, staging)
+        index = staging / "index.md"
+        lines = ["# Reports", "", f"Generated from `{results}/*.jsonl` by `python -m analysis.reports`.", ""]
+        lines += [f"- [{p.relative_to(staging)}]({p.relative_to(staging)})" for p in written]
+        index.write_text("\n".join(lines) + "\n")
+        final = []
+        for staged in [*written, index]:
+            target = out_dir / staged.relative_to(staging)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staged, target)
+            final.append(target)
+    return final
 
 
+@error_boundary(prog="python -m analysis.reports")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.reports", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m analysis.reports", description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="?", default="results", type=Path, help="folder of *.jsonl (default results)")
     parser.add_argument("--out", type=Path, help="where the reports go (default RESULTS/reports)")
     args = parser.parse_args(argv)
-    try:
-        written = write_reports(args.results, args.out or args.results / "reports")
-    except (OSError, ValueError) as err:
-        print(f"analysis.reports: error: {err}", file=sys.stderr)
-        return 2
+    written = write_reports(args.results, args.out or args.results / "reports")
     print("\n".join(f"wrote {p}" for p in written))
     return 0
 

@@ -21,7 +21,6 @@ Nothing is typed by hand: rerun it after adding records. References: the record 
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ import pandas as pd
 from analysis.plots import bar_plot
 from analysis.records import Record
 from analysis.tables import RecordSource, load_records, markdown_table
+from parallelism_calc.cli import ArgumentParser, error_boundary
 
 PER_RANK_BATCH_SUITES = ("ddp",)
 CONFIG_KEYS = ("model", "seq_len", "dtype", "mode", "global_batch", "devices", "device")
@@ -153,16 +153,14 @@ def write_side_by_side(sources: RecordSource | Iterable[RecordSource], out_dir: 
     return [report, *written]
 
 
+@error_boundary(prog="python -m analysis.side_by_side")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.side_by_side", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m analysis.side_by_side", description=__doc__.splitlines()[0])
     parser.add_argument("records", nargs="+", help="record files, folders or globs (JSON Lines)")
     parser.add_argument("--out", default="results/side_by_side", help="output folder (default results/side_by_side)")
     parser.add_argument("--mode", default="train_step", help="compare this mode only; 'all' for every mode")
     args = parser.parse_args(argv)
-    try:
-        written = write_side_by_side(args.records, args.out, None if args.mode == "all" else args.mode)
-    except (ValueError, FileNotFoundError) as err:
-        sys.exit(f"error: {err}")
+    written = write_side_by_side(args.records, args.out, None if args.mode == "all" else args.mode)
     print("\n".join(str(p) for p in written))
     return 0
 

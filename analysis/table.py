@@ -16,6 +16,7 @@ from typing import Sequence
 import pandas as pd
 
 from analysis.tables import markdown_table, records_frame
+from parallelism_calc.cli import ArgumentParser, error_boundary
 
 
 def _names(text: str) -> list[str]:
@@ -24,7 +25,7 @@ def _names(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m analysis.table", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m analysis.table", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="record files (.jsonl), globs or folders")
     parser.add_argument("--suite", help="only records of this suite, e.g. e2e")
     parser.add_argument("--columns", type=_names, help="comma-separated columns (default: the e2e set)")
@@ -51,15 +52,13 @@ def render(paths: Sequence[str], suite: str | None = None, columns: Sequence[str
     return markdown_table(frame, columns, metrics=metrics)
 
 
+@error_boundary(prog="python -m analysis.table")
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    try:
-        table = render(args.paths, args.suite, args.columns, args.metrics)
-        if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(table + "\n", encoding="utf-8")
-    except (OSError, ValueError) as err:
-        raise SystemExit(f"analysis.table: error: {err}") from None
+    table = render(args.paths, args.suite, args.columns, args.metrics)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table + "\n", encoding="utf-8")
     print(table)
 
 

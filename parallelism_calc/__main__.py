@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from typing import Callable
 
 from parallelism_calc.collectives import (ring_all_gather_time, ring_all_reduce_time, ring_reduce_scatter_time,
                                           whole_buffer_ring_all_reduce_time)
@@ -26,28 +26,8 @@ from parallelism_calc.strategy_analysis import strategies_report
 from parallelism_calc.transformer_analysis import transformer_report
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage dump) and exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = kind(float(text)) if kind is int and "e" in text.lower() else kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text} must be > 0")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-positive_int, positive_float = _positive(int), _positive(float)
+from parallelism_calc.cli import (ArgumentParser as _Parser, BadInput, error_boundary, nonnegative_float,
+                                  nonnegative_int, positive_float, positive_int)
 
 
 def _add_model(parser: argparse.ArgumentParser) -> None:
@@ -104,13 +84,24 @@ def _add_mesh(parser: argparse.ArgumentParser) -> None:
 
 
 def _emit(report: Report, args: argparse.Namespace) -> int:
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text(explain=args.explain))
+    """The report as text, or as strict JSON (a non-finite value is an error, never ``NaN`` / ``Infinity``)."""
+    if args.json:
+        bad = [f"{s.key}.{q.key}" for s in report.sections for q in s.quantities
+               if isinstance(q.value, float) and not math.isfinite(q.value)]
+        if bad:
+            raise ValueError(f"the inputs give non-finite results ({', '.join(bad)}); check them")
+        print(json.dumps(report.to_dict(), indent=2, allow_nan=False))
+    else:
+        print(report.to_text(explain=args.explain))
     return 0
 
 
 def _add_output(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--explain", action="store_true", help="print each formula with the numbers substituted")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--explain", action="store_true", help="print each formula with the numbers substituted")
+    output.add_argument("--json", action="store_true",
+                        help="print the results as JSON (each quantity carries its formula and substituted "
+                             "numbers, so --explain is not needed, nor accepted, with it)")
 
 
 # ------------------------------------------------------------------------------------------- subcommands
@@ -121,9 +112,10 @@ def report_main(argv: list[str]) -> int:
                      epilog="Other subcommands: strategies, collectives (each with --help).")
     _add_model(parser)
     _add_mesh(parser)
-    parser.add_argument("--batch-tokens", type=positive_float,
+    parser.add_argument("--batch-tokens", type=positive_int,
                         help="global batch in tokens (default: XXL the smallest compute-bound batch, "
-                             "Transformers 4 sequences per data-parallel rank)")
+                             "Transformers 4 sequences per data-parallel rank, rounded up to a multiple of the "
+                             "devices)")
     parser.add_argument("--budget-gb", type=positive_float,
                         help="per-device budget for the smallest N_FSDP (default: --hardware's memory, else 95, a TPU v5p)")
     parser.add_argument("--device-memory-gb", type=positive_float,
@@ -135,7 +127,8 @@ def report_main(argv: list[str]) -> int:
                     help="training precision (default bf16_autocast: fp32 state, bf16 activations)")
     lm.add_argument("--checkpointing", choices=CHECKPOINTING, default="none", help="activation checkpointing")
     lm.add_argument("--attention", choices=ATTENTION, default="naive", help="attention kernel (naive or flash)")
-    lm.add_argument("--prefetch-layers", type=int, default=1, help="FSDP layers gathered ahead (default 1)")
+    lm.add_argument("--prefetch-layers", type=nonnegative_int, default=1,
+                    help="FSDP layers gathered ahead (default 1)")
     _add_roofline(parser)
     _add_output(parser)
     args = parser.parse_args(argv)
@@ -149,10 +142,10 @@ def report_main(argv: list[str]) -> int:
                             batch_tokens=args.batch_tokens, budget_bytes=budget_bytes, device_bytes=device_bytes)
     else:
         seq_len = args.seq_len or spec.context_length
-        batch = args.batch_tokens or 4 * mesh.dp * mesh.fsdp * seq_len  # 4 sequences per data-parallel rank
-        if not float(batch).is_integer():
-            raise ValueError(f"--batch-tokens {batch} must be a whole number of tokens")
-        report = transformer_report(spec, mesh=mesh, batch_tokens=int(batch), seq_len=seq_len,
+        # 4 sequences per data-parallel rank, rounded up to a multiple of the devices (the 1-D strategies'
+        # data-parallel ranks)
+        batch = args.batch_tokens or math.lcm(4 * mesh.dp * mesh.fsdp, mesh.world_size) * seq_len
+        report = transformer_report(spec, mesh=mesh, batch_tokens=batch, seq_len=seq_len,
                                     precision=args.precision, checkpointing=args.checkpointing,
                                     attention=args.attention, device_bytes=device_bytes,
                                     prefetch_layers=args.prefetch_layers)
@@ -164,7 +157,7 @@ def strategies_main(argv: list[str]) -> int:
                      description="DP, FSDP, TP and FSDP x TP of a model's FFN: FLOPs and communication of forward "
                                  "and backward, and the largest degree before communication dominates.")
     _add_model(parser)
-    parser.add_argument("--batch-tokens", type=positive_float, required=True, help="global batch in tokens")
+    parser.add_argument("--batch-tokens", type=positive_int, required=True, help="global batch in tokens")
     parser.add_argument("--devices", type=positive_int, required=True, help="number of devices")
     parser.add_argument("--fsdp", type=positive_int, help="FSDP degree of the 2D split (default: devices / --tp)")
     parser.add_argument("--tp", type=positive_int, default=1, help="TP degree of the 2D split (default 1)")
@@ -187,7 +180,7 @@ def collectives_main(argv: list[str]) -> int:
     parser.add_argument("--bandwidth", type=positive_float,
                         help="bytes/s per device, one direction (default: --hardware's interconnect)")
     parser.add_argument("--hardware", choices=list(HARDWARE), default="h100", help="default bandwidth (h100)")
-    parser.add_argument("--latency", type=float, default=0.0, help="seconds per ring step (default 0)")
+    parser.add_argument("--latency", type=nonnegative_float, default=0.0, help="seconds per ring step (default 0)")
     _add_output(parser)
     args = parser.parse_args(argv)
     w = args.bandwidth or get_hardware(args.hardware).interconnect_bw
@@ -217,10 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     run = SUBCOMMANDS.get(argv[0], report_main) if argv else report_main
     try:
-        return run(argv[1:] if run is not report_main else argv)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return error_boundary(run, prog="python -m parallelism_calc")(argv[1:] if run is not report_main else argv)
+    except BadInput as exit:
+        return exit.code
 
 
 if __name__ == "__main__":

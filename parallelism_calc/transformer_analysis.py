@@ -50,6 +50,10 @@ def transformer_report(spec: ModelSpec, *, mesh: ParallelSpec, batch_tokens: int
               "copy per consumer), checked against autograd's saved tensors in tests/test_calc_memory.py.",))
 
     world = mesh.world_size
+    if batch_tokens % world:
+        raise ValueError(f"batch_tokens={batch_tokens} is not divisible by the {world} devices (dp {mesh.dp} x fsdp "
+                         f"{mesh.fsdp} x tp {mesh.tp}), over which the DDP, ZeRO and FSDP rows spread it as data "
+                         "parallelism")
     memory_rows = []
     for strategy in STRATEGIES:
         layout = mesh if strategy == "fsdp_tp" else world  # the 1-D strategies spread over every device

@@ -185,9 +185,10 @@ def test_cli_prints_and_writes_table(jsonl: Path, tmp_path: Path, records: list[
 
 def test_cli_unknown_column_is_one_line_error(jsonl: Path) -> None:
     result = run_cli(str(jsonl), "--columns", "backend,speed")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stdout == ""
-    assert result.stderr.startswith("analysis.table: error: unknown column(s) speed; accepted: suite, backend")
+    assert result.stderr.startswith("python -m analysis.table: error: unknown column(s) speed; accepted: suite, "
+                                    "backend")
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
 
@@ -200,11 +201,11 @@ def test_cli_unknown_column_is_one_line_error(jsonl: Path) -> None:
         (["{bad}"], "bad.jsonl:2: not a valid record"),
     ],
 )
-def test_cli_bad_input_exits_with_message(jsonl: Path, args: list[str], message: str) -> None:
+def test_cli_bad_input_exits_with_message(jsonl: Path, args: list[str], message: str, capsys) -> None:
     bad = jsonl.with_name("bad.jsonl")
     bad.write_text(jsonl.read_text().splitlines()[0] + "\n{oops\n")
     argv = [a.format(dir=jsonl.parent, file=jsonl, bad=bad) for a in args]
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
-    assert message in str(exit_info.value.code)
-    assert str(exit_info.value.code).startswith("analysis.table: error: ")
+    assert exit_info.value.code == 2 and message in str(exit_info.value)
+    assert capsys.readouterr().err.startswith("python -m analysis.table: error: ")

@@ -158,7 +158,8 @@ def test_transformer_preset_report(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["small", "--seq-len", "4096"], "exceeds context_length"),
     (["small", "--batch-tokens", "1000"], "not a whole number of 1024-token sequences"),
-    (["small", "--fsdp", "3", "--batch-tokens", "2048"], "not divisible by dp x fsdp = 3"),
+    (["small", "--fsdp", "3", "--batch-tokens", "2048"], "not divisible by the 3 devices (dp 1 x fsdp 3 x tp 1)"),
+    (["small", "--fsdp", "4", "--tp", "3", "--batch-tokens", "16384"], "the 12 devices (dp 1 x fsdp 4 x tp 3)"),
     (["lm8b", "--tp", "3"], "does not divide"),
 ])
 def test_transformer_report_bad_input(argv, message, capsys):

@@ -3,6 +3,7 @@
 import shutil
 from pathlib import Path
 
+import pytest
 
 from analysis import reports
 from analysis.records import Record, append_records
@@ -37,5 +38,6 @@ def test_generic_suite_shows_scalar_metrics_and_failures(tmp_path):
 
 
 def test_empty_folder_is_an_error(tmp_path, capsys):
-    assert reports.main([str(tmp_path)]) == 2
-    assert "no *.jsonl record files" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        reports.main([str(tmp_path)])
+    assert exit_info.value.code == 2 and "no *.jsonl record files" in capsys.readouterr().err

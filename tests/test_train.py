@@ -296,7 +296,7 @@ def test_cli_stops_and_resumes(cache, tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--dist", "ddp3"], "invalid choice: 'ddp3'"),
-    (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
+    (["--batch-size", "0"], "argument --batch-size: '0': must be > 0"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--vocab-size", "100"], "vocab_size >= 257"),
     (["--model", "xxl"], "analysis-only"),

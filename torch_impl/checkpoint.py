@@ -15,7 +15,8 @@ same folder (a run counts up): they are left alone and named on stderr, ``latest
 the new run replaces them as it reaches their step numbers. A job killed at any moment leaves ``latest`` naming a
 complete checkpoint (or no ``latest`` at all), never a partial one.
 ``load_checkpoint(directory, rank)`` reads the one ``latest`` names: ``shared`` and this rank's ``local``
-(None when the checkpoint was written by fewer ranks).
+(None when the checkpoint was written by fewer ranks); a file that cannot be read or a rank's file missing is
+a ValueError naming it.
 
 ``capture_rng()`` / ``restore_rng(state)``: Python's ``random``, numpy's global generator, torch's CPU
 generator and every CUDA device's, so a resumed run draws what the uninterrupted one would have.
@@ -28,6 +29,7 @@ wrote. What goes into ``shared`` / ``local`` is the trainer's business (``torch_
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
@@ -137,11 +139,26 @@ def load_checkpoint(directory: str | os.PathLike, rank: int = 0) -> Checkpoint:
     folder = latest_checkpoint(directory)
     if folder is None:
         raise ValueError(f"no checkpoint in {directory} (no {LATEST!r} naming a complete step-* folder)")
-    # Our own files: they hold numpy / Python RNG states, which weights_only=True refuses.
-    shared = torch.load(folder / SHARED, map_location="cpu", weights_only=False)
+    shared = _load(folder / SHARED)
+    if not isinstance(shared, dict) or not isinstance(shared.get("world_size"), int):
+        raise ValueError(f"{folder / SHARED}: not a checkpoint of this trainer (no world size)")
+    missing = [_rank_file(r) for r in range(shared["world_size"]) if not (folder / _rank_file(r)).is_file()]
+    if missing:
+        raise ValueError(f"checkpoint {folder} is incomplete: {', '.join(missing)} missing (it was written by "
+                         f"{shared['world_size']} ranks, each with its own file)")
     path = folder / _rank_file(rank)
-    local = torch.load(path, map_location="cpu", weights_only=False) if path.exists() else None
-    return Checkpoint(folder, shared, local)
+    return Checkpoint(folder, shared, _load(path) if path.exists() else None)
+
+
+def _load(path: Path) -> Any:
+    """One checkpoint file; a ValueError naming it if it is not one (random bytes, cut short)."""
+    try:
+        # Our own files: they hold numpy / Python RNG states, which weights_only=True refuses.
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, AttributeError, ImportError, IndexError,
+            KeyError, TypeError, UnicodeDecodeError) as err:  # what torch.load raises on bytes it cannot read
+        raise ValueError(f"{path}: not a readable checkpoint file ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else 'cut short'})") from None
 
 
 def capture_rng() -> dict[str, Any]:

@@ -15,7 +15,8 @@
     ``SEPARATOR`` = 256 after each file (vocabulary 257). Every ``round(1 / val_fraction)``-th file goes to
     validation (the last file, when there are fewer), so both splits span the whole subset.
   - a ``.npy`` file of token ids (1-D, integer): memory-mapped as it is; the last ``val_fraction`` of it is
-    the validation split (views, nothing copied).
+    the validation split (views, nothing copied). Its ``digest`` hashes the file's content and the split
+    (``_content_digest``), so a resumed run refuses another file of the same size.
   - any other file: its bytes are the tokens (vocabulary 257, as the built-in corpus); tail split.
 
   Byte corpora are written once into ``cache_dir`` (``train.npy``, ``val.npy``, ``meta.json``) in a
@@ -232,12 +233,15 @@ def builtin_corpus(cache_dir: str | os.PathLike, limit_bytes: int = DEFAULT_BUIL
     return _cached(Path(cache_dir) / f"{name}-{digest}", build)
 
 
-def _file_digest(path: Path) -> str:
+def _content_digest(path: Path, val_fraction: float) -> str:
+    """What identifies a file's data set: a SHA-256 of every byte (streamed, 1 MiB at a time) and the split, 12
+    hex digits. The whole file, not a sample: reading it costs what the ``min()`` / ``max()`` scan of a token
+    file costs already, and a sample would miss an edit between its chunks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
-    return h.hexdigest()
+    return hashlib.sha256(f"{h.hexdigest()} {val_fraction}".encode()).hexdigest()[:12]
 
 
 def prepare_data(source: str, cache_dir: str | os.PathLike = ".cache/data", *,
@@ -256,8 +260,8 @@ def prepare_data(source: str, cache_dir: str | os.PathLike = ".cache/data", *,
         if int(tokens.min()) < 0:
             raise ValueError(f"{path}: negative token ids")
         train, val = _tail_split(tokens, val_fraction)
-        return TokenData(train, val, int(tokens.max()) + 1, path.name, f"{path.stat().st_size}B")
-    digest = hashlib.sha256(f"{_file_digest(path)} {val_fraction}".encode()).hexdigest()[:12]
+        return TokenData(train, val, int(tokens.max()) + 1, path.name, _content_digest(path, val_fraction))
+    digest = _content_digest(path, val_fraction)
 
     def build():
         tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(token_dtype(BYTE_VOCAB))

@@ -48,7 +48,13 @@ Checkpoints (``--checkpoint-dir``, every ``--checkpoint-every`` epochs and at ``
 ``state_dict()``, a collective), the LR scheduler, the data generator's state and the step; every rank
 writes its RNG states, and under FSDP its weight shards and its optimizer's state (so FSDP resumes on the
 same number of ranks only; the others on any). ``--resume`` loads the latest and continues, giving exactly
-the uninterrupted run's losses (same world size and mode). ``--stop-after-epochs K`` ends the job after
+the uninterrupted run's losses (same world size and mode; bit for bit with one CPU thread, to float round-off
+with several: two uninterrupted runs on 2 threads already differ by ~1e-5, as CPU kernels split their sums
+by thread). It refuses a checkpoint whose settings differ, or whose data set's content digest
+(``TokenData.digest``: a hash of the file's bytes) is not the one of ``--data`` now.
+
+A non-finite loss ends the run after its epoch: the epoch's record has status "diverged" (no checkpoint of
+it is saved) and the exit status is 1. ``--stop-after-epochs K`` ends the job after
 epoch K (with a checkpoint), keeping the schedule of ``--epochs``: a preemption, on purpose.
 
 Caveats: sampling is with replacement (CS336's ``get_batch``), so an "epoch" is a number of steps, not a
@@ -82,9 +88,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from analysis.benchmark import DTYPES, step_record  # noqa: E402
-from analysis.records import Record, append_records  # noqa: E402
+from analysis.records import Record, divergence, save_records  # noqa: E402
+from parallelism_calc.cli import (ArgumentParser, error_boundary, fraction, nonnegative_float,  # noqa: E402
+                                  nonnegative_int, one_line, positive_float, positive_int, writable_path)
 from parallelism_calc.specs import MODELS, ModelSpec, get_model  # noqa: E402
 from torch_impl import checkpoint as ckpt  # noqa: E402
+from torch_impl.device import pick_device  # noqa: E402
 from torch_impl.data import (DEFAULT_BUILTIN_BYTES, DEFAULT_VAL_FRACTION, TokenData, batch_at,  # noqa: E402
                              prepare_data, sample_starts, validation_batches, validation_starts)
 from torch_impl.distributed.process_group import DistributedContext, init_distributed  # noqa: E402
@@ -152,18 +161,18 @@ class TrainConfig:
             raise ValueError(f"--dtype {self.dtype!r}; accepted: {', '.join(DTYPES)}")
         check_supported([self.dist], self.compile, self.dtype, flag="--dist ")
         for name in ("epochs", "batch_size", "grad_accum", "seq_len", "checkpoint_every"):
-            if getattr(self, name) < 1:
+            if not getattr(self, name) >= 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
         for name in ("steps_per_epoch", "stop_after_epochs"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
+            if getattr(self, name) is not None and not getattr(self, name) >= 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
-        for name in ("warmup_steps", "val_batches", "grad_clip", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 0")
-        if not self.lr > 0 or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
-            raise ValueError(f"--lr={self.lr} must be > 0 and --min-lr={self.min_lr} in [0, lr]")
-        if not (self.bucket_mb > 0 and self.adam_eps > 0 and self.timeout > 0):
-            raise ValueError("--bucket-mb, --adam-eps and --timeout must be > 0")
+        for name in ("warmup_steps", "val_batches", "grad_clip", "weight_decay"):  # `not >=`: NaN fails too
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be finite and >= 0")
+        if not 0 < self.lr < math.inf or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"--lr={self.lr} must be finite and > 0 and --min-lr={self.min_lr} in [0, lr]")
+        if not all(0 < v < math.inf for v in (self.bucket_mb, self.adam_eps, self.timeout)):
+            raise ValueError("--bucket-mb, --adam-eps and --timeout must be finite and > 0")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
 
@@ -391,6 +400,10 @@ def restore(parts: Parts, cfg: TrainConfig, generator: np.random.Generator, sett
     state = ckpt.load_checkpoint(cfg.checkpoint_dir, rank)
     saved = state.shared["settings"]
     differ = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
+    if "data" in differ:  # the data set's content digest (torch_impl.data), not its name or size
+        raise ValueError(f"--resume: --data {cfg.data} is not the data set the checkpoint {state.path} was trained "
+                         f"on (content digest {differ['data'][0]} there, {differ['data'][1]} now); resume with "
+                         "the same data")
     if differ:
         raise ValueError(f"--resume: settings differ from the checkpoint {state.path} (saved, now): {differ}")
     if parts.dist == "fsdp" or state.shared["dist"] == "fsdp":
@@ -419,6 +432,7 @@ class TrainResult:
     start_step: int  # 0, or the step resumed from
     params: dict[str, torch.Tensor] | None = None  # full final parameters on the CPU (keep_params=True)
     stopped_early: bool = False
+    diverged: bool = False  # a loss was not finite: the run stopped after that epoch (its record: "diverged")
 
 
 @dataclass
@@ -442,9 +456,7 @@ def _progress(total: int, desc: str, enabled: bool):
 def _context(cfg: TrainConfig) -> DistributedContext:
     if dist.is_available() and dist.is_initialized():
         return init_distributed(device="cpu" if cfg.device == "cpu" else None)  # no re-initialization
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
-    return DistributedContext(0, 1, 0, device, "none")
+    return DistributedContext(0, 1, 0, pick_device(cfg.device), "none")
 
 
 def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
@@ -510,7 +522,8 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
         losses = [v / world_size for v in _all_reduce_sum(stats.losses, device, world_size)]
         checkpoint_s = 0.0
         last = epoch + 1 == stop_epoch
-        if cfg.checkpoint_dir and ((epoch + 1) % cfg.checkpoint_every == 0 or last):
+        diverged = divergence(losses + ([] if val_loss is None else [val_loss]))  # the same on every rank
+        if cfg.checkpoint_dir and not diverged and ((epoch + 1) % cfg.checkpoint_every == 0 or last):
             ckpt_start = time.perf_counter()
             save(parts, cfg, step, generator, settings, rank, world_size)
             checkpoint_s = time.perf_counter() - ckpt_start
@@ -530,8 +543,14 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
         result.val_losses.append(val_loss)
         if rank == 0:
             if cfg.out:
-                append_records(cfg.out, record)
+                save_records(cfg.out, record)
             print(_describe(record), flush=True)
+        if diverged:  # its record says "diverged"; a checkpoint of it would only hold NaNs
+            if rank == 0:
+                print(f"error: epoch {epoch + 1}: {diverged}; training stopped, no checkpoint of this epoch",
+                      file=sys.stderr, flush=True)
+            result.diverged = True
+            break
     result.stopped_early = stop_epoch < cfg.epochs
     if keep_params:
         full = parts.forward.gather_full_params() if cfg.dist == "fsdp" else dict(parts.model.named_parameters())
@@ -588,49 +607,59 @@ def _betas(text: str) -> tuple[float, float]:
         b1, b2 = (float(s) for s in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: write two numbers, e.g. 0.9,0.95") from None
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: each beta must be in [0, 1), e.g. 0.9,0.95")
     return b1, b2
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m torch_impl.train", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m torch_impl.train", description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--model", default=d.model, help=f"model preset: {', '.join(MODELS)} (default {d.model})")
     for flag in ("--d-model", "--d-ff", "--n-layers", "--n-heads", "--vocab-size"):
-        a(flag, type=int, help="override the preset's dimension")
-    a("--epochs", type=int, default=d.epochs, help=f"epochs (default {d.epochs})")
-    a("--steps-per-epoch", type=int, help="optimizer steps per epoch (default: about one pass over the tokens)")
-    a("--stop-after-epochs", type=int, help="end the job after this many epochs (checkpointed), keeping the "
+        a(flag, type=positive_int, help="override the preset's dimension")
+    a("--epochs", type=positive_int, default=d.epochs, help=f"epochs (default {d.epochs})")
+    a("--steps-per-epoch", type=positive_int,
+      help="optimizer steps per epoch (default: about one pass over the tokens)")
+    a("--stop-after-epochs", type=positive_int, help="end the job after this many epochs (checkpointed), keeping the "
                                             "schedule of --epochs; continue with --resume")
-    a("--batch-size", type=int, default=d.batch_size, help=f"sequences per micro-batch per rank (default {d.batch_size})")
-    a("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step (default 1)")
-    a("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
-    a("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
-    a("--min-lr", type=float, help="learning rate at the last step (default lr / 10)")
-    a("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps (default 0)")
-    a("--grad-clip", type=float, default=d.grad_clip, help=f"max global gradient norm, 0 = off (default {d.grad_clip})")
-    a("--weight-decay", type=float, default=d.weight_decay, help=f"AdamW weight decay (default {d.weight_decay})")
-    a("--adam-eps", type=float, default=d.adam_eps, help=f"AdamW eps (default {d.adam_eps})")
+    a("--batch-size", type=positive_int, default=d.batch_size,
+      help=f"sequences per micro-batch per rank (default {d.batch_size})")
+    a("--grad-accum", type=positive_int, default=d.grad_accum, help="micro-batches per optimizer step (default 1)")
+    a("--seq-len", type=positive_int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
+    a("--lr", type=positive_float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    a("--min-lr", type=nonnegative_float, help="learning rate at the last step (default lr / 10)")
+    a("--warmup-steps", type=nonnegative_int, default=d.warmup_steps, help="linear warm-up steps (default 0)")
+    a("--grad-clip", type=nonnegative_float, default=d.grad_clip,
+      help=f"max global gradient norm, 0 = off (default {d.grad_clip})")
+    a("--weight-decay", type=nonnegative_float, default=d.weight_decay,
+      help=f"AdamW weight decay (default {d.weight_decay})")
+    a("--adam-eps", type=positive_float, default=d.adam_eps, help=f"AdamW eps (default {d.adam_eps})")
     a("--betas", type=_betas, default=d.betas, help="AdamW betas (default 0.9,0.999)")
     a("--dtype", choices=list(DTYPES), default=d.dtype,
       help="fp32; bf16 autocast with fp32 weights; bf16_mixed: bf16 weights, fp32 masters in the optimizer")
     a("--attention", default=d.attention, help=f"attention backend (default {d.attention})")
     a("--compile", action="store_true", help="torch.compile each block (not with --dist fsdp)")
     a("--dist", choices=DIST_MODES, default=d.dist, help=f"data-parallel mode (default {d.dist})")
-    a("--bucket-mb", type=float, default=d.bucket_mb, help="bucket size in MiB for bucketed and zero1 (default 25)")
-    a("--val-batches", type=int, default=d.val_batches, help="validation batches per epoch, 0 = none (default 8)")
+    a("--bucket-mb", type=positive_float, default=d.bucket_mb,
+      help="bucket size in MiB for bucketed and zero1 (default 25)")
+    a("--val-batches", type=nonnegative_int, default=d.val_batches,
+      help="validation batches per epoch, 0 = none (default 8)")
     a("--data", default=d.data, help="builtin (the stdlib's source as bytes), a .npy token file, or a text file")
     a("--cache-dir", default=d.cache_dir, help=f"where byte corpora are built (default {d.cache_dir})")
-    a("--builtin-mb", type=float, default=d.builtin_mb, help=f"size of the built-in corpus (default {d.builtin_mb:g})")
-    a("--val-fraction", type=float, default=d.val_fraction, help="share of the data for validation (default 0.05)")
+    a("--builtin-mb", type=positive_float, default=d.builtin_mb,
+      help=f"size of the built-in corpus (default {d.builtin_mb:g})")
+    a("--val-fraction", type=fraction, default=d.val_fraction, help="share of the data for validation (default 0.05)")
     a("--checkpoint-dir", help="save checkpoints here")
-    a("--checkpoint-every", type=int, default=d.checkpoint_every, help="epochs between checkpoints (default 1)")
+    a("--checkpoint-every", type=positive_int, default=d.checkpoint_every,
+      help="epochs between checkpoints (default 1)")
     a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    a("--out", metavar="JSONL", help="append one record per epoch here")
-    a("--seed", type=int, default=d.seed, help="seed of the weights and the data order (default 0)")
+    a("--out", metavar="JSONL", type=writable_path, help="append one record per epoch here")
+    a("--seed", type=nonnegative_int, default=d.seed, help="seed of the weights and the data order (default 0)")
     a("--run-name", help="a name for this run, written into its records (metrics.run)")
     a("--device", default=d.device, help="auto (CUDA if available), cpu, or cuda")
-    a("--timeout", type=float, default=d.timeout, help="process-group timeout in seconds (default 300)")
+    a("--timeout", type=positive_float, default=d.timeout, help="process-group timeout in seconds (default 300)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
@@ -647,12 +676,14 @@ def _failure_record(cfg: TrainConfig, err: BaseException, world_size: int) -> Re
     return record
 
 
+@error_boundary(prog="python -m torch_impl.train")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         cfg = TrainConfig(**vars(args))
         cfg.spec()
+        pick_device(cfg.device)  # CUDA asked for and absent: refused here, not a silent CPU run
     except ValueError as err:
         parser.error(str(err))
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
@@ -673,21 +704,19 @@ def _main(cfg: TrainConfig, parser: argparse.ArgumentParser) -> int:
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
         if cfg.dist == "none":
-            run_training(cfg)
-            return 0
+            return 1 if run_training(cfg).diverged else 0
         if world_size == 1:  # a one-rank group for the wrappers, on a free port
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         from torch_impl.distributed import distributed_context
 
         with distributed_context(timeout_s=cfg.timeout, device="cpu" if cfg.device == "cpu" else None) as ctx:
-            run_training(cfg, ctx)
-        return 0
+            return 1 if run_training(cfg, ctx).diverged else 0
     except ValueError as err:
         parser.error(str(err))
     except RuntimeError as err:  # out of memory, a kernel or a collective failing: a record, not a gap
         if rank == 0 and cfg.out:
-            append_records(cfg.out, _failure_record(cfg, err, world_size))
-        print(f"error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            save_records(cfg.out, _failure_record(cfg, err, world_size))
+        print(f"error: {type(err).__name__}: {one_line(err)}", file=sys.stderr, flush=True)
         return 1
 
 

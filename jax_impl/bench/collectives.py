@@ -43,7 +43,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from analysis.benchmark import progress
-from analysis.records import Record, append_records, timing_stats
+from analysis.records import Record, save_records, timing_stats
+from parallelism_calc.cli import ArgumentParser, error_boundary, nonnegative_int, positive_int, writable_path
 from jax_impl.bench.e2e import platform_devices
 from jax_impl.distributed import initialize_from_env
 from jax_impl.sharding import MESH_AXES, make_mesh
@@ -176,7 +177,7 @@ def run_all(args: argparse.Namespace) -> int:
         failures += record.status != "ok"
         if writer:
             if args.out:
-                append_records(args.out, record)
+                save_records(args.out, record)
             m = record.metrics
             line = (f"{op} {m['size']} over {args.axis}={mesh.shape[args.axis]}: " +
                     (f"{record.timing['median_ms']:.3f} ms, busbw {m['busbw_gbps']:.1f} GB/s "
@@ -189,31 +190,28 @@ def run_all(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+@error_boundary(prog="python -m jax_impl.bench.collectives")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_impl.bench.collectives", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m jax_impl.bench.collectives", description=__doc__.splitlines()[0])
     parser.add_argument("--mesh", default="fsdp=-1", help="device mesh, e.g. fsdp=8 or dp=2,fsdp=4 (default fsdp=-1)")
     parser.add_argument("--axis", default="fsdp", help="the mesh axis the collectives run over (default fsdp)")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated: {', '.join(OPS)} (default all)")
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"buffer sizes, binary units (default {DEFAULT_SIZES})")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed calls after the checked one (default 5)")
-    parser.add_argument("--iters", type=int, default=20, help="timed calls (default 20)")
-    parser.add_argument("--out", metavar="JSONL", help="append one record per (op, size) here")
+    parser.add_argument("--warmup", type=nonnegative_int, default=5,
+                        help="untimed calls after the checked one (default 5)")
+    parser.add_argument("--iters", type=positive_int, default=20, help="timed calls (default 20)")
+    parser.add_argument("--out", metavar="JSONL", type=writable_path, help="append one record per (op, size) here")
     parser.add_argument("--json", action="store_true", help="print each record as JSON")
     parser.add_argument("--report-only", metavar="JSONL", help="only draw the plot and table of these records")
     args = parser.parse_args(argv)
-    try:
-        if args.report_only:
-            from analysis.plots import write_collectives_report
+    if args.report_only:
+        from analysis.plots import write_collectives_report
 
-            plot, table = write_collectives_report(args.report_only)
-            print(f"{table}\n\nplot: {plot}")
-            return 0
-        if args.warmup < 0 or args.iters < 1:
-            raise ValueError(f"--warmup={args.warmup} must be >= 0 and --iters={args.iters} >= 1")
-        return run_all(args)
-    except (ValueError, OSError) as err:
-        sys.exit(f"error: {err}")
+        plot, table = write_collectives_report(args.report_only)
+        print(f"{table}\n\nplot: {plot}")
+        return 0
+    return run_all(args)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from analysis.benchmark import progress
 from analysis.records import Record, read_records
+from parallelism_calc.cli import ArgumentParser, error_boundary, writable_path
 from torch_impl.bench.train_matrix import Cell, parse_list, report_only, run_cell
 from torch_impl.train import STEP_PHASES
 
@@ -149,7 +150,7 @@ def write_report(jsonl: str, out_dir: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from torch_impl.bench.train_matrix import build_parser as matrix_parser
 
-    p = argparse.ArgumentParser(prog="python -m torch_impl.bench.accum_study", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m torch_impl.bench.accum_study", description=__doc__.split("\n\n")[0])
     shared = {a.dest: a for a in matrix_parser()._actions}
     for flag in ("nproc", "model", "seq_len", "epochs", "steps_per_epoch", "dtype", "bucket_mb", "device",
                  "train_args", "cell_timeout"):
@@ -159,12 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--settings", default=DEFAULT_SETTINGS, help=f"LOCALxACCUM list (default {DEFAULT_SETTINGS})")
     p.add_argument("--attention", default="sdpa", help="attention backend (default sdpa)")
     p.add_argument("--dist", default="bucketed", help="data-parallel mode (default bucketed)")
-    p.add_argument("--out", default="results/accum_study.jsonl", help="records (default results/accum_study.jsonl)")
+    p.add_argument("--out", default="results/accum_study.jsonl", type=writable_path,
+                   help="records (default results/accum_study.jsonl)")
     p.add_argument("--report-dir", default="results/accum_study", help="table and charts (default results/accum_study)")
     p.add_argument("--report-only", metavar="JSONL", help="no training: regenerate the table and charts from JSONL")
     return p
 
 
+@error_boundary(prog="python -m torch_impl.bench.accum_study")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -177,9 +180,6 @@ def main(argv: list[str] | None = None) -> int:
         parse_list(args.dist, "--dist", ACCEPTED_DISTS)
         if args.dist == "none":
             raise ValueError("--dist none has no ranks to split the batch over; pick a data-parallel mode")
-        for flag in ("seq_len", "epochs", "steps_per_epoch"):
-            if getattr(args, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
         if args.nproc is None:
             import torch
 

@@ -31,13 +31,16 @@ all-reduce on gloo/CPU and NCCL/GPU).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from analysis.records import Record, append_records, timing_stats
+from analysis.records import Record, save_records, timing_stats
+from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_int, positive_float, positive_int,
+                                  writable_path)
 from parallelism_calc.collectives import bus_bandwidth
 from parallelism_calc.units import FLOAT32_BYTES, parse_size, size_label
 
@@ -168,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
     from torch_impl.distributed import distributed_context
 
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise ValueError("an all-reduce needs 2 ranks or more (WORLD_SIZE is 1): run it under torchrun "
+                         "--nproc_per_node N (N >= 2)")
     with distributed_context(backend=args.backend, timeout_s=args.timeout,
                              device="cpu" if args.backend == "gloo" else None) as ctx:
         device = ctx.device
@@ -212,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
                       f"GB/s  busbw {m['busbw_gbps']:8.2f} GB/s  | raw loop {m['raw_loop_ms']:9.3f} ms  busbw "
                       f"{m['raw_busbw_gbps']:8.2f} GB/s ({m['busbw_over_raw']:.1%})", flush=True)
             if args.out:
-                append_records(args.out, record)
+                save_records(args.out, record)
         dist.barrier()
     return 1 if failures else 0
 
@@ -231,35 +237,33 @@ def report(path: str, plot: str | None = None) -> tuple[Path, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node N -m torch_impl.bench.allreduce",
+    parser = ArgumentParser(prog="torchrun --nproc_per_node N -m torch_impl.bench.allreduce",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="gloo (CPU tensors) or nccl (GPU tensors); default nccl if CUDA is available, else gloo")
     parser.add_argument("--sizes", default=DEFAULT_SIZES,
                         help=f"comma-separated tensor sizes, binary units (MB = 2**20 bytes); default {DEFAULT_SIZES}")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed calls per size (default 5; at least 1 runs, "
-                                                              "checked for the right sum)")
-    parser.add_argument("--iters", type=int, default=20, help="timed calls per size (default 20)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds (default 300)")
-    parser.add_argument("--out", metavar="JSONL", help="append one record per size to this file (rank 0)")
+    parser.add_argument("--warmup", type=nonnegative_int, default=5,
+                        help="untimed calls per size (default 5; at least 1 runs, checked for the right sum)")
+    parser.add_argument("--iters", type=positive_int, default=20, help="timed calls per size (default 20)")
+    parser.add_argument("--timeout", type=positive_float, default=300.0,
+                        help="process-group timeout in seconds (default 300)")
+    parser.add_argument("--out", metavar="JSONL", type=writable_path,
+                        help="append one record per size to this file (rank 0)")
     parser.add_argument("--report-only", metavar="JSONL", help="no measuring: plot and tabulate the records in JSONL")
     parser.add_argument("--plot", metavar="PNG", help="with --report-only: the plot's path (default <stem>_busbw.png)")
     return parser
 
 
+@error_boundary(prog="python -m torch_impl.bench.allreduce")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.report_only:
-        try:
-            out, text = report(args.report_only, args.plot)
-        except (OSError, ValueError) as err:
-            parser.exit(2, f"error: {err}\n")
+        out, text = report(args.report_only, args.plot)
         print(text)
         print(f"plot: {out}")
         return 0
-    if args.iters < 1 or args.warmup < 0:
-        parser.error(f"--iters={args.iters} must be >= 1 and --warmup={args.warmup} >= 0")
     try:
         [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError as err:

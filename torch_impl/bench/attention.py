@@ -78,13 +78,16 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from analysis.records import Record, append_records, provenance, timing_stats
+from analysis.records import Record, provenance, save_records, timing_stats
+from parallelism_calc.cli import (ArgumentParser, error_boundary, int_list, nonnegative_float, nonnegative_int,
+                                  positive_float, positive_int, writable_path)
 from parallelism_calc.compute import ATTENTION_PASSES, attention_flops
 from parallelism_calc.specs import hardware_for_device
 
 PASSES = tuple(ATTENTION_PASSES)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SUITE = "attention"
+DEFAULT_OUT = ".cache/results/attention.jsonl"  # not a tracked results/ file: a quick run must not append to one
 PRESETS: dict[str, dict[str, Any]] = {
     # CS336 assignment 2: batch 1, causal, a single (batch, seq, d) head; every provider, every pass.
     "cs336": dict(batch=1, heads=1, seq_lens=[2**i for i in range(7, 17)], head_dims=[16, 32, 64, 128],
@@ -434,7 +437,7 @@ def sweep(args: argparse.Namespace, device: torch.device) -> Iterator[Record]:
                     record = make_record(provider, shape, pass_, outcomes[pass_], device_name=name,
                                          base_provenance=base, warmup_ms=args.warmup, rep_ms=args.rep,
                                          timer=timer, suite=args.suite)  # fmt: skip
-                    append_records(args.out, record)
+                    save_records(args.out, record)
                     progress.update(_summary(provider, shape, pass_, record))
                     yield record
                 call = None
@@ -450,16 +453,6 @@ def _names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(name.replace("_", "")) for name in _names(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers")
-    return values
-
-
 def _choices(accepted: Sequence[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         names = _names(text)
@@ -472,7 +465,7 @@ def _choices(accepted: Sequence[str]) -> Callable[[str], list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m torch_impl.bench.attention",
+    parser = ArgumentParser(prog="python -m torch_impl.bench.attention",
                                      description=__doc__.split("\nProviders")[0],  # the summary and examples
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--preset", choices=PRESETS, default="cs336",
@@ -484,20 +477,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma-separated subset of {','.join(PROVIDERS)} (default: the preset's, else all)")
     parser.add_argument("--passes", type=_choices(PASSES),
                         help=f"comma-separated subset of {','.join(PASSES)} (default: the preset's, else all)")
-    parser.add_argument("--seq-lens", type=_ints, help="comma-separated sequence lengths")
-    parser.add_argument("--head-dims", type=_ints, help="comma-separated head dimensions")
+    parser.add_argument("--seq-lens", type=int_list, help="comma-separated sequence lengths")
+    parser.add_argument("--head-dims", type=int_list, help="comma-separated head dimensions")
     parser.add_argument("--dtypes", type=_choices(tuple(DTYPES)), help="comma-separated of bf16,fp32")
-    parser.add_argument("--batch", type=int, help="batch size")
-    parser.add_argument("--heads", type=int, help="number of heads")
+    parser.add_argument("--batch", type=positive_int, help="batch size")
+    parser.add_argument("--heads", type=positive_int, help="number of heads")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                         help="causal masking (--no-causal for full attention)")
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a tiny functional run")
-    parser.add_argument("--warmup", type=float, default=25.0, help="do_bench warm-up budget in ms (default 25)")
-    parser.add_argument("--rep", type=float, default=100.0, help="do_bench measurement budget in ms (default 100)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    parser.add_argument("--warmup", type=nonnegative_float, default=25.0,
+                        help="do_bench warm-up budget in ms (default 25)")
+    parser.add_argument("--rep", type=positive_float, default=100.0,
+                        help="do_bench measurement budget in ms (default 100)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random inputs (default 0)")
     parser.add_argument("--suite", default=SUITE, help=f"suite written into the records (default {SUITE})")
-    parser.add_argument("--out", type=Path, default=Path("results/attention.jsonl"),
-                        help="records are appended here; the report goes next to it (default results/attention.jsonl)")
+    parser.add_argument("--out", type=lambda text: Path(writable_path(text)), default=Path(DEFAULT_OUT),
+                        help="records are appended here; the report goes next to it (default "
+                             f"{DEFAULT_OUT}, untracked; name a results/ file to keep them)")
     parser.add_argument("--no-report", action="store_true", help="write records only, no table or plots")
     parser.add_argument("--report-only", type=Path, metavar="JSONL",
                         help="measure nothing: regenerate the table and plots from these records")
@@ -512,11 +508,6 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, key, list(value) if isinstance(value, list) else value)
     args.providers = args.providers or list(PROVIDERS)
     args.passes = args.passes or list(PASSES)
-    for flag, value in (("--batch", args.batch), ("--heads", args.heads)):
-        if value < 1:
-            raise ValueError(f"{flag}={value} must be >= 1")
-    if args.warmup < 0 or args.rep <= 0:
-        raise ValueError(f"--warmup={args.warmup} must be >= 0 and --rep={args.rep} > 0")
     return args
 
 
@@ -545,23 +536,18 @@ def report(path: Path, suite: str = SUITE) -> list[Path]:
     return written
 
 
+@error_boundary(prog="python -m torch_impl.bench.attention")
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.report_only is not None:
-        try:
-            report(args.report_only, args.suite)
-        except (OSError, ValueError) as err:
-            sys.exit(f"error: {err}")
+        report(args.report_only, args.suite)
         return 0
-    try:
-        args = resolve_args(args)
-        if args.dry_run:
-            for shape in shapes(args):
-                print(f"{shape}  providers={','.join(args.providers)}  passes={','.join(args.passes)}")
-            return 0
-        device = pick_device(args.device)
-    except ValueError as err:
-        sys.exit(f"error: {err}")
+    args = resolve_args(args)
+    if args.dry_run:
+        for shape in shapes(args):
+            print(f"{shape}  providers={','.join(args.providers)}  passes={','.join(args.passes)}")
+        return 0
+    device = pick_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(torch.device(device).index or 0)
     failed = sum(record.status != "ok" for record in sweep(args, device))

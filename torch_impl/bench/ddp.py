@@ -72,6 +72,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import statistics
 import sys
@@ -82,7 +83,9 @@ from typing import Any
 from analysis.benchmark import DTYPES, fixed_batch, resolve_spec, step_record
 from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, report,
                                      single_process_baselines)
-from analysis.records import Record, append_records, read_records
+from analysis.records import Record, read_records, save_records
+from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int,
+                                  positive_float, positive_int, writable_path)
 
 IMPLS = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
 # what an impl cannot be combined with: the flag, the impls, why
@@ -143,8 +146,8 @@ def parse_bucket_mb(text: str) -> list[float]:
         values = [float(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise ValueError(f"--bucket-mb {text!r}: write numbers of MiB, e.g. 1,10,25,100") from None
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"--bucket-mb {text!r}: every size must be > 0")
+    if not values or not all(0 < v < math.inf for v in values):
+        raise ValueError(f"--bucket-mb {text!r}: every size must be finite and > 0")
     return values
 
 
@@ -394,7 +397,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_float32_matmul_precision("highest")
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     if all(c.impl == "none" for c in configs) and world_env == 1:  # no process group needed
-        device = torch.device(args.device)
+        from torch_impl.device import pick_device
+
+        device = pick_device(args.device)
         return _run_configs(configs, args, spec, seq_len, device, rank=0, world_size=1)
     if any(c.impl == "none" for c in configs) and world_env > 1:
         raise ValueError("--impl none runs as one process: launch it with plain python -m (or --nproc_per_node 1)")
@@ -442,7 +447,7 @@ def _run_configs(configs: list[Config], args, spec, seq_len: int, device, rank: 
         failures += record.status != "ok"
         print(_describe(record), flush=True)
         if args.out:
-            append_records(args.out, record)
+            save_records(args.out, record)
     if distributed:
         dist.barrier()
     return 1 if failures else 0
@@ -455,7 +460,7 @@ def _fatal(cfg: Config, args, spec, seq_len: int, world_size: int, device_name: 
     print(f"{cfg.name}: rank {rank}: {message}", file=sys.stderr, flush=True)
     if rank == 0 and args.out:  # the record's error reads "rank 0: collective failure ..."
         record = make_record(cfg, args, spec, seq_len, world_size, device_name, [{"error": message}])
-        append_records(args.out, record)
+        save_records(args.out, record)
     os._exit(3)  # no teardown: the group's other ranks may be gone or stuck
 
 
@@ -468,51 +473,49 @@ def _fatal(cfg: Config, args, spec, seq_len: int, world_size: int, device_name: 
 def build_parser() -> argparse.ArgumentParser:
     import torch
 
-    parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node N -m torch_impl.bench.ddp",
+    parser = ArgumentParser(prog="torchrun --nproc_per_node N -m torch_impl.bench.ddp",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="xl", help="model preset (default xl)")
-    parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step (default 2)")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    parser.add_argument("--batch-size", type=positive_int, default=2, help="sequences per rank per step (default 2)")
+    parser.add_argument("--seq-len", type=positive_int, default=512, help="tokens per sequence (default 512)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
                         help="fp32; bf16 = torch.autocast(bfloat16) with fp32 weights; bf16_mixed = bf16 weights "
                              "with fp32 masters in torch_impl.optim.MasterAdamW (default fp32)")
     parser.add_argument("--impl", default="bucketed", help=f"comma list of: {', '.join(IMPLS)} (default bucketed)")
     parser.add_argument("--bucket-mb", default="1,10,25,100",
                         help="bucket sizes in MiB for bucketed and zero1, one configuration each (default 1,10,25,100)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration (default 3)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration (default 10)")
+    parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps per configuration (default 3)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration (default 10)")
     parser.add_argument("--attention", default="sdpa", help="attention backend of the model (default sdpa)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each block before wrapping (not with fsdp, fsdp2)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights; rank r's data uses seed + r")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    parser.add_argument("--weight-decay", type=nonnegative_float, default=0.01,
+                        help="AdamW weight decay (default 0.01)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0,
+                        help="seed of the weights; rank r's data uses seed + r")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda (NCCL, cuda:LOCAL_RANK) or cpu (gloo); default cuda if available")
-    parser.add_argument("--timeout", type=float, default=300.0,
+    parser.add_argument("--timeout", type=positive_float, default=300.0,
                         help="process-group timeout in seconds: a failed collective ends the run (default 300)")
-    parser.add_argument("--out", default="results/ddp.jsonl", help="append records here (rank 0; default "
-                                                                   "results/ddp.jsonl)")
+    parser.add_argument("--out", default="results/ddp.jsonl", type=writable_path,
+                        help="append records here (rank 0; default results/ddp.jsonl)")
     parser.add_argument("--report-only", metavar="JSONL", help="no measuring: print a Markdown table of JSONL")
     return parser
 
 
+@error_boundary(prog="python -m torch_impl.bench.ddp")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.report_only:
-        try:
-            print(report(args.report_only))
-        except (OSError, ValueError) as err:
-            parser.exit(2, f"error: {err}\n")
+        print(report(args.report_only))
         return 0
     try:
         resolve_spec(argparse.Namespace(**{**vars(args), "mode": "train_step"}))
         impls = parse_impls(args.impl)
         check_supported(impls, args.compile, args.dtype, flag="")
         parse_bucket_mb(args.bucket_mb)
-        if args.timeout <= 0:
-            raise ValueError(f"--timeout={args.timeout} must be > 0")
         return run(args)
     except ValueError as err:
         parser.error(str(err))

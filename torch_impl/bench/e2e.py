@@ -37,6 +37,7 @@ from analysis.records import Record
 from parallelism_calc.checkpointing import checkpointed_activation_bytes
 from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
 from torch_impl import nvtx
+from torch_impl.device import device_name, pick_device
 from torch_impl.model import TransformerLM, cross_entropy
 from torch_impl.optim import adamw_for
 from torch_impl.parallelize import apply_activation_checkpointing, apply_compile
@@ -46,21 +47,6 @@ from torch_impl.timing import PhaseTimer, capture_step
 
 # --cuda-graph: each mode and what it adds to the implementation's name (none, one per compiled block, one step)
 CUDA_GRAPH_MODES = {"off": "", "blocks": ", cuda graph per block", "step": ", cuda graph"}
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA device is available; accepted here: cpu, auto")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device {name!r}; accepted: auto, cpu, cuda, cuda:N") from None
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def synchronize(device: torch.device) -> None:

@@ -16,13 +16,15 @@ Each row is a record (suite "precision"); the two tables are printed (and writte
 
 from __future__ import annotations
 
-import argparse
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from analysis.records import Record, append_records
+from analysis.records import Record, save_records
+from parallelism_calc.cli import ArgumentParser, error_boundary, writable_path
+from torch_impl.device import pick_device
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # (accumulator, addend, cast the addend to the accumulator's dtype before adding)
@@ -106,27 +108,27 @@ def tables(rows: list[Record]) -> str:
     return "\n".join(lines)
 
 
+@error_boundary(prog="python -m torch_impl.bench.precision")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torch_impl.bench.precision", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m torch_impl.bench.precision", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where to run (default cpu)")
     parser.add_argument("--autocast", default="bf16,fp16", help="autocast dtypes, comma-separated (default bf16,fp16)")
-    parser.add_argument("--out", help="append the records to this JSON Lines file")
-    parser.add_argument("--table", help="also write the tables to this Markdown file")
+    parser.add_argument("--out", type=writable_path, help="append the records to this JSON Lines file")
+    parser.add_argument("--table", type=writable_path, help="also write the tables to this Markdown file")
     args = parser.parse_args(argv)
     autocast = [d for d in args.autocast.split(",") if d]
     unknown = [d for d in autocast if d not in ("bf16", "fp16")]
     if unknown:
-        sys.exit(f"error: autocast dtype(s) {unknown}; accepted: bf16, fp16")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device cuda: no CUDA device is available; accepted here: cpu")
+        parser.error(f"autocast dtype(s) {unknown}; accepted: bf16, fp16")
+    pick_device(args.device)
     rows = records(args.device, autocast)
     if args.out:
-        append_records(args.out, rows)
+        save_records(args.out, rows)
     text = tables(rows)
     print(text)
     if args.table:
-        with open(args.table, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        Path(args.table).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.table).write_text(text + "\n", encoding="utf-8")
     return 0
 
 

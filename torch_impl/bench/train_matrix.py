@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Callable
 
 from analysis.benchmark import progress
-from analysis.records import Record, append_records, read_records
+from analysis.records import Record, read_records, save_records
+from parallelism_calc.cli import ArgumentParser, error_boundary, positive_float, positive_int, writable_path
 
 SUITE = "train_matrix"
 TRAIN_SUITE = "train"
@@ -170,7 +171,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, run_name: str, suite: str = S
     record = summarize(cell, run_name, epochs, wall_s, failure, args, suite)
     if finish is not None:
         record = finish(record, epochs)
-    append_records(out, record)
+    save_records(out, record)
     return record
 
 
@@ -282,23 +283,24 @@ def write_report(jsonl: str | os.PathLike, out_dir: str | os.PathLike) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m torch_impl.bench.train_matrix", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m torch_impl.bench.train_matrix", description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--attention", default=",".join(ATTENTIONS), help=f"comma list (default {','.join(ATTENTIONS)})")
     a("--dist", default=",".join(DISTS), help=f"comma list of {', '.join(ACCEPTED_DISTS)} (default {','.join(DISTS)})")
-    a("--nproc", type=int, help="ranks of the data-parallel cells (default: the GPUs, else 2)")
+    a("--nproc", type=positive_int, help="ranks of the data-parallel cells (default: the GPUs, else 2)")
     a("--model", default="small", help="model preset (default small)")
-    a("--batch-size", type=int, default=8, help="local batch per rank (default 8)")
-    a("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
-    a("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
-    a("--epochs", type=int, default=5, help="epochs per cell (default 5)")
-    a("--steps-per-epoch", type=int, default=50, help="optimizer steps per epoch (default 50)")
+    a("--batch-size", type=positive_int, default=8, help="local batch per rank (default 8)")
+    a("--grad-accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
+    a("--seq-len", type=positive_int, default=512, help="tokens per sequence (default 512)")
+    a("--epochs", type=positive_int, default=5, help="epochs per cell (default 5)")
+    a("--steps-per-epoch", type=positive_int, default=50, help="optimizer steps per epoch (default 50)")
     a("--dtype", choices=("fp32", "bf16"), default="bf16", help="default bf16 (autocast)")
-    a("--bucket-mb", type=float, default=25.0, help="bucket size of bucketed DDP in MiB (default 25)")
+    a("--bucket-mb", type=positive_float, default=25.0, help="bucket size of bucketed DDP in MiB (default 25)")
     a("--device", default="auto", help="auto, cpu or cuda (passed to the trainer)")
     a("--train-args", default="", help="further trainer flags for every cell, e.g. \"--lr 1e-3 --warmup-steps 20\"")
-    a("--cell-timeout", type=float, default=3600.0, help="seconds a cell may take (default 3600)")
-    a("--out", default="results/train_matrix.jsonl", help="records (default results/train_matrix.jsonl)")
+    a("--cell-timeout", type=positive_float, default=3600.0, help="seconds a cell may take (default 3600)")
+    a("--out", default="results/train_matrix.jsonl", type=writable_path,
+      help="records (default results/train_matrix.jsonl)")
     a("--report-dir", default="results/train_matrix", help="table and charts (default results/train_matrix)")
     a("--report-only", metavar="JSONL", help="no training: regenerate the table and charts from JSONL")
     return p
@@ -307,16 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
 def report_only(parser: argparse.ArgumentParser, args: argparse.Namespace,
                 write: Callable[[str, str], str]) -> int | None:
     """``--report-only JSONL``: ``write(JSONL, --report-dir)``, print its table, and the exit code; None when
-    not asked. A missing or record-less file is a one-line error (exit 2)."""
+    not asked. A missing or record-less file is a one-line error (exit 2, at ``main``'s error boundary)."""
     if not args.report_only:
         return None
-    try:
-        print(write(args.report_only, args.report_dir))
-    except (OSError, ValueError) as err:
-        parser.exit(2, f"error: {err}\n")
+    print(write(args.report_only, args.report_dir))
     return 0
 
 
+@error_boundary(prog="python -m torch_impl.bench.train_matrix")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -325,15 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parse_list(args.attention, "--attention")
         parse_list(args.dist, "--dist", ACCEPTED_DISTS)
-        for flag in ("batch_size", "grad_accum", "seq_len", "epochs", "steps_per_epoch"):
-            if getattr(args, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
         if args.nproc is None:
             import torch
 
             args.nproc = torch.cuda.device_count() or 2
-        if args.nproc < 1 or args.cell_timeout <= 0:
-            raise ValueError("--nproc must be >= 1 and --cell-timeout > 0")
         shlex.split(args.train_args)
     except ValueError as err:
         parser.error(str(err))

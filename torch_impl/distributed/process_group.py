@@ -4,7 +4,8 @@
 ``torchrun``, single node or multi-node with the usual rendezvous flags), picks the backend and the device
 (``cuda:LOCAL_RANK`` when CUDA is available, else CPU), initializes the default group with a timeout, and
 destroys it on exit. A rank that fails or never arrives makes the others' collectives raise after the
-timeout instead of hanging the job; the exception names the rank and the timeout.
+timeout instead of hanging the job; the exception names the rank and the timeout. Asking for CUDA without it
+is a ValueError, and an address that cannot be listened on (a port in use) a ``ConnectionError`` naming it.
 
 Without torchrun's variables it runs as a single process (world size 1), so the same script runs alone.
 """
@@ -55,6 +56,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     """
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)
+    if device is not None and device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available; accepted here: cpu")
     use_cuda = torch.cuda.is_available() and device != "cpu"
     backend = backend or ("nccl" if use_cuda else "gloo")
     if backend not in ("nccl", "gloo"):
@@ -72,8 +75,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         kwargs = {"device_id": dev} if backend == "nccl" else {}
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        except dist.DistNetworkError as err:  # e.g. the port is taken: name it and say what to do
+            address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+            raise ConnectionError(f"cannot start the process group at {address} (MASTER_ADDR:MASTER_PORT): "
+                                  f"{str(err).split('message: ')[-1].strip()}; pick a free port with MASTER_PORT "
+                                  "or torchrun --master-port") from None
     return DistributedContext(rank, world_size, local_rank, dev, backend)
 
 
