@@ -15,7 +15,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -179,14 +179,15 @@ def run_benchmark(
     *,
     prog: str,
     description: str,
-    measure: Callable[[argparse.Namespace], Record | list[Record]],
+    measure: Callable[[argparse.Namespace], Record | Iterable[Record]],
     on_failure: Callable[[argparse.Namespace, RuntimeError], Record],
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
     is_writer: Callable[[], bool] = lambda: True,
 ) -> int:
     """Parse the step flags, measure, and emit the record; the CLI body of both backends' step benchmarks.
 
-    ``measure`` returns a record or several (e.g. a reference and ours, timed in one process). Bad input (flags,
+    ``measure`` returns a record or yields several (e.g. a reference and ours, timed in one process), each
+    emitted as soon as it is yielded. Bad input (flags,
     a weights file) exits with a one-line message and no record; a RuntimeError while measuring (out of memory,
     a kernel failure) becomes the record ``on_failure`` makes, a row not a gap.
     Only the process for which ``is_writer()`` holds (e.g. process 0 of a multi-host run) emits the record.
@@ -207,14 +208,18 @@ def _run_benchmark(argv, *, prog, description, measure, on_failure, add_argument
         module = prog.split(" -m ")[-1]  # e.g. jax_impl.bench.e2e, whose backend is "jax"
         return run_sweep(args, list(sys.argv[1:] if argv is None else argv), module=module,
                          backend=module.split(".")[0].removesuffix("_impl"))
+    codes = []
+
+    def emit_one(record: Record) -> None:  # written the moment it exists: a later failure cannot lose it
+        codes.append(emit(args, record) if is_writer() else 0 if record.status == "ok" else 1)
+
     try:
-        records = measure(args)
+        measured = measure(args)
+        for record in [measured] if isinstance(measured, Record) else measured:
+            emit_one(record)
     except RuntimeError as err:  # torch.OutOfMemoryError and jax's JaxRuntimeError are RuntimeErrors
-        records = on_failure(args, err)
-    records = [records] if isinstance(records, Record) else records
-    if not is_writer():
-        return 0 if all(r.status == "ok" for r in records) else 1
-    return max(emit(args, record) for record in records)
+        emit_one(on_failure(args, err))
+    return max(codes, default=0)
 
 
 def failure_record(args: argparse.Namespace, err: Exception, *, backend: str, implementation: str,

@@ -97,6 +97,22 @@ def test_e2e_times_stock_then_ours_in_one_process(tmp_path):
         assert set(record.phases) == {"forward", "backward", "optimizer"} and record.timed_steps == 3
 
 
+def test_e2e_writes_each_record_as_soon_as_it_is_measured(tmp_path, monkeypatch):
+    """Stock's record is on disk before ours is measured: an interruption then loses only what was not done."""
+    out, measured = tmp_path / "runs.jsonl", e2e._measure
+
+    def interrupted_after_stock(args, stock, graph):
+        if not stock:
+            assert [r.implementation for r in read_records(out)] == ["stock eager sdpa"]
+            raise KeyboardInterrupt
+        return measured(args, stock, graph)
+
+    monkeypatch.setattr(e2e, "_measure", interrupted_after_stock)
+    with pytest.raises(KeyboardInterrupt):
+        e2e.main([*FLAGS, "--stock", "sdpa", "--out", str(out)])
+    assert len(read_records(out)) == 1
+
+
 def test_e2e_bf16_mixed_trains_like_autocast_beside_stock(tmp_path):
     """Ours with bf16 weights and fp32 masters (MasterAdamW) beside the stock model under autocast: same start,
     and the losses stay within bf16 rounding of each other (the residual stream is bf16 in ours)."""

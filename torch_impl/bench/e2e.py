@@ -28,6 +28,7 @@ import contextlib
 import gc
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -72,20 +73,21 @@ def build_model(args: argparse.Namespace, spec, device: torch.device, stock: boo
     return model
 
 
-def measure(args: argparse.Namespace) -> list[Record]:
+def measure(args: argparse.Namespace) -> Iterator[Record]:
     """Ours, once per ``--cuda-graph`` mode, and first the stock reference with ``--stock BACKEND``, one after
-    the other in this process; each record of ours then carries ``metrics.x_stock`` = stock's median step
-    time / ours (> 1: ours is faster)."""
+    the other in this process, each record yielded as soon as it is made; each of ours then carries
+    ``metrics.x_stock`` = stock's median step time / ours (> 1: ours is faster)."""
     graphs = check_flags(args)
-    # the stock model trains bf16 the stock way, under autocast, also beside ours with bf16_mixed
-    stock_args = argparse.Namespace(**{**vars(args), "dtype": "bf16" if args.dtype == "bf16_mixed" else args.dtype})
-    stock = measure_one(stock_args, stock=True, graph="off") if args.stock else None
-    ours = [measure_one(args, stock=False, graph=graph) for graph in graphs]
-    if stock is not None and stock.status == "ok":
-        for record in ours:
-            if record.status == "ok":
-                record.metrics["x_stock"] = stock.timing["median_ms"] / record.timing["median_ms"]
-    return ([stock] if stock else []) + ours
+    stock = None
+    if args.stock:  # the stock model trains bf16 the stock way, under autocast, also beside ours with bf16_mixed
+        stock_dtype = "bf16" if args.dtype == "bf16_mixed" else args.dtype
+        stock = measure_one(argparse.Namespace(**{**vars(args), "dtype": stock_dtype}), stock=True, graph="off")
+        yield stock
+    for graph in graphs:
+        record = measure_one(args, stock=False, graph=graph)
+        if stock is not None and stock.status == "ok" and record.status == "ok":
+            record.metrics["x_stock"] = stock.timing["median_ms"] / record.timing["median_ms"]
+        yield record
 
 
 def check_flags(args: argparse.Namespace) -> list[str]:
