@@ -31,7 +31,7 @@ Numerics:
 * fp32 inputs are computed in fp32 (``tl.dot(..., input_precision="ieee")``) unless PyTorch's own fp32
   matmuls may use TF32 (``torch.backends.cuda.matmul.fp32_precision == "tf32"``, or the legacy
   ``allow_tf32`` / ``torch.set_float32_matmul_precision("high" | "medium")``): then TF32, as cuBLAS would.
-  The decision is taken at the forward and reused by its backward. bf16/fp16 products are exact with fp32
+  The decision is taken at the forward and reused by its backward (under torch.compile: when traced). bf16/fp16 products are exact with fp32
   accumulation; P and dS are rounded to the input dtype before their products, as in FlashAttention-2.
 * The forward saves O and one log-sum-exp L (..., n_q), natural log, fp32. The backward recomputes each
   score exactly as the forward rounded it, S = fl(fl(q k^T) * scale), and takes the exponent S - L in natural
@@ -417,9 +417,11 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError("k and v have no keys (length 0): softmax over no keys is undefined; accepted: n_k >= 1")
 
 
+@torch.compiler.assume_constant_result  # Dynamo cannot trace the flag's C getter: read once, when traced
 def tf32_allowed() -> bool:
     """Whether PyTorch's own fp32 CUDA matmuls may use TF32 (the new ``fp32_precision`` API, else the legacy
-    ``float32_matmul_precision``, which ``allow_tf32`` sets); fp32 attention follows the same choice."""
+    ``float32_matmul_precision``, which ``allow_tf32`` sets); fp32 attention follows the same choice. Eager
+    calls read it every time; a compiled graph keeps the value it was traced with."""
     precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # torch >= 2.9
     if precision in ("tf32", "ieee"):
         return precision == "tf32"
