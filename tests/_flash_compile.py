@@ -36,32 +36,28 @@ def head_dim(d: int) -> dict:
     return {"HEAD_DIM": d, "BLOCK_D": triton.next_power_of_2(d)}
 
 
-# Every code path: causal or not, ragged or even tiles, a head dim tiled exactly (128) or padded (80 -> 128,
-# masked), the widest (256, with the tiles the autotuner keeps there), fp32 in IEEE precision.
+# The code paths, each kernel at least once: causal or not (the forward), ragged or even tiles, a head dim tiled
+# exactly (128) or padded (80 -> 128, masked), the widest (256, with the tiles the pruning keeps there), and fp32
+# in IEEE precision (FMA dots instead of tensor cores).
 CASES = [
     ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": False, **head_dim(80)}),
     ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": False, "EVEN_M": True, "EVEN_N": True, **head_dim(128)}),
     ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": True, **head_dim(256)}),
     ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True, **head_dim(80)}),
-    ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": False, "EVEN_M": True, "EVEN_N": True, **head_dim(128)}),
     ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": False, **head_dim(256)}),
     ("dq", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": False, **head_dim(80)}),
-    ("dq", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": False, "EVEN_M": True, "EVEN_N": True, **head_dim(128)}),
     ("dq", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True, **head_dim(256)}),
     ("preprocess", ft._bwd_preprocess, None, head_dim(80)),
     ("forward-fp32", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": False,
                                                      "DOT_PRECISION": "ieee", **head_dim(64)}),
-    ("dkdv-fp32", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": False,
-                                                        "DOT_PRECISION": "ieee", **head_dim(64)}),
 ]
 
 
 def first_kept_config(tuned, constexprs: dict) -> tuple[dict, dict]:
-    """The first configuration the autotuner's pruning keeps for these constexprs (e.g. BLOCK_D = 256)."""
-    prune = tuned.early_config_prune
-    configs = prune(tuned.configs, {}, **constexprs) if prune else tuned.configs
-    config = configs[0]
-    return dict(config.kwargs), {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    """The first configuration the autotuner's pruning keeps for these constexprs (e.g. BLOCK_D = 256): the one
+    FLASH_TRITON_AUTOTUNE=0 runs."""
+    config = ft._first_config(tuned, constexprs)
+    return {k: config[k] for k in ("BLOCK_M", "BLOCK_N")}, {k: config[k] for k in ("num_warps", "num_stages")}
 
 
 def compile_case(kernel, tuned, flags: dict) -> dict:

@@ -60,6 +60,9 @@ from torch_impl.attention.registry import register_attention
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# FLASH_TRITON_AUTOTUNE=0: on a GPU, run the first configuration the pruning keeps instead of autotuning (GPU
+# correctness tests over many shapes, without a tuning run per shape).
+AUTOTUNE = os.environ.get("FLASH_TRITON_AUTOTUNE", "1") != "0"
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
 
 
@@ -341,19 +344,23 @@ def _configs(*configs: tuple[int, int, int, int]) -> list[triton.Config]:
 
 
 def _prune_wide_tiles(axis: str):
-    """early_config_prune for the autotuner: at BLOCK_D = 256 drop the configurations whose ``axis`` tile
-    (the one kept in registers for the whole program) exceeds 64 rows; they spill or overflow shared memory."""
+    """early_config_prune for the autotuner: at BLOCK_D = 256 drop the configurations whose ``axis`` tile (the
+    one kept in registers for the whole program) exceeds 64 rows, as they spill or overflow shared memory; IEEE
+    fp32 dots (FMA, not tensor cores) keep tiles of at most 64 x 64."""
 
     def prune(configs, named_args, **kwargs):
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-        kept = [c for c in configs if block_d < 256 or c.kwargs[axis] <= 64]
+        ieee = kwargs.get("DOT_PRECISION", named_args.get("DOT_PRECISION")) == "ieee"
+        kept = [c for c in configs if (block_d < 256 or c.kwargs[axis] <= 64)
+                and (not ieee or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64)]
         return kept or configs
 
     return prune
 
 
 _TUNE_KEY = ["n_q_bucket", "n_k_bucket", "BLOCK_D", "IS_CAUSAL", "DOT_PRECISION"]
-# Forward and dQ need BLOCK_M % BLOCK_N == 0 (the diagonal stage starts on a key-tile boundary); dK/dV needs
+# The first configuration each pruning keeps is the one FLASH_TRITON_AUTOTUNE=0 runs (and tests/_flash_compile.py
+# compiles). Forward and dQ need BLOCK_M % BLOCK_N == 0 (the diagonal stage starts on a key-tile boundary); dK/dV needs
 # BLOCK_N % BLOCK_M == 0 (its diagonal stage covers exactly the key tile's rows).
 _fwd_tuned = triton.autotune(_configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
                                       (128, 64, 4, 4), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4),
@@ -361,7 +368,7 @@ _fwd_tuned = triton.autotune(_configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 12
                              key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_wide_tiles("BLOCK_M")}
                              )(_fwd_kernel)
 _dkdv_tuned = triton.autotune(_configs((32, 128, 4, 3), (32, 128, 4, 5), (32, 128, 8, 3), (64, 128, 8, 2),
-                                       (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4), (32, 64, 8, 2),
+                                       (64, 128, 8, 3), (32, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 4),
                                        (16, 64, 4, 2)),
                               key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_wide_tiles("BLOCK_N")}
                               )(_bwd_dkdv_kernel)
@@ -451,14 +458,24 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
 
 
+def _first_config(tuned, meta: dict) -> dict:
+    """The first configuration the autotuner's pruning keeps for these constexprs, as launch keywords."""
+    config = tuned.early_config_prune(tuned.configs, {}, **meta)[0]
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
 def _launch(tuned, kernel, name: str, grid_rows: int, by: str, bh: int, *args, **meta) -> None:
-    """The autotuned kernel on a GPU, or the plain one with its small fixed tiles under the interpreter. FP
-    fusion is off: the backward must round each score exactly as the forward did (see the module notes)."""
+    """The autotuned kernel on a GPU (or its first configuration, FLASH_TRITON_AUTOTUNE=0), or the plain one with
+    small fixed tiles under the interpreter. FP fusion is off: the backward must round each score exactly as
+    the forward did (see the module notes)."""
     if INTERPRET:
         tiles = _INTERPRET_TILES[name]
         kernel[(triton.cdiv(grid_rows, tiles[by]), bh)](*args, **meta, **tiles)
-    else:
+    elif AUTOTUNE:
         tuned[lambda m: (triton.cdiv(grid_rows, m[by]), bh)](*args, **meta, enable_fp_fusion=False)
+    else:
+        config = _first_config(tuned, meta)
+        kernel[(triton.cdiv(grid_rows, config[by]), bh)](*args, **meta, **config, enable_fp_fusion=False)
 
 
 def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool) -> tuple[tuple, dict]:
