@@ -21,7 +21,8 @@ causal mask: 5e-2 to 5e-1 relative, see ``test_checker_flags_an_off_by_one_causa
   TF32 by default): unit roundoff u = 2^-24 = 6e-8; sums over d and n_k give measured errors <= 5.5e-7 relative,
   1.8e-6 on the largest element: bound 5e-6 / 1e-5. Logits of std ~30 amplify the rounding of S by |S|
   (measured 1e-5 / 2e-5): that test allows 5x.
-* fp32 in Triton on a GPU: ``tl.dot`` uses TF32 by default, every operand (q, k, P, dO, v, dS) rounded to a
+* fp32 in Triton on a GPU is computed with IEEE fp32 dots unless PyTorch allows TF32 (then the TF32 bounds
+  below apply; the first version always used TF32, measured as follows). With TF32 every operand (q, k, P, dO, v, dS) rounded to a
   10-bit mantissa (u = 2^-11 = 4.9e-4) in each of the forward's 2 and the backward's 4 products, with dS = P(dP - D)
   cancelling: measured 1.6e-3 (O), 2.3e-3 (grads) relative, 5e-3 largest element, i.e. ~5u, more than fp16
   inputs give (whose products are exact): bound 1e-2 / 2e-2; its L (from TF32 scores): measured 1.2e-4 / 4.2e-4,
@@ -118,16 +119,25 @@ def tolerance(impl: Impl, dtype: torch.dtype, device: str) -> Tol:
         return FP16
     if dtype == torch.float64:
         return Tol(1e-12, 1e-12)
-    if impl.name == "triton" and device == "cuda":
+    if _triton_uses_tf32(impl, device):
         return FP32_TF32
     return FP32_EXACT
 
 
+def _triton_uses_tf32(impl: Impl, device: str) -> bool:
+    """Triton's fp32 dots are IEEE unless PyTorch's own fp32 matmuls may use TF32 (off by default)."""
+    if impl.name != "triton" or device != "cuda":
+        return False
+    from torch_impl.attention.flash_triton import tf32_allowed
+
+    return tf32_allowed()
+
+
 def lse_tolerance(impl: Impl, dtype: torch.dtype, device: str) -> Tol:
-    """L is fp32 for every input dtype, so it gets an fp32-class bound (TF32-class for Triton fp32 on a GPU)."""
+    """L is fp32 for every input dtype, so it gets an fp32-class bound (TF32-class for Triton with TF32 allowed)."""
     if dtype in (torch.bfloat16, torch.float16):
         return LSE_LOW_PRECISION
-    if dtype == torch.float32 and impl.name == "triton" and device == "cuda":
+    if dtype == torch.float32 and _triton_uses_tf32(impl, device):
         return LSE_TF32
     return tolerance(impl, dtype, device)
 
@@ -322,6 +332,10 @@ def test_head_dims_between_powers_of_two(impl, d, seed):
 # One query and one key (softmax over one key: the reference dQ and dK are exactly 0, judged by absolute
 # error), and the other lengths below one tile, n_q != n_k both ways.
 SHORT = [(1, 1), (1, 2), (2, 1), (1, 5), (5, 1), (2, 2), (3, 7), (7, 3)]
+# With one or two keys per row, dS = P (dP - D) cancels with nothing to average the rounding of D = rowsum(dO * O)
+# (O rounded to the input dtype) over: dQ, dK errors of several u. Worst of 300 seeds x these shapes (flash_torch;
+# flash_triton 60 seeds): fp32 7.5e-6 / 5.5e-6, fp16 4.2e-3 / 6.7e-3; bounds ~7x and ~5x that (bf16: 8x fp16).
+SHORT_TOL = {torch.float32: Tol(5e-5, 5e-5), torch.float16: Tol(2e-2, 3e-2), torch.bfloat16: Tol(1.5e-1, 2e-1)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -330,7 +344,7 @@ def test_short_sequences(impl, n_q, n_k, dtype, seed):
     q, k, v, grad_out = random_inputs((2, 2), n_q, n_k, 32, dtype, impl.device)
     for is_causal in (False, True):
         got = run(impl.fn, q, k, v, grad_out, is_causal)
-        check_all(got, reference(q, k, v, grad_out, is_causal), tolerance(impl, dtype, impl.device),
+        check_all(got, reference(q, k, v, grad_out, is_causal), SHORT_TOL[dtype],
                   f"{impl.name}, {dtype}, n_q={n_q}, n_k={n_k}, causal={is_causal}, seed={seed}",
                   lse_tol=lse_tolerance(impl, dtype, impl.device))
 
@@ -379,11 +393,13 @@ def test_non_contiguous_inputs(impl, is_causal, seed):
               lse_tol=lse_tolerance(impl, torch.float32, impl.device))
 
 
-@pytest.mark.parametrize("scale", [100.0, 1000.0])
-def test_large_magnitudes_keep_dv_exact(impl, scale, seed):
-    """q, k, v scaled by 1e2-1e3 (|S| up to ~1e6, where one fp32 ulp of S is 0.06): O, L and dV stay at fp32
-    accuracy only if the backward recomputes P = exp(S - L) with the forward's rounding of S (issue 17, item 5:
-    the Triton kernel's dV was off by 3.97). dQ and dK are near zero there; they are judged in the GPU test."""
+def test_large_magnitudes_keep_dv_exact(impl, seed):
+    """q, k, v scaled by 1e3 (|S| ~ 1e6, where one fp32 ulp of S is 0.06; the softmax is one-hot): O, L and dV stay
+    at fp32 accuracy only if the backward recomputes P = exp(S - L) with the forward's rounding of S (issue 17,
+    item 5: the Triton kernel's dV was off by 3.97). dQ and dK are near zero there: only finiteness is checked.
+    (At x1e2 the top scores of a row are often within a few units, and the fp32 rounding of S itself moves P by
+    ~1e-3 in any fp32 implementation: no fp32 bound holds there.) flash_torch: worst of 1,500 seeds 0.06x the bound."""
+    scale = 1000.0
     q, k, v, grad_out = random_inputs((1, 2), 48, 48, 80, torch.float32, impl.device, q_scale=scale, kv_scale=scale)
     got = run(impl.fn, q, k, v, grad_out, True)
     want = reference(q, k, v, grad_out, True)
@@ -564,3 +580,81 @@ def test_gpu_long_sequences(name, case, is_causal, d, dtype, seed):
     check_all(got, reference(q, k, v, grad_out, is_causal), tolerance(impl, dtype, "cuda"),
               f"{name}, {dtype}, case {case}, d={d}, causal={is_causal}, seed={seed}",
               lse_tol=lse_tolerance(impl, dtype, "cuda"))
+
+
+def _gpu_check(impl, q, k, v, grad_out, is_causal, context: str, tol: Tol | None = None) -> dict:
+    """Run on CUDA and check O, L, dQ, dK, dV against fp64 with the dtype's bound; returns the result."""
+    got = run(impl.fn, q, k, v, grad_out, is_causal)
+    check_all(got, reference(q, k, v, grad_out, is_causal), tol or tolerance(impl, q.dtype, "cuda"), context,
+              lse_tol=lse_tolerance(impl, q.dtype, "cuda"))
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("d", [80, 256])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_gpu_head_dims_80_and_256(d, is_causal, dtype, seed):
+    """Padded (80 -> 128) and the widest (256) head dim at real lengths, ragged and n_q != n_k."""
+    q, k, v, grad_out = random_inputs((2, 4), 1000, 777, d, dtype, "cuda")
+    _gpu_check(load_impl("triton"), q, k, v, grad_out, is_causal, f"d={d}, {dtype}, causal={is_causal}, seed={seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", [((2, 16, 4), 1024, 1024, 128), ((1, 32, 8), 777, 1000, 80)],
+                         ids=["h16-kv4-d128", "h32-kv8-d80"])
+def test_gpu_grouped_query_attention(case, dtype, seed):
+    (batch, heads, kv_heads), n_q, n_k, d = case
+    q, k, v, grad_out = random_inputs((batch, heads), n_q, n_k, d, dtype, "cuda", kv_lead=(batch, kv_heads))
+    _gpu_check(load_impl("triton"), q, k, v, grad_out, True, f"GQA {case}, {dtype}, seed={seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_q,n_k", SHORT, ids=[f"q{a}-k{b}" for a, b in SHORT])
+def test_gpu_short_sequences_bf16(n_q, n_k, seed):
+    """The issue's n = 1 causal case in bf16 (finite dQ, dK; the reference's are exactly 0 at n_k = 1)."""
+    q, k, v, grad_out = random_inputs((2, 2), n_q, n_k, 64, torch.bfloat16, "cuda")
+    for is_causal in (False, True):
+        _gpu_check(load_impl("triton"), q, k, v, grad_out, is_causal, f"n_q={n_q}, n_k={n_k}, causal={is_causal}, "
+                   f"seed={seed}", SHORT_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 80])
+def test_gpu_fp32_large_magnitudes(d, seed):
+    """ISSUE_NOTES' shape (1 x 2 x 300, causal), inputs x1e3: O, L, dV at fp32 accuracy (IEEE dots; the backward
+    rounds S as the forward did). dQ, dK (near-zero references) must be finite."""
+    scale = 1000.0
+    q, k, v, grad_out = random_inputs((1, 2), 300, 300, d, torch.float32, "cuda", q_scale=scale, kv_scale=scale)
+    got = run(load_impl("triton").fn, q, k, v, grad_out, True)
+    want = reference(q, k, v, grad_out, True)
+    assert torch.isfinite(got["dQ"]).all() and torch.isfinite(got["dK"]).all()
+    for key in ("O", "L", "dV"):
+        rel, big = errors(got[key], want[key])
+        if PRINT_ERRORS:
+            print(f"ERR {key} rel={rel:.2e} max={big:.2e} [fp32 x{scale:g} d={d}]")
+        assert rel < FP32_EXACT.rel and big < FP32_EXACT.max, f"{key}: {rel:.2e} / {big:.2e} (x{scale:g}, seed={seed})"
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_x1000_dv_as_good_as_flash_sdpa(seed):
+    """bf16 inputs x1000 (ISSUE_NOTES: ours 6.4e-2 on dV, cuDNN 7.0e-2, SDPA's flash backend 1.5e-3): the bar is
+    flash SDPA's error on the same inputs (2x, or 5e-3, whichever is larger)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, grad_out = random_inputs((1, 2), 300, 300, 64, torch.bfloat16, "cuda", q_scale=1e3, kv_scale=1e3)
+    want = reference(q, k, v, grad_out, True)
+    got = run(load_impl("triton").fn, q, k, v, grad_out, True)
+
+    class FlashSDPA:
+        @staticmethod
+        def apply(q, k, v, is_causal):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    FlashSDPA.apply(q2, k2, v2, True).backward(grad_out)
+    ours, theirs = errors(got["dV"], want["dV"])[0], errors(v2.grad, want["dV"])[0]
+    print(f"ERR dV bf16 x1000: ours {ours:.2e}, flash SDPA {theirs:.2e}")
+    assert ours <= max(2 * theirs, 5e-3), f"dV: ours {ours:.2e}, flash SDPA {theirs:.2e} (seed={seed})"
