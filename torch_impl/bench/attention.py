@@ -59,8 +59,8 @@ records file, ``<stem>.md`` (median ms and TFLOP/s with providers as columns, fl
 other provider, failures) and PNG plots (latency and TFLOP/s against sequence length). The report step is the
 only part that imports pandas/matplotlib, and only then.
 
-Caveats: fp32 means fp32 for PyTorch's matmuls (``float32_matmul_precision`` is recorded), but Triton's
-``tl.dot`` on fp32 uses TF32 unless the kernel asks otherwise, so fp32 MFU is against the non-TF32 peak. A
+Caveats: fp32 means fp32 for PyTorch's matmuls and for ``flash_triton`` (IEEE dots), unless TF32 is allowed
+(``metrics.tf32_allowed`` is recorded, from ``flash_triton.tf32_allowed``); fp32 MFU is against the non-TF32 peak. A
 CUDA error that corrupts the context (an illegal memory access) fails every later configuration too.
 """
 
@@ -354,6 +354,14 @@ def run_pass(call: AttentionCall, shape: Shape, pass_: str, device: torch.device
     return outcome
 
 
+def _tf32_allowed() -> bool | None:
+    """PyTorch's fp32 matmul setting, as flash_triton reads it (None where the kernel module cannot load)."""
+    try:
+        return bool(_import("torch_impl.attention.flash_triton", "tf32_allowed")())
+    except Exception:  # noqa: BLE001 (a record field, never a failed run)
+        return None
+
+
 def make_record(provider: str, shape: Shape, pass_: str, outcome: Outcome, *, device_name: str,
                 base_provenance: dict[str, Any], warmup_ms: float, rep_ms: float, timer: str,
                 suite: str = SUITE) -> Record:  # fmt: skip
@@ -368,7 +376,7 @@ def make_record(provider: str, shape: Shape, pass_: str, outcome: Outcome, *, de
         metrics={"heads": shape.heads, "head_dim": shape.head_dim, "causal": shape.causal,
                  "warmup_ms": warmup_ms, "rep_ms": rep_ms,
                  "timer": timer,
-                 "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                 "tf32_allowed": _tf32_allowed(),
                  "memory_before_backward_bytes": outcome.memory_before_backward_bytes},
     )  # fmt: skip
     if outcome.times_ms:
