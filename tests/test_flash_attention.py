@@ -484,6 +484,8 @@ def _bad_inputs(device):
                     r"key|empty|length|n_k"),
         "heads not a multiple": (torch.randn(1, 3, 8, 16, **f), torch.randn(1, 2, 8, 16, **f),
                                  torch.randn(1, 2, 8, 16, **f), r"heads.*multiple"),
+        "no key/value heads": (torch.randn(1, 4, 8, 16, **f), torch.randn(1, 0, 8, 16, **f),
+                               torch.randn(1, 0, 8, 16, **f), r"heads.*multiple"),
         "k/v heads differ": (torch.randn(1, 4, 8, 16, **f), torch.randn(1, 2, 8, 16, **f),
                              torch.randn(1, 4, 8, 16, **f), r"leading|dims"),
     }

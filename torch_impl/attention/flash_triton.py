@@ -46,8 +46,7 @@ flash-attention repository's ``flash_attn_triton.py``; PyTorch's "Python custom 
 (``torch.library.custom_op``, ``register_fake``, ``register_autograd``).
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: the custom ops infer their schemas from real annotation objects.
 import math
 import os
 
@@ -409,7 +408,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"v {tuple(v.shape)}")
     if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]) or k.shape[:-2] != v.shape[:-2]:
         raise ValueError(f"leading dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.ndim >= 3 and q.shape[-3] % k.shape[-3] != 0:
+    if q.ndim >= 3 and (k.shape[-3] == 0 or q.shape[-3] % k.shape[-3] != 0):
         raise ValueError(f"q has {q.shape[-3]} heads (dim -3) and k, v {k.shape[-3]}; accepted: a number of "
                          "query heads that is a multiple of the key/value heads (grouped-query attention)")
     if k.shape[-2] != v.shape[-2]:
@@ -494,7 +493,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     check_inputs(q, k, v)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (..., n_q, d)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # (..., n_q)
-    if q.shape[-2] == 0:
+    if q.numel() == 0:  # no queries (or no heads, or an empty batch): nothing to launch
         return o, lse
     q4, k4, v4, o4 = (_as_heads(t) for t in (q, k, v, o))
     sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
@@ -509,7 +508,7 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    lse: torch.Tensor, is_causal: bool, tf32: bool = False):
     """dQ, dK, dV (each shaped like its input, contiguous): the D = rowsum(dO * O) pass, then dK/dV, then dQ."""
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    if q.shape[-2] == 0:  # no queries: nothing flows to the keys
+    if q.numel() == 0:  # no queries: nothing flows to the keys
         return dq, dk.zero_(), dv.zero_()
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_heads(t) for t in (q, k, v, o, do, dq, dk, dv))
     lse = lse.contiguous()
