@@ -1,12 +1,48 @@
 #!/usr/bin/env bash
-# FlashAttention on the device machine: bf16/fp16 correctness of the Triton kernels against fp64, then the
-# leaderboard configuration against cuDNN / flash / efficient SDPA and FlexAttention in the same run.
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR
-#     -> OUT_DIR/attention_leaderboard_h100.{jsonl,md} and its plots
+# FlashAttention v2 on the device machine (issue 14), from the source tree. Modes, in the order "all" runs them:
+#   tests  the attention tests on CUDA: the CPU-size ones natively (every head dim, n = 1.., GQA, strides,
+#          x1e3 numerics) and the gpu-marked real sizes, custom-op opcheck and Inductor fullgraph compile;
+#          fixed tiles (FLASH_TRITON_AUTOTUNE=0: the first configuration each pruning keeps, no tuning per shape);
+#          every measured error printed -> OUT/gpu_tests.log
+#   bench  the flash_shapes preset in one process: the issue's 1x16x16384 (d 64, 128) and 4x32x2048x64, the head-dim
+#          sweep d = 64, 80, 128, 256, ISSUE_NOTES' 4x32x2048x80, 1x16x16384x80, 2x16x4096x96, 1x8x8192x256; bf16
+#          causal, forward and forward+backward, ours (autotuned) vs cuDNN SDPA, flash SDPA and FlexAttention
+#          -> OUT/attention_leaderboard_h100.{jsonl,md} and plots
+#   e2e    the 2.7B preset (head dim 80) with --attention flash_triton --compile, 2 x 2048 bf16, a few steps
+#          -> OUT/e2e_flash_2.7B.jsonl (issue 14: "e2e --model 2.7B --attention flash_triton --compile runs")
+#   all    tests then bench (default). e2e is separate: autotuning plus compiling 2.7B may not fit the same call.
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|bench|e2e]
+# Records are appended as they are measured, so a call cut short keeps what it finished.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_flash.sh OUT_DIR}
+out=${1:?usage: scripts/gpu_flash.sh OUT_DIR [all|tests|bench|e2e]}
+mode=${2:-all}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-python3 scripts/flash_probe.py --no-bench
-python3 -m torch_impl.bench.attention --preset leaderboard \
-  --providers flash_triton,sdpa_cudnn,sdpa_flash,sdpa_efficient,flex --out "$out/attention_leaderboard_h100.jsonl"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+status=0
+
+run_tests() {
+  FLASH_TRITON_AUTOTUNE=0 FLASH_ATTN_PRINT_ERRORS=1 python3 -m pytest -q -rs -s \
+    tests/test_flash_attention.py tests/test_flash_triton_op.py tests/test_bench_attention.py \
+    >"$out/gpu_tests.log" 2>&1 || status=1
+  grep -E "passed|failed|error" "$out/gpu_tests.log" | tail -n 3
+  grep -E "^(FAILED|ERROR)" "$out/gpu_tests.log" | head -n 20
+}
+
+run_bench() {
+  python3 -m torch_impl.bench.attention --preset flash_shapes --out "$out/attention_leaderboard_h100.jsonl" || status=1
+}
+
+run_e2e() {
+  python3 -m torch_impl.bench.e2e --model 2.7B --batch-size 2 --seq-len 2048 --mode train_step --dtype bf16 \
+    --attention flash_triton --compile --warmup 2 --steps 5 --suite flash_e2e --out "$out/e2e_flash_2.7B.jsonl" || status=1
+}
+
+case "$mode" in
+  tests) run_tests ;;
+  bench) run_bench ;;
+  e2e) run_e2e ;;
+  all) run_tests; run_bench ;;
+  *) echo "unknown mode $mode; accepted: all, tests, bench, e2e" >&2; exit 2 ;;
+esac
+exit $status

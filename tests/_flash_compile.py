@@ -32,29 +32,43 @@ def signature(kernel, dtype: str, constexprs: dict) -> dict:
     return {name: kind(name) for name in kernel.arg_names}
 
 
-def first_config(tuned) -> tuple[dict, dict]:
-    config = tuned.configs[0]
-    return dict(config.kwargs), {"num_warps": config.num_warps, "num_stages": config.num_stages}
+def head_dim(d: int) -> dict:
+    return {"HEAD_DIM": d, "BLOCK_D": triton.next_power_of_2(d)}
 
 
+# The code paths, each kernel at least once: causal or not (the forward), ragged or even tiles, a head dim tiled
+# exactly (128) or padded (80 -> 128, masked), the widest (256, with the tiles the pruning keeps there), and fp32
+# in IEEE precision (FMA dots instead of tensor cores).
 CASES = [
-    ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": False}),
-    ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": False, "EVEN_M": True, "EVEN_N": True}),
-    ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True, "RAGGED": True}),
-    ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": False, "EVEN_M": True, "EVEN_N": True, "RAGGED": False}),
-    ("dq", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": False}),
-    ("dq", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": False, "EVEN_M": True, "EVEN_N": True}),
-    ("preprocess", ft._bwd_preprocess, None, {}),
+    ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": False, **head_dim(80)}),
+    ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": False, "EVEN_M": True, "EVEN_N": True, **head_dim(128)}),
+    ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": True, **head_dim(256)}),
+    ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True, **head_dim(80)}),
+    ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": False, **head_dim(256)}),
+    ("dq", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": False, **head_dim(80)}),
+    ("dq", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True, **head_dim(256)}),
+    ("preprocess", ft._bwd_preprocess, None, head_dim(80)),
+    ("forward-fp32", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": False,
+                                                     "DOT_PRECISION": "ieee", **head_dim(64)}),
 ]
+
+
+def first_kept_config(tuned, constexprs: dict) -> tuple[dict, dict]:
+    """The first configuration the autotuner's pruning keeps for these constexprs (e.g. BLOCK_D = 256): the one
+    FLASH_TRITON_AUTOTUNE=0 runs."""
+    config = ft._first_config(tuned, constexprs)
+    return {k: config[k] for k in ("BLOCK_M", "BLOCK_N")}, {k: config[k] for k in ("num_warps", "num_stages")}
 
 
 def compile_case(kernel, tuned, flags: dict) -> dict:
     """Lower one kernel to an sm_90 cubin; its shared memory in bytes, or the error's first line."""
-    tiles, options = first_config(tuned) if tuned else ({"BLOCK_M": 128}, {})
-    constexprs = {"HEAD_DIM": 128, **flags, **tiles}
+    flags = {"DOT_PRECISION": "tf32", **flags} if "DOT_PRECISION" in kernel.arg_names else flags
+    tiles, options = first_kept_config(tuned, flags) if tuned else ({"BLOCK_M": 128}, {})
+    constexprs = {**flags, **tiles}
+    dtype = "fp32" if flags.get("DOT_PRECISION") == "ieee" else "bf16"
     try:
-        compiled = triton.compile(ASTSource(kernel, signature(kernel, "bf16", constexprs), constexprs),
-                                  target=H100, options=options)
+        compiled = triton.compile(ASTSource(kernel, signature(kernel, dtype, constexprs), constexprs),
+                                  target=H100, options={**options, "enable_fp_fusion": False})
     except Exception as err:  # reported to the test, which fails with it
         return {"ok": False, "error": f"{type(err).__name__}: {err}".splitlines()[0]}
     return {"ok": bool(compiled.asm["cubin"]), "shared": compiled.metadata.shared}

@@ -175,3 +175,18 @@ def test_naive_attention_cli_is_the_naive_preset(tmp_path):
         assert r.suite == "naive_attention" and r.batch_size == 8 and r.metrics["heads"] == 1
         assert r.metrics["causal"] is False and "memory_before_backward_bytes" in r.metrics
         assert r.flops_per_step == attention_flops(8, 1, 16, 16, False, r.mode)
+
+
+def test_explicit_shapes_replace_the_grid(tmp_path):
+    """--shapes BxHxNxd: one configuration per shape, with its own batch, heads and head dim (issue 14's sweep);
+    mixing it with the grid's flags is a one-line error."""
+    out = tmp_path / "shapes.jsonl"
+    flags = ["--device", "cpu", "--dtypes", "fp32", "--warmup", "0", "--rep", "2", "--providers", "naive",
+             "--passes", "forward", "--no-report", "--out", str(out)]
+    assert bench.main([*flags, "--shapes", "2x3x16x24,1x2x8x80"]) == 0
+    seen = {(r.batch_size, r.metrics["heads"], r.seq_len, r.metrics["head_dim"]) for r in read_records(out)}
+    assert seen == {(2, 3, 16, 24), (1, 2, 8, 80)}
+    with pytest.raises(SystemExit, match="--seq-lens and explicit shapes"):
+        bench.main([*flags, "--shapes", "1x1x8x16", "--seq-lens", "8"])
+    shapes = bench.shapes(bench.resolve_args(bench.build_parser().parse_args(["--preset", "flash_shapes"])))
+    assert {(s.head_dim, s.batch, s.heads, s.seq_len) for s in shapes} >= {(80, 4, 32, 2048), (256, 1, 8, 8192)}

@@ -21,7 +21,8 @@ causal mask: 5e-2 to 5e-1 relative, see ``test_checker_flags_an_off_by_one_causa
   TF32 by default): unit roundoff u = 2^-24 = 6e-8; sums over d and n_k give measured errors <= 5.5e-7 relative,
   1.8e-6 on the largest element: bound 5e-6 / 1e-5. Logits of std ~30 amplify the rounding of S by |S|
   (measured 1e-5 / 2e-5): that test allows 5x.
-* fp32 in Triton on a GPU: ``tl.dot`` uses TF32 by default, every operand (q, k, P, dO, v, dS) rounded to a
+* fp32 in Triton on a GPU is computed with IEEE fp32 dots unless PyTorch allows TF32 (then the TF32 bounds
+  below apply; the first version always used TF32, measured as follows). With TF32 every operand (q, k, P, dO, v, dS) rounded to a
   10-bit mantissa (u = 2^-11 = 4.9e-4) in each of the forward's 2 and the backward's 4 products, with dS = P(dP - D)
   cancelling: measured 1.6e-3 (O), 2.3e-3 (grads) relative, 5e-3 largest element, i.e. ~5u, more than fp16
   inputs give (whose products are exact): bound 1e-2 / 2e-2; its L (from TF32 scores): measured 1.2e-4 / 4.2e-4,
@@ -118,16 +119,25 @@ def tolerance(impl: Impl, dtype: torch.dtype, device: str) -> Tol:
         return FP16
     if dtype == torch.float64:
         return Tol(1e-12, 1e-12)
-    if impl.name == "triton" and device == "cuda":
+    if _triton_uses_tf32(impl, device):
         return FP32_TF32
     return FP32_EXACT
 
 
+def _triton_uses_tf32(impl: Impl, device: str) -> bool:
+    """Triton's fp32 dots are IEEE unless PyTorch's own fp32 matmuls may use TF32 (off by default)."""
+    if impl.name != "triton" or device != "cuda":
+        return False
+    from torch_impl.attention.flash_triton import tf32_allowed
+
+    return tf32_allowed()
+
+
 def lse_tolerance(impl: Impl, dtype: torch.dtype, device: str) -> Tol:
-    """L is fp32 for every input dtype, so it gets an fp32-class bound (TF32-class for Triton fp32 on a GPU)."""
+    """L is fp32 for every input dtype, so it gets an fp32-class bound (TF32-class for Triton with TF32 allowed)."""
     if dtype in (torch.bfloat16, torch.float16):
         return LSE_LOW_PRECISION
-    if dtype == torch.float32 and impl.name == "triton" and device == "cuda":
+    if dtype == torch.float32 and _triton_uses_tf32(impl, device):
         return LSE_TF32
     return tolerance(impl, dtype, device)
 
@@ -136,14 +146,17 @@ def lse_tolerance(impl: Impl, dtype: torch.dtype, device: str) -> Tol:
 
 
 def reference(q, k, v, grad_out, is_causal):
-    """float64 O, L, dQ, dK, dV from float64 copies of the inputs."""
+    """float64 O, L, dQ, dK, dV from float64 copies of the inputs. Grouped-query attention (k, v with fewer heads
+    at dim -3) by repeating each key/value head for its group, so autograd sums dK, dV over the group."""
     q64, k64, v64 = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
-    scores = q64 @ k64.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (..., n_q, n_k)
+    group = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
+    k_all, v_all = (t.repeat_interleave(group, dim=-3) for t in (k64, v64))  # (..., H, n_k, d)
+    scores = q64 @ k_all.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (..., n_q, n_k)
     if is_causal:
         keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()  # top-left
         scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (..., n_q)
-    out = torch.softmax(scores, dim=-1) @ v64
+    out = torch.softmax(scores, dim=-1) @ v_all
     grads = torch.autograd.grad(out, (q64, k64, v64), grad_out.to(torch.float64))
     return {"O": out.detach(), "L": lse.detach(), "dQ": grads[0], "dK": grads[1], "dV": grads[2]}
 
@@ -164,10 +177,12 @@ def run(fn, q, k, v, grad_out, is_causal):
     return {"O": out.detach(), "L": lse, "dQ": q.grad, "dK": k.grad, "dV": v.grad}
 
 
-def random_inputs(lead, n_q, n_k, d, dtype, device, q_scale=1.0):
+def random_inputs(lead, n_q, n_k, d, dtype, device, q_scale=1.0, kv_lead=None, kv_scale=1.0):
+    """q (*lead, n_q, d), k and v (*kv_lead, n_k, d) (kv_lead defaults to lead), dO like q."""
+    kv_lead = lead if kv_lead is None else kv_lead
     q = (torch.randn(*lead, n_q, d, device=device) * q_scale).to(dtype)
-    k = torch.randn(*lead, n_k, d, device=device).to(dtype)
-    v = torch.randn(*lead, n_k, d, device=device).to(dtype)
+    k = (torch.randn(*kv_lead, n_k, d, device=device) * kv_scale).to(dtype)
+    v = (torch.randn(*kv_lead, n_k, d, device=device) * kv_scale).to(dtype)
     grad_out = torch.randn(*lead, n_q, d, device=device).to(dtype)
     return q, k, v, grad_out
 
@@ -207,6 +222,8 @@ SMALL_CASES = [
     ((2,), 80, 80, 128),
     ((3,), 1, 17, 16),
     ((1, 2, 1), 20, 48, 16),
+    ((1, 2), 33, 47, 80),  # head dim 80 (the 2.7B preset): tiled as 128, the padding masked
+    ((2,), 40, 18, 96),
 ]
 # Larger ones for the PyTorch implementation (several 64-wide tiles per axis, ragged last tiles).
 TORCH_CASES = [
@@ -297,6 +314,114 @@ def test_checker_flags_an_off_by_one_causal_mask(monkeypatch, seed):
         assert rel > 100 * FP32_EXACT.rel, f"{key}: the broken mask went unnoticed (error {rel:.2e}, seed={seed})"
 
 
+# ------------------------------------------------------------------------- every shape (issue 14, item 1)
+
+# Multiples of 8 that are not powers of two (the kernels tile them with the next power of two and mask the
+# rest of the head dim), and the largest, 256.
+HEAD_DIMS = [24, 40, 80, 112, 160, 192, 256]
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_head_dims_between_powers_of_two(impl, d, seed):
+    q, k, v, grad_out = random_inputs((1, 2), 19, 37, d, torch.float32, impl.device)
+    got = run(impl.fn, q, k, v, grad_out, True)
+    check_all(got, reference(q, k, v, grad_out, True), tolerance(impl, torch.float32, impl.device),
+              f"{impl.name}, d={d}, causal, seed={seed}", lse_tol=lse_tolerance(impl, torch.float32, impl.device))
+
+
+# One query and one key (softmax over one key: the reference dQ and dK are exactly 0, judged by absolute
+# error), and the other lengths below one tile, n_q != n_k both ways.
+SHORT = [(1, 1), (1, 2), (2, 1), (1, 5), (5, 1), (2, 2), (3, 7), (7, 3)]
+# With one or two keys per row, dS = P (dP - D) cancels with nothing to average the rounding of D = rowsum(dO * O)
+# (O rounded to the input dtype) over: dQ, dK errors of several u. Worst of 300 seeds x these shapes (flash_torch;
+# flash_triton 60 seeds): fp32 7.5e-6 / 5.5e-6, fp16 4.2e-3 / 6.7e-3; bounds ~7x and ~5x that (bf16: 8x fp16).
+SHORT_TOL = {torch.float32: Tol(5e-5, 5e-5), torch.float16: Tol(2e-2, 3e-2), torch.bfloat16: Tol(1.5e-1, 2e-1)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("n_q,n_k", SHORT, ids=[f"q{a}-k{b}" for a, b in SHORT])
+def test_short_sequences(impl, n_q, n_k, dtype, seed):
+    q, k, v, grad_out = random_inputs((2, 2), n_q, n_k, 32, dtype, impl.device)
+    for is_causal in (False, True):
+        got = run(impl.fn, q, k, v, grad_out, is_causal)
+        check_all(got, reference(q, k, v, grad_out, is_causal), SHORT_TOL[dtype],
+                  f"{impl.name}, {dtype}, n_q={n_q}, n_k={n_k}, causal={is_causal}, seed={seed}",
+                  lse_tol=lse_tolerance(impl, dtype, impl.device))
+
+
+# ((batch, query heads, key/value heads), n_q, n_k, d): groups of 2, 6 (one key/value head: multi-query) and 4.
+GQA_CASES = [((2, 4, 2), 33, 47, 16), ((1, 6, 1), 20, 20, 80), ((1, 8, 2), 9, 3, 32)]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", GQA_CASES, ids=lambda c: f"h{c[0][1]}-kv{c[0][2]}-q{c[1]}-k{c[2]}-d{c[3]}")
+def test_grouped_query_attention(impl, case, is_causal, seed):
+    """k, v with fewer heads than q: query head h reads key/value head h // group; dK, dV sum over the group."""
+    (batch, heads, kv_heads), n_q, n_k, d = case
+    q, k, v, grad_out = random_inputs((batch, heads), n_q, n_k, d, torch.float32, impl.device,
+                                      kv_lead=(batch, kv_heads))
+    got = run(impl.fn, q, k, v, grad_out, is_causal)
+    assert got["dK"].shape == k.shape and got["dV"].shape == v.shape
+    check_all(got, reference(q, k, v, grad_out, is_causal), tolerance(impl, torch.float32, impl.device),
+              f"{impl.name}, GQA {case}, causal={is_causal}, seed={seed}",
+              lse_tol=lse_tolerance(impl, torch.float32, impl.device))
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_non_contiguous_inputs(impl, is_causal, seed):
+    """Views as a model makes them: q and dO transposed from (B, T, H, d), k sliced out of a packed (B, T, 2, H, d)
+    k/v projection, v with a head-dim stride of 2; gradients reach the base tensors through the views."""
+    batch, n, heads, d = 2, 37, 3, 80
+    f = dict(device=impl.device)
+    q_base = torch.randn(batch, n, heads, d, **f, requires_grad=True)
+    kv_base = torch.randn(batch, n, 2, heads, d, **f, requires_grad=True)
+    v_base = torch.randn(batch, heads, n, 2 * d, **f, requires_grad=True)
+    grad_out = torch.randn(batch, n, heads, d, **f).transpose(1, 2)  # (B, H, n, d), not contiguous
+    views = lambda: (q_base.transpose(1, 2), kv_base[:, :, 0].transpose(1, 2), v_base[..., ::2])  # noqa: E731
+    q, k, v = views()
+    assert not any(t.is_contiguous() for t in (q, k, v, grad_out)) and v.stride(-1) == 2
+    out = impl.fn.apply(q, k, v, is_causal)
+    lse = saved_lse(out, q).detach().clone()
+    out.backward(grad_out)
+    q_ref, k_ref, v_ref = (t.detach().contiguous() for t in views())
+    want = reference(q_ref, k_ref, v_ref, grad_out.contiguous(), is_causal)
+    got = {"O": out.detach(), "L": lse, "dQ": q_base.grad.transpose(1, 2), "dK": kv_base.grad[:, :, 0].transpose(1, 2),
+           "dV": v_base.grad[..., ::2]}
+    assert kv_base.grad[:, :, 1].abs().max() == 0 and v_base.grad[..., 1::2].abs().max() == 0
+    check_all(got, want, tolerance(impl, torch.float32, impl.device),
+              f"{impl.name}, non-contiguous, causal={is_causal}, seed={seed}",
+              lse_tol=lse_tolerance(impl, torch.float32, impl.device))
+
+
+def test_large_magnitudes_keep_dv_exact(impl, seed):
+    """q, k, v scaled by 1e3 (|S| ~ 1e6, where one fp32 ulp of S is 0.06; the softmax is one-hot): O, L and dV stay
+    at fp32 accuracy only if the backward recomputes P = exp(S - L) with the forward's rounding of S (issue 17,
+    item 5: the Triton kernel's dV was off by 3.97). dQ and dK are near zero there: only finiteness is checked.
+    (At x1e2 the top scores of a row are often within a few units, and the fp32 rounding of S itself moves P by
+    ~1e-3 in any fp32 implementation: no fp32 bound holds there.) flash_torch: worst of 1,500 seeds 0.06x the bound."""
+    scale = 1000.0
+    q, k, v, grad_out = random_inputs((1, 2), 48, 48, 80, torch.float32, impl.device, q_scale=scale, kv_scale=scale)
+    got = run(impl.fn, q, k, v, grad_out, True)
+    want = reference(q, k, v, grad_out, True)
+    for key in ("dQ", "dK"):
+        assert torch.isfinite(got[key]).all(), f"{key} is not finite ({impl.name}, x{scale:g}, seed={seed})"
+        got.pop(key), want.pop(key)
+    tol = tolerance(impl, torch.float32, impl.device)
+    for key in ("O", "L", "dV"):
+        rel, big = errors(got[key], want[key])
+        assert rel < tol.rel and big < tol.max, f"{key}: {rel:.2e} / {big:.2e} ({impl.name}, x{scale:g}, seed={seed})"
+
+
+def test_empty_queries(impl):
+    """n_q = 0: an empty output, and zero dK, dV."""
+    k, v = (torch.randn(2, 3, 9, 32, device=impl.device, requires_grad=True) for _ in range(2))
+    q = torch.randn(2, 3, 0, 32, device=impl.device, requires_grad=True)
+    out = impl.fn.apply(q, k, v, True)
+    assert out.shape == (2, 3, 0, 32)
+    out.sum().backward()
+    assert k.grad.abs().max() == 0 and v.grad.abs().max() == 0 and q.grad.shape == q.shape
+
+
 # ------------------------------------------------------------------------------------ saved tensors
 
 
@@ -324,8 +449,8 @@ def test_saves_one_lse_and_nothing_quadratic(impl, is_causal, seed):
 def test_low_precision_dtypes(impl, case, is_causal, dtype, seed):
     if impl.interpreted and dtype == torch.bfloat16:
         # Triton's interpreter keeps bf16 as uint16 and its tl.dot multiplies the bit patterns (results ~1e9;
-        # triton-lang/triton#11584, "we just don't support it yet"; the debugging guide says the interpreter
-        # does not support bf16). The native GPU runs (test_gpu_long_sequences) cover bf16 for Triton.
+        # triton-lang/triton#11584), so the launcher refuses it there (test_interpreter_refuses_bf16); the native
+        # GPU runs (test_gpu_*) cover bf16 for Triton.
         pytest.skip("Triton's interpreter does not support bf16 tl.dot (triton-lang/triton#11584)")
     lead, n_q, n_k, d = case
     q, k, v, grad_out = random_inputs(lead, n_q, n_k, d, dtype, impl.device)
@@ -345,7 +470,7 @@ def _bad_inputs(device):
     f = dict(device=device)
     return {
         "rank 1": (torch.randn(8, **f), torch.randn(8, **f), torch.randn(8, **f), r"dim|shape|rank"),
-        "leading dims": (torch.randn(2, 8, 16, **f), torch.randn(3, 8, 16, **f), torch.randn(3, 8, 16, **f),
+        "leading dims": (torch.randn(2, 2, 8, 16, **f), torch.randn(3, 2, 8, 16, **f), torch.randn(3, 2, 8, 16, **f),
                          r"leading|batch|shape|dims"),
         "head dim": (torch.randn(2, 8, 16, **f), torch.randn(2, 8, 32, **f), torch.randn(2, 8, 32, **f),
                      r"head|dim"),
@@ -357,14 +482,39 @@ def _bad_inputs(device):
         "head dim too large": (torch.randn(1, 4, 512, **f),) * 3 + (r"head dim|dim",),
         "no keys": (torch.randn(1, 4, 16, **f), torch.randn(1, 0, 16, **f), torch.randn(1, 0, 16, **f),
                     r"key|empty|length|n_k"),
+        "heads not a multiple": (torch.randn(1, 3, 8, 16, **f), torch.randn(1, 2, 8, 16, **f),
+                                 torch.randn(1, 2, 8, 16, **f), r"heads.*multiple"),
+        "no key/value heads": (torch.randn(1, 4, 8, 16, **f), torch.randn(1, 0, 8, 16, **f),
+                               torch.randn(1, 0, 8, 16, **f), r"heads.*multiple"),
+        "k/v heads differ": (torch.randn(1, 4, 8, 16, **f), torch.randn(1, 2, 8, 16, **f),
+                             torch.randn(1, 4, 8, 16, **f), r"leading|dims"),
     }
 
 
 @pytest.mark.parametrize("what", list(_bad_inputs("cpu")))
 def test_bad_inputs_raise_value_error(impl, what):
     q, k, v, pattern = _bad_inputs(impl.device)[what]
-    with pytest.raises(ValueError, match=f"(?i){pattern}"):
+    with pytest.raises(ValueError, match=f"(?i){pattern}") as caught:
         impl.fn.apply(q, k, v, False)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("d", [8, 20, 100, 264])
+def test_triton_head_dim_must_be_a_multiple_of_8_from_16_to_256(d):
+    impl = load_impl("triton")
+    q = torch.randn(1, 2, 8, d, device=impl.device)
+    with pytest.raises(ValueError, match=r"^head dim \d+ is not supported; accepted: multiples of 8 from 16 to 256$"):
+        impl.fn.apply(q, q, q, True)
+
+
+def test_interpreter_refuses_bf16():
+    """Under TRITON_INTERPRET=1 bf16 would be computed from raw bits (errors ~1e9): a one-line error instead."""
+    impl = load_impl("triton")
+    if not impl.interpreted:
+        pytest.skip("the interpreter runs only without a GPU")
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"bfloat16.*interpreter.*accepted there: float32, float16"):
+        impl.fn.apply(q, q, q, True)
 
 
 # ------------------------------------------------------------------------------------ model integration
@@ -432,3 +582,81 @@ def test_gpu_long_sequences(name, case, is_causal, d, dtype, seed):
     check_all(got, reference(q, k, v, grad_out, is_causal), tolerance(impl, dtype, "cuda"),
               f"{name}, {dtype}, case {case}, d={d}, causal={is_causal}, seed={seed}",
               lse_tol=lse_tolerance(impl, dtype, "cuda"))
+
+
+def _gpu_check(impl, q, k, v, grad_out, is_causal, context: str, tol: Tol | None = None) -> dict:
+    """Run on CUDA and check O, L, dQ, dK, dV against fp64 with the dtype's bound; returns the result."""
+    got = run(impl.fn, q, k, v, grad_out, is_causal)
+    check_all(got, reference(q, k, v, grad_out, is_causal), tol or tolerance(impl, q.dtype, "cuda"), context,
+              lse_tol=lse_tolerance(impl, q.dtype, "cuda"))
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("d", [80, 256])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_gpu_head_dims_80_and_256(d, is_causal, dtype, seed):
+    """Padded (80 -> 128) and the widest (256) head dim at real lengths, ragged and n_q != n_k."""
+    q, k, v, grad_out = random_inputs((2, 4), 1000, 777, d, dtype, "cuda")
+    _gpu_check(load_impl("triton"), q, k, v, grad_out, is_causal, f"d={d}, {dtype}, causal={is_causal}, seed={seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", [((2, 16, 4), 1024, 1024, 128), ((1, 32, 8), 777, 1000, 80)],
+                         ids=["h16-kv4-d128", "h32-kv8-d80"])
+def test_gpu_grouped_query_attention(case, dtype, seed):
+    (batch, heads, kv_heads), n_q, n_k, d = case
+    q, k, v, grad_out = random_inputs((batch, heads), n_q, n_k, d, dtype, "cuda", kv_lead=(batch, kv_heads))
+    _gpu_check(load_impl("triton"), q, k, v, grad_out, True, f"GQA {case}, {dtype}, seed={seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_q,n_k", SHORT, ids=[f"q{a}-k{b}" for a, b in SHORT])
+def test_gpu_short_sequences_bf16(n_q, n_k, seed):
+    """The issue's n = 1 causal case in bf16 (finite dQ, dK; the reference's are exactly 0 at n_k = 1)."""
+    q, k, v, grad_out = random_inputs((2, 2), n_q, n_k, 64, torch.bfloat16, "cuda")
+    for is_causal in (False, True):
+        _gpu_check(load_impl("triton"), q, k, v, grad_out, is_causal, f"n_q={n_q}, n_k={n_k}, causal={is_causal}, "
+                   f"seed={seed}", SHORT_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 80])
+def test_gpu_fp32_large_magnitudes(d, seed):
+    """ISSUE_NOTES' shape (1 x 2 x 300, causal), inputs x1e3: O, L, dV at fp32 accuracy (IEEE dots; the backward
+    rounds S as the forward did). dQ, dK (near-zero references) must be finite."""
+    scale = 1000.0
+    q, k, v, grad_out = random_inputs((1, 2), 300, 300, d, torch.float32, "cuda", q_scale=scale, kv_scale=scale)
+    got = run(load_impl("triton").fn, q, k, v, grad_out, True)
+    want = reference(q, k, v, grad_out, True)
+    assert torch.isfinite(got["dQ"]).all() and torch.isfinite(got["dK"]).all()
+    for key in ("O", "L", "dV"):
+        rel, big = errors(got[key], want[key])
+        if PRINT_ERRORS:
+            print(f"ERR {key} rel={rel:.2e} max={big:.2e} [fp32 x{scale:g} d={d}]")
+        assert rel < FP32_EXACT.rel and big < FP32_EXACT.max, f"{key}: {rel:.2e} / {big:.2e} (x{scale:g}, seed={seed})"
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_x1000_dv_as_good_as_flash_sdpa(seed):
+    """bf16 inputs x1000 (ISSUE_NOTES: ours 6.4e-2 on dV, cuDNN 7.0e-2, SDPA's flash backend 1.5e-3): the bar is
+    flash SDPA's error on the same inputs (2x, or 5e-3, whichever is larger)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, grad_out = random_inputs((1, 2), 300, 300, 64, torch.bfloat16, "cuda", q_scale=1e3, kv_scale=1e3)
+    want = reference(q, k, v, grad_out, True)
+    got = run(load_impl("triton").fn, q, k, v, grad_out, True)
+
+    class FlashSDPA:
+        @staticmethod
+        def apply(q, k, v, is_causal):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    FlashSDPA.apply(q2, k2, v2, True).backward(grad_out)
+    ours, theirs = errors(got["dV"], want["dV"])[0], errors(v2.grad, want["dV"])[0]
+    print(f"ERR dV bf16 x1000: ours {ours:.2e}, flash SDPA {theirs:.2e}")
+    assert ours <= max(2 * theirs, 5e-3), f"dV: ours {ours:.2e}, flash SDPA {theirs:.2e} (seed={seed})"

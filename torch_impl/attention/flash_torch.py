@@ -6,8 +6,10 @@ tile, as Algorithm 1 (forward) and Algorithm 2 (backward) of Dao 2023 describe, 
 softmax, Milakov & Gimelshein 2018) and saves only the output O and one log-sum-exp row statistic
 L = m + log(l); the backward recomputes each probability tile P = exp(S - L) from L.
 
-Shapes: q is (..., n_q, d), k and v are (..., n_k, d) with the same leading dims (no broadcasting); the
-leading dims are flattened into one batch axis N inside. Any lengths work: the last tile of each axis is
+Shapes: q is (..., H, n_q, d), k and v are (..., H_kv, n_k, d) with the same leading dims (no broadcasting);
+the leading dims are flattened into one batch axis N inside. H_kv may divide H (grouped-query attention, as in
+``FlashAttention2Triton`` and SDPA's ``enable_gqa``): query head h reads key/value head h // (H / H_kv), and dK,
+dV sum over each group (k and v are expanded to H heads inside; a reference, not a memory saving). Any lengths work: the last tile of each axis is
 simply shorter (ragged tiles are slices, no padding). n_q may differ from n_k. With ``is_causal`` the mask is
 top-left aligned, as in the CS336 reference and ``torch_impl.attention.naive``: query i sees keys j <= i, so
 every query sees at least key 0 and no row is empty.
@@ -29,7 +31,7 @@ Caveats:
     (a Triton kernel usually casts P to the input dtype first, so it is slightly less accurate).
     The output and the gradients are cast back to the input dtype.
   * The backward uses the saved (input-dtype) O in D = rowsum(dO * O), as FA2 does.
-  * No dropout, no attention bias, no sliding window, no GQA/MQA (k/v must have q's leading dims).
+  * No dropout, no attention bias, no sliding window.
   * Not ``torch.compile``d: CPU tests must not need a C compiler.
 """
 
@@ -69,9 +71,13 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+    if not (q.ndim == k.ndim == v.ndim and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]
+            and k.shape[:-2] == v.shape[:-2]):
         raise ValueError("q, k, v must have the same leading (batch) dims, got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.ndim >= 3 and (k.shape[-3] == 0 or q.shape[-3] % k.shape[-3] != 0):
+        raise ValueError(f"q has {q.shape[-3]} heads (dim -3) and k, v {k.shape[-3]}; accepted: a number of "
+                         "query heads that is a multiple of the key/value heads (grouped-query attention)")
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         raise ValueError("q, k, v must have the same head dim (last dim), got "
                          f"{q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}")
@@ -166,6 +172,16 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     return dq.to(q.dtype), dk, dv
 
 
+def _kv_group(q: torch.Tensor, k: torch.Tensor) -> int:
+    """How many query heads share one key/value head (1 without grouped-query attention)."""
+    return q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
+
+
+def _expand_heads(t: torch.Tensor, group: int) -> torch.Tensor:
+    """(..., H_kv, n, d) -> (..., H_kv * group, n, d): head h of the result is head h // group of t."""
+    return t if group == 1 else t.repeat_interleave(group, dim=-3)
+
+
 class FlashAttention2Torch(torch.autograd.Function):
     """FlashAttention-2 forward and backward, tiled, in PyTorch. ``.apply(q, k, v, is_causal=False)``.
 
@@ -178,7 +194,9 @@ class FlashAttention2Torch(torch.autograd.Function):
         check_inputs(q, k, v)
         lead, n_q, n_k, d = q.shape[:-2], q.shape[-2], k.shape[-2], q.shape[-1]
         nb = math.prod(lead)  # leading dims flattened into one batch axis N (explicit: -1 fails for n == 0)
-        o, lse = flash_forward(q.reshape(nb, n_q, d), k.reshape(nb, n_k, d), v.reshape(nb, n_k, d),
+        group = _kv_group(q, k)
+        k_all, v_all = _expand_heads(k, group), _expand_heads(v, group)  # (..., H, n_k, d)
+        o, lse = flash_forward(q.reshape(nb, n_q, d), k_all.reshape(nb, n_k, d), v_all.reshape(nb, n_k, d),
                                bool(is_causal))
         o = o.reshape(*lead, n_q, d)  # (..., n_q, d)
         lse = lse.reshape(*lead, n_q)  # (..., n_q)
@@ -190,9 +208,14 @@ class FlashAttention2Torch(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         lse, q, k, v, o = ctx.saved_tensors
         nb, n_q, n_k, d = math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1]
+        group = _kv_group(q, k)
+        k_all, v_all = _expand_heads(k, group), _expand_heads(v, group)
         dq, dk, dv = flash_backward(
-            q.reshape(nb, n_q, d), k.reshape(nb, n_k, d), v.reshape(nb, n_k, d), o.reshape(nb, n_q, d),
+            q.reshape(nb, n_q, d), k_all.reshape(nb, n_k, d), v_all.reshape(nb, n_k, d), o.reshape(nb, n_q, d),
             lse.reshape(nb, n_q), grad_out.reshape(nb, n_q, d), ctx.is_causal)
+        # Grouped heads: (..., H_kv, group, n_k, d) summed over the group, in the compute dtype.
+        dk, dv = (g.reshape(*t.shape[:-3], t.shape[-3], group, n_k, d).to(_compute_dtype(t.dtype)).sum(-3)
+                  .to(t.dtype) if group > 1 else g for g, t in ((dk, k), (dv, v)))
         return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None
 
 

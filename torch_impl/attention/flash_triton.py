@@ -1,27 +1,52 @@
-"""FlashAttention-2 in Triton: forward, and a backward with separate dK/dV and dQ passes (no atomics).
+"""FlashAttention-2 in Triton: a forward kernel and a deterministic backward (D = rowsum(dO * O), then separate
+dK/dV and dQ passes, no atomics), exposed as PyTorch custom ops so ``torch.compile(fullgraph=True)`` traces
+through them without a graph break.
 
-Reads top to bottom: the Triton kernels (forward; backward preprocessing D = rowsum(dO * O); dK/dV; dQ) ->
-the launchers, which check shapes and dtypes, pick tile configurations (autotuned on a GPU, keyed by
-power-of-two buckets of the lengths so tuning does not rerun every call) and allocate outputs -> the
-``torch.autograd.Function`` -> the backend ``flash_triton`` of ``TransformerLM``.
+Reads top to bottom: the Triton kernels -> tile configurations -> the launchers, which check the inputs, pick
+tiles and allocate outputs -> the custom ops ``torch.ops.torch_impl.flash_attention_forward`` / ``_backward``
+(fake implementations for tracing, the backward registered as the forward's autograd formula) -> the public
+``flash_attention`` function (the ``flash_triton`` backend of ``TransformerLM``) and ``FlashAttention2Triton``,
+the ``torch.autograd.Function`` of DESIGN.md, both routed to the same ops.
 
-* q: (..., n_q, d), k and v: (..., n_k, d), any leading dims, any lengths (ragged tiles are masked), head
-  dims 16, 32, 64, 128; fp32, bf16 and fp16. The output has the input dtype; softmax statistics are fp32.
-* Causal attention is top-left aligned (query i attends keys j <= i, also when n_q != n_k), as the CS336
-  reference. Key tiles wholly above the diagonal are skipped; tiles on the diagonal are handled in a
-  separate loop stage with the mask, the tiles below it run unmasked.
-* The forward saves O and one log-sum-exp tensor L (..., n_q) (natural log, fp32); the backward recomputes
-  P = exp(S - L) tile by tile, so no n_q x n_k tensor is ever materialized.
-* The softmax runs in base 2: S is scaled by log2(e) / sqrt(d) once, so exp becomes the cheaper exp2.
-* fp32 inputs use Triton's default dot precision (TF32 on tensor cores): measured ~2e-3 relative error on
-  O and the gradients against fp64 (TF32 rounds both products, QK^T and PV, to 10 mantissa bits).
+Inputs: q (..., H, n_q, d), k and v (..., H_kv, n_k, d), the same leading dims.
+* Grouped-query attention: H must be a multiple of H_kv; query head h reads key/value head h // (H / H_kv)
+  (``F.scaled_dot_product_attention(..., enable_gqa=True)``'s convention); dK and dV sum over the H / H_kv query
+  heads of their group, inside the dK/dV kernel (no expanded copies of k and v). 2-D inputs are one head.
+* Any strides: the kernels take the batch, head, sequence and head-dim stride of every tensor (a transposed
+  (B, T, H, d) view is read in place); leading dims beyond (B, H) are merged by ``reshape`` (a copy only where
+  their layout cannot be merged).
+* Head dim d: a multiple of 8 from 16 to 256 (80, 96, 112, 160, 192 included). The kernels tile the head dim
+  with the next power of two (BLOCK_D >= d) and mask the loads and stores of the columns d..BLOCK_D-1, which
+  read as zeros and add nothing to the dot products: no padded copy of any tensor.
+* Any n_q >= 0, n_k >= 1 (ragged last tiles are masked). Causal attention is top-left aligned: query i sees
+  keys j <= i, also when n_q != n_k, as ``F.scaled_dot_product_attention(is_causal=True)`` (its mask is
+  ``ones(n_q, n_k).tril()``) and the CS336 reference (the flash-attn CUDA package aligns bottom-right instead).
+  Every query sees key 0, so no row is empty. Key tiles wholly above the diagonal are skipped; tiles on it run
+  in a masked loop stage of their own.
+* dtypes fp32, bf16, fp16 on CUDA. Under ``TRITON_INTERPRET=1`` (CPU tensors) bf16 is refused: the
+  interpreter keeps bf16 as raw uint16 bits and its ``tl.dot`` multiplies those (errors ~1e9;
+  triton-lang/triton#11584); fp32 and fp16 are computed correctly there.
+
+Numerics:
+* fp32 inputs are computed in fp32 (``tl.dot(..., input_precision="ieee")``) unless PyTorch's own fp32
+  matmuls may use TF32 (``torch.backends.cuda.matmul.fp32_precision == "tf32"``, or the legacy
+  ``allow_tf32`` / ``torch.set_float32_matmul_precision("high" | "medium")``): then TF32, as cuBLAS would.
+  The decision is taken at the forward and reused by its backward (under torch.compile: when traced). bf16/fp16 products are exact with fp32
+  accumulation; P and dS are rounded to the input dtype before their products, as in FlashAttention-2.
+* The forward saves O and one log-sum-exp L (..., n_q), natural log, fp32. The backward recomputes each
+  score exactly as the forward rounded it, S = fl(fl(q k^T) * scale), and takes the exponent S - L in natural
+  units before scaling it by log2(e) for exp2; FP fusion (mul + add -> FMA) is off in every kernel so the
+  compiler cannot round one pass differently from the other. With large logits (inputs x1e3, |S| ~ 1e6,
+  where one fp32 ulp of S is 0.06) any such difference shows up in P = exp(S - L) directly: storing L in base
+  2 and converting it back, as the first version did, put dV off by 3.97 (absolute).
+* Scores of masked positions are set to -inf before the exponent, so nothing overflows.
 
 References: Dao 2023, "FlashAttention-2" (algorithms 1 and 2); the Triton fused-attention tutorial; the
-flash-attention repository's ``flash_attn_triton.py``.
+flash-attention repository's ``flash_attn_triton.py``; PyTorch's "Python custom operators" tutorial
+(``torch.library.custom_op``, ``register_fake``, ``register_autograd``).
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: the custom ops infer their schemas from real annotation objects.
 import math
 import os
 
@@ -31,19 +56,40 @@ import triton.language as tl
 
 from torch_impl.attention.registry import register_attention
 
-LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
-HEAD_DIMS = (16, 32, 64, 128)
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# FLASH_TRITON_AUTOTUNE=0: on a GPU, run the first configuration the pruning keeps instead of autotuning (GPU
+# correctness tests over many shapes, without a tuning run per shape).
+AUTOTUNE = os.environ.get("FLASH_TRITON_AUTOTUNE", "1") != "0"
+_LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
 
 
 # ---------------------------------------------------------------------------------------------- kernels
 
 
 @triton.jit
-def _tile(base, b, h, stride_b, stride_h, stride_row, rows, cols):
-    """Pointers to a (rows, cols) tile of head (b, h): rows along the sequence, cols along the head dim."""
-    return base + b * stride_b + h * stride_h + rows[:, None] * stride_row + cols[None, :]
+def _ptrs(base, b, h, stride_b, stride_h, stride_n, stride_d, rows, cols):
+    """Pointers to the (rows, cols) tile of head (b, h): rows along the sequence, cols along the head dim."""
+    return base + b * stride_b + h * stride_h + rows[:, None] * stride_n + cols[None, :] * stride_d
+
+
+@triton.jit
+def _below(offs, n, MASK: tl.constexpr):
+    """offs < n where MASK, else all True (a constant mask, which the compiler drops)."""
+    if MASK:
+        ok = offs < n
+    else:
+        ok = tl.full(offs.shape, 1, tl.int1)
+    return ok
+
+
+@triton.jit
+def _program_head(n_heads, group):
+    """(b, h, h_kv) of this program's batch x head index (axis 1 of the grid), as int64 for the offsets."""
+    bh = tl.program_id(1)
+    h = bh % n_heads
+    return (bh // n_heads).to(tl.int64), h.to(tl.int64), (h // group).to(tl.int64)
 
 
 @triton.jit
@@ -55,31 +101,29 @@ def _query_tile(IS_CAUSAL: tl.constexpr, n_q, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, lo, hi, n_k, qk_scale,
-               MASK_DIAGONAL: tl.constexpr, MASK_KEYS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Online softmax over key tiles [lo, hi): acc, l_i, m_i updated in place (base-2 statistics)."""
+def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n_base, d_ok, lo, hi, n_k,
+               sm_scale, MASK_DIAGONAL: tl.constexpr, MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Online softmax over the key tiles [lo, hi): acc, the row sum l_i and the row max m_i (natural units)."""
     k_ptrs += lo * stride_kn
     v_ptrs += lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n  # (BLOCK_N,)
-        if MASK_KEYS:
-            k = tl.load(k_ptrs, mask=cols[None, :] < n_k, other=0.0)  # (D, BLOCK_N)
-        else:
-            k = tl.load(k_ptrs)
-        qk = tl.dot(q, k)  # (BLOCK_M, BLOCK_N), unscaled
+        offs_n = start_n + offs_n_base  # (BLOCK_N,)
+        key_ok = _below(offs_n, n_k, MASK_KEYS)
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        # S = q k^T, written as in the backward's kernels (q @ trans(k), k @ trans(q)): the same rounding in each.
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_N)
         if MASK_DIAGONAL:
-            qk = tl.where(offs_m[:, None] >= cols[None, :], qk, -float("inf"))
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, -float("inf"))
         if MASK_KEYS:
-            qk = tl.where(cols[None, :] < n_k, qk, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # log2 domain (qk_scale > 0 commutes with max)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # one fused multiply-add per score
-        alpha = tl.math.exp2(m_i - m_new)
+            s = tl.where(key_ok[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is in the first tile and every row sees it
+        p = tl.math.exp2((s - m_new[:, None]) * _LOG2E)
+        alpha = tl.math.exp2((m_i - m_new) * _LOG2E)  # 0 on the first tile (m_i = -inf)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASK_KEYS:
-            v = tl.load(v_ptrs, mask=cols[:, None] < n_k, other=0.0)  # (BLOCK_N, D)
-        else:
-            v = tl.load(v_ptrs)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -88,173 +132,162 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, sm_scale,
-                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-                n_heads, n_q, n_k, n_q_bucket, n_k_bucket,
-                HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (query tile, batch x head): O = softmax(Q K^T * scale) V and L = logsumexp.
+                stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
+                n_heads, group, n_q, n_k, n_q_bucket, n_k_bucket,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
+                EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (query tile, batch x head): O = softmax(Q K^T * scale) V and L = logsumexp (natural).
     Causal: the last query tiles see the most keys, so they are launched first (less tail at the end)."""
     start_m = _query_tile(IS_CAUSAL, n_q, BLOCK_M) * BLOCK_M
-    bh = tl.program_id(1)
-    b, h = bh // n_heads, bh % n_heads
+    b, h, h_kv = _program_head(n_heads, group)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = _tile(Q, b, h, stride_qb, stride_qh, stride_qm, offs_m, offs_d)
-    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]  # K^T tile
-    v_ptrs = _tile(V, b, h, stride_vb, stride_vh, stride_vn, offs_n, offs_d)
-    if EVEN_M:
-        q = tl.load(q_ptrs)
-    else:
-        q = tl.load(q_ptrs, mask=offs_m[:, None] < n_q, other=0.0)  # (BLOCK_M, D)
-    qk_scale = sm_scale * 1.4426950408889634
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = _below(offs_d, HEAD_DIM, HEAD_DIM != BLOCK_D)
+    row_ok = _below(offs_m, n_q, not EVEN_M)
+    q = tl.load(_ptrs(Q, b, h, stride_qb, stride_qh, stride_qn, stride_qd, offs_m, offs_d),
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    k_ptrs = _ptrs(K, b, h_kv, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d)
+    v_ptrs = _ptrs(V, b, h_kv, stride_vb, stride_vh, stride_vn, stride_vd, offs_n, offs_d)
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if IS_CAUSAL:
         # Stage 1: key tiles wholly below the diagonal (keys < start_m), no causal mask.
         hi = tl.minimum(start_m, n_k)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n,
-                                   0, hi, n_k, qk_scale, False, not EVEN_N, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok,
+                                   0, hi, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, BLOCK_N)
         # Stage 2: the tiles on the diagonal, masked; tiles above it are never visited.
         hi = tl.minimum(start_m + BLOCK_M, n_k)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n,
-                                   start_m, hi, n_k, qk_scale, True, not EVEN_N, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok,
+                                   start_m, hi, n_k, sm_scale, True, not EVEN_N, DOT_PRECISION, BLOCK_N)
     else:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n,
-                                   0, n_k, n_k, qk_scale, False, not EVEN_N, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok,
+                                   0, n_k, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, BLOCK_N)
     acc = acc / l_i[:, None]
-    lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634  # back to natural log
-    o_ptrs = _tile(O, b, h, stride_ob, stride_oh, stride_om, offs_m, offs_d)
-    lse_ptrs = LSE + bh * n_q + offs_m
-    if EVEN_M:
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty))
-        tl.store(lse_ptrs, lse)
-    else:
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < n_q)
-        tl.store(lse_ptrs, lse, mask=offs_m < n_q)
+    lse = m_i + tl.log(l_i)
+    tl.store(_ptrs(O, b, h, stride_ob, stride_oh, stride_on, stride_od, offs_m, offs_d),
+             acc.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + (b * n_heads + h) * n_q + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
-def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-                    n_heads, n_q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """D = rowsum(dO * O) in fp32, one row per query: (batch x head, n_q)."""
+def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od,
+                    stride_dob, stride_doh, stride_don, stride_dod, n_heads, n_q,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """D = rowsum(dO * O) in fp32, one value per query: (batch x head, n_q)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1)
-    b, h = bh // n_heads, bh % n_heads
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask = offs_m[:, None] < n_q
-    o = tl.load(_tile(O, b, h, stride_ob, stride_oh, stride_om, offs_m, offs_d), mask=mask, other=0.0)
-    do = tl.load(_tile(DO, b, h, stride_dob, stride_doh, stride_dom, offs_m, offs_d),
+    b, h, _ = _program_head(n_heads, 1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < n_q) & _below(offs_d, HEAD_DIM, HEAD_DIM != BLOCK_D)[None, :]
+    o = tl.load(_ptrs(O, b, h, stride_ob, stride_oh, stride_on, stride_od, offs_m, offs_d), mask=mask, other=0.0)
+    do = tl.load(_ptrs(DO, b, h, stride_dob, stride_doh, stride_don, stride_dod, offs_m, offs_d),
                  mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + bh * n_q + offs_m, delta, mask=offs_m < n_q)
+    tl.store(DELTA + (b * n_heads + h) * n_q + offs_m, delta, mask=offs_m < n_q)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dom, offs_n, offs_m_base,
-                lo, hi, n_q, n_k, qk_scale, MASK_DIAGONAL: tl.constexpr, MASK_ROWS: tl.constexpr,
-                BLOCK_M: tl.constexpr):
-    """Accumulate dK, dV of one key tile over query tiles [lo, hi), working with transposed tiles."""
-    q_ptrs += lo * stride_qm
-    do_ptrs += lo * stride_dom
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don, offs_n, key_ok,
+                offs_m_base, d_ok, lo, hi, n_q, sm_scale, MASK_DIAGONAL: tl.constexpr, MASK_ROWS: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Accumulate dK, dV of one key tile over the query tiles [lo, hi) of one head, with transposed tiles."""
+    q_ptrs += lo * stride_qn
+    do_ptrs += lo * stride_don
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base  # (BLOCK_M,)
-        if MASK_ROWS:
-            row_ok = offs_m < n_q
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D)
-            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
-            lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
-            delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
-        else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
-            lse = tl.load(lse_ptr + offs_m)
-            delta = tl.load(delta_ptr + offs_m)
-        qkT = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M), log2 domain
-        pT = tl.math.exp2(qkT - lse[None, :] * 1.4426950408889634)
+        row_ok = _below(offs_m, n_q, MASK_ROWS)
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+        do = tl.load(do_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
+        st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * sm_scale  # S^T (BLOCK_N, BLOCK_M)
+        visible = key_ok[:, None] & row_ok[None, :]
         if MASK_DIAGONAL:
-            pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-        if MASK_ROWS:
-            pT = tl.where(row_ok[None, :] & (offs_n[:, None] < n_k), pT, 0.0)
-        dv += tl.dot(pT.to(do.dtype), do)  # (BLOCK_N, D)
-        dpT = tl.dot(v, tl.trans(do))  # (BLOCK_N, BLOCK_M)
-        dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(q.dtype), q)
-        q_ptrs += BLOCK_M * stride_qm
-        do_ptrs += BLOCK_M * stride_dom
+            visible = visible & (offs_m[None, :] >= offs_n[:, None])
+        pt = tl.math.exp2((tl.where(visible, st, -float("inf")) - lse[None, :]) * _LOG2E)  # P^T
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T (BLOCK_N, BLOCK_M)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PRECISION)
+        q_ptrs += BLOCK_M * stride_qn
+        do_ptrs += BLOCK_M * stride_don
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
-                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-                     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                     n_heads, n_q, n_k, n_q_bucket, n_k_bucket,
-                     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                     RAGGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (key tile, batch x head): dK, dV over every query tile that sees the key tile.
-    RAGGED = not (EVEN_M and EVEN_N): rows and keys of partial tiles are masked."""
+                     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                     stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_don, stride_dod,
+                     stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                     n_heads, group, n_q, n_k, n_q_bucket, n_k_bucket,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
+                     EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """One program per (key tile, batch x key/value head): dK, dV summed over every query tile that sees the
+    key tile, in each of the ``group`` query heads that share this key/value head (grid axis 1: B x H_kv)."""
     start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
-    b, h = bh // n_heads, bh % n_heads
+    b, h_kv, _ = _program_head(n_heads // group, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    kv_mask = offs_n[:, None] < n_k
-    k = tl.load(_tile(K, b, h, stride_kb, stride_kh, stride_kn, offs_n, offs_d), mask=kv_mask,
-                other=0.0)  # (BLOCK_N, D)
-    v = tl.load(_tile(V, b, h, stride_vb, stride_vh, stride_vn, offs_n, offs_d), mask=kv_mask,
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = _below(offs_d, HEAD_DIM, HEAD_DIM != BLOCK_D)
+    key_ok = _below(offs_n, n_k, not EVEN_N)
+    kv_mask = key_ok[:, None] & d_ok[None, :]
+    k = tl.load(_ptrs(K, b, h_kv, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d), mask=kv_mask,
+                other=0.0)  # (BLOCK_N, BLOCK_D)
+    v = tl.load(_ptrs(V, b, h_kv, stride_vb, stride_vh, stride_vn, stride_vd, offs_n, offs_d), mask=kv_mask,
                 other=0.0)
-    q_ptrs = _tile(Q, b, h, stride_qb, stride_qh, stride_qm, offs_m, offs_d)
-    do_ptrs = _tile(DO, b, h, stride_dob, stride_doh, stride_dom, offs_m, offs_d)
-    lse_ptr = LSE + bh * n_q
-    delta_ptr = DELTA + bh * n_q
-    qk_scale = sm_scale * 1.4426950408889634
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    if IS_CAUSAL:
-        # Query tiles on the diagonal (rows start_n .. start_n + BLOCK_N), masked; then the rows below, unmasked.
-        diag_end = tl.minimum(start_n + BLOCK_N, n_q)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dom, offs_n,
-                             offs_m, start_n, diag_end, n_q, n_k, qk_scale, True, RAGGED, BLOCK_M)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dom, offs_n,
-                             offs_m, start_n + BLOCK_N, n_q, n_q, n_k, qk_scale, False, RAGGED, BLOCK_M)
-    else:
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dom, offs_n,
-                             offs_m, 0, n_q, n_q, n_k, qk_scale, False, RAGGED, BLOCK_M)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(0, group):  # the query heads of this key/value head, in order: deterministic sums
+        h = h_kv * group + g
+        q_ptrs = _ptrs(Q, b, h, stride_qb, stride_qh, stride_qn, stride_qd, offs_m, offs_d)
+        do_ptrs = _ptrs(DO, b, h, stride_dob, stride_doh, stride_don, stride_dod, offs_m, offs_d)
+        lse_ptr = LSE + (b * n_heads + h) * n_q
+        delta_ptr = DELTA + (b * n_heads + h) * n_q
+        if IS_CAUSAL:
+            # Query rows on the diagonal (start_n .. start_n + BLOCK_N), masked; then the rows below, unmasked.
+            diag_end = tl.minimum(start_n + BLOCK_N, n_q)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don, offs_n,
+                                 key_ok, offs_m, d_ok, start_n, diag_end, n_q, sm_scale, True, not EVEN_M,
+                                 DOT_PRECISION, BLOCK_M)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don, offs_n,
+                                 key_ok, offs_m, d_ok, start_n + BLOCK_N, n_q, n_q, sm_scale, False, not EVEN_M,
+                                 DOT_PRECISION, BLOCK_M)
+        else:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don, offs_n,
+                                 key_ok, offs_m, d_ok, 0, n_q, n_q, sm_scale, False, not EVEN_M, DOT_PRECISION,
+                                 BLOCK_M)
     dk *= sm_scale
-    tl.store(_tile(DK, b, h, stride_dkb, stride_dkh, stride_dkn, offs_n, offs_d),
+    tl.store(_ptrs(DK, b, h_kv, stride_dkb, stride_dkh, stride_dkn, stride_dkd, offs_n, offs_d),
              dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(_tile(DV, b, h, stride_dvb, stride_dvh, stride_dvn, offs_n, offs_d),
+    tl.store(_ptrs(DV, b, h_kv, stride_dvb, stride_dvh, stride_dvn, stride_dvd, offs_n, offs_d),
              dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n_base, lo, hi, n_k,
-              qk_scale, MASK_DIAGONAL: tl.constexpr, MASK_KEYS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Accumulate dQ of one query tile over key tiles [lo, hi)."""
+def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n_base, d_ok, lo, hi, n_k,
+              sm_scale, MASK_DIAGONAL: tl.constexpr, MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """Accumulate dQ of one query tile over the key tiles [lo, hi)."""
     k_ptrs += lo * stride_kn
     v_ptrs += lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
-        if MASK_KEYS:
-            k = tl.load(k_ptrs, mask=offs_n[:, None] < n_k, other=0.0)  # (BLOCK_N, D)
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < n_k, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N)
-        p = tl.math.exp2(qk - lse[:, None])
+        key_ok = _below(offs_n, n_k, MASK_KEYS)
+        k = tl.load(k_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_N)
         if MASK_DIAGONAL:
-            p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, -float("inf"))
         if MASK_KEYS:
-            p = tl.where(offs_n[None, :] < n_k, p, 0.0)
-        dp = tl.dot(do, tl.trans(v))  # (BLOCK_M, BLOCK_N)
+            s = tl.where(key_ok[None, :], s, -float("inf"))
+        p = tl.math.exp2((s - lse[:, None]) * _LOG2E)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return dq
@@ -262,44 +295,43 @@ def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_
 
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
-                   stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-                   stride_dqb, stride_dqh, stride_dqm,
-                   n_heads, n_q, n_k, n_q_bucket, n_k_bucket,
-                   HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                   stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_don, stride_dod,
+                   stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+                   n_heads, group, n_q, n_k, n_q_bucket, n_k_bucket,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
+                   EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch x head): dQ over every key tile the query tile sees (causal: the
     heaviest tiles first, as in the forward)."""
     start_m = _query_tile(IS_CAUSAL, n_q, BLOCK_M) * BLOCK_M
-    bh = tl.program_id(1)
-    b, h = bh // n_heads, bh % n_heads
+    b, h, h_kv = _program_head(n_heads, group)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_mask = offs_m[:, None] < n_q
-    q = tl.load(_tile(Q, b, h, stride_qb, stride_qh, stride_qm, offs_m, offs_d), mask=row_mask,
-                other=0.0)
-    do = tl.load(_tile(DO, b, h, stride_dob, stride_doh, stride_dom, offs_m, offs_d),
-                 mask=row_mask, other=0.0)
-    lse = tl.load(LSE + bh * n_q + offs_m, mask=offs_m < n_q, other=0.0) * 1.4426950408889634  # log2 domain
-    delta = tl.load(DELTA + bh * n_q + offs_m, mask=offs_m < n_q, other=0.0)
-    k_ptrs = _tile(K, b, h, stride_kb, stride_kh, stride_kn, offs_n, offs_d)
-    v_ptrs = _tile(V, b, h, stride_vb, stride_vh, stride_vn, offs_n, offs_d)
-    qk_scale = sm_scale * 1.4426950408889634
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = _below(offs_d, HEAD_DIM, HEAD_DIM != BLOCK_D)
+    row_ok = _below(offs_m, n_q, not EVEN_M)
+    mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(_ptrs(Q, b, h, stride_qb, stride_qh, stride_qn, stride_qd, offs_m, offs_d), mask=mask, other=0.0)
+    do = tl.load(_ptrs(DO, b, h, stride_dob, stride_doh, stride_don, stride_dod, offs_m, offs_d), mask=mask,
+                 other=0.0)
+    lse = tl.load(LSE + (b * n_heads + h) * n_q + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + (b * n_heads + h) * n_q + offs_m, mask=row_ok, other=0.0)
+    k_ptrs = _ptrs(K, b, h_kv, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d)
+    v_ptrs = _ptrs(V, b, h_kv, stride_vb, stride_vh, stride_vn, stride_vd, offs_n, offs_d)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if IS_CAUSAL:
         hi = tl.minimum(start_m, n_k)
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, 0, hi, n_k,
-                       qk_scale, False, not EVEN_N, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok, 0, hi,
+                       n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, BLOCK_N)
         hi = tl.minimum(start_m + BLOCK_M, n_k)
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, start_m, hi,
-                       n_k, qk_scale, True, not EVEN_N, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok, start_m,
+                       hi, n_k, sm_scale, True, not EVEN_N, DOT_PRECISION, BLOCK_N)
     else:
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, 0, n_k, n_k,
-                       qk_scale, False, not EVEN_N, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok, 0, n_k,
+                       n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, BLOCK_N)
     dq *= sm_scale
-    tl.store(_tile(DQ, b, h, stride_dqb, stride_dqh, stride_dqm, offs_m, offs_d),
-             dq.to(DQ.dtype.element_ty), mask=row_mask)
+    tl.store(_ptrs(DQ, b, h, stride_dqb, stride_dqh, stride_dqn, stride_dqd, offs_m, offs_d),
+             dq.to(DQ.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------ tile configurations
@@ -310,38 +342,52 @@ def _configs(*configs: tuple[int, int, int, int]) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in configs]
 
 
-_TUNE_KEY = ["n_q_bucket", "n_k_bucket", "HEAD_DIM", "IS_CAUSAL"]
-# Forward and dQ: BLOCK_M % BLOCK_N == 0, so the diagonal stage starts on a key-tile boundary.
+def _prune_wide_tiles(axis: str):
+    """early_config_prune for the autotuner: at BLOCK_D = 256 drop the configurations whose ``axis`` tile (the
+    one kept in registers for the whole program) exceeds 64 rows, as they spill or overflow shared memory; IEEE
+    fp32 dots (FMA, not tensor cores) keep tiles of at most 64 x 64."""
+
+    def prune(configs, named_args, **kwargs):
+        block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        ieee = kwargs.get("DOT_PRECISION", named_args.get("DOT_PRECISION")) == "ieee"
+        kept = [c for c in configs if (block_d < 256 or c.kwargs[axis] <= 64)
+                and (not ieee or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64)]
+        return kept or configs
+
+    return prune
+
+
+_TUNE_KEY = ["n_q_bucket", "n_k_bucket", "BLOCK_D", "IS_CAUSAL", "DOT_PRECISION"]
+# The first configuration each pruning keeps is the one FLASH_TRITON_AUTOTUNE=0 runs (and tests/_flash_compile.py
+# compiles). Forward and dQ need BLOCK_M % BLOCK_N == 0 (the diagonal stage starts on a key-tile boundary); dK/dV needs
+# BLOCK_N % BLOCK_M == 0 (its diagonal stage covers exactly the key tile's rows).
 _fwd_tuned = triton.autotune(_configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
-                                      (128, 64, 4, 4), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4)),
-                             key=_TUNE_KEY)(_fwd_kernel)
+                                      (128, 64, 4, 4), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4),
+                                      (64, 64, 8, 2), (64, 32, 4, 2)),
+                             key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_wide_tiles("BLOCK_M")}
+                             )(_fwd_kernel)
 _dkdv_tuned = triton.autotune(_configs((32, 128, 4, 3), (32, 128, 4, 5), (32, 128, 8, 3), (64, 128, 8, 2),
-                                       (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)), key=_TUNE_KEY)(_bwd_dkdv_kernel)
+                                       (64, 128, 8, 3), (32, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 4),
+                                       (16, 64, 4, 2)),
+                              key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_wide_tiles("BLOCK_N")}
+                              )(_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(_configs((128, 32, 4, 3), (128, 32, 4, 5), (128, 32, 8, 3), (128, 64, 8, 2),
-                                     (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)), key=_TUNE_KEY)(_bwd_dq_kernel)
-_INTERPRET_TILES = {"BLOCK_M": 16, "BLOCK_N": 16}  # the interpreter runs one fixed, small configuration
+                                     (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (64, 32, 8, 2),
+                                     (64, 16, 4, 2)),
+                            key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_wide_tiles("BLOCK_M")}
+                            )(_bwd_dq_kernel)
+# The interpreter runs one fixed configuration per kernel: small, and with BLOCK_M != BLOCK_N so the CPU tests
+# exercise the tile-boundary logic of the GPU configurations (forward/dQ: BLOCK_M > BLOCK_N; dK/dV: <).
+_INTERPRET_TILES = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
+                    "dq": {"BLOCK_M": 32, "BLOCK_N": 16}}
 
 
 # ------------------------------------------------------------------------------------------- launchers
 
 
-def _as_4d(t: torch.Tensor) -> torch.Tensor:
-    """(..., n, d) -> (B, H, n, d) without copying where the layout allows, last dim contiguous."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    if t.ndim == 2:
-        return t[None, None]
-    if t.ndim == 3:
-        return t[None]
-    if t.ndim > 4:
-        return t.reshape(-1, *t.shape[-3:])
-    return t
-
-
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """ValueError for inputs the kernels do not take (instead of a Triton compile trace)."""
-    tensors = {"q": q, "k": k, "v": v}
-    for name, t in tensors.items():
+    """A one-line ValueError naming the input and what is accepted, for anything the kernels do not take."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim < 2:
@@ -354,95 +400,215 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
         raise ValueError(f"q, k, v must share dtype and device; got {q.dtype}/{k.dtype}/{v.dtype}, "
                          f"{q.device}/{k.device}/{v.device}")
-    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+    if INTERPRET and q.dtype == torch.bfloat16:
+        raise ValueError("q, k, v are bfloat16, which Triton's interpreter (TRITON_INTERPRET=1) computes wrongly; "
+                         "accepted there: float32, float16 (or flash_torch, or a GPU)")
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(f"q, k, v need the same number of dims: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]) or k.shape[:-2] != v.shape[:-2]:
         raise ValueError(f"leading dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.ndim >= 3 and (k.shape[-3] == 0 or q.shape[-3] % k.shape[-3] != 0):
+        raise ValueError(f"q has {q.shape[-3]} heads (dim -3) and k, v {k.shape[-3]}; accepted: a number of "
+                         "query heads that is a multiple of the key/value heads (grouped-query attention)")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v need the same length: {k.shape[-2]} != {v.shape[-2]}")
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         raise ValueError(f"head dims differ: q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}")
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"head dim {q.shape[-1]} is not supported; accepted: {', '.join(map(str, HEAD_DIMS))}")
-    if q.shape[-2] == 0 or k.shape[-2] == 0:
-        raise ValueError(f"empty sequence: n_q={q.shape[-2]}, n_k={k.shape[-2]}")
+    d = q.shape[-1]
+    if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and d % HEAD_DIM_MULTIPLE == 0):
+        raise ValueError(f"head dim {d} is not supported; accepted: multiples of {HEAD_DIM_MULTIPLE} from "
+                         f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
+    if k.shape[-2] == 0:
+        raise ValueError("k and v have no keys (length 0): softmax over no keys is undefined; accepted: n_k >= 1")
 
 
-def _bucket(n: int) -> int:
-    return triton.next_power_of_2(n)
+@torch.compiler.assume_constant_result  # Dynamo cannot trace the flag's C getter: read once, when traced
+def tf32_allowed() -> bool:
+    """Whether PyTorch's own fp32 CUDA matmuls may use TF32 (the new ``fp32_precision`` API, else the legacy
+    ``float32_matmul_precision``, which ``allow_tf32`` sets); fp32 attention follows the same choice. Eager
+    calls read it every time; a compiled graph keeps the value it was traced with."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # torch >= 2.9
+    if precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    precision = getattr(torch.backends, "fp32_precision", None)
+    if precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    return torch.get_float32_matmul_precision() != "highest"
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
+def _dot_precision(dtype: torch.dtype, tf32: bool) -> str:
+    """``tl.dot``'s input_precision: IEEE fp32 for fp32 unless TF32 is allowed; bf16/fp16 ignore it."""
+    return "ieee" if dtype == torch.float32 and not tf32 else "tf32"
 
 
-def _launch(tuned, kernel, grid_rows: int, by: str, *args, **meta):
-    """Run the autotuned kernel on a GPU, or the plain one with small fixed tiles under the interpreter."""
+def _as_heads(t: torch.Tensor) -> torch.Tensor:
+    """(..., n, d) -> a (B, H, n, d) view (dim -3 is the heads), merging leading dims beyond two."""
+    if t.ndim == 2:
+        return t[None, None]
+    if t.ndim == 3:
+        return t[None]
+    if t.ndim > 4:
+        return t.reshape(-1, *t.shape[-3:])
+    return t
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+
+
+def _first_config(tuned, meta: dict) -> dict:
+    """The first configuration the autotuner's pruning keeps for these constexprs, as launch keywords."""
+    config = tuned.early_config_prune(tuned.configs, {}, **meta)[0]
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def _launch(tuned, kernel, name: str, grid_rows: int, by: str, bh: int, *args, **meta) -> None:
+    """The autotuned kernel on a GPU (or its first configuration, FLASH_TRITON_AUTOTUNE=0), or the plain one with
+    small fixed tiles under the interpreter. FP fusion is off: the backward must round each score exactly as
+    the forward did (see the module notes)."""
     if INTERPRET:
-        grid = (triton.cdiv(grid_rows, _INTERPRET_TILES[by]), meta.pop("_bh"))
-        kernel[grid](*args, **meta, **_INTERPRET_TILES)
+        tiles = _INTERPRET_TILES[name]
+        kernel[(triton.cdiv(grid_rows, tiles[by]), bh)](*args, **meta, **tiles)
+    elif AUTOTUNE:
+        tuned[lambda m: (triton.cdiv(grid_rows, m[by]), bh)](*args, **meta, enable_fp_fusion=False)
     else:
-        bh = meta.pop("_bh")
-        tuned[lambda m: (triton.cdiv(grid_rows, m[by]), bh)](*args, **meta)
+        config = _first_config(tuned, meta)
+        kernel[(triton.cdiv(grid_rows, config[by]), bh)](*args, **meta, **config, enable_fp_fusion=False)
 
 
-def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
-    """O (q's shape and dtype) and L (q.shape[:-1], fp32) of q, k, v already as (B, H, n, d)."""
-    batch, heads, n_q, d = q.shape
-    n_k = k.shape[2]
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(batch, heads, n_q, device=q.device, dtype=torch.float32)
-    even = {"EVEN_M": n_q % 128 == 0, "EVEN_N": n_k % 128 == 0}  # 128 is a multiple of every tile size
-    _launch(_fwd_tuned, _fwd_kernel, n_q, "BLOCK_M",
-            q, k, v, o, lse, 1.0 / math.sqrt(d), *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-            heads, n_q, n_k, _bucket(n_q), _bucket(n_k), HEAD_DIM=d, IS_CAUSAL=is_causal, _bh=batch * heads, **even)
+def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool) -> tuple[tuple, dict]:
+    """The size arguments and constexprs every attention kernel takes."""
+    batch, heads, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    sizes = (heads, heads // k4.shape[1], n_q, n_k, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k))
+    meta = {"HEAD_DIM": d, "BLOCK_D": triton.next_power_of_2(d), "IS_CAUSAL": is_causal,
+            "EVEN_M": n_q % 128 == 0, "EVEN_N": n_k % 128 == 0,  # 128: a multiple of every tile size
+            "DOT_PRECISION": _dot_precision(q4.dtype, tf32)}
+    return sizes, meta
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, tf32: bool = False):
+    """O (q's shape and dtype, contiguous) and L (q.shape[:-1], fp32) of q (..., H, n_q, d), k, v (..., H_kv, n_k, d)."""
+    check_inputs(q, k, v)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (..., n_q, d)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # (..., n_q)
+    if q.numel() == 0:  # no queries (or no heads, or an empty batch): nothing to launch
+        return o, lse
+    q4, k4, v4, o4 = (_as_heads(t) for t in (q, k, v, o))
+    sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
+    batch, heads, n_q, d = q4.shape
+    _launch(_fwd_tuned, _fwd_kernel, "fwd", n_q, "BLOCK_M", batch * heads,
+            q4, k4, v4, o4, lse, 1.0 / math.sqrt(d), *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
+            *sizes, **meta)
     return o, lse
 
 
-def flash_backward(do, q, k, v, o, lse, is_causal: bool):
-    """dQ, dK, dV (each like its input) of (B, H, n, d) tensors: preprocessing, then the dK/dV and dQ passes."""
-    batch, heads, n_q, d = q.shape
-    n_k = k.shape[2]
-    if do.stride(-1) != 1:
-        do = do.contiguous()
-    delta = torch.empty_like(lse)
+def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                   lse: torch.Tensor, is_causal: bool, tf32: bool = False):
+    """dQ, dK, dV (each shaped like its input, contiguous): the D = rowsum(dO * O) pass, then dK/dV, then dQ."""
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if q.numel() == 0:  # no queries: nothing flows to the keys
+        return dq, dk.zero_(), dv.zero_()
+    q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_heads(t) for t in (q, k, v, o, do, dq, dk, dv))
+    lse = lse.contiguous()
+    sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
+    batch, heads, n_q, d = q4.shape
+    delta = torch.empty_like(lse)  # (..., n_q) fp32
     block = 16 if INTERPRET else 128
     _bwd_preprocess[(triton.cdiv(n_q, block), batch * heads)](
-        o, do, delta, *_strides(o), *_strides(do), heads, n_q, HEAD_DIM=d, BLOCK_M=block)
-    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_q, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"],
+        BLOCK_M=block)
     sm_scale = 1.0 / math.sqrt(d)
-    even = {"EVEN_M": n_q % 128 == 0, "EVEN_N": n_k % 128 == 0}
-    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    sizes = (heads, n_q, n_k, _bucket(n_q), _bucket(n_k))
-    _launch(_dkdv_tuned, _bwd_dkdv_kernel, n_k, "BLOCK_N", q, k, v, do, lse, delta, dk, dv, sm_scale,
-            *common, *_strides(dk), *_strides(dv), *sizes, HEAD_DIM=d, IS_CAUSAL=is_causal,
-            RAGGED=not (even["EVEN_M"] and even["EVEN_N"]), _bh=batch * heads, **even)
-    _launch(_dq_tuned, _bwd_dq_kernel, n_q, "BLOCK_M", q, k, v, do, lse, delta, dq, sm_scale,
-            *common, *_strides(dq), *sizes, HEAD_DIM=d, IS_CAUSAL=is_causal, _bh=batch * heads, **even)
+    common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4))
+    _launch(_dkdv_tuned, _bwd_dkdv_kernel, "dkdv", k4.shape[2], "BLOCK_N", batch * k4.shape[1],
+            q4, k4, v4, do4, lse, delta, dk4, dv4, sm_scale, *common, *_strides(dk4), *_strides(dv4), *sizes, **meta)
+    _launch(_dq_tuned, _bwd_dq_kernel, "dq", n_q, "BLOCK_M", batch * heads,
+            q4, k4, v4, do4, lse, delta, dq4, sm_scale, *common, *_strides(dq4), *sizes, **meta)
     return dq, dk, dv
 
 
-# ------------------------------------------------------------------------------------ autograd Function
+# ----------------------------------------------------------------------------------------- custom ops
 
 
-class FlashAttention2Triton(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d) [+ causal mask]) v with Triton kernels; saves O and L (..., n_q), fp32."""
+@torch.library.custom_op("torch_impl::flash_attention_forward", mutates_args=())
+def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                            tf32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, L) of the Triton forward; an opaque op to torch.compile, which never re-compiles the kernels."""
+    return flash_forward(q, k, v, is_causal, tf32)
 
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-        check_inputs(q, k, v)
-        q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
-        o, lse = flash_forward(q4, k4, v4, bool(is_causal))
-        ctx.is_causal = bool(is_causal)
-        ctx.save_for_backward(lse.reshape(q.shape[:-1]), q, k, v, o.reshape(q.shape))
-        return o.reshape(q.shape)
 
-    @staticmethod
-    def backward(ctx, do: torch.Tensor):
-        lse, q, k, v, o = ctx.saved_tensors
-        q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, o, do))
-        dq, dk, dv = flash_backward(do4, q4, k4, v4, o4, lse.reshape(q4.shape[:-1]), ctx.is_causal)
-        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None
+@flash_attention_forward.register_fake
+def _(q, k, v, is_causal, tf32):
+    check_inputs(q, k, v)  # bad inputs fail at trace time with the same message
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("torch_impl::flash_attention_backward", mutates_args=())
+def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                             lse: torch.Tensor, is_causal: bool,
+                             tf32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) of the deterministic Triton backward."""
+    return flash_backward(do, q, k, v, o, lse, is_causal, tf32)
+
+
+@flash_attention_backward.register_fake
+def _(do, q, k, v, o, lse, is_causal, tf32):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save_for_backward(ctx, q, k, v, is_causal: bool, tf32: bool, o, lse) -> None:
+    """What both autograd routes keep: (L, q, k, v, O), L first and the only tensor shaped (..., n_q)."""
+    ctx.save_for_backward(lse, q, k, v, o)
+    ctx.is_causal, ctx.tf32 = is_causal, tf32
+
+
+def _grads(ctx, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lse, q, k, v, o = ctx.saved_tensors
+    return torch.ops.torch_impl.flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal, ctx.tf32)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, is_causal, tf32 = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    _save_for_backward(ctx, q, k, v, is_causal, tf32, o, lse)
+
+
+def _op_backward(ctx, do, _dlse):
+    return (*_grads(ctx, do), None, None)
+
+
+flash_attention_forward.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------- public entry points
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) [+ top-left causal mask]) v through the custom ops: q (..., H, n_q, d), k and v
+    (..., H_kv, n_k, d) -> (..., H, n_q, d); differentiable (the ops' registered autograd formula)."""
+    o, _ = torch.ops.torch_impl.flash_attention_forward(q, k, v, bool(is_causal), tf32_allowed())
+    return o
 
 
 @register_attention("flash_triton")
 def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
-    return FlashAttention2Triton.apply(q, k, v, is_causal)
+    """The ``flash_triton`` backend of ``TransformerLM`` (causal by default, as every registered backend)."""
+    return flash_attention(q, k, v, is_causal)
+
+
+class FlashAttention2Triton(torch.autograd.Function):
+    """``.apply(q, k, v, is_causal=False)``: the same ops as ``flash_attention``, as a ``torch.autograd.Function``
+    (DESIGN.md's stable name); saves (L, q, k, v, O) with L (..., n_q) fp32."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        tf32 = tf32_allowed()
+        o, lse = torch.ops.torch_impl.flash_attention_forward(q, k, v, bool(is_causal), tf32)
+        _save_for_backward(ctx, q, k, v, bool(is_causal), tf32, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor):
+        return (*_grads(ctx, do), None)

@@ -4,9 +4,13 @@
     python -m torch_impl.bench.attention --out results/attention_h100.jsonl
     # the leaderboard configuration: batch 1, 16 heads, seq 16,384, head dim 64 and 128, bf16, causal
     python -m torch_impl.bench.attention --preset leaderboard --out results/attention_h100.jsonl
-    # a subset
+    # FlashAttention v2 (issue 14): the issue's and ISSUE_NOTES' shapes and the head-dim sweep d = 64, 80, 128,
+    # 256, bf16 causal, ours against cuDNN SDPA, flash SDPA and FlexAttention, forward and forward+backward
+    python -m torch_impl.bench.attention --preset flash_shapes --out /tmp/attention_shapes.jsonl
+    # a subset; explicit B x H x N x d shapes replace the batch/heads/seq-lens/head-dims grid
     python -m torch_impl.bench.attention --providers flash_triton,sdpa_cudnn --passes forward \\
         --seq-lens 1024,4096 --head-dims 64 --dtypes bf16
+    python -m torch_impl.bench.attention --shapes 4x32x2048x80,1x8x8192x256 --providers flash_triton,sdpa_cudnn
     # regenerate the table and plots from records only (no GPU, no torch kernels run)
     python -m torch_impl.bench.attention --report-only results/attention_h100.jsonl
     # a tiny functional run on the CPU (timings meaningless; for tests)
@@ -55,8 +59,8 @@ records file, ``<stem>.md`` (median ms and TFLOP/s with providers as columns, fl
 other provider, failures) and PNG plots (latency and TFLOP/s against sequence length). The report step is the
 only part that imports pandas/matplotlib, and only then.
 
-Caveats: fp32 means fp32 for PyTorch's matmuls (``float32_matmul_precision`` is recorded), but Triton's
-``tl.dot`` on fp32 uses TF32 unless the kernel asks otherwise, so fp32 MFU is against the non-TF32 peak. A
+Caveats: fp32 means fp32 for PyTorch's matmuls and for ``flash_triton`` (IEEE dots), unless TF32 is allowed
+(``metrics.tf32_allowed`` is recorded, from ``flash_triton.tf32_allowed``); fp32 MFU is against the non-TF32 peak. A
 CUDA error that corrupts the context (an illegal memory access) fails every later configuration too.
 """
 
@@ -94,6 +98,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                   dtypes=["bf16", "fp32"], causal=True),
     # The CS336 FlashAttention leaderboard: forward + backward at one large shape.
     "leaderboard": dict(batch=1, heads=16, seq_lens=[16384], head_dims=[64, 128], dtypes=["bf16"], causal=True),
+    # FlashAttention v2 (issue 14): the leaderboard shape at d = 64, 80, 128, 256 (the head-dim sweep), the issue's
+    # 4 x 32 x 2,048 x 64, and the head dims of ISSUE_NOTES (the 2.7B preset's 80, 96, 256) against the kernels
+    # to beat, forward and forward + backward.
+    "flash_shapes": dict(shapes=[(1, 16, 16384, 64), (1, 16, 16384, 80), (1, 16, 16384, 128), (1, 16, 16384, 256),
+                                 (4, 32, 2048, 64), (4, 32, 2048, 80), (2, 16, 4096, 96), (1, 8, 8192, 256)],
+                         dtypes=["bf16"], causal=True, providers=["flash_triton", "sdpa_cudnn", "sdpa_flash", "flex"],
+                         passes=["forward", "forward_backward"]),
     # CS336 assignment 2's PyTorch attention benchmark: batch 8, no heads, full attention, fp32, naive only.
     "naive": dict(batch=8, heads=1, seq_lens=[256, 1024, 4096, 8192, 16384], head_dims=[16, 32, 64, 128],
                   dtypes=["fp32"], causal=False, providers=["naive", "naive_compiled"],
@@ -346,6 +357,14 @@ def run_pass(call: AttentionCall, shape: Shape, pass_: str, device: torch.device
     return outcome
 
 
+def _tf32_allowed() -> bool | None:
+    """PyTorch's fp32 matmul setting, as flash_triton reads it (None where the kernel module cannot load)."""
+    try:
+        return bool(_import("torch_impl.attention.flash_triton", "tf32_allowed")())
+    except Exception:  # noqa: BLE001 (a record field, never a failed run)
+        return None
+
+
 def make_record(provider: str, shape: Shape, pass_: str, outcome: Outcome, *, device_name: str,
                 base_provenance: dict[str, Any], warmup_ms: float, rep_ms: float, timer: str,
                 suite: str = SUITE) -> Record:  # fmt: skip
@@ -360,7 +379,7 @@ def make_record(provider: str, shape: Shape, pass_: str, outcome: Outcome, *, de
         metrics={"heads": shape.heads, "head_dim": shape.head_dim, "causal": shape.causal,
                  "warmup_ms": warmup_ms, "rep_ms": rep_ms,
                  "timer": timer,
-                 "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                 "tf32_allowed": _tf32_allowed(),
                  "memory_before_backward_bytes": outcome.memory_before_backward_bytes},
     )  # fmt: skip
     if outcome.times_ms:
@@ -376,6 +395,9 @@ def make_record(provider: str, shape: Shape, pass_: str, outcome: Outcome, *, de
 
 
 def shapes(args: argparse.Namespace) -> list[Shape]:
+    """The explicit ``--shapes`` (B, H, N, d) if given, else the grid of head dims x sequence lengths."""
+    if args.shapes:
+        return [Shape(b, h, n, d, dtype, args.causal) for dtype in args.dtypes for b, h, n, d in args.shapes]
     return [Shape(args.batch, args.heads, n, d, dtype, args.causal)
             for dtype in args.dtypes for d in args.head_dims for n in args.seq_lens]  # fmt: skip
 
@@ -453,6 +475,18 @@ def _names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+def _shapes(text: str) -> list[tuple[int, int, int, int]]:
+    """'1x16x16384x64,4x32x2048x80' -> [(1, 16, 16384, 64), (4, 32, 2048, 80)] (batch x heads x seq x head dim)."""
+    try:
+        values = [tuple(int(part) for part in name.lower().split("x")) for name in _names(text)]
+    except ValueError:
+        values = []
+    if not values or any(len(v) != 4 or min(v) < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated BxHxNxd shapes of positive integers, "
+                                         "e.g. 1x16x16384x64,4x32x2048x80")
+    return values
+
+
 def _choices(accepted: Sequence[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         names = _names(text)
@@ -470,13 +504,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--preset", choices=PRESETS, default="cs336",
                         help="sweep defaults: cs336 (batch 1, 1 head, causal, seq 128..65536, d 16..128, bf16+fp32) "
-                             "leaderboard (batch 1, 16 heads, causal, seq 16384, d 64,128, bf16) or naive (batch 8, 1 head, "
+                             "leaderboard (batch 1, 16 heads, causal, seq 16384, d 64,128, bf16), flash_shapes (8 "
+                             "BxHxNxd shapes, d 64-256, bf16 causal, ours vs cuDNN, flash SDPA, flex) or naive (batch 8, 1 head, "
                              "full attention, seq 256..16384, d 16..128, fp32, naive eager and compiled, forward "
                              "and backward); flags below override it (default cs336)")
     parser.add_argument("--providers", type=_choices(tuple(PROVIDERS)),
                         help=f"comma-separated subset of {','.join(PROVIDERS)} (default: the preset's, else all)")
     parser.add_argument("--passes", type=_choices(PASSES),
                         help=f"comma-separated subset of {','.join(PASSES)} (default: the preset's, else all)")
+    parser.add_argument("--shapes", type=_shapes,
+                        help="comma-separated BxHxNxd shapes (batch x heads x sequence x head dim); replaces the grid "
+                             "of --batch, --heads, --seq-lens and --head-dims")
     parser.add_argument("--seq-lens", type=int_list, help="comma-separated sequence lengths")
     parser.add_argument("--head-dims", type=int_list, help="comma-separated head dimensions")
     parser.add_argument("--dtypes", type=_choices(tuple(DTYPES)), help="comma-separated of bf16,fp32")
@@ -503,11 +541,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the sweep flags not given from the preset; bad values exit with a one-line message."""
+    grid = {"--batch": args.batch, "--heads": args.heads, "--seq-lens": args.seq_lens, "--head-dims": args.head_dims}
+    given = [flag for flag, value in grid.items() if value is not None]
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, list(value) if isinstance(value, list) else value)
     args.providers = args.providers or list(PROVIDERS)
     args.passes = args.passes or list(PASSES)
+    if args.shapes:
+        if given:
+            raise ValueError(f"{', '.join(given)} and explicit shapes (--shapes or --preset {args.preset}) exclude "
+                             "each other; give the shapes as BxHxNxd")
+        return args
     return args
 
 
