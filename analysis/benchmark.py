@@ -187,9 +187,9 @@ def run_benchmark(
     """Parse the step flags, measure, and emit the record; the CLI body of both backends' step benchmarks.
 
     ``measure`` returns a record or yields several (e.g. a reference and ours, timed in one process), each
-    emitted as soon as it is yielded. Bad input (flags,
-    a weights file) exits with a one-line message and no record; a RuntimeError while measuring (out of memory,
-    a kernel failure) becomes the record ``on_failure`` makes, a row not a gap.
+    emitted as soon as it is yielded. Bad input (flags, a weights file) exits with a one-line message and no
+    record; a RuntimeError while measuring (out of memory, a kernel failure) becomes the record ``on_failure``
+    makes, a row not a gap.
     Only the process for which ``is_writer()`` holds (e.g. process 0 of a multi-host run) emits the record.
     Refused input and an unwritable ``--out`` end at ``parallelism_calc.cli.error_boundary``: one line, status 2.
     """

@@ -102,6 +102,8 @@ def check_supported(impls: list[str], compile: bool, dtype: str, flag: str) -> N
         if unsupported:
             raise ValueError(f"{option} with {flag}{', '.join(unsupported)}: {why}; {option} works with: "
                              f"{', '.join(i for i in IMPLS if i not in excluded)}")
+
+
 BUCKETED_IMPLS = ("bucketed", "zero1")  # one configuration per --bucket-mb value
 TORCH_DDP_BUCKET_MB = 25.0  # torch DDP's default bucket_cap_mb
 STRATEGY = {"none": "ddp", "naive": "ddp", "flat": "ddp", "individual": "ddp", "bucketed": "ddp",
@@ -213,9 +215,10 @@ def build_data_parallel(cfg: Config, args: argparse.Namespace, spec, device, wor
         apply_compile(model)
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     bf16 = args.dtype == "bf16"
-    # before any wrapper sees the weights: with bf16_mixed the optimizer casts them to bf16
-    mixed_ok = cfg.impl not in UNSUPPORTED["--dtype bf16_mixed"][0]
-    optimizer = adamw_for(args.dtype, model.parameters(), **adamw) if mixed_ok else None
+    # zero1, fsdp and fsdp2 shard the weights and build their own optimizer; for the others it is built here,
+    # before any wrapper sees the weights: with bf16_mixed it casts them to bf16
+    builds_own = cfg.impl in UNSUPPORTED["--dtype bf16_mixed"][0]
+    optimizer = None if builds_own else adamw_for(args.dtype, model.parameters(), **adamw)
     if cfg.impl == "none":
         return model, None, optimizer
     if cfg.impl in ("naive", "flat", "individual"):

@@ -136,8 +136,7 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
     tokens = torch.from_numpy(fixed_batch(args.seed, args.batch_size, seq_len, spec.vocab_size)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     graphed = graph == "step"
-    mixed = args.dtype == "bf16_mixed"
-    fused = not mixed and (device.type == "cuda" if args.fused_adamw == "auto" else args.fused_adamw == "on")
+    fused = args.dtype != "bf16_mixed" and (device.type == "cuda" if args.fused_adamw == "auto" else args.fused_adamw == "on")
     optimizer = adamw_for(args.dtype, model.parameters(), fused=fused, capturable=graphed, lr=args.lr,
                           weight_decay=args.weight_decay)
     forward, loss_fn = model, cross_entropy
@@ -146,7 +145,7 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
     elif args.compile:
         apply_compile(model, cuda_graphs=graph == "blocks")
         loss_fn = torch.compile(cross_entropy)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype != "fp32" and not mixed
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
                 else contextlib.nullcontext())
     timer = PhaseTimer(device)
 
