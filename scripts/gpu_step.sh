@@ -11,11 +11,12 @@
 # table (OUT_DIR/*_kernels.md). mixed: bf16 weights with fp32 masters (--dtype bf16_mixed, MasterAdamW): its CPU
 # and GPU tests, the optimizer alone against torch's fused AdamW (OUT_DIR/optim_probe.json), then xl 4 x 2,048
 # and 4 x 512 against the stock reference (autocast) in one process each (OUT_DIR/e2e_h100.jsonl); mixed_large:
-# the same for 2.7B 2 x 2,048, then ours at xl 4 x 2,048 profiled.
+# the same for 2.7B 2 x 2,048, then ours at xl 4 x 2,048 profiled. probe: a change to ours checked in one call: xl
+# 4 x 2,048 against stock (graph per block), then ours profiled there (OUT_DIR/*_kernels.md).
 # Tables are regenerated into OUT_DIR/reports.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large}
-phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large}
+out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe}
+phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 step() {  # model batch seq, then extra flags
@@ -49,6 +50,11 @@ mixed_large)  # 2.7B 2 x 2,048 against stock, then ours at xl 4 x 2,048 profiled
   python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
     --attention sdpa_cudnn --compile --warmup 3 --steps 10 --profile /tmp/profile_mixed --out "$out/profile.jsonl"
   cp /tmp/profile_mixed/*_kernels.md "$out/" ;;
-*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large" >&2; exit 2 ;;
+probe)
+  step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks
+  python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
+    --attention sdpa_cudnn --compile --warmup 3 --steps 10 --profile /tmp/profile_probe --out "$out/profile.jsonl"
+  cp /tmp/profile_probe/*_kernels.md "$out/" ;;
+*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe" >&2; exit 2 ;;
 esac
 python3 -m analysis.reports "$out" --out "$out/reports"

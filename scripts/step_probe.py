@@ -45,9 +45,9 @@ def fuse_projections() -> None:
     def attention(self, x, positions=None):
         batch, seq, d_model = x.shape
         weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
-        q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2)
-                   for t in F.linear(x, weight).split(d_model, dim=-1))
-        out = self.attention(self.rope(q, positions), self.rope(k, positions), v, is_causal=True)
+        q, k, v = (t.view(batch, seq, self.n_heads, -1) for t in F.linear(x, weight).split(d_model, dim=-1))
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        out = self.attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
         return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
 
     def swiglu(self, x):

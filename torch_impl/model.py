@@ -75,6 +75,10 @@ class RotaryEmbedding(nn.Module):
     """RoPE on adjacent feature pairs (2k, 2k+1): rotate pair k of position i by i * theta^(-2k/d).
 
     The cos/sin tables are float32 (float64 for a float64 model); the rotation runs in at least float32.
+    It takes heads in the projection's own layout, (B, T, H, d_head), as the Flax model does: the rotated
+    q and k are written in that layout, SDPA's output follows their strides, and merging the heads for
+    the output projection is a view, where rotating (B, H, T, d_head) cost a transposing copy of the
+    attention output in the forward and of its gradient in the backward (notes/train_step.md).
     """
 
     def __init__(self, d_head: int, max_seq_len: int, theta: float, device=None, dtype=None):
@@ -86,13 +90,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin().to(table_dtype), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (..., T, d_head), positions: (T,) (default 0..T-1) -> x rotated, same shape and dtype."""
+        """x: (..., T, H, d_head), positions: (T,) (default 0..T-1) -> x rotated, same shape and dtype."""
         if positions is None:  # a slice, not a gather: the compiled kernel reads the tables directly
-            cos, sin = self.cos[: x.shape[-2]], self.sin[: x.shape[-2]]  # (T, d/2)
+            cos, sin = self.cos[: x.shape[-3]], self.sin[: x.shape[-3]]  # (T, d/2)
         else:
             cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = cos[:, None], sin[:, None]  # (T, 1, d/2): broadcast over the heads
         wide = x.to(torch.promote_types(x.dtype, cos.dtype))
-        x_even, x_odd = wide[..., 0::2], wide[..., 1::2]  # (..., T, d/2) each
+        x_even, x_odd = wide[..., 0::2], wide[..., 1::2]  # (..., T, H, d/2) each
         rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
         return rotated.flatten(-2).to(x.dtype)
 
@@ -115,12 +120,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, d_model = x.shape
 
-        def heads(t: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, H, T, d_head)
-            return t.view(batch, seq, self.n_heads, d_model // self.n_heads).transpose(1, 2)
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T, H, d_head), a view
+            return t.view(batch, seq, self.n_heads, d_model // self.n_heads)
 
-        q = self.rope(heads(self.q_proj(x)), positions)
-        k = self.rope(heads(self.k_proj(x)), positions)
-        v = heads(self.v_proj(x))
+        # RoPE in the (B, T, H, d_head) layout; the kernels take (B, H, T, d_head) views of it.
+        q = self.rope(heads(self.q_proj(x)), positions).transpose(1, 2)
+        k = self.rope(heads(self.k_proj(x)), positions).transpose(1, 2)
+        v = heads(self.v_proj(x)).transpose(1, 2)
         with nvtx.range(f"attention {self.attention_name}"):
             out = self.attention(q, k, v, is_causal=True)  # (B, H, T, d_head)
         return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
