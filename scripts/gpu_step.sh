@@ -12,11 +12,12 @@
 # and GPU tests, the optimizer alone against torch's fused AdamW (OUT_DIR/optim_probe.json), then xl 4 x 2,048
 # and 4 x 512 against the stock reference (autocast) in one process each (OUT_DIR/e2e_h100.jsonl); mixed_large:
 # the same for 2.7B 2 x 2,048, then ours at xl 4 x 2,048 profiled. probe: a change to ours checked in one call: xl
-# 4 x 2,048 against stock (graph per block), then ours profiled there (OUT_DIR/*_kernels.md).
+# 4 x 2,048 against stock (graph per block), then ours profiled there (OUT_DIR/*_kernels.md). inductor: ours at xl
+# 4 x 2,048 (bf16_mixed, graph per block) under Inductor options, scripts/step_probe.py (OUT_DIR/step_probe.json).
 # Tables are regenerated into OUT_DIR/reports.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe}
-phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe}
+out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor}
+phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 step() {  # model batch seq, then extra flags
@@ -55,6 +56,10 @@ probe)
   python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
     --attention sdpa_cudnn --compile --warmup 3 --steps 10 --profile /tmp/profile_probe --out "$out/profile.jsonl"
   cp /tmp/profile_probe/*_kernels.md "$out/" ;;
-*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe" >&2; exit 2 ;;
+inductor)
+  base=ours_block+ro+mixed
+  python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 --variants \
+    "$base,$base+ind:triton.mix_order_reduction=0,$base+ind:coordinate_descent_tuning=1" ;;
+*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor" >&2; exit 2 ;;
 esac
 python3 -m analysis.reports "$out" --out "$out/reports"

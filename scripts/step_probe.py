@@ -25,13 +25,16 @@ from torch.profiler import ProfilerActivity, profile
 
 from parallelism_calc.specs import get_model
 from torch_impl.model import TransformerLM, cross_entropy
+from torch_impl.optim import adamw_for
 from torch_impl.parallelize import apply_compile
 from torch_impl.profiling import is_kernel
 from torch_impl.stock import StockTransformerLM
 from torch_impl.timing import capture_step
 
 # each may add +graph (the step as one CUDA graph), +ro (CUDA graph trees per block), +bf16 (pure bf16 parameters),
-# +cpp (Inductor's C++ wrapper), +fuse (fused projections: fuse_projections)
+# +cpp (Inductor's C++ wrapper), +fuse (fused projections: fuse_projections), +mixed (bf16 parameters with
+# MasterAdamW's fp32 masters: --dtype bf16_mixed), +ind:NAME=INT (an Inductor option for the blocks, e.g.
+# +ind:triton.mix_order_reduction=0; several may be given)
 VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager")
 
 
@@ -66,14 +69,16 @@ def build(variant: str, spec, attention: str):
         stock = StockTransformerLM(spec, attention=attention, device="cuda")
         stock.load_state_dict(model.state_dict())
         model = stock
-    if "+bf16" in variant:  # pure bf16: parameters, gradients and AdamW state in bf16, no autocast casts
+    if "+bf16" in variant or "+mixed" in variant:  # bf16 parameters and gradients, no autocast casts
         model.to(torch.bfloat16)
     mode = variant.split("+")[0].split("_")[1]
     if mode == "block" and "+cpp" in variant:  # Inductor's C++ wrapper (apply_compile has no such option)
         for block in model.layers:
             block.compile(fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
     elif mode == "block":
-        apply_compile(model, cuda_graphs="+ro" in variant)
+        options = {name: int(value) for name, value in
+                   (part[len("ind:"):].split("=") for part in variant.split("+") if part.startswith("ind:"))}
+        apply_compile(model, cuda_graphs="+ro" in variant, options=options)
     forward = torch.compile(model, dynamic=False) if mode == "whole" else model
     loss_fn = cross_entropy if mode == "eager" else torch.compile(cross_entropy, dynamic=False)
     return model, forward, loss_fn
@@ -85,8 +90,9 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: 
     t_start = time.perf_counter()
     model, forward, loss_fn = build(variant, spec, attention)
     graphed = "+graph" in variant
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled="+bf16" not in variant)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled="+bf16" not in variant and "+mixed" not in variant)
+    opt = adamw_for("bf16_mixed" if "+mixed" in variant else "bf16", model.parameters(), fused=True,
+                    capturable=graphed, lr=1e-4)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (batch, seq + 1), generator=g).cuda()
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

@@ -7,7 +7,7 @@ import torch
 from parallelism_calc.specs import MODELS
 from tests._reference import reference_logits
 from torch_impl.attention import get_attention
-from torch_impl.model import TransformerLM
+from torch_impl.model import RotaryEmbedding, TransformerLM
 
 TINY = MODELS["tiny"]
 
@@ -42,6 +42,21 @@ def test_float32_model_matches_reference_and_broken_rope_does_not():
     assert error(model) < 1e-5  # float32 rounding over two blocks
     model.layers[0].attn.rope.sin.neg_()  # rotate the wrong way: a real bug the check must see
     assert error(model) > 1e-3
+
+
+@pytest.mark.parametrize("positions", [None, "shuffled"])
+def test_rope_backward_is_the_true_gradient(positions):
+    """RoPE's written-out backward (rotation by minus the angle) against float64 finite differences, and the
+    float32 rotation against the float64 one; heads in the (B, T, H, d_head) layout the model uses."""
+    seed = fresh_seed()
+    generator = torch.Generator().manual_seed(seed)
+    rope64 = RotaryEmbedding(8, 16, 10_000.0, dtype=torch.float64)
+    x = torch.randn(2, 11, 3, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    pos = None if positions is None else torch.randperm(16, generator=generator)[:11]
+    assert torch.autograd.gradcheck(lambda t: rope64(t, pos), (x,)), seed
+    rope32 = RotaryEmbedding(8, 16, 10_000.0)
+    torch.testing.assert_close(rope32(x.detach().float(), pos).double(), rope64(x.detach(), pos),
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_parameter_count_and_stable_names():

@@ -23,13 +23,16 @@ from torch_impl.checkpointing import apply_activation_checkpointing
 __all__ = ["apply_activation_checkpointing", "apply_compile"]
 
 
-def apply_compile(model: nn.Module, cuda_graphs: bool = False) -> nn.Module:
+def apply_compile(model: nn.Module, cuda_graphs: bool = False, options: dict | None = None) -> nn.Module:
     """``torch.compile`` every block of ``model.layers`` in place (``fullgraph``: a graph break is an error,
-    not a silent slowdown), with CUDA graph trees if ``cuda_graphs``; parameter names do not change.
-    Returns the model."""
+    not a silent slowdown), with CUDA graph trees if ``cuda_graphs`` and Inductor ``options`` (its config
+    names, as ``torch.compile`` takes them); parameter names do not change. Returns the model."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError("regional compilation needs a model with a ModuleList of blocks in .layers")
+    # torch.compile takes a mode or options, not both: reduce-overhead is the option triton.cudagraphs
+    how = ({"options": {**options, "triton.cudagraphs": cuda_graphs}} if options
+           else {"mode": "reduce-overhead" if cuda_graphs else None})
     for block in layers:
-        block.compile(fullgraph=True, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
+        block.compile(fullgraph=True, dynamic=False, **how)
     return model
