@@ -59,7 +59,7 @@ probe)
 inductor)
   base=ours_block+ro+mixed
   python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 --variants \
-    "$base,$base+ind:triton.mix_order_reduction=0,$base+ind:coordinate_descent_tuning=1" ;;
+    "$base,$base+ind:triton.mix_order_reduction=0,$base+ind:coordinate_descent_tuning=1,$base+ind:triton.mix_order_reduction=0+ind:coordinate_descent_tuning=1" ;;
 *) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor" >&2; exit 2 ;;
 esac
 python3 -m analysis.reports "$out" --out "$out/reports"

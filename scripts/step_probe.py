@@ -60,6 +60,14 @@ def fuse_projections() -> None:
     ours.CausalSelfAttention.forward, ours.SwiGLU.forward = attention, swiglu
 
 
+def inductor_option(text: str) -> tuple[str, bool | int]:
+    """NAME=INT as Inductor's config wants it: a bool where its default is a bool."""
+    import torch._inductor.config as inductor_config
+
+    name, value = text.split("=")
+    return name, bool(int(value)) if isinstance(getattr(inductor_config, name), bool) else int(value)
+
+
 def build(variant: str, spec, attention: str):
     if "+fuse" in variant:
         fuse_projections()
@@ -76,8 +84,7 @@ def build(variant: str, spec, attention: str):
         for block in model.layers:
             block.compile(fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
     elif mode == "block":
-        options = {name: int(value) for name, value in
-                   (part[len("ind:"):].split("=") for part in variant.split("+") if part.startswith("ind:"))}
+        options = dict(inductor_option(part[len("ind:"):]) for part in variant.split("+") if part.startswith("ind:"))
         apply_compile(model, cuda_graphs="+ro" in variant, options=options)
     forward = torch.compile(model, dynamic=False) if mode == "whole" else model
     loss_fn = cross_entropy if mode == "eager" else torch.compile(cross_entropy, dynamic=False)
