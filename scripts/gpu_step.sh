@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The one-GPU training step against the stock reference (issue 12), one device call per phase:
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_step.sh OUT_DIR records|ddp|profile
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_step.sh OUT_DIR PHASE
 # records: xl 4 x 2,048, 2.7B 2 x 2,048 and xl 4 x 512 (cuDNN SDPA), one process each timing the stock reference
 # (plain torch.compile of the whole model, bf16 autocast, fused AdamW), then ours (bf16 weights with fp32 masters in
 # MasterAdamW: --dtype bf16_mixed) compiled per block without CUDA graphs, with each block's graph replayed (CUDA
 # graph trees), and with the whole step replayed as one graph (records in OUT_DIR/e2e_h100.jsonl, ours with
-# metrics.x_stock; the records of ours under autocast came from this phase at commit 8a639b9). ddp: the DDP benchmark's
+# metrics.x_stock; the records of ours under autocast came from this phase at commit 8a639b9), then the DDP benchmark's
+# one-GPU baseline (xl 2 x 512) compiled per block, autocast then bf16_mixed (OUT_DIR/ddp_one_gpu_h100.jsonl). ddp: the
+# DDP benchmark's
 # one-GPU baseline (xl 2 x 512) eager and compiled per block (OUT_DIR/ddp_one_gpu_h100.jsonl), then the GPU
 # tests of the step. profile: xl at 4 x 512 and 4 x 2,048, stock and ours, each with its torch.profiler kernel
 # table (OUT_DIR/*_kernels.md). mixed: bf16 weights with fp32 masters (--dtype bf16_mixed, MasterAdamW): its CPU
@@ -28,7 +30,11 @@ case "$phase" in
 records)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
   step 2.7B 2 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
-  step xl 4 512 --dtype bf16_mixed --cuda-graph off,blocks,step ;;
+  step xl 4 512 --dtype bf16_mixed --cuda-graph off,blocks,step
+  for dtype in bf16 bf16_mixed; do
+    python3 -m torch_impl.bench.ddp --impl none --model xl --batch-size 2 --seq-len 512 --dtype "$dtype" \
+      --attention sdpa_cudnn --compile --out "$out/ddp_one_gpu_h100.jsonl"
+  done ;;
 ddp)
   for compiled in "" --compile; do
     python3 -m torch_impl.bench.ddp --impl none --model xl --batch-size 2 --seq-len 512 --dtype bf16 \
@@ -62,4 +68,4 @@ inductor)
     "$base,$base+ind:triton.mix_order_reduction=0,$base+ind:coordinate_descent_tuning=1,$base+ind:triton.mix_order_reduction=0+ind:coordinate_descent_tuning=1" ;;
 *) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor" >&2; exit 2 ;;
 esac
-python3 -m analysis.reports "$out" --out "$out/reports"
+if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi
