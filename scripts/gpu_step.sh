@@ -7,9 +7,8 @@
 # graph trees), and with the whole step replayed as one graph (records in OUT_DIR/e2e_h100.jsonl, ours with
 # metrics.x_stock; the records of ours under autocast came from this phase at commit 8a639b9), then the DDP benchmark's
 # one-GPU baseline (xl 2 x 512) compiled per block, autocast then bf16_mixed (OUT_DIR/ddp_one_gpu_h100.jsonl). ddp: the
-# DDP benchmark's
-# one-GPU baseline (xl 2 x 512) eager and compiled per block (OUT_DIR/ddp_one_gpu_h100.jsonl), then the GPU
-# tests of the step. profile: xl at 4 x 512 and 4 x 2,048, stock and ours, each with its torch.profiler kernel
+# DDP benchmark's one-GPU baseline (xl 2 x 512) eager and compiled per block (OUT_DIR/ddp_one_gpu_h100.jsonl), then
+# the GPU tests of the step. profile: xl at 4 x 512 and 4 x 2,048, stock and ours, each with its torch.profiler kernel
 # table (OUT_DIR/*_kernels.md). mixed: bf16 weights with fp32 masters (--dtype bf16_mixed, MasterAdamW): its CPU
 # and GPU tests, the optimizer alone against torch's fused AdamW (OUT_DIR/optim_probe.json), then xl 4 x 2,048
 # and 4 x 512 against the stock reference (autocast) in one process each (OUT_DIR/e2e_h100.jsonl); mixed_large:
