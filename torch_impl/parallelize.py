@@ -17,8 +17,8 @@ data-parallel wrapper. The trainer and every benchmark call these, so a fix made
   ``broadcast_buffers=False``: ours broadcast buffers at construction only); ``zero1`` (``ShardedOptimizer`` over
   ``DDPBucketed``); our ``fsdp`` (``compute_dtype=bfloat16`` with bf16); ``fsdp2`` (``fully_shard`` per block,
   then the root; ``MixedPrecisionPolicy(param_dtype=bfloat16)`` with bf16: it reduces in the param dtype, as
-  our FSDP does). ``check_supported`` rejects the modes ``UNSUPPORTED`` lists for ``--compile`` and ``--dtype
-  bf16_mixed``; ``DataParallelConfig``: a mode with its bucket size, named as the records name it.
+  our FSDP does). ``check_supported`` rejects the modes ``UNSUPPORTED`` lists for ``--compile`` and
+  ``--dtype bf16_mixed``; ``DataParallelConfig``: a mode with its bucket size, named as the records name it.
 """
 
 from __future__ import annotations
