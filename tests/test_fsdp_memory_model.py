@@ -8,8 +8,8 @@ Under autocast, bf16 gathers leave no bf16 weight copy saved for backward (``cas
 gathers (the negative control) save exactly the copies the calculator counts for ZeRO-1/2.
 
 FSDP2 (``fully_shard`` per block, then the root, ``MixedPrecisionPolicy(param_dtype=bfloat16)`` under
-autocast, as ``torch_impl.bench.ddp`` runs it): the root's parameters stay unsharded from the forward to the
-end of the backward while blocks are unsharded one at a time (``reshard_root=False``).
+autocast: ``torch_impl.parallelize.apply_data_parallel(..., "fsdp2", dtype="bf16")``): the root's parameters stay
+unsharded from the forward to the end of the backward while blocks are unsharded one at a time (``reshard_root=False``).
 """
 
 from __future__ import annotations
@@ -172,17 +172,11 @@ def _unsharded_bytes(model) -> tuple[int, frozenset[str]]:
 def _fsdp2_body(rank: int, world_size: int) -> dict:
     import warnings
 
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from torch_impl.model import Linear, TransformerBlock, TransformerLM, cross_entropy
+    from torch_impl.model import Linear, TransformerLM, cross_entropy
+    from torch_impl.parallelize import apply_data_parallel
 
     torch.manual_seed(0)
-    model = TransformerLM(TINY)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    for block in model.modules():
-        if isinstance(block, TransformerBlock):
-            fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    model, _, _ = apply_data_parallel(TransformerLM(TINY), "fsdp2", dtype="bf16", adamw={})
     samples = []  # (phase, bytes, owners) at each Linear's forward and at each saved tensor's unpack
     for module in model.modules():
         if isinstance(module, Linear):

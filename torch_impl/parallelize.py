@@ -11,16 +11,36 @@ data-parallel wrapper. The trainer and every benchmark call these, so a fix made
   head stay eager (the e2e benchmark compiles its loss function on its own). ``cuda_graphs`` adds Inductor's
   CUDA graph trees (``mode="reduce-overhead"``): each block's forward and backward kernels are replayed as one
   graph, for steps whose host cannot launch kernels as fast as the device runs them (xl at 4 x 512).
+* ``apply_data_parallel(model, mode, bucket_mb=, dtype=, adamw=)``: the built (maybe compiled) model in one of
+  ``DATA_PARALLEL``, with its AdamW: ``none`` (no wrapper); our ``naive``, ``flat``, ``individual``, ``bucketed``
+  DDP; ``torch_ddp`` (no buffer broadcast per forward, ``forward_sync_buffers=False`` (torch >= 2.13) or
+  ``broadcast_buffers=False``: ours broadcast buffers at construction only); ``zero1`` (``ShardedOptimizer`` over
+  ``DDPBucketed``); our ``fsdp`` (``compute_dtype=bfloat16`` with bf16); ``fsdp2`` (``fully_shard`` per block,
+  then the root; ``MixedPrecisionPolicy(param_dtype=bfloat16)`` with bf16: it reduces in the param dtype, as
+  our FSDP does). ``check_supported`` rejects the modes ``UNSUPPORTED`` lists for ``--compile`` and
+  ``--dtype bf16_mixed``; ``DataParallelConfig``: a mode with its bucket size, named as the records name it.
 """
 
 from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from torch_impl.checkpointing import apply_activation_checkpointing
 
-__all__ = ["apply_activation_checkpointing", "apply_compile"]
+__all__ = ["DATA_PARALLEL", "UNSUPPORTED", "DataParallelConfig", "apply_activation_checkpointing", "apply_compile",
+           "apply_data_parallel", "check_supported", "data_parallel_configs"]
+
+DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
+# what a mode cannot be combined with: the flag, the modes, why
+UNSUPPORTED = {"--compile": (("fsdp", "fsdp2"), "their per-layer gathers run inside the compiled blocks"),
+               "--dtype bf16_mixed": (("zero1", "fsdp", "fsdp2"), "they shard or cast the weights themselves")}
+BUCKETED = ("bucketed", "zero1")  # one configuration per bucket size
+TORCH_DDP_BUCKET_MB = 25.0  # torch DDP's default bucket_cap_mb
 
 
 def apply_compile(model: nn.Module, cuda_graphs: bool = False, options: dict | None = None) -> nn.Module:
@@ -36,3 +56,96 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False, options: dict | N
     for block in layers:
         block.compile(fullgraph=True, dynamic=False, **how)
     return model
+
+
+def check_supported(modes: list[str], compile: bool, dtype: str, flag: str) -> None:
+    """ValueError if ``--compile`` or ``--dtype bf16_mixed`` meets a mode that cannot take it (``UNSUPPORTED``;
+    ``flag``: how the CLI names modes)."""
+    for option, wanted in (("--compile", compile), ("--dtype bf16_mixed", dtype == "bf16_mixed")):
+        excluded, why = UNSUPPORTED[option]
+        unsupported = [m for m in modes if m in excluded] if wanted else []
+        if unsupported:
+            raise ValueError(f"{option} with {flag}{', '.join(unsupported)}: {why}; {option} works with: "
+                             f"{', '.join(m for m in DATA_PARALLEL if m not in excluded)}")
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """A mode of ``DATA_PARALLEL`` with its bucket size in MiB (bucketed, zero1, torch_ddp; else None)."""
+
+    impl: str
+    bucket_mb: float | None = None
+
+    @property
+    def name(self) -> str:
+        """The record's implementation: 'bucketed 25MB', 'zero1 + bucketed 25MB', 'torch_ddp', ..."""
+        if self.impl == "bucketed":
+            return f"bucketed {self.bucket_mb:g}MB"
+        if self.impl == "zero1":
+            return f"zero1 + bucketed {self.bucket_mb:g}MB"
+        return self.impl
+
+
+def data_parallel_configs(modes: list[str], bucket_mb: list[float]) -> list[DataParallelConfig]:
+    """In order: bucketed and zero1 once per bucket size, torch_ddp with its default bucket, the others once."""
+    out: list[DataParallelConfig] = []
+    for mode in modes:
+        if mode in BUCKETED:
+            out += [DataParallelConfig(mode, mb) for mb in bucket_mb]
+        else:
+            out.append(DataParallelConfig(mode, TORCH_DDP_BUCKET_MB if mode == "torch_ddp" else None))
+    return out
+
+
+def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None = None, dtype: str = "fp32",
+                        adamw: dict[str, Any]) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+    """(the module to call, our wrapper or None, the optimizer): ``model``, built on its device (and compiled, but
+    not for the FSDPs: ``check_supported`` first), wrapped in ``mode`` with ``AdamW(**adamw)``. ``dtype``
+    (``analysis.benchmark.DTYPES``): bf16 makes the FSDPs compute in bf16; bf16_mixed gives ``MasterAdamW``.
+    Collectives inside (the wrappers' broadcasts) run on every rank alike."""
+    from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
+                                        ShardedOptimizer)
+    from torch_impl.optim import adamw_for
+
+    bf16 = dtype == "bf16"
+    # zero1, fsdp and fsdp2 shard the weights and build their own optimizer; for the others it is built here,
+    # before any wrapper sees the weights: with bf16_mixed it casts them to bf16
+    builds_own = mode in UNSUPPORTED["--dtype bf16_mixed"][0]
+    optimizer = None if builds_own else adamw_for(dtype, model.parameters(), **adamw)
+    if mode == "none":
+        return model, None, optimizer
+    if mode in ("naive", "flat", "individual"):
+        wrapper = {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[mode](model)
+        return wrapper, wrapper, optimizer
+    if mode in BUCKETED:
+        wrapper = DDPBucketed(model, bucket_mb)
+        if mode == "zero1":
+            return wrapper, wrapper, ShardedOptimizer(model.parameters(), torch.optim.AdamW, **adamw)
+        return wrapper, wrapper, optimizer
+    if mode == "torch_ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        # No per-forward buffer broadcast (torch >= 2.13 renames the flag; 2.11 knows only the old one).
+        no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                   inspect.signature(DistributedDataParallel).parameters else {"broadcast_buffers": False})
+        device = next(model.parameters()).device
+        ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                      bucket_cap_mb=bucket_mb, **no_sync)
+        return ddp, None, optimizer
+    if mode == "fsdp":
+        fsdp = FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None)
+        return fsdp, fsdp, torch.optim.AdamW(fsdp.parameters(), **adamw)
+    if mode == "fsdp2":
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        except ImportError as err:
+            raise RuntimeError(f"fsdp2: torch.distributed.fsdp.fully_shard is not available: {err}") from None
+        from torch_impl.model import TransformerBlock
+
+        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if bf16 else {}
+        for block in model.modules():
+            if isinstance(block, TransformerBlock):
+                fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model, None, torch.optim.AdamW(model.parameters(), **adamw)
+    raise ValueError(f"unknown data-parallel mode {mode!r}; accepted: {', '.join(DATA_PARALLEL)}")

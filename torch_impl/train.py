@@ -6,8 +6,8 @@ AdamW, linear warm-up then cosine decay of the learning rate (``lr_at``), gradie
 accumulation over ``--grad-accum`` micro-batches of ``--batch-size`` sequences per rank, optional bf16
 autocast, any attention backend, and one of the data-parallel modes ``--dist``:
 ``none`` (one process), our ``naive`` / ``flat`` / ``individual`` / ``bucketed`` DDP, ``torch_ddp``
-(``DistributedDataParallel``), ``zero1`` (``ShardedOptimizer(AdamW)`` over bucketed DDP) and ``fsdp``. The
-wrappers are built exactly as the DDP benchmark builds them (``torch_impl.bench.ddp.build_data_parallel``).
+(``DistributedDataParallel``), ``zero1`` (``ShardedOptimizer(AdamW)`` over bucketed DDP) and ``fsdp``, applied
+by ``torch_impl.parallelize.apply_data_parallel`` as in the DDP benchmark.
 
 Data: each optimizer step draws one *global* batch of ``grad_accum x world_size x batch_size`` random windows
 from one numpy generator (seeded with ``--seed``, identical on every rank), laid out as (micro-batch, rank,
@@ -97,10 +97,14 @@ from torch_impl.device import pick_device  # noqa: E402
 from torch_impl.data import (DEFAULT_BUILTIN_BYTES, DEFAULT_VAL_FRACTION, TokenData, batch_at,  # noqa: E402
                              prepare_data, sample_starts, validation_batches, validation_starts)
 from torch_impl.distributed.process_group import DistributedContext, init_distributed  # noqa: E402
-from torch_impl.model import cross_entropy  # noqa: E402
+from torch_impl.model import TransformerLM, cross_entropy  # noqa: E402
+from torch_impl.parallelize import (DATA_PARALLEL, DataParallelConfig, apply_compile, apply_data_parallel,  # noqa: E402
+                                    check_supported, data_parallel_configs)
 
 SUITE = "train"
-DIST_MODES = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp")
+# Not fsdp2: the checkpoints, the global gradient norm and the evaluation know our FSDP's shards
+# (sharded_param_names, gather_full_params), not FSDP2's DTensor parameters.
+DIST_MODES = tuple(m for m in DATA_PARALLEL if m != "fsdp2")
 STEP_PHASES = ("data", "forward", "loss", "backward", "comm", "optimizer")
 # Settings a resumed run must share with the checkpoint for its trajectory to be the uninterrupted one's.
 RESUME_KEYS = ("model", "d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "seq_len", "epochs",
@@ -155,8 +159,6 @@ class TrainConfig:
         self.betas = tuple(self.betas)
         if self.dist not in DIST_MODES:
             raise ValueError(f"--dist {self.dist!r}; accepted: {', '.join(DIST_MODES)}")
-        from torch_impl.bench.ddp import check_supported
-
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}; accepted: {', '.join(DTYPES)}")
         check_supported([self.dist], self.compile, self.dtype, flag="--dist ")
@@ -222,23 +224,24 @@ class Parts:
 
 
 def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: int, total_steps: int) -> Parts:
-    """Model, wrapper and AdamW as the DDP benchmark builds them, with our Adam options and LR schedule."""
-    from torch_impl.bench.ddp import build_data_parallel, configurations
-
-    config = configurations([cfg.dist], [cfg.bucket_mb])[0]
-    forward, wrapper, optimizer = build_data_parallel(config, cfg, spec, device, world_size)
-    for group in optimizer.param_groups:  # ZeRO-1 copies its outer groups' options into the inner ones
-        group.update(eps=cfg.adam_eps, betas=cfg.betas)
-    model = getattr(forward, "module", forward)
+    """The model, compiled per block with --compile, in its data-parallel wrapper with AdamW and the LR schedule."""
+    torch.manual_seed(cfg.seed)
+    model = TransformerLM(spec, attention=cfg.attention, device=device)
+    if cfg.compile:
+        apply_compile(model)
+    adamw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps, betas=cfg.betas,
+                 fused=device.type == "cuda")
+    mode = data_parallel_config(cfg)
+    forward, wrapper, optimizer = apply_data_parallel(model, mode.impl, bucket_mb=mode.bucket_mb, dtype=cfg.dtype,
+                                                      adamw=adamw)
     schedule = dict(lr=cfg.lr, min_lr=cfg.final_lr, warmup_steps=cfg.warmup_steps, total_steps=total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, **schedule) / cfg.lr)
     return Parts(forward, model, wrapper, optimizer, scheduler, cfg.dist)
 
 
-def implementation_name(cfg: TrainConfig) -> str:
-    from torch_impl.bench.ddp import configurations
-
-    return configurations([cfg.dist], [cfg.bucket_mb])[0].name
+def data_parallel_config(cfg: TrainConfig) -> DataParallelConfig:
+    """--dist with its bucket size (torch_ddp: its own default), named as the records name it."""
+    return data_parallel_configs([cfg.dist], [cfg.bucket_mb])[0]
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -581,7 +584,7 @@ def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch
         "lr_max": cfg.lr, "min_lr": cfg.final_lr, "warmup_steps": cfg.warmup_steps, "grad_clip": cfg.grad_clip,
         "weight_decay": cfg.weight_decay, "run": cfg.run_name,
     }
-    record = step_record(step_args, spec, cfg.seq_len, backend="torch", implementation=implementation_name(cfg),
+    record = step_record(step_args, spec, cfg.seq_len, backend="torch", implementation=data_parallel_config(cfg).name,
                          device_name=device_name, step_times_ms=stats.step_ms, phases_ms=stats.phase_ms,
                          peak_memory_bytes=None if None in peaks else max(peaks), metrics=metrics)
     record.batch_size = cfg.batch_size
@@ -666,7 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _failure_record(cfg: TrainConfig, err: BaseException, world_size: int) -> Record:
     oom = isinstance(err, torch.OutOfMemoryError)
-    record = Record(suite=SUITE, backend="torch", implementation=implementation_name(cfg), model=cfg.model,
+    record = Record(suite=SUITE, backend="torch", implementation=data_parallel_config(cfg).name, model=cfg.model,
                     batch_size=cfg.batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype, mode="train_step",
                     world_size=world_size, status="oom" if oom else "error",
                     error=f"{type(err).__name__}: {err}".splitlines()[0],

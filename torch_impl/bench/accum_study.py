@@ -34,7 +34,7 @@ from analysis.benchmark import progress
 from analysis.records import Record, read_records
 from parallelism_calc.cli import ArgumentParser, error_boundary, writable_path
 from torch_impl.bench.train_matrix import Cell, parse_list, report_only, run_cell
-from torch_impl.train import STEP_PHASES
+from torch_impl.train import DIST_MODES, STEP_PHASES
 
 SUITE = "accum_study"
 DEFAULT_SETTINGS = "16x64,32x32,64x16,128x8,256x4,512x2,1024x1"
@@ -175,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     try:
         parse_settings(args.settings)
-        from torch_impl.bench.train_matrix import ACCEPTED_DISTS
-
-        parse_list(args.dist, "--dist", ACCEPTED_DISTS)
+        parse_list(args.dist, "--dist", DIST_MODES)
         if args.dist == "none":
             raise ValueError("--dist none has no ranks to split the batch over; pick a data-parallel mode")
         if args.nproc is None:

@@ -1,19 +1,11 @@
 """Data-parallel training-step benchmark: ``torchrun --nproc_per_node N -m torch_impl.bench.ddp [flags]``.
 
 Each rank trains ``TransformerLM(--model)`` on its own fixed random batch (``--batch-size`` sequences of
-``--seq-len`` tokens, seed ``--seed + rank``) with AdamW (fused on CUDA), wrapped by ``--impl``:
-
-* ``none``: one process, no wrapper (the baseline of the scaling efficiency; world size 1 only);
-* ``naive``, ``flat``, ``individual``, ``bucketed``: our ``NaiveDDP``, ``FlatDDP``, ``DDPIndividualParameters``,
-  ``DDPBucketed(module, bucket_mb)`` (one configuration per ``--bucket-mb`` value);
-* ``torch_ddp``: ``torch.nn.parallel.DistributedDataParallel`` (``bucket_cap_mb=25``, its default;
-  no buffer broadcast per forward, ``forward_sync_buffers=False`` (torch >= 2.13) or
-  ``broadcast_buffers=False``, since our wrappers broadcast buffers only at construction too);
-* ``zero1``: our ``ShardedOptimizer(AdamW)`` over ``DDPBucketed`` (one configuration per ``--bucket-mb``);
-* ``fsdp``: our ``FSDP`` (``compute_dtype=bfloat16`` with ``--dtype bf16``);
-* ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` per ``TransformerBlock``, then the root
-  (``MixedPrecisionPolicy(param_dtype=bfloat16)`` with ``--dtype bf16``: the reduce dtype follows the
-  param dtype, as in our FSDP); an import failure is an error record.
+``--seq-len`` tokens, seed ``--seed + rank``) with AdamW (fused on CUDA), wrapped by ``--impl``, a mode of
+``torch_impl.parallelize.apply_data_parallel``: ``none`` (one process, no wrapper: the baseline of the scaling
+efficiency), our ``naive``, ``flat``, ``individual`` and ``bucketed`` DDP, ``torch_ddp`` (``bucket_cap_mb=25``, its
+default), ``zero1`` (``ShardedOptimizer(AdamW)`` over bucketed DDP), our ``fsdp`` and ``fsdp2`` (``fully_shard``;
+an import failure is an error record); ``bucketed`` and ``zero1`` run once per ``--bucket-mb`` value.
 
 ``--impl`` takes a comma list (``naive,bucketed,zero1``): the configurations run one after another in the
 same launch. ``--dtype bf16`` runs the forward under ``torch.autocast(bfloat16)``, fp32 weights (all impls).
@@ -77,7 +69,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from analysis.benchmark import DTYPES, fixed_batch, resolve_spec, step_record
@@ -86,51 +77,16 @@ from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, basel
 from analysis.records import Record, read_records, save_records
 from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int,
                                   positive_float, positive_int, writable_path)
+from torch_impl.parallelize import DATA_PARALLEL, apply_compile, apply_data_parallel, check_supported
+from torch_impl.parallelize import DataParallelConfig as Config, data_parallel_configs as configurations
 
-IMPLS = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
-# what an impl cannot be combined with: the flag, the impls, why
-UNSUPPORTED = {"--compile": (("fsdp", "fsdp2"), "their per-layer gathers run inside the compiled blocks"),
-               "--dtype bf16_mixed": (("zero1", "fsdp", "fsdp2"), "they shard or cast the weights themselves")}
-
-
-def check_supported(impls: list[str], compile: bool, dtype: str, flag: str) -> None:
-    """ValueError if ``--compile`` or ``--dtype bf16_mixed`` meets an impl that cannot take it (``UNSUPPORTED``;
-    ``flag``: how the CLI names impls)."""
-    for option, wanted in (("--compile", compile), ("--dtype bf16_mixed", dtype == "bf16_mixed")):
-        excluded, why = UNSUPPORTED[option]
-        unsupported = [i for i in impls if i in excluded] if wanted else []
-        if unsupported:
-            raise ValueError(f"{option} with {flag}{', '.join(unsupported)}: {why}; {option} works with: "
-                             f"{', '.join(i for i in IMPLS if i not in excluded)}")
-
-
-BUCKETED_IMPLS = ("bucketed", "zero1")  # one configuration per --bucket-mb value
-TORCH_DDP_BUCKET_MB = 25.0  # torch DDP's default bucket_cap_mb
+IMPLS = DATA_PARALLEL  # --impl takes every data-parallel mode
 STRATEGY = {"none": "ddp", "naive": "ddp", "flat": "ddp", "individual": "ddp", "bucketed": "ddp",
             "torch_ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp", "fsdp2": "fsdp"}
 
 
 class CollectiveFailure(RuntimeError):
     """A collective failed or timed out: the ranks are out of step, so the run must end."""
-
-
-@dataclass(frozen=True)
-class Config:
-    impl: str
-    bucket_mb: float | None = None
-
-    @property
-    def name(self) -> str:
-        """The record's implementation: 'bucketed 25MB', 'zero1 + bucketed 25MB', 'torch_ddp', ..."""
-        if self.impl == "bucketed":
-            return f"bucketed {_mb(self.bucket_mb)}MB"
-        if self.impl == "zero1":
-            return f"zero1 + bucketed {_mb(self.bucket_mb)}MB"
-        return self.impl
-
-
-def _mb(value: float) -> str:
-    return f"{value:g}"
 
 
 def parse_impls(text: str) -> list[str]:
@@ -151,19 +107,6 @@ def parse_bucket_mb(text: str) -> list[float]:
     if not values or not all(0 < v < math.inf for v in values):
         raise ValueError(f"--bucket-mb {text!r}: every size must be finite and > 0")
     return values
-
-
-def configurations(impls: list[str], bucket_mb: list[float]) -> list[Config]:
-    """The configurations of a run, in order: bucketed and zero1 once per bucket size, the others once."""
-    out: list[Config] = []
-    for impl in impls:
-        if impl in BUCKETED_IMPLS:
-            out += [Config(impl, mb) for mb in bucket_mb]
-        elif impl == "torch_ddp":
-            out.append(Config(impl, TORCH_DDP_BUCKET_MB))
-        else:
-            out.append(Config(impl))
-    return out
 
 
 # ----------------------------------------------------------------------------- per-step timing
@@ -194,19 +137,10 @@ def _is_collective_error(err: BaseException) -> bool:
                                    "nccl", "peer", "broken pipe"))
 
 
-def build_data_parallel(cfg: Config, args: argparse.Namespace, spec, device, world_size: int):
-    """(the module to call, the wrapper or None, the optimizer) for one configuration: the model on ``device``
-    wrapped by ``cfg.impl`` with AdamW (fused on CUDA), from ``args`` (seed, attention, lr, weight_decay,
-    dtype, compile). Shared by this benchmark and the trainer (``torch_impl.train``); collectives inside (the
-    wrappers' broadcasts) run on every rank alike. ``args.compile``: each block compiled before wrapping
-    (``torch_impl.parallelize.apply_compile``), for every impl but the two FSDPs, whose gathers run inside
-    the blocks."""
+def _measure(cfg: Config, args: argparse.Namespace, spec, seq_len: int, device, rank: int) -> dict[str, Any]:
+    """This rank's per-step phase times (ms), its peak memory and its losses, for one configuration."""
     import torch
-    from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
-                                        ShardedOptimizer)
-    from torch_impl.model import TransformerLM
-    from torch_impl.optim import adamw_for
-    from torch_impl.parallelize import apply_compile
+    from torch_impl.model import TransformerLM, cross_entropy
 
     check_supported([cfg.impl], args.compile, args.dtype, flag="")
     torch.manual_seed(args.seed)
@@ -214,59 +148,8 @@ def build_data_parallel(cfg: Config, args: argparse.Namespace, spec, device, wor
     if args.compile:
         apply_compile(model)
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
-    bf16 = args.dtype == "bf16"
-    # zero1, fsdp and fsdp2 shard the weights and build their own optimizer; for the others it is built here,
-    # before any wrapper sees the weights: with bf16_mixed it casts them to bf16
-    builds_own = cfg.impl in UNSUPPORTED["--dtype bf16_mixed"][0]
-    optimizer = None if builds_own else adamw_for(args.dtype, model.parameters(), **adamw)
-    if cfg.impl == "none":
-        return model, None, optimizer
-    if cfg.impl in ("naive", "flat", "individual"):
-        cls = {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[cfg.impl]
-        wrapper = cls(model)
-        return wrapper, wrapper, optimizer
-    if cfg.impl in ("bucketed", "zero1"):
-        wrapper = DDPBucketed(model, cfg.bucket_mb)
-        if cfg.impl == "zero1":
-            return wrapper, wrapper, ShardedOptimizer(model.parameters(), torch.optim.AdamW, **adamw)
-        return wrapper, wrapper, optimizer
-    if cfg.impl == "torch_ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        import inspect
-
-        # No per-forward buffer broadcast (torch >= 2.13 renames the flag; 2.11 knows only the old one).
-        no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
-                   inspect.signature(DistributedDataParallel).parameters else {"broadcast_buffers": False})
-        ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                      bucket_cap_mb=cfg.bucket_mb, **no_sync)
-        return ddp, None, optimizer
-    if cfg.impl == "fsdp":
-        fsdp = FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None)
-        return fsdp, fsdp, torch.optim.AdamW(fsdp.parameters(), **adamw)
-    if cfg.impl == "fsdp2":
-        try:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        except ImportError as err:
-            raise RuntimeError(f"fsdp2: torch.distributed.fsdp.fully_shard is not available: {err}") from None
-        from torch_impl.model import TransformerBlock
-
-        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if bf16 else {}
-        for block in model.modules():
-            if isinstance(block, TransformerBlock):
-                fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        return model, None, torch.optim.AdamW(model.parameters(), **adamw)
-    raise ValueError(f"unknown impl {cfg.impl!r}")
-
-
-def _measure(cfg: Config, args: argparse.Namespace, spec, seq_len: int, device, rank: int,
-             world_size: int) -> dict[str, Any]:
-    """This rank's per-step phase times (ms), its peak memory and its losses, for one configuration."""
-    import torch
-    from torch_impl.model import cross_entropy
-
-    forward, wrapper, optimizer = build_data_parallel(cfg, args, spec, device, world_size)
+    forward, wrapper, optimizer = apply_data_parallel(model, cfg.impl, bucket_mb=cfg.bucket_mb, dtype=args.dtype,
+                                                      adamw=adamw)
     tokens = torch.from_numpy(fixed_batch(args.seed + rank, args.batch_size, seq_len, spec.vocab_size)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
@@ -426,7 +309,7 @@ def _run_configs(configs: list[Config], args, spec, seq_len: int, device, rank: 
     failures = 0
     for cfg in configs:
         try:
-            mine = _measure(cfg, args, spec, seq_len, device, rank, world_size)
+            mine = _measure(cfg, args, spec, seq_len, device, rank)
         except Exception as err:  # noqa: BLE001 - recorded, or fatal if the ranks are out of step
             if distributed and _is_collective_error(err):
                 _fatal(cfg, args, spec, seq_len, world_size, device_name, rank, err)

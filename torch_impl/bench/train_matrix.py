@@ -44,12 +44,12 @@ from typing import Callable
 from analysis.benchmark import progress
 from analysis.records import Record, read_records, save_records
 from parallelism_calc.cli import ArgumentParser, error_boundary, positive_float, positive_int, writable_path
+from torch_impl.train import DIST_MODES
 
 SUITE = "train_matrix"
 TRAIN_SUITE = "train"
 ATTENTIONS = ("sdpa", "naive", "flash_triton")
 DISTS = ("none", "naive", "bucketed", "torch_ddp")
-ACCEPTED_DISTS = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp")
 CHARTS = ("time_per_epoch", "peak_memory", "throughput", "samples_per_epoch", "loss_convergence")
 
 
@@ -177,7 +177,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, run_name: str, suite: str = S
 
 def run_matrix(args: argparse.Namespace) -> int:
     cells = [Cell(a, d) for a in parse_list(args.attention, "--attention")
-             for d in parse_list(args.dist, "--dist", ACCEPTED_DISTS)]
+             for d in parse_list(args.dist, "--dist", DIST_MODES)]
     sweep = time.strftime("%Y%m%dT%H%M%S")
     bar, write = progress(cells, "train matrix", "cell")  # a line per cell is printed with or without tqdm
     failures = 0
@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m torch_impl.bench.train_matrix", description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--attention", default=",".join(ATTENTIONS), help=f"comma list (default {','.join(ATTENTIONS)})")
-    a("--dist", default=",".join(DISTS), help=f"comma list of {', '.join(ACCEPTED_DISTS)} (default {','.join(DISTS)})")
+    a("--dist", default=",".join(DISTS), help=f"comma list of {', '.join(DIST_MODES)} (default {','.join(DISTS)})")
     a("--nproc", type=positive_int, help="ranks of the data-parallel cells (default: the GPUs, else 2)")
     a("--model", default="small", help="model preset (default small)")
     a("--batch-size", type=positive_int, default=8, help="local batch per rank (default 8)")
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     try:
         parse_list(args.attention, "--attention")
-        parse_list(args.dist, "--dist", ACCEPTED_DISTS)
+        parse_list(args.dist, "--dist", DIST_MODES)
         if args.nproc is None:
             import torch
 
