@@ -179,11 +179,9 @@ def _transformer_block_terms(spec: ModelSpec, seq_len: int, precision: Precision
         prob_bytes = FP32 + p if precision.autocast else p
         terms["layer.attn_probs"] = h * seq_len * prob_bytes // tp
     else:
-        # flash: the kernel keeps its own output O (B, H, T, d_head) besides output_proj's contiguous
-        # (B, T, D) copy above, and one fp32 log-sum-exp per head per token. (A kernel that lays O out as
-        # (B, T, H, d_head), like PyTorch's memory-efficient SDPA for fp32 on CUDA, makes that copy a view:
-        # D p per layer less than counted here.)
-        terms["layer.attn_o"] = d * p // tp
+        # flash: the kernel keeps one fp32 log-sum-exp per head per token, and its output O, which is
+        # output_proj's input above: the model lays q out as (B, T, H, d_head) and the kernels return O with
+        # q's strides, so merging the heads is a view (a model rotating q as (B, H, T, d_head) keeps a copy).
         terms["layer.attn_lse"] = h * FP32 // tp
     return terms
 
@@ -215,8 +213,8 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
     * SwiGLU: w1 output a, SiLU(a), w3 output b, SiLU(a) * b: 4 F p;
     * attention core: "naive" keeps the softmax probabilities, H T elements per token, p bytes each
       (4 + p under autocast: CUDA autocast's fp32 softmax plus the value product's cast); "flash" keeps
-      instead the fp32 log-sum-exp (4 H) and its own output O (D p), a separate tensor from output_proj's
-      (B, T, D) input for kernels that return O as (B, H, T, d_head) (flash SDPA on CPU and CUDA).
+      instead the fp32 log-sum-exp (4 H); its output O is output_proj's input (q is laid out as
+      (B, T, H, d_head) and O follows it, so merging heads is a view).
 
     Once per token outside the blocks: the final RMSNorm (4 D + 4 D + 4, output D p), the fp32
     log-softmax of the logits for the loss (4 V) and the int64 token ids (8).

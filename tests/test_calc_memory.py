@@ -100,9 +100,9 @@ def test_transformer_activations_by_hand():
     assert auto.total_bytes == hand_transformer_per_token(768, 3072, 12, 10_000, 12, 1024, 2, autocast=True)
     mixed = activation_bytes_per_token(MODELS["small"], 1024, "bf16_mixed")
     assert mixed.total_bytes == hand_transformer_per_token(768, 3072, 12, 10_000, 12, 1024, 2)
-    # flash: no probabilities; the kernel's own output O (D p) and an fp32 LSE per head.
+    # flash: no probabilities, an fp32 LSE per head (its output O is output_proj's input, counted already).
     flash = activation_bytes_per_token(TINY, 32, "fp32", attention="flash")
-    assert got.total_bytes - flash.total_bytes == 2 * (4 * 32 * 4 - 64 * 4 - 4 * 4)
+    assert got.total_bytes - flash.total_bytes == 2 * (4 * 32 * 4 - 4 * 4)
 
 
 def test_checkpointing_full_below_selective_below_none():
@@ -325,7 +325,7 @@ def test_cpu_autocast_weight_copies_and_per_token_terms():
 def test_cuda_per_token_terms(attention, mode, precision):
     # CUDA autocast runs softmax in fp32 (naive keeps fp32 probabilities and a bf16 copy); bf16 SDPA is the
     # flash kernel. The batch-independent tensors include kernel RNG state; the batch difference cancels them.
-    # (fp32 SDPA on CUDA is the memory-efficient kernel, whose O is a view of output_proj's input: not tested.)
+    # (fp32 SDPA on CUDA is the memory-efficient kernel: not tested.)
     B, T = 2, 64
     flash = "flash" if attention == "sdpa" else "naive"
     per_token = activation_bytes_per_token(TINY, T, precision, attention=flash).total_bytes
