@@ -5,8 +5,6 @@
 kernels load on first use (``get_attention("flash_triton")`` or ``FlashAttention2Triton``), not with the model.
 """
 
-import importlib
-
 from torch_impl.attention.registry import (ATTENTION_BACKENDS, AttentionFn, get_attention, register_attention,
                                            register_lazy_attention)
 from torch_impl.attention import naive as _naive  # noqa: F401  (registers "naive" and "sdpa")
@@ -18,7 +16,8 @@ register_lazy_attention("flash_triton", "torch_impl.attention.flash_triton")
 def __getattr__(name: str):
     if name != "FlashAttention2Triton":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return importlib.import_module("torch_impl.attention.flash_triton").FlashAttention2Triton
+    from torch_impl.attention.flash_triton import FlashAttention2Triton
+    return FlashAttention2Triton
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionFn", "FlashAttention2Torch", "FlashAttention2Triton", "get_attention",

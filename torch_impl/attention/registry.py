@@ -1,7 +1,4 @@
-"""The registry of attention backends: name -> function(q, k, v, is_causal) -> output.
-
-A backend may be registered lazily (``register_lazy_attention``): named now, its module imported on first use.
-"""
+"""The registry of attention backends: name -> function(q, k, v, is_causal) -> output."""
 
 from __future__ import annotations
 
@@ -24,10 +21,9 @@ def register_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
     """Decorator: make a function available as ``TransformerLM(..., attention=name)``."""
 
     def register(fn: AttentionFn) -> AttentionFn:
-        if name in ATTENTION_BACKENDS and name not in _LAZY_MODULES:
+        if name in ATTENTION_BACKENDS and _LAZY_MODULES.pop(name, None) is None:  # only a lazy entry is replaced
             raise ValueError(f"attention backend {name!r} is already registered")
-        _LAZY_MODULES.pop(name, None)
-        ATTENTION_BACKENDS[name] = fn  # a lazy entry's place (the order of names) is kept
+        ATTENTION_BACKENDS[name] = fn  # in a lazy entry's place: the order of names is kept
         return fn
 
     return register
