@@ -33,7 +33,7 @@ from parallelism_calc.compute import ATTENTION_PASSES
 
 ATTENTION_SUITE = "attention"
 ATTENTION_BASELINE = "flash_triton"
-PASS_ORDER = tuple(ATTENTION_PASSES)  # providers and passes in display order; other values follow, sorted
+PASS_ORDER = tuple(ATTENTION_PASSES)  # display order, as ATTENTION_PROVIDERS'; other values follow, sorted
 # One row of the pivot: the configuration a provider's time is compared at.
 ATTENTION_KEYS = ("device_name", "dtype", "causal", "batch_size", "heads", "mode", "head_dim", "seq_len")
 _GROUP_KEYS = ("device_name", "dtype", "causal", "batch_size", "heads")  # one figure per group

@@ -21,4 +21,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionFn", "FlashAttention2Torch", "FlashAttention2Triton", "get_attention",
-           "register_attention"]
+           "register_attention", "register_lazy_attention"]
