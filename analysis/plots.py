@@ -27,15 +27,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from analysis.records import read_records
+from analysis.records import ATTENTION_PROVIDERS, read_records
 from analysis.tables import RecordSource, markdown_table, records_frame
+from parallelism_calc.compute import ATTENTION_PASSES
 
 ATTENTION_SUITE = "attention"
 ATTENTION_BASELINE = "flash_triton"
-# The benchmark's providers in display order (other implementations follow, sorted); names only, no torch.
-ATTENTION_PROVIDERS = ("flash_triton", "flash_torch", "naive", "naive_compiled", "sdpa_flash", "sdpa_cudnn",
-                       "sdpa_efficient", "flex")  # fmt: skip
-PASS_ORDER = ("forward", "backward", "forward_backward")
+PASS_ORDER = tuple(ATTENTION_PASSES)  # display order, as ATTENTION_PROVIDERS'; other values follow, sorted
 # One row of the pivot: the configuration a provider's time is compared at.
 ATTENTION_KEYS = ("device_name", "dtype", "causal", "batch_size", "heads", "mode", "head_dim", "seq_len")
 _GROUP_KEYS = ("device_name", "dtype", "causal", "batch_size", "heads")  # one figure per group

@@ -33,6 +33,9 @@ SCHEMA_VERSION = 1
 # "oom" (out of memory); "error" (anything else that stopped it). Every status but "ok" carries a message.
 Status = Literal["ok", "diverged", "oom", "error"]
 STATUSES: tuple[str, ...] = typing.get_args(Status)
+# The attention benchmark's providers (records' implementation) in display order; torch-free, for it and its report.
+ATTENTION_PROVIDERS = ("flash_triton", "flash_torch", "naive", "naive_compiled", "sdpa_flash", "sdpa_cudnn",
+                       "sdpa_efficient", "flex")  # fmt: skip
 _LIBRARIES = ("torch", "triton", "jax", "jaxlib", "flax", "optax", "numpy")
 _REPO = Path(__file__).resolve().parent.parent
 

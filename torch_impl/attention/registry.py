@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Protocol
 
 import torch
@@ -13,22 +14,32 @@ class AttentionFn(Protocol):
 
 
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {}
+_LAZY_MODULES: dict[str, str] = {}  # backend name -> the module that registers it when imported
 
 
 def register_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
     """Decorator: make a function available as ``TransformerLM(..., attention=name)``."""
 
     def register(fn: AttentionFn) -> AttentionFn:
-        if name in ATTENTION_BACKENDS:
+        if name in ATTENTION_BACKENDS and _LAZY_MODULES.pop(name, None) is None:  # only a lazy entry is replaced
             raise ValueError(f"attention backend {name!r} is already registered")
-        ATTENTION_BACKENDS[name] = fn
+        ATTENTION_BACKENDS[name] = fn  # in a lazy entry's place: the order of names is kept
         return fn
 
     return register
 
 
+def register_lazy_attention(name: str, module: str) -> None:
+    """Name a backend now and import ``module``, which registers it, on first use (e.g. Triton kernels: Triton
+    reads ``TRITON_INTERPRET`` when first imported, so importing the model must not import it)."""
+    register_attention(name)(lambda q, k, v, is_causal=True: get_attention(name)(q, k, v, is_causal))
+    _LAZY_MODULES[name] = module
+
+
 def get_attention(name: str) -> AttentionFn:
-    """The backend called ``name``, or a ValueError listing the registered ones."""
+    """The backend called ``name`` (its module imported if lazy), or a ValueError listing the registered ones."""
+    if name in _LAZY_MODULES:
+        importlib.import_module(_LAZY_MODULES[name])
     try:
         return ATTENTION_BACKENDS[name]
     except KeyError:

@@ -20,11 +20,12 @@
 Providers (``--providers``, comma-separated, default all), each built once per shape:
   flash_triton    ours: ``torch_impl.attention.flash_triton.FlashAttention2Triton.apply(q, k, v, is_causal)``
   flash_torch     ours, plain PyTorch: ``torch_impl.attention.flash_torch.FlashAttention2Torch.apply(...)``
-  naive           eager softmax(q kᵀ / sqrt(d), causal mask) v, the n x n matrix materialized
+  naive           the model's eager ``naive_attention``: softmax(q kᵀ / sqrt(d), causal mask) v, the n x n matrix
+                  materialized; its causal mask made once per shape, outside the timing
   naive_compiled  ``torch.compile`` of the same function
   sdpa_flash / sdpa_cudnn / sdpa_efficient
-                  ``F.scaled_dot_product_attention`` pinned by ``sdpa_kernel`` to FLASH_ATTENTION /
-                  CUDNN_ATTENTION / EFFICIENT_ATTENTION (no fallback: an unsupported dtype or head dim errors)
+                  the model's backends: ``F.scaled_dot_product_attention`` pinned by ``sdpa_kernel`` to one of
+                  FLASH_ATTENTION / CUDNN_ATTENTION / EFFICIENT_ATTENTION (no fallback: unsupported inputs error)
   flex            ``torch.compile(flex_attention)`` with a causal ``BlockMask`` made once per shape
 
 Passes (``--passes``, default all three):
@@ -71,7 +72,6 @@ import datetime
 import gc
 import importlib
 import inspect
-import math
 import sys
 import time
 import warnings
@@ -80,13 +80,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from analysis.records import Record, provenance, save_records, timing_stats
+from analysis.records import ATTENTION_PROVIDERS, Record, provenance, save_records, timing_stats
 from parallelism_calc.cli import (ArgumentParser, error_boundary, int_list, nonnegative_float, nonnegative_int,
                                   positive_float, positive_int, writable_path)
 from parallelism_calc.compute import ATTENTION_PASSES, attention_flops
 from parallelism_calc.specs import hardware_for_device
+from torch_impl.attention import get_attention
+from torch_impl.attention.naive import future_mask, naive_attention
 
 PASSES = tuple(ATTENTION_PASSES)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -110,9 +111,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                   dtypes=["fp32"], causal=False, providers=["naive", "naive_compiled"],
                   passes=["forward", "backward"]),
 }  # fmt: skip
-
-
-# ----------------------------------------------------------------------------- FLOPs
 
 
 # ----------------------------------------------------------------------------- providers
@@ -141,22 +139,6 @@ def _import(module: str, name: str) -> Any:
         raise
 
 
-def _future_mask(shape: Shape, device: torch.device) -> torch.Tensor | None:
-    """(N, N) bool, True where key j lies after query i (j > i), None without causal masking; made once per
-    shape, outside the timing."""
-    if not shape.causal:
-        return None
-    return torch.ones(shape.seq_len, shape.seq_len, dtype=torch.bool, device=device).triu(diagonal=1)
-
-
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, future: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q kᵀ / sqrt(d), -inf where ``future``) v, the (B, H, N, N) score matrix materialized."""
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, N, N)
-    if future is not None:
-        scores = scores.masked_fill(future, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v  # (B, H, N, d)
-
-
 def _flash(module: str, name: str) -> Callable[[Shape, torch.device], AttentionCall]:
     def build(shape: Shape, device: torch.device) -> AttentionCall:
         fn = _import(module, name)
@@ -165,29 +147,22 @@ def _flash(module: str, name: str) -> Callable[[Shape, torch.device], AttentionC
     return build
 
 
-def _naive(shape: Shape, device: torch.device) -> AttentionCall:
-    future = _future_mask(shape, device)
-    return lambda q, k, v: naive_attention(q, k, v, future)
+def _naive(shape: Shape, device: torch.device, fn: Callable[..., torch.Tensor] = naive_attention) -> AttentionCall:
+    """Its causal mask made once per shape, so the timing leaves it out."""
+    future = future_mask(shape.seq_len, shape.seq_len, device) if shape.causal else None
+    return lambda q, k, v: fn(q, k, v, shape.causal, future)
 
 
 def _naive_compiled(shape: Shape, device: torch.device) -> AttentionCall:
     torch._dynamo.reset()  # one compilation per shape: never the recompile limit's silent eager fallback
-    compiled = torch.compile(naive_attention, dynamic=False)
-    future = _future_mask(shape, device)
-    return lambda q, k, v: compiled(q, k, v, future)
+    return _naive(shape, device, torch.compile(naive_attention, dynamic=False))
 
 
-def _sdpa(backend_name: str) -> Callable[[Shape, torch.device], AttentionCall]:
+def _registered(name: str) -> Callable[[Shape, torch.device], AttentionCall]:
+    """The model's attention backend ``name``, called as the model calls it."""
     def build(shape: Shape, device: torch.device) -> AttentionCall:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        backend = getattr(SDPBackend, backend_name)
-
-        def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            with sdpa_kernel(backend):  # this backend only: no silent fallback to another kernel
-                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
-
-        return call
+        fn = get_attention(name)
+        return lambda q, k, v: fn(q, k, v, shape.causal)
 
     return build
 
@@ -209,14 +184,15 @@ def _flex(shape: Shape, device: torch.device) -> AttentionCall:
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
+# Each provider's builder; the names and their order (--providers, the report's columns): ATTENTION_PROVIDERS.
 PROVIDERS: dict[str, Callable[[Shape, torch.device], AttentionCall]] = {
     "flash_triton": _flash("torch_impl.attention.flash_triton", "FlashAttention2Triton"),
     "flash_torch": _flash("torch_impl.attention.flash_torch", "FlashAttention2Torch"),
     "naive": _naive,
     "naive_compiled": _naive_compiled,
-    "sdpa_flash": _sdpa("FLASH_ATTENTION"),
-    "sdpa_cudnn": _sdpa("CUDNN_ATTENTION"),
-    "sdpa_efficient": _sdpa("EFFICIENT_ATTENTION"),
+    "sdpa_flash": _registered("sdpa_flash"),
+    "sdpa_cudnn": _registered("sdpa_cudnn"),
+    "sdpa_efficient": _registered("sdpa_efficient"),
     "flex": _flex,
 }
 
@@ -499,17 +475,17 @@ def _choices(accepted: Sequence[str]) -> Callable[[str], list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="python -m torch_impl.bench.attention",
-                                     description=__doc__.split("\nProviders")[0],  # the summary and examples
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = ArgumentParser(prog="python -m torch_impl.bench.attention", description=__doc__.split("\nProviders")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter)  # description: summary, examples
     parser.add_argument("--preset", choices=PRESETS, default="cs336",
                         help="sweep defaults: cs336 (batch 1, 1 head, causal, seq 128..65536, d 16..128, bf16+fp32) "
                              "leaderboard (batch 1, 16 heads, causal, seq 16384, d 64,128, bf16), flash_shapes (8 "
-                             "BxHxNxd shapes, d 64-256, bf16 causal, ours vs cuDNN, flash SDPA, flex) or naive (batch 8, 1 head, "
-                             "full attention, seq 256..16384, d 16..128, fp32, naive eager and compiled, forward "
-                             "and backward); flags below override it (default cs336)")
-    parser.add_argument("--providers", type=_choices(tuple(PROVIDERS)),
-                        help=f"comma-separated subset of {','.join(PROVIDERS)} (default: the preset's, else all)")
+                             "BxHxNxd shapes, d 64-256, bf16 causal, ours vs cuDNN, flash SDPA, flex) or naive "
+                             "(batch 8, 1 head, full attention, seq 256..16384, d 16..128, fp32, naive eager and "
+                             "compiled, forward and backward); flags below override it (default cs336)")
+    parser.add_argument("--providers", type=_choices(ATTENTION_PROVIDERS),
+                        help=f"comma-separated subset of {','.join(ATTENTION_PROVIDERS)} (default: the preset's, "
+                             "else all)")
     parser.add_argument("--passes", type=_choices(PASSES),
                         help=f"comma-separated subset of {','.join(PASSES)} (default: the preset's, else all)")
     parser.add_argument("--shapes", type=_shapes,
@@ -546,13 +522,11 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, list(value) if isinstance(value, list) else value)
-    args.providers = args.providers or list(PROVIDERS)
+    args.providers = args.providers or list(ATTENTION_PROVIDERS)
     args.passes = args.passes or list(PASSES)
-    if args.shapes:
-        if given:
-            raise ValueError(f"{', '.join(given)} and explicit shapes (--shapes or --preset {args.preset}) exclude "
-                             "each other; give the shapes as BxHxNxd")
-        return args
+    if args.shapes and given:
+        raise ValueError(f"{', '.join(given)} and explicit shapes (--shapes or --preset {args.preset}) exclude "
+                         "each other; give the shapes as BxHxNxd")
     return args
 
 
