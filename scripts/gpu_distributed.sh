@@ -24,13 +24,13 @@ allreduce)
 ddp)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 2 --seq-len 512 --dtype bf16 --attention sdpa
        --bucket-mb 25 --out "$out/ddp.jsonl")
-  python3 "${ddp[@]}" --impl none
-  "${run[@]}" "$n" "${ddp[@]}" --impl naive,flat,individual,bucketed,torch_ddp ;;
+  python3 "${ddp[@]}" --dist none
+  "${run[@]}" "$n" "${ddp[@]}" --dist naive,flat,individual,bucketed,torch_ddp ;;
 sharded)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 2 --seq-len 512 --dtype bf16 --attention sdpa
        --out "$out/ddp.jsonl")
-  "${run[@]}" "$n" "${ddp[@]}" --impl zero1,fsdp,fsdp2 --bucket-mb 25
-  "${run[@]}" "$n" "${ddp[@]}" --impl bucketed --bucket-mb 1,10,100 ;;
+  "${run[@]}" "$n" "${ddp[@]}" --dist zero1,fsdp,fsdp2 --bucket-mb 25
+  "${run[@]}" "$n" "${ddp[@]}" --dist bucketed --bucket-mb 1,10,100 ;;
 matrix)
   python3 -m torch_impl.bench.train_matrix --nproc "$n" --model small --batch-size 8 --seq-len 512 --epochs 5 \
     --steps-per-epoch 40 --out "$out/train_matrix.jsonl" --report-dir "$out/train_matrix" ;;

@@ -35,7 +35,7 @@ mesh)
   python3 -m torch_impl.bench.e2e "${flags[@]}" --batch-size 4 --attention sdpa
   python3 -m jax_impl.bench.e2e "${flags[@]}" --batch-size 4 --attention dot_product_cudnn
   torchrun --standalone --nproc_per_node "$n" -m torch_impl.bench.ddp --model xl --seq-len 512 --dtype bf16 \
-    --batch-size 4 --impl bucketed,torch_ddp,fsdp,fsdp2 --bucket-mb 25 --attention sdpa --out "$runs"
+    --batch-size 4 --dist bucketed,torch_ddp,fsdp,fsdp2 --bucket-mb 25 --attention sdpa --out "$runs"
   for mesh in "fsdp=$n" "fsdp=$((n / 2)),tp=2"; do
     python3 -m jax_impl.bench.e2e "${flags[@]}" --batch-size $((4 * n)) --attention dot_product_cudnn --mesh "$mesh"
   done

@@ -31,12 +31,12 @@ records)
   step 2.7B 2 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
   step xl 4 512 --dtype bf16_mixed --cuda-graph off,blocks,step
   for dtype in bf16 bf16_mixed; do
-    python3 -m torch_impl.bench.ddp --impl none --model xl --batch-size 2 --seq-len 512 --dtype "$dtype" \
+    python3 -m torch_impl.bench.ddp --dist none --model xl --batch-size 2 --seq-len 512 --dtype "$dtype" \
       --attention sdpa_cudnn --compile --out "$out/ddp_one_gpu_h100.jsonl"
   done ;;
 ddp)
   for compiled in "" --compile; do
-    python3 -m torch_impl.bench.ddp --impl none --model xl --batch-size 2 --seq-len 512 --dtype bf16 \
+    python3 -m torch_impl.bench.ddp --dist none --model xl --batch-size 2 --seq-len 512 --dtype bf16 \
       --attention sdpa_cudnn $compiled --out "$out/ddp_one_gpu_h100.jsonl"
   done
   python3 -m pytest -q -m gpu tests/test_stock.py 2>&1 | tail -5 | tee "$out/gpu_tests.txt" ;;

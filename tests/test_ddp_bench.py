@@ -1,6 +1,6 @@
 """The DDP step benchmark: flag parsing, and real CPU runs (one plain process, then 2 gloo ranks under torchrun).
 
-One module-scoped fixture runs ``--impl none`` as a plain ``python -m`` process and then every other impl in a
+One module-scoped fixture runs ``--dist none`` as a plain ``python -m`` process and then every other impl in a
 single torchrun launch of 2 ranks (tiny model, seq 32, 1 warm-up + 2 timed steps), into one JSON Lines file;
 the tests check its records field by field, recomputing tokens/s and the scaling efficiency by hand.
 """
@@ -37,9 +37,9 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp") / "ddp.jsonl"
-    _run([sys.executable, "-m", "torch_impl.bench.ddp", *COMMON, "--impl", "none", "--out", str(out)])
+    _run([sys.executable, "-m", "torch_impl.bench.ddp", *COMMON, "--dist", "none", "--out", str(out)])
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-          "--master_port", str(free_port()), "-m", "torch_impl.bench.ddp", *COMMON, "--impl", MULTI,
+          "--master_port", str(free_port()), "-m", "torch_impl.bench.ddp", *COMMON, "--impl", MULTI,  # old flag name
           "--bucket-mb", "0.01,10", "--out", str(out)])
     return out, read_records(out)
 
@@ -136,23 +136,23 @@ def test_report_only_prints_the_table(records, capsys):
 def test_compiled_baseline_is_its_own_baseline(tmp_path, capsys):
     """``--compile`` compiles each block; its records say so and only a compiled ``none`` is their baseline."""
     out = tmp_path / "ddp.jsonl"
-    assert main([*COMMON, "--impl", "none", "--compile", "--out", str(out)]) == 0
-    assert main([*COMMON, "--impl", "none", "--out", str(out)]) == 0
+    assert main([*COMMON, "--dist", "none", "--compile", "--out", str(out)]) == 0
+    assert main([*COMMON, "--dist", "none", "--out", str(out)]) == 0
     compiled, eager = read_records(out)
     assert compiled.metrics["compiled"] is True and eager.metrics["compiled"] is False
     assert baseline_key(compiled) != baseline_key(eager)
     with pytest.raises(SystemExit):
-        main([*COMMON, "--impl", "none,fsdp", "--compile", "--out", str(out)])
+        main([*COMMON, "--dist", "none,fsdp", "--compile", "--out", str(out)])
     assert "--compile with fsdp" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main([*COMMON, "--impl", "none,fsdp2", "--dtype", "bf16_mixed", "--out", str(out)])
+        main([*COMMON, "--dist", "none,fsdp2", "--dtype", "bf16_mixed", "--out", str(out)])
     assert "--dtype bf16_mixed with fsdp2: they shard or cast the weights themselves" in capsys.readouterr().err
 
 
 def test_none_under_torchrun_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # refused before any process group is made
     with pytest.raises(SystemExit):
-        main([*COMMON, "--impl", "none,naive", "--out", str(tmp_path / "x.jsonl")])
+        main([*COMMON, "--dist", "none,naive", "--out", str(tmp_path / "x.jsonl")])
 
 
 _FAILING = """
@@ -173,7 +173,7 @@ def test_a_rank_failing_out_of_step_ends_the_run_within_the_timeout(tmp_path):
     script.write_text(_FAILING)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(script), *COMMON[:-2], "--timeout", "5",
-           "--impl", "naive,flat,bucketed", "--bucket-mb", "10", "--out", str(out)]
+           "--dist", "naive,flat,bucketed", "--bucket-mb", "10", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     recs = read_records(out)

@@ -1,14 +1,15 @@
 """Data-parallel training-step benchmark: ``torchrun --nproc_per_node N -m torch_impl.bench.ddp [flags]``.
 
 Each rank trains ``TransformerLM(--model)`` on its own fixed random batch (``--batch-size`` sequences of
-``--seq-len`` tokens, seed ``--seed + rank``) with AdamW (fused on CUDA), wrapped by ``--impl``, a mode of
+``--seq-len`` tokens, seed ``--seed + rank``) with AdamW (fused on CUDA), wrapped by ``--dist``, a mode of
 ``torch_impl.parallelize.apply_data_parallel``: ``none`` (one process, no wrapper: the baseline of the scaling
 efficiency), our ``naive``, ``flat``, ``individual`` and ``bucketed`` DDP, ``torch_ddp`` (``bucket_cap_mb=25``, its
 default), ``zero1`` (``ShardedOptimizer(AdamW)`` over bucketed DDP), our ``fsdp`` and ``fsdp2`` (``fully_shard``;
 an import failure is an error record); ``bucketed`` and ``zero1`` run once per ``--bucket-mb`` value.
 
-``--impl`` takes a comma list (``naive,bucketed,zero1``): the configurations run one after another in the
-same launch. ``--dtype bf16`` runs the forward under ``torch.autocast(bfloat16)``, fp32 weights (all impls).
+``--dist`` (old name ``--impl``) takes a comma list (``naive,bucketed,zero1``): the configurations run one after
+another in the same launch. ``--dtype bf16`` runs the forward under ``torch.autocast(bfloat16)``, fp32 weights (all
+impls).
 
 Phases of a step (ms): ``forward`` (model + loss), ``backward`` (``loss.backward()``), ``comm_blocked`` (time
 blocked in ``finish_gradient_synchronization()``: the gradient communication the backward did not hide),
@@ -80,7 +81,7 @@ from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_fl
 from torch_impl.parallelize import DATA_PARALLEL, apply_compile, apply_data_parallel, check_supported
 from torch_impl.parallelize import DataParallelConfig as Config, data_parallel_configs as configurations
 
-IMPLS = DATA_PARALLEL  # --impl takes every data-parallel mode
+IMPLS = DATA_PARALLEL  # --dist takes every data-parallel mode
 STRATEGY = {"none": "ddp", "naive": "ddp", "flat": "ddp", "individual": "ddp", "bucketed": "ddp",
             "torch_ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp", "fsdp2": "fsdp"}
 
@@ -94,7 +95,7 @@ def parse_impls(text: str) -> list[str]:
     impls = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
     unknown = [i for i in impls if i not in IMPLS]
     if unknown or not impls:
-        raise ValueError(f"--impl {text!r}: unknown {unknown}; accepted (comma list): {', '.join(IMPLS)}")
+        raise ValueError(f"--dist {text!r}: unknown {unknown}; accepted (comma list): {', '.join(IMPLS)}")
     return impls
 
 
@@ -288,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         device = pick_device(args.device)
         return _run_configs(configs, args, spec, seq_len, device, rank=0, world_size=1)
     if any(c.impl == "none" for c in configs) and world_env > 1:
-        raise ValueError("--impl none runs as one process: launch it with plain python -m (or --nproc_per_node 1)")
+        raise ValueError("--dist none runs as one process: launch it with plain python -m (or --nproc_per_node 1)")
     from torch_impl.distributed import distributed_context
 
     with distributed_context(timeout_s=args.timeout, device=args.device) as ctx:
@@ -367,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
                         help="fp32; bf16 = torch.autocast(bfloat16) with fp32 weights; bf16_mixed = bf16 weights "
                              "with fp32 masters in torch_impl.optim.MasterAdamW (default fp32)")
-    parser.add_argument("--impl", default="bucketed", help=f"comma list of: {', '.join(IMPLS)} (default bucketed)")
+    parser.add_argument("--dist", "--impl", dest="impl", default="bucketed",
+                        help=f"comma list of: {', '.join(IMPLS)} (default bucketed; --impl: its old name)")
     parser.add_argument("--bucket-mb", default="1,10,25,100",
                         help="bucket sizes in MiB for bucketed and zero1, one configuration each (default 1,10,25,100)")
     parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps per configuration (default 3)")
