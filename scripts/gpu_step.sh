@@ -25,20 +25,23 @@ step() {  # model batch seq, then extra flags
   python3 -m torch_impl.bench.e2e --model "$1" --batch-size "$2" --seq-len "$3" --dtype bf16 --attention sdpa_cudnn \
     --stock sdpa_cudnn --compile --warmup 3 --steps 10 --out "$out/e2e_h100.jsonl" "${@:4}"
 }
+profile_ours() {  # tag: ours alone (bf16_mixed) at xl 4 x 2,048, profiled; its kernel table into OUT_DIR
+  python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
+    --attention sdpa_cudnn --compile --warmup 3 --steps 10 --profile "/tmp/profile_$1" --out "$out/profile.jsonl"
+  cp "/tmp/profile_$1"/*_kernels.md "$out/"
+}
+ddp_one_gpu() {  # extra flags: the DDP benchmark's one-GPU baseline, xl 2 x 512
+  python3 -m torch_impl.bench.ddp --dist none --model xl --batch-size 2 --seq-len 512 --attention sdpa_cudnn \
+    --out "$out/ddp_one_gpu_h100.jsonl" "$@"
+}
 case "$phase" in
 records)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
   step 2.7B 2 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
   step xl 4 512 --dtype bf16_mixed --cuda-graph off,blocks,step
-  for dtype in bf16 bf16_mixed; do
-    python3 -m torch_impl.bench.ddp --dist none --model xl --batch-size 2 --seq-len 512 --dtype "$dtype" \
-      --attention sdpa_cudnn --compile --out "$out/ddp_one_gpu_h100.jsonl"
-  done ;;
+  for dtype in bf16 bf16_mixed; do ddp_one_gpu --dtype "$dtype" --compile; done ;;
 ddp)
-  for compiled in "" --compile; do
-    python3 -m torch_impl.bench.ddp --dist none --model xl --batch-size 2 --seq-len 512 --dtype bf16 \
-      --attention sdpa_cudnn $compiled --out "$out/ddp_one_gpu_h100.jsonl"
-  done
+  for compiled in "" --compile; do ddp_one_gpu --dtype bf16 $compiled; done
   python3 -m pytest -q -m gpu tests/test_stock.py 2>&1 | tail -5 | tee "$out/gpu_tests.txt" ;;
 profile)
   for seq in 512 2048; do
@@ -53,14 +56,10 @@ mixed)
   step xl 4 512 --dtype bf16_mixed --cuda-graph blocks,step ;;
 mixed_large)  # 2.7B 2 x 2,048 against stock, then ours at xl 4 x 2,048 profiled (OUT_DIR/*_kernels.md)
   step 2.7B 2 2048 --dtype bf16_mixed --cuda-graph off,blocks
-  python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
-    --attention sdpa_cudnn --compile --warmup 3 --steps 10 --profile /tmp/profile_mixed --out "$out/profile.jsonl"
-  cp /tmp/profile_mixed/*_kernels.md "$out/" ;;
+  profile_ours mixed ;;
 probe)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks
-  python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
-    --attention sdpa_cudnn --compile --warmup 3 --steps 10 --profile /tmp/profile_probe --out "$out/profile.jsonl"
-  cp /tmp/profile_probe/*_kernels.md "$out/" ;;
+  profile_ours probe ;;
 inductor)
   base=ours_block+ro+mixed
   python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 --variants \
