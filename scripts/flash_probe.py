@@ -1,75 +1,183 @@
-"""Quick GPU probe of FlashAttention2Triton: bf16 correctness against fp64, and the leaderboard timings
-next to cuDNN / flash SDPA in the same process. Development aid; the benchmark of record is
-``python -m torch_impl.bench.attention``.
+"""Where does FlashAttention2Triton lose to cuDNN? A one-call GPU probe of kernel variants (issue 14):
+``PYTHONPATH=. python3 scripts/flash_probe.py OUT [--shapes 1x16x16384x64,4x32x2048x64]``.
 
-    PYTHONPATH=. python3 scripts/flash_probe.py [--all-checks] [--no-bench]
+For each shape B x H x N x d (bf16, causal), in one process: cuDNN SDPA and our kernels, forward alone and
+forward + backward (``torch.autograd.grad``), each timed twice, with ``triton.testing.do_bench`` (launches from
+Python every time, as a training step does) and ``do_bench_cudagraph`` (the same work replayed from a CUDA graph:
+the GPU time alone, so the difference is host overhead). Our variants:
+
+* ``fwd``, ``fwd+fusion``: the forward as shipped (FP fusion off) and with mul + add fused into FMAs.
+* ``det``: the deterministic backward (dK/dV pass, then a dQ pass; ``torch.use_deterministic_algorithms``).
+* ``red``: the fused backward, dQ added with per-element fp32 atomics.
+* ``tma``: the fused backward, dQ added with TMA reduce-adds of whole tiles.
+
+Each backward's gradients are compared with the deterministic one's and cuDNN's (relative Frobenius error), and
+first, at 1 x 4 x 1,024 x d (d = 64, 80), with a float64 reference. Rows go to OUT/flash_probe.jsonl as they are
+measured (a variant that fails is a row with its error); a table is printed at the end. Not a record of the
+leaderboard (``python -m torch_impl.bench.attention`` makes those); it decides what the kernels become
+(notes/flash_attention.md).
 """
 
-import math
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import traceback
+from pathlib import Path
 
 import torch
 import triton
+import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from torch_impl.attention.flash_triton import FlashAttention2Triton
+from torch_impl.attention import flash_triton as ft
+
+SHAPES = ("1x16x16384x64", "4x32x2048x64", "1x16x16384x128", "4x32x2048x80")
+BACKWARDS = {"det": {"deterministic": True, "tma": False}, "red": {"deterministic": False, "tma": False},
+             "tma": {"deterministic": False, "tma": True}}
 
 
-def reference(q, k, v, causal):
-    s = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        s = s.masked_fill(~torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(), -math.inf)
-    return torch.softmax(s, -1) @ v.double()
+@contextlib.contextmanager
+def variant(deterministic: bool = False, tma: bool = False, fusion: bool = False):
+    """Our kernels in one configuration: the deterministic flag, the dQ reduction, FP fusion of the forward."""
+    saved = torch.are_deterministic_algorithms_enabled(), ft._DQ_TMA, ft._FP_FUSION
+    torch.use_deterministic_algorithms(deterministic)
+    ft._DQ_TMA, ft._FP_FUSION = tma, fusion
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        ft._DQ_TMA, ft._FP_FUSION = saved[1], saved[2]
 
 
-def check(shape_q, n_k, causal, dtype):
-    q = torch.randn(*shape_q, device="cuda", dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(*shape_q[:-2], n_k, shape_q[-1], device="cuda", dtype=dtype, requires_grad=True) for _ in "kv")
-    o = FlashAttention2Triton.apply(q, k, v, causal)
-    do = torch.randn_like(o)
-    grads = torch.autograd.grad(o, (q, k, v), do)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    o64 = reference(q64, k64, v64, causal)
-    g64 = torch.autograd.grad(o64, (q64, k64, v64), do.double())
-    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
-    print(f"check {shape_q} n_k={n_k} causal={causal} {dtype}: O {rel(o, o64):.2e} "
-          + " ".join(f"d{n} {rel(g, r):.2e}" for n, g, r in zip("qkv", grads, g64)))
-
-
-def bench(d, dtype=torch.bfloat16, n=16384, heads=16):
-    q, k, v = (torch.randn(1, heads, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in "qkv")
-    do = torch.randn_like(q)
-    fns = {
-        "triton": lambda: FlashAttention2Triton.apply(q, k, v, True),
-        "cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v),
-        "flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v),
-    }
-    flops = 4 * heads * n * n * d / 2
-    for name, fn in fns.items():
-        fwd = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-        def step():
-            out = fn()
-            out.backward(do)
-        both = triton.testing.do_bench(step, warmup=50, rep=200, grad_to_none=[q, k, v], return_mode="median")
-        print(f"d={d} {name:7s} fwd {fwd:.3f} ms ({flops / fwd / 1e9:.0f} TFLOP/s)  fwd+bwd {both:.3f} ms "
-              f"({3.5 * flops / both / 1e9:.0f} TFLOP/s)")
-
-
-def _sdpa(backend, q, k, v):
-    with sdpa_kernel(backend):
+def cudnn(q, k, v):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         return sdpa(q, k, v, is_causal=True)
 
 
-if __name__ == "__main__":
-    import sys
+def ours(q, k, v):
+    return ft.FlashAttention2Triton.apply(q, k, v, True)
 
-    torch.manual_seed(0)
-    checks = [((1, 3, 1000, 128), 777, True, torch.bfloat16), ((2, 2, 513, 64), 1100, False, torch.float16)]
-    if "--all-checks" in sys.argv:
-        checks += [((2, 4, 1024, 64), 1024, True, torch.bfloat16), ((1, 2, 300, 32), 300, True, torch.float32),
-                   ((1, 2, 256, 16), 256, False, torch.bfloat16)]
-    for args in checks:
-        check(*args)
-    if "--no-bench" not in sys.argv:
-        for d in (64, 128):
-            bench(d)
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def inputs(b: int, h: int, n: int, d: int, seed: int = 0):
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+    return q, k, v, torch.randn_like(q)
+
+
+def grads(attn, q, k, v, do):
+    out = attn(q, k, v)
+    return torch.autograd.grad(out, (q, k, v), do)
+
+
+def times(fn) -> dict:
+    fn()  # autotuning and compilation happen here, outside both timers
+    return {"ms": triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"),
+            "graph_ms": triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")}
+
+
+def float64_checks(emit) -> None:
+    """Each backward against float64 at 1 x 4 x 1,024 x d, causal, bf16 inputs."""
+    for d in (64, 80):
+        q, k, v, do = inputs(1, 4, 1024, d, seed=d)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        want = grads(lambda a, b, c: sdpa(a, b, c, is_causal=True), q64, k64, v64, do.double())
+        for name, flags in BACKWARDS.items():
+            try:
+                with variant(**flags):
+                    got = grads(ours, q, k, v, do)
+                emit({"check": "float64", "d": d, "variant": name,
+                      **{f"d{n}_rel": rel(g, w) for n, g, w in zip("qkv", got, want)}})
+            except Exception as err:  # noqa: BLE001 (a failing variant is a row)
+                emit({"check": "float64", "d": d, "variant": name, "error": _error(err)})
+
+
+def probe_shape(shape: str, emit) -> None:
+    b, h, n, d = (int(x) for x in shape.split("x"))
+    q, k, v, do = inputs(b, h, n, d)
+    flops = 4 * b * h * n * n * d / 2  # causal forward; forward + backward is 3.5x
+    row = {"shape": shape, "flops_fwd": flops}
+    want = grads(cudnn, q, k, v, do)
+    emit({**row, "variant": "cudnn", "pass": "fwd", **times(lambda: cudnn(q, k, v))})
+    emit({**row, "variant": "cudnn", "pass": "fwd+bwd", **times(lambda: grads(cudnn, q, k, v, do))})
+    for name, fusion in (("fwd", False), ("fwd+fusion", True)):
+        try:
+            with variant(fusion=fusion):
+                emit({**row, "variant": name, "pass": "fwd", **times(lambda: ours(q, k, v)),
+                      "o_rel_vs_cudnn": rel(ours(q, k, v), cudnn(q, k, v))})
+        except Exception as err:  # noqa: BLE001
+            emit({**row, "variant": name, "pass": "fwd", "error": _error(err)})
+    det = None
+    for name, flags in BACKWARDS.items():
+        try:
+            with variant(**flags):
+                got = grads(ours, q, k, v, do)
+                det = got if name == "det" else det
+                errors = {f"d{x}_rel_vs_cudnn": rel(g, w) for x, g, w in zip("qkv", got, want)}
+                if det is not None and name != "det":
+                    errors.update({f"d{x}_rel_vs_det": rel(g, w) for x, g, w in zip("qkv", got, det)})
+                emit({**row, "variant": name, "pass": "fwd+bwd", **times(lambda: grads(ours, q, k, v, do)), **errors})
+        except Exception as err:  # noqa: BLE001
+            emit({**row, "variant": name, "pass": "fwd+bwd", "error": _error(err)})
+
+
+def _error(err: BaseException) -> str:
+    traceback.print_exc()
+    return f"{type(err).__name__}: {err}".splitlines()[0][:300]
+
+
+def table(rows: list[dict]) -> str:
+    """ms (graph ms) per shape and variant, and the speed relative to cuDNN's pass in the same run."""
+    anchor = {(r["shape"], r["pass"]): r["graph_ms"] for r in rows if r.get("variant") == "cudnn" and "graph_ms" in r}
+    lines = ["| shape | pass | variant | ms (do_bench) | ms (CUDA graph) | TFLOP/s (graph) | cuDNN / ours (graph) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "shape" not in r:
+            continue
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['pass']} | {r['variant']} | error: {r['error'][:80]} | | | |")
+            continue
+        flops = r["flops_fwd"] * (1 if r["pass"] == "fwd" else 3.5)
+        lines.append(f"| {r['shape']} | {r['pass']} | {r['variant']} | {r['ms']:.3f} | {r['graph_ms']:.3f} | "
+                     f"{flops / r['graph_ms'] / 1e9:.0f} | {anchor[(r['shape'], r['pass'])] / r['graph_ms']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated BxHxNxd")
+    parser.add_argument("--no-checks", action="store_true", help="skip the float64 checks")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("flash_probe needs a CUDA GPU", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "flash_probe.jsonl"
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        row = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               **row}
+        rows.append(row)
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+    if not args.no_checks:
+        float64_checks(emit)
+    for shape in args.shapes.split(","):
+        probe_shape(shape, emit)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

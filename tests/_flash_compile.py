@@ -27,7 +27,8 @@ def signature(kernel, dtype: str, constexprs: dict) -> dict:
         if name == "sm_scale":
             return "fp32"
         if name.isupper():
-            return "*fp32" if name in FP32_POINTERS else f"*{dtype}"
+            fp32 = name in FP32_POINTERS or (name == "DQ" and constexprs.get("ATOMIC_DQ"))  # the fused pass's dQ
+            return "*fp32" if fp32 else f"*{dtype}"
         return "i32"
     return {name: kind(name) for name in kernel.arg_names}
 
@@ -38,13 +39,17 @@ def head_dim(d: int) -> dict:
 
 # The code paths, each kernel at least once: causal or not (the forward), ragged or even tiles, a head dim tiled
 # exactly (128) or padded (80 -> 128, masked), the widest (256, with the tiles the pruning keeps there), and fp32
-# in IEEE precision (FMA dots instead of tensor cores).
+# in IEEE precision (FMA dots instead of tensor cores); the dK/dV kernel with and without the fused atomic dQ.
 CASES = [
     ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": False, **head_dim(80)}),
     ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": False, "EVEN_M": True, "EVEN_N": True, **head_dim(128)}),
     ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": True, **head_dim(256)}),
-    ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True, **head_dim(80)}),
-    ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": False, **head_dim(256)}),
+    ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True,
+                                                   "ATOMIC_DQ": False, **head_dim(80)}),
+    ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": False,
+                                                   "ATOMIC_DQ": True, **head_dim(256)}),
+    ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True,
+                                                   "ATOMIC_DQ": True, **head_dim(80)}),
     ("dq", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": False, **head_dim(80)}),
     ("dq", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True, **head_dim(256)}),
     ("preprocess", ft._bwd_preprocess, None, head_dim(80)),

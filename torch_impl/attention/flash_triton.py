@@ -63,6 +63,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # correctness tests over many shapes, without a tuning run per shape).
 AUTOTUNE = os.environ.get("FLASH_TRITON_AUTOTUNE", "1") != "0"
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
+# How the fused backward adds dQ: per-element fp32 atomics (False), or TMA reduce-adds of whole tiles through
+# tensor descriptors made in the kernel (True; Hopper and later). Under measurement (scripts/flash_probe.py).
+_DQ_TMA = False
+# FP fusion (mul + add -> FMA) stays off in every kernel: the backward must round each score exactly as the
+# forward did (module notes). True only to measure what that costs (scripts/flash_probe.py).
+_FP_FUSION = False
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -189,12 +195,15 @@ def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don, offs_n, key_ok,
-                offs_m_base, d_ok, lo, hi, n_q, sm_scale, MASK_DIAGONAL: tl.constexpr, MASK_ROWS: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Accumulate dK, dV of one key tile over the query tiles [lo, hi) of one head, with transposed tiles."""
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don, stride_dqn,
+                offs_n, key_ok, offs_m_base, d_ok, lo, hi, n_q, sm_scale, MASK_DIAGONAL: tl.constexpr,
+                MASK_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, dq_desc):
+    """Accumulate dK, dV of one key tile over the query tiles [lo, hi) of one head, with transposed tiles; with
+    ATOMIC_DQ also add each query tile's share of dQ, dS K * scale, to the fp32 dQ accumulator (atomics)."""
     q_ptrs += lo * stride_qn
     do_ptrs += lo * stride_don
+    dq_ptrs += lo * stride_dqn
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base  # (BLOCK_M,)
         row_ok = _below(offs_m, n_q, MASK_ROWS)
@@ -207,26 +216,36 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qn, st
         if MASK_DIAGONAL:
             visible = visible & (offs_m[None, :] >= offs_n[:, None])
         pt = tl.math.exp2((tl.where(visible, st, -float("inf")) - lse[None, :]) * _LOG2E)  # P^T
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_D)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T (BLOCK_N, BLOCK_M)
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PRECISION)
+        dst = (pt * (dpt - delta[None, :])).to(q.dtype)  # dS^T
+        dk = tl.dot(dst, q, dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_D)
+            if DQ_TMA:
+                dq_desc.atomic_add([start_m, 0], dq)  # TMA reduce-add; rows >= n_q, columns >= d are dropped
+            else:
+                tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+                dq_ptrs += BLOCK_M * stride_dqn
         q_ptrs += BLOCK_M * stride_qn
         do_ptrs += BLOCK_M * stride_don
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, sm_scale,
                      stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd, stride_dob, stride_doh, stride_don, stride_dod,
                      stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
                      n_heads, group, n_q, n_k, n_q_bucket, n_k_bucket,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
-                     EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                     DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (key tile, batch x key/value head): dK, dV summed over every query tile that sees the
-    key tile, in each of the ``group`` query heads that share this key/value head (grid axis 1: B x H_kv)."""
+    key tile, in each of the ``group`` query heads that share this key/value head (grid axis 1: B x H_kv).
+    ATOMIC_DQ: the same pass adds dQ into an fp32 accumulator DQ (the fused backward: S, P, dP, dS computed once
+    per tile pair, five products instead of the two-kernel backward's seven); else DQ is not touched."""
     start_n = tl.program_id(0) * BLOCK_N
     b, h_kv, _ = _program_head(n_heads // group, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -245,21 +264,27 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
         h = h_kv * group + g
         q_ptrs = _ptrs(Q, b, h, stride_qb, stride_qh, stride_qn, stride_qd, offs_m, offs_d)
         do_ptrs = _ptrs(DO, b, h, stride_dob, stride_doh, stride_don, stride_dod, offs_m, offs_d)
+        dq_ptrs = _ptrs(DQ, b, h, stride_dqb, stride_dqh, stride_dqn, stride_dqd, offs_m, offs_d)
+        if ATOMIC_DQ and DQ_TMA:  # this head's (n_q, d) rows of the contiguous fp32 accumulator
+            dq_desc = tl.make_tensor_descriptor(DQ + b * stride_dqb + h * stride_dqh, shape=[n_q, HEAD_DIM],
+                                                strides=[stride_dqn, 1], block_shape=[BLOCK_M, BLOCK_D])
+        else:
+            dq_desc = None
         lse_ptr = LSE + (b * n_heads + h) * n_q
         delta_ptr = DELTA + (b * n_heads + h) * n_q
         if IS_CAUSAL:
             # Query rows on the diagonal (start_n .. start_n + BLOCK_N), masked; then the rows below, unmasked.
             diag_end = tl.minimum(start_n + BLOCK_N, n_q)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don, offs_n,
-                                 key_ok, offs_m, d_ok, start_n, diag_end, n_q, sm_scale, True, not EVEN_M,
-                                 DOT_PRECISION, BLOCK_M)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don, offs_n,
-                                 key_ok, offs_m, d_ok, start_n + BLOCK_N, n_q, n_q, sm_scale, False, not EVEN_M,
-                                 DOT_PRECISION, BLOCK_M)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
+                                 stride_dqn, offs_n, key_ok, offs_m, d_ok, start_n, diag_end, n_q, sm_scale, True,
+                                 not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, dq_desc)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
+                                 stride_dqn, offs_n, key_ok, offs_m, d_ok, start_n + BLOCK_N, n_q, n_q, sm_scale,
+                                 False, not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, dq_desc)
         else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don, offs_n,
-                                 key_ok, offs_m, d_ok, 0, n_q, n_q, sm_scale, False, not EVEN_M, DOT_PRECISION,
-                                 BLOCK_M)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
+                                 stride_dqn, offs_n, key_ok, offs_m, d_ok, 0, n_q, n_q, sm_scale, False, not EVEN_M,
+                                 DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, dq_desc)
     dk *= sm_scale
     tl.store(_ptrs(DK, b, h_kv, stride_dkb, stride_dkh, stride_dkn, stride_dkd, offs_n, offs_d),
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -367,9 +392,10 @@ _fwd_tuned = triton.autotune(_configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 12
                              key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_wide_tiles("BLOCK_M")}
                              )(_fwd_kernel)
 _dkdv_tuned = triton.autotune(_configs((32, 128, 4, 3), (32, 128, 4, 5), (32, 128, 8, 3), (64, 128, 8, 2),
-                                       (64, 128, 8, 3), (32, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 4),
-                                       (16, 64, 4, 2)),
-                              key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_wide_tiles("BLOCK_N")}
+                                       (64, 128, 8, 3), (64, 128, 4, 3), (32, 64, 8, 2), (64, 64, 4, 3),
+                                       (32, 64, 4, 4), (16, 64, 4, 2)),
+                              key=[*_TUNE_KEY, "ATOMIC_DQ", "DQ_TMA"],
+                              prune_configs_by={"early_config_prune": _prune_wide_tiles("BLOCK_N")}
                               )(_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(_configs((128, 32, 4, 3), (128, 32, 4, 5), (128, 32, 8, 3), (128, 64, 8, 2),
                                      (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (64, 32, 8, 2),
@@ -437,6 +463,13 @@ def tf32_allowed() -> bool:
     return torch.get_float32_matmul_precision() != "highest"
 
 
+@torch.compiler.assume_constant_result
+def deterministic_backward() -> bool:
+    """Whether the backward must give the same bits every run: ``torch.use_deterministic_algorithms(True)``, as
+    for PyTorch's own kernels (read when the backward runs; a compiled graph keeps the value it was traced with)."""
+    return torch.are_deterministic_algorithms_enabled()
+
+
 def _dot_precision(dtype: torch.dtype, tf32: bool) -> str:
     """``tl.dot``'s input_precision: IEEE fp32 for fp32 unless TF32 is allowed; bf16/fp16 ignore it."""
     return "ieee" if dtype == torch.float32 and not tf32 else "tf32"
@@ -471,10 +504,10 @@ def _launch(tuned, kernel, name: str, grid_rows: int, by: str, bh: int, *args, *
         tiles = _INTERPRET_TILES[name]
         kernel[(triton.cdiv(grid_rows, tiles[by]), bh)](*args, **meta, **tiles)
     elif AUTOTUNE:
-        tuned[lambda m: (triton.cdiv(grid_rows, m[by]), bh)](*args, **meta, enable_fp_fusion=False)
+        tuned[lambda m: (triton.cdiv(grid_rows, m[by]), bh)](*args, **meta, enable_fp_fusion=_FP_FUSION)
     else:
         config = _first_config(tuned, meta)
-        kernel[(triton.cdiv(grid_rows, config[by]), bh)](*args, **meta, **config, enable_fp_fusion=False)
+        kernel[(triton.cdiv(grid_rows, config[by]), bh)](*args, **meta, **config, enable_fp_fusion=_FP_FUSION)
 
 
 def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool) -> tuple[tuple, dict]:
@@ -505,8 +538,10 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 
 
 def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, is_causal: bool, tf32: bool = False):
-    """dQ, dK, dV (each shaped like its input, contiguous): the D = rowsum(dO * O) pass, then dK/dV, then dQ."""
+                   lse: torch.Tensor, is_causal: bool, tf32: bool = False, deterministic: bool = False):
+    """dQ, dK, dV (each shaped like its input, contiguous): the D = rowsum(dO * O) pass, then the fused pass
+    (dK, dV, and dQ added with fp32 atomics, in an order that varies from run to run), or with ``deterministic``
+    the dK/dV pass and then a dQ pass of its own (no atomics, the same bits every run, ~7/5 of the products)."""
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if q.numel() == 0:  # no queries: nothing flows to the keys
         return dq, dk.zero_(), dv.zero_()
@@ -521,10 +556,18 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         BLOCK_M=block)
     sm_scale = 1.0 / math.sqrt(d)
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4))
+    # The fused pass accumulates dQ in fp32 (zeros; cast into dq at the end); the deterministic one never reads it.
+    dq_acc = dq4 if deterministic else torch.zeros(q4.shape, dtype=torch.float32, device=q.device)
+    if _DQ_TMA and not deterministic:  # scratch for the descriptors the kernel makes
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=q.device))
     _launch(_dkdv_tuned, _bwd_dkdv_kernel, "dkdv", k4.shape[2], "BLOCK_N", batch * k4.shape[1],
-            q4, k4, v4, do4, lse, delta, dk4, dv4, sm_scale, *common, *_strides(dk4), *_strides(dv4), *sizes, **meta)
-    _launch(_dq_tuned, _bwd_dq_kernel, "dq", n_q, "BLOCK_M", batch * heads,
-            q4, k4, v4, do4, lse, delta, dq4, sm_scale, *common, *_strides(dq4), *sizes, **meta)
+            q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, sm_scale, *common, *_strides(dk4), *_strides(dv4),
+            *_strides(dq_acc), *sizes, ATOMIC_DQ=not deterministic, DQ_TMA=_DQ_TMA and not deterministic, **meta)
+    if deterministic:
+        _launch(_dq_tuned, _bwd_dq_kernel, "dq", n_q, "BLOCK_M", batch * heads,
+                q4, k4, v4, do4, lse, delta, dq4, sm_scale, *common, *_strides(dq4), *sizes, **meta)
+    else:
+        dq4.copy_(dq_acc)
     return dq, dk, dv
 
 
@@ -546,14 +589,14 @@ def _(q, k, v, is_causal, tf32):
 
 @torch.library.custom_op("torch_impl::flash_attention_backward", mutates_args=())
 def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                             lse: torch.Tensor, is_causal: bool,
-                             tf32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) of the deterministic Triton backward."""
-    return flash_backward(do, q, k, v, o, lse, is_causal, tf32)
+                             lse: torch.Tensor, is_causal: bool, tf32: bool,
+                             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) of the Triton backward: fused with atomic dQ, or the deterministic two-pass one."""
+    return flash_backward(do, q, k, v, o, lse, is_causal, tf32, deterministic)
 
 
 @flash_attention_backward.register_fake
-def _(do, q, k, v, o, lse, is_causal, tf32):
+def _(do, q, k, v, o, lse, is_causal, tf32, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -565,7 +608,8 @@ def _save_for_backward(ctx, q, k, v, is_causal: bool, tf32: bool, o, lse) -> Non
 
 def _grads(ctx, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lse, q, k, v, o = ctx.saved_tensors
-    return torch.ops.torch_impl.flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal, ctx.tf32)
+    return torch.ops.torch_impl.flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal, ctx.tf32,
+                                                         deterministic_backward())
 
 
 def _setup_context(ctx, inputs, output) -> None:
