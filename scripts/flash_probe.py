@@ -36,6 +36,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from torch_impl.attention import flash_triton as ft
 
 SHAPES = ("1x16x16384x64", "4x32x2048x64", "1x16x16384x128", "4x32x2048x80")
+VARIANTS = ("fwd", "fwd+fusion", "det", "red", "tma")
 BACKWARDS = {"det": {"deterministic": True, "tma": False}, "red": {"deterministic": False, "tma": False},
              "tma": {"deterministic": False, "tma": True}}
 
@@ -83,31 +84,57 @@ def times(fn) -> dict:
             "graph_ms": triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")}
 
 
-def float64_checks(emit) -> None:
+def float64_checks(emit, variants: set[str]) -> None:
     """Each backward against float64 at 1 x 4 x 1,024 x d, causal, bf16 inputs."""
     for d in (64, 80):
         q, k, v, do = inputs(1, 4, 1024, d, seed=d)
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
         want = grads(lambda a, b, c: sdpa(a, b, c, is_causal=True), q64, k64, v64, do.double())
         for name, flags in BACKWARDS.items():
+            if name not in variants:
+                continue
             try:
                 with variant(**flags):
-                    got = grads(ours, q, k, v, do)
+                    got = grads(ours, q, k, v, do)  # the first call, autotuning included: what a user gets
                 emit({"check": "float64", "d": d, "variant": name,
                       **{f"d{n}_rel": rel(g, w) for n, g, w in zip("qkv", got, want)}})
             except Exception as err:  # noqa: BLE001 (a failing variant is a row)
                 emit({"check": "float64", "d": d, "variant": name, "error": _error(err)})
 
 
-def probe_shape(shape: str, emit) -> None:
+def kernel_times(fn, calls: int = 3) -> dict:
+    """GPU time per call of each kernel fn launches (torch.profiler), in ms, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name[:60]] = totals.get(event.name[:60], 0.0) + event.device_time / 1e3 / calls
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def tuned_configs() -> dict:
+    """The configuration each autotuned kernel chose, per tuning key."""
+    return {name: {str(key): str(config) for key, config in tuned.cache.items()}
+            for name, tuned in (("fwd", ft._fwd_tuned), ("dkdv", ft._dkdv_tuned), ("dq", ft._dq_tuned))}
+
+
+def probe_shape(shape: str, emit, variants: set[str], profile: bool) -> None:
     b, h, n, d = (int(x) for x in shape.split("x"))
     q, k, v, do = inputs(b, h, n, d)
     flops = 4 * b * h * n * n * d / 2  # causal forward; forward + backward is 3.5x
     row = {"shape": shape, "flops_fwd": flops}
     want = grads(cudnn, q, k, v, do)
     emit({**row, "variant": "cudnn", "pass": "fwd", **times(lambda: cudnn(q, k, v))})
-    emit({**row, "variant": "cudnn", "pass": "fwd+bwd", **times(lambda: grads(cudnn, q, k, v, do))})
+    emit({**row, "variant": "cudnn", "pass": "fwd+bwd", **times(lambda: grads(cudnn, q, k, v, do)),
+          **({"kernels": kernel_times(lambda: grads(cudnn, q, k, v, do))} if profile else {})})
     for name, fusion in (("fwd", False), ("fwd+fusion", True)):
+        if name not in variants:
+            continue
         try:
             with variant(fusion=fusion):
                 emit({**row, "variant": name, "pass": "fwd", **times(lambda: ours(q, k, v)),
@@ -116,14 +143,19 @@ def probe_shape(shape: str, emit) -> None:
             emit({**row, "variant": name, "pass": "fwd", "error": _error(err)})
     det = None
     for name, flags in BACKWARDS.items():
+        if name not in variants:
+            continue
         try:
             with variant(**flags):
+                timing = times(lambda: grads(ours, q, k, v, do))  # autotunes first: its runs add into dQ buffers
                 got = grads(ours, q, k, v, do)
                 det = got if name == "det" else det
                 errors = {f"d{x}_rel_vs_cudnn": rel(g, w) for x, g, w in zip("qkv", got, want)}
                 if det is not None and name != "det":
                     errors.update({f"d{x}_rel_vs_det": rel(g, w) for x, g, w in zip("qkv", got, det)})
-                emit({**row, "variant": name, "pass": "fwd+bwd", **times(lambda: grads(ours, q, k, v, do)), **errors})
+                if profile:
+                    errors["kernels"] = kernel_times(lambda: grads(ours, q, k, v, do))
+                emit({**row, "variant": name, "pass": "fwd+bwd", **timing, **errors})
         except Exception as err:  # noqa: BLE001
             emit({**row, "variant": name, "pass": "fwd+bwd", "error": _error(err)})
 
@@ -139,7 +171,7 @@ def table(rows: list[dict]) -> str:
     lines = ["| shape | pass | variant | ms (do_bench) | ms (CUDA graph) | TFLOP/s (graph) | cuDNN / ours (graph) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "shape" not in r:
+        if "shape" not in r or "variant" not in r:
             continue
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['pass']} | {r['variant']} | error: {r['error'][:80]} | | | |")
@@ -155,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated BxHxNxd")
     parser.add_argument("--no-checks", action="store_true", help="skip the float64 checks")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--profile", action="store_true", help="also each fwd+bwd's GPU time per kernel")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("flash_probe needs a CUDA GPU", file=sys.stderr)
@@ -171,10 +205,14 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
 
+    variants = set(args.variants.split(","))
+    if not variants <= set(VARIANTS):
+        parser.error(f"--variants {args.variants}: accepted: {', '.join(VARIANTS)}")
     if not args.no_checks:
-        float64_checks(emit)
+        float64_checks(emit, variants)
     for shape in args.shapes.split(","):
-        probe_shape(shape, emit)
+        probe_shape(shape, emit, variants, args.profile)
+    emit({"autotune": tuned_configs()})
     print(table(rows))
     return 0
 
