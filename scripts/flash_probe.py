@@ -6,16 +6,16 @@ forward + backward (``torch.autograd.grad``), each timed twice, with ``triton.te
 Python every time, as a training step does) and ``do_bench_cudagraph`` (the same work replayed from a CUDA graph:
 the GPU time alone, so the difference is host overhead). Our variants:
 
-* ``fwd``, ``fwd+fusion``: the forward as shipped (FP fusion off) and with mul + add fused into FMAs.
-* ``det``: the deterministic backward (dK/dV pass, then a dQ pass; ``torch.use_deterministic_algorithms``).
-* ``red``: the fused backward, dQ added with per-element fp32 atomics.
-* ``tma``: the fused backward, dQ added with TMA reduce-adds of whole tiles.
+* ``fwd``: the forward.
+* ``det``: forward + the two-pass backward (``torch.use_deterministic_algorithms(True)``).
+* ``fused``: forward + the fused backward (the default).
 
-Each backward's gradients are compared with the deterministic one's and cuDNN's (relative Frobenius error), and
-first, at 1 x 4 x 1,024 x d (d = 64, 80), with a float64 reference. Rows go to OUT/flash_probe.jsonl as they are
-measured (a variant that fails is a row with its error); a table is printed at the end. Not a record of the
-leaderboard (``python -m torch_impl.bench.attention`` makes those); it decides what the kernels become
-(notes/flash_attention.md).
+With ``--profile`` each forward + backward also gets its GPU time per kernel (``torch.profiler``). Each backward's
+gradients are compared with the two-pass one's and cuDNN's (relative Frobenius error), and first, at
+1 x 4 x 1,024 x d (d = 64, 80), with a float64 reference; the tile configuration each autotuned kernel chose ends
+the file. Rows (with the commit and machine: ``analysis.records.provenance``) go to OUT/flash_probe.jsonl as they
+are measured (a variant that fails is a row with its error); a table is printed at the end. Not the leaderboard
+(``python -m torch_impl.bench.attention`` makes that); it decides what the kernels become (notes/flash_attention.md).
 """
 
 from __future__ import annotations
@@ -33,25 +33,22 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+from analysis.records import provenance
 from torch_impl.attention import flash_triton as ft
 
 SHAPES = ("1x16x16384x64", "4x32x2048x64", "1x16x16384x128", "4x32x2048x80")
-VARIANTS = ("fwd", "fwd+fusion", "det", "red", "tma")
-BACKWARDS = {"det": {"deterministic": True, "tma": False}, "red": {"deterministic": False, "tma": False},
-             "tma": {"deterministic": False, "tma": True}}
+VARIANTS = ("fwd", "det", "fused")
+BACKWARDS = {"det": True, "fused": False}  # name -> torch.use_deterministic_algorithms
 
 
 @contextlib.contextmanager
-def variant(deterministic: bool = False, tma: bool = False, fusion: bool = False):
-    """Our kernels in one configuration: the deterministic flag, the dQ reduction, FP fusion of the forward."""
-    saved = torch.are_deterministic_algorithms_enabled(), ft._DQ_TMA, ft._FP_FUSION
-    torch.use_deterministic_algorithms(deterministic)
-    ft._DQ_TMA, ft._FP_FUSION = tma, fusion
+def deterministic(flag: bool):
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(flag)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(saved[0])
-        ft._DQ_TMA, ft._FP_FUSION = saved[1], saved[2]
+        torch.use_deterministic_algorithms(saved)
 
 
 def cudnn(q, k, v):
@@ -90,11 +87,11 @@ def float64_checks(emit, variants: set[str]) -> None:
         q, k, v, do = inputs(1, 4, 1024, d, seed=d)
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
         want = grads(lambda a, b, c: sdpa(a, b, c, is_causal=True), q64, k64, v64, do.double())
-        for name, flags in BACKWARDS.items():
+        for name, flag in BACKWARDS.items():
             if name not in variants:
                 continue
             try:
-                with variant(**flags):
+                with deterministic(flag):
                     got = grads(ours, q, k, v, do)  # the first call, autotuning included: what a user gets
                 emit({"check": "float64", "d": d, "variant": name,
                       **{f"d{n}_rel": rel(g, w) for n, g, w in zip("qkv", got, want)}})
@@ -132,21 +129,18 @@ def probe_shape(shape: str, emit, variants: set[str], profile: bool) -> None:
     emit({**row, "variant": "cudnn", "pass": "fwd", **times(lambda: cudnn(q, k, v))})
     emit({**row, "variant": "cudnn", "pass": "fwd+bwd", **times(lambda: grads(cudnn, q, k, v, do)),
           **({"kernels": kernel_times(lambda: grads(cudnn, q, k, v, do))} if profile else {})})
-    for name, fusion in (("fwd", False), ("fwd+fusion", True)):
-        if name not in variants:
-            continue
+    if "fwd" in variants:
         try:
-            with variant(fusion=fusion):
-                emit({**row, "variant": name, "pass": "fwd", **times(lambda: ours(q, k, v)),
-                      "o_rel_vs_cudnn": rel(ours(q, k, v), cudnn(q, k, v))})
+            emit({**row, "variant": "fwd", "pass": "fwd", **times(lambda: ours(q, k, v)),
+                  "o_rel_vs_cudnn": rel(ours(q, k, v), cudnn(q, k, v))})
         except Exception as err:  # noqa: BLE001
-            emit({**row, "variant": name, "pass": "fwd", "error": _error(err)})
+            emit({**row, "variant": "fwd", "pass": "fwd", "error": _error(err)})
     det = None
-    for name, flags in BACKWARDS.items():
+    for name, flag in BACKWARDS.items():
         if name not in variants:
             continue
         try:
-            with variant(**flags):
+            with deterministic(flag):
                 timing = times(lambda: grads(ours, q, k, v, do))  # autotunes first: its runs add into dQ buffers
                 got = grads(ours, q, k, v, do)
                 det = got if name == "det" else det
@@ -190,24 +184,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--profile", action="store_true", help="also each fwd+bwd's GPU time per kernel")
     args = parser.parse_args(argv)
+    variants = set(args.variants.split(","))
+    if not variants <= set(VARIANTS):
+        parser.error(f"--variants {args.variants}: accepted: {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
         print("flash_probe needs a CUDA GPU", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "flash_probe.jsonl"
     rows: list[dict] = []
+    stamp = {"provenance": provenance(torch.cuda.get_device_name())}
 
     def emit(row: dict) -> None:
-        row = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               **row}
+        row = {**row, **stamp}
         rows.append(row)
         with path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
 
-    variants = set(args.variants.split(","))
-    if not variants <= set(VARIANTS):
-        parser.error(f"--variants {args.variants}: accepted: {', '.join(VARIANTS)}")
     if not args.no_checks:
         float64_checks(emit, variants)
     for shape in args.shapes.split(","):

@@ -39,17 +39,18 @@ def head_dim(d: int) -> dict:
 
 # The code paths, each kernel at least once: causal or not (the forward), ragged or even tiles, a head dim tiled
 # exactly (128) or padded (80 -> 128, masked), the widest (256, with the tiles the pruning keeps there), and fp32
-# in IEEE precision (FMA dots instead of tensor cores); the dK/dV kernel with and without the fused atomic dQ.
+# in IEEE precision (FMA dots instead of tensor cores); the dK/dV kernel of the two-pass backward and
+# of the fused one (dQ by TMA reduce-adds, as on an H100).
 CASES = [
     ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": False, **head_dim(80)}),
     ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": False, "EVEN_M": True, "EVEN_N": True, **head_dim(128)}),
     ("forward", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": True, **head_dim(256)}),
     ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True,
-                                                   "ATOMIC_DQ": False, **head_dim(80)}),
+                                                   "ATOMIC_DQ": False, "DQ_TMA": False, **head_dim(80)}),
     ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": False,
-                                                   "ATOMIC_DQ": True, **head_dim(256)}),
+                                                   "ATOMIC_DQ": True, "DQ_TMA": True, **head_dim(256)}),
     ("dkdv", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True,
-                                                   "ATOMIC_DQ": True, **head_dim(80)}),
+                                                   "ATOMIC_DQ": True, "DQ_TMA": True, **head_dim(80)}),
     ("dq", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": False, **head_dim(80)}),
     ("dq", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True, **head_dim(256)}),
     ("preprocess", ft._bwd_preprocess, None, head_dim(80)),

@@ -548,6 +548,61 @@ def test_model_with_flash_backend_matches_naive(impl, seed):
         assert rel < tol.rel and big < 5 * tol.max, f"grad {name}: {rel:.2e} / {big:.2e} ({backend}, seed={seed})"
 
 
+# ----------------------------------------------------------------------------------- backward modes
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(saved)
+
+
+def _launched_kernels(monkeypatch, fn) -> list[str]:
+    """The names of the Triton launches fn makes (forward "fwd", backward "dkdv" and, two-pass only, "dq")."""
+    import torch_impl.attention.flash_triton as ft
+
+    names, launch = [], ft._launch
+    monkeypatch.setattr(ft, "_launch", lambda tuned, kernel, name, *a, **kw: (names.append(name),
+                                                                             launch(tuned, kernel, name, *a, **kw)))
+    fn()
+    return names
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_triton_backward_follows_use_deterministic_algorithms(monkeypatch, deterministic):
+    """The default backward is the fused one (dK/dV pass adding dQ: on a GPU older than sm_90, the two-pass one);
+    ``torch.use_deterministic_algorithms(True)`` selects the two-pass backward (a dQ pass of its own)."""
+    impl = load_impl("triton")
+    q, k, v, grad_out = random_inputs((1, 2), 40, 40, 32, torch.float32, impl.device)
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        names = _launched_kernels(monkeypatch, lambda: run(impl.fn, q, k, v, grad_out, True))
+    finally:
+        torch.use_deterministic_algorithms(saved)
+    fused = not deterministic and (impl.interpreted or torch.cuda.get_device_capability()[0] >= 9)
+    assert names == (["fwd", "dkdv"] if fused else ["fwd", "dkdv", "dq"])
+
+
+DETERMINISTIC_CASES = [((2, 4, 2), 33, 70, 80, False), ((1, 2, 2), 50, 50, 32, True), ((1, 4, 1), 65, 47, 64, True)]
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=lambda c: f"h{c[0][1]}-kv{c[0][2]}-q{c[1]}-k{c[2]}-d{c[3]}")
+def test_triton_deterministic_backward_matches_float64(case, deterministic_algorithms, seed):
+    """The two-pass backward against float64 (the fused default is what every other test runs): GQA, a padded
+    head dim, ragged tiles, n_q != n_k; then the same gradients, bit for bit, from a second run."""
+    impl = load_impl("triton")
+    (batch, heads, kv_heads), n_q, n_k, d, is_causal = case
+    q, k, v, grad_out = random_inputs((batch, heads), n_q, n_k, d, torch.float32, impl.device, kv_lead=(batch, kv_heads))
+    got = run(impl.fn, q, k, v, grad_out, is_causal)
+    check_all(got, reference(q, k, v, grad_out, is_causal), tolerance(impl, torch.float32, impl.device),
+              f"deterministic backward, case {case}, seed={seed}", lse_tol=lse_tolerance(impl, torch.float32, impl.device))
+    again = run(impl.fn, q, k, v, grad_out, is_causal)
+    assert all(torch.equal(got[key], again[key]) for key in ("dQ", "dK", "dV"))
+
+
 def test_public_names_are_exported():
     """DESIGN.md: ``from torch_impl.attention import FlashAttention2Torch, FlashAttention2Triton``."""
     import torch_impl.attention as attention
@@ -600,6 +655,45 @@ def test_gpu_head_dims_80_and_256(d, is_causal, dtype, seed):
     """Padded (80 -> 128) and the widest (256) head dim at real lengths, ragged and n_q != n_k."""
     q, k, v, grad_out = random_inputs((2, 4), 1000, 777, d, dtype, "cuda")
     _gpu_check(load_impl("triton"), q, k, v, grad_out, is_causal, f"d={d}, {dtype}, causal={is_causal}, seed={seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_gpu_deterministic_backward_bf16(is_causal, deterministic_algorithms, seed):
+    """The two-pass backward at real lengths in bf16 (GQA, d = 80), the same bits from two runs."""
+    q, k, v, grad_out = random_inputs((2, 8), 1000, 1000, 80, torch.bfloat16, "cuda", kv_lead=(2, 2))
+    got = _gpu_check(load_impl("triton"), q, k, v, grad_out, is_causal, f"deterministic, causal={is_causal}, "
+                     f"seed={seed}")
+    again = run(load_impl("triton").fn, q, k, v, grad_out, is_causal)
+    assert all(torch.equal(got[key], again[key]) for key in ("dQ", "dK", "dV"))
+
+
+AUTOTUNED_FIRST_CALL = """
+import torch
+from torch_impl.attention.flash_triton import FlashAttention2Triton
+q, k, v = (torch.randn(1, 4, 700, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+do = torch.randn_like(q)
+grads = torch.autograd.grad(FlashAttention2Triton.apply(q, k, v, True), (q, k, v), do)
+ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+out = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True)
+want = torch.autograd.grad(out, ref, do.double())
+print(max(((g.double() - w).norm() / w.norm()).item() for g, w in zip(grads, want)))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_first_autotuned_call_is_right():
+    """With autotuning on (the tests set FLASH_TRITON_AUTOTUNE=0), the tuner runs the fused backward once per tile
+    configuration on the call's own buffers: its fp32 dQ accumulator must be zeroed before the real run (dQ came
+    out 150-8,000x too large on the first call before)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FLASH_TRITON_AUTOTUNE": "1"}
+    proc = subprocess.run([sys.executable, "-c", AUTOTUNED_FIRST_CALL], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=TRITON_FILE.parents[2])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert float(proc.stdout.split()[-1]) < BF16.rel, proc.stdout
 
 
 @pytest.mark.gpu

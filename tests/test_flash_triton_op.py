@@ -60,13 +60,15 @@ def assert_same(a, b, what: str, tol: float = 1e-6) -> None:
 # ------------------------------------------------------------------------------------------------ opcheck
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "two-pass"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_opcheck_forward_and_backward(is_causal):
+def test_opcheck_forward_and_backward(is_causal, deterministic):
     """Schema, fake implementations (shapes, strides, dtypes), autograd registration and AOT dispatch."""
     q, k, v, grad_out = inputs(n_q=5, n_k=7)
     torch.library.opcheck(FORWARD, (q, k, v, is_causal, False))
     o, lse = FORWARD(q.detach(), k.detach(), v.detach(), is_causal, False)
-    torch.library.opcheck(BACKWARD, (grad_out, q.detach(), k.detach(), v.detach(), o, lse, is_causal, False))
+    torch.library.opcheck(BACKWARD, (grad_out, q.detach(), k.detach(), v.detach(), o, lse, is_causal, False,
+                                     deterministic))
 
 
 # ------------------------------------------------------------------------------------------ torch.compile
@@ -151,12 +153,13 @@ def test_fp32_dot_precision_follows_pytorch(monkeypatch):
 
     monkeypatch.setattr(ft, "_launch", spy)
     q, k, v, grad_out = inputs(n_q=4, n_k=4)
+    kernels = ["fwd", "dkdv"] if ft.INTERPRET or ft._has_tma(q.device) else ["fwd", "dkdv", "dq"]  # fused or two-pass
     for allowed, expected in ((False, "ieee"), (True, "tf32")):
         monkeypatch.setattr(ft, "tf32_allowed", lambda allowed=allowed: allowed)
         seen.clear()
         grads(ft.flash_attention, q, k, v, grad_out, True)
         grads(FlashAttention2Triton.apply, q, k, v, grad_out, True)
-        assert seen == [("fwd", expected), ("dkdv", expected), ("dq", expected)] * 2, seen
+        assert seen == [(name, expected) for name in kernels] * 2, seen
     assert ft._dot_precision(torch.float16, tf32=False) == ft._dot_precision(torch.bfloat16, False) == "tf32"
 
 
@@ -200,7 +203,9 @@ def test_gpu_inductor_compile_fullgraph(d, seed):
     compiled = torch.compile(ft.flash_attention, fullgraph=True)
     out, got = grads(compiled, q, k, v, grad_out, True)
     want_out, want = grads(ft.flash_attention, q, k, v, grad_out, True)
-    assert_same([out, *got], [want_out, *want], f"inductor d={d}, seed={seed}", tol=0)
+    # O, dK, dV: the same bits. dQ: the fused backward adds its fp32 tiles in a varying order, then rounds to bf16.
+    assert_same([out, *got[1:]], [want_out, *want[1:]], f"inductor d={d}, seed={seed}", tol=0)
+    assert_same(got[:1], want[:1], f"inductor dQ, d={d}, seed={seed}", tol=1e-2)
 
 
 @pytest.mark.gpu
@@ -208,4 +213,6 @@ def test_gpu_opcheck_bf16():
     q, k, v, grad_out = inputs(heads=4, kv_heads=1, n_q=300, n_k=200, d=80, dtype=torch.bfloat16)
     torch.library.opcheck(FORWARD, (q, k, v, True, False))
     o, lse = FORWARD(q.detach(), k.detach(), v.detach(), True, False)
-    torch.library.opcheck(BACKWARD, (grad_out, q.detach(), k.detach(), v.detach(), o, lse, True, False))
+    for deterministic in (False, True):
+        torch.library.opcheck(BACKWARD, (grad_out, q.detach(), k.detach(), v.detach(), o, lse, True, False,
+                                         deterministic))

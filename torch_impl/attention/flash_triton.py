@@ -1,6 +1,12 @@
-"""FlashAttention-2 in Triton: a forward kernel and a deterministic backward (D = rowsum(dO * O), then separate
-dK/dV and dQ passes, no atomics), exposed as PyTorch custom ops so ``torch.compile(fullgraph=True)`` traces
-through them without a graph break.
+"""FlashAttention-2 in Triton: a forward kernel and two backwards, exposed as PyTorch custom ops so
+``torch.compile(fullgraph=True)`` traces through them without a graph break. Both backwards first take
+D = rowsum(dO * O); then
+* fused (the default on sm_90 and later): one pass per key tile computes S, P, dP, dS once for each query tile
+  and adds dQ = dS K into an fp32 buffer with TMA reduce-adds of whole tiles (five products per tile pair);
+  the order of those adds varies, so dQ may differ in the last bits from run to run;
+* two-pass (``torch.use_deterministic_algorithms(True)``, and GPUs older than sm_90, where per-element atomics
+  lose to it): a dK/dV pass, then a dQ pass that recomputes S and dP (seven products), no atomics, the same
+  bits every run.
 
 Reads top to bottom: the Triton kernels -> tile configurations -> the launchers, which check the inputs, pick
 tiles and allocate outputs -> the custom ops ``torch.ops.torch_impl.flash_attention_forward`` / ``_backward``
@@ -25,7 +31,8 @@ Inputs: q (..., H, n_q, d), k and v (..., H_kv, n_k, d), the same leading dims.
   in a masked loop stage of their own.
 * dtypes fp32, bf16, fp16 on CUDA. Under ``TRITON_INTERPRET=1`` (CPU tensors) bf16 is refused: the
   interpreter keeps bf16 as raw uint16 bits and its ``tl.dot`` multiplies those (errors ~1e9;
-  triton-lang/triton#11584); fp32 and fp16 are computed correctly there.
+  triton-lang/triton#11584); fp32 and fp16 are computed correctly there. The interpreter has no TMA: there the
+  fused backward adds dQ with per-element atomics (the same kernel otherwise), so the CPU tests cover both.
 
 Numerics:
 * fp32 inputs are computed in fp32 (``tl.dot(..., input_precision="ieee")``) unless PyTorch's own fp32
@@ -47,6 +54,7 @@ flash-attention repository's ``flash_attn_triton.py``; PyTorch's "Python custom 
 """
 
 # No ``from __future__ import annotations``: the custom ops infer their schemas from real annotation objects.
+import functools
 import math
 import os
 
@@ -63,12 +71,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # correctness tests over many shapes, without a tuning run per shape).
 AUTOTUNE = os.environ.get("FLASH_TRITON_AUTOTUNE", "1") != "0"
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
-# How the fused backward adds dQ: per-element fp32 atomics (False), or TMA reduce-adds of whole tiles through
-# tensor descriptors made in the kernel (True; Hopper and later). Under measurement (scripts/flash_probe.py).
-_DQ_TMA = False
-# FP fusion (mul + add -> FMA) stays off in every kernel: the backward must round each score exactly as the
-# forward did (module notes). True only to measure what that costs (scripts/flash_probe.py).
-_FP_FUSION = False
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -470,6 +472,20 @@ def deterministic_backward() -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
+@functools.cache
+def _set_descriptor_allocator() -> None:
+    """Global memory for the tensor descriptors the fused backward makes in the kernel (Triton asks the process
+    for an allocator once; PyTorch's caching allocator serves it on the current device)."""
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """Whether the GPU adds tiles with TMA reduce-adds (sm_90 and later): the fused backward needs them to win;
+    with per-element atomics (older GPUs) it lost to the two-pass backward (notes/flash_attention.md)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _dot_precision(dtype: torch.dtype, tf32: bool) -> str:
     """``tl.dot``'s input_precision: IEEE fp32 for fp32 unless TF32 is allowed; bf16/fp16 ignore it."""
     return "ieee" if dtype == torch.float32 and not tf32 else "tf32"
@@ -504,10 +520,10 @@ def _launch(tuned, kernel, name: str, grid_rows: int, by: str, bh: int, *args, *
         tiles = _INTERPRET_TILES[name]
         kernel[(triton.cdiv(grid_rows, tiles[by]), bh)](*args, **meta, **tiles)
     elif AUTOTUNE:
-        tuned[lambda m: (triton.cdiv(grid_rows, m[by]), bh)](*args, **meta, enable_fp_fusion=_FP_FUSION)
+        tuned[lambda m: (triton.cdiv(grid_rows, m[by]), bh)](*args, **meta, enable_fp_fusion=False)
     else:
         config = _first_config(tuned, meta)
-        kernel[(triton.cdiv(grid_rows, config[by]), bh)](*args, **meta, **config, enable_fp_fusion=_FP_FUSION)
+        kernel[(triton.cdiv(grid_rows, config[by]), bh)](*args, **meta, **config, enable_fp_fusion=False)
 
 
 def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool) -> tuple[tuple, dict]:
@@ -556,14 +572,15 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         BLOCK_M=block)
     sm_scale = 1.0 / math.sqrt(d)
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4))
-    # The fused pass accumulates dQ in fp32 (zeros; cast into dq at the end); the deterministic one never reads it.
-    dq_acc = dq4 if deterministic else torch.zeros(q4.shape, dtype=torch.float32, device=q.device)
-    if _DQ_TMA and not deterministic:  # scratch for the descriptors the kernel makes
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=q.device))
+    fused = not deterministic and (INTERPRET or _has_tma(q.device))
+    # The fused pass accumulates dQ in fp32 (zeros; cast into dq at the end); the two-pass one never reads it.
+    dq_acc = torch.zeros(q4.shape, dtype=torch.float32, device=q.device) if fused else dq4
+    if fused and not INTERPRET:
+        _set_descriptor_allocator()
     _launch(_dkdv_tuned, _bwd_dkdv_kernel, "dkdv", k4.shape[2], "BLOCK_N", batch * k4.shape[1],
             q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, sm_scale, *common, *_strides(dk4), *_strides(dv4),
-            *_strides(dq_acc), *sizes, ATOMIC_DQ=not deterministic, DQ_TMA=_DQ_TMA and not deterministic, **meta)
-    if deterministic:
+            *_strides(dq_acc), *sizes, ATOMIC_DQ=fused, DQ_TMA=fused and not INTERPRET, **meta)
+    if not fused:
         _launch(_dq_tuned, _bwd_dq_kernel, "dq", n_q, "BLOCK_M", batch * heads,
                 q4, k4, v4, do4, lse, delta, dq4, sm_scale, *common, *_strides(dq4), *sizes, **meta)
     else:
