@@ -1,7 +1,7 @@
 """Activation memory with checkpointing every k blocks, flat or nested, and the k that minimizes it.
 
-Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"), as ``torch_impl.checkpointing`` applies
-it: the L blocks are grouped into segments of k (the last may be shorter); the forward keeps only each
+Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"), as ``torch_impl.activation_checkpointing``
+applies it: the L blocks are grouped into segments of k (the last may be shorter); the forward keeps only each
 segment's input, and the backward recomputes one segment at a time. Per token, with
 ``a = activation_bytes_per_token(..., "full").per_layer_bytes`` (one block input, the residual stream),
 ``b = activation_bytes_per_token(..., "none").per_layer_bytes`` (one block's saved activations) and ``e`` the

@@ -32,8 +32,8 @@ checkpointing)
   ckpt=(--model 2.7B --batch-size 4 --seq-len 2048 --dtype bf16 --attention flash_triton --suite checkpointing
         --out "$out/checkpointing.jsonl")
   "${e2e[@]}" "${ckpt[@]}"
-  for k in 1 2 4 8; do "${e2e[@]}" "${ckpt[@]}" --checkpoint-every "$k"; done
-  for k in 2 4 8; do "${e2e[@]}" "${ckpt[@]}" --checkpoint-every "$k" --nested-checkpoint; done ;;
+  for k in 1 2 4 8; do "${e2e[@]}" "${ckpt[@]}" --ac-every "$k"; done
+  for k in 2 4 8; do "${e2e[@]}" "${ckpt[@]}" --ac-every "$k" --nested-checkpoint; done ;;
 attention)
   python3 -m torch_impl.bench.naive_attention --out "$out/naive_attention.jsonl" ;;
 *) echo "unknown phase $phase; accepted: sweep, memory, kernels, checkpointing, attention" >&2; exit 2 ;;

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from parallelism_calc.specs import MODELS
-from torch_impl.checkpointing import apply_activation_checkpointing
+from torch_impl.activation_checkpointing import apply_activation_checkpointing
 from torch_impl.model import TransformerLM, cross_entropy
 
 SPEC = MODELS["tiny"].replace(n_layers=4)
@@ -58,3 +58,16 @@ def test_segments_and_errors():
         apply_activation_checkpointing(TransformerLM(SPEC), every=0)
     with pytest.raises(ValueError, match="ModuleList"):
         apply_activation_checkpointing(torch.nn.Linear(2, 2), every=1)
+
+
+def test_old_module_name_reexports_the_same_public_names():
+    """``torch_impl.checkpointing``, this module's old name, is kept for one release as a re-export."""
+    import torch_impl.activation_checkpointing as new
+    import torch_impl.checkpointing as old
+
+    assert old.__all__ == new.__all__ and "apply_activation_checkpointing" in new.__all__
+    for name in new.__all__:
+        assert getattr(old, name) is getattr(new, name)
+    from torch_impl.checkpointing import apply_activation_checkpointing as old_apply
+    from torch_impl.parallelize import apply_activation_checkpointing as parallelize_apply
+    assert old_apply is parallelize_apply is new.apply_activation_checkpointing

@@ -62,6 +62,27 @@ def test_bad_flags_give_one_line_errors():
         torch_e2e.main([*FLAGS, "--attention", "flash"])
 
 
+def torch_e2e_args(argv: list[str]):
+    """The torch e2e benchmark's flags parsed as ``torch_e2e.main`` parses them, without running a step."""
+    from analysis.benchmark import add_step_arguments
+    from parallelism_calc.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m torch_impl.bench.e2e")
+    add_step_arguments(parser)
+    torch_e2e.add_torch_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_ac_every_and_its_old_name_checkpoint_every_parse_the_same():
+    """``--ac-every K`` (activation checkpointing every K blocks) and ``--checkpoint-every K``, its old name kept
+    for one release, set the same value under the same dest, which the records carry as ``checkpoint_every``."""
+    new, old = torch_e2e_args([*FLAGS, "--ac-every", "3"]), torch_e2e_args([*FLAGS, "--checkpoint-every", "3"])
+    assert new.checkpoint_every == old.checkpoint_every == 3
+    assert vars(new) == vars(old)
+    assert torch_e2e_args(FLAGS).checkpoint_every is None
+    assert torch_e2e_args([*FLAGS, "--checkpoint-every", "2", "--nested-checkpoint"]).nested_checkpoint
+
+
 def test_sweep_runs_each_configuration_and_records_failures(tmp_path):
     """A model x sequence grid, one process per configuration; a configuration that dies is still a row."""
     out = tmp_path / "sweep.jsonl"

@@ -29,7 +29,7 @@ def test_categorize(name, category):
 
 def test_e2e_profile_checkpoint_and_fused_flags(tmp_path):
     out, prof = tmp_path / "runs.jsonl", tmp_path / "prof"
-    assert e2e.main([*FLAGS, "--checkpoint-every", "1", "--fused-adamw", "off", "--profile", str(prof),
+    assert e2e.main([*FLAGS, "--ac-every", "1", "--fused-adamw", "off", "--profile", str(prof),
                      "--out", str(out)]) == 0
     record, = read_records(out)
     assert record.implementation == "eager naive, ckpt 1" and record.metrics["fused_adamw"] is False
@@ -38,7 +38,7 @@ def test_e2e_profile_checkpoint_and_fused_flags(tmp_path):
     trace = json.loads((prof / "tiny_2x16_train_step_fp32_trace.json").read_text())
     assert trace["traceEvents"]
     assert "| matmul |" in (prof / "tiny_2x16_train_step_fp32_kernels.md").read_text()
-    with pytest.raises(SystemExit, match="needs --checkpoint-every"):
+    with pytest.raises(SystemExit, match="needs --ac-every"):
         e2e.main([*FLAGS, "--nested-checkpoint"])
 
 
@@ -48,7 +48,7 @@ def test_records_carry_the_predicted_activation_memory(tmp_path):
 
     out = tmp_path / "runs.jsonl"
     long = ["--seq-len", "64"]
-    for extra in ([], ["--mode", "forward"], ["--checkpoint-every", "2"], long, [*long, "--attention", "sdpa"]):
+    for extra in ([], ["--mode", "forward"], ["--ac-every", "2"], long, [*long, "--attention", "sdpa"]):
         assert e2e.main([*FLAGS, *extra, "--out", str(out)]) == 0
     records = read_records(out)
     plain, forward, segments, naive64, sdpa64 = (r.metrics["predicted_activation_bytes"] for r in records)

@@ -25,8 +25,8 @@ def test_memory_kernel_and_checkpointing_reports(tmp_path):
                              "--out", str(results / "memory.jsonl")]) == 0
     assert e2e.main([*FLAGS, "--seq-len", "16", "--profile", str(tmp_path / "prof"), "--suite", "kernels",
                      "--out", str(results / "kernels.jsonl")]) == 0
-    policies = [[], ["--checkpoint-every", "1"], ["--checkpoint-every", "2"], ["--checkpoint-every", "1",
-                "--nested-checkpoint"], ["--checkpoint-every", "2", "--nested-checkpoint"]]
+    policies = [[], ["--ac-every", "1"], ["--ac-every", "2"], ["--ac-every", "1", "--nested-checkpoint"],
+                ["--ac-every", "2", "--nested-checkpoint"]]
     staged = tmp_path / "checkpointing_cpu.jsonl"
     for policy in policies:
         assert e2e.main([*FLAGS, "--seq-len", "16", *policy, "--suite", "checkpointing", "--out", str(staged)]) == 0

@@ -133,7 +133,7 @@ def test_e2e_bf16_mixed_trains_like_autocast_beside_stock(tmp_path):
     (["--cuda-graph", "on"], "a comma-separated list of distinct modes from off, blocks, step"),
     (["--cuda-graph", "off,off"], "a comma-separated list of distinct modes from off, blocks, step"),
     (["--cuda-graph", "blocks"], "--cuda-graph blocks replays the graphs of the compiled blocks: it needs --compile"),
-    (["--cuda-graph", "off,blocks", "--compile", "--checkpoint-every", "1"], "not with --checkpoint-every"),
+    (["--cuda-graph", "off,blocks", "--compile", "--checkpoint-every", "1"], "not with --ac-every"),
 ])
 def test_e2e_rejects_bad_stock_and_graph_flags(argv, message):
     with pytest.raises(SystemExit, match=message):

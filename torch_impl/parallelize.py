@@ -3,7 +3,7 @@
 The order is torchtitan's ``parallelize_llama``: activation checkpointing, then compilation, then the
 data-parallel wrapper. The trainer and every benchmark call these, so a fix made here reaches all of them.
 
-* ``apply_activation_checkpointing(model, every, nested)``: ``torch_impl.checkpointing``.
+* ``apply_activation_checkpointing(model, every, nested)``: ``torch_impl.activation_checkpointing``.
 * ``apply_compile(model, cuda_graphs)``: regional compilation, ``torch.compile`` of each Transformer block in
   place (torchtitan's ``apply_compile``; PyTorch's "regional compilation" recipe). The blocks are identical, so
   one graph serves all of them: xl's 48 blocks compile in the time of one (seconds), where compiling the whole
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from torch_impl.checkpointing import apply_activation_checkpointing
+from torch_impl.activation_checkpointing import apply_activation_checkpointing
 
 __all__ = ["DATA_PARALLEL", "UNSUPPORTED", "DataParallelConfig", "apply_activation_checkpointing", "apply_compile",
            "apply_data_parallel", "check_supported", "data_parallel_configs"]

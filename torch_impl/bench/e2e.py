@@ -99,13 +99,13 @@ def check_flags(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--cuda-graph {args.cuda_graph!r}: a comma-separated list of distinct modes from "
                          f"{', '.join(CUDA_GRAPH_MODES)}")
     if args.nested_checkpoint and not args.checkpoint_every:
-        raise ValueError("--nested-checkpoint needs --checkpoint-every K")
+        raise ValueError("--nested-checkpoint needs --ac-every K")
     if args.memory_snapshot and device.type != "cuda":
         raise ValueError("--memory-snapshot records the CUDA allocator: it needs --device cuda")
     if "blocks" in graphs and not args.compile:
         raise ValueError("--cuda-graph blocks replays the graphs of the compiled blocks: it needs --compile")
     if "blocks" in graphs and args.checkpoint_every:
-        raise ValueError("--cuda-graph blocks: not with --checkpoint-every (the recomputation would replay the "
+        raise ValueError("--cuda-graph blocks: not with --ac-every (the recomputation would replay the "
                          "blocks' graphs inside the backward); use --cuda-graph step")
     if graphs != ["off"] and device.type != "cuda":
         raise ValueError("--cuda-graph blocks/step replays CUDA graphs: it needs --device cuda")
@@ -225,7 +225,7 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
 
 def predicted_memory(args: argparse.Namespace, spec, seq_len: int) -> dict[str, int | None]:
     """What ``parallelism_calc`` predicts for this run: the activations saved for backward at the step's peak
-    (``checkpointing.checkpointed_activation_bytes`` for ``--checkpoint-every K`` flat or nested, else
+    (``checkpointing.checkpointed_activation_bytes`` for ``--ac-every K`` flat or nested, else
     ``memory.activation_bytes_per_token``) and, for a train step, the device's peak: those activations
     plus weights, gradients and AdamW state (``memory.per_device_memory``, one device). Forward-only runs
     save nothing for backward: None."""
@@ -279,10 +279,12 @@ def add_torch_arguments(parser: argparse.ArgumentParser) -> None:
     torch_flags.add_argument("--stock", metavar="SDPA_BACKEND",
                              help="first time the stock reference with this SDPA backend (e.g. sdpa_cudnn) in the "
                                   f"same process, same flags: {', '.join(SDPA_BACKENDS)}")
-    torch_flags.add_argument("--checkpoint-every", type=int, metavar="K",
-                             help="activation checkpointing: recompute every segment of K blocks")
+    # dest stays checkpoint_every: the records' metrics and analysis.single_gpu read that key
+    torch_flags.add_argument("--ac-every", "--checkpoint-every", dest="checkpoint_every", type=int, metavar="K",
+                             help="activation checkpointing (recomputation): recompute every segment of K blocks; "
+                                  "--checkpoint-every is its old name, kept for one release")
     torch_flags.add_argument("--nested-checkpoint", action="store_true",
-                             help="also checkpoint each block inside a segment (with --checkpoint-every)")
+                             help="also checkpoint each block inside a segment (with --ac-every)")
     torch_flags.add_argument("--fused-adamw", choices=("auto", "on", "off"), default="auto",
                              help="fused AdamW kernel (auto: on CUDA)")
     torch_flags.add_argument("--profile", metavar="DIR",
