@@ -9,7 +9,7 @@
 #   bench  the flash_shapes preset in one process: the issue's 1x16x16384 (d 64, 128) and 4x32x2048x64, the head-dim
 #          sweep d = 64, 80, 128, 256, ISSUE_NOTES' 4x32x2048x80, 1x16x16384x80, 2x16x4096x96, 1x8x8192x256; bf16
 #          causal, forward and forward+backward, ours (autotuned) vs cuDNN SDPA, flash SDPA and FlexAttention
-#          -> OUT/attention_leaderboard_h100.{jsonl,md} and plots
+#          -> OUT/attention_leaderboard_<gpu>.{jsonl,md} and plots
 #   e2e    the 2.7B preset (head dim 80) with --attention flash_triton --compile, 2 x 2048 bf16, a few steps
 #          -> OUT/e2e_flash_2.7B.jsonl (issue 14: "e2e --model 2.7B --attention flash_triton --compile runs")
 #   all    tests then bench (default). e2e is separate: autotuning plus compiling 2.7B may not fit the same call.
@@ -20,6 +20,7 @@ out=${1:?usage: scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e]}
 mode=${2:-all}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_tag.sh"  # GPU_TAG: h100, h200, ... in the record file names (<gpu> below)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 status=0
 
@@ -41,7 +42,7 @@ run_tests_small() {  # the CPU-size cases natively: every head dim, n = 1.., GQA
 }
 
 run_bench() {
-  python3 -m torch_impl.bench.attention --preset flash_shapes --out "$out/attention_leaderboard_h100.jsonl" || status=1
+  python3 -m torch_impl.bench.attention --preset flash_shapes --out "$out/attention_leaderboard_${GPU_TAG}.jsonl" || status=1
 }
 
 run_e2e() {

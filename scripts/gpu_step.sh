@@ -4,14 +4,14 @@
 # records: xl 4 x 2,048, 2.7B 2 x 2,048 and xl 4 x 512 (cuDNN SDPA), one process each timing the stock reference
 # (plain torch.compile of the whole model, bf16 autocast, fused AdamW), then ours (bf16 weights with fp32 masters in
 # MasterAdamW: --dtype bf16_mixed) compiled per block without CUDA graphs, with each block's graph replayed (CUDA
-# graph trees), and with the whole step replayed as one graph (records in OUT_DIR/e2e_h100.jsonl, ours with
+# graph trees), and with the whole step replayed as one graph (records in OUT_DIR/e2e_<gpu>.jsonl, ours with
 # metrics.x_stock; the records of ours under autocast came from this phase at commit 8a639b9), then the DDP benchmark's
-# one-GPU baseline (xl 2 x 512) compiled per block, autocast then bf16_mixed (OUT_DIR/ddp_one_gpu_h100.jsonl). ddp: the
-# DDP benchmark's one-GPU baseline (xl 2 x 512) eager and compiled per block (OUT_DIR/ddp_one_gpu_h100.jsonl), then
+# one-GPU baseline (xl 2 x 512) compiled per block, autocast then bf16_mixed (OUT_DIR/ddp_one_gpu_<gpu>.jsonl). ddp: the
+# DDP benchmark's one-GPU baseline (xl 2 x 512) eager and compiled per block (OUT_DIR/ddp_one_gpu_<gpu>.jsonl), then
 # the GPU tests of the step. profile: xl at 4 x 512 and 4 x 2,048, stock and ours, each with its torch.profiler kernel
 # table (OUT_DIR/*_kernels.md). mixed: bf16 weights with fp32 masters (--dtype bf16_mixed, MasterAdamW): its CPU
 # and GPU tests, the optimizer alone against torch's fused AdamW (OUT_DIR/optim_probe.json), then xl 4 x 2,048
-# and 4 x 512 against the stock reference (autocast) in one process each (OUT_DIR/e2e_h100.jsonl); mixed_large:
+# and 4 x 512 against the stock reference (autocast) in one process each (OUT_DIR/e2e_<gpu>.jsonl); mixed_large:
 # the same for 2.7B 2 x 2,048, then ours at xl 4 x 2,048 profiled. probe: a change to ours checked in one call: xl
 # 4 x 2,048 against stock (graph per block), then ours profiled there (OUT_DIR/*_kernels.md). inductor: ours at xl
 # 4 x 2,048 (bf16_mixed, graph per block) under Inductor options, scripts/step_probe.py (OUT_DIR/step_probe.json).
@@ -21,9 +21,10 @@ out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_larg
 phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_tag.sh"  # GPU_TAG: h100, h200, ... in the record file names (<gpu> below)
 step() {  # model batch seq, then extra flags
   python3 -m torch_impl.bench.e2e --model "$1" --batch-size "$2" --seq-len "$3" --dtype bf16 --attention sdpa_cudnn \
-    --stock sdpa_cudnn --compile --warmup 3 --steps 10 --out "$out/e2e_h100.jsonl" "${@:4}"
+    --stock sdpa_cudnn --compile --warmup 3 --steps 10 --out "$out/e2e_${GPU_TAG}.jsonl" "${@:4}"
 }
 profile_ours() {  # tag: ours alone (bf16_mixed) at xl 4 x 2,048, profiled; its kernel table into OUT_DIR
   python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
@@ -32,7 +33,7 @@ profile_ours() {  # tag: ours alone (bf16_mixed) at xl 4 x 2,048, profiled; its 
 }
 ddp_one_gpu() {  # extra flags: the DDP benchmark's one-GPU baseline, xl 2 x 512
   python3 -m torch_impl.bench.ddp --dist none --model xl --batch-size 2 --seq-len 512 --attention sdpa_cudnn \
-    --out "$out/ddp_one_gpu_h100.jsonl" "$@"
+    --out "$out/ddp_one_gpu_${GPU_TAG}.jsonl" "$@"
 }
 case "$phase" in
 records)

@@ -556,8 +556,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, is_causal: bool, tf32: bool = False, deterministic: bool = False):
     """dQ, dK, dV (each shaped like its input, contiguous): the D = rowsum(dO * O) pass, then the fused pass
-    (dK, dV, and dQ added with fp32 atomics, in an order that varies from run to run), or with ``deterministic``
-    the dK/dV pass and then a dQ pass of its own (no atomics, the same bits every run, ~7/5 of the products)."""
+    (dK, dV, and dQ added with fp32 atomics, in an order that varies from run to run), or, with ``deterministic``
+    or on a GPU older than sm_90, the dK/dV pass and then a dQ pass of its own (no atomics, the same bits every
+    run, 7/5 of the products)."""
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if q.numel() == 0:  # no queries: nothing flows to the keys
         return dq, dk.zero_(), dv.zero_()
