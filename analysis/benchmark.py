@@ -29,6 +29,14 @@ from parallelism_calc.specs import MODELS, ModelSpec, get_model, hardware_for_de
 DTYPES = {"fp32": "fp32",  # fp32 weights, gradients, AdamW state and matmuls (no TF32)
           "bf16": "bf16_autocast",  # fp32 weights, gradients and AdamW state; bf16 compute under autocast
           "bf16_mixed": "bf16_mixed"}  # bf16 weights and gradients; fp32 master weights and AdamW state
+
+
+def calculator_terms(dtype: str, attention: str) -> tuple[str, str]:
+    """--dtype and --attention as ``parallelism_calc.memory`` takes them: (precision, attention), "naive" for the
+    naive attention (it saves the n x n probabilities) and "flash" for every fused kernel (it saves none)."""
+    return DTYPES[dtype], "naive" if attention == "naive" else "flash"
+
+
 LOSS_METRICS = ("losses", "train_losses", "val_loss")  # metrics holding losses: one not finite = "diverged"
 
 

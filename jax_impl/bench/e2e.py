@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from analysis.benchmark import DTYPES, failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
+from analysis.benchmark import calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
 from analysis.records import Record
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights
@@ -138,8 +138,7 @@ def predicted_memory(spec: ModelSpec, args: argparse.Namespace, seq_len: int, me
             "fsdp_tp": ("fsdp_tp", ParallelSpec(dp=dp, fsdp=fsdp, tp=tp))}[strategy]
     if calc is None:
         return {"predicted_memory_error": f"strategy {strategy!r} with tp={tp} replicates work; not modelled"}
-    precision = DTYPES[args.dtype]
-    attention = "naive" if args.attention == "naive" else "flash"
+    precision, attention = calculator_terms(args.dtype, args.attention)
     try:
         pred = per_device_memory(spec, calc[0], calc[1], args.batch_size * seq_len, seq_len, precision,
                                  checkpointing="full" if args.remat else "none", attention=attention)

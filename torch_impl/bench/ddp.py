@@ -72,7 +72,7 @@ import sys
 import time
 from typing import Any
 
-from analysis.benchmark import DTYPES, fixed_batch, resolve_spec, step_record
+from analysis.benchmark import DTYPES, calculator_terms, fixed_batch, resolve_spec, step_record
 from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, report,
                                      single_process_baselines)
 from analysis.records import Record, read_records, save_records
@@ -208,8 +208,7 @@ def predicted_memory(cfg: Config, args: argparse.Namespace, spec, seq_len: int, 
     from parallelism_calc.memory import per_device_memory
     from torch_impl.distributed.fsdp import MAX_PREFETCH_LAYERS  # FSDP's default prefetch_layers
 
-    precision = DTYPES[args.dtype]
-    attention = "naive" if args.attention == "naive" else "flash"
+    precision, attention = calculator_terms(args.dtype, args.attention)
     n = 1 if cfg.impl == "none" else world_size
     gathering = {"fsdp": dict(gather_unit="layer", prefetch_layers=MAX_PREFETCH_LAYERS),
                  "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False)}.get(cfg.impl, {})

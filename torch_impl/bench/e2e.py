@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from analysis.benchmark import DTYPES, failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
+from analysis.benchmark import calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
 from analysis.records import Record
 from parallelism_calc.checkpointing import checkpointed_activation_bytes
 from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
@@ -231,8 +231,7 @@ def predicted_memory(args: argparse.Namespace, spec, seq_len: int) -> dict[str, 
     save nothing for backward: None."""
     if args.mode == "forward":
         return {"predicted_activation_bytes": None, "predicted_peak_bytes": None}
-    precision = DTYPES[args.dtype]
-    attention = "naive" if args.attention == "naive" else "flash"
+    precision, attention = calculator_terms(args.dtype, args.attention)
     tokens = args.batch_size * seq_len
     if args.checkpoint_every:
         activations = checkpointed_activation_bytes(spec, seq_len, precision, args.checkpoint_every,
