@@ -10,7 +10,9 @@ the GPU time alone, so the difference is host overhead). Our variants:
 * ``det``: forward + the two-pass backward (``torch.use_deterministic_algorithms(True)``).
 * ``fused``: forward + the fused backward (the default).
 
-With ``--profile`` each forward + backward also gets its GPU time per kernel (``torch.profiler``). Each backward's
+With ``--profile`` each forward + backward also gets its GPU time per kernel (``torch.profiler``); ``--once`` only runs
+each variant's forward + backward once per shape (no checks, no timing: the driver under Nsight Compute, after a run
+that autotuned with ``TRITON_CACHE_AUTOTUNING=1``; ``scripts/gpu_flash.sh OUT ncu``). Each backward's
 gradients are compared with the two-pass one's and cuDNN's (relative Frobenius error), and first, at
 1 x 4 x 1,024 x d (d = 64, 80), with a float64 reference; the tile configuration each autotuned kernel chose ends
 the file. Rows (with the commit and machine: ``analysis.records.provenance``) go to OUT/flash_probe.jsonl as they
@@ -183,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-checks", action="store_true", help="skip the float64 checks")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--profile", action="store_true", help="also each fwd+bwd's GPU time per kernel")
+    parser.add_argument("--once", action="store_true", help="run each variant once per shape, nothing else")
     args = parser.parse_args(argv)
     variants = set(args.variants.split(","))
     if not variants <= set(VARIANTS):
@@ -190,6 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("flash_probe needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.once:
+        for shape in args.shapes.split(","):
+            q, k, v, do = inputs(*(int(x) for x in shape.split("x")))
+            for name, flag in BACKWARDS.items():
+                if name in variants:
+                    with deterministic(flag):
+                        grads(ours, q, k, v, do)
+        torch.cuda.synchronize()
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "flash_probe.jsonl"
     rows: list[dict] = []

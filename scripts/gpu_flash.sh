@@ -12,11 +12,14 @@
 #          -> OUT/attention_leaderboard_<gpu>.{jsonl,md} and plots
 #   e2e    the 2.7B preset (head dim 80) with --attention flash_triton --compile, 2 x 2048 bf16, a few steps
 #          -> OUT/e2e_flash_2.7B.jsonl (issue 14: "e2e --model 2.7B --attention flash_triton --compile runs")
+#   ncu    Nsight Compute on our kernels at 1 x 16 x 16,384 x 64 (both backwards): a first run autotunes and caches the
+#          choices (TRITON_CACHE_AUTOTUNING=1), the profiled run reuses them and runs each kernel once
+#          -> OUT/flash_ncu.ncu-rep and its details as text, OUT/flash_ncu_details.txt
 #   all    tests then bench (default). e2e is separate: autotuning plus compiling 2.7B may not fit the same call.
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e]
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu]
 # Records are appended as they are measured, so a call cut short keeps what it finished.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e]}
+out=${1:?usage: scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu]}
 mode=${2:-all}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -50,12 +53,23 @@ run_e2e() {
     --attention flash_triton --compile --warmup 2 --steps 5 --suite flash_e2e --out "$out/e2e_flash_2.7B.jsonl" || status=1
 }
 
+run_ncu() {
+  local probe=(python3 scripts/flash_probe.py "$out" --shapes 1x16x16384x64 --variants det,fused --once)
+  export TRITON_CACHE_AUTOTUNING=1
+  "${probe[@]}" || status=1
+  ncu --clock-control none --set full --import-source yes -k 'regex:_fwd_kernel|_bwd_dkdv_kernel|_bwd_dq_kernel' \
+    -f -o "$out/flash_ncu" "${probe[@]}" >"$out/flash_ncu.log" 2>&1 || status=1
+  ncu -i "$out/flash_ncu.ncu-rep" --page details >"$out/flash_ncu_details.txt" 2>&1 || status=1
+  tail -n 5 "$out/flash_ncu.log"
+}
+
 case "$mode" in
   tests) run_tests ;;
   tests_small) run_tests_small ;;
   bench) run_bench ;;
   e2e) run_e2e ;;
+  ncu) run_ncu ;;
   all) run_tests; run_bench ;;
-  *) echo "unknown mode $mode; accepted: all, tests, tests_small, bench, e2e" >&2; exit 2 ;;
+  *) echo "unknown mode $mode; accepted: all, tests, tests_small, bench, e2e, ncu" >&2; exit 2 ;;
 esac
 exit $status
