@@ -23,7 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "scripts").glob("*.sh"))
-OTHER_TOOLS_FLAGS = {"--standalone", "--nproc_per_node", "--query-gpu", "--format", "--no-bench"}
+OTHER_TOOLS_FLAGS = {"--standalone", "--nproc_per_node", "--query-gpu", "--format", "--no-bench",
+                     "--clock-control", "--set", "--import-source", "--page"}  # the last four: Nsight Compute's
 NOT_OURS = ("pytest",)
 
 
