@@ -5,7 +5,9 @@
     smallest N_FSDP under a per-device budget;
 (c) the forward pass's compute-bound batch sizes in the TPU Scaling Book's notation (``scaling``), for the
     chosen X = FSDP and Y = TP degrees and for the best split of N = X Y, under both readings of the book
-    (collectives overlapped: the larger cost must hide under the math; or serialized: their sum must).
+    (collectives overlapped: the larger cost must hide under the math; or serialized: their sum must);
+(d) what lowers that batch at full throughput, each trick with the smallest compute-bound batch it gives on
+    the same N devices (collectives overlapped, as (c)'s first reading).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 from parallelism_calc.memory import (devices_needed, fsdp_half_activation_bytes, get_precision,
                                      handout_activation_bytes_per_token, min_fsdp_degree, state_bytes)
 from parallelism_calc.report import Quantity, Report, Section
-from parallelism_calc.scaling import Roofline, block_costs, max_tp_degree, min_batch_per_device_2d, optimal_fsdp_degree
+import math
+
+from parallelism_calc.scaling import (BF16, Roofline, block_costs, max_tp_degree, min_batch_per_device_2d,
+                                      optimal_fsdp_degree)
 from parallelism_calc.specs import ModelSpec
 
 FP32 = get_precision("fp32")  # master weights (param_bytes), gradients, AdamW m and v: 4 + 4 + 8 bytes
@@ -44,6 +49,10 @@ def xxl_report(spec: ModelSpec, *, fsdp: int, tp: int, roofline: Roofline, batch
         *(Quantity(f"state_{i}", name, p * width, "bytes", f"{width} * P", f"{width} * {p:,}")
           for i, (name, width) in enumerate(STATE_PARTS.items())),
         Quantity("state_bytes", "fp32 training state", state, "bytes", "16 bytes/param * P", f"16 * {p:,}"),
+        Quantity("devices_for_state", f"{device_bytes / 1e9:g} GB devices for the state alone"
+                 + (" (H100s)" if device_bytes == 80e9 else ""),
+                 devices_needed(state, device_bytes), "devices", "ceil(state / device memory)",
+                 f"ceil({state:,} / {device_bytes:,.0f})"),
         Quantity("activation_bytes_per_token", "bf16 activations saved for backward", act_token, "bytes/token",
                  "L * (D + F) * 2 bytes", f"{layers} * ({d:,} + {f:,}) * 2"),
         Quantity("batch_tokens", "batch", batch, "tokens", note=batch_note),
@@ -127,8 +136,50 @@ def xxl_report(spec: ModelSpec, *, fsdp: int, tp: int, roofline: Roofline, batch
             "Forward pass only in (c); the FSDP weights all-gather, TP activations all-gather in and "
             "reduce-scatter out (bf16).",
         ),
-        sections=(memory, sharding, compute),
+        sections=(memory, sharding, compute, smaller_batch_section(d, f, x, y, r, b_over, b_serial)),
         inputs={"model": spec.name, "fsdp": x, "tp": y, "batch_tokens": batch_tokens,
                 "budget_bytes": budget_bytes, "device_bytes": device_bytes,
                 "roofline": {"C": r.flops, "W_ici": r.bandwidth, "M_X": r.axes_x, "M_Y": r.axes_y}},
     )
+
+
+PIPELINE_STAGES = 4  # (d)'s pipeline: stages taken out of the FSDP degree (fewer where X has no factor 4)
+MICRO_BATCHES_PER_STAGE = 4  # micro-batches per step = 4 x stages: the bubble it leaves
+
+
+def smaller_batch_section(d: int, f: int, x: int, y: int, r: Roofline, b_over: float | None,
+                          b_serial: float | None) -> Section:
+    """(d): the forward pass compute-bound at a smaller global batch B on the same N = X Y devices. With the
+    collectives overlapped the FSDP condition is B / X > alpha * (w / 2) / M_X, w the bytes of each gathered
+    weight (module docstring; ``scaling``), so B falls with fewer FSDP ranks per layer, fewer bytes per weight,
+    or more bandwidth per rank; TP's own limit (Y < F M_Y / alpha) bounds how far the degree can move to TP."""
+    n = x * y
+    fp8 = 1  # bytes per weight gathered in fp8 (bf16: BF16 = 2)
+    stages = math.gcd(x, PIPELINE_STAGES)
+    micro = MICRO_BATCHES_PER_STAGE * stages
+    best_2d = min_batch_per_device_2d(f, r, overlapped=True) * n
+    tp_ok = block_costs(d, f, 1.0, r, x=x, y=y).min_batch(overlapped=True) is not None
+    return Section("smaller_batch", "(d) A smaller batch at full throughput: what each trick gives on the same devices", (
+        Quantity("overlap", "overlap the collectives with the math (serialized -> overlapped)", b_over, "tokens",
+                 "B > X alpha / M_X  instead of (c)'s serialized bound", f"{x} * {r.alpha:.2f} / {r.axes_x}",
+                 note=f"from {b_serial:,.0f} tokens serialized (Scaling Book, Training)" if b_serial else ""),
+        Quantity("fp8_gather", "gather the weights in fp8 (1 byte instead of 2)",
+                 x * r.alpha * fp8 / BF16 / r.axes_x if tp_ok else None, "tokens",
+                 "B > X alpha (w / 2) / M_X, w = 1 byte", f"{x} * {r.alpha:.2f} * (1 / 2) / {r.axes_x}",
+                 note="halves the FSDP all-gather (FP8-LM, Peng et al. 2023; torchao float8 all-gather)"),
+        Quantity("more_tp", "move degree from FSDP to TP (Y -> F M_Y / alpha, X = N / Y)", best_2d, "tokens",
+                 "B > N alpha^2 / (M_X M_Y F)", f"{n} * {r.alpha:.2f}^2 / ({r.axes_x} * {r.axes_y} * {f:,})",
+                 note=f"at Y = {max_tp_degree(f, r):.1f} (Scaling Book, Training: mixed FSDP and TP)"),
+        Quantity("pipeline", f"pipeline {stages} stages of the layers (FSDP over X / {stages})",
+                 x / stages * r.alpha / r.axes_x if stages > 1 else None, "tokens",
+                 "B > (X / P) alpha / M_X  (each stage gathers only its layers; stages pass activations)",
+                 f"({x} / {stages}) * {r.alpha:.2f} / {r.axes_x}",
+                 note=(f"idle bubble (P - 1) / (m + P - 1) = {(stages - 1) / (micro + stages - 1):.1%} at m = "
+                       f"{micro} micro-batches (GPipe, Huang et al. 2019)") if stages > 1 else
+                      f"X = {x} has no factor of {PIPELINE_STAGES} to give the pipeline"),
+    ), notes=(
+        "Each row changes one thing in (c)'s overlapped setting; the changes combine (e.g. fp8 gathers halve any "
+        "FSDP-bound row).",
+        "Also possible, not computed here: hierarchical sharding (gather over the fastest links only, W up), "
+        "keeping gathered weights across micro-batches when memory allows (ZeRO-2 rather than ZeRO-3).",
+    ))

@@ -47,6 +47,20 @@ def test_xxl_worked_numbers(capsys):
     assert q["max_tp"] == pytest.approx(53_248 / alpha)
 
 
+def test_xxl_state_alone_and_smaller_batch_tricks(capsys):
+    """(a) as the handout asks it, the fp32 state alone in 80 GB devices; (d) each trick's smallest compute-bound
+    batch at X = 16, Y = 4 on v5p (alpha = C / W = 4.6e14 / 1.8e11, M_X = 2, M_Y = 1), from the book's conditions."""
+    q = {k: v["value"] for s in xxl_json(capsys).values() for k, v in s["quantities"].items()}
+    assert q["devices_for_state"] == 44  # 3.5176 TB / 80 GB = 43.97
+    alpha, x, n, f = 4.6e14 / 1.8e11, 16, 64, 53_248
+    assert q["overlap"] == pytest.approx(x * alpha / 2) and q["overlap"] < q["min_batch_serial"]
+    assert q["fp8_gather"] == pytest.approx(x * alpha / 2 / 2)  # half the bytes per gathered weight
+    assert q["more_tp"] == pytest.approx(n * alpha**2 / (2 * f))  # (c)'s best split, as a global batch
+    assert q["more_tp"] == pytest.approx(q["best_per_device_batch_overlapped"] * n)
+    assert q["pipeline"] == pytest.approx(x / 4 * alpha / 2)  # 4 stages: FSDP over 4 ranks per stage
+    assert max(q["fp8_gather"], q["more_tp"], q["pipeline"]) < q["min_batch_overlapped"]
+
+
 def test_text_and_json_agree(capsys):
     sections = xxl_json(capsys)
     _, text, _ = run(capsys, "xxl", "--fsdp", "16", "--tp", "4")
