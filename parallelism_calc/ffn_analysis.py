@@ -12,11 +12,11 @@
 
 from __future__ import annotations
 
+import math
+
 from parallelism_calc.memory import (devices_needed, fsdp_half_activation_bytes, get_precision,
                                      handout_activation_bytes_per_token, min_fsdp_degree, state_bytes)
 from parallelism_calc.report import Quantity, Report, Section
-import math
-
 from parallelism_calc.scaling import (BF16, Roofline, block_costs, max_tp_degree, min_batch_per_device_2d,
                                       optimal_fsdp_degree)
 from parallelism_calc.specs import ModelSpec
@@ -136,7 +136,7 @@ def xxl_report(spec: ModelSpec, *, fsdp: int, tp: int, roofline: Roofline, batch
             "Forward pass only in (c); the FSDP weights all-gather, TP activations all-gather in and "
             "reduce-scatter out (bf16).",
         ),
-        sections=(memory, sharding, compute, smaller_batch_section(d, f, x, y, r, b_over, b_serial)),
+        sections=(memory, sharding, compute, smaller_batch_section(f, x, y, r, b_over, b_serial)),
         inputs={"model": spec.name, "fsdp": x, "tp": y, "batch_tokens": batch_tokens,
                 "budget_bytes": budget_bytes, "device_bytes": device_bytes,
                 "roofline": {"C": r.flops, "W_ici": r.bandwidth, "M_X": r.axes_x, "M_Y": r.axes_y}},
@@ -147,7 +147,7 @@ PIPELINE_STAGES = 4  # (d)'s pipeline: stages taken out of the FSDP degree (fewe
 MICRO_BATCHES_PER_STAGE = 4  # micro-batches per step = 4 x stages: the bubble it leaves
 
 
-def smaller_batch_section(d: int, f: int, x: int, y: int, r: Roofline, b_over: float | None,
+def smaller_batch_section(f: int, x: int, y: int, r: Roofline, b_over: float | None,
                           b_serial: float | None) -> Section:
     """(d): the forward pass compute-bound at a smaller global batch B on the same N = X Y devices. With the
     collectives overlapped the FSDP condition is B / X > alpha * (w / 2) / M_X, w the bytes of each gathered
@@ -158,20 +158,22 @@ def smaller_batch_section(d: int, f: int, x: int, y: int, r: Roofline, b_over: f
     stages = math.gcd(x, PIPELINE_STAGES)
     micro = MICRO_BATCHES_PER_STAGE * stages
     best_2d = min_batch_per_device_2d(f, r, overlapped=True) * n
-    tp_ok = block_costs(d, f, 1.0, r, x=x, y=y).min_batch(overlapped=True) is not None
+
+    def scaled(factor: float) -> float | None:  # (c)'s overlapped batch, X alpha / M_X, times the trick's factor
+        return None if b_over is None else b_over * factor  # None: TP alone is comm-bound at this Y
     return Section("smaller_batch", "(d) A smaller batch at full throughput: what each trick gives on the same devices", (
         Quantity("overlap", "overlap the collectives with the math (serialized -> overlapped)", b_over, "tokens",
                  "B > X alpha / M_X  instead of (c)'s serialized bound", f"{x} * {r.alpha:.2f} / {r.axes_x}",
                  note=f"from {b_serial:,.0f} tokens serialized (Scaling Book, Training)" if b_serial else ""),
         Quantity("fp8_gather", "gather the weights in fp8 (1 byte instead of 2)",
-                 x * r.alpha * fp8 / BF16 / r.axes_x if tp_ok else None, "tokens",
+                 scaled(fp8 / BF16), "tokens",
                  "B > X alpha (w / 2) / M_X, w = 1 byte", f"{x} * {r.alpha:.2f} * (1 / 2) / {r.axes_x}",
                  note="halves the FSDP all-gather (FP8-LM, Peng et al. 2023; torchao float8 all-gather)"),
         Quantity("more_tp", "move degree from FSDP to TP (Y -> F M_Y / alpha, X = N / Y)", best_2d, "tokens",
                  "B > N alpha^2 / (M_X M_Y F)", f"{n} * {r.alpha:.2f}^2 / ({r.axes_x} * {r.axes_y} * {f:,})",
                  note=f"at Y = {max_tp_degree(f, r):.1f} (Scaling Book, Training: mixed FSDP and TP)"),
         Quantity("pipeline", f"pipeline {stages} stages of the layers (FSDP over X / {stages})",
-                 x / stages * r.alpha / r.axes_x if stages > 1 else None, "tokens",
+                 scaled(1 / stages) if stages > 1 else None, "tokens",
                  "B > (X / P) alpha / M_X  (each stage gathers only its layers; stages pass activations)",
                  f"({x} / {stages}) * {r.alpha:.2f} / {r.axes_x}",
                  note=(f"idle bubble (P - 1) / (m + P - 1) = {(stages - 1) / (micro + stages - 1):.1%} at m = "

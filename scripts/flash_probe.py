@@ -37,6 +37,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from analysis.records import provenance
 from torch_impl.attention import flash_triton as ft
+from torch_impl.bench.attention import _choices, _shapes  # the benchmark's --shapes / --providers parsers
 
 SHAPES = ("1x16x16384x64", "4x32x2048x64", "1x16x16384x128", "4x32x2048x80")
 VARIANTS = ("fwd", "det", "fused")
@@ -122,11 +123,11 @@ def tuned_configs() -> dict:
             for name, tuned in (("fwd", ft._fwd_tuned), ("dkdv", ft._dkdv_tuned), ("dq", ft._dq_tuned))}
 
 
-def probe_shape(shape: str, emit, variants: set[str], profile: bool) -> None:
-    b, h, n, d = (int(x) for x in shape.split("x"))
+def probe_shape(shape: tuple[int, int, int, int], emit, variants: set[str], profile: bool) -> None:
+    b, h, n, d = shape
     q, k, v, do = inputs(b, h, n, d)
     flops = 4 * b * h * n * n * d / 2  # causal forward; forward + backward is 3.5x
-    row = {"shape": shape, "flops_fwd": flops}
+    row = {"shape": "x".join(map(str, shape)), "flops_fwd": flops}
     want = grads(cudnn, q, k, v, do)
     emit({**row, "variant": "cudnn", "pass": "fwd", **times(lambda: cudnn(q, k, v))})
     emit({**row, "variant": "cudnn", "pass": "fwd+bwd", **times(lambda: grads(cudnn, q, k, v, do)),
@@ -181,21 +182,20 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated BxHxNxd")
+    parser.add_argument("--shapes", type=_shapes, default=",".join(SHAPES), help="comma-separated BxHxNxd")
     parser.add_argument("--no-checks", action="store_true", help="skip the float64 checks")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", type=_choices(VARIANTS), default=",".join(VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--profile", action="store_true", help="also each fwd+bwd's GPU time per kernel")
     parser.add_argument("--once", action="store_true", help="run each variant once per shape, nothing else")
     args = parser.parse_args(argv)
-    variants = set(args.variants.split(","))
-    if not variants <= set(VARIANTS):
-        parser.error(f"--variants {args.variants}: accepted: {', '.join(VARIANTS)}")
+    variants = set(args.variants)
     if not torch.cuda.is_available():
         print("flash_probe needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.once:
-        for shape in args.shapes.split(","):
-            q, k, v, do = inputs(*(int(x) for x in shape.split("x")))
+        for shape in args.shapes:
+            q, k, v, do = inputs(*shape)
             for name, flag in BACKWARDS.items():
                 if name in variants:
                     with deterministic(flag):
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_checks:
         float64_checks(emit, variants)
-    for shape in args.shapes.split(","):
+    for shape in args.shapes:
         probe_shape(shape, emit, variants, args.profile)
     emit({"autotune": tuned_configs()})
     print(table(rows))

@@ -564,8 +564,12 @@ def _launched_kernels(monkeypatch, fn) -> list[str]:
     import torch_impl.attention.flash_triton as ft
 
     names, launch = [], ft._launch
-    monkeypatch.setattr(ft, "_launch", lambda tuned, kernel, name, *a, **kw: (names.append(name),
-                                                                             launch(tuned, kernel, name, *a, **kw)))
+
+    def spy(tuned, kernel, name, *args, **meta):
+        names.append(name)
+        return launch(tuned, kernel, name, *args, **meta)
+
+    monkeypatch.setattr(ft, "_launch", spy)
     fn()
     return names
 
