@@ -14,7 +14,8 @@
 #          -> OUT/e2e_flash_2.7B.jsonl (issue 14: "e2e --model 2.7B --attention flash_triton --compile runs")
 #   ncu    Nsight Compute on our kernels at 1 x 16 x 16,384 x 64 (both backwards): a first run autotunes and caches the
 #          choices (TRITON_CACHE_AUTOTUNING=1), the profiled run reuses them and runs each kernel once
-#          -> OUT/flash_ncu.ncu-rep and its details as text, OUT/flash_ncu_details.txt
+#          -> OUT/flash_ncu.ncu-rep, its details and its per-instruction source view as text
+#          (OUT/flash_ncu_details.txt, OUT/flash_ncu_source.csv), the kernels' TTGIR/PTX (OUT/flash_triton_ir.tgz)
 #   all    tests then bench (default). e2e is separate: autotuning plus compiling 2.7B may not fit the same call.
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu]
 # Records are appended as they are measured, so a call cut short keeps what it finished.
@@ -60,6 +61,11 @@ run_ncu() {
   ncu --clock-control none --set full --import-source yes -k 'regex:_fwd_kernel|_bwd_dkdv_kernel|_bwd_dq_kernel' \
     -f -o "$out/flash_ncu" "${probe[@]}" >"$out/flash_ncu.log" 2>&1 || status=1
   ncu -i "$out/flash_ncu.ncu-rep" --page details >"$out/flash_ncu_details.txt" 2>&1 || status=1
+  # per SASS instruction of the kernels (stall reasons, where the time goes inside the loop), and the kernels
+  # as Triton compiled them (TTGIR, PTX: what each tl op lowered to)
+  ncu -i "$out/flash_ncu.ncu-rep" --page source --csv --print-source sass >"$out/flash_ncu_source.csv" 2>&1 || status=1
+  find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" \( -name '_bwd_*.ttgir' -o -name '_bwd_*.ptx' -o -name '_bwd_*.json' \
+    -o -name '_fwd_kernel.ttgir' \) -print0 | tar czf "$out/flash_triton_ir.tgz" --null -T - || status=1
   tail -n 5 "$out/flash_ncu.log"
 }
 
