@@ -10,7 +10,9 @@ the GPU time alone, so the difference is host overhead). Our variants:
 * ``det``: forward + the two-pass backward (``torch.use_deterministic_algorithms(True)``).
 * ``fused``: forward + the fused backward (the default).
 
-With ``--profile`` each forward + backward also gets its GPU time per kernel (``torch.profiler``); ``--once`` only runs
+With ``--tiles`` each shape instead times the backward with each dK/dV tile configuration in turn (the autotuning
+list and ``EXTRA_TILES``; the fused backward with and without the transposed dQ accumulator, and the two-pass one):
+what the tuner chose from, and what it could choose. With ``--profile`` each forward + backward also gets its GPU time per kernel (``torch.profiler``); ``--once`` only runs
 each variant's forward + backward once per shape (no checks, no timing: the driver under Nsight Compute, after a run
 that autotuned with ``TRITON_CACHE_AUTOTUNING=1``; ``scripts/gpu_flash.sh OUT ncu``). Each backward's
 gradients are compared with the two-pass one's and cuDNN's (relative Frobenius error), and first, at
@@ -157,6 +159,49 @@ def probe_shape(shape: tuple[int, int, int, int], emit, variants: set[str], prof
             emit({**row, "variant": name, "pass": "fwd+bwd", "error": _error(err)})
 
 
+# dK/dV tiles (BLOCK_M, BLOCK_N, warps, stages) beyond the autotuning list: key tiles of 128 rows halve the
+# L2 traffic per product (q, dO loaded and dQ reduced once per key tile; Nsight Compute, session 6)
+EXTRA_TILES = ((128, 128, 8, 2), (64, 128, 8, 4), (32, 128, 8, 4), (64, 128, 4, 2))
+
+
+@contextlib.contextmanager
+def only_config(tuned, config):
+    """The autotuned kernel restricted to one configuration (no tuning run; its cache restored afterwards)."""
+    saved_configs, saved_cache = tuned.configs, dict(tuned.cache)
+    tuned.configs = [config]
+    tuned.cache.clear()
+    try:
+        yield
+    finally:
+        tuned.configs = saved_configs
+        tuned.cache.clear()
+        tuned.cache.update(saved_cache)
+
+
+def tile_sweep(shape: tuple[int, int, int, int], emit) -> None:
+    """fwd+bwd (CUDA-graph ms) with each dK/dV tile configuration, per backward variant; cuDNN and our forward
+    alone as anchors (the backward's time is the difference)."""
+    b, h, n, d = shape
+    q, k, v, do = inputs(b, h, n, d)
+    row = {"shape": "x".join(map(str, shape)), "flops_fwd": 4 * b * h * n * n * d / 2, "sweep": "tiles"}
+    want = grads(cudnn, q, k, v, do)
+    emit({**row, "variant": "cudnn", "pass": "fwd+bwd", **times(lambda: grads(cudnn, q, k, v, do))})
+    emit({**row, "variant": "fwd", "pass": "fwd", **times(lambda: ours(q, k, v))})
+    configs = list(ft._dkdv_tuned.configs) + [c for t in EXTRA_TILES for c in ft._configs(t)]
+    for name, flag, transposed in (("fused", False, True), ("fused_dq_rows", False, False), ("det", True, False)):
+        ft.DQ_TRANSPOSED = transposed
+        for config in configs:
+            tiles = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+            try:
+                with deterministic(flag), only_config(ft._dkdv_tuned, config):
+                    timing = times(lambda: grads(ours, q, k, v, do))
+                    errors = {f"d{x}_rel_vs_cudnn": rel(g, w) for x, g, w in zip("qkv", grads(ours, q, k, v, do), want)}
+                emit({**row, "variant": name, "pass": "fwd+bwd", "tiles": tiles, **timing, **errors})
+            except Exception as err:  # noqa: BLE001 (a configuration that does not compile or fit is a row)
+                emit({**row, "variant": name, "pass": "fwd+bwd", "tiles": tiles, "error": _error(err)})
+    ft.DQ_TRANSPOSED = True
+
+
 def _error(err: BaseException) -> str:
     traceback.print_exc()
     return f"{type(err).__name__}: {err}".splitlines()[0][:300]
@@ -174,7 +219,9 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['shape']} | {r['pass']} | {r['variant']} | error: {r['error'][:80]} | | | |")
             continue
         flops = r["flops_fwd"] * (1 if r["pass"] == "fwd" else 3.5)
-        lines.append(f"| {r['shape']} | {r['pass']} | {r['variant']} | {r['ms']:.3f} | {r['graph_ms']:.3f} | "
+        variant = r["variant"] + (" {BLOCK_M}x{BLOCK_N} w{num_warps} s{num_stages}".format(**r["tiles"])
+                                  if "tiles" in r else "")
+        lines.append(f"| {r['shape']} | {r['pass']} | {variant} | {r['ms']:.3f} | {r['graph_ms']:.3f} | "
                      f"{flops / r['graph_ms'] / 1e9:.0f} | {anchor[(r['shape'], r['pass'])] / r['graph_ms']:.2f}x |")
     return "\n".join(lines)
 
@@ -188,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--profile", action="store_true", help="also each fwd+bwd's GPU time per kernel")
     parser.add_argument("--once", action="store_true", help="run each variant once per shape, nothing else")
+    parser.add_argument("--tiles", action="store_true", help="time the backward with each dK/dV tile configuration")
     args = parser.parse_args(argv)
     variants = set(args.variants)
     if not torch.cuda.is_available():
@@ -217,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_checks:
         float64_checks(emit, variants)
     for shape in args.shapes:
-        probe_shape(shape, emit, variants, args.profile)
+        (tile_sweep(shape, emit) if args.tiles else probe_shape(shape, emit, variants, args.profile))
     emit({"autotune": tuned_configs()})
     print(table(rows))
     return 0
