@@ -11,7 +11,7 @@ the GPU time alone, so the difference is host overhead). Our variants:
 * ``fused``: forward + the fused backward (the default).
 
 With ``--tiles`` each shape instead times the backward with each dK/dV tile configuration in turn (the autotuning
-list and ``EXTRA_TILES``; the fused backward with and without the transposed dQ accumulator, and the two-pass one):
+list and ``EXTRA_TILES``; the fused backward and the two-pass one):
 what the tuner chose from, and what it could choose. With ``--profile`` each forward + backward also gets its GPU time per kernel (``torch.profiler``); ``--once`` only runs
 each variant's forward + backward once per shape (no checks, no timing: the driver under Nsight Compute, after a run
 that autotuned with ``TRITON_CACHE_AUTOTUNING=1``; ``scripts/gpu_flash.sh OUT ncu``). Each backward's
@@ -188,8 +188,7 @@ def tile_sweep(shape: tuple[int, int, int, int], emit) -> None:
     emit({**row, "variant": "cudnn", "pass": "fwd+bwd", **times(lambda: grads(cudnn, q, k, v, do))})
     emit({**row, "variant": "fwd", "pass": "fwd", **times(lambda: ours(q, k, v))})
     configs = list(ft._dkdv_tuned.configs) + [c for t in EXTRA_TILES for c in ft._configs(t)]
-    for name, flag, transposed in (("fused", False, True), ("fused_dq_rows", False, False), ("det", True, False)):
-        ft.DQ_TRANSPOSED = transposed
+    for name, flag in (("fused", False), ("det", True)):
         for config in configs:
             tiles = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
             try:
@@ -199,7 +198,6 @@ def tile_sweep(shape: tuple[int, int, int, int], emit) -> None:
                 emit({**row, "variant": name, "pass": "fwd+bwd", "tiles": tiles, **timing, **errors})
             except Exception as err:  # noqa: BLE001 (a configuration that does not compile or fit is a row)
                 emit({**row, "variant": name, "pass": "fwd+bwd", "tiles": tiles, "error": _error(err)})
-    ft.DQ_TRANSPOSED = True
 
 
 def _error(err: BaseException) -> str:
@@ -208,7 +206,8 @@ def _error(err: BaseException) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """ms (graph ms) per shape and variant, and the speed relative to cuDNN's pass in the same run."""
+    """ms (graph ms) per shape and variant, and the speed relative to cuDNN's pass in the same run (where the run
+    timed it)."""
     anchor = {(r["shape"], r["pass"]): r["graph_ms"] for r in rows if r.get("variant") == "cudnn" and "graph_ms" in r}
     lines = ["| shape | pass | variant | ms (do_bench) | ms (CUDA graph) | TFLOP/s (graph) | cuDNN / ours (graph) |",
              "|---|---|---|---|---|---|---|"]
@@ -221,8 +220,10 @@ def table(rows: list[dict]) -> str:
         flops = r["flops_fwd"] * (1 if r["pass"] == "fwd" else 3.5)
         variant = r["variant"] + (" {BLOCK_M}x{BLOCK_N} w{num_warps} s{num_stages}".format(**r["tiles"])
                                   if "tiles" in r else "")
+        cudnn_ms = anchor.get((r["shape"], r["pass"]))
+        ratio = f"{cudnn_ms / r['graph_ms']:.2f}x" if cudnn_ms else "-"
         lines.append(f"| {r['shape']} | {r['pass']} | {variant} | {r['ms']:.3f} | {r['graph_ms']:.3f} | "
-                     f"{flops / r['graph_ms'] / 1e9:.0f} | {anchor[(r['shape'], r['pass'])] / r['graph_ms']:.2f}x |")
+                     f"{flops / r['graph_ms'] / 1e9:.0f} | {ratio} |")
     return "\n".join(lines)
 
 

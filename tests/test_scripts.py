@@ -24,7 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "scripts").glob("*.sh"))
 OTHER_TOOLS_FLAGS = {"--standalone", "--nproc_per_node", "--query-gpu", "--format", "--no-bench",
-                     "--clock-control", "--set", "--import-source", "--page"}  # the last four: Nsight Compute's
+                     "--clock-control", "--set", "--import-source", "--page", "--csv", "--print-source",  # ncu's
+                     "--null"}  # tar's
 NOT_OURS = ("pytest",)
 
 

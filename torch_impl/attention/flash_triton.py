@@ -200,11 +200,9 @@ def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od,
 def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don, stride_dqn,
                 offs_n, key_ok, offs_m_base, d_ok, lo, hi, n_q, sm_scale, MASK_DIAGONAL: tl.constexpr,
                 MASK_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DQ_T: tl.constexpr, dq_desc):
+                ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, dq_desc):
     """Accumulate dK, dV of one key tile over the query tiles [lo, hi) of one head, with transposed tiles; with
-    ATOMIC_DQ also add each query tile's share of dQ / scale, dS K, to the fp32 dQ accumulator (atomics); DQ_T:
-    the accumulator is dQ^T (d, n_q) and the share K^T dS^T, which takes dS^T as the product's shared-memory
-    operand as it is (no transpose in registers)."""
+    ATOMIC_DQ also add each query tile's share of dQ / scale, dS K, to the fp32 dQ accumulator (atomics)."""
     q_ptrs += lo * stride_qn
     do_ptrs += lo * stride_don
     dq_ptrs += lo * stride_dqn
@@ -225,14 +223,10 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stri
         dst = (pt * (dpt - delta[None, :])).to(q.dtype)  # dS^T
         dk = tl.dot(dst, q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
-            if DQ_T:
-                dqt = tl.dot(tl.trans(k), dst, input_precision=DOT_PRECISION)  # (BLOCK_D, BLOCK_M)
-                dq_desc.atomic_add([0, start_m], dqt)  # TMA reduce-add; rows >= d, columns >= n_q are dropped
-            elif DQ_TMA:
-                dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
+            dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
+            if DQ_TMA:
                 dq_desc.atomic_add([start_m, 0], dq)  # TMA reduce-add; rows >= n_q, columns >= d are dropped
             else:
-                dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION)
                 tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
                 dq_ptrs += BLOCK_M * stride_dqn
         q_ptrs += BLOCK_M * stride_qn
@@ -249,7 +243,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, sm_scale,
                      n_heads, group, n_q, n_k, n_q_bucket, n_k_bucket,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
                      EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                     DQ_TMA: tl.constexpr, DQ_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (key tile, batch x key/value head): dK, dV summed over every query tile that sees the
     key tile, in each of the ``group`` query heads that share this key/value head (grid axis 1: B x H_kv).
     ATOMIC_DQ: the same pass adds dQ into an fp32 accumulator DQ (the fused backward: S, P, dP, dS computed once
@@ -273,10 +267,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, sm_scale,
         q_ptrs = _ptrs(Q, b, h, stride_qb, stride_qh, stride_qn, stride_qd, offs_m, offs_d)
         do_ptrs = _ptrs(DO, b, h, stride_dob, stride_doh, stride_don, stride_dod, offs_m, offs_d)
         dq_ptrs = _ptrs(DQ, b, h, stride_dqb, stride_dqh, stride_dqn, stride_dqd, offs_m, offs_d)
-        if ATOMIC_DQ and DQ_T:  # this head's (d, n_q) of the fp32 accumulator dQ^T (stride_dqn == 1)
-            dq_desc = tl.make_tensor_descriptor(DQ + b * stride_dqb + h * stride_dqh, shape=[HEAD_DIM, n_q],
-                                                strides=[stride_dqd, 1], block_shape=[BLOCK_D, BLOCK_M])
-        elif ATOMIC_DQ and DQ_TMA:  # this head's (n_q, d) rows of the contiguous fp32 accumulator
+        if ATOMIC_DQ and DQ_TMA:  # this head's (n_q, d) rows of the contiguous fp32 accumulator
             dq_desc = tl.make_tensor_descriptor(DQ + b * stride_dqb + h * stride_dqh, shape=[n_q, HEAD_DIM],
                                                 strides=[stride_dqn, 1], block_shape=[BLOCK_M, BLOCK_D])
         else:
@@ -288,14 +279,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, sm_scale,
             diag_end = tl.minimum(start_n + BLOCK_N, n_q)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
                                  stride_dqn, offs_n, key_ok, offs_m, d_ok, start_n, diag_end, n_q, sm_scale, True,
-                                 not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, DQ_T, dq_desc)
+                                 not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, dq_desc)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
                                  stride_dqn, offs_n, key_ok, offs_m, d_ok, start_n + BLOCK_N, n_q, n_q, sm_scale,
-                                 False, not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, DQ_T, dq_desc)
+                                 False, not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, dq_desc)
         else:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
                                  stride_dqn, offs_n, key_ok, offs_m, d_ok, 0, n_q, n_q, sm_scale, False, not EVEN_M,
-                                 DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, DQ_T, dq_desc)
+                                 DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, dq_desc)
     dk *= sm_scale
     tl.store(_ptrs(DK, b, h_kv, stride_dkb, stride_dkh, stride_dkn, stride_dkd, offs_n, offs_d),
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -403,9 +394,9 @@ _fwd_tuned = triton.autotune(_configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 12
                              key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_wide_tiles("BLOCK_M")}
                              )(_fwd_kernel)
 _dkdv_tuned = triton.autotune(_configs((32, 128, 4, 3), (32, 128, 4, 5), (32, 128, 8, 3), (64, 128, 8, 2),
-                                       (64, 128, 8, 3), (64, 128, 4, 3), (32, 64, 8, 2), (64, 64, 4, 3),
+                                       (64, 128, 8, 3), (32, 64, 8, 2), (64, 64, 4, 3),
                                        (32, 64, 4, 4), (16, 64, 4, 2)),
-                              key=[*_TUNE_KEY, "ATOMIC_DQ", "DQ_TMA", "DQ_T"], reset_to_zero=["DQ"],  # atomics add to it
+                              key=[*_TUNE_KEY, "ATOMIC_DQ", "DQ_TMA"], reset_to_zero=["DQ"],  # atomics add to it
                               prune_configs_by={"early_config_prune": _prune_wide_tiles("BLOCK_N")}
                               )(_bwd_dkdv_kernel)
 _dq_tuned = triton.autotune(_configs((128, 32, 4, 3), (128, 32, 4, 5), (128, 32, 8, 3), (128, 64, 8, 2),
@@ -584,31 +575,19 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4))
     fused = not deterministic and (INTERPRET or _has_tma(q.device))
     tma = fused and not INTERPRET
-    dq_acc = _dq_accumulator(q4, DQ_TRANSPOSED and tma) if fused else dq4  # the two-pass one never reads it
+    # The fused pass adds dS K into fp32 zeros (scaled and cast into dq at the end); the two-pass one never reads it.
+    dq_acc = torch.zeros(q4.shape, dtype=torch.float32, device=q.device) if fused else dq4
     if tma:
         _set_descriptor_allocator()
     _launch(_dkdv_tuned, _bwd_dkdv_kernel, "dkdv", k4.shape[2], "BLOCK_N", batch * k4.shape[1],
             q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, sm_scale, *common, *_strides(dk4), *_strides(dv4),
-            *_strides(dq_acc), *sizes, ATOMIC_DQ=fused, DQ_TMA=tma, DQ_T=DQ_TRANSPOSED and tma, **meta)
+            *_strides(dq_acc), *sizes, ATOMIC_DQ=fused, DQ_TMA=tma, **meta)
     if not fused:
         _launch(_dq_tuned, _bwd_dq_kernel, "dq", n_q, "BLOCK_M", batch * heads,
                 q4, k4, v4, do4, lse, delta, dq4, sm_scale, *common, *_strides(dq4), *sizes, **meta)
     else:
-        torch.mul(dq_acc, sm_scale, out=dq4)  # the fused pass adds dS K; dQ = dS K * scale, cast to q's dtype
+        torch.mul(dq_acc, sm_scale, out=dq4)
     return dq, dk, dv
-
-
-DQ_TRANSPOSED = True  # experiment switch (notes/flash_attention.md, session 6): accumulate dQ^T in the fused pass
-
-
-def _dq_accumulator(q4: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """The fused pass's fp32 dQ accumulator, zeros, as a (B, H, n_q, d) view: plain, or (transposed) the view of
-    a (B, H, d, n_q') buffer, n_q' = n_q rounded up to 4 (TMA needs 16-byte row strides)."""
-    if not transposed:
-        return torch.zeros(q4.shape, dtype=torch.float32, device=q4.device)
-    batch, heads, n_q, d = q4.shape
-    buffer = torch.zeros(batch, heads, d, -(-n_q // 4) * 4, dtype=torch.float32, device=q4.device)
-    return buffer[..., :n_q].transpose(-1, -2)
 
 
 # ----------------------------------------------------------------------------------------- custom ops
