@@ -139,6 +139,31 @@ def test_compiled_model_with_flash_triton_matches_eager(seed):
     assert_same(results[1], results[0], f"compiled model, seed={seed}", tol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "two-pass"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_gpu_model_grads_match_float64(compiled, deterministic, seed):
+    """The tiny model with flash_triton (fp32), eager and compiled with Inductor, against the same weights in
+    float64 with SDPA: an independent reference, so a wrong kernel cannot pass by agreeing with itself."""
+    spec = MODELS["tiny"]
+    model = TransformerLM(spec, attention="flash_triton", device=DEVICE)
+    reference = TransformerLM(spec, attention="sdpa", device=DEVICE, dtype=torch.float64)
+    reference.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, spec.vocab_size, (2, 37), device=DEVICE)
+    torch._dynamo.reset()
+    run_model = torch.compile(model, fullgraph=True) if compiled else model
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)  # the flag our backward follows
+    try:
+        run_model(tokens).square().mean().backward()
+    finally:
+        torch.use_deterministic_algorithms(saved)
+    reference(tokens).square().mean().backward()
+    for (name, p), want in zip(model.named_parameters(), reference.parameters()):
+        err = ((p.grad.double() - want.grad).norm() / want.grad.norm()).item()
+        assert err < 1e-4, f"{name}: grad relative error {err:.2e} (tf32 {ft.tf32_allowed()}, seed={seed})"
+
+
 # --------------------------------------------------------------------------------------- fp32 precision
 
 

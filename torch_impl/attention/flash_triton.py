@@ -472,11 +472,10 @@ def deterministic_backward() -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
-@functools.cache
-def _set_descriptor_allocator() -> None:
-    """Global memory for the tensor descriptors the fused backward makes in the kernel (Triton asks the process
-    for an allocator once; PyTorch's caching allocator serves it on the current device)."""
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+def _descriptor_memory(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the tensor descriptors the fused backward makes in the kernel, from PyTorch's caching
+    allocator on the current device (stream-ordered: freed after the launch, reused only by later work)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 @functools.cache
@@ -577,8 +576,8 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     tma = fused and not INTERPRET
     # The fused pass adds dS K into fp32 zeros (scaled and cast into dq at the end); the two-pass one never reads it.
     dq_acc = torch.zeros(q4.shape, dtype=torch.float32, device=q.device) if fused else dq4
-    if tma:
-        _set_descriptor_allocator()
+    if tma:  # Triton's allocator is a context variable: set in this thread (autograd's backward runs in its own)
+        triton.set_allocator(_descriptor_memory)
     _launch(_dkdv_tuned, _bwd_dkdv_kernel, "dkdv", k4.shape[2], "BLOCK_N", batch * k4.shape[1],
             q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, sm_scale, *common, *_strides(dk4), *_strides(dv4),
             *_strides(dq_acc), *sizes, ATOMIC_DQ=fused, DQ_TMA=tma, **meta)
