@@ -140,18 +140,21 @@ def test_compiled_model_with_flash_triton_matches_eager(seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "two-pass"])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
-def test_gpu_model_grads_match_float64(compiled, deterministic, seed):
-    """The tiny model with flash_triton (fp32), eager and compiled with Inductor, against the same weights in
-    float64 with SDPA: an independent reference, so a wrong kernel cannot pass by agreeing with itself."""
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize(("attention", "deterministic"), [("flash_triton", False), ("flash_triton", True),
+                                                          ("sdpa", False)], ids=["fused", "two-pass", "sdpa"])
+def test_gpu_model_grads_match_float64(attention, deterministic, backend, seed):
+    """The tiny model (fp32), eager and compiled, against the same weights in float64 with SDPA: an independent
+    reference, so a wrong kernel cannot pass by agreeing with itself. SDPA in fp32 beside ours: is a failure the
+    kernel's or the compiler's? (Seen on the H100, torch 2.11: the compiled model's token-embedding gradient off
+    by 0.4 with either backward of ours; notes/flash_attention.md, session 6.)"""
     spec = MODELS["tiny"]
-    model = TransformerLM(spec, attention="flash_triton", device=DEVICE)
+    model = TransformerLM(spec, attention=attention, device=DEVICE)
     reference = TransformerLM(spec, attention="sdpa", device=DEVICE, dtype=torch.float64)
     reference.load_state_dict(model.state_dict())
     tokens = torch.randint(0, spec.vocab_size, (2, 37), device=DEVICE)
     torch._dynamo.reset()
-    run_model = torch.compile(model, fullgraph=True) if compiled else model
+    run_model = model if backend == "eager" else torch.compile(model, fullgraph=True, backend=backend)
     saved = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic, warn_only=True)  # the flag our backward follows
     try:
@@ -159,9 +162,10 @@ def test_gpu_model_grads_match_float64(compiled, deterministic, seed):
     finally:
         torch.use_deterministic_algorithms(saved)
     reference(tokens).square().mean().backward()
-    for (name, p), want in zip(model.named_parameters(), reference.parameters()):
-        err = ((p.grad.double() - want.grad).norm() / want.grad.norm()).item()
-        assert err < 1e-4, f"{name}: grad relative error {err:.2e} (tf32 {ft.tf32_allowed()}, seed={seed})"
+    errors = {name: ((p.grad.double() - want.grad).norm() / want.grad.norm()).item()
+              for (name, p), want in zip(model.named_parameters(), reference.parameters())}
+    wrong = {name: f"{err:.2e}" for name, err in errors.items() if not err < 1e-4}
+    assert not wrong, f"gradients off (relative error): {wrong} (tf32 {ft.tf32_allowed()}, seed={seed})"
 
 
 # --------------------------------------------------------------------------------------- fp32 precision
