@@ -12,7 +12,8 @@ data-parallel wrapper. The trainer and every benchmark call these, so a fix made
   CUDA graph trees (``mode="reduce-overhead"``): each block's forward and backward kernels are replayed as one
   graph, for steps whose host cannot launch kernels as fast as the device runs them (xl at 4 x 512).
 * ``apply_data_parallel(model, mode, bucket_mb=, dtype=, adamw=)``: the built (maybe compiled) model in one of
-  ``DATA_PARALLEL``, with its AdamW: ``none`` (no wrapper); our ``naive``, ``flat``, ``individual``, ``bucketed``
+  ``DATA_PARALLEL``, with its AdamW and its ``DataParallelWrapper`` (``torch_impl.distributed.interface``: what
+  the trainer calls; None for fsdp2): ``none``; our ``naive``, ``flat``, ``individual``, ``bucketed``
   DDP; ``torch_ddp`` (no buffer broadcast per forward, ``forward_sync_buffers=False`` (torch >= 2.13) or
   ``broadcast_buffers=False``: ours broadcast buffers at construction only); ``zero1`` (``ShardedOptimizer`` over
   ``DDPBucketed``); our ``fsdp`` (``compute_dtype=bfloat16`` with bf16); ``fsdp2`` (``fully_shard`` per block,
@@ -99,12 +100,13 @@ def data_parallel_configs(modes: list[str], bucket_mb: list[float]) -> list[Data
 
 def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None = None, dtype: str = "fp32",
                         adamw: dict[str, Any]) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
-    """(the module to call, our wrapper or None, the optimizer): ``model``, built on its device (and compiled, but
-    not for the FSDPs: ``check_supported`` first), wrapped in ``mode`` with ``AdamW(**adamw)``. ``dtype``
-    (``analysis.benchmark.DTYPES``): bf16 makes the FSDPs compute in bf16; bf16_mixed gives ``MasterAdamW``.
+    """(the module to call, its ``DataParallelWrapper`` (None for fsdp2), the optimizer): ``model``, built on its
+    device (and compiled, but not for the FSDPs: ``check_supported`` first), wrapped in ``mode`` with
+    ``AdamW(**adamw)``. ``dtype`` (``analysis.benchmark.DTYPES``): bf16 makes the FSDPs compute in bf16;
+    bf16_mixed gives ``MasterAdamW``.
     Collectives inside (the wrappers' broadcasts) run on every rank alike."""
     from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
-                                        ShardedOptimizer)
+                                        ShardedOptimizer, SingleProcess, TorchDDP)
     from torch_impl.optim import adamw_for
 
     bf16 = dtype == "bf16"
@@ -113,14 +115,12 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
     builds_own = mode in UNSUPPORTED["--dtype bf16_mixed"][0]
     optimizer = None if builds_own else adamw_for(dtype, model.parameters(), **adamw)
     if mode == "none":
-        return model, None, optimizer
-    if mode in ("naive", "flat", "individual"):
-        wrapper = {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[mode](model)
-        return wrapper, wrapper, optimizer
-    if mode in BUCKETED:
-        wrapper = DDPBucketed(model, bucket_mb)
+        return model, SingleProcess(model), optimizer
+    if mode in ("naive", "flat", "individual", *BUCKETED):
+        wrapper = (DDPBucketed(model, bucket_mb) if mode in BUCKETED else
+                   {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[mode](model))
         if mode == "zero1":
-            return wrapper, wrapper, ShardedOptimizer(model.parameters(), torch.optim.AdamW, **adamw)
+            optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **adamw)
         return wrapper, wrapper, optimizer
     if mode == "torch_ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -131,7 +131,7 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
         device = next(model.parameters()).device
         ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                       bucket_cap_mb=bucket_mb, **no_sync)
-        return ddp, None, optimizer
+        return ddp, TorchDDP(ddp), optimizer
     if mode == "fsdp":
         fsdp = FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None)
         return fsdp, fsdp, torch.optim.AdamW(fsdp.parameters(), **adamw)

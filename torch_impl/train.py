@@ -7,7 +7,8 @@ accumulation over ``--grad-accum`` micro-batches of ``--batch-size`` sequences p
 autocast, any attention backend, and one of the data-parallel modes ``--dist``:
 ``none`` (one process), our ``naive`` / ``flat`` / ``individual`` / ``bucketed`` DDP, ``torch_ddp``
 (``DistributedDataParallel``), ``zero1`` (``ShardedOptimizer(AdamW)`` over bucketed DDP) and ``fsdp``, applied
-by ``torch_impl.parallelize.apply_data_parallel`` as in the DDP benchmark.
+by ``torch_impl.parallelize.apply_data_parallel`` as in the DDP benchmark. The loop knows each mode only through
+its ``DataParallelWrapper`` (``torch_impl.distributed.interface``): no branch per mode here.
 
 Data: each optimizer step draws one *global* batch of ``grad_accum x world_size x batch_size`` random windows
 from one numpy generator (seeded with ``--seed``, identical on every rank), laid out as (micro-batch, rank,
@@ -18,15 +19,10 @@ the first ``--val-batches`` batches of fixed, non-overlapping windows of the val
 the ranks; its loss is the mean over all those windows whatever the world size.
 
 Gradient accumulation: each micro-batch's loss is divided by ``grad_accum``, so the accumulated gradient is
-the mean over the global batch. Communication: every data-parallel wrapper (ours and torch DDP) runs all but
-the last micro-batch's backward inside its ``no_sync()``, so the micro-batches accumulate locally and are
-reduced once per step; ``fsdp`` reduce-scatters every backward by design
-(exact: an already averaged gradient plus the next local one, averaged again, is the running mean).
-
-Gradient clipping (``--grad-clip``, 0 = off) scales every gradient by min(1, clip / (norm + 1e-6)), as
-``torch.nn.utils.clip_grad_norm_``, with the *global* 2-norm: under FSDP each rank holds 1/N of the sharded
-weights' gradients (the squares of its shard are all-reduced) plus full copies of the replicated ones (norm
-gains; counted once); every other mode holds full, averaged gradients after synchronization.
+the mean over the global batch; all but the last micro-batch's backward run inside the wrapper's ``no_sync()``
+(reduced once per step), but ``fsdp`` reduce-scatters every backward (exact: an averaged gradient plus the next
+local one, averaged again, is the running mean). Gradient clipping (``--grad-clip``, 0 = off): the wrapper's
+``clip_grad_norm_`` (as torch's, with the *global* norm: FSDP's shards' squares summed over the ranks).
 
 Timing (per rank; CUDA is synchronized at every phase boundary, so phases are exact and the run is a bit
 slower than an unsynchronized one): per step ``data`` (windows to device), ``forward`` (the model),
@@ -75,13 +71,11 @@ _IMPORTED = time.perf_counter()  # "total" time counts from here (about the proc
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -95,15 +89,15 @@ from parallelism_calc.specs import MODELS, ModelSpec, get_model  # noqa: E402
 from torch_impl import checkpoint as ckpt  # noqa: E402
 from torch_impl.device import pick_device  # noqa: E402
 from torch_impl.data import (DEFAULT_BUILTIN_BYTES, DEFAULT_VAL_FRACTION, TokenData, batch_at,  # noqa: E402
-                             prepare_data, sample_starts, validation_batches, validation_starts)
+                             prepare_data, sample_starts, validation_batches)
+from torch_impl.distributed.interface import DataParallelWrapper  # noqa: E402
 from torch_impl.distributed.process_group import DistributedContext, init_distributed  # noqa: E402
 from torch_impl.model import TransformerLM, cross_entropy  # noqa: E402
 from torch_impl.parallelize import (DATA_PARALLEL, DataParallelConfig, apply_compile, apply_data_parallel,  # noqa: E402
                                     check_supported, data_parallel_configs)
 
 SUITE = "train"
-# Not fsdp2: the checkpoints, the global gradient norm and the evaluation know our FSDP's shards
-# (sharded_param_names, gather_full_params), not FSDP2's DTensor parameters.
+# Not fsdp2: it has no DataParallelWrapper (its DTensor parameters would need their own norm and checkpoints).
 DIST_MODES = tuple(m for m in DATA_PARALLEL if m != "fsdp2")
 STEP_PHASES = ("data", "forward", "loss", "backward", "comm", "optimizer")
 # Settings a resumed run must share with the checkpoint for its trajectory to be the uninterrupted one's.
@@ -211,16 +205,9 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
 @dataclass
 class Parts:
     forward: torch.nn.Module  # what a training step calls (the wrapper, or the model)
-    model: torch.nn.Module  # the bare TransformerLM (its parameters are FSDP's shards under fsdp)
-    wrapper: Any  # ours (has finish_gradient_synchronization) or None
+    wrapper: DataParallelWrapper  # all the loop needs of the mode; .module: the bare model (FSDP's shards under fsdp)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    dist: str
-
-    @property
-    def eval_forward(self) -> torch.nn.Module:
-        """FSDP must run its own forward (it gathers the weights); torch DDP's bookkeeping is not needed."""
-        return self.forward if self.dist == "fsdp" else self.model
 
 
 def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: int, total_steps: int) -> Parts:
@@ -236,45 +223,12 @@ def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: i
                                                       adamw=adamw)
     schedule = dict(lr=cfg.lr, min_lr=cfg.final_lr, warmup_steps=cfg.warmup_steps, total_steps=total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, **schedule) / cfg.lr)
-    return Parts(forward, model, wrapper, optimizer, scheduler, cfg.dist)
+    return Parts(forward, wrapper, optimizer, scheduler)
 
 
 def data_parallel_config(cfg: TrainConfig) -> DataParallelConfig:
     """--dist with its bucket size (torch_ddp: its own default), named as the records name it."""
     return data_parallel_configs([cfg.dist], [cfg.bucket_mb])[0]
-
-
-# ----------------------------------------------------------------------------- gradients
-
-
-def global_grad_norm(parts: Parts) -> torch.Tensor:
-    """The 2-norm of the whole model's (synchronized) gradient; under FSDP the sharded weights' squares are
-    summed over the ranks and the replicated parameters (identical everywhere) are counted once."""
-    sharded = set()
-    if parts.dist == "fsdp":
-        names = set(parts.forward.sharded_param_names())
-        sharded = {id(p) for n, p in parts.model.named_parameters() if n in names}
-    params = [p for p in parts.model.parameters() if p.grad is not None]
-    device = next(parts.model.parameters()).device
-    squares = torch.zeros(2, dtype=torch.float32, device=device)  # (sharded, replicated)
-    for p in params:
-        squares[0 if id(p) in sharded else 1] += p.grad.detach().float().pow(2).sum()
-    if sharded and dist.is_initialized() and dist.get_world_size() > 1:
-        shard_sq = squares[:1].clone()
-        dist.all_reduce(shard_sq)
-        squares[0] = shard_sq[0]
-    return squares.sum().sqrt()
-
-
-@torch.no_grad()
-def clip_gradients(parts: Parts, max_norm: float) -> torch.Tensor:
-    """Scale every gradient by min(1, max_norm / (global norm + 1e-6)); returns the norm before clipping."""
-    norm = global_grad_norm(parts)
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in parts.model.parameters():
-        if p.grad is not None:
-            p.grad.mul_(coef)
-    return norm
 
 
 # ----------------------------------------------------------------------------- one step, validation
@@ -309,28 +263,24 @@ def _autocast(cfg: TrainConfig, device: torch.device):
 def train_step(parts: Parts, cfg: TrainConfig, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                timer: PhaseTimer, device: torch.device) -> tuple[float, float | None]:
     """One optimizer step over the micro-batches: (this rank's mean loss, the gradient norm before clipping)."""
-    k = len(micro_batches)
-    start = getattr(parts.wrapper, "on_train_batch_start", None)
-    if start is not None:
-        start()
+    k, wrapper = len(micro_batches), parts.wrapper
+    wrapper.on_train_batch_start()
     total = torch.zeros((), device=device)
     for j, (x, y) in enumerate(micro_batches):
         last = j == k - 1
-        no_sync = getattr(parts.forward, "no_sync", None)  # every data-parallel wrapper but FSDP has one
-        skip_sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
-        with skip_sync:
+        with contextlib.nullcontext() if last else wrapper.no_sync():
             with timer("forward"), _autocast(cfg, device):
                 logits = parts.forward(x)  # (B, T, V)
             with timer("loss"):
                 loss = cross_entropy(logits, y) / k
             with timer("backward"):
                 loss.backward()
-        if parts.wrapper is not None and (last or parts.dist == "fsdp"):  # FSDP lands its pieces per backward
+        if last or wrapper.sync_every_backward:
             with timer("comm"):
-                parts.wrapper.finish_gradient_synchronization()
+                wrapper.finish_gradient_synchronization()
         total += loss.detach()
     with timer("optimizer"):
-        norm = clip_gradients(parts, cfg.grad_clip) if cfg.grad_clip > 0 else None
+        norm = wrapper.clip_grad_norm_(cfg.grad_clip) if cfg.grad_clip > 0 else None
         parts.optimizer.step()
         parts.scheduler.step()
         parts.optimizer.zero_grad(set_to_none=True)
@@ -349,24 +299,22 @@ def evaluate(parts: Parts, cfg: TrainConfig, data: TokenData, device: torch.devi
              world_size: int) -> float | None:
     """Mean loss over the validation windows (the first ``val_batches`` batches), all ranks together.
 
-    Under FSDP every forward is a collective, so a rank with fewer batches (their count not a multiple of
-    the world size) runs its first batch again, uncounted, until all ranks have run as many forwards."""
+    Every rank runs as many forwards (under FSDP each is a collective): a rank with fewer batches (their count
+    not a multiple of the world size) runs the first batch again, uncounted."""
     if cfg.val_batches == 0:
         return None
-    mine = list(validation_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.val_batches, device, rank,
-                                   world_size))
-    n_windows = min(len(validation_starts(len(data.val), cfg.seq_len)), cfg.val_batches * cfg.batch_size)
-    forwards = math.ceil(math.ceil(n_windows / cfg.batch_size) / world_size) if parts.dist == "fsdp" else len(mine)
-    parts.model.eval()
+    every = list(validation_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.val_batches, device))  # all ranks'
+    mine, forwards = every[rank::world_size], len(every[::world_size])  # rank 0's share is the largest
+    parts.wrapper.module.eval()
     loss_sum, windows = 0.0, 0
     for i in range(forwards):
-        x, y = mine[i] if i < len(mine) else mine[0] if mine else batch_at(data.val, [0], cfg.seq_len, device)
+        x, y = mine[i] if i < len(mine) else every[0]
         with _autocast(cfg, device):
-            logits = parts.eval_forward(x)
+            logits = parts.wrapper.eval_module(x)
         if i < len(mine):
             loss_sum += cross_entropy(logits, y).item() * len(x)
             windows += len(x)
-    parts.model.train()
+    parts.wrapper.module.train()
     loss_sum, windows = _all_reduce_sum([loss_sum, windows], device, world_size)
     return loss_sum / windows
 
@@ -374,27 +322,14 @@ def evaluate(parts: Parts, cfg: TrainConfig, data: TokenData, device: torch.devi
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _settings(cfg: TrainConfig, data: TokenData) -> dict[str, Any]:
-    values = {k: getattr(cfg, k) for k in RESUME_KEYS}
-    values["data"] = data.digest
-    values["global_batch"] = None  # filled by the caller (depends on the world size)
-    return values
-
-
 def save(parts: Parts, cfg: TrainConfig, step: int, generator: np.random.Generator, settings: dict,
          rank: int, world_size: int) -> None:
     """A checkpoint of everything the next step depends on (see the module docstring). Collective."""
-    optimizer_state = parts.optimizer.state_dict() if parts.dist != "fsdp" else None  # ZeRO-1: collective
-    local: dict[str, Any] = {"rng": ckpt.capture_rng()}
-    if parts.dist == "fsdp":
-        local.update(model=parts.model.state_dict(), optimizer=parts.optimizer.state_dict())
-    shared = None
-    if rank == 0:
-        shared = {"settings": settings, "dist": parts.dist, "scheduler": parts.scheduler.state_dict(),
-                  "data_generator": generator.bit_generator.state,
-                  "model": parts.model.state_dict() if parts.dist != "fsdp" else None,
-                  "optimizer": optimizer_state}
-    ckpt.save_checkpoint(cfg.checkpoint_dir, step, shared, local, rank=rank, world_size=world_size)
+    shared, local = parts.wrapper.checkpoint_state(parts.optimizer)  # a collective (ZeRO-1)
+    shared = {"settings": settings, "dist": cfg.dist, "scheduler": parts.scheduler.state_dict(),
+              "data_generator": generator.bit_generator.state, **shared}
+    ckpt.save_checkpoint(cfg.checkpoint_dir, step, shared, {"rng": ckpt.capture_rng(), **local}, rank=rank,
+                         world_size=world_size)
 
 
 def restore(parts: Parts, cfg: TrainConfig, generator: np.random.Generator, settings: dict, rank: int,
@@ -409,15 +344,11 @@ def restore(parts: Parts, cfg: TrainConfig, generator: np.random.Generator, sett
                          "the same data")
     if differ:
         raise ValueError(f"--resume: settings differ from the checkpoint {state.path} (saved, now): {differ}")
-    if parts.dist == "fsdp" or state.shared["dist"] == "fsdp":
-        if state.shared["dist"] != parts.dist or state.world_size != world_size:
-            raise ValueError(f"--resume: an fsdp checkpoint resumes as fsdp on {state.world_size} ranks only "
-                             f"(saved: {state.shared['dist']} on {state.world_size}; now {parts.dist} on {world_size})")
-        parts.model.load_state_dict(state.local["model"])
-        parts.optimizer.load_state_dict(state.local["optimizer"])
-    else:
-        parts.model.load_state_dict(state.shared["model"])
-        parts.optimizer.load_state_dict(state.shared["optimizer"])
+    mode = (state.shared["dist"], state.world_size)  # the model is in the rank files (fsdp's shards) or shared:
+    if (parts.wrapper.sharded_state or state.shared["model"] is None) and mode != (cfg.dist, world_size):
+        raise ValueError(f"--resume: a checkpoint of per-rank shards (fsdp) resumes in its mode on as many ranks "
+                         f"only (saved: {mode[0]} on {mode[1]}; now {cfg.dist} on {world_size})")
+    parts.wrapper.load_checkpoint_state(parts.optimizer, state.shared, state.local)
     parts.scheduler.load_state_dict(state.shared["scheduler"])
     generator.bit_generator.state = state.shared["data_generator"]
     ckpt.restore_rng((state.local or ckpt.load_checkpoint(cfg.checkpoint_dir, 0).local)["rng"])
@@ -484,7 +415,8 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
     total_steps = cfg.epochs * steps_per_epoch
     parts = build(cfg, spec, device, world_size, total_steps)
     generator = np.random.default_rng(cfg.seed)
-    settings = {**_settings(cfg, data), "steps_per_epoch": steps_per_epoch, "global_batch": global_batch}
+    settings = {**{k: getattr(cfg, k) for k in RESUME_KEYS}, "data": data.digest, "steps_per_epoch": steps_per_epoch,
+                "global_batch": global_batch}  # the data set by its content digest
     step = restore(parts, cfg, generator, settings, rank, world_size) if cfg.resume else 0
     if rank == 0 and cfg.resume:
         print(f"resumed from step {step} ({cfg.checkpoint_dir})", flush=True)
@@ -556,8 +488,7 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
             break
     result.stopped_early = stop_epoch < cfg.epochs
     if keep_params:
-        full = parts.forward.gather_full_params() if cfg.dist == "fsdp" else dict(parts.model.named_parameters())
-        result.params = {k: v.detach().cpu().clone() for k, v in full.items()}
+        result.params = {k: v.detach().cpu().clone() for k, v in parts.wrapper.gather_full_params().items()}
     return result
 
 
@@ -589,7 +520,7 @@ def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch
                          peak_memory_bytes=None if None in peaks else max(peaks), metrics=metrics)
     record.batch_size = cfg.batch_size
     record.world_size = world_size
-    record.mesh = {"fsdp" if cfg.dist == "fsdp" else "dp": world_size}
+    record.mesh = {parts.wrapper.mesh_axis: world_size}
     record.tokens_per_s = metrics["tokens_per_epoch"] / worst["training_s"]
     return record
 

@@ -155,11 +155,9 @@ def _measure(cfg: Config, args: argparse.Namespace, spec, seq_len: int, device, 
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
                 else contextlib.nullcontext())
-    start_batch = getattr(wrapper, "on_train_batch_start", None)
-
     def step() -> tuple[float, dict[str, float], float]:
-        if start_batch is not None:
-            start_batch()
+        if wrapper is not None:  # its DataParallelWrapper (None for fsdp2)
+            wrapper.on_train_batch_start()
         _sync_device(device)
         t0 = time.perf_counter()
         with autocast:

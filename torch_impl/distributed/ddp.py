@@ -63,6 +63,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from torch_impl.distributed.interface import DataParallelWrapper
+
 _MIB = 2**20
 
 
@@ -85,7 +87,7 @@ def _group_by_dtype_device(tensors: list[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-class _DataParallel(nn.Module):
+class _DataParallel(nn.Module, DataParallelWrapper):
     """What every DDP variant shares: the replica, its broadcast, the parameter list, averaging, unused grads.
 
     Subclasses implement ``finish_gradient_synchronization()`` (and may hook into the backward).
@@ -174,9 +176,6 @@ class _DataParallel(nn.Module):
                 p.grad = None
             elif p.grad is not g:
                 p.grad = g
-
-    def finish_gradient_synchronization(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
 
 
 class NaiveDDP(_DataParallel):

@@ -70,6 +70,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from torch_impl.distributed.interface import DataParallelWrapper
+
 SHARDED_CLASS_NAMES = ("Linear", "Embedding")
 MAX_PREFETCH_LAYERS = 2
 MAX_PENDING_REDUCE_SCATTERS = 2  # gradient reduce-scatters in flight (each holds a full-size gradient buffer)
@@ -142,13 +144,16 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-class FSDP(nn.Module):
-    """Fully sharded data parallel for the Linear / Embedding weights (see the module docstring).
+class FSDP(nn.Module, DataParallelWrapper):
+    """Fully sharded data parallel for the Linear / Embedding weights (see the module docstring), and the
+    trainer's ``DataParallelWrapper`` (sharded state, a synchronization per backward, evaluation through itself).
 
     ``compute_dtype``: dtype of the gathers and of the sharded layers' compute (None: the master dtype).
     ``reduce_dtype``: dtype of the gradient reduce-scatter (None: the compute dtype). ``prefetch_layers``:
     how many sharded layers ahead to gather asynchronously, 0 to 2. ``process_group``: default the world.
     """
+
+    mesh_axis, sync_every_backward, sharded_state = "fsdp", True, True
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
                  reduce_dtype: torch.dtype | None = None, prefetch_layers: int = MAX_PREFETCH_LAYERS,
@@ -439,6 +444,10 @@ class FSDP(nn.Module):
                 _all_gather_flat(gathered, param.detach(), group=self.process_group)
             full[name] = gathered[:unit.numel].view(unit.shape).clone()
         return full
+
+    @property
+    def eval_module(self) -> nn.Module:
+        return self  # gathers the weights: a collective, so every rank runs as many forwards
 
     def sharded_param_names(self) -> list[str]:
         """Names (as in ``module.named_parameters()``) of the sharded weights."""

@@ -1,0 +1,93 @@
+"""``DataParallelWrapper``: all the trainer needs of a data-parallel mode, in one place, so its loop has no branches.
+
+``torch_impl.parallelize.apply_data_parallel`` returns one for every mode but fsdp2: our DDP family (ZeRO-1 is
+``DDPBucketed`` with a ``ShardedOptimizer``) and ``FSDP`` subclass it; ``SingleProcess`` (``none``) and
+``TorchDDP`` adapt the rest. The defaults are a replicated model's, whose gradients are full and averaged after
+``finish_gradient_synchronization()``; ``FSDP`` overrides the class attributes, ``eval_module`` and
+``gather_full_params``. The trainer's step: ``torch_impl.train.train_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+
+class DataParallelWrapper:
+    """``module``: the bare model. ``mesh_axis``: the records' mesh name. ``sync_every_backward``: FSDP lands its
+    reduce-scatters after every backward (it has no ``no_sync``). ``sharded_state``: model and optimizer state
+    differ per rank, so checkpoints keep them in the rank files (resumed in the same mode on as many ranks)."""
+
+    mesh_axis, sync_every_backward, sharded_state = "dp", False, False
+    _shard_ids: set[int] | frozenset[int] = frozenset()  # ids of this rank's parameter shards (FSDP's)
+    process_group: dist.ProcessGroup | None = None
+    module: torch.nn.Module
+
+    def on_train_batch_start(self) -> None:
+        """Before an optimizer step's first forward."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Backwards inside accumulate their gradients locally (those of all micro-batches but the last)."""
+        return contextlib.nullcontext()
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for the gradient communication: gradients are then averaged over the ranks (or sharded)."""
+
+    @property
+    def eval_module(self) -> torch.nn.Module:
+        """What evaluation calls: the bare model."""
+        return self.module
+
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """Collective: every parameter, full, keyed like ``module.named_parameters()`` (here the live ones)."""
+        return dict(self.module.named_parameters())
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        """The squared 2-norm (fp32) of the whole synchronized gradient: this rank's shards' squares summed over
+        the ranks, the replicated parameters' (identical everywhere) counted once."""
+        params = list(self.module.parameters())
+        squares = torch.zeros(2, dtype=torch.float32, device=params[0].device)  # (sharded, replicated)
+        for p in params:
+            if p.grad is not None:
+                squares[0 if id(p) in self._shard_ids else 1] += p.grad.detach().float().pow(2).sum()
+        if self._shard_ids and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
+            dist.all_reduce(squares[:1], group=self.process_group)  # in place: a view of the sharded square
+        return squares.sum()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every gradient by min(1, max_norm / (global norm + 1e-6)); returns the global norm before."""
+        norm = self.grad_norm_squared().sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        return norm
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """Collective (ZeRO-1): ({"model", "optimizer"} for the shared file, what goes into this rank's file);
+        with ``sharded_state`` the shared entries are None and each rank's file holds its own."""
+        state = {"model": self.module.state_dict(), "optimizer": optimizer.state_dict()}
+        return ({"model": None, "optimizer": None}, state) if self.sharded_state else (state, {})
+
+    def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, shared: dict, local: dict | None) -> None:
+        """Load ``checkpoint_state``'s two parts, read back from the shared file and this rank's."""
+        state = local if self.sharded_state else shared
+        self.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+
+class SingleProcess(DataParallelWrapper):
+    """``none``: one process, nothing to synchronize."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+
+class TorchDDP(DataParallelWrapper):
+    """torch's ``DistributedDataParallel``: its hooks reduce inside the backward; its own ``no_sync``."""
+
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel):
+        self.module, self.no_sync = ddp.module, ddp.no_sync
