@@ -11,10 +11,10 @@ the GPU time alone, so the difference is host overhead). Our variants:
 * ``fused``: forward + the fused backward (the default).
 
 With ``--tiles`` each shape instead times the backward with each dK/dV tile configuration in turn (the autotuning
-list and ``EXTRA_TILES``; the fused backward and the two-pass one):
-what the tuner chose from, and what it could choose. With ``--profile`` each forward + backward also gets its GPU time per kernel (``torch.profiler``); ``--once`` only runs
-each variant's forward + backward once per shape (no checks, no timing: the driver under Nsight Compute, after a run
-that autotuned with ``TRITON_CACHE_AUTOTUNING=1``; ``scripts/gpu_flash.sh OUT ncu``). Each backward's
+list and ``EXTRA_TILES``; the fused backward and the two-pass one): what the tuner chose from, and what it could
+choose. With ``--profile`` each forward + backward also gets its GPU time per kernel (``torch.profiler``); ``--once``
+only runs each variant's forward + backward once per shape (no checks, no timing: the driver under Nsight Compute,
+after a run that autotuned with ``TRITON_CACHE_AUTOTUNING=1``; ``scripts/gpu_flash.sh OUT ncu``). Each backward's
 gradients are compared with the two-pass one's and cuDNN's (relative Frobenius error), and first, at
 1 x 4 x 1,024 x d (d = 64, 80), with a float64 reference; the tile configuration each autotuned kernel chose ends
 the file. Rows (with the commit and machine: ``analysis.records.provenance``) go to OUT/flash_probe.jsonl as they
@@ -80,6 +80,17 @@ def grads(attn, q, k, v, do):
     return torch.autograd.grad(out, (q, k, v), do)
 
 
+def shape_row(shape: tuple[int, int, int, int]) -> dict:
+    """The fields every row of a shape starts with: its name and the causal forward's FLOPs (fwd+bwd: 3.5x)."""
+    b, h, n, d = shape
+    return {"shape": "x".join(map(str, shape)), "flops_fwd": 4 * b * h * n * n * d / 2}
+
+
+def rel_errors(got, want, against: str) -> dict:
+    """dQ, dK, dV's relative errors against another backward's, as ``d{q,k,v}_rel_vs_{against}``."""
+    return {f"d{x}_rel_vs_{against}": rel(g, w) for x, g, w in zip("qkv", got, want)}
+
+
 def times(fn) -> dict:
     fn()  # autotuning and compilation happen here, outside both timers
     return {"ms": triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"),
@@ -126,10 +137,8 @@ def tuned_configs() -> dict:
 
 
 def probe_shape(shape: tuple[int, int, int, int], emit, variants: set[str], profile: bool) -> None:
-    b, h, n, d = shape
-    q, k, v, do = inputs(b, h, n, d)
-    flops = 4 * b * h * n * n * d / 2  # causal forward; forward + backward is 3.5x
-    row = {"shape": "x".join(map(str, shape)), "flops_fwd": flops}
+    q, k, v, do = inputs(*shape)
+    row = shape_row(shape)
     want = grads(cudnn, q, k, v, do)
     emit({**row, "variant": "cudnn", "pass": "fwd", **times(lambda: cudnn(q, k, v))})
     emit({**row, "variant": "cudnn", "pass": "fwd+bwd", **times(lambda: grads(cudnn, q, k, v, do)),
@@ -149,9 +158,9 @@ def probe_shape(shape: tuple[int, int, int, int], emit, variants: set[str], prof
                 timing = times(lambda: grads(ours, q, k, v, do))  # autotunes first: its runs add into dQ buffers
                 got = grads(ours, q, k, v, do)
                 det = got if name == "det" else det
-                errors = {f"d{x}_rel_vs_cudnn": rel(g, w) for x, g, w in zip("qkv", got, want)}
+                errors = rel_errors(got, want, "cudnn")
                 if det is not None and name != "det":
-                    errors.update({f"d{x}_rel_vs_det": rel(g, w) for x, g, w in zip("qkv", got, det)})
+                    errors.update(rel_errors(got, det, "det"))
                 if profile:
                     errors["kernels"] = kernel_times(lambda: grads(ours, q, k, v, do))
                 emit({**row, "variant": name, "pass": "fwd+bwd", **timing, **errors})
@@ -181,9 +190,8 @@ def only_config(tuned, config):
 def tile_sweep(shape: tuple[int, int, int, int], emit) -> None:
     """fwd+bwd (CUDA-graph ms) with each dK/dV tile configuration, per backward variant; cuDNN and our forward
     alone as anchors (the backward's time is the difference)."""
-    b, h, n, d = shape
-    q, k, v, do = inputs(b, h, n, d)
-    row = {"shape": "x".join(map(str, shape)), "flops_fwd": 4 * b * h * n * n * d / 2, "sweep": "tiles"}
+    q, k, v, do = inputs(*shape)
+    row = {**shape_row(shape), "sweep": "tiles"}
     want = grads(cudnn, q, k, v, do)
     emit({**row, "variant": "cudnn", "pass": "fwd+bwd", **times(lambda: grads(cudnn, q, k, v, do))})
     emit({**row, "variant": "fwd", "pass": "fwd", **times(lambda: ours(q, k, v))})
@@ -194,7 +202,7 @@ def tile_sweep(shape: tuple[int, int, int, int], emit) -> None:
             try:
                 with deterministic(flag), only_config(ft._dkdv_tuned, config):
                     timing = times(lambda: grads(ours, q, k, v, do))
-                    errors = {f"d{x}_rel_vs_cudnn": rel(g, w) for x, g, w in zip("qkv", grads(ours, q, k, v, do), want)}
+                    errors = rel_errors(grads(ours, q, k, v, do), want, "cudnn")
                 emit({**row, "variant": name, "pass": "fwd+bwd", "tiles": tiles, **timing, **errors})
             except Exception as err:  # noqa: BLE001 (a configuration that does not compile or fit is a row)
                 emit({**row, "variant": name, "pass": "fwd+bwd", "tiles": tiles, "error": _error(err)})

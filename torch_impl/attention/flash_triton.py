@@ -394,8 +394,8 @@ _fwd_tuned = triton.autotune(_configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 12
                              key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_wide_tiles("BLOCK_M")}
                              )(_fwd_kernel)
 _dkdv_tuned = triton.autotune(_configs((32, 128, 4, 3), (32, 128, 4, 5), (32, 128, 8, 3), (64, 128, 8, 2),
-                                       (64, 128, 8, 3), (32, 64, 8, 2), (64, 64, 4, 3),
-                                       (32, 64, 4, 4), (16, 64, 4, 2)),
+                                       (64, 128, 8, 3), (32, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 4),
+                                       (16, 64, 4, 2)),
                               key=[*_TUNE_KEY, "ATOMIC_DQ", "DQ_TMA"], reset_to_zero=["DQ"],  # atomics add to it
                               prune_configs_by={"early_config_prune": _prune_wide_tiles("BLOCK_N")}
                               )(_bwd_dkdv_kernel)
