@@ -103,7 +103,10 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     (broadcasting against x's pairs), in at least float32; the result has x's dtype."""
     wide = x.to(torch.promote_types(x.dtype, cos.dtype))
     x_even, x_odd = wide[..., 0::2], wide[..., 1::2]
-    return torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1).flatten(-2).to(x.dtype)
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1).flatten(-2)
+    # No `.to` that returns its input: torch 2.11 compiled an autograd.Function whose forward ends in one (a
+    # float32 model's rotation) into a zero gradient for x (measured, notes/flash_attention.md, session 7).
+    return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
 
 
 class _Rotate(torch.autograd.Function):
