@@ -101,6 +101,8 @@ def rel(a, b) -> float:
 
 
 def bench(fn) -> float:
+    """CUDA-graph median ms; one eager call first (compilation, autotuning, autograd's first backward)."""
+    fn()
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
