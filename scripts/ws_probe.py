@@ -101,9 +101,10 @@ def rel(a, b) -> float:
 
 
 def bench(fn) -> float:
-    """CUDA-graph median ms; one eager call first (compilation, autotuning, autograd's first backward)."""
+    """Median ms of launches from Python (``do_bench``: host overhead is small against these ms-long kernels; a
+    CUDA-graph capture of the non-causal cuDNN backward failed in call 3). One call first: compilation, tuning."""
     fn()
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def probe(shape, emit) -> None:
@@ -116,13 +117,13 @@ def probe(shape, emit) -> None:
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = cudnn(*leaves)
     dq_ref, dk_ref, dv_ref = torch.autograd.grad(out, leaves, do)
-    emit({**row, "variant": "cudnn", "pass": "fwd", "graph_ms": bench(lambda: cudnn(q, k, v)), "flops": flops})
+    emit({**row, "variant": "cudnn", "pass": "fwd", "ms": bench(lambda: cudnn(q, k, v)), "flops": flops})
     emit({**row, "variant": "cudnn", "pass": "fwd+bwd", "flops": 3.5 * flops,
-          "graph_ms": bench(lambda: torch.autograd.grad(cudnn(*leaves), leaves, do))})
+          "ms": bench(lambda: torch.autograd.grad(cudnn(*leaves), leaves, do))})
     emit({**row, "variant": "ours", "pass": "fwd", "flops": flops,
-          "graph_ms": bench(lambda: ft.flash_attention(q, k, v, False))})
+          "ms": bench(lambda: ft.flash_attention(q, k, v, False))})
     emit({**row, "variant": "ours", "pass": "fwd+bwd", "flops": 3.5 * flops,
-          "graph_ms": bench(lambda: torch.autograd.grad(ft.flash_attention(*leaves, False), leaves, do))})
+          "ms": bench(lambda: torch.autograd.grad(ft.flash_attention(*leaves, False), leaves, do))})
     flat = [t.reshape(b * h * n, d) for t in (q, k, v, do)]
     o = torch.empty_like(flat[0])
     lse = torch.empty(b * h * n, device="cuda", dtype=torch.float32)
@@ -137,7 +138,7 @@ def probe(shape, emit) -> None:
                     _fwd[(n // bm, b * h)](flat[0], flat[1], flat[2], o, lse, sm_scale, n, d, bm, bn, ws,
                                            num_warps=warps, num_stages=stages)
                 fwd()
-                emit({**row, "variant": "probe", "pass": "fwd", **config, "flops": flops, "graph_ms": bench(fwd),
+                emit({**row, "variant": "probe", "pass": "fwd", **config, "flops": flops, "ms": bench(fwd),
                       "o_rel_vs_cudnn": rel(o.view(b, h, n, d), out)})
             except Exception as err:  # a configuration that does not compile is a row
                 emit({**row, "variant": "probe", "pass": "fwd", **config, "error": f"{type(err).__name__}: {err}"[:300]})
@@ -149,7 +150,7 @@ def probe(shape, emit) -> None:
                                             bm, bn, ws, num_warps=warps, num_stages=stages)
                 dkdv()
                 emit({**row, "variant": "probe", "pass": "dkdv", **config, "flops": 3 * flops,
-                      "graph_ms": bench(dkdv), "dk_rel_vs_cudnn": rel(dk.view(b, h, n, d), dk_ref),
+                      "ms": bench(dkdv), "dk_rel_vs_cudnn": rel(dk.view(b, h, n, d), dk_ref),
                       "dv_rel_vs_cudnn": rel(dv.view(b, h, n, d), dv_ref)})
             except Exception as err:
                 emit({**row, "variant": "probe", "pass": "dkdv", **config,
@@ -166,7 +167,7 @@ def main(argv: list[str]) -> int:
     rows = []
 
     def emit(r: dict) -> None:
-        r = {**r, "tflops": r["flops"] / r["graph_ms"] / 1e9 if "graph_ms" in r else None, "provenance": meta}
+        r = {**r, "tflops": r["flops"] / r["ms"] / 1e9 if "ms" in r else None, "provenance": meta}
         rows.append(r)
         with open(out / "ws_probe.jsonl", "a") as f:
             f.write(json.dumps(r) + "\n")
