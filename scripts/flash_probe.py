@@ -12,7 +12,10 @@ the GPU time alone, so the difference is host overhead). Our variants:
 
 With ``--tiles`` each shape instead times the backward with each dK/dV tile configuration in turn (the autotuning
 list and ``EXTRA_TILES``; the fused backward and the two-pass one): what the tuner chose from, and what it could
-choose. With ``--profile`` each forward + backward also gets its GPU time per kernel (``torch.profiler``); ``--once``
+choose. With ``--host`` each shape instead measures the CPU time to enqueue one call (the GPU idle before it, so
+nothing waits): cuDNN's and ours, forward and forward + backward, and ours split into its layers (the custom op, the
+kernel launches alone, one bare kernel launch): where host overhead shows when a step launches faster than the GPU
+runs. With ``--profile`` each forward + backward also gets its GPU time per kernel (``torch.profiler``); ``--once``
 only runs each variant's forward + backward once per shape (no checks, no timing: the driver under Nsight Compute,
 after a run that autotuned with ``TRITON_CACHE_AUTOTUNING=1``; ``scripts/gpu_flash.sh OUT ncu``). Each backward's
 gradients are compared with the two-pass one's and cuDNN's (relative Frobenius error), and first, at
@@ -27,7 +30,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -208,6 +213,42 @@ def tile_sweep(shape: tuple[int, int, int, int], emit) -> None:
                 emit({**row, "variant": name, "pass": "fwd+bwd", "tiles": tiles, "error": _error(err)})
 
 
+def enqueue_us(fn, calls: int = 50) -> float:
+    """Median CPU microseconds to enqueue fn() on an idle GPU (synchronized before each call, not inside it)."""
+    fn()
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def host_overhead(shape: tuple[int, int, int, int], emit) -> None:
+    """CPU enqueue time per call, ours layer by layer against cuDNN's (see the module docstring)."""
+    row = shape_row(shape)
+    q, k, v, do = inputs(*shape)
+    o, lse = ft.flash_forward(q.detach(), k.detach(), v.detach(), True)
+    layers = {
+        "cudnn fwd": lambda: cudnn(q, k, v),
+        "cudnn fwd+bwd": lambda: grads(cudnn, q, k, v, do),
+        "ours fwd+bwd (autograd.Function)": lambda: grads(ours, q, k, v, do),
+        "ours fwd+bwd (custom op)": lambda: grads(lambda *t: ft.flash_attention(*t, True), q, k, v, do),
+        "ours fwd (custom op)": lambda: ft.flash_attention(q.detach(), k.detach(), v.detach(), True),
+        "ours fwd (flash_forward: launches alone)": lambda: ft.flash_forward(q.detach(), k.detach(), v.detach(), True),
+        "ours bwd (flash_backward: launches alone)": lambda: ft.flash_backward(do, q.detach(), k.detach(), v.detach(),
+                                                                               o, lse, True),
+        "empty tensor (allocation alone)": lambda: torch.empty(1, device="cuda"),
+    }
+    for name, fn in layers.items():
+        try:
+            emit({**row, "host": name, "enqueue_us": enqueue_us(fn)})
+        except Exception as err:  # a layer that fails is a row
+            emit({**row, "host": name, "error": _error(err)})
+
+
 def _error(err: BaseException) -> str:
     traceback.print_exc()
     return f"{type(err).__name__}: {err}".splitlines()[0][:300]
@@ -245,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="also each fwd+bwd's GPU time per kernel")
     parser.add_argument("--once", action="store_true", help="run each variant once per shape, nothing else")
     parser.add_argument("--tiles", action="store_true", help="time the backward with each dK/dV tile configuration")
+    parser.add_argument("--host", action="store_true", help="CPU time to enqueue one call, layer by layer")
     args = parser.parse_args(argv)
     variants = set(args.variants)
     if not torch.cuda.is_available():
@@ -274,7 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_checks:
         float64_checks(emit, variants)
     for shape in args.shapes:
-        (tile_sweep(shape, emit) if args.tiles else probe_shape(shape, emit, variants, args.profile))
+        if args.host:
+            host_overhead(shape, emit)
+        elif args.tiles:
+            tile_sweep(shape, emit)
+        else:
+            probe_shape(shape, emit, variants, args.profile)
     emit({"autotune": tuned_configs()})
     print(table(rows))
     return 0
