@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -226,8 +229,9 @@ def enqueue_us(fn, calls: int = 50) -> float:
     return statistics.median(samples)
 
 
-def host_overhead(shape: tuple[int, int, int, int], emit) -> None:
-    """CPU enqueue time per call, ours layer by layer against cuDNN's (see the module docstring)."""
+def host_overhead(shape: tuple[int, int, int, int], emit, out: Path) -> None:
+    """CPU enqueue time per call, ours layer by layer against cuDNN's (see the module docstring); the launches'
+    cProfile to OUT/host_profile_<shape>.txt."""
     row = shape_row(shape)
     q, k, v, do = inputs(*shape)
     o, lse = ft.flash_forward(q.detach(), k.detach(), v.detach(), True)
@@ -247,6 +251,15 @@ def host_overhead(shape: tuple[int, int, int, int], emit) -> None:
             emit({**row, "host": name, "enqueue_us": enqueue_us(fn)})
         except Exception as err:  # a layer that fails is a row
             emit({**row, "host": name, "error": _error(err)})
+    # Where the launches' CPU time goes, function by function (cProfile, cumulative time of 200 calls each).
+    for name in ("ours fwd (flash_forward: launches alone)", "ours bwd (flash_backward: launches alone)"):
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [layers[name]() for _ in range(200)])
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+        with (out / f"host_profile_{row['shape']}.txt").open("a") as f:
+            f.write(f"## {name}, 200 calls\n{text.getvalue()}\n")
 
 
 def _error(err: BaseException) -> str:
@@ -317,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         float64_checks(emit, variants)
     for shape in args.shapes:
         if args.host:
-            host_overhead(shape, emit)
+            host_overhead(shape, emit, args.out)
         elif args.tiles:
             tile_sweep(shape, emit)
         else:
