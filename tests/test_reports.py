@@ -19,7 +19,8 @@ def test_reports_from_committed_records(tmp_path):
     assert reports.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
     out = tmp_path / "out"
     index = (out / "index.md").read_text()
-    for name in ("attention_leaderboard_h100.md", "attention_leaderboard_h100_latency_bf16.png",
+    # the leaderboard's shapes span several (batch, heads) groups: one plot per group
+    for name in ("attention_leaderboard_h100.md", "attention_leaderboard_h100_latency_bf16_batch-size1_heads16.png",
                  "allreduce_gloo_cpu_busbw.png", "precision_cpu.md", "foundation_h100.md"):
         assert (out / name).stat().st_size > 0 and name in index
     assert "| fp16 | fp16 | 9.953125 |" in (out / "precision_cpu.md").read_text()
