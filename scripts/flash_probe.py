@@ -13,11 +13,11 @@ the GPU time alone, so the difference is host overhead). Our variants:
 With ``--tiles`` each shape instead times the backward with each dK/dV tile configuration in turn (the autotuning
 list and ``EXTRA_TILES``; the fused backward and the two-pass one): what the tuner chose from, and what it could
 choose. With ``--host`` each shape instead measures the CPU time to enqueue one call (the GPU idle before it, so
-nothing waits): cuDNN's and ours, forward and forward + backward, and ours split into its layers (the custom op, the
-kernel launches alone, one bare kernel launch): where host overhead shows when a step launches faster than the GPU
-runs. With ``--profile`` each forward + backward also gets its GPU time per kernel (``torch.profiler``); ``--once``
-only runs each variant's forward + backward once per shape (no checks, no timing: the driver under Nsight Compute,
-after a run that autotuned with ``TRITON_CACHE_AUTOTUNING=1``; ``scripts/gpu_flash.sh OUT ncu``). Each backward's
+nothing waits): cuDNN's and ours, forward and forward + backward, and ours split into its layers (the custom op, its
+kernel launches alone, one allocation; and a cProfile of the launches): where host overhead shows when the GPU runs
+faster than the CPU launches. With ``--profile`` each forward + backward also gets its GPU time per kernel
+(``torch.profiler``); ``--once`` only runs each variant's forward + backward once per shape (no checks, no
+timing: the driver under Nsight Compute, after a run that autotuned with ``TRITON_CACHE_AUTOTUNING=1``; ``scripts/gpu_flash.sh OUT ncu``). Each backward's
 gradients are compared with the two-pass one's and cuDNN's (relative Frobenius error), and first, at
 1 x 4 x 1,024 x d (d = 64, 80), with a float64 reference; the tile configuration each autotuned kernel chose ends
 the file. Rows (with the commit and machine: ``analysis.records.provenance``) go to OUT/flash_probe.jsonl as they

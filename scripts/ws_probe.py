@@ -30,15 +30,21 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _rows(T, rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """A TMA descriptor over the (rows, HEAD_DIM) matrix of every head's rows, tiles of BLOCK rows."""
+    return tl.make_tensor_descriptor(T, shape=[rows, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK, HEAD_DIM])
+
+
+@triton.jit
 def _fwd(Q, K, V, O, LSE, sm_scale, n, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
          WS: tl.constexpr):
     """O and LSE (natural log) of one query tile of one head; rows of all heads stacked: (B*H*n, d)."""
     start_m = tl.program_id(0) * BLOCK_M
     row0 = tl.program_id(1) * n
     rows = tl.num_programs(1) * n
-    q_desc = tl.make_tensor_descriptor(Q, shape=[rows, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    k_desc = tl.make_tensor_descriptor(K, shape=[rows, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V, shape=[rows, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    q_desc = _rows(Q, rows, HEAD_DIM, BLOCK_M)
+    k_desc = _rows(K, rows, HEAD_DIM, BLOCK_N)
+    v_desc = _rows(V, rows, HEAD_DIM, BLOCK_N)
     q = q_desc.load([row0 + start_m, 0])
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -55,7 +61,8 @@ def _fwd(Q, K, V, O, LSE, sm_scale, n, HEAD_DIM: tl.constexpr, BLOCK_M: tl.const
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     offs_m = row0 + start_m + tl.arange(0, BLOCK_M)
-    tl.store(O + offs_m[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty))
+    o = (acc / l_i[:, None]).to(O.dtype.element_ty)
+    tl.store(O + offs_m[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], o)
     tl.store(LSE + offs_m, (m_i + tl.math.log2(l_i)) / 1.4426950408889634)
 
 
@@ -66,10 +73,10 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, n, HEAD_DIM: tl.constexpr, 
     start_n = tl.program_id(0) * BLOCK_N
     row0 = tl.program_id(1) * n
     rows = tl.num_programs(1) * n
-    q_desc = tl.make_tensor_descriptor(Q, shape=[rows, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    do_desc = tl.make_tensor_descriptor(DO, shape=[rows, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    k_desc = tl.make_tensor_descriptor(K, shape=[rows, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V, shape=[rows, HEAD_DIM], strides=[HEAD_DIM, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    q_desc = _rows(Q, rows, HEAD_DIM, BLOCK_M)
+    do_desc = _rows(DO, rows, HEAD_DIM, BLOCK_M)
+    k_desc = _rows(K, rows, HEAD_DIM, BLOCK_N)
+    v_desc = _rows(V, rows, HEAD_DIM, BLOCK_N)
     k = k_desc.load([row0 + start_n, 0])
     v = v_desc.load([row0 + start_n, 0])
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -141,7 +148,8 @@ def probe(shape, emit) -> None:
                 emit({**row, "variant": "probe", "pass": "fwd", **config, "flops": flops, "ms": bench(fwd),
                       "o_rel_vs_cudnn": rel(o.view(b, h, n, d), out)})
             except Exception as err:  # a configuration that does not compile is a row
-                emit({**row, "variant": "probe", "pass": "fwd", **config, "error": f"{type(err).__name__}: {err}"[:300]})
+                emit({**row, "variant": "probe", "pass": "fwd", **config,
+                      "error": f"{type(err).__name__}: {err}"[:300]})
         for bm, bn, warps, stages in ((64, 128, 4, 2), (64, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3)):
             config = {"ws": ws, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
             try:
