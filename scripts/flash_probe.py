@@ -16,13 +16,14 @@ choose. With ``--host`` each shape instead measures the CPU time to enqueue one 
 nothing waits): cuDNN's and ours, forward and forward + backward, and ours split into its layers (the custom op, its
 kernel launches alone, one allocation; and a cProfile of the launches): where host overhead shows when the GPU runs
 faster than the CPU launches. With ``--profile`` each forward + backward also gets its GPU time per kernel
-(``torch.profiler``); ``--once`` only runs each variant's forward + backward once per shape (no checks, no
-timing: the driver under Nsight Compute, after a run that autotuned with ``TRITON_CACHE_AUTOTUNING=1``; ``scripts/gpu_flash.sh OUT ncu``). Each backward's
-gradients are compared with the two-pass one's and cuDNN's (relative Frobenius error), and first, at
-1 x 4 x 1,024 x d (d = 64, 80), with a float64 reference; the tile configuration each autotuned kernel chose ends
-the file. Rows (with the commit and machine: ``analysis.records.provenance``) go to OUT/flash_probe.jsonl as they
-are measured (a variant that fails is a row with its error); a table is printed at the end. Not the leaderboard
-(``python -m torch_impl.bench.attention`` makes that); it decides what the kernels become (notes/flash_attention.md).
+(``torch.profiler``); ``--once`` only runs each variant's forward + backward once per shape (no checks, no timing:
+the driver under Nsight Compute, after a run that autotuned with ``TRITON_CACHE_AUTOTUNING=1``;
+``scripts/gpu_flash.sh OUT ncu``). Each backward's gradients are compared with the two-pass one's and cuDNN's
+(relative Frobenius error), and first, at 1 x 4 x 1,024 x d (d = 64, 80), with a float64 reference; the tile
+configuration each autotuned kernel chose ends the file. Rows (with the commit and machine:
+``analysis.records.provenance``) go to OUT/flash_probe.jsonl as they are measured (a variant that fails is a row
+with its error); a table is printed at the end. Not the leaderboard (``python -m torch_impl.bench.attention`` makes
+that); it decides what the kernels become (notes/flash_attention.md).
 """
 
 from __future__ import annotations
