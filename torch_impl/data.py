@@ -4,9 +4,9 @@
   windows of ``context_length + 1`` tokens and returns inputs ``x`` and next-token targets ``y`` (both
   ``(B, T)`` int64 on ``device``), as in CS336 assignment 1; ``sample_starts`` / ``batch_at`` are its two
   halves, so a trainer can draw one global batch and give each rank its rows.
-* ``validation_starts`` / ``validation_batches``: fixed, deterministic, non-overlapping windows (window i
-  starts at ``i * context_length``), split over ranks batch by batch, so the validation set does not depend
-  on the number of ranks.
+* ``validation_starts`` / ``validation_batch_starts`` / ``validation_batches``: fixed, deterministic,
+  non-overlapping windows (window i starts at ``i * context_length``), split over ranks batch by batch, so the
+  validation set does not depend on the number of ranks.
 * ``prepare_data(source, cache_dir)`` returns a ``TokenData`` (train and validation arrays, vocabulary size):
 
   - ``"builtin"``: a corpus on every machine, needing no download: the Python standard library's own source
@@ -119,16 +119,22 @@ def validation_starts(n_tokens: int, context_length: int) -> np.ndarray:
     return np.arange(count, dtype=np.int64) * context_length
 
 
+def validation_batch_starts(n_tokens: int, batch_size: int, context_length: int, n_batches: int) -> list[np.ndarray]:
+    """The window starts of the first ``n_batches`` validation batches, every rank's (the last batch may be short
+    when the split has fewer windows)."""
+    starts = validation_starts(n_tokens, context_length)[:n_batches * batch_size]
+    if len(starts) == 0:
+        raise ValueError(f"the validation split ({n_tokens} tokens) holds no window of {context_length} + 1")
+    return [starts[b:b + batch_size] for b in range(0, len(starts), batch_size)]
+
+
 def validation_batches(dataset: np.ndarray, batch_size: int, context_length: int, n_batches: int,
                        device: str | torch.device = "cpu", rank: int = 0,
                        world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of the first ``n_batches`` validation batches (batch b goes to rank b % world_size);
     the last batch may be short when the split has fewer windows. Same windows at any world size."""
-    starts = validation_starts(len(dataset), context_length)[:n_batches * batch_size]
-    if len(starts) == 0:
-        raise ValueError(f"the validation split ({len(dataset)} tokens) holds no window of {context_length} + 1")
-    for b in range(rank, math.ceil(len(starts) / batch_size), world_size):
-        yield batch_at(dataset, starts[b * batch_size:(b + 1) * batch_size], context_length, device)
+    for starts in validation_batch_starts(len(dataset), batch_size, context_length, n_batches)[rank::world_size]:
+        yield batch_at(dataset, starts, context_length, device)
 
 
 # ----------------------------------------------------------------------------- corpora

@@ -89,7 +89,7 @@ from parallelism_calc.specs import MODELS, ModelSpec, get_model  # noqa: E402
 from torch_impl import checkpoint as ckpt  # noqa: E402
 from torch_impl.device import pick_device  # noqa: E402
 from torch_impl.data import (DEFAULT_BUILTIN_BYTES, DEFAULT_VAL_FRACTION, TokenData, batch_at,  # noqa: E402
-                             prepare_data, sample_starts, validation_batches)
+                             prepare_data, sample_starts, validation_batch_starts)
 from torch_impl.distributed.interface import DataParallelWrapper  # noqa: E402
 from torch_impl.distributed.process_group import DistributedContext, init_distributed  # noqa: E402
 from torch_impl.model import TransformerLM, cross_entropy  # noqa: E402
@@ -303,12 +303,12 @@ def evaluate(parts: Parts, cfg: TrainConfig, data: TokenData, device: torch.devi
     not a multiple of the world size) runs the first batch again, uncounted."""
     if cfg.val_batches == 0:
         return None
-    every = list(validation_batches(data.val, cfg.batch_size, cfg.seq_len, cfg.val_batches, device))  # all ranks'
+    every = validation_batch_starts(len(data.val), cfg.batch_size, cfg.seq_len, cfg.val_batches)  # all ranks'
     mine, forwards = every[rank::world_size], len(every[::world_size])  # rank 0's share is the largest
     parts.wrapper.module.eval()
     loss_sum, windows = 0.0, 0
-    for i in range(forwards):
-        x, y = mine[i] if i < len(mine) else every[0]
+    for i in range(forwards):  # only this rank's batches are built (the padding one: batch 0 again)
+        x, y = batch_at(data.val, mine[i] if i < len(mine) else every[0], cfg.seq_len, device)
         with _autocast(cfg, device):
             logits = parts.wrapper.eval_module(x)
         if i < len(mine):
