@@ -235,16 +235,16 @@ def host_overhead(shape: tuple[int, int, int, int], emit, out: Path) -> None:
     cProfile to OUT/host_profile_<shape>.txt."""
     row = shape_row(shape)
     q, k, v, do = inputs(*shape)
-    o, lse = ft.flash_forward(q.detach(), k.detach(), v.detach(), True)
+    qd, kd, vd = (t.detach() for t in (q, k, v))  # no autograd: the op's and the launches' own cost alone
+    o, lse = ft.flash_forward(qd, kd, vd, True)
     layers = {
         "cudnn fwd": lambda: cudnn(q, k, v),
         "cudnn fwd+bwd": lambda: grads(cudnn, q, k, v, do),
         "ours fwd+bwd (autograd.Function)": lambda: grads(ours, q, k, v, do),
         "ours fwd+bwd (custom op)": lambda: grads(lambda *t: ft.flash_attention(*t, True), q, k, v, do),
-        "ours fwd (custom op)": lambda: ft.flash_attention(q.detach(), k.detach(), v.detach(), True),
-        "ours fwd (flash_forward: launches alone)": lambda: ft.flash_forward(q.detach(), k.detach(), v.detach(), True),
-        "ours bwd (flash_backward: launches alone)": lambda: ft.flash_backward(do, q.detach(), k.detach(), v.detach(),
-                                                                               o, lse, True),
+        "ours fwd (custom op)": lambda: ft.flash_attention(qd, kd, vd, True),
+        "ours fwd (flash_forward: launches alone)": lambda: ft.flash_forward(qd, kd, vd, True),
+        "ours bwd (flash_backward: launches alone)": lambda: ft.flash_backward(do, qd, kd, vd, o, lse, True),
         "empty tensor (allocation alone)": lambda: torch.empty(1, device="cuda"),
     }
     for name, fn in layers.items():

@@ -26,7 +26,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from analysis.records import provenance
 from torch_impl.attention import flash_triton as ft
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _fwd(Q, K, V, O, LSE, sm_scale, n, HEAD_DIM: tl.constexpr, BLOCK_M: tl.const
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    scale = sm_scale * 1.4426950408889634
+    scale = sm_scale * LOG2E
     for start_n in tl.range(0, n, BLOCK_N, warp_specialize=WS):
         k = k_desc.load([row0 + start_n, 0])
         s = tl.dot(q, k.T) * scale
@@ -63,7 +63,7 @@ def _fwd(Q, K, V, O, LSE, sm_scale, n, HEAD_DIM: tl.constexpr, BLOCK_M: tl.const
     offs_m = row0 + start_m + tl.arange(0, BLOCK_M)
     o = (acc / l_i[:, None]).to(O.dtype.element_ty)
     tl.store(O + offs_m[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], o)
-    tl.store(LSE + offs_m, (m_i + tl.math.log2(l_i)) / 1.4426950408889634)
+    tl.store(LSE + offs_m, (m_i + tl.math.log2(l_i)) / LOG2E)
 
 
 @triton.jit
@@ -81,12 +81,12 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, n, HEAD_DIM: tl.constexpr, 
     v = v_desc.load([row0 + start_n, 0])
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    scale = sm_scale * 1.4426950408889634
+    scale = sm_scale * LOG2E
     for start_m in tl.range(0, n, BLOCK_M, warp_specialize=WS):
         q = q_desc.load([row0 + start_m, 0])
         do = do_desc.load([row0 + start_m, 0])
         offs_m = row0 + start_m + tl.arange(0, BLOCK_M)
-        lse2 = tl.load(LSE + offs_m) * 1.4426950408889634
+        lse2 = tl.load(LSE + offs_m) * LOG2E
         delta = tl.load(DELTA + offs_m)
         pt = tl.math.exp2(tl.dot(k, q.T) * scale - lse2[None, :])
         dv = tl.dot(pt.to(do.dtype), do, dv)
