@@ -1,0 +1,143 @@
+"""How fast is each GEMM of a training step, and the LM head with its loss? A one-call probe for the step issue
+(GPU): ``python3 scripts/gemm_probe.py OUT [--model xl] [--tokens 8192]``.
+
+Times, in bf16 with CUDA events (median of ``--reps`` after 3 warm-up calls), every matrix product of one train
+step of ``--model`` at ``--tokens`` tokens: for each weight (N, K) of ``nn.Linear`` layout the forward x W^T, the
+input gradient dy W and the weight gradient dy^T x, with their TFLOP/s and their time per step (48 blocks count
+48 times). The LM head is timed at the spec's vocabulary and padded to a multiple of ``--pad`` (a vocabulary of
+50,257 leaves every logits row at an odd address: cuBLAS cannot use its aligned kernels), then the head with its
+loss, forward and backward, in the ways the step could run it. Prints tables; writes OUT/gemm_probe.json. Not a
+record: the e2e benchmark makes those; this finds what to fix (notes/train_step.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from parallelism_calc.specs import get_model
+from torch_impl.model import cross_entropy
+
+
+def time_ms(fn, reps: int) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` calls after 3 warm-up calls, timed with CUDA events."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def weights(spec, pad: int) -> list[tuple[str, int, int, int]]:
+    """(name, N, K, uses per step) for every weight of the step; the head also padded to a multiple of ``pad``."""
+    d, f, layers, vocab = spec.d_model, spec.d_ff, spec.n_layers, spec.vocab_size
+    padded = -(-vocab // pad) * pad
+    return [("q|k|v|o", d, d, 4 * layers), ("w1|w3", f, d, 2 * layers), ("w2", d, f, layers),
+            (f"head {vocab}", vocab, d, 1), (f"head padded {padded}", padded, d, 1)]
+
+
+def gemm_rows(spec, tokens: int, pad: int, reps: int) -> list[dict]:
+    rows = []
+    for name, n, k, uses in weights(spec, pad):
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        for product, fn in (("forward x W^T", lambda: x @ w.t()), ("input grad dy W", lambda: dy @ w),
+                            ("weight grad dy^T x", lambda: dy.t() @ x)):
+            ms = time_ms(fn, reps)
+            rows.append({"weight": name, "product": product, "M": tokens, "N": n, "K": k, "uses": uses, "ms": ms,
+                         "tflops": 2 * tokens * n * k / ms / 1e9, "ms_per_step": ms * uses})
+        del x, w, dy
+    return rows
+
+
+def head_rows(spec, tokens: int, pad: int, reps: int) -> list[dict]:
+    """The LM head and its loss, forward and backward, from the final norm's output h (tokens, d) in bf16."""
+    vocab, padded = spec.vocab_size, -(-spec.vocab_size // pad) * pad
+    h = torch.randn(1, tokens, spec.d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(vocab, spec.d_model, device="cuda", dtype=torch.bfloat16) * 0.02)
+    targets = torch.randint(vocab, (1, tokens), device="cuda")
+    compiled_loss = torch.compile(cross_entropy)
+
+    def eager_head_compiled_loss():  # the step today: eager F.linear, then the compiled float32 loss
+        return compiled_loss(F.linear(h, weight), targets)
+
+    def padded_head_compiled_loss():  # the weight padded with zero rows; the loss sees the first `vocab` logits
+        logits = F.linear(h, F.pad(weight, (0, 0, 0, padded - vocab)))
+        return compiled_loss(logits[..., :vocab], targets)
+
+    def head_and_loss(w, y):
+        return cross_entropy(F.linear(h, w), y)
+
+    def padded_head_and_loss(w, y):
+        return cross_entropy(F.linear(h, F.pad(w, (0, 0, 0, padded - vocab)))[..., :vocab], y)
+
+    variants = {"eager head, compiled loss": eager_head_compiled_loss,
+                f"padded head ({padded}), compiled loss": padded_head_compiled_loss,
+                "head and loss compiled": lambda c=torch.compile(head_and_loss): c(weight, targets),
+                f"padded head ({padded}) and loss compiled": lambda c=torch.compile(padded_head_and_loss):
+                    c(weight, targets)}
+    reference = None
+    rows = []
+    for name, loss_fn in variants.items():
+        def step():
+            h.grad = weight.grad = None
+            loss = loss_fn()
+            loss.backward()
+            return loss
+        ms = time_ms(step, reps)
+        loss = step()
+        grads = (h.grad.float(), weight.grad.float())
+        if reference is None:
+            reference = (loss.item(), grads)
+        error = max((g - r).abs().max().item() / r.abs().max().item() for g, r in zip(grads, reference[1]))
+        rows.append({"variant": name, "ms": ms, "loss": loss.item(), "loss_diff": abs(loss.item() - reference[0]),
+                     "grad_max_rel_diff": error, "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+        torch.cuda.reset_peak_memory_stats()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--model", default="xl")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per step (batch x sequence)")
+    parser.add_argument("--pad", type=int, default=128, help="pad the vocabulary to a multiple of this")
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gemm_probe: needs a CUDA device", file=sys.stderr)
+        return 2
+    spec = get_model(args.model)
+    gemms = gemm_rows(spec, args.tokens, args.pad, args.reps)
+    print(f"{'weight':>22} {'product':>20} {'M x N x K':>20} {'ms':>8} {'TFLOP/s':>8} {'ms/step':>8}")
+    for r in gemms:
+        print(f"{r['weight']:>22} {r['product']:>20} {r['M']}x{r['N']}x{r['K']:>6} {r['ms']:8.3f} {r['tflops']:8.1f}"
+              f" {r['ms_per_step']:8.2f}")
+    body = sum(r["ms_per_step"] for r in gemms if not r["weight"].startswith("head"))
+    print(f"GEMMs of the blocks: {body:.1f} ms per step")
+    heads = head_rows(spec, args.tokens, args.pad, args.reps)
+    for r in heads:
+        print(f"{r['variant']:>40} {r['ms']:8.3f} ms  loss diff {r['loss_diff']:.1e}  grad diff "
+              f"{r['grad_max_rel_diff']:.1e}  peak {r['peak_gib']:.1f} GiB")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gemm_probe.json").write_text(json.dumps(
+        {"model": args.model, "tokens": args.tokens, "device": torch.cuda.get_device_name(),
+         "torch": torch.__version__, "gemms": gemms, "head_and_loss": heads}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
