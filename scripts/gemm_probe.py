@@ -40,12 +40,15 @@ def time_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+# the step's weights as (name, N, K, uses per step); names in parentheses are alternatives, not in the step's sum
 def weights(spec, pad: int) -> list[tuple[str, int, int, int]]:
-    """(name, N, K, uses per step) for every weight of the step; the head also padded to a multiple of ``pad``."""
+    """(name, N, K, uses per step) for every weight of the step, then alternatives: q, k, v as one product, the
+    head padded to a multiple of ``pad``."""
     d, f, layers, vocab = spec.d_model, spec.d_ff, spec.n_layers, spec.vocab_size
     padded = -(-vocab // pad) * pad
     return [("q|k|v|o", d, d, 4 * layers), ("w1|w3", f, d, 2 * layers), ("w2", d, f, layers),
-            (f"head {vocab}", vocab, d, 1), (f"head padded {padded}", padded, d, 1)]
+            (f"head {vocab}", vocab, d, 1), ("(q+k+v as one)", 3 * d, d, layers),
+            (f"(head padded {padded})", padded, d, 1)]
 
 
 def gemm_rows(spec, tokens: int, pad: int, reps: int) -> list[dict]:
@@ -55,7 +58,8 @@ def gemm_rows(spec, tokens: int, pad: int, reps: int) -> list[dict]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
         for product, fn in (("forward x W^T", lambda: x @ w.t()), ("input grad dy W", lambda: dy @ w),
-                            ("weight grad dy^T x", lambda: dy.t() @ x)):
+                            ("weight grad dy^T x", lambda: dy.t() @ x),
+                            ("(weight grad (x^T dy)^T)", lambda: (x.t() @ dy).t())):
             ms = time_ms(fn, reps)
             rows.append({"weight": name, "product": product, "M": tokens, "N": n, "K": k, "uses": uses, "ms": ms,
                          "tflops": 2 * tokens * n * k / ms / 1e9, "ms_per_step": ms * uses})
@@ -126,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in gemms:
         print(f"{r['weight']:>22} {r['product']:>20} {r['M']}x{r['N']}x{r['K']:>6} {r['ms']:8.3f} {r['tflops']:8.1f}"
               f" {r['ms_per_step']:8.2f}")
-    body = sum(r["ms_per_step"] for r in gemms if not r["weight"].startswith("head"))
-    print(f"GEMMs of the blocks: {body:.1f} ms per step")
+    in_step = [r for r in gemms if "(" not in r["weight"] + r["product"]]
+    print(f"the step's GEMMs: {sum(r['ms_per_step'] for r in in_step):.1f} ms per step")
     heads = head_rows(spec, args.tokens, args.pad, args.reps)
     for r in heads:
         print(f"{r['variant']:>40} {r['ms']:8.3f} ms  loss diff {r['loss_diff']:.1e}  grad diff "
