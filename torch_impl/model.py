@@ -147,12 +147,10 @@ class CausalSelfAttention(nn.Module):
         def heads(t: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T, H, d_head), a view
             return t.view(batch, seq, self.n_heads, d_model // self.n_heads)
 
-        # q, k and v as one product: xl's d x d products run at 420-530 TFLOP/s on an H100, one 3d x d product
-        # at 575-616 (scripts/gemm_probe.py; notes/train_step.md); the parameters stay three.
-        weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
-        q, k, v = (heads(t) for t in F.linear(x, weight).split(d_model, dim=-1))
         # RoPE in the (B, T, H, d_head) layout; the kernels take (B, H, T, d_head) views of it.
-        q, k, v = self.rope(q, positions).transpose(1, 2), self.rope(k, positions).transpose(1, 2), v.transpose(1, 2)
+        q = self.rope(heads(self.q_proj(x)), positions).transpose(1, 2)
+        k = self.rope(heads(self.k_proj(x)), positions).transpose(1, 2)
+        v = heads(self.v_proj(x)).transpose(1, 2)
         with nvtx.range(f"attention {self.attention_name}"):
             out = self.attention(q, k, v, is_causal=True)  # (B, H, T, d_head)
         return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
