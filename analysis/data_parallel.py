@@ -8,17 +8,17 @@ sequence length, dtype, attention and device; 1.0 is perfect weak scaling.
 
 from __future__ import annotations
 
-from analysis.records import Record, read_records
+from analysis.records import STEP_PHASES as PHASES, Record, read_records
 
 SUITE = "ddp"
-PHASES = ("forward", "backward", "comm_blocked", "optimizer")
 
 
 def baseline_key(record: Record) -> tuple:
     """What a run and its single-process baseline share: model, batch, sequence, dtype, attention, compiled
-    or not, device."""
+    or not, CUDA graphs or not, device."""
     return (record.model, record.batch_size, record.seq_len, record.dtype, record.metrics.get("attention"),
-            bool(record.metrics.get("compiled")), record.provenance.get("device_name"))
+            bool(record.metrics.get("compiled")), record.metrics.get("cuda_graph", "off"),
+            record.provenance.get("device_name"))
 
 
 def single_process_baselines(records: list[Record]) -> dict[tuple, float]:

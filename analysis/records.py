@@ -36,6 +36,11 @@ STATUSES: tuple[str, ...] = typing.get_args(Status)
 # The attention benchmark's providers (records' implementation) in display order; torch-free, for it and its report.
 ATTENTION_PROVIDERS = ("flash_triton", "flash_torch", "naive", "naive_compiled", "sdpa_flash", "sdpa_cudnn",
                        "sdpa_efficient", "flex")  # fmt: skip
+# The phases of a training step, in every suite's records (torch_impl.step.train_step marks them): forward (with
+# the loss), backward, comm (the data-parallel wrapper's wait for its gradient synchronization), optimizer. A suite
+# may add its own around the step (the trainer's "data"). Older records' names are read as these (LEGACY_PHASES).
+STEP_PHASES = ("forward", "backward", "comm", "optimizer")
+LEGACY_PHASES = {"comm_blocked": "comm"}  # the DDP benchmark's name before the step loop was shared
 _LIBRARIES = ("torch", "triton", "jax", "jaxlib", "flax", "optax", "numpy")
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -165,6 +170,8 @@ class Record:
             if not _is_a(value, accepted):
                 raise ValueError(f"field {name!r} is {type(value).__name__} {_short(value)}; accepted: "
                                  f"{' or '.join(t.__name__ for t in accepted)}")
+        if data.get("phases"):
+            data = {**data, "phases": {LEGACY_PHASES.get(p, p): stats for p, stats in data["phases"].items()}}
         return cls(**data)
 
 

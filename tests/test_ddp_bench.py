@@ -74,7 +74,7 @@ def test_record_fields(records, index):
     assert (r.suite, r.backend, r.mode, r.dtype, r.model, r.batch_size, r.seq_len) == (
         "ddp", "torch", "train_step", "fp32", "tiny", 2, 32)
     assert (r.warmup_steps, r.timed_steps) == (1, 2)
-    assert set(r.phases) == {"forward", "backward", "comm_blocked", "optimizer"}
+    assert set(r.phases) == {"forward", "backward", "comm", "optimizer"}
     # tokens/s counts every rank's batch: world x batch x seq / median step.
     assert r.tokens_per_s == pytest.approx(r.world_size * 2 * 32 / (r.timing["median_ms"] / 1e3))
     m = r.metrics
@@ -83,9 +83,9 @@ def test_record_fields(records, index):
     assert len(m["per_rank_median_ms"]) == r.world_size
     # Each step's time is the slowest rank's: its median is >= every rank's own median.
     assert r.timing["median_ms"] >= max(x["step"] for x in m["per_rank_median_ms"]) - 1e-9
-    assert m["comm_blocked_share"] == pytest.approx(r.phases["comm_blocked"]["median_ms"] / r.timing["median_ms"])
+    assert m["comm_blocked_share"] == pytest.approx(r.phases["comm"]["median_ms"] / r.timing["median_ms"])
     if m["impl"] in ("none", "torch_ddp", "fsdp2"):
-        assert r.phases["comm_blocked"]["max_ms"] < 1.0  # no wrapper to wait on (recorded ~0)
+        assert r.phases["comm"]["max_ms"] < 1.0  # no wrapper to wait on (recorded ~0)
 
 
 def test_predicted_memory_follows_the_strategy(records):
@@ -130,7 +130,7 @@ def test_report_only_prints_the_table(records, capsys):
     out, _ = records
     assert main(["--report-only", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "scaling_efficiency" in text and "zero1 + bucketed 10MB" in text and "comm_blocked_median_ms" in text
+    assert "scaling_efficiency" in text and "zero1 + bucketed 10MB" in text and "comm_median_ms" in text
 
 
 def test_compiled_baseline_is_its_own_baseline(tmp_path, capsys):
@@ -147,6 +147,11 @@ def test_compiled_baseline_is_its_own_baseline(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*COMMON, "--dist", "none,fsdp2", "--dtype", "bf16_mixed", "--out", str(out)])
     assert "--dtype bf16_mixed with fsdp2: they shard or cast the weights themselves" in capsys.readouterr().err
+    for flags, message in ((["--cuda-graph", "blocks"], "it needs --compile"),
+                           (["--cuda-graph", "blocks", "--compile"], "it needs --device cuda")):
+        with pytest.raises(SystemExit):
+            main([*COMMON, "--dist", "none", *flags, "--out", str(out)])
+        assert message in capsys.readouterr().err
 
 
 def test_none_under_torchrun_is_refused(tmp_path, monkeypatch):

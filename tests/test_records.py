@@ -202,3 +202,11 @@ def test_importing_records_stays_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_older_phase_names_are_read_as_the_shared_ones() -> None:
+    """The DDP benchmark's records before the shared step loop called its comm phase comm_blocked."""
+    stats = {"median_ms": 1.0}
+    old = Record(suite="ddp", backend="torch", implementation="none",
+                 phases={"forward": stats, "comm_blocked": stats}).to_dict()
+    assert set(Record.from_dict(old).phases) == {"forward", "comm"}

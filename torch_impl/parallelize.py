@@ -59,6 +59,27 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False, options: dict | N
     return model
 
 
+# --cuda-graph of the trainer and the DDP benchmark (e2e adds "step", the whole step captured as one graph)
+CUDA_GRAPHS = ("off", "blocks")
+
+
+def check_cuda_graph(mode: str, compile: bool, device: str, grad_accum: int = 1) -> None:
+    """ValueError unless ``--cuda-graph mode`` can run: blocks replays the graphs of the compiled blocks, so it
+    needs ``--compile`` and a CUDA device, and one micro-batch a step (a second micro-batch's replay would
+    write over the gradients the first left in the graphs' memory)."""
+    if mode not in (*CUDA_GRAPHS, "step"):
+        raise ValueError(f"--cuda-graph {mode!r}; accepted: {', '.join(CUDA_GRAPHS)}")
+    if mode == "off":
+        return
+    if mode == "blocks" and not compile:
+        raise ValueError("--cuda-graph blocks replays the graphs of the compiled blocks: it needs --compile")
+    if device != "cuda":
+        raise ValueError(f"--cuda-graph {mode} replays CUDA graphs: it needs --device cuda")
+    if grad_accum > 1:
+        raise ValueError(f"--cuda-graph {mode}: not with --grad-accum {grad_accum} (each micro-batch's replay would "
+                         "write over the gradients of the one before)")
+
+
 def check_supported(modes: list[str], compile: bool, dtype: str, flag: str) -> None:
     """ValueError if ``--compile`` or ``--dtype bf16_mixed`` meets a mode that cannot take it (``UNSUPPORTED``;
     ``flag``: how the CLI names modes)."""

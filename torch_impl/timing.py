@@ -44,7 +44,8 @@ class PhaseTimer:
         self._steps[-1].append((phase, self._now()))
 
     def results(self) -> tuple[list[float], dict[str, list[float]]]:
-        """(step times in ms, {phase: times in ms}) of every started step; waits for the device once."""
+        """(step times in ms, {phase: times in ms}) of every started step, a phase marked several times in a
+        step (one per micro-batch) summed; waits for the device once."""
         if self.cuda:
             torch.cuda.synchronize()
 
@@ -54,8 +55,11 @@ class PhaseTimer:
         steps, phases = [], {}
         for marks in self._steps:
             steps.append(ms(marks[0][1], marks[-1][1]))
+            this_step: dict[str, float] = {}
             for (_, before), (phase, after) in zip(marks, marks[1:]):
-                phases.setdefault(phase, []).append(ms(before, after))
+                this_step[phase] = this_step.get(phase, 0.0) + ms(before, after)
+            for phase, time_ms in this_step.items():
+                phases.setdefault(phase, []).append(time_ms)
         return steps, phases
 
 

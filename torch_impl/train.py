@@ -24,11 +24,12 @@ the mean over the global batch; all but the last micro-batch's backward run insi
 local one, averaged again, is the running mean). Gradient clipping (``--grad-clip``, 0 = off): the wrapper's
 ``clip_grad_norm_`` (as torch's, with the *global* norm: FSDP's shards' squares summed over the ranks).
 
-Timing (per rank; CUDA is synchronized at every phase boundary, so phases are exact and the run is a bit
-slower than an unsynchronized one): per step ``data`` (windows to device), ``forward`` (the model),
-``loss`` (cross-entropy), ``backward``, ``comm`` (time blocked in ``finish_gradient_synchronization``: the
-communication the backward did not hide; inside ``backward`` for torch DDP), ``optimizer`` (clipping, step,
-schedule, zero_grad); per epoch ``training``, ``validation``, ``checkpoint`` and ``epoch`` (all three);
+The step is ``torch_impl.step.train_step``, the e2e and DDP benchmarks' too. Timing (per rank, the device's
+time between CUDA events at the phase boundaries, ``torch_impl.timing.PhaseTimer``; nothing waits inside a step,
+reading its loss ends it): per step ``data`` (windows to device), then the step's phases
+(``analysis.records.STEP_PHASES``): ``forward`` (the model and the cross-entropy), ``backward``, ``comm`` (time
+blocked in ``finish_gradient_synchronization``: the communication the backward did not hide; inside
+``backward`` for torch DDP), ``optimizer`` (clipping, step, schedule, zero_grad); per epoch ``training``, ``validation``, ``checkpoint`` and ``epoch`` (all three);
 ``worker`` (since the trainer started, after the process group) and ``total`` (since this module was
 imported: about the process's life). One record per epoch (rank 0 appends it to ``--out``): suite "train",
 implementation the mode (e.g. "bucketed 25MB"), batch_size the per-rank micro-batch, timing / phases over
@@ -70,7 +71,6 @@ import time
 _IMPORTED = time.perf_counter()  # "total" time counts from here (about the process's start)
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
@@ -82,7 +82,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from analysis.benchmark import DTYPES, step_record  # noqa: E402
-from analysis.records import Record, divergence, save_records  # noqa: E402
+from analysis.records import STEP_PHASES as SHARED_PHASES, Record, divergence, save_records  # noqa: E402
 from parallelism_calc.cli import (ArgumentParser, error_boundary, fraction, nonnegative_float,  # noqa: E402
                                   nonnegative_int, one_line, positive_float, positive_int, writable_path)
 from parallelism_calc.specs import MODELS, ModelSpec, get_model  # noqa: E402
@@ -90,16 +90,17 @@ from torch_impl import checkpoint as ckpt  # noqa: E402
 from torch_impl.device import pick_device  # noqa: E402
 from torch_impl.data import (DEFAULT_BUILTIN_BYTES, DEFAULT_VAL_FRACTION, TokenData, batch_at,  # noqa: E402
                              prepare_data, sample_starts, validation_batch_starts)
-from torch_impl.distributed.interface import DataParallelWrapper  # noqa: E402
 from torch_impl.distributed.process_group import DistributedContext, init_distributed  # noqa: E402
 from torch_impl.model import TransformerLM, cross_entropy  # noqa: E402
-from torch_impl.parallelize import (DATA_PARALLEL, DataParallelConfig, apply_compile, apply_data_parallel,  # noqa: E402
-                                    check_supported, data_parallel_configs)
+from torch_impl.parallelize import (CUDA_GRAPHS, DATA_PARALLEL, DataParallelConfig, apply_compile,  # noqa: E402
+                                    apply_data_parallel, check_cuda_graph, check_supported, data_parallel_configs)
+from torch_impl.step import StepParts, autocast, train_step  # noqa: E402
+from torch_impl.timing import PhaseTimer  # noqa: E402
 
 SUITE = "train"
 # Not fsdp2: it has no DataParallelWrapper (its DTensor parameters would need their own norm and checkpoints).
 DIST_MODES = tuple(m for m in DATA_PARALLEL if m != "fsdp2")
-STEP_PHASES = ("data", "forward", "loss", "backward", "comm", "optimizer")
+STEP_PHASES = ("data", *SHARED_PHASES)  # the windows to the device, then the shared step's phases
 # Settings a resumed run must share with the checkpoint for its trajectory to be the uninterrupted one's.
 RESUME_KEYS = ("model", "d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "seq_len", "epochs",
                "steps_per_epoch", "lr", "min_lr", "warmup_steps", "grad_clip", "weight_decay", "adam_eps",
@@ -132,6 +133,7 @@ class TrainConfig:
     dtype: str = "fp32"
     attention: str = "sdpa"
     compile: bool = False
+    cuda_graph: str = "off"
     dist: str = "none"
     bucket_mb: float = 25.0
     val_batches: int = 8
@@ -156,6 +158,8 @@ class TrainConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}; accepted: {', '.join(DTYPES)}")
         check_supported([self.dist], self.compile, self.dtype, flag="--dist ")
+        cuda = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        check_cuda_graph(self.cuda_graph, self.compile, "cuda" if cuda else "cpu", self.grad_accum)
         for name in ("epochs", "batch_size", "grad_accum", "seq_len", "checkpoint_every"):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
@@ -202,20 +206,13 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
 # ----------------------------------------------------------------------------- model, wrapper, optimizer
 
 
-@dataclass
-class Parts:
-    forward: torch.nn.Module  # what a training step calls (the wrapper, or the model)
-    wrapper: DataParallelWrapper  # all the loop needs of the mode; .module: the bare model (FSDP's shards under fsdp)
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-
-
-def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: int, total_steps: int) -> Parts:
-    """The model, compiled per block with --compile, in its data-parallel wrapper with AdamW and the LR schedule."""
+def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: int, total_steps: int) -> StepParts:
+    """The model, compiled per block with --compile (its blocks' CUDA graphs with --cuda-graph blocks), in its
+    data-parallel wrapper with AdamW and the LR schedule: what ``train_step`` calls."""
     torch.manual_seed(cfg.seed)
     model = TransformerLM(spec, attention=cfg.attention, device=device)
     if cfg.compile:
-        apply_compile(model)
+        apply_compile(model, cuda_graphs=cfg.cuda_graph == "blocks")
     adamw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps, betas=cfg.betas,
                  fused=device.type == "cuda")
     mode = data_parallel_config(cfg)
@@ -223,7 +220,8 @@ def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: i
                                                       adamw=adamw)
     schedule = dict(lr=cfg.lr, min_lr=cfg.final_lr, warmup_steps=cfg.warmup_steps, total_steps=total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, **schedule) / cfg.lr)
-    return Parts(forward, wrapper, optimizer, scheduler)
+    return StepParts(forward, optimizer, dtype=cfg.dtype, wrapper=wrapper, scheduler=scheduler,
+                     grad_clip=cfg.grad_clip)
 
 
 def data_parallel_config(cfg: TrainConfig) -> DataParallelConfig:
@@ -231,60 +229,7 @@ def data_parallel_config(cfg: TrainConfig) -> DataParallelConfig:
     return data_parallel_configs([cfg.dist], [cfg.bucket_mb])[0]
 
 
-# ----------------------------------------------------------------------------- one step, validation
-
-
-class PhaseTimer:
-    """Wall-clock seconds per phase, with the device synchronized around each (CUDA)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.seconds: dict[str, float] = {}
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        self.sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.sync()
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-
-def _autocast(cfg: TrainConfig, device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else contextlib.nullcontext()
-
-
-def train_step(parts: Parts, cfg: TrainConfig, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-               timer: PhaseTimer, device: torch.device) -> tuple[float, float | None]:
-    """One optimizer step over the micro-batches: (this rank's mean loss, the gradient norm before clipping)."""
-    k, wrapper = len(micro_batches), parts.wrapper
-    wrapper.on_train_batch_start()
-    total = torch.zeros((), device=device)
-    for j, (x, y) in enumerate(micro_batches):
-        last = j == k - 1
-        with contextlib.nullcontext() if last else wrapper.no_sync():
-            with timer("forward"), _autocast(cfg, device):
-                logits = parts.forward(x)  # (B, T, V)
-            with timer("loss"):
-                loss = cross_entropy(logits, y) / k
-            with timer("backward"):
-                loss.backward()
-        if last or wrapper.sync_every_backward:
-            with timer("comm"):
-                wrapper.finish_gradient_synchronization()
-        total += loss.detach()
-    with timer("optimizer"):
-        norm = wrapper.clip_grad_norm_(cfg.grad_clip) if cfg.grad_clip > 0 else None
-        parts.optimizer.step()
-        parts.scheduler.step()
-        parts.optimizer.zero_grad(set_to_none=True)
-    return total.item(), None if norm is None else norm.item()
+# ----------------------------------------------------------------------------- validation
 
 
 def _all_reduce_sum(values: list[float], device: torch.device, world_size: int) -> list[float]:
@@ -295,7 +240,7 @@ def _all_reduce_sum(values: list[float], device: torch.device, world_size: int) 
 
 
 @torch.no_grad()
-def evaluate(parts: Parts, cfg: TrainConfig, data: TokenData, device: torch.device, rank: int,
+def evaluate(parts: StepParts, cfg: TrainConfig, data: TokenData, device: torch.device, rank: int,
              world_size: int) -> float | None:
     """Mean loss over the validation windows (the first ``val_batches`` batches), all ranks together.
 
@@ -309,7 +254,7 @@ def evaluate(parts: Parts, cfg: TrainConfig, data: TokenData, device: torch.devi
     loss_sum, windows = 0.0, 0
     for i in range(forwards):  # only this rank's batches are built (the padding one: batch 0 again)
         x, y = batch_at(data.val, mine[i] if i < len(mine) else every[0], cfg.seq_len, device)
-        with _autocast(cfg, device):
+        with autocast(cfg.dtype, device):
             logits = parts.wrapper.eval_module(x)
         if i < len(mine):
             loss_sum += cross_entropy(logits, y).item() * len(x)
@@ -322,7 +267,7 @@ def evaluate(parts: Parts, cfg: TrainConfig, data: TokenData, device: torch.devi
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def save(parts: Parts, cfg: TrainConfig, step: int, generator: np.random.Generator, settings: dict,
+def save(parts: StepParts, cfg: TrainConfig, step: int, generator: np.random.Generator, settings: dict,
          rank: int, world_size: int) -> None:
     """A checkpoint of everything the next step depends on (see the module docstring). Collective."""
     shared, local = parts.wrapper.checkpoint_state(parts.optimizer)  # a collective (ZeRO-1)
@@ -332,7 +277,7 @@ def save(parts: Parts, cfg: TrainConfig, step: int, generator: np.random.Generat
                          world_size=world_size)
 
 
-def restore(parts: Parts, cfg: TrainConfig, generator: np.random.Generator, settings: dict, rank: int,
+def restore(parts: StepParts, cfg: TrainConfig, generator: np.random.Generator, settings: dict, rank: int,
             world_size: int) -> int:
     """Load the latest checkpoint into ``parts`` and ``generator``; returns its step."""
     state = ckpt.load_checkpoint(cfg.checkpoint_dir, rank)
@@ -429,25 +374,26 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
         epoch_start = time.perf_counter()
         stats = _EpochStats()
         bar = _progress(steps_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and rank == 0)
+        timer = PhaseTimer(device)
         for _ in range(steps_per_epoch):
-            timer = PhaseTimer(device)
             step_start = time.perf_counter()
-            with timer("data"):
-                starts = sample_starts(len(data.train), global_batch, cfg.seq_len, generator)
-                starts = starts.reshape(cfg.grad_accum, world_size, cfg.batch_size)  # (micro, rank, row)
-                micro = [batch_at(data.train, starts[j, rank], cfg.seq_len, device) for j in range(cfg.grad_accum)]
-            loss, norm = train_step(parts, cfg, micro, timer, device)
+            timer.start()
+            starts = sample_starts(len(data.train), global_batch, cfg.seq_len, generator)
+            starts = starts.reshape(cfg.grad_accum, world_size, cfg.batch_size)  # (micro, rank, row)
+            micro = [batch_at(data.train, starts[j, rank], cfg.seq_len, device) for j in range(cfg.grad_accum)]
+            timer.mark("data")
+            loss, norm = train_step(parts, micro, timer.mark)
+            stats.losses.append(loss.item())  # waits for the step: the wall clock below is the step's
             stats.step_ms.append((time.perf_counter() - step_start) * 1e3)
-            for p in STEP_PHASES:
-                stats.phase_ms[p].append(timer.seconds.get(p, 0.0) * 1e3)
-            stats.losses.append(loss)
             if norm is not None:
-                stats.grad_norms.append(norm)
+                stats.grad_norms.append(norm.item())
             step += 1
             if bar is not None:
                 tokens_s = global_batch * cfg.seq_len * len(stats.step_ms) / (sum(stats.step_ms) / 1e3)
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_s:,.0f}", refresh=False)
+                bar.set_postfix(loss=f"{stats.losses[-1]:.4f}", tok_s=f"{tokens_s:,.0f}", refresh=False)
                 bar.update()
+        phases = timer.results()[1]
+        stats.phase_ms = {p: phases.get(p, [0.0] * steps_per_epoch) for p in STEP_PHASES}
         if bar is not None:
             bar.close()
         training_s = time.perf_counter() - epoch_start
@@ -495,14 +441,14 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
 def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch: int, step: int,
                   global_batch: int, world_size: int, device_name: str, stats: _EpochStats,
                   losses: list[float], val_loss: float | None, gathered: list[dict], times: dict,
-                  data: TokenData, parts: Parts) -> Record:
+                  data: TokenData, parts: StepParts) -> Record:
     worst = {k: max(g[k] for g in gathered) for k in ("training_s", "validation_s", "checkpoint_s", "epoch_s")}
     peaks = [g["peak"] for g in gathered]
     step_args = argparse.Namespace(suite=SUITE, mode="train_step", dtype=cfg.dtype, warmup=0,
                                    steps=len(stats.step_ms), batch_size=cfg.batch_size * cfg.grad_accum)
     metrics = {
         "epoch": epoch + 1, "epochs": cfg.epochs, "step": step, "steps_per_epoch": steps_per_epoch,
-        "attention": cfg.attention, "compiled": cfg.compile, "dist": cfg.dist, "grad_accum": cfg.grad_accum, "global_batch": global_batch,
+        "attention": cfg.attention, "compiled": cfg.compile, "cuda_graph": cfg.cuda_graph, "dist": cfg.dist, "grad_accum": cfg.grad_accum, "global_batch": global_batch,
         "samples_per_epoch": global_batch * steps_per_epoch,
         "tokens_per_epoch": global_batch * steps_per_epoch * cfg.seq_len,
         "train_loss": statistics.fmean(losses), "train_losses": losses, "val_loss": val_loss,
@@ -575,6 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="fp32; bf16 autocast with fp32 weights; bf16_mixed: bf16 weights, fp32 masters in the optimizer")
     a("--attention", default=d.attention, help=f"attention backend (default {d.attention})")
     a("--compile", action="store_true", help="torch.compile each block (not with --dist fsdp)")
+    a("--cuda-graph", choices=CUDA_GRAPHS, default=d.cuda_graph,
+      help="blocks: replay each compiled block as CUDA graphs (needs --compile, CUDA, --grad-accum 1; default off)")
     a("--dist", choices=DIST_MODES, default=d.dist, help=f"data-parallel mode (default {d.dist})")
     a("--bucket-mb", type=positive_float, default=d.bucket_mb,
       help="bucket size in MiB for bucketed and zero1 (default 25)")

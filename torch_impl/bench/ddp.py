@@ -11,17 +11,17 @@ an import failure is an error record); ``bucketed`` and ``zero1`` run once per `
 another in the same launch. ``--dtype bf16`` runs the forward under ``torch.autocast(bfloat16)``, fp32 weights (all
 impls).
 
-Phases of a step (ms): ``forward`` (model + loss), ``backward`` (``loss.backward()``), ``comm_blocked`` (time
-blocked in ``finish_gradient_synchronization()``: the gradient communication the backward did not hide),
-``optimizer`` (``optimizer.step()``; for ZeRO-1 it includes the broadcast of the updated parameters), and
-the step total (from the start of the forward to the end of the optimizer step, ``zero_grad`` excluded).
-Timing on CUDA: every step starts and ends with ``torch.cuda.synchronize()``; the boundaries *inside* a step
-synchronize the current (compute) stream only, so an NCCL all-reduce still running on its own stream when
-the backward's kernels finish is counted in ``comm_blocked`` (where ``finish_gradient_synchronization`` makes
-the compute stream wait for it), not folded into ``backward`` as a device-wide sync would. On the CPU
-(gloo), plain ``time.perf_counter``. Caveat: ``torch_ddp`` and ``fsdp2`` wait for their gradient
-communication inside ``backward`` itself (the autograd engine's final callback), so their ``comm_blocked``
-is recorded as 0 and their exposed communication is part of ``backward``; ``none`` also records 0.
+Phases of a step (ms), ``torch_impl.step.train_step``'s (``analysis.records.STEP_PHASES``): ``forward`` (model +
+loss), ``backward`` (``loss.backward()``), ``comm`` (time blocked in ``finish_gradient_synchronization()``: the
+gradient communication the backward did not hide), ``optimizer`` (``optimizer.step()``; for ZeRO-1 it includes the
+broadcast of the updated parameters), and the step total. Timing (``torch_impl.timing.PhaseTimer``): on CUDA an
+event on the compute stream at each phase boundary and nothing waits inside a step, so an NCCL all-reduce still
+running on its own stream when the backward's kernels finish is counted in ``comm`` (where
+``finish_gradient_synchronization`` makes the compute stream wait for it); reading the loss ends each step. On
+the CPU (gloo), host clocks. Caveat: ``torch_ddp`` and ``fsdp2`` wait for their gradient communication inside
+``backward`` itself (the autograd engine's final callback), so their ``comm`` is ~0 (fsdp2: recorded as 0) and
+their exposed communication is part of ``backward``; ``none`` also records ~0. ``--cuda-graph blocks`` (with
+``--compile``) replays each block's graphs, as the e2e benchmark's fastest one-GPU step does.
 
 Records (rank 0 appends one per configuration to ``--out``): suite "ddp", implementation e.g.
 "bucketed 25MB" / "zero1 + bucketed 25MB", world_size, mode train_step. Every rank's per-step phase times
@@ -39,7 +39,7 @@ FSDPs, the working set each really gathers (in the compute dtype, so no autocast
 every weight matrix on its own, ``FSDP``'s default 2 prefetched (``gather_unit="layer"``,
 ``prefetch_layers=2``); ``fsdp2`` a block at a time, 1 prefetched, plus its root (embedding, final norm, LM
 head), which FSDP2 does not reshard after forward (``gather_unit="block"``, ``prefetch_layers=1``,
-``reshard_root=False``); and ``comm_blocked_share`` = median comm_blocked / median step. Caveats: our FSDP
+``reshard_root=False``); and ``comm_blocked_share`` = median comm / median step. Caveats: our FSDP
 shards the Linear / Embedding weights and replicates the norm gains (the calculator's "fsdp" shards all, a
 negligible difference); up to two layers' full-size gradients (``MAX_PENDING_REDUCE_SCATTERS``, in the
 reduce dtype) wait for their reduce-scatter at a time, which the calculator does not count (at most 2 x the
@@ -62,14 +62,12 @@ and every process exits non-zero (torchrun then stops the others) instead of han
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import math
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 from analysis.benchmark import DTYPES, calculator_terms, fixed_batch, resolve_spec, step_record
@@ -78,7 +76,8 @@ from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, basel
 from analysis.records import Record, read_records, save_records
 from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int,
                                   positive_float, positive_int, writable_path)
-from torch_impl.parallelize import DATA_PARALLEL, apply_compile, apply_data_parallel, check_supported
+from torch_impl.parallelize import (CUDA_GRAPHS, DATA_PARALLEL, apply_compile, apply_data_parallel,
+                                    check_cuda_graph, check_supported)
 from torch_impl.parallelize import DataParallelConfig as Config, data_parallel_configs as configurations
 
 IMPLS = DATA_PARALLEL  # --dist takes every data-parallel mode
@@ -113,21 +112,6 @@ def parse_bucket_mb(text: str) -> list[float]:
 # ----------------------------------------------------------------------------- per-step timing
 
 
-def _sync_device(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _sync_stream(device) -> None:
-    """The compute stream only (see the module docstring: in-flight NCCL work is not waited for here)."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 def _is_collective_error(err: BaseException) -> bool:
     import torch.distributed as dist
 
@@ -141,53 +125,33 @@ def _is_collective_error(err: BaseException) -> bool:
 def _measure(cfg: Config, args: argparse.Namespace, spec, seq_len: int, device, rank: int) -> dict[str, Any]:
     """This rank's per-step phase times (ms), its peak memory and its losses, for one configuration."""
     import torch
-    from torch_impl.model import TransformerLM, cross_entropy
+    from torch_impl.model import TransformerLM
+    from torch_impl.step import StepParts, train_step
+    from torch_impl.timing import PhaseTimer
 
     check_supported([cfg.impl], args.compile, args.dtype, flag="")
     torch.manual_seed(args.seed)
     model = TransformerLM(spec, attention=args.attention, device=device)
     if args.compile:
-        apply_compile(model)
+        apply_compile(model, cuda_graphs=args.cuda_graph == "blocks")
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     forward, wrapper, optimizer = apply_data_parallel(model, cfg.impl, bucket_mb=cfg.bucket_mb, dtype=args.dtype,
                                                       adamw=adamw)
     tokens = torch.from_numpy(fixed_batch(args.seed + rank, args.batch_size, seq_len, spec.vocab_size)).to(device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
-                else contextlib.nullcontext())
-    def step() -> tuple[float, dict[str, float], float]:
-        if wrapper is not None:  # its DataParallelWrapper (None for fsdp2)
-            wrapper.on_train_batch_start()
-        _sync_device(device)
-        t0 = time.perf_counter()
-        with autocast:
-            loss = cross_entropy(forward(inputs), targets)
-        _sync_stream(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        _sync_stream(device)
-        t2 = time.perf_counter()
-        if wrapper is not None:
-            wrapper.finish_gradient_synchronization()
-        _sync_stream(device)
-        t3 = time.perf_counter()
-        optimizer.step()
-        _sync_device(device)
-        t4 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        phases = {"forward": t1 - t0, "backward": t2 - t1, "comm_blocked": t3 - t2, "optimizer": t4 - t3}
-        return loss.item(), {k: v * 1e3 for k, v in phases.items()}, (t4 - t0) * 1e3
+    batch = [(tokens[:, :-1], tokens[:, 1:])]  # (inputs, targets), (B, T) each
+    parts = StepParts(forward, optimizer, dtype=args.dtype, wrapper=wrapper)
 
-    losses = [step()[0] for _ in range(args.warmup)]
+    def step(timer: PhaseTimer) -> float:
+        timer.start()
+        return train_step(parts, batch, timer.mark)[0].item()
+
+    losses = [step(PhaseTimer(device)) for _ in range(args.warmup)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    step_ms, phases_ms = [], {p: [] for p in PHASES}
-    for _ in range(args.steps):
-        loss, phases, total = step()
-        losses.append(loss)
-        step_ms.append(total)
-        for p in PHASES:
-            phases_ms[p].append(phases[p])
+    timer = PhaseTimer(device)
+    losses += [step(timer) for _ in range(args.steps)]
+    step_ms, phases_ms = timer.results()
+    phases_ms.setdefault("comm", [0.0] * args.steps)  # fsdp2: no wrapper, its communication is in the backward
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {"step_ms": step_ms, "phases_ms": phases_ms, "peak": peak, "losses": losses, "error": None}
 
@@ -220,7 +184,7 @@ def make_record(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world
     errors = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g.get("error")]
     common = dict(backend="torch", implementation=cfg.name, device_name=device_name)
     metrics: dict[str, Any] = {"impl": cfg.impl, "bucket_mb": cfg.bucket_mb, "attention": args.attention,
-                               "compiled": bool(args.compile),
+                               "compiled": bool(args.compile), "cuda_graph": args.cuda_graph,
                                "strategy": STRATEGY[cfg.impl], "fused_adamw": device_name != "cpu",
                                "timing_rank": "slowest rank per step"}
     try:
@@ -249,7 +213,7 @@ def make_record(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world
         record = step_record(_step_args(args), spec, seq_len, step_times_ms=step_ms, phases_ms=phases_ms,
                              peak_memory_bytes=None if None in peaks else max(peaks), metrics=metrics, **common)
         record.tokens_per_s = world_size * args.batch_size * seq_len / (record.timing["median_ms"] / 1e3)
-        record.metrics["comm_blocked_share"] = record.phases["comm_blocked"]["median_ms"] / record.timing["median_ms"]
+        record.metrics["comm_blocked_share"] = record.phases["comm"]["median_ms"] / record.timing["median_ms"]
     record.world_size = world_size
     record.mesh = {"dp": world_size} if STRATEGY[cfg.impl] != "fsdp" else {"fsdp": world_size}
     return record
@@ -374,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention", default="sdpa", help="attention backend of the model (default sdpa)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each block before wrapping (not with fsdp, fsdp2)")
+    parser.add_argument("--cuda-graph", choices=CUDA_GRAPHS, default="off",
+                        help="blocks: replay each compiled block's forward and backward as CUDA graphs (needs "
+                             "--compile and CUDA; the fix for a host-bound step, notes/train_step.md); default off")
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     parser.add_argument("--weight-decay", type=nonnegative_float, default=0.01,
                         help="AdamW weight decay (default 0.01)")
@@ -400,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         resolve_spec(argparse.Namespace(**{**vars(args), "mode": "train_step"}))
         impls = parse_impls(args.impl)
         check_supported(impls, args.compile, args.dtype, flag="")
+        check_cuda_graph(args.cuda_graph, args.compile, args.device)
         parse_bucket_mb(args.bucket_mb)
         return run(args)
     except ValueError as err:

@@ -4,8 +4,9 @@ Times ``--mode`` forward (no gradients) | forward_backward | train_step (AdamW) 
 ``--steps`` timed steps on a fixed random batch (so in train_step mode the loss falls as the model memorizes
 it), and writes one record (``analysis.records``) with the per-step and per-phase times, tokens/s, TFLOP/s and
 MFU (FLOPs from ``parallelism_calc``), peak memory, the losses and the time the first step took to build
-(compilation, capture: ``metrics.compile_s``). Phases are marked with CUDA events and the device is waited for
-once, after the timed steps (``torch_impl.timing.PhaseTimer``), so the harness does not stall the step it times.
+(compilation, capture: ``metrics.compile_s``). The step is ``torch_impl.step.train_step``, the trainer's and the DDP
+benchmark's; its phases are marked with CUDA events and the device is waited for once, after the timed steps
+(``torch_impl.timing.PhaseTimer``), so the harness does not stall the step it times.
 
 ``--stock BACKEND`` first times the stock reference (``torch_impl.stock``, compiled as a whole with
 ``--compile``) in the same process with the same flags and weights; ours then carries ``metrics.x_stock``.
@@ -24,7 +25,6 @@ The JAX twin, ``python -m jax_impl.bench.e2e``, takes the same step flags; ``--s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import sys
 import time
@@ -41,8 +41,9 @@ from torch_impl import nvtx
 from torch_impl.device import device_name, pick_device
 from torch_impl.model import TransformerLM, cross_entropy
 from torch_impl.optim import adamw_for
-from torch_impl.parallelize import apply_activation_checkpointing, apply_compile
+from torch_impl.parallelize import apply_activation_checkpointing, apply_compile, check_cuda_graph
 from torch_impl.profiling import profile_steps
+from torch_impl.step import StepParts, train_step
 from torch_impl.stock import SDPA_BACKENDS, StockTransformerLM
 from torch_impl.timing import PhaseTimer, capture_step
 
@@ -102,13 +103,11 @@ def check_flags(args: argparse.Namespace) -> list[str]:
         raise ValueError("--nested-checkpoint needs --ac-every K")
     if args.memory_snapshot and device.type != "cuda":
         raise ValueError("--memory-snapshot records the CUDA allocator: it needs --device cuda")
-    if "blocks" in graphs and not args.compile:
-        raise ValueError("--cuda-graph blocks replays the graphs of the compiled blocks: it needs --compile")
     if "blocks" in graphs and args.checkpoint_every:
         raise ValueError("--cuda-graph blocks: not with --ac-every (the recomputation would replay the "
                          "blocks' graphs inside the backward); use --cuda-graph step")
-    if graphs != ["off"] and device.type != "cuda":
-        raise ValueError("--cuda-graph blocks/step replays CUDA graphs: it needs --device cuda")
+    for graph in graphs:
+        check_cuda_graph(graph, args.compile, device.type)
     if args.stock and args.stock not in SDPA_BACKENDS:
         raise ValueError(f"--stock {args.stock!r}: the stock model runs SDPA; accepted: {', '.join(SDPA_BACKENDS)}")
     return graphs
@@ -139,30 +138,16 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
     fused = args.dtype != "bf16_mixed" and (device.type == "cuda" if args.fused_adamw == "auto" else args.fused_adamw == "on")
     optimizer = adamw_for(args.dtype, model.parameters(), fused=fused, capturable=graphed, lr=args.lr,
                           weight_decay=args.weight_decay)
-    forward, loss_fn = model, cross_entropy
+    parts = StepParts(model, optimizer, dtype=args.dtype)
     if args.compile and stock:  # the stock way: the whole model as one graph
-        forward = torch.compile(model)
+        parts.forward = torch.compile(model)
     elif args.compile:
         apply_compile(model, cuda_graphs=graph == "blocks")
-        loss_fn = torch.compile(cross_entropy)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
-                else contextlib.nullcontext())
+        parts.loss_fn = torch.compile(cross_entropy)
     timer = PhaseTimer(device)
 
     def step(mark) -> torch.Tensor:
-        """One step, ``mark(phase)`` after each phase; gradients start as None, so a captured step makes
-        them inside its graph."""
-        optimizer.zero_grad(set_to_none=True)
-        with autocast, torch.set_grad_enabled(args.mode != "forward"):
-            loss = loss_fn(forward(inputs), targets)
-        mark("forward")
-        if args.mode != "forward":
-            loss.backward()
-            mark("backward")
-        if args.mode == "train_step":
-            optimizer.step()
-            mark("optimizer")
-        return loss.detach()
+        return train_step(parts, [(inputs, targets)], mark, mode=args.mode)[0]
 
     start = time.perf_counter()
     if graphed:
