@@ -15,10 +15,12 @@
 # the same for 2.7B 2 x 2,048, then ours at xl 4 x 2,048 profiled. probe: a change to ours checked in one call: xl
 # 4 x 2,048 against stock (graph per block), then ours profiled there (OUT_DIR/*_kernels.md). inductor: ours at xl
 # 4 x 2,048 (bf16_mixed, graph per block) under Inductor options, scripts/step_probe.py (OUT_DIR/step_probe.json).
-# Tables are regenerated into OUT_DIR/reports.
+# loops: the trainer's and the DDP benchmark's one-GPU step (xl 2 x 512, compiled per block) without and with each
+# block's CUDA graphs, as e2e's fastest step (OUT_DIR/ddp_one_gpu_<gpu>.jsonl, OUT_DIR/train_<gpu>.jsonl), then the
+# GPU tests of the step. Tables are regenerated into OUT_DIR/reports.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor}
-phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor}
+out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops}
+phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_tag.sh"  # GPU_TAG: h100, h200, ... in the record file names (<gpu> below)
@@ -65,6 +67,16 @@ inductor)
   base=ours_block+ro+mixed
   python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 --variants \
     "$base,$base+ind:triton.mix_order_reduction=0,$base+ind:coordinate_descent_tuning=1,$base+ind:triton.mix_order_reduction=0+ind:coordinate_descent_tuning=1" ;;
-*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor" >&2; exit 2 ;;
+loops)
+  for dtype in bf16 bf16_mixed; do
+    for graph in off blocks; do ddp_one_gpu --dtype "$dtype" --compile --cuda-graph "$graph"; done
+  done
+  for graph in off blocks; do
+    python3 -m torch_impl.train --model xl --batch-size 2 --seq-len 512 --dtype bf16_mixed --attention sdpa_cudnn \
+      --compile --cuda-graph "$graph" --epochs 1 --steps-per-epoch 30 --val-batches 2 --device cuda --no-progress \
+      --cache-dir /tmp/data --out "$out/train_${GPU_TAG}.jsonl"
+  done
+  python3 -m pytest -q -m gpu tests/test_stock.py tests/test_step.py 2>&1 | tail -5 | tee "$out/gpu_tests_loops.txt" ;;
+*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops" >&2; exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi
