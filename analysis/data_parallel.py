@@ -52,13 +52,16 @@ def report(path: str) -> str:
     for r in records:
         add_scaling_efficiency(r, baselines)
     frame = records_frame(records)
-    for column in ("metrics.scaling_efficiency", "metrics.comm_blocked_share", "metrics.predicted_memory_bytes"):
+    for column in ("metrics.scaling_efficiency", "metrics.comm_blocked_share", "metrics.predicted_memory_bytes",
+                   "metrics.cuda_graph"):
         if column not in frame:
             frame[column] = None
-    columns = ["implementation", "model", "world_size", "dtype", "batch_size", "seq_len", "status", "median_ms",
+    columns = ["implementation", "model", "world_size", "dtype", "metrics.compiled", "metrics.cuda_graph", "batch_size",
+               "seq_len", "status", "median_ms",
                *[f"{p}_median_ms" for p in PHASES if f"{p}_median_ms" in frame], "tokens_per_s", "mfu",
                "peak_memory_bytes", "metrics.predicted_memory_bytes", "metrics.comm_blocked_share",
                "metrics.scaling_efficiency"]
+    frame["metrics.cuda_graph"] = frame["metrics.cuda_graph"].fillna("off")  # records before the flag
     columns = [c for c in columns if c in frame]
     return markdown_table(frame, columns)
 

@@ -71,6 +71,7 @@ import time
 _IMPORTED = time.perf_counter()  # "total" time counts from here (about the process's start)
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
@@ -245,16 +246,19 @@ def evaluate(parts: StepParts, cfg: TrainConfig, data: TokenData, device: torch.
     """Mean loss over the validation windows (the first ``val_batches`` batches), all ranks together.
 
     Every rank runs as many forwards (under FSDP each is a collective): a rank with fewer batches (their count
-    not a multiple of the world size) runs the first batch again, uncounted."""
+    not a multiple of the world size) runs the first batch again, uncounted. With ``--cuda-graph blocks`` the
+    blocks run eagerly here: without a backward to wait for, CUDA graph trees start a new generation at each
+    call of the blocks' one compiled function and free the block before's output (measured on an H100)."""
     if cfg.val_batches == 0:
         return None
     every = validation_batch_starts(len(data.val), cfg.batch_size, cfg.seq_len, cfg.val_batches)  # all ranks'
     mine, forwards = every[rank::world_size], len(every[::world_size])  # rank 0's share is the largest
     parts.wrapper.module.eval()
     loss_sum, windows = 0.0, 0
+    eager = torch.compiler.set_stance("force_eager") if cfg.cuda_graph == "blocks" else contextlib.nullcontext()
     for i in range(forwards):  # only this rank's batches are built (the padding one: batch 0 again)
         x, y = batch_at(data.val, mine[i] if i < len(mine) else every[0], cfg.seq_len, device)
-        with autocast(cfg.dtype, device):
+        with autocast(cfg.dtype, device), eager:
             logits = parts.wrapper.eval_module(x)
         if i < len(mine):
             loss_sum += cross_entropy(logits, y).item() * len(x)
