@@ -42,3 +42,12 @@ def test_empty_folder_is_an_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         reports.main([str(tmp_path)])
     assert exit_info.value.code == 2 and "no *.jsonl record files" in capsys.readouterr().err
+
+
+def test_every_record_file_in_results_reads():
+    """``python -m analysis.reports`` reads every ``results/*.jsonl``: probe outputs that are not records belong in
+    ``results/profiles/``."""
+    from analysis.records import read_records
+
+    for path in sorted(RESULTS.glob("*.jsonl")):
+        assert read_records(path), path
