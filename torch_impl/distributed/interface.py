@@ -15,6 +15,16 @@ import torch
 import torch.distributed as dist
 
 
+def _squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of the squares of every element (fp32), norms taken in at least fp32 with one multi-tensor launch per
+    dtype: a launch or three per parameter took ~40 ms of host time a step at xl (notes/train_step.md)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    return sum(torch.stack(torch._foreach_norm(same, 2, dtype=torch.promote_types(dtype, torch.float32)))
+               .float().square().sum() for dtype, same in by_dtype.items())
+
+
 class DataParallelWrapper:
     """``module``: the bare model. ``mesh_axis``: the records' mesh name. ``sync_every_backward``: FSDP lands its
     reduce-scatters after every backward (it has no ``no_sync``). ``sharded_state``: model and optimizer state
@@ -47,11 +57,12 @@ class DataParallelWrapper:
     def grad_norm_squared(self) -> torch.Tensor:
         """The squared 2-norm (fp32) of the whole synchronized gradient: this rank's shards' squares summed over
         the ranks, the replicated parameters' (identical everywhere) counted once."""
-        params = list(self.module.parameters())
-        squares = torch.zeros(2, dtype=torch.float32, device=params[0].device)  # (sharded, replicated)
-        for p in params:
+        groups: tuple[list, list] = ([], [])  # (sharded, replicated) gradients
+        for p in self.module.parameters():
             if p.grad is not None:
-                squares[0 if id(p) in self._shard_ids else 1] += p.grad.detach().float().pow(2).sum()
+                groups[0 if id(p) in self._shard_ids else 1].append(p.grad.detach())
+        device = next(self.module.parameters()).device
+        squares = torch.stack([_squares(g) if g else torch.zeros((), device=device) for g in groups])
         if self._shard_ids and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
             dist.all_reduce(squares[:1], group=self.process_group)  # in place: a view of the sharded square
         return squares.sum()
@@ -61,9 +72,9 @@ class DataParallelWrapper:
         """Scale every gradient by min(1, max_norm / (global norm + 1e-6)); returns the global norm before."""
         norm = self.grad_norm_squared().sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in self.module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef)
         return norm
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
