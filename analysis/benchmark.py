@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -90,8 +91,25 @@ def resolve_spec(args: argparse.Namespace) -> tuple[ModelSpec, int]:
     return spec, seq_len
 
 
+@dataclass(frozen=True)
+class StepRun:
+    """What a step record says of the run that made it, typed: the suite, what one step runs, the dtype, one
+    step's batch and how many steps were warm-up and timed. ``StepRun.of(args)`` takes them from a CLI's flags."""
+
+    suite: str
+    mode: str  # parallelism_calc.compute.MODES
+    dtype: str  # DTYPES
+    batch_size: int
+    warmup: int
+    steps: int
+
+    @classmethod
+    def of(cls, args: Any, **changes: Any) -> "StepRun":
+        return cls(**{f.name: changes.get(f.name, getattr(args, f.name, None)) for f in dataclasses.fields(cls)})
+
+
 def step_record(
-    args: argparse.Namespace,
+    run: StepRun,
     spec: ModelSpec,
     seq_len: int,
     *,
@@ -109,16 +127,16 @@ def step_record(
     """The record of one step benchmark: timing statistics, tokens/s, achieved TFLOP/s and MFU; status
     "diverged" where a loss in ``metrics`` (``LOSS_METRICS``) is not finite.
 
-    ``args.batch_size`` is the batch of one step of the measured program. With a ``mesh`` (one program over
+    ``run.batch_size`` is the batch of one step of the measured program. With a ``mesh`` (one program over
     several devices, as JAX's), that batch is global: ``tflops`` and ``mfu`` are per device (the step's
     FLOPs / the number of devices), ``world_size`` is the mesh's device count.
     """
-    flops = step_flops(spec, args.batch_size, seq_len, args.mode)
+    flops = step_flops(spec, run.batch_size, seq_len, run.mode)
     world_size = int(np.prod(list(mesh.values()))) if mesh else 1
     record = Record(
-        suite=args.suite, backend=backend, implementation=implementation, model=spec.name,
-        model_dims=dataclasses.asdict(spec), batch_size=args.batch_size, seq_len=seq_len, dtype=args.dtype,
-        mode=args.mode, world_size=world_size, mesh=mesh, warmup_steps=args.warmup, timed_steps=args.steps,
+        suite=run.suite, backend=backend, implementation=implementation, model=spec.name,
+        model_dims=dataclasses.asdict(spec), batch_size=run.batch_size, seq_len=seq_len, dtype=run.dtype,
+        mode=run.mode, world_size=world_size, mesh=mesh, warmup_steps=run.warmup, timed_steps=run.steps,
         flops_per_step=flops, peak_memory_bytes=peak_memory_bytes, metrics=dict(metrics or {}), status=status,
         error=error,
     )
@@ -128,11 +146,11 @@ def step_record(
     if step_times_ms:
         record.timing = timing_stats(step_times_ms)
         seconds = record.timing["median_ms"] / 1e3
-        record.tokens_per_s = args.batch_size * seq_len / seconds
+        record.tokens_per_s = run.batch_size * seq_len / seconds
         record.tflops = flops / world_size / seconds / 1e12
         hardware = hardware_for_device(device_name)
         if hardware is not None:
-            peak = hardware.fp32_flops if args.dtype == "fp32" else hardware.bf16_flops
+            peak = hardware.fp32_flops if run.dtype == "fp32" else hardware.bf16_flops
             record.mfu = flops / world_size / seconds / peak if peak else None
     if phases_ms:
         record.phases = {phase: timing_stats(times) for phase, times in phases_ms.items()}
@@ -234,7 +252,7 @@ def failure_record(args: argparse.Namespace, err: Exception, *, backend: str, im
                    device_name: str, oom: bool, mesh: dict[str, int] | None = None) -> Record:
     """The record of a run that ran out of memory (``oom``) or failed, with the error's first line."""
     spec, seq_len = resolve_spec(args)
-    return step_record(args, spec, seq_len, backend=backend, implementation=implementation,
+    return step_record(StepRun.of(args), spec, seq_len, backend=backend, implementation=implementation,
                        device_name=device_name, mesh=mesh, status="oom" if oom else "error",
                        error=f"{type(err).__name__}: {err}".splitlines()[0])
 

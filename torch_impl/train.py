@@ -29,9 +29,9 @@ time between CUDA events at the phase boundaries, ``torch_impl.timing.PhaseTimer
 reading its loss ends it): per step ``data`` (windows to device), then the step's phases
 (``analysis.records.STEP_PHASES``): ``forward`` (the model and the cross-entropy), ``backward``, ``comm`` (time
 blocked in ``finish_gradient_synchronization``: the communication the backward did not hide; inside
-``backward`` for torch DDP), ``optimizer`` (clipping, step, schedule, zero_grad); per epoch ``training``, ``validation``, ``checkpoint`` and ``epoch`` (all three);
-``worker`` (since the trainer started, after the process group) and ``total`` (since this module was
-imported: about the process's life). One record per epoch (rank 0 appends it to ``--out``): suite "train",
+``backward`` for torch DDP), ``optimizer`` (clipping, step, schedule, zero_grad); per epoch ``training``,
+``validation``, ``checkpoint`` and ``epoch`` (all three); ``worker`` (since the trainer started, after the process
+group) and ``total`` (since this module was imported: about the process's life). One record per epoch (rank 0 appends it to ``--out``): suite "train",
 implementation the mode (e.g. "bucketed 25MB"), batch_size the per-rank micro-batch, timing / phases over
 the epoch's steps (rank 0's; ms per optimizer step), tokens_per_s = tokens of the epoch's global batches /
 training seconds, flops_per_step and tflops / mfu per device from ``parallelism_calc.compute.step_flops`` of
@@ -82,7 +82,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from analysis.benchmark import DTYPES, step_record  # noqa: E402
+from analysis.benchmark import DTYPES, StepRun, step_record  # noqa: E402
 from analysis.records import STEP_PHASES as SHARED_PHASES, Record, divergence, save_records  # noqa: E402
 from parallelism_calc.cli import (ArgumentParser, error_boundary, fraction, nonnegative_float,  # noqa: E402
                                   nonnegative_int, one_line, positive_float, positive_int, writable_path)
@@ -448,11 +448,12 @@ def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch
                   data: TokenData, parts: StepParts) -> Record:
     worst = {k: max(g[k] for g in gathered) for k in ("training_s", "validation_s", "checkpoint_s", "epoch_s")}
     peaks = [g["peak"] for g in gathered]
-    step_args = argparse.Namespace(suite=SUITE, mode="train_step", dtype=cfg.dtype, warmup=0,
-                                   steps=len(stats.step_ms), batch_size=cfg.batch_size * cfg.grad_accum)
+    run = StepRun(suite=SUITE, mode="train_step", dtype=cfg.dtype, batch_size=cfg.batch_size * cfg.grad_accum,
+                  warmup=0, steps=len(stats.step_ms))
     metrics = {
         "epoch": epoch + 1, "epochs": cfg.epochs, "step": step, "steps_per_epoch": steps_per_epoch,
-        "attention": cfg.attention, "compiled": cfg.compile, "cuda_graph": cfg.cuda_graph, "dist": cfg.dist, "grad_accum": cfg.grad_accum, "global_batch": global_batch,
+        "attention": cfg.attention, "compiled": cfg.compile, "cuda_graph": cfg.cuda_graph, "dist": cfg.dist,
+        "grad_accum": cfg.grad_accum, "global_batch": global_batch,
         "samples_per_epoch": global_batch * steps_per_epoch,
         "tokens_per_epoch": global_batch * steps_per_epoch * cfg.seq_len,
         "train_loss": statistics.fmean(losses), "train_losses": losses, "val_loss": val_loss,
@@ -465,7 +466,7 @@ def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch
         "lr_max": cfg.lr, "min_lr": cfg.final_lr, "warmup_steps": cfg.warmup_steps, "grad_clip": cfg.grad_clip,
         "weight_decay": cfg.weight_decay, "run": cfg.run_name,
     }
-    record = step_record(step_args, spec, cfg.seq_len, backend="torch", implementation=data_parallel_config(cfg).name,
+    record = step_record(run, spec, cfg.seq_len, backend="torch", implementation=data_parallel_config(cfg).name,
                          device_name=device_name, step_times_ms=stats.step_ms, phases_ms=stats.phase_ms,
                          peak_memory_bytes=None if None in peaks else max(peaks), metrics=metrics)
     record.batch_size = cfg.batch_size

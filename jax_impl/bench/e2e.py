@@ -36,7 +36,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from analysis.benchmark import calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
+from analysis.benchmark import (StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark,
+                                step_record)
 from analysis.records import Record
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights
@@ -214,7 +215,7 @@ def measure_on_mesh(args: argparse.Namespace, mesh: Mesh, strategy: str) -> Reco
                 step()
         metrics["profile_dir"] = args.profile
     return step_record(
-        args, spec, seq_len, backend="jax", implementation=implementation_name(args, mesh, strategy),
+        StepRun.of(args), spec, seq_len, backend="jax", implementation=implementation_name(args, mesh, strategy),
         device_name=device_name(mesh.devices.flat[0]), step_times_ms=step_ms, peak_memory_bytes=peak_memory_bytes(mesh),
         mesh={axis: int(size) for axis, size in mesh.shape.items()}, metrics=metrics,
     )

@@ -70,7 +70,7 @@ import statistics
 import sys
 from typing import Any
 
-from analysis.benchmark import DTYPES, calculator_terms, fixed_batch, resolve_spec, step_record
+from analysis.benchmark import DTYPES, StepRun, calculator_terms, fixed_batch, resolve_spec, step_record
 from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, report,
                                      single_process_baselines)
 from analysis.records import Record, read_records, save_records
@@ -162,10 +162,6 @@ def _measure(cfg: Config, args: argparse.Namespace, spec, seq_len: int, device, 
 # ----------------------------------------------------------------------------- records (rank 0)
 
 
-def _step_args(args: argparse.Namespace) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), "suite": SUITE, "mode": "train_step"})
-
-
 def predicted_memory(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world_size: int):
     """``per_device_memory`` of the strategy ``cfg`` implements, with the gathered working set of each FSDP
     (see the module docstring): ours per weight matrix with its default prefetch, FSDP2 per block with its
@@ -185,6 +181,7 @@ def make_record(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world
                 gathered: list[dict[str, Any]]) -> Record:
     """The record of one configuration from every rank's measurements (see the module docstring)."""
     errors = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g.get("error")]
+    run = StepRun.of(args, suite=SUITE, mode="train_step")
     common = dict(backend="torch", implementation=cfg.name, device_name=device_name)
     metrics: dict[str, Any] = {"impl": cfg.impl, "bucket_mb": cfg.bucket_mb, "attention": args.attention,
                                "compiled": bool(args.compile), "cuda_graph": args.cuda_graph,
@@ -201,7 +198,7 @@ def make_record(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world
     if errors:
         message = "; ".join(errors)
         oom = "out of memory" in message.lower()
-        record = step_record(_step_args(args), spec, seq_len, metrics=metrics, status="oom" if oom else "error",
+        record = step_record(run, spec, seq_len, metrics=metrics, status="oom" if oom else "error",
                              error=message, **common)
     else:
         steps = range(args.steps)
@@ -214,7 +211,7 @@ def make_record(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world
                                     **{p: statistics.median(g["phases_ms"][p]) for p in PHASES}} for g in gathered],
             "loss_first": gathered[0]["losses"][0], "loss_last": gathered[0]["losses"][-1],
         })
-        record = step_record(_step_args(args), spec, seq_len, step_times_ms=step_ms, phases_ms=phases_ms,
+        record = step_record(run, spec, seq_len, step_times_ms=step_ms, phases_ms=phases_ms,
                              peak_memory_bytes=None if None in peaks else max(peaks), metrics=metrics, **common)
         record.tokens_per_s = world_size * args.batch_size * seq_len / (record.timing["median_ms"] / 1e3)
         record.metrics["comm_blocked_share"] = record.phases["comm"]["median_ms"] / record.timing["median_ms"]

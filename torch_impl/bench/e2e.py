@@ -33,7 +33,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from analysis.benchmark import calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark, step_record
+from analysis.benchmark import (StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark,
+                                step_record)
 from analysis.records import Record
 from parallelism_calc.checkpointing import checkpointed_activation_bytes
 from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
@@ -202,7 +203,7 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
         rows = profile_steps(run, 3, args.profile, tag=tag)
         metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
     return step_record(
-        args, spec, seq_len, backend="torch", implementation=implementation_name(args, stock, graph),
+        StepRun.of(args), spec, seq_len, backend="torch", implementation=implementation_name(args, stock, graph),
         device_name=device_name(device), step_times_ms=step_ms, phases_ms=phases_ms,
         peak_memory_bytes=peak, metrics=metrics,
     )
