@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from parallelism_calc.specs import get_model
 from torch_impl import model as ours
 from torch_impl.profiling import is_kernel
+from torch_impl.timing import median_ms
 
 MODEL_FORWARD = ours.CausalSelfAttention.forward
 
@@ -58,20 +58,6 @@ VARIANTS = {"model": MODEL_FORWARD, "apart": written("apart"), "cat": written("c
             "cat_vcontig": written("cat_vcontig"), "qk_cat": written("qk_cat")}
 
 
-def time_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def run(variant: str, spec, batch: int, seq: int, attention: str, reps: int, out: Path) -> dict:
     cache = tempfile.mkdtemp(prefix=f"inductor_{variant}_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # a fresh cache: this variant's generated code alone
@@ -90,7 +76,7 @@ def run(variant: str, spec, batch: int, seq: int, attention: str, reps: int, out
             p.grad = None
         block(x).backward(grad_out)
 
-    ms = time_ms(step, reps)
+    ms = median_ms(step, reps)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(4):
             step()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,21 +22,7 @@ import torch.nn.functional as F
 
 from parallelism_calc.specs import get_model
 from torch_impl.model import cross_entropy
-
-
-def time_ms(fn, reps: int) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` calls after 3 warm-up calls, timed with CUDA events."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from torch_impl.timing import median_ms
 
 
 # the step's weights as (name, N, K, uses per step); names in parentheses are alternatives, not in the step's sum
@@ -60,7 +45,7 @@ def gemm_rows(spec, tokens: int, pad: int, reps: int) -> list[dict]:
         for product, fn in (("forward x W^T", lambda: x @ w.t()), ("input grad dy W", lambda: dy @ w),
                             ("weight grad dy^T x", lambda: dy.t() @ x),
                             ("(weight grad (x^T dy)^T)", lambda: (x.t() @ dy).t())):
-            ms = time_ms(fn, reps)
+            ms = median_ms(fn, reps)
             rows.append({"weight": name, "product": product, "M": tokens, "N": n, "K": k, "uses": uses, "ms": ms,
                          "tflops": 2 * tokens * n * k / ms / 1e9, "ms_per_step": ms * uses})
         del x, w, dy
@@ -101,7 +86,7 @@ def head_rows(spec, tokens: int, pad: int, reps: int) -> list[dict]:
             loss = loss_fn()
             loss.backward()
             return loss
-        ms = time_ms(step, reps)
+        ms = median_ms(step, reps)
         loss = step()
         grads = (h.grad.float(), weight.grad.float())
         if reference is None:

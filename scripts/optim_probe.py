@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,23 +20,9 @@ import torch
 from parallelism_calc.specs import get_model
 from torch_impl.model import TransformerLM
 from torch_impl.optim import MasterAdamW
+from torch_impl.timing import median_ms
 
 BYTES_PER_PARAM = 28  # fused fp32 AdamW: read p, g, m, v, write p, m, v; MasterAdamW: bf16 g and p, fp32 w, m, v
-
-
-def time_ms(fn, steps: int) -> float:
-    """Median milliseconds of ``fn()`` over ``steps`` calls after 3 warm-up calls, timed with CUDA events."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def optimizer_step(shapes: list[torch.Size], master: bool):
@@ -61,11 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [p.shape for p in TransformerLM(get_model(args.model), device="meta").parameters()]
     n_params = sum(s.numel() for s in shapes)
     buffer = torch.empty(2**29, device="cuda")  # 2 GiB
-    copy_ms = time_ms(lambda: buffer.clone(), args.steps)
+    copy_ms = median_ms(lambda: buffer.clone(), args.steps)
     rows = [{"variant": "copy 2 GiB (anchor)", "ms": copy_ms, "gb_per_s": 2 * buffer.nbytes / copy_ms / 1e6}]
     del buffer
     for name, master in (("torch fused AdamW, fp32", False), ("MasterAdamW, bf16 + fp32 master", True)):
-        ms = time_ms(optimizer_step(shapes, master), args.steps)
+        ms = median_ms(optimizer_step(shapes, master), args.steps)
         rows.append({"variant": name, "ms": ms, "gb_per_s": BYTES_PER_PARAM * n_params / ms / 1e6})
         torch.cuda.empty_cache()
     for row in rows:

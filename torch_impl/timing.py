@@ -13,10 +13,14 @@ too short to hide the host's launch time (PyTorch's "whole network capture", tor
 inputs, parameters, gradients and optimizer state must keep their addresses: gradients are created inside
 the graph (set to None before capture) and the optimizer must be ``capturable``. Steps compiled with
 ``torch_impl.parallelize.apply_compile(model, cuda_graphs=True)`` replay one graph per block instead.
+
+``median_ms(fn, reps)`` times one call at a time between CUDA events: the probes' clock for a single kernel or
+optimizer step (a ~0.1 ms kernel timed so carries launch gaps that back-to-back kernels in a step do not).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable
 
@@ -61,6 +65,22 @@ class PhaseTimer:
             for phase, time_ms in this_step.items():
                 phases.setdefault(phase, []).append(time_ms)
         return steps, phases
+
+
+def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of one ``fn()`` call over ``reps`` calls after ``warmup`` untimed ones, each timed
+    alone between two CUDA events (what the probes in scripts/ measure a kernel or an optimizer step with)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def capture_step(step: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer | None = None,
