@@ -313,3 +313,9 @@ def test_cli_rejects_bad_input(cache, argv, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert message in err, err
+
+
+def test_config_refuses_a_cuda_graph_mode_the_trainer_has_not():
+    """The whole-step graph is the e2e benchmark's: the trainer's config must not take it and run without graphs."""
+    with pytest.raises(ValueError, match="--cuda-graph 'step'; accepted: off, blocks"):
+        TrainConfig(cuda_graph="step")

@@ -108,7 +108,7 @@ def check_flags(args: argparse.Namespace) -> list[str]:
         raise ValueError("--cuda-graph blocks: not with --ac-every (the recomputation would replay the "
                          "blocks' graphs inside the backward); use --cuda-graph step")
     for graph in graphs:
-        check_cuda_graph(graph, args.compile, device.type)
+        check_cuda_graph(graph, args.compile, device.type, whole_step=True)
     if args.stock and args.stock not in SDPA_BACKENDS:
         raise ValueError(f"--stock {args.stock!r}: the stock model runs SDPA; accepted: {', '.join(SDPA_BACKENDS)}")
     return graphs
