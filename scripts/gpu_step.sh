@@ -17,10 +17,13 @@
 # 4 x 2,048 (bf16_mixed, graph per block) under Inductor options, scripts/step_probe.py (OUT_DIR/step_probe.json).
 # loops: the trainer's and the DDP benchmark's one-GPU step (xl 2 x 512, compiled per block) without and with each
 # block's CUDA graphs, as e2e's fastest step (OUT_DIR/ddp_one_gpu_<gpu>.jsonl, OUT_DIR/train_<gpu>.jsonl), then the
-# GPU tests of the step. Tables are regenerated into OUT_DIR/reports.
+# GPU tests of the step. host: xl 4 x 512 compiled without CUDA graphs, where the host sets the pace: ours per block
+# against ways to spend less host time per compiled region (spans of blocks as one region, Dynamo's guards skipped,
+# Inductor's combo kernels), then ours at 4 x 2,048 with Inductor's max-autotune GEMM templates
+# (OUT_DIR/host/step_probe.json, OUT_DIR/autotune/step_probe.json). Tables are regenerated into OUT_DIR/reports.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops}
-phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops}
+out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host}
+phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_tag.sh"  # GPU_TAG: h100, h200, ... in the record file names (<gpu> below)
@@ -77,6 +80,12 @@ loops)
       --cache-dir /tmp/data --out "$out/train_${GPU_TAG}.jsonl"
   done
   python3 -m pytest -q -m gpu tests/test_stock.py tests/test_step.py 2>&1 | tail -5 | tee "$out/gpu_tests_loops.txt" ;;
-*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops" >&2; exit 2 ;;
+host)
+  python3 scripts/step_probe.py "$out/host" --configs xl:4:512 --steps 10 --variants "stock_block,ours_block+mixed,\
+ours_block+mixed+skipguard,ours_span4+mixed,ours_span12+mixed,ours_span12+mixed+skipguard,ours_block+mixed+ind:combo_kernels=1"
+  python3 scripts/step_probe.py "$out/autotune" --configs xl:4:2048 --steps 10 \
+    --variants "ours_block+ro+mixed,ours_block+ro+mixed+ind:max_autotune=1" ;;
+*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host" >&2
+   exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi

@@ -34,8 +34,29 @@ from torch_impl.timing import capture_step
 # each may add +graph (the step as one CUDA graph), +ro (CUDA graph trees per block), +bf16 (pure bf16 parameters),
 # +cpp (Inductor's C++ wrapper), +fuse (fused projections: fuse_projections), +mixed (bf16 parameters with
 # MasterAdamW's fp32 masters: --dtype bf16_mixed), +ind:NAME=INT (an Inductor option for the blocks, e.g.
-# +ind:triton.mix_order_reduction=0; several may be given)
-VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager")
+# +ind:triton.mix_order_reduction=0; several may be given), +skipguard (after the warm-up, Dynamo checks only the
+# guards that tell its compiled graphs apart: torch.compiler.set_stance(skip_guard_eval_unsafe=True))
+VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager",
+            "ours_spanK")  # spanK: ours with K consecutive blocks as one compiled region (one graph serves all spans)
+
+
+def run_span(blocks: tuple, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+def span_forward(model, k: int):
+    """ours' forward with the blocks run K at a time through one compiled function (an experiment)."""
+    run = torch.compile(run_span, fullgraph=True, dynamic=False)
+    spans = [tuple(model.layers[i:i + k]) for i in range(0, len(model.layers), k)]
+
+    def forward(token_ids: torch.Tensor) -> torch.Tensor:
+        x = model.token_embeddings(token_ids)
+        for span in spans:
+            x = run(span, x)
+        return model.lm_head(model.ln_final(x))
+    return forward
 
 
 def fuse_projections() -> None:
@@ -87,6 +108,8 @@ def build(variant: str, spec, attention: str):
         options = dict(inductor_option(part[len("ind:"):]) for part in variant.split("+") if part.startswith("ind:"))
         apply_compile(model, cuda_graphs="+ro" in variant, options=options)
     forward = torch.compile(model, dynamic=False) if mode == "whole" else model
+    if mode.startswith("span"):
+        forward = span_forward(model, int(mode[len("span"):]))
     loss_fn = cross_entropy if mode == "eager" else torch.compile(cross_entropy, dynamic=False)
     return model, forward, loss_fn
 
@@ -148,6 +171,8 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: 
     for _ in range(2):
         step()
     torch.cuda.synchronize()
+    if "+skipguard" in variant:
+        torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
     torch.cuda.reset_peak_memory_stats()
     for sync_phases in (False, True):
         walls, phases = [], []
@@ -185,6 +210,7 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: 
             explained = torch._dynamo.explain(block)(torch.randn(batch, seq, spec.d_model, device="cuda"))
         result["explain_block"] = {"graphs": explained.graph_count, "breaks": explained.graph_break_count,
                                    "reasons": [str(b.reason)[:120] for b in explained.break_reasons]}
+    torch.compiler.set_stance("default")
     torch._dynamo.reset()
     return result
 
