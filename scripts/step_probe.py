@@ -200,6 +200,7 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: 
     host = sorted(((e.key, e.self_cpu_time_total / 2e3, e.count // 2) for e in prof.key_averages()
                    if e.self_cpu_time_total > 0), key=lambda k: -k[1])
     result["host_ms"] = sum(k[1] for k in host)
+    torch.compiler.set_stance("default")  # explain below compiles anew
     result["top_host"] = [(name[:90], round(ms, 3), n) for name, ms, n in host[:25]]
     del model, forward, opt, step, eager_step
     gc.collect()
@@ -210,7 +211,6 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: 
             explained = torch._dynamo.explain(block)(torch.randn(batch, seq, spec.d_model, device="cuda"))
         result["explain_block"] = {"graphs": explained.graph_count, "breaks": explained.graph_break_count,
                                    "reasons": [str(b.reason)[:120] for b in explained.break_reasons]}
-    torch.compiler.set_stance("default")
     torch._dynamo.reset()
     return result
 
@@ -233,6 +233,7 @@ def main() -> int:
             try:
                 r = run_variant(variant, model_name, int(batch), int(seq), args.attention, args.steps)
             except Exception as err:  # keep going: a failed variant is a row
+                torch.compiler.set_stance("default")
                 r = {"variant": variant, "config": config, "error": f"{type(err).__name__}: {err}"[:300]}
                 gc.collect()
                 torch.cuda.empty_cache()
