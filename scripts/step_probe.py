@@ -37,26 +37,7 @@ from torch_impl.timing import capture_step
 # +ind:triton.mix_order_reduction=0; several may be given), +skipguard (after the warm-up, Dynamo checks only the
 # guards that tell its compiled graphs apart: torch.compiler.set_stance(skip_guard_eval_unsafe=True))
 VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager",
-            "ours_spanK")  # spanK: ours with K consecutive blocks as one compiled region (one graph serves all spans)
-
-
-def run_span(blocks: tuple, x: torch.Tensor) -> torch.Tensor:
-    for block in blocks:
-        x = block(x)
-    return x
-
-
-def span_forward(model, k: int):
-    """ours' forward with the blocks run K at a time through one compiled function (an experiment)."""
-    run = torch.compile(run_span, fullgraph=True, dynamic=False)
-    spans = [tuple(model.layers[i:i + k]) for i in range(0, len(model.layers), k)]
-
-    def forward(token_ids: torch.Tensor) -> torch.Tensor:
-        x = model.token_embeddings(token_ids)
-        for span in spans:
-            x = run(span, x)
-        return model.lm_head(model.ln_final(x))
-    return forward
+            "ours_spanK")  # block: each block compiled; spanK: K consecutive blocks as one region (apply_compile)
 
 
 def fuse_projections() -> None:
@@ -104,12 +85,11 @@ def build(variant: str, spec, attention: str):
     if mode == "block" and "+cpp" in variant:  # Inductor's C++ wrapper (apply_compile has no such option)
         for block in model.layers:
             block.compile(fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
-    elif mode == "block":
+    elif mode == "block" or mode.startswith("span"):
         options = dict(inductor_option(part[len("ind:"):]) for part in variant.split("+") if part.startswith("ind:"))
-        apply_compile(model, cuda_graphs="+ro" in variant, options=options)
+        apply_compile(model, cuda_graphs="+ro" in variant, options=options,
+                      blocks_per_graph=1 if mode == "block" else int(mode[len("span"):]))
     forward = torch.compile(model, dynamic=False) if mode == "whole" else model
-    if mode.startswith("span"):
-        forward = span_forward(model, int(mode[len("span"):]))
     loss_fn = cross_entropy if mode == "eager" else torch.compile(cross_entropy, dynamic=False)
     return model, forward, loss_fn
 

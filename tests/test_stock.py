@@ -58,17 +58,39 @@ def test_stock_model_accepts_sdpa_backends_only():
         StockTransformerLM(MODELS["tiny"], attention="flash_triton")
 
 
-@pytest.mark.parametrize("options", [None, {"triton.mix_order_reduction": False}])
-def test_regional_compilation_keeps_names_and_function(options):
-    ours, _, tokens = _random_pair(0, dtype=torch.float32)
+@pytest.mark.parametrize("blocks_per_graph, options", [(1, {"triton.mix_order_reduction": False}), (2, None),
+                                                      (4, None)])
+def test_regional_compilation_keeps_names_and_function(blocks_per_graph, options):
+    """Each block, or spans of blocks (3 blocks in spans of 2: the last span shorter), compiled: the parameter names,
+    logits and gradients of the eager model, from one graph per span length."""
+    ours, _, tokens = _random_pair(int(np.random.SeedSequence().entropy % 10_000), dtype=torch.float32)
     names = [n for n, _ in ours.named_parameters()]
-    expected = ours(tokens)
+
+    def logits_and_grads():
+        ours.zero_grad()
+        logits = ours(tokens[:, :-1])
+        cross_entropy(logits, tokens[:, 1:]).backward()
+        return logits.detach(), [p.grad.clone() for p in ours.parameters()]
+
+    expected = logits_and_grads()
     torch._dynamo.reset()
-    apply_compile(ours, options=options)
+    torch._dynamo.utils.counters.clear()
+    apply_compile(ours, options=options, blocks_per_graph=blocks_per_graph)
     assert [n for n, _ in ours.named_parameters()] == names
-    torch.testing.assert_close(ours(tokens), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits_and_grads(), expected, rtol=1e-4, atol=1e-5)
+    n_blocks = len(ours.layers)
+    span_lengths = {min(blocks_per_graph, n_blocks - i) for i in range(0, n_blocks, blocks_per_graph)}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(span_lengths)
+
+
+def test_regional_compilation_refuses_what_it_cannot_compile():
     with pytest.raises(ValueError, match="ModuleList of blocks"):
         apply_compile(torch.nn.Linear(2, 2))
+    _, stock, _ = _random_pair(0)
+    with pytest.raises(ValueError, match="blocks_per_graph=2: accepted 1, or more where model.layers is"):
+        apply_compile(stock, blocks_per_graph=2)  # the stock model loops over its blocks itself
+    with pytest.raises(ValueError, match="blocks_per_graph=0"):
+        apply_compile(TransformerLM(MODELS["tiny"], attention="sdpa"), blocks_per_graph=0)
 
 
 def test_phase_timer_marks_add_up_to_the_step():

@@ -50,6 +50,6 @@ def apply_activation_checkpointing(model: nn.Module, every: int, nested: bool = 
     if every < 1:
         raise ValueError(f"checkpoint every {every} blocks: must be >= 1")
     blocks = list(layers)
-    model.layers = nn.ModuleList(CheckpointedSegment(blocks[i:i + every], nested)
+    model.layers = type(layers)(CheckpointedSegment(blocks[i:i + every], nested)
                                  for i in range(0, len(blocks), every))
     return model

@@ -188,6 +188,29 @@ class TransformerBlock(nn.Module):
         return x + self.ffn(self.ln2(x))
 
 
+def run_blocks(blocks: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
+    """x through each of ``blocks`` in turn."""
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+class Blocks(nn.ModuleList):
+    """The Transformer blocks as one module: ``forward`` applies them in order. A ModuleList, so parameter names
+    stay ``layers.{i}....``. ``span`` blocks at a time go through ``run_span`` (``run_blocks``), which
+    ``torch_impl.parallelize.apply_compile`` may replace by a compiled one: every span is then one compiled region,
+    and one graph serves them all (fewer regions to enter each step than one per block: notes/train_step.md)."""
+
+    span: int | None = None  # None: all the blocks at once
+    run_span = staticmethod(run_blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks, span = tuple(self), self.span or max(len(self), 1)
+        for start in range(0, len(blocks), span):
+            x = self.run_span(blocks[start:start + span], x)
+        return x
+
+
 class TransformerLM(nn.Module):
     """Causal Transformer LM: token ids (B, T) -> logits (B, T, vocab)."""
 
@@ -200,7 +223,7 @@ class TransformerLM(nn.Module):
         # One RoPE table shared by every block; a buffer, so it follows .to(device) and is never trained.
         rope = RotaryEmbedding(spec.d_head, spec.context_length, spec.rope_theta, device=device, dtype=dtype)
         self.token_embeddings = Embedding(spec.vocab_size, spec.d_model, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(
+        self.layers = Blocks(
             TransformerBlock(spec, rope, attention, device=device, dtype=dtype) for _ in range(spec.n_layers)
         )
         self.ln_final = RMSNorm(spec.d_model, spec.norm_eps, device=device, dtype=dtype)
@@ -211,9 +234,7 @@ class TransformerLM(nn.Module):
             raise ValueError(f"token_ids must be (batch, seq), got shape {tuple(token_ids.shape)}")
         seq = token_ids.shape[1]
         self.spec.check_seq_len(seq)
-        x = self.token_embeddings(token_ids)  # (B, T, d)
-        for layer in self.layers:
-            x = layer(x)  # positions 0..T-1
+        x = self.layers(self.token_embeddings(token_ids))  # (B, T, d), positions 0..T-1
         return self.lm_head(self.ln_final(x))  # (B, T, V)
 
     def to_numpy_weights(self) -> dict[str, np.ndarray]:

@@ -4,12 +4,12 @@ The order is torchtitan's ``parallelize_llama``: activation checkpointing, then 
 data-parallel wrapper. The trainer and every benchmark call these, so a fix made here reaches all of them.
 
 * ``apply_activation_checkpointing(model, every, nested)``: ``torch_impl.activation_checkpointing``.
-* ``apply_compile(model, cuda_graphs)``: regional compilation, ``torch.compile`` of each Transformer block in
-  place (torchtitan's ``apply_compile``; PyTorch's "regional compilation" recipe). The blocks are identical, so
-  one graph serves all of them: xl's 48 blocks compile in the time of one (seconds), where compiling the whole
-  model as one graph took 87-169 s on an H100 (notes/train_step.md). The embedding, the final norm and the LM
-  head stay eager (the e2e benchmark compiles its loss function on its own). ``cuda_graphs`` adds Inductor's
-  CUDA graph trees (``mode="reduce-overhead"``): each block's forward and backward kernels are replayed as one
+* ``apply_compile(model, cuda_graphs, blocks_per_graph)``: regional compilation, ``torch.compile`` of each span of
+  ``BLOCKS_PER_GRAPH`` Transformer blocks (torchtitan's ``apply_compile`` compiles each block; PyTorch's "regional
+  compilation" recipe). The spans are identical, so one graph serves all of them: xl's 48 blocks compile in the
+  time of one span (seconds), where compiling the whole model as one graph took 87-169 s on an H100
+  (notes/train_step.md). The embedding, the final norm and the LM head stay eager (the e2e benchmark compiles its loss function on its own). ``cuda_graphs`` adds Inductor's
+  CUDA graph trees (``mode="reduce-overhead"``): each span's forward and backward kernels are replayed as one
   graph, for steps whose host cannot launch kernels as fast as the device runs them (xl at 4 x 512).
 * ``apply_data_parallel(model, mode, bucket_mb=, dtype=, adamw=)``: the built (maybe compiled) model in one of
   ``DATA_PARALLEL``, with its AdamW and its ``DataParallelWrapper`` (``torch_impl.distributed.interface``: what
@@ -32,8 +32,9 @@ import torch
 import torch.nn as nn
 
 from torch_impl.activation_checkpointing import apply_activation_checkpointing
+from torch_impl.model import Blocks, run_blocks
 
-__all__ = ["DATA_PARALLEL", "UNSUPPORTED", "DataParallelConfig", "apply_activation_checkpointing", "apply_compile",
+__all__ = ["BLOCKS_PER_GRAPH", "DATA_PARALLEL", "UNSUPPORTED", "DataParallelConfig", "apply_activation_checkpointing", "apply_compile",
            "apply_data_parallel", "check_supported", "data_parallel_configs"]
 
 DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
@@ -44,16 +45,33 @@ BUCKETED = ("bucketed", "zero1")  # one configuration per bucket size
 TORCH_DDP_BUCKET_MB = 25.0  # torch DDP's default bucket_cap_mb
 
 
-def apply_compile(model: nn.Module, cuda_graphs: bool = False, options: dict | None = None) -> nn.Module:
-    """``torch.compile`` every block of ``model.layers`` in place (``fullgraph``: a graph break is an error,
-    not a silent slowdown), with CUDA graph trees if ``cuda_graphs`` and Inductor ``options`` (its config
-    names, as ``torch.compile`` takes them); parameter names do not change. Returns the model."""
+# Blocks per compiled region: xl at 4 x 512 is host-bound, and entering a compiled region costs the host ~0.2 ms
+# forward and backward (48 regions a step: 130.0 ms; spans of 4: 111.9; of 12: 107.6, compiling in 2, 14 and
+# 33 s; one H100, one call: results/profiles/step_probe_xl_4x512_host_h100_d8e2463.json). The gradients of a
+# span's parameters are produced together, at the end of its backward.
+BLOCKS_PER_GRAPH = 4
+
+
+def apply_compile(model: nn.Module, cuda_graphs: bool = False, options: dict | None = None,
+                  blocks_per_graph: int = BLOCKS_PER_GRAPH) -> nn.Module:
+    """``torch.compile`` the blocks of ``model.layers`` in place, ``blocks_per_graph`` consecutive blocks as one
+    region (``torch_impl.model.Blocks`` runs them; 1: each block, any ModuleList), one graph serving every region
+    (``fullgraph``: a graph break is an error, not a silent slowdown), with CUDA graph trees if ``cuda_graphs`` and
+    Inductor ``options`` (its config names, as ``torch.compile`` takes them). Parameter names do not change.
+    Returns the model."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError("regional compilation needs a model with a ModuleList of blocks in .layers")
+    if blocks_per_graph < 1 or (blocks_per_graph > 1 and not isinstance(layers, Blocks)):
+        raise ValueError(f"blocks_per_graph={blocks_per_graph}: accepted 1, or more where model.layers is "
+                         f"torch_impl.model.Blocks (it runs them; this model's is {type(layers).__name__})")
     # torch.compile takes a mode or options, not both: reduce-overhead is the option triton.cudagraphs
     how = ({"options": {**options, "triton.cudagraphs": cuda_graphs}} if options
            else {"mode": "reduce-overhead" if cuda_graphs else None})
+    if blocks_per_graph > 1:
+        layers.span = blocks_per_graph
+        layers.run_span = torch.compile(run_blocks, fullgraph=True, dynamic=False, **how)
+        return model
     for block in layers:
         block.compile(fullgraph=True, dynamic=False, **how)
     return model

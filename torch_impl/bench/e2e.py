@@ -13,9 +13,10 @@ benchmark's; its phases are marked with CUDA events and the device is waited for
 ``--dtype bf16_mixed`` trains ours with bf16 weights and ``torch_impl.optim.MasterAdamW`` (fp32 master weights
 and moments, one Triton kernel) instead of autocast and torch's AdamW; the stock reference beside it trains
 bf16 the stock way (autocast, fused AdamW) and its record says ``bf16``.
-``--compile`` compiles ours per block (``torch_impl.parallelize.apply_compile``) and its loss. ``--cuda-graph``
-names how ours replays CUDA graphs, one record each, in the given order: ``off`` (none), ``blocks`` (each
-compiled block's graph, Inductor's CUDA graph trees: needs ``--compile``), ``step`` (the whole step, forward,
+``--compile`` compiles ours a span of blocks at a time (``torch_impl.parallelize.apply_compile``; the record's
+``metrics.blocks_per_graph``) and its loss. ``--cuda-graph`` names how ours replays CUDA graphs, one record each,
+in the given order: ``off`` (none), ``blocks`` (each compiled span's graph, Inductor's CUDA graph trees: needs
+``--compile``; the records keep the name "cuda graph per block"), ``step`` (the whole step, forward,
 backward and AdamW, as one graph: ``torch_impl.timing.capture_step``); e.g. ``--cuda-graph off,blocks,step``.
 
 The JAX twin, ``python -m jax_impl.bench.e2e``, takes the same step flags; ``--save-weights`` here and
@@ -42,7 +43,7 @@ from torch_impl import nvtx
 from torch_impl.device import device_name, pick_device
 from torch_impl.model import TransformerLM, cross_entropy
 from torch_impl.optim import adamw_for
-from torch_impl.parallelize import apply_activation_checkpointing, apply_compile, check_cuda_graph
+from torch_impl.parallelize import BLOCKS_PER_GRAPH, apply_activation_checkpointing, apply_compile, check_cuda_graph
 from torch_impl.profiling import profile_steps
 from torch_impl.step import StepParts, train_step
 from torch_impl.stock import SDPA_BACKENDS, StockTransformerLM
@@ -196,6 +197,7 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
                "optimizer": type(optimizer).__name__,
                "peak_memory_kind": peak_kind,
                "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
+               "blocks_per_graph": BLOCKS_PER_GRAPH if args.compile and not stock else None,
                "compile_s": compile_s, **predicted_memory(args, spec, seq_len)}
     if args.profile:
         variant = "_stock" if stock else "" if graph == "off" else f"_graph_{graph}"
