@@ -18,7 +18,7 @@ from parallelism_calc.specs import MODELS
 from torch_impl.bench import e2e
 from torch_impl.model import TransformerLM, cross_entropy
 from torch_impl.optim import MasterAdamW
-from torch_impl.parallelize import apply_compile
+from torch_impl.parallelize import apply_compile, parallelize
 from torch_impl.stock import StockTransformerLM
 from torch_impl.timing import PhaseTimer, capture_step
 
@@ -58,6 +58,14 @@ def test_stock_model_accepts_sdpa_backends_only():
         StockTransformerLM(MODELS["tiny"], attention="flash_triton")
 
 
+def _logits_and_grads(model, tokens, forward=None):
+    """The logits of ``forward`` (default the model) on tokens[:, :-1] and every gradient of their loss."""
+    model.zero_grad()
+    logits = (forward or model)(tokens[:, :-1])
+    cross_entropy(logits, tokens[:, 1:]).backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
 @pytest.mark.parametrize("blocks_per_graph, options", [(1, {"triton.mix_order_reduction": False}), (2, None),
                                                       (4, None)])
 def test_regional_compilation_keeps_names_and_function(blocks_per_graph, options):
@@ -65,22 +73,35 @@ def test_regional_compilation_keeps_names_and_function(blocks_per_graph, options
     logits and gradients of the eager model, from one graph per span length."""
     ours, _, tokens = _random_pair(int(np.random.SeedSequence().entropy % 10_000), dtype=torch.float32)
     names = [n for n, _ in ours.named_parameters()]
-
-    def logits_and_grads():
-        ours.zero_grad()
-        logits = ours(tokens[:, :-1])
-        cross_entropy(logits, tokens[:, 1:]).backward()
-        return logits.detach(), [p.grad.clone() for p in ours.parameters()]
-
-    expected = logits_and_grads()
+    expected = _logits_and_grads(ours, tokens)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     apply_compile(ours, options=options, blocks_per_graph=blocks_per_graph)
     assert [n for n, _ in ours.named_parameters()] == names
-    torch.testing.assert_close(logits_and_grads(), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(_logits_and_grads(ours, tokens), expected, rtol=1e-4, atol=1e-5)
     n_blocks = len(ours.layers)
     span_lengths = {min(blocks_per_graph, n_blocks - i) for i in range(0, n_blocks, blocks_per_graph)}
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(span_lengths)
+
+
+def test_parallelize_checkpoints_then_compiles_then_wraps():
+    """``parallelize``: activation checkpointing, then compilation (of the checkpointed segments), then the wrapper
+    with its AdamW, computing the eager model's logits and gradients; what cannot go together is refused."""
+    ours, _, tokens = _random_pair(int(np.random.SeedSequence().entropy % 10_000), dtype=torch.float32)
+    expected = _logits_and_grads(ours, tokens)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    forward, wrapper, optimizer = parallelize(ours, "none", adamw={"lr": 1e-3, "fused": False}, compile=True,
+                                              ac_every=2)
+    assert [len(segment.blocks) for segment in ours.layers] == [2, 1]
+    torch.testing.assert_close(_logits_and_grads(ours, tokens, forward), expected, rtol=1e-4, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled, not eager
+    assert wrapper.module is ours and isinstance(optimizer, torch.optim.AdamW)
+    assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {id(p) for p in ours.parameters()}
+    with pytest.raises(ValueError, match="--compile with --dist fsdp: their per-layer gathers"):
+        parallelize(TransformerLM(MODELS["tiny"], attention="sdpa"), "fsdp", adamw={}, compile=True)
+    with pytest.raises(ValueError, match="need compile=True"):
+        parallelize(TransformerLM(MODELS["tiny"], attention="sdpa"), adamw={}, cuda_graphs=True)
 
 
 def test_regional_compilation_refuses_what_it_cannot_compile():

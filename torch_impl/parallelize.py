@@ -1,16 +1,18 @@
 """Turning a single-device model into a fast or a parallel one, from outside: one ``apply_*`` per technique.
 
-The order is torchtitan's ``parallelize_llama``: activation checkpointing, then compilation, then the
-data-parallel wrapper. The trainer and every benchmark call these, so a fix made here reaches all of them.
+``parallelize(model, mode, ...)`` applies them in torchtitan's order (``parallelize_llama``): activation
+checkpointing, then compilation, then the data-parallel wrapper. The trainer and every benchmark call it, so a fix
+made here reaches all of them.
 
 * ``apply_activation_checkpointing(model, every, nested)``: ``torch_impl.activation_checkpointing``.
 * ``apply_compile(model, cuda_graphs, blocks_per_graph)``: regional compilation, ``torch.compile`` of each span of
   ``BLOCKS_PER_GRAPH`` Transformer blocks (torchtitan's ``apply_compile`` compiles each block; PyTorch's "regional
   compilation" recipe). The spans are identical, so one graph serves all of them: xl's 48 blocks compile in the
   time of one span (seconds), where compiling the whole model as one graph took 87-169 s on an H100
-  (notes/train_step.md). The embedding, the final norm and the LM head stay eager (the e2e benchmark compiles its loss function on its own). ``cuda_graphs`` adds Inductor's
-  CUDA graph trees (``mode="reduce-overhead"``): each span's forward and backward kernels are replayed as one
-  graph, for steps whose host cannot launch kernels as fast as the device runs them (xl at 4 x 512).
+  (notes/train_step.md). The embedding, the final norm and the LM head stay eager (the e2e benchmark compiles its
+  loss function on its own). ``cuda_graphs`` adds Inductor's CUDA graph trees (``mode="reduce-overhead"``): each
+  span's forward and backward kernels are replayed as one graph, for steps whose host cannot launch kernels as
+  fast as the device runs them (xl at 4 x 512).
 * ``apply_data_parallel(model, mode, bucket_mb=, dtype=, adamw=)``: the built (maybe compiled) model in one of
   ``DATA_PARALLEL``, with its AdamW and its ``DataParallelWrapper`` (``torch_impl.distributed.interface``: what
   the trainer calls; None for fsdp2): ``none``; our ``naive``, ``flat``, ``individual``, ``bucketed``
@@ -19,7 +21,8 @@ data-parallel wrapper. The trainer and every benchmark call these, so a fix made
   ``DDPBucketed``); our ``fsdp`` (``compute_dtype=bfloat16`` with bf16); ``fsdp2`` (``fully_shard`` per block,
   then the root; ``MixedPrecisionPolicy(param_dtype=bfloat16)`` with bf16: it reduces in the param dtype, as
   our FSDP does). ``check_supported`` rejects the modes ``UNSUPPORTED`` lists for ``--compile`` and
-  ``--dtype bf16_mixed``; ``DataParallelConfig``: a mode with its bucket size, named as the records name it.
+  ``--dtype bf16_mixed``; ``DataParallelConfig``: a mode with its bucket size, named as the records name it, and
+  its strategy in the calculator's vocabulary.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ import torch.nn as nn
 from torch_impl.activation_checkpointing import apply_activation_checkpointing
 from torch_impl.model import Blocks, run_blocks
 
-__all__ = ["BLOCKS_PER_GRAPH", "DATA_PARALLEL", "UNSUPPORTED", "DataParallelConfig", "apply_activation_checkpointing", "apply_compile",
-           "apply_data_parallel", "check_supported", "data_parallel_configs"]
+__all__ = ["BLOCKS_PER_GRAPH", "DATA_PARALLEL", "UNSUPPORTED", "DataParallelConfig", "apply_activation_checkpointing",
+           "apply_compile", "apply_data_parallel", "check_supported", "data_parallel_configs", "parallelize"]
 
 DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
 # what a mode cannot be combined with: the flag, the modes, why
@@ -119,6 +122,11 @@ class DataParallelConfig:
     bucket_mb: float | None = None
 
     @property
+    def strategy(self) -> str:
+        """What ``parallelism_calc`` calls it (``parallelism_calc.memory.STRATEGIES``): ddp, zero1 or fsdp."""
+        return "zero1" if self.impl == "zero1" else "fsdp" if self.impl in ("fsdp", "fsdp2") else "ddp"
+
+    @property
     def name(self) -> str:
         """The record's implementation: 'bucketed 25MB', 'zero1 + bucketed 25MB', 'torch_ddp', ..."""
         if self.impl == "bucketed":
@@ -190,3 +198,19 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
         fully_shard(model, **kwargs)
         return model, None, torch.optim.AdamW(model.parameters(), **adamw)
     raise ValueError(f"unknown data-parallel mode {mode!r}; accepted: {', '.join(DATA_PARALLEL)}")
+
+
+def parallelize(model: nn.Module, mode: str = "none", *, bucket_mb: float | None = None, dtype: str = "fp32",
+                adamw: dict[str, Any], compile: bool = False, cuda_graphs: bool = False, ac_every: int = 0,
+                nested_ac: bool = False) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+    """``model`` made fast and parallel in torchtitan's order: activation checkpointing every ``ac_every`` blocks,
+    then ``apply_compile`` (with the CUDA graphs of its regions if ``cuda_graphs``), then ``apply_data_parallel``
+    in ``mode``; returns what that returns: (the module to call, its wrapper, the optimizer)."""
+    check_supported([mode], compile, dtype, flag="--dist ")
+    if cuda_graphs and not compile:
+        raise ValueError("CUDA graphs of the compiled blocks need compile=True")
+    if ac_every:
+        apply_activation_checkpointing(model, ac_every, nested=nested_ac)
+    if compile:
+        apply_compile(model, cuda_graphs=cuda_graphs)
+    return apply_data_parallel(model, mode, bucket_mb=bucket_mb, dtype=dtype, adamw=adamw)

@@ -7,7 +7,7 @@ accumulation over ``--grad-accum`` micro-batches of ``--batch-size`` sequences p
 autocast, any attention backend, and one of the data-parallel modes ``--dist``:
 ``none`` (one process), our ``naive`` / ``flat`` / ``individual`` / ``bucketed`` DDP, ``torch_ddp``
 (``DistributedDataParallel``), ``zero1`` (``ShardedOptimizer(AdamW)`` over bucketed DDP) and ``fsdp``, applied
-by ``torch_impl.parallelize.apply_data_parallel`` as in the DDP benchmark. The loop knows each mode only through
+by ``torch_impl.parallelize.parallelize`` as in the benchmarks. The loop knows each mode only through
 its ``DataParallelWrapper`` (``torch_impl.distributed.interface``): no branch per mode here.
 
 Data: each optimizer step draws one *global* batch of ``grad_accum x world_size x batch_size`` random windows
@@ -93,8 +93,8 @@ from torch_impl.data import (DEFAULT_BUILTIN_BYTES, DEFAULT_VAL_FRACTION, TokenD
                              prepare_data, sample_starts, validation_batch_starts)
 from torch_impl.distributed.process_group import DistributedContext, init_distributed  # noqa: E402
 from torch_impl.model import TransformerLM, cross_entropy  # noqa: E402
-from torch_impl.parallelize import (CUDA_GRAPHS, DATA_PARALLEL, DataParallelConfig, apply_compile,  # noqa: E402
-                                    apply_data_parallel, check_cuda_graph, check_supported, data_parallel_configs)
+from torch_impl.parallelize import (CUDA_GRAPHS, DATA_PARALLEL, DataParallelConfig, check_cuda_graph,  # noqa: E402
+                                    check_supported, data_parallel_configs, parallelize)
 from torch_impl.step import StepParts, autocast, train_step  # noqa: E402
 from torch_impl.timing import PhaseTimer  # noqa: E402
 
@@ -208,17 +208,16 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
 
 
 def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: int, total_steps: int) -> StepParts:
-    """The model, compiled per block with --compile (its blocks' CUDA graphs with --cuda-graph blocks), in its
-    data-parallel wrapper with AdamW and the LR schedule: what ``train_step`` calls."""
+    """The model, compiled with --compile (its CUDA graphs with --cuda-graph blocks), in its data-parallel wrapper
+    with AdamW and the LR schedule (``torch_impl.parallelize.parallelize``): what ``train_step`` calls."""
     torch.manual_seed(cfg.seed)
     model = TransformerLM(spec, attention=cfg.attention, device=device)
-    if cfg.compile:
-        apply_compile(model, cuda_graphs=cfg.cuda_graph == "blocks")
     adamw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps, betas=cfg.betas,
                  fused=device.type == "cuda")
     mode = data_parallel_config(cfg)
-    forward, wrapper, optimizer = apply_data_parallel(model, mode.impl, bucket_mb=mode.bucket_mb, dtype=cfg.dtype,
-                                                      adamw=adamw)
+    forward, wrapper, optimizer = parallelize(model, mode.impl, bucket_mb=mode.bucket_mb, dtype=cfg.dtype,
+                                              adamw=adamw, compile=cfg.compile,
+                                              cuda_graphs=cfg.cuda_graph == "blocks")
     schedule = dict(lr=cfg.lr, min_lr=cfg.final_lr, warmup_steps=cfg.warmup_steps, total_steps=total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, **schedule) / cfg.lr)
     return StepParts(forward, optimizer, dtype=cfg.dtype, wrapper=wrapper, scheduler=scheduler,

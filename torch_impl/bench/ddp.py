@@ -2,7 +2,7 @@
 
 Each rank trains ``TransformerLM(--model)`` on its own fixed random batch (``--batch-size`` sequences of
 ``--seq-len`` tokens, seed ``--seed + rank``) with AdamW (fused on CUDA), wrapped by ``--dist``, a mode of
-``torch_impl.parallelize.apply_data_parallel``: ``none`` (one process, no wrapper: the baseline of the scaling
+``torch_impl.parallelize.parallelize``: ``none`` (one process, no wrapper: the baseline of the scaling
 efficiency), our ``naive``, ``flat``, ``individual`` and ``bucketed`` DDP, ``torch_ddp`` (``bucket_cap_mb=25``, its
 default), ``zero1`` (``ShardedOptimizer(AdamW)`` over bucketed DDP), our ``fsdp`` and ``fsdp2`` (``fully_shard``;
 an import failure is an error record); ``bucketed`` and ``zero1`` run once per ``--bucket-mb`` value.
@@ -76,13 +76,8 @@ from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, basel
 from analysis.records import Record, read_records, save_records
 from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int,
                                   positive_float, positive_int, writable_path)
-from torch_impl.parallelize import (CUDA_GRAPHS, DATA_PARALLEL, apply_compile, apply_data_parallel,
-                                    check_cuda_graph, check_supported)
+from torch_impl.parallelize import CUDA_GRAPHS, DATA_PARALLEL, check_cuda_graph, check_supported, parallelize
 from torch_impl.parallelize import DataParallelConfig as Config, data_parallel_configs as configurations
-
-IMPLS = DATA_PARALLEL  # --dist takes every data-parallel mode
-STRATEGY = {"none": "ddp", "naive": "ddp", "flat": "ddp", "individual": "ddp", "bucketed": "ddp",
-            "torch_ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp", "fsdp2": "fsdp"}
 
 
 class CollectiveFailure(RuntimeError):
@@ -92,9 +87,9 @@ class CollectiveFailure(RuntimeError):
 def parse_impls(text: str) -> list[str]:
     """'naive, bucketed' -> ['naive', 'bucketed'] (order kept, repeats dropped); unknown names raise."""
     impls = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-    unknown = [i for i in impls if i not in IMPLS]
+    unknown = [i for i in impls if i not in DATA_PARALLEL]
     if unknown or not impls:
-        raise ValueError(f"--dist {text!r}: unknown {unknown}; accepted (comma list): {', '.join(IMPLS)}")
+        raise ValueError(f"--dist {text!r}: unknown {unknown}; accepted (comma list): {', '.join(DATA_PARALLEL)}")
     return impls
 
 
@@ -129,14 +124,11 @@ def _measure(cfg: Config, args: argparse.Namespace, spec, seq_len: int, device, 
     from torch_impl.step import StepParts, train_step
     from torch_impl.timing import PhaseTimer
 
-    check_supported([cfg.impl], args.compile, args.dtype, flag="")
     torch.manual_seed(args.seed)
     model = TransformerLM(spec, attention=args.attention, device=device)
-    if args.compile:
-        apply_compile(model, cuda_graphs=args.cuda_graph == "blocks")
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
-    forward, wrapper, optimizer = apply_data_parallel(model, cfg.impl, bucket_mb=cfg.bucket_mb, dtype=args.dtype,
-                                                      adamw=adamw)
+    forward, wrapper, optimizer = parallelize(model, cfg.impl, bucket_mb=cfg.bucket_mb, dtype=args.dtype, adamw=adamw,
+                                              compile=args.compile, cuda_graphs=args.cuda_graph == "blocks")
     tokens = torch.from_numpy(fixed_batch(args.seed + rank, args.batch_size, seq_len, spec.vocab_size)).to(device)
     batch = [(tokens[:, :-1], tokens[:, 1:])]  # (inputs, targets), (B, T) each
     parts = StepParts(forward, optimizer, dtype=args.dtype, wrapper=wrapper)
@@ -173,7 +165,7 @@ def predicted_memory(cfg: Config, args: argparse.Namespace, spec, seq_len: int, 
     n = 1 if cfg.impl == "none" else world_size
     gathering = {"fsdp": dict(gather_unit="layer", prefetch_layers=MAX_PREFETCH_LAYERS),
                  "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False)}.get(cfg.impl, {})
-    return per_device_memory(spec, STRATEGY[cfg.impl], n, n * args.batch_size * seq_len, seq_len, precision,
+    return per_device_memory(spec, cfg.strategy, n, n * args.batch_size * seq_len, seq_len, precision,
                              attention=attention, **gathering)
 
 
@@ -186,7 +178,7 @@ def make_record(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world
     metrics: dict[str, Any] = {"impl": cfg.impl, "bucket_mb": cfg.bucket_mb, "attention": args.attention,
                                "compiled": bool(args.compile), "cuda_graph": args.cuda_graph,
                                "peak_memory_kind": "reserved" if args.cuda_graph == "blocks" else "allocated",
-                               "strategy": STRATEGY[cfg.impl], "fused_adamw": device_name != "cpu",
+                               "strategy": cfg.strategy, "fused_adamw": device_name != "cpu",
                                "timing_rank": "slowest rank per step"}
     try:
         pred = predicted_memory(cfg, args, spec, seq_len, world_size)
@@ -216,7 +208,7 @@ def make_record(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world
         record.tokens_per_s = world_size * args.batch_size * seq_len / (record.timing["median_ms"] / 1e3)
         record.metrics["comm_blocked_share"] = record.phases["comm"]["median_ms"] / record.timing["median_ms"]
     record.world_size = world_size
-    record.mesh = {"dp": world_size} if STRATEGY[cfg.impl] != "fsdp" else {"fsdp": world_size}
+    record.mesh = {"dp": world_size} if cfg.strategy != "fsdp" else {"fsdp": world_size}
     return record
 
 
@@ -331,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fp32; bf16 = torch.autocast(bfloat16) with fp32 weights; bf16_mixed = bf16 weights "
                              "with fp32 masters in torch_impl.optim.MasterAdamW (default fp32)")
     parser.add_argument("--dist", "--impl", dest="impl", default="bucketed",
-                        help=f"comma list of: {', '.join(IMPLS)} (default bucketed; --impl: its old name)")
+                        help=f"comma list of: {', '.join(DATA_PARALLEL)} (default bucketed; --impl: its old name)")
     parser.add_argument("--bucket-mb", default="1,10,25,100",
                         help="bucket sizes in MiB for bucketed and zero1, one configuration each (default 1,10,25,100)")
     parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps per configuration (default 3)")

@@ -13,7 +13,7 @@ benchmark's; its phases are marked with CUDA events and the device is waited for
 ``--dtype bf16_mixed`` trains ours with bf16 weights and ``torch_impl.optim.MasterAdamW`` (fp32 master weights
 and moments, one Triton kernel) instead of autocast and torch's AdamW; the stock reference beside it trains
 bf16 the stock way (autocast, fused AdamW) and its record says ``bf16``.
-``--compile`` compiles ours a span of blocks at a time (``torch_impl.parallelize.apply_compile``; the record's
+``--compile`` compiles ours a span of blocks at a time (``torch_impl.parallelize.parallelize``; the record's
 ``metrics.blocks_per_graph``) and its loss. ``--cuda-graph`` names how ours replays CUDA graphs, one record each,
 in the given order: ``off`` (none), ``blocks`` (each compiled span's graph, Inductor's CUDA graph trees: needs
 ``--compile``; the records keep the name "cuda graph per block"), ``step`` (the whole step, forward,
@@ -42,8 +42,7 @@ from parallelism_calc.memory import activation_bytes_per_token, per_device_memor
 from torch_impl import nvtx
 from torch_impl.device import device_name, pick_device
 from torch_impl.model import TransformerLM, cross_entropy
-from torch_impl.optim import adamw_for
-from torch_impl.parallelize import BLOCKS_PER_GRAPH, apply_activation_checkpointing, apply_compile, check_cuda_graph
+from torch_impl.parallelize import BLOCKS_PER_GRAPH, check_cuda_graph, parallelize
 from torch_impl.profiling import profile_steps
 from torch_impl.step import StepParts, train_step
 from torch_impl.stock import SDPA_BACKENDS, StockTransformerLM
@@ -59,8 +58,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def build_model(args: argparse.Namespace, spec, device: torch.device, stock: bool) -> torch.nn.Module:
-    """Our TransformerLM, or the stock reference with the same weights (``torch_impl.stock``), with
-    activation checkpointing as the flags ask. Same seed, same weights, whichever is built."""
+    """Our TransformerLM, or the stock reference with the same weights (``torch_impl.stock``). Same seed, same
+    weights, whichever is built."""
     torch.manual_seed(args.seed)
     model = TransformerLM(spec, attention=args.attention, device=device)
     if args.load_weights:
@@ -71,8 +70,6 @@ def build_model(args: argparse.Namespace, spec, device: torch.device, stock: boo
         reference = StockTransformerLM(spec, attention=args.stock, device=device)
         reference.load_state_dict(model.state_dict())
         model = reference
-    if args.checkpoint_every:
-        apply_activation_checkpointing(model, args.checkpoint_every, nested=args.nested_checkpoint)
     return model
 
 
@@ -137,14 +134,17 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
     tokens = torch.from_numpy(fixed_batch(args.seed, args.batch_size, seq_len, spec.vocab_size)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     graphed = graph == "step"
-    fused = args.dtype != "bf16_mixed" and (device.type == "cuda" if args.fused_adamw == "auto" else args.fused_adamw == "on")
-    optimizer = adamw_for(args.dtype, model.parameters(), fused=fused, capturable=graphed, lr=args.lr,
-                          weight_decay=args.weight_decay)
-    parts = StepParts(model, optimizer, dtype=args.dtype)
-    if args.compile and stock:  # the stock way: the whole model as one graph
+    fused = args.dtype != "bf16_mixed" and (device.type == "cuda" if args.fused_adamw == "auto"
+                                            else args.fused_adamw == "on")
+    adamw = dict(fused=fused, capturable=graphed, lr=args.lr, weight_decay=args.weight_decay)
+    # ours compiled by regions; the stock way below: the whole model as one graph
+    forward, _, optimizer = parallelize(model, dtype=args.dtype, adamw=adamw, compile=args.compile and not stock,
+                                        cuda_graphs=graph == "blocks", ac_every=args.checkpoint_every,
+                                        nested_ac=args.nested_checkpoint)
+    parts = StepParts(forward, optimizer, dtype=args.dtype)
+    if args.compile and stock:
         parts.forward = torch.compile(model)
     elif args.compile:
-        apply_compile(model, cuda_graphs=graph == "blocks")
         parts.loss_fn = torch.compile(cross_entropy)
     timer = PhaseTimer(device)
 
