@@ -5,8 +5,8 @@
 # (plain torch.compile of the whole model, bf16 autocast, fused AdamW), then ours (bf16 weights with fp32 masters in
 # MasterAdamW: --dtype bf16_mixed) compiled per block without CUDA graphs, with each block's graph replayed (CUDA
 # graph trees), and with the whole step replayed as one graph (records in OUT_DIR/e2e_<gpu>.jsonl, ours with
-# metrics.x_stock; the records of ours under autocast came from this phase at commit 8a639b9), then the DDP benchmark's
-# one-GPU baseline (xl 2 x 512) compiled per block, autocast then bf16_mixed (OUT_DIR/ddp_one_gpu_<gpu>.jsonl). ddp: the
+# metrics.x_stock; the records of ours under autocast came from this phase at commit 8a639b9; ~9 minutes on a fresh
+# H100, most of it compiling the stock model whole). ddp: the
 # DDP benchmark's one-GPU baseline (xl 2 x 512) eager and compiled per block (OUT_DIR/ddp_one_gpu_<gpu>.jsonl), then
 # the GPU tests of the step. profile: xl at 4 x 512 and 4 x 2,048, stock and ours, each with its torch.profiler kernel
 # table (OUT_DIR/*_kernels.md). mixed: bf16 weights with fp32 masters (--dtype bf16_mixed, MasterAdamW): its CPU
@@ -44,8 +44,7 @@ case "$phase" in
 records)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
   step 2.7B 2 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
-  step xl 4 512 --dtype bf16_mixed --cuda-graph off,blocks,step
-  for dtype in bf16 bf16_mixed; do ddp_one_gpu --dtype "$dtype" --compile; done ;;
+  step xl 4 512 --dtype bf16_mixed --cuda-graph off,blocks,step ;;
 ddp)
   for compiled in "" --compile; do ddp_one_gpu --dtype bf16 $compiled; done
   python3 -m pytest -q -m gpu tests/test_stock.py 2>&1 | tail -5 | tee "$out/gpu_tests.txt" ;;
