@@ -23,7 +23,7 @@ run: $(STAMP)
 	@mkdir -p .cache && rm -f $(QUICKSTART)
 	$(BIN)/python -m torch_impl.bench.e2e --model tiny --suite quickstart --save-weights .cache/tiny.npz --out $(QUICKSTART)
 	$(BIN)/python -m jax_impl.bench.e2e --model tiny --suite quickstart --load-weights .cache/tiny.npz --out $(QUICKSTART)
-	$(BIN)/python -m analysis.table $(QUICKSTART) --columns backend,implementation,model,batch_size,seq_len,dtype,mode,median_ms,std_ms,tokens_per_s,tflops --metrics loss_first,loss_last
+	$(BIN)/python -m analysis.reports table $(QUICKSTART) --columns backend,implementation,model,batch_size,seq_len,dtype,mode,median_ms,std_ms,tokens_per_s,tflops --metrics loss_first,loss_last
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -1,39 +1,46 @@
 """``python -m analysis.reports [results] [--out results/reports]``: every table and figure, from the records.
 
-Reads each ``*.jsonl`` record file in a folder and, per suite, writes its report into ``--out``: the attention
-suites their latency / TFLOP/s tables, speed-ups and plots (``plots.write_attention_report``), the all-reduce
-suite its bus-bandwidth plot and table (``plots.write_allreduce_report``; the JAX collectives suite likewise,
-``plots.write_collectives_report``), the data-parallel suite its
-table with scaling efficiency and a throughput plot (``data_parallel.write_ddp_report``), the single-GPU suites
-"memory", "kernels" and "checkpointing" their tables and plots (``single_gpu``), the precision suite its two tables,
-and every other suite (e2e, foundation, ddp, ...) a table of its records; where some configuration was
-measured in both backends, the PyTorch-vs-JAX report (``analysis.side_by_side``) into ``side_by_side/``. An
-``index.md`` lists what was written. Nothing is typed by hand: rerun it after adding records.
+Reads each ``*.jsonl`` record file in a folder and, per suite, writes its report into ``--out``, from the suite's
+own module: the attention suites their latency / TFLOP/s tables, speed-ups and plots
+(``analysis.attention``), the all-reduce suite its bus-bandwidth plot and table (``analysis.allreduce``; the JAX
+collectives suite likewise, ``analysis.collectives``), the data-parallel suite its table with scaling efficiency
+and a throughput plot (``analysis.data_parallel``), the single-GPU suites "memory", "kernels" and "checkpointing"
+their tables and plots (``analysis.single_gpu``), the precision suite its two tables, and every other suite (e2e,
+foundation, ddp, ...) a table of its records; where some configuration was measured in both backends, the
+PyTorch-vs-JAX report (``analysis.side_by_side``) into ``side_by_side/``. An ``index.md`` lists what was written.
+Nothing is typed by hand: rerun it after adding records.
+
+``python -m analysis.reports table FILES... [--suite S] [--columns a,b] [--metrics m] [--out FILE.md]`` prints one
+Markdown table of the records in some files, globs or folders instead (``table_main``; formerly
+``python -m analysis.table``).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
+from analysis.allreduce import ALLREDUCE_SUITE, REPORT_METRICS as ALLREDUCE_METRICS, write_allreduce_report
+from analysis.attention import REPORT_METRICS as ATTENTION_METRICS, write_attention_report
+from analysis.collectives import COLLECTIVES_SUITE, REPORT_METRICS as COLLECTIVES_METRICS, write_collectives_report
 from analysis.data_parallel import SUITE as DDP_SUITE, write_ddp_report
-from analysis.plots import (ALLREDUCE_SUITE, COLLECTIVES_SUITE, write_allreduce_report, write_attention_report,
-                            write_collectives_report)
 from analysis.records import Record, read_records
 from analysis.side_by_side import head_to_head, side_by_side_frame, write_side_by_side
 from analysis.single_gpu import REPORTS as SINGLE_GPU_REPORTS
-from analysis.tables import load_records, markdown_table, records_frame
+from analysis.tables import load_records, markdown_table, records_frame, records_table
 from parallelism_calc.cli import ArgumentParser, error_boundary
 
+PROG = "python -m analysis.reports"
 ATTENTION_SUITES = ("attention", "naive_attention")
 # What each suite's report reads from the metrics of its successful records (check_suite).
 REPORT_METRICS = {
-    **{suite: ("heads", "head_dim", "causal") for suite in ATTENTION_SUITES},
-    ALLREDUCE_SUITE: ("bytes", "size", "algbw_gbps", "busbw_gbps", "raw_loop_ms", "raw_algbw_gbps", "raw_busbw_gbps",
-                      "busbw_over_raw"),
-    COLLECTIVES_SUITE: ("op", "axis", "bytes", "size", "algbw_gbps", "busbw_gbps", "raw_busbw_gbps"),
+    **dict.fromkeys(ATTENTION_SUITES, ATTENTION_METRICS),
+    ALLREDUCE_SUITE: ALLREDUCE_METRICS,
+    COLLECTIVES_SUITE: COLLECTIVES_METRICS,
 }
 
 
@@ -151,15 +158,58 @@ def write_reports(results: Path, out_dir: Path) -> list[Path]:
     return final
 
 
-@error_boundary(prog="python -m analysis.reports")
-def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(prog="python -m analysis.reports", description=__doc__.splitlines()[0])
+def _names(text: str) -> list[str]:
+    """A comma-separated list of names, blanks dropped."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def table_parser(prog: str = f"{PROG} table") -> argparse.ArgumentParser:
+    """The flags of ``python -m analysis.reports table``."""
+    description = "Print (and optionally write) a Markdown table of records; without --columns, the e2e-like set."
+    if prog != f"{PROG} table":
+        description += f" {prog} is the old name of {PROG} table, kept for one release."
+    parser = ArgumentParser(prog=prog, description=description)
+    parser.add_argument("paths", nargs="+", help="record files (.jsonl), globs or folders")
+    parser.add_argument("--suite", help="only records of this suite, e.g. e2e")
+    parser.add_argument("--columns", type=_names, help="comma-separated columns (default: the e2e set)")
+    parser.add_argument("--metrics", type=_names, default=[], help="comma-separated metrics.<name> columns to add")
+    parser.add_argument("--out", type=Path, help="also write the table to this Markdown file")
+    return parser
+
+
+def table_main(argv: Sequence[str] | None = None, prog: str = f"{PROG} table") -> int:
+    """``python -m analysis.reports table FILES...``: print the Markdown table of some records (``--out``: also
+    write it). Bad input (a missing file, a malformed record, an unknown column or suite) is a one-line error."""
+    return error_boundary(_table, prog=prog)(argv, prog)
+
+
+def _table(argv: Sequence[str] | None, prog: str) -> int:
+    args = table_parser(prog).parse_args(argv)
+    table = records_table(args.paths, args.suite, args.columns, args.metrics)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table + "\n", encoding="utf-8")
+    print(table)
+    return 0
+
+
+@error_boundary(prog=PROG)
+def _write_all(argv: Sequence[str]) -> int:
+    table_usage = table_parser().format_usage().removeprefix("usage: ").strip()
+    parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
+                            epilog=f"Or one table, printed: {table_usage} (see {PROG} table --help).")
     parser.add_argument("results", nargs="?", default="results", type=Path, help="folder of *.jsonl (default results)")
     parser.add_argument("--out", type=Path, help="where the reports go (default RESULTS/reports)")
     args = parser.parse_args(argv)
     written = write_reports(args.results, args.out or args.results / "reports")
     print("\n".join(f"wrote {p}" for p in written))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Every report (``write_reports``), or with ``table`` first, one table (``table_main``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return table_main(argv[1:]) if argv[:1] == ["table"] else _write_all(argv)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 ``markdown_table`` formats numbers by column name (times to 3 decimals, tokens/s with thousands separators,
 MFU as a percentage, bytes in KiB/MiB/GiB) and renders with ``DataFrame.to_markdown`` (tabulate). Failed
 runs stay visible: whenever a row's status is not 'ok', the status and error columns are shown.
+``records_table`` is both in one call, for the records of one suite (``python -m analysis.reports table``).
 
 Caveat: uses pandas, so benchmarks must not import this module (they import ``analysis.records`` only).
 """
@@ -130,6 +131,17 @@ def records_frame(records_or_paths: RecordSource | Iterable[RecordSource]) -> pd
     return _as_nullable_ints(pd.DataFrame(rows, columns=_column_order(rows)))
 
 
+def filter_suite(frame: pd.DataFrame, suite: str | None) -> pd.DataFrame:
+    """Rows of one suite (all rows for None); no matching row is a ValueError naming the suites present."""
+    if suite is None or "suite" not in frame:
+        return frame
+    rows = frame[frame["suite"] == suite]
+    if rows.empty:
+        present = ", ".join(sorted(frame["suite"].dropna().unique())) or "none"
+        raise ValueError(f"no records of suite {suite!r}; suites present: {present}")
+    return rows.reset_index(drop=True)
+
+
 # ----------------------------------------------------------------------------- formatting
 
 
@@ -236,3 +248,10 @@ def markdown_table(
     chosen = select_columns(frame, columns, metrics)
     cells = pd.DataFrame({c: format_column(frame, c, floatfmt, max_chars) for c in chosen}, columns=chosen)
     return cells.to_markdown(index=False, disable_numparse=True, colalign=[_alignment(frame[c]) for c in chosen])
+
+
+def records_table(sources: RecordSource | Iterable[RecordSource], suite: str | None = None,
+                  columns: Sequence[str] | None = None, metrics: Sequence[str] = ()) -> str:  # fmt: skip
+    """The Markdown table of the records in ``sources`` (paths, globs, folders or ``Record``s), of one suite if
+    given (``filter_suite``), with ``markdown_table``'s columns."""
+    return markdown_table(filter_suite(records_frame(sources), suite), columns, metrics=metrics)

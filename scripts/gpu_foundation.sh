@@ -18,6 +18,6 @@ for shape in "4 512" "16 1024"; do
   for attention in naive sdpa; do python3 -m torch_impl.bench.e2e "${flags[@]}" --attention "$attention"; done
   for attention in naive dot_product; do python3 -m jax_impl.bench.e2e "${flags[@]}" --attention "$attention"; done
 done
-python3 -m analysis.table "$runs" --out "$out/foundation.md" \
+python3 -m analysis.reports table "$runs" --out "$out/foundation.md" \
   --columns backend,implementation,model,batch_size,seq_len,dtype,mode,median_ms,std_ms,tokens_per_s,tflops,mfu,peak_memory_bytes \
   --metrics loss_first,loss_last

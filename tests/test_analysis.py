@@ -1,5 +1,6 @@
-"""Tests for analysis.tables and the ``python -m analysis.table`` CLI: flattening records into a frame,
-number formatting in Markdown tables, failed runs staying visible, and one-line errors for bad input."""
+"""Tests for analysis.tables and the ``python -m analysis.reports table`` CLI (old name ``python -m analysis.table``):
+flattening records into a frame, number formatting in Markdown tables, failed runs staying visible, and one-line
+errors for bad input."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from analysis import table as cli
+from analysis.reports import table_main
 from analysis.records import Record, append_records, timing_stats
 from analysis.tables import (
     DEFAULT_COLUMNS,
@@ -163,15 +164,20 @@ def test_markdown_table_column_choice() -> None:
         markdown_table(frame, metrics=["perplexity"])
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+TABLE_CLI = ("analysis.reports", "table")  # python -m analysis.reports table
+OLD_TABLE_CLI = ("analysis.table",)  # its old name, kept for one release
+
+
+def run_cli(*args: str, cli: tuple[str, ...] = TABLE_CLI) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "analysis.table", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", *cli, *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
-def test_cli_prints_and_writes_table(jsonl: Path, tmp_path: Path, records: list[Record]) -> None:
+@pytest.mark.parametrize("cli", [TABLE_CLI, OLD_TABLE_CLI], ids=" ".join)
+def test_cli_prints_and_writes_table(jsonl: Path, tmp_path: Path, records: list[Record], cli) -> None:
     out = tmp_path / "tables" / "e2e.md"
-    result = run_cli(str(jsonl), "--suite", "e2e", "--metrics", "loss", "--out", str(out))
+    result = run_cli(str(jsonl), "--suite", "e2e", "--metrics", "loss", "--out", str(out), cli=cli)
     assert result.returncode == 0, result.stderr
     assert out.read_text() == result.stdout
     lines = result.stdout.splitlines()
@@ -183,11 +189,12 @@ def test_cli_prints_and_writes_table(jsonl: Path, tmp_path: Path, records: list[
     assert oom_row["status"] == "oom" and oom_row["error"].startswith("RESOURCE_EXHAUSTED")
 
 
-def test_cli_unknown_column_is_one_line_error(jsonl: Path) -> None:
-    result = run_cli(str(jsonl), "--columns", "backend,speed")
+@pytest.mark.parametrize("cli", [TABLE_CLI, OLD_TABLE_CLI], ids=" ".join)
+def test_cli_unknown_column_is_one_line_error(jsonl: Path, cli) -> None:
+    result = run_cli(str(jsonl), "--columns", "backend,speed", cli=cli)
     assert result.returncode == 2
     assert result.stdout == ""
-    assert result.stderr.startswith("python -m analysis.table: error: unknown column(s) speed; accepted: suite, "
+    assert result.stderr.startswith(f"python -m {' '.join(cli)}: error: unknown column(s) speed; accepted: suite, "
                                     "backend")
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
@@ -206,6 +213,6 @@ def test_cli_bad_input_exits_with_message(jsonl: Path, args: list[str], message:
     bad.write_text(jsonl.read_text().splitlines()[0] + "\n{oops\n")
     argv = [a.format(dir=jsonl.parent, file=jsonl, bad=bad) for a in args]
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(argv)
+        table_main(argv)
     assert exit_info.value.code == 2 and message in str(exit_info.value)
-    assert capsys.readouterr().err.startswith("python -m analysis.table: error: ")
+    assert capsys.readouterr().err.startswith("python -m analysis.reports table: error: ")

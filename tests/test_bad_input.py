@@ -82,7 +82,7 @@ CALC, E2E, JAX_E2E, TRAIN = "parallelism_calc", "torch_impl.bench.e2e", "jax_imp
 PRECISION, ALLREDUCE, DDP = "torch_impl.bench.precision", "torch_impl.bench.allreduce", "torch_impl.bench.ddp"
 ATTENTION, MATRIX = "torch_impl.bench.attention", "torch_impl.bench.train_matrix"
 COLLECTIVES = "jax_impl.bench.collectives"
-TABLE, REPORTS = "analysis.table", "analysis.reports"
+TABLE, REPORTS = "analysis.table", "analysis.reports"  # TABLE: the old name of `REPORTS table`
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 CASES = [
@@ -147,9 +147,10 @@ CASES = [
     Case(COLLECTIVES, "--iters 0", "--iters: '0': must be > 0"),
     Case(COLLECTIVES, "--out {file}/c.jsonl", "is a file, not a folder"),
     # analysis (item 8)
-    Case(TABLE, "{tmp}/metrics_list.jsonl", "field 'metrics' is list"),
-    Case(TABLE, "{tmp}/future.jsonl", "schema_version 99: this code reads versions 1 to 1"),
-    Case(TABLE, "{tmp}/wrong_type.jsonl", "field 'batch_size' is str"),
+    Case(REPORTS, "table {tmp}/metrics_list.jsonl", "field 'metrics' is list"),
+    Case(REPORTS, "table {tmp}/future.jsonl", "schema_version 99: this code reads versions 1 to 1"),
+    Case(REPORTS, "table {tmp}/wrong_type.jsonl", "field 'batch_size' is str"),
+    Case(REPORTS, "table {tmp}/missing.jsonl", "no such file"),
     Case(TABLE, "{tmp}/missing.jsonl", "no such file"),
     Case(REPORTS, "{tmp}/wrong_suite --out {tmp}/reports", "lacks the metrics heads, head_dim, causal",
          check=no_index),

@@ -64,7 +64,7 @@ def test_bad_flags_give_one_line_errors():
 
 def torch_e2e_args(argv: list[str]):
     """The torch e2e benchmark's flags parsed as ``torch_e2e.main`` parses them, without running a step."""
-    from analysis.benchmark import add_step_arguments
+    from analysis.harness import add_step_arguments
     from parallelism_calc.cli import ArgumentParser
 
     parser = ArgumentParser(prog="python -m torch_impl.bench.e2e")

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-from analysis.plots import write_collectives_report  # noqa: E402
+from analysis.collectives import write_collectives_report  # noqa: E402
 from analysis.records import read_records  # noqa: E402
 from jax_impl.bench import collectives  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""analysis.plots on synthetic records: generic line plots, the attention pivot, speed-ups and report files."""
+"""analysis.plots and analysis.attention on synthetic records: generic line plots, the attention pivot, speed-ups
+and report files; the names that moved out of analysis.plots still import from there (for one release)."""
 
 import subprocess
 import sys
@@ -8,9 +9,11 @@ import matplotlib.image
 import pandas as pd
 import pytest
 
-from analysis.plots import (
-    attention_frame, attention_markdown, attention_pivot, line_plot, plot_attention, speedups, write_attention_report,
+from analysis import plots
+from analysis.attention import (
+    attention_frame, attention_markdown, attention_pivot, plot_attention, speedups, write_attention_report,
 )  # fmt: skip
+from analysis.plots import line_plot
 from analysis.records import Record, append_records, timing_stats
 
 SEQS = (128, 256, 512, 1024)
@@ -55,8 +58,20 @@ def test_line_plot_grid_and_png(tmp_path):
 
 
 def test_plots_never_import_torch():
-    code = "import sys, analysis.plots; assert 'torch' not in sys.modules, 'analysis.plots imported torch'"
+    code = ("import sys, analysis.plots, analysis.attention, analysis.allreduce, analysis.collectives; "
+            "assert 'torch' not in sys.modules, 'analysis imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_old_names_still_import_from_plots():
+    from analysis import allreduce, attention, collectives
+
+    assert plots.write_attention_report is attention.write_attention_report
+    assert plots.write_allreduce_report is allreduce.write_allreduce_report
+    assert plots.write_collectives_report is collectives.write_collectives_report
+    assert all(getattr(plots, name) is not None for name in plots.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        plots.nope
 
 
 def test_attention_pivot_and_speedups():

@@ -267,7 +267,7 @@ class MasterAdamW(torch.optim.Optimizer):
 
 def adamw_for(dtype: str, params: Iterable, *, fused: bool, capturable: bool = False,
               **hyper) -> torch.optim.Optimizer:
-    """The AdamW of a train step at ``--dtype`` (``analysis.benchmark.DTYPES``): ``MasterAdamW`` for
+    """The AdamW of a train step at ``--dtype`` (``analysis.harness.DTYPES``): ``MasterAdamW`` for
     ``bf16_mixed`` (it casts the weights to bf16: build it before a wrapper sees them, and run without
     autocast), else torch's AdamW (``fused``, ``capturable`` as asked) for fp32 weights. ``hyper``: lr,
     weight_decay, betas, eps."""

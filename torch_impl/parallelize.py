@@ -151,7 +151,7 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
                         adamw: dict[str, Any]) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     """(the module to call, its ``DataParallelWrapper`` (None for fsdp2), the optimizer): ``model``, built on its
     device (and compiled, but not for the FSDPs: ``check_supported`` first), wrapped in ``mode`` with
-    ``AdamW(**adamw)``. ``dtype`` (``analysis.benchmark.DTYPES``): bf16 makes the FSDPs compute in bf16;
+    ``AdamW(**adamw)``. ``dtype`` (``analysis.harness.DTYPES``): bf16 makes the FSDPs compute in bf16;
     bf16_mixed gives ``MasterAdamW``.
     Collectives inside (the wrappers' broadcasts) run on every rank alike."""
     from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,

@@ -19,7 +19,7 @@ import torch
 
 from torch_impl.model import cross_entropy
 
-MODES = ("forward", "forward_backward", "train_step")  # what a step runs (analysis.benchmark's modes)
+MODES = ("forward", "forward_backward", "train_step")  # what a step runs (analysis.harness's modes)
 
 
 def autocast(dtype: str, device: torch.device):
@@ -38,7 +38,7 @@ class StepParts:
 
     forward: Callable[[torch.Tensor], torch.Tensor]
     optimizer: torch.optim.Optimizer
-    dtype: str = "fp32"  # analysis.benchmark.DTYPES
+    dtype: str = "fp32"  # analysis.harness.DTYPES
     wrapper: Any = None
     scheduler: Any = None
     grad_clip: float = 0.0

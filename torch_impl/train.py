@@ -82,7 +82,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from analysis.benchmark import DTYPES, StepRun, step_record  # noqa: E402
+from analysis.harness import DTYPES, StepRun, step_record  # noqa: E402
 from analysis.records import STEP_PHASES as SHARED_PHASES, Record, divergence, save_records  # noqa: E402
 from parallelism_calc.cli import (ArgumentParser, error_boundary, fraction, nonnegative_float,  # noqa: E402
                                   nonnegative_int, one_line, positive_float, positive_int, writable_path)

@@ -21,7 +21,7 @@ Records (process 0 appends one per (op, size) to ``--out``): suite "collectives"
 implementation the op, world_size n (the axis size), the mesh, fp32; metrics: op, axis, bytes, size,
 algbw/busbw, the raw loop's time and bandwidths. A size that fails (e.g. out of memory) is an error row and
 the run goes on. ``--report-only FILE`` draws bus bandwidth against size (one line per op and axis size)
-and prints a Markdown table (``analysis.plots.write_collectives_report``).
+and prints a Markdown table (``analysis.collectives.write_collectives_report``).
 
 References: NCCL-tests PERFORMANCE.md (algbw / busbw); the JAX ``shard_map`` docs (collectives in SPMD
 code); the TPU Scaling Book, "Sharded matrices" (collective costs over one mesh axis).
@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from analysis.benchmark import progress
+from analysis.harness import progress
 from analysis.records import Record, save_records, timing_stats
 from parallelism_calc.cli import ArgumentParser, error_boundary, nonnegative_int, positive_int, writable_path
 from jax_impl.bench.e2e import platform_devices
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", metavar="JSONL", help="only draw the plot and table of these records")
     args = parser.parse_args(argv)
     if args.report_only:
-        from analysis.plots import write_collectives_report
+        from analysis.collectives import write_collectives_report
 
         plot, table = write_collectives_report(args.report_only)
         print(f"{table}\n\nplot: {plot}")

@@ -8,7 +8,7 @@ Every run is the sharded program of ``jax_impl.train`` (``make_train_step`` / ``
 ``--device``. Each mode is one ``jax.jit`` (train_step: forward, backward and the optax update fused,
 parameters and optimizer state donated), compiled ahead of time, so only whole-step times are recorded.
 
-Record (``analysis.benchmark.step_record``): ``--batch-size`` is the global batch (one program over the
+Record (``analysis.harness.step_record``): ``--batch-size`` is the global batch (one program over the
 mesh, JAX's convention; the PyTorch DDP benchmark's batch is per rank); ``tflops`` / ``mfu`` per device;
 ``world_size`` and ``mesh`` from the mesh; ``peak_memory_bytes`` the worst device's allocator peak (GPU; None
 on CPU). Metrics: ``strategy``, ``remat``, ``compile_s``, ``compiled_memory`` (the compiled step's
@@ -36,8 +36,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from analysis.benchmark import (StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark,
-                                step_record)
+from analysis.harness import (StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark,
+                              step_record)
 from analysis.records import Record
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights

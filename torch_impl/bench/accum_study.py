@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from analysis.benchmark import progress
+from analysis.harness import progress
 from analysis.records import Record, read_records
 from parallelism_calc.cli import ArgumentParser, error_boundary, writable_path
 from torch_impl.bench.train_matrix import Cell, parse_list, report_only, run_cell

@@ -22,7 +22,7 @@ Rank 0 prints progress and, with ``--out``, appends one ``Record`` per size (sui
 raw loop's time and bandwidths). A size that fails on any rank (e.g. out of memory) becomes an error record on
 every rank's agreement, then the run goes on. ``--report-only FILE`` (no torchrun needed) reads the records
 and draws bus bandwidth against size, one line per (world size, benchmark | raw loop), one panel per backend
-(``analysis.plots.line_plot``), and prints a Markdown table.
+(``analysis.allreduce.write_allreduce_report``), and prints a Markdown table.
 
 References: NCCL-tests PERFORMANCE.md (algbw / busbw); CS336 assignment 2 (2025), section 2.1 (benchmarking
 all-reduce on gloo/CPU and NCCL/GPU).
@@ -227,8 +227,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report(path: str, plot: str | None = None) -> tuple[Path, str]:
-    """Bus bandwidth against size from the records in ``path`` (``analysis.plots.write_allreduce_report``)."""
-    from analysis.plots import write_allreduce_report  # pandas + matplotlib, only for the report
+    """Bus bandwidth against size from the records in ``path`` (``analysis.allreduce.write_allreduce_report``)."""
+    from analysis.allreduce import write_allreduce_report  # pandas + matplotlib, only for the report
 
     return write_allreduce_report(path, plot)
 

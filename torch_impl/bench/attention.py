@@ -55,7 +55,7 @@ Records: one ``analysis.records.Record`` per (provider, pass, dtype, sequence le
 ``torch.cuda.max_memory_allocated`` over one extra, untimed call of the pass with its inputs (and, for
 backward, the kept forward graph) alive.
 
-At the end (or with ``--report-only FILE``) ``analysis.plots.write_attention_report`` writes, next to the
+At the end (or with ``--report-only FILE``) ``analysis.attention.write_attention_report`` writes, next to the
 records file, ``<stem>.md`` (median ms and TFLOP/s with providers as columns, flash_triton's speed-up over each
 other provider, failures) and PNG plots (latency and TFLOP/s against sequence length). The report step is the
 only part that imports pandas/matplotlib, and only then.
@@ -545,7 +545,7 @@ def pick_device(name: str) -> torch.device:
 
 def report(path: Path, suite: str = SUITE) -> list[Path]:
     """Write the Markdown table and plots of the records in ``path`` next to it; print the speed-ups."""
-    from analysis.plots import write_attention_report  # pandas + matplotlib, imported only for the report
+    from analysis.attention import write_attention_report  # pandas + matplotlib, imported only for the report
 
     written, speedups = write_attention_report(path, suite=suite)
     if speedups:

@@ -30,7 +30,7 @@ and peak memory (``torch.cuda.max_memory_allocated`` after the warm-up, None on 
 data-parallel step is done when the last rank is); the record's timing / phase statistics are over those
 per-step maxima, so the phases' medians need not add up to the step's. ``tokens_per_s`` = world_size x
 batch x seq / median step; ``tflops`` / ``mfu`` per device from ``parallelism_calc.compute.step_flops`` of
-one rank's batch (``analysis.benchmark.step_record``'s conventions); ``peak_memory_bytes`` = the worst rank.
+one rank's batch (``analysis.harness.step_record``'s conventions); ``peak_memory_bytes`` = the worst rank.
 Metrics: ``per_rank_peak_memory_bytes``, ``per_rank_median_ms`` (each rank's own step and phase medians),
 ``predicted_memory_bytes`` (+ its breakdown) from ``parallelism_calc.memory.per_device_memory`` with the
 strategy the impl implements (ddp for none / the DDP variants / torch_ddp, zero1, fsdp for fsdp / fsdp2;
@@ -70,7 +70,7 @@ import statistics
 import sys
 from typing import Any
 
-from analysis.benchmark import DTYPES, StepRun, calculator_terms, fixed_batch, resolve_spec, step_record
+from analysis.harness import DTYPES, StepRun, calculator_terms, fixed_batch, resolve_spec, step_record
 from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, report,
                                      single_process_baselines)
 from analysis.records import Record, read_records, save_records

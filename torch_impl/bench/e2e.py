@@ -34,8 +34,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from analysis.benchmark import (StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark,
-                                step_record)
+from analysis.harness import (StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark,
+                              step_record)
 from analysis.records import Record
 from parallelism_calc.checkpointing import checkpointed_activation_bytes
 from parallelism_calc.memory import activation_bytes_per_token, per_device_memory

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from analysis.benchmark import progress
+from analysis.harness import progress
 from analysis.records import Record, read_records, save_records
 from parallelism_calc.cli import ArgumentParser, error_boundary, positive_float, positive_int, writable_path
 from torch_impl.train import DIST_MODES

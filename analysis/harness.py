@@ -1,0 +1,317 @@
+"""The benchmark harness both backends' benchmarks share: common flags, the step record, sweeps, progress bars.
+
+``torch_impl.bench.e2e`` and ``jax_impl.bench.e2e`` take the same flags (``add_step_arguments``) and turn
+their per-step times into the same ``Record`` (``step_record``), with FLOPs from ``parallelism_calc`` and
+MFU against the ``HardwareSpec`` of the device, so the two backends are compared field by field.
+Stdlib and numpy only: no pandas, torch or jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from analysis.records import Record, divergence, save_records, timing_stats
+from parallelism_calc.cli import (ArgumentParser, error_boundary, int_list, nonnegative_float, nonnegative_int,
+                                  positive_float, positive_int, writable_path)
+from parallelism_calc.compute import MODES, step_flops
+from parallelism_calc.specs import MODELS, ModelSpec, get_model, hardware_for_device
+
+# --dtype: each value and the calculator's precision of it (parallelism_calc.memory.PRECISIONS)
+DTYPES = {"fp32": "fp32",  # fp32 weights, gradients, AdamW state and matmuls (no TF32)
+          "bf16": "bf16_autocast",  # fp32 weights, gradients and AdamW state; bf16 compute under autocast
+          "bf16_mixed": "bf16_mixed"}  # bf16 weights and gradients; fp32 master weights and AdamW state
+
+
+def calculator_terms(dtype: str, attention: str) -> tuple[str, str]:
+    """--dtype and --attention as ``parallelism_calc.memory`` takes them: (precision, attention), "naive" for the
+    naive attention (it saves the n x n probabilities) and "flash" for every fused kernel (it saves none)."""
+    return DTYPES[dtype], "naive" if attention == "naive" else "flash"
+
+
+LOSS_METRICS = ("losses", "train_losses", "val_loss")  # metrics holding losses: one not finite = "diverged"
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every step benchmark accepts."""
+    parser.add_argument("--model", default="tiny", help=f"model preset: {', '.join(MODELS)} (default tiny)")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (default 4)")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="tokens per sequence (default: the spec's context)")
+    parser.add_argument("--mode", choices=MODES, default="train_step",
+                        help="forward (no gradients), forward_backward, or train_step with AdamW (default)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                        help="fp32 (full-precision matmuls, no TF32); bf16 (autocast: fp32 weights, bf16 compute); "
+                             "bf16_mixed (bf16 weights, fp32 master weights in the optimizer; PyTorch only) "
+                             "(default fp32)")
+    parser.add_argument("--attention", default="naive", help="attention backend (default naive)")
+    parser.add_argument("--device", default="auto", help="auto (the accelerator if any), cpu, cuda or cuda:N")
+    parser.add_argument("--warmup", type=nonnegative_int, default=5, help="untimed warm-up steps (default 5)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    parser.add_argument("--weight-decay", type=nonnegative_float, default=0.01,
+                        help="AdamW weight decay (default 0.01)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of weights and data (default 0)")
+    parser.add_argument("--load-weights", metavar="NPZ", help="start from these weights (stable names, .npz)")
+    parser.add_argument("--save-weights", metavar="NPZ", help="save the initial weights here (.npz)")
+    parser.add_argument("--suite", default="e2e", help="suite name written into the records (default e2e)")
+    parser.add_argument("--out", metavar="JSONL", type=writable_path,
+                        help="append the record to this JSON Lines file")
+    parser.add_argument("--json", action="store_true", help="print the record as JSON")
+    sweep = parser.add_argument_group("sweep (each configuration in its own process; needs --out)")
+    sweep.add_argument("--sweep-models", help="comma-separated presets, e.g. small,medium,large,xl,2.7B")
+    sweep.add_argument("--sweep-seq-lens", type=int_list,
+                       help="comma-separated sequence lengths, e.g. 128,256,512,1024")
+    sweep.add_argument("--config-timeout", type=positive_float, default=1800.0,
+                       help="seconds one sweep configuration may take before it is recorded as an error")
+
+
+def resolve_spec(args: argparse.Namespace) -> tuple[ModelSpec, int]:
+    """The model spec and sequence length of a run; the spec's context grows to fit a longer --seq-len."""
+    spec = get_model(args.model)
+    if spec.arch != "transformer":
+        raise ValueError(f"model {spec.name!r} is an analysis-only {spec.arch} model; pick a Transformer preset")
+    seq_len = args.seq_len or spec.context_length
+    for flag, value in (("--batch-size", args.batch_size), ("--seq-len", seq_len), ("--steps", args.steps)):
+        if value < 1:
+            raise ValueError(f"{flag}={value} must be >= 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup={args.warmup} must be >= 0")
+    if seq_len > spec.context_length:
+        spec = spec.replace(context_length=seq_len)
+    return spec, seq_len
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """What a step record says of the run that made it, typed: the suite, what one step runs, the dtype, one
+    step's batch and how many steps were warm-up and timed. ``StepRun.of(args)`` takes them from a CLI's flags."""
+
+    suite: str
+    mode: str  # parallelism_calc.compute.MODES
+    dtype: str  # DTYPES
+    batch_size: int
+    warmup: int
+    steps: int
+
+    @classmethod
+    def of(cls, args: Any, **changes: Any) -> "StepRun":
+        return cls(**{f.name: changes.get(f.name, getattr(args, f.name, None)) for f in dataclasses.fields(cls)})
+
+
+def step_record(
+    run: StepRun,
+    spec: ModelSpec,
+    seq_len: int,
+    *,
+    backend: str,
+    implementation: str,
+    device_name: str,
+    step_times_ms: Sequence[float] | None = None,
+    phases_ms: dict[str, Sequence[float]] | None = None,
+    peak_memory_bytes: int | None = None,
+    metrics: dict[str, Any] | None = None,
+    status: str = "ok",
+    error: str | None = None,
+    mesh: dict[str, int] | None = None,
+) -> Record:
+    """The record of one step benchmark: timing statistics, tokens/s, achieved TFLOP/s and MFU; status
+    "diverged" where a loss in ``metrics`` (``LOSS_METRICS``) is not finite.
+
+    ``run.batch_size`` is the batch of one step of the measured program. With a ``mesh`` (one program over
+    several devices, as JAX's), that batch is global: ``tflops`` and ``mfu`` are per device (the step's
+    FLOPs / the number of devices), ``world_size`` is the mesh's device count.
+    """
+    flops = step_flops(spec, run.batch_size, seq_len, run.mode)
+    world_size = int(np.prod(list(mesh.values()))) if mesh else 1
+    record = Record(
+        suite=run.suite, backend=backend, implementation=implementation, model=spec.name,
+        model_dims=dataclasses.asdict(spec), batch_size=run.batch_size, seq_len=seq_len, dtype=run.dtype,
+        mode=run.mode, world_size=world_size, mesh=mesh, warmup_steps=run.warmup, timed_steps=run.steps,
+        flops_per_step=flops, peak_memory_bytes=peak_memory_bytes, metrics=dict(metrics or {}), status=status,
+        error=error,
+    )
+    if status == "ok" and (why := divergence(_losses(record.metrics))):
+        record.status, record.error = "diverged", why
+    record.provenance["device_name"] = device_name
+    if step_times_ms:
+        record.timing = timing_stats(step_times_ms)
+        seconds = record.timing["median_ms"] / 1e3
+        record.tokens_per_s = run.batch_size * seq_len / seconds
+        record.tflops = flops / world_size / seconds / 1e12
+        hardware = hardware_for_device(device_name)
+        if hardware is not None:
+            peak = hardware.fp32_flops if run.dtype == "fp32" else hardware.bf16_flops
+            record.mfu = flops / world_size / seconds / peak if peak else None
+    if phases_ms:
+        record.phases = {phase: timing_stats(times) for phase, times in phases_ms.items()}
+    return record
+
+
+def _losses(metrics: dict[str, Any]) -> list[float]:
+    """Every loss in ``metrics`` (``LOSS_METRICS``: lists or single values; None, e.g. no validation, skipped)."""
+    values = []
+    for name in LOSS_METRICS:
+        value = metrics.get(name)
+        values += value if isinstance(value, list) else [value]
+    return [v for v in values if v is not None]
+
+
+def progress(items: Sequence[Any], desc: str, unit: str, enabled: bool = True):
+    """(``items`` wrapped in a tqdm bar on stderr, its ``write``) where tqdm is installed; else (``items``
+    themselves, ``print``): the GPU image may lack tqdm. ``write(line)`` prints a result line without
+    breaking the bar; ``enabled=False`` hides the bar (e.g. on all but one process)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items, print
+    bar = tqdm(items, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, disable=not enabled)
+    return bar, bar.write
+
+
+def fixed_batch(seed: int, batch_size: int, seq_len: int, vocab_size: int) -> np.ndarray:
+    """(B, T + 1) int64 token ids from numpy's generator: the same batch in both backends for one seed."""
+    return np.random.default_rng(seed).integers(0, vocab_size, size=(batch_size, seq_len + 1), dtype=np.int64)
+
+
+def emit(args: argparse.Namespace, record: Record) -> int:
+    """Append the record to --out, print it (as JSON with --json, else one line); the exit code (0 if ok)."""
+    if args.out:
+        save_records(args.out, record)
+    if args.json:
+        print(json.dumps(record.to_dict(), sort_keys=True))
+    elif record.status != "ok":
+        print(f"{record.backend} {record.implementation} {record.model}: {record.status}: {record.error}")
+    else:
+        print(f"{record.backend} {record.implementation} {record.model} {record.mode} {record.dtype}: "
+              f"median {record.timing['median_ms']:.2f} ms/step, {record.tokens_per_s:,.0f} tokens/s, "
+              f"loss {record.metrics['loss_first']:.4f} -> {record.metrics['loss_last']:.4f}"
+              + (f", MFU {record.mfu:.1%}" if record.mfu else "")
+              + (f", {record.metrics['x_stock']:.2f}x stock" if "x_stock" in record.metrics else ""))
+    return 0 if record.status == "ok" else 1
+
+
+def run_benchmark(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    description: str,
+    measure: Callable[[argparse.Namespace], Record | Iterable[Record]],
+    on_failure: Callable[[argparse.Namespace, RuntimeError], Record],
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    is_writer: Callable[[], bool] = lambda: True,
+) -> int:
+    """Parse the step flags, measure, and emit the record; the CLI body of both backends' step benchmarks.
+
+    ``measure`` returns a record or yields several (e.g. a reference and ours, timed in one process), each
+    emitted as soon as it is yielded. Bad input (flags, a weights file) exits with a one-line message and no
+    record; a RuntimeError while measuring (out of memory, a kernel failure) becomes the record ``on_failure``
+    makes, a row not a gap.
+    Only the process for which ``is_writer()`` holds (e.g. process 0 of a multi-host run) emits the record.
+    Refused input and an unwritable ``--out`` end at ``parallelism_calc.cli.error_boundary``: one line, status 2.
+    """
+    return error_boundary(_run_benchmark, prog=prog)(argv, prog=prog, description=description, measure=measure,
+                                                    on_failure=on_failure, add_arguments=add_arguments,
+                                                    is_writer=is_writer)
+
+
+def _run_benchmark(argv, *, prog, description, measure, on_failure, add_arguments, is_writer) -> int:
+    parser = ArgumentParser(prog=prog, description=description)
+    add_step_arguments(parser)
+    if add_arguments is not None:  # the backend's own flags
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.sweep_models or args.sweep_seq_lens:
+        module = prog.split(" -m ")[-1]  # e.g. jax_impl.bench.e2e, whose backend is "jax"
+        return run_sweep(args, list(sys.argv[1:] if argv is None else argv), module=module,
+                         backend=module.split(".")[0].removesuffix("_impl"))
+    codes = []
+
+    def emit_one(record: Record) -> None:  # written the moment it exists: a later failure cannot lose it
+        codes.append(emit(args, record) if is_writer() else 0 if record.status == "ok" else 1)
+
+    try:
+        measured = measure(args)
+        for record in [measured] if isinstance(measured, Record) else measured:
+            emit_one(record)
+    except RuntimeError as err:  # torch.OutOfMemoryError and jax's JaxRuntimeError are RuntimeErrors
+        emit_one(on_failure(args, err))
+    return max(codes, default=0)
+
+
+def failure_record(args: argparse.Namespace, err: Exception, *, backend: str, implementation: str,
+                   device_name: str, oom: bool, mesh: dict[str, int] | None = None) -> Record:
+    """The record of a run that ran out of memory (``oom``) or failed, with the error's first line."""
+    spec, seq_len = resolve_spec(args)
+    return step_record(StepRun.of(args), spec, seq_len, backend=backend, implementation=implementation,
+                       device_name=device_name, mesh=mesh, status="oom" if oom else "error",
+                       error=f"{type(err).__name__}: {err}".splitlines()[0])
+
+
+_SWEEP_FLAGS = ("--sweep-models", "--sweep-seq-lens", "--config-timeout", "--model", "--seq-len")
+
+
+def _without(argv: list[str], flags: Sequence[str]) -> list[str]:
+    """``argv`` without the given valued flags (``--flag value`` or ``--flag=value``)."""
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token in flags:
+            skip = True
+        elif not token.startswith(tuple(f + "=" for f in flags)):
+            out.append(token)
+    return out
+
+
+def _count_lines(path: Path) -> int:
+    return sum(1 for _ in path.open(encoding="utf-8")) if path.exists() else 0
+
+
+def run_sweep(args: argparse.Namespace, argv: list[str], *, module: str, backend: str) -> int:
+    """The model x sequence-length grid, one ``python -m module`` process per configuration (so an
+    out-of-memory or a crash cannot poison the next one). A configuration that ends without writing its
+    record (a crash, a hang past ``--config-timeout``) gets an error record written here: a row, not a gap."""
+    if not args.out:
+        raise ValueError("a sweep needs --out (its records are its result)")
+    models = [m for m in (args.sweep_models or args.model).split(",") if m]
+    seq_lens = args.sweep_seq_lens or [args.seq_len]
+    base = _without(argv, _SWEEP_FLAGS)
+    configs = list(itertools.product(models, seq_lens))
+    bar, _ = progress(configs, f"{module} sweep", "config")
+    failures = 0
+    for i, (model, seq_len) in enumerate(bar, 1):
+        child = [sys.executable, "-m", module, *base, "--model", model]
+        child += ["--seq-len", str(seq_len)] if seq_len else []
+        before = _count_lines(Path(args.out))
+        try:
+            proc = subprocess.run(child, capture_output=True, text=True, timeout=args.config_timeout)
+            message = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        except subprocess.TimeoutExpired:
+            proc, message = None, f"no result within --config-timeout {args.config_timeout:g} s"
+        if _count_lines(Path(args.out)) == before:  # the child wrote nothing: record why
+            failures += 1
+            spec_args = argparse.Namespace(**{**vars(args), "model": model, "seq_len": seq_len})
+            try:
+                spec, n = resolve_spec(spec_args)
+            except ValueError as err:  # bad configuration: still a row, with the spec's own dims unknown
+                spec, n, message = get_model(model) if model in MODELS else None, seq_len, str(err)
+            record = Record(suite=args.suite, backend=backend, implementation=f"sweep {module}", model=model,
+                            model_dims=dataclasses.asdict(spec) if spec else None, batch_size=args.batch_size,
+                            seq_len=n, dtype=args.dtype, mode=args.mode, status="error", error=message)
+            save_records(args.out, record)
+        elif proc is not None and proc.returncode != 0:
+            failures += 1  # the child recorded its own failure (oom / error)
+        if bar is configs:  # no tqdm: a line per configuration instead
+            print(f"[{i}/{len(configs)}] {model} seq {seq_len}: {'ok' if proc and proc.returncode == 0 else 'failed'}")
+    print(f"sweep: {len(configs) - failures} of {len(configs)} configurations ok; records in {args.out}")
+    return 0
