@@ -51,12 +51,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_impl.attention import get_attention
 from parallelism_calc.specs import ModelSpec
@@ -66,6 +67,8 @@ VOCAB = "vocab"
 EMBED = "embed"
 HEADS = "heads"
 MLP = "mlp"
+ATTENTION_OUTPUT = "attention_output"  # the name remat policies may save the attention core's output by
+LAYERS = "layers"  # the leading axis of the stacked block parameters (scan_layers); never sharded
 
 
 def _truncated_normal(std: float):
@@ -166,7 +169,7 @@ class CausalSelfAttention(nnx.Module):
         q = rope(self.q_proj(x).reshape(heads))
         k = rope(self.k_proj(x).reshape(heads))
         v = self.v_proj(x).reshape(heads)
-        out = get_attention(self.attention_name)(q, k, v)  # (B, T, H, D)
+        out = checkpoint_name(get_attention(self.attention_name)(q, k, v), ATTENTION_OUTPUT)  # (B, T, H, D)
         return self.output_proj(out.reshape(batch, seq, d_model))  # (B, T, d)
 
 
@@ -209,7 +212,7 @@ class TransformerLM(nnx.Module):
     """Causal Transformer LM: token ids (B, T) -> logits (B, T, vocab) in the compute dtype."""
 
     def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs, attention: str = "naive", param_dtype=jnp.float32,
-                 dtype=None):
+                 dtype=None, scan_layers: bool = True):
         if spec.arch != "transformer":
             raise ValueError(f"TransformerLM needs arch='transformer'; spec {spec.name!r} is {spec.arch!r}")
         get_attention(attention)  # fail early, with the list of backends
@@ -222,7 +225,10 @@ class TransformerLM(nnx.Module):
             # One RoPE table shared by every block (passed to each call), never trained.
             self.rope = RotaryEmbedding(spec.d_head, spec.context_length, spec.rope_theta)
             self.token_embeddings = Embedding(spec.vocab_size, spec.d_model, **kw)
-            self.layers = nnx.List([TransformerBlock(spec, attention, **kw) for _ in range(spec.n_layers)])
+            if scan_layers:  # one block whose parameters carry a leading (n_layers,) axis
+                self.layers = _stacked_blocks(spec, attention, rngs, self.param_dtype, self.dtype)
+            else:
+                self.layers = nnx.List([TransformerBlock(spec, attention, **kw) for _ in range(spec.n_layers)])
             self.ln_final = RMSNorm(spec.d_model, spec.norm_eps, rngs=rngs, param_dtype=self.param_dtype)
             self.lm_head = Linear(spec.d_model, spec.vocab_size, (EMBED, VOCAB), **kw)
 
@@ -235,9 +241,35 @@ class TransformerLM(nnx.Module):
         self.spec.check_seq_len(token_ids.shape[1])
         apply_block = apply_block or _call_block
         x = self.token_embeddings(token_ids)  # (B, T, d)
-        for layer in self.layers:
-            x = apply_block(layer, x, self.rope)  # (B, T, d)
+        if self.scan_layers:
+            block_def, stacked = nnx.split(self.layers)
+
+            def one_layer(x, layer_state):  # layer_state: the stacked state's slice of one layer
+                return apply_block(nnx.merge(block_def, layer_state), x, self.rope), None
+
+            x, _ = jax.lax.scan(one_layer, x, stacked)  # (B, T, d)
+        else:
+            for layer in self.layers:
+                x = apply_block(layer, x, self.rope)  # (B, T, d)
         return self.lm_head(self.ln_final(x))  # (B, T, V)
+
+    @property
+    def scan_layers(self) -> bool:
+        """Whether ``layers`` is one block of stacked parameters run by ``jax.lax.scan`` (else a list)."""
+        return isinstance(self.layers, TransformerBlock)
+
+
+def _stacked_blocks(spec: ModelSpec, attention: str, rngs: nnx.Rngs, param_dtype, dtype) -> TransformerBlock:
+    """``spec.n_layers`` blocks as one, every parameter stacked on a leading "layers" axis: one vmapped
+    initializer (each layer its own split of the key), so initialization and compilation do not grow with
+    depth (MaxText's ``scan_layers``)."""
+
+    @nnx.split_rngs(splits=spec.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def make(rngs: nnx.Rngs) -> TransformerBlock:
+        return TransformerBlock(spec, attention, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+
+    return make(rngs)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -245,18 +277,29 @@ class TransformerLM(nnx.Module):
 # ----------------------------------------------------------------------------------------------------
 
 
-def _param_table(model: TransformerLM) -> dict[str, tuple[nnx.Param, bool]]:
-    """Stable PyTorch name -> (Flax parameter, whether its PyTorch layout is the transpose), in torch order."""
-    table: dict[str, tuple[nnx.Param, bool]] = {"token_embeddings.weight": (model.token_embeddings.embedding, False)}
-    for i, layer in enumerate(model.layers):
-        table[f"layers.{i}.ln1.weight"] = (layer.ln1.scale, False)
+class _Entry(NamedTuple):
+    """Where a stable PyTorch name lives: a Flax parameter, its layer on the stacked axis (None: not
+    stacked) and whether the PyTorch layout is the transpose (linear kernels)."""
+
+    param: nnx.Param
+    layer: int | None
+    transpose: bool
+
+
+def _param_table(model: TransformerLM) -> dict[str, _Entry]:
+    """Stable PyTorch name -> ``_Entry``, in torch's ``named_parameters()`` order."""
+    table = {"token_embeddings.weight": _Entry(model.token_embeddings.embedding, None, False)}
+    blocks = ([(model.layers, i) for i in range(model.spec.n_layers)] if model.scan_layers
+              else [(layer, None) for layer in model.layers])
+    for i, (block, layer) in enumerate(blocks):
+        table[f"layers.{i}.ln1.weight"] = _Entry(block.ln1.scale, layer, False)
         for proj in ("q_proj", "k_proj", "v_proj", "output_proj"):
-            table[f"layers.{i}.attn.{proj}.weight"] = (getattr(layer.attn, proj).kernel, True)
-        table[f"layers.{i}.ln2.weight"] = (layer.ln2.scale, False)
+            table[f"layers.{i}.attn.{proj}.weight"] = _Entry(getattr(block.attn, proj).kernel, layer, True)
+        table[f"layers.{i}.ln2.weight"] = _Entry(block.ln2.scale, layer, False)
         for w in ("w1", "w2", "w3"):
-            table[f"layers.{i}.ffn.{w}.weight"] = (getattr(layer.ffn, w).kernel, True)
-    table["ln_final.weight"] = (model.ln_final.scale, False)
-    table["lm_head.weight"] = (model.lm_head.kernel, True)
+            table[f"layers.{i}.ffn.{w}.weight"] = _Entry(getattr(block.ffn, w).kernel, layer, True)
+    table["ln_final.weight"] = _Entry(model.ln_final.scale, None, False)
+    table["lm_head.weight"] = _Entry(model.lm_head.kernel, None, True)
     return table
 
 
@@ -270,16 +313,21 @@ def axis_names(param: nnx.Variable) -> tuple[str, ...]:
 
 
 def logical_axes(model: TransformerLM) -> dict[str, tuple[str, ...]]:
-    """Logical axis names of every parameter (JAX layout: kernels (in, out)), keyed by the stable names."""
-    return {name: axis_names(param) for name, (param, _) in _param_table(model).items()}
+    """Logical axis names of every parameter (JAX layout: kernels (in, out)), keyed by the stable names; one
+    layer's names for a stacked parameter (its leading "layers" axis left out)."""
+    return {name: axis_names(e.param)[e.layer is not None:] for name, e in _param_table(model).items()}
 
 
 def to_numpy_weights(model: TransformerLM) -> dict[str, np.ndarray]:
     """Every parameter as a float32 numpy array keyed by its stable name, in PyTorch layout ((out, in) linears)."""
+    host: dict[int, np.ndarray] = {}  # one fresh host copy per Flax parameter (a stacked one serves all layers)
     weights = {}
-    for name, (param, transpose) in _param_table(model).items():
-        value = np.asarray(jax.device_get(param.get_value())).astype(np.float32)  # a fresh host copy
-        weights[name] = np.ascontiguousarray(value.T if transpose else value)
+    for name, entry in _param_table(model).items():
+        key = id(entry.param)
+        if key not in host:
+            host[key] = np.asarray(jax.device_get(entry.param.get_value())).astype(np.float32)
+        value = host[key] if entry.layer is None else host[key][entry.layer]
+        weights[name] = np.ascontiguousarray(value.T if entry.transpose else value)
     return weights
 
 
@@ -287,27 +335,34 @@ def load_numpy_weights(model: TransformerLM, weights: dict[str, np.ndarray]) -> 
     """Copy weights (PyTorch names and layout, as from ``to_numpy_weights``) into ``model`` in place.
 
     Names and shapes must match exactly (else a ValueError, and nothing is changed); values are cast to the
-    model's parameter dtype and placed with each parameter's current sharding.
+    model's parameter dtype and placed with each parameter's current sharding (a stacked parameter is
+    assembled from its layers' weights).
     """
     table = _param_table(model)
     missing, unexpected = sorted(set(table) - set(weights)), sorted(set(weights) - set(table))
     if missing or unexpected:
         raise ValueError(f"weight names differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    new_values = {}
-    for name, (param, transpose) in table.items():
+    parts: dict[int, tuple[nnx.Param, dict[int | None, np.ndarray]]] = {}  # Flax parameter -> layer -> value
+    for name, entry in table.items():
         value = np.asarray(weights[name])
-        value = value.T if transpose else value  # PyTorch (out, in) -> Flax (in, out)
-        current = param.get_value()
-        if value.shape != tuple(current.shape):
-            expected = tuple(current.shape)[::-1] if transpose else tuple(current.shape)
+        value = value.T if entry.transpose else value  # PyTorch (out, in) -> Flax (in, out)
+        shape = tuple(entry.param.get_value().shape)[entry.layer is not None:]
+        if value.shape != shape:
+            expected = shape[::-1] if entry.transpose else shape
             raise ValueError(
                 f"weight {name!r}: shape {np.asarray(weights[name]).shape} != parameter shape {expected} "
                 f"(PyTorch layout)"
             )
+        parts.setdefault(id(entry.param), (entry.param, {}))[1][entry.layer] = value
+    new_values = []
+    for param, layers in parts.values():
+        current = param.get_value()
+        value = layers[None] if None in layers else np.stack([layers[i] for i in range(len(layers))])
         value = value.astype(current.dtype)  # each device (of any process) takes its shard of the host copy
-        new_values[name] = jax.make_array_from_callback(value.shape, current.sharding, lambda i, v=value: v[i])
-    for name, (param, _) in table.items():
-        param.set_value(new_values[name])
+        new_values.append((param, jax.make_array_from_callback(value.shape, current.sharding,
+                                                               lambda i, v=value: v[i])))
+    for param, value in new_values:
+        param.set_value(value)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -9,8 +9,8 @@ rest, i.e. the RoPE tables), the optax AdamW state and one jitted step:
     params, opt_state = AdamW(grads, opt_state, params)                     # fp32 master weights
 
 Public names:
-* ``ShardedTrainer(spec, mesh, strategy, *, lr, weight_decay=0.0, seed=0, compute_dtype=None, remat=False,
-  attention="naive", b1=0.9, b2=0.999, eps=1e-8)``:
+* ``ShardedTrainer(spec, mesh, strategy, *, lr, weight_decay=0.0, seed=0, compute_dtype=None, remat="none",
+  attention="naive", b1=0.9, b2=0.999, eps=1e-8, scan_layers=True)``:
   - parameters are created already sharded (``jax_impl.sharding.create_sharded_model``: no device ever
     holds a full copy of a sharded parameter); the AdamW state is created by a jitted ``tx.init`` whose
     ``out_shardings`` give each moment (mu, nu) its parameter's sharding and the step count replicated;
@@ -25,10 +25,11 @@ Public names:
     ``.train_step``: the jitted function ``(params, opt_state, rest, tokens) -> (params, opt_state, loss)``
     (params and opt_state donated).
 * ``make_train_step(graphdef, tx, param_shardings, opt_shardings, rest_shardings, batch_sharding, *,
-  remat=False)``: that jitted function on its own, for callers (benchmarks) that hold their own state.
-* ``make_loss_fn(graphdef, batch_sharding, *, remat=False)``: its loss ``(params, rest, tokens) -> loss``
-  (for forward-only or forward+backward benchmarks); ``block_transform(*, remat=False,
-  activation_sharding=None)``: the model hook it uses (below).
+  remat="none")``: that jitted function on its own, for callers (benchmarks) that hold their own state.
+* ``make_loss_fn(graphdef, batch_sharding, *, remat="none")``: its loss ``(params, rest, tokens) -> loss``
+  (for forward-only or forward+backward benchmarks); ``block_transform(*, remat="none",
+  activation_sharding=None, prevent_cse=True)``: the model hook it uses (below); ``REMAT_POLICIES``: the
+  names ``remat`` accepts.
 
 Precision: parameters are stored in float32 (the master weights); ``compute_dtype=jnp.bfloat16`` builds
 the model with ``dtype=bfloat16``, so every matmul casts its operands to bf16 while RMSNorm, RoPE, the
@@ -38,9 +39,13 @@ dtype) and AdamW updates the float32 weights.
 Activations and rematerialization: the step calls the model with ``apply_block=block_transform(...)``
 (the model's hook, so model code stays single-device and transform-free). It pins every block's input and
 output (B, T, d) to the batch sharding (batch over the rules' "batch" axes, T and d replicated: the
-Megatron layout between blocks), and with ``remat=True`` wraps each block in ``jax.checkpoint`` (over the
-block's split state; ``nnx.remat`` trips over the RoPE table shared by all blocks), so only the block
-inputs are kept for the backward pass and the rest of each block is recomputed.
+Megatron layout between blocks), and unless ``remat="none"`` wraps each block in ``jax.checkpoint`` (over
+the block's split state; ``nnx.remat`` trips over the RoPE table shared by all blocks) with a policy of what
+to keep for the backward pass: "full" keeps only the block inputs, "dots" the outputs of the weight
+products, "dots_attention" those and the attention output; the rest of each block is recomputed. With
+``scan_layers`` (the default) the blocks are one ``lax.scan`` over stacked parameters (``jax_impl.model``),
+so tracing, compiling and initializing do not grow with depth; the policy then also decides what the scan
+stacks per layer.
 
 References: MaxText ``train.py`` (``train_step``: jit with in/out shardings from the logical-axis rules,
 donated state, fp32 loss) and ``maxtext_utils.get_abstract_state`` (optimizer state sharded like the
@@ -67,6 +72,7 @@ Caveats:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -77,7 +83,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.model import ApplyBlock, TransformerLM, cross_entropy, load_numpy_weights
+from jax_impl.model import ATTENTION_OUTPUT, ApplyBlock, TransformerLM, cross_entropy, load_numpy_weights
 from jax_impl.sharding import batch_sharding, create_sharded_model, param_shardings
 from parallelism_calc.specs import ModelSpec
 
@@ -86,10 +92,30 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def block_transform(*, remat: bool = False, activation_sharding: NamedSharding | None = None) -> ApplyBlock:
+# --remat: what each block keeps for the backward pass; the rest is recomputed there (jax.checkpoint policies).
+REMAT_POLICIES = {
+    "none": None,  # no rematerialization: every residual is kept
+    "full": jax.checkpoint_policies.nothing_saveable,  # only the block's input
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # the weight products' outputs
+    "dots_attention": jax.checkpoint_policies.save_from_both_policies(  # those and the attention output
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(ATTENTION_OUTPUT)),
+}
+
+
+def check_remat(remat: str) -> str:
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat {remat!r}; accepted: {', '.join(REMAT_POLICIES)}")
+    return remat
+
+
+def block_transform(*, remat: str = "none", activation_sharding: NamedSharding | None = None,
+                    prevent_cse: bool = True) -> ApplyBlock:
     """The ``apply_block`` hook of ``TransformerLM.__call__`` for a train step: pins each block's input and
-    output (B, T, d) to ``activation_sharding`` (batch split, the rest replicated), and with ``remat`` wraps
-    each block in ``jax.checkpoint`` so only its input is saved for the backward pass."""
+    output (B, T, d) to ``activation_sharding`` (batch split, the rest replicated), and unless ``remat`` is
+    "none" wraps each block in ``jax.checkpoint`` with that ``REMAT_POLICIES`` policy. ``prevent_cse=False``
+    is safe (and faster) where the blocks run inside ``lax.scan`` (the ``jax.checkpoint`` docs)."""
+    policy = REMAT_POLICIES[check_remat(remat)]
 
     def constrain(x: jax.Array) -> jax.Array:
         return x if activation_sharding is None else jax.lax.with_sharding_constraint(x, activation_sharding)
@@ -103,13 +129,13 @@ def block_transform(*, remat: bool = False, activation_sharding: NamedSharding |
         block_def, block_state = nnx.split(block)
         rope_def, rope_state = nnx.split(rope)
 
-        @jax.checkpoint
+        @functools.partial(jax.checkpoint, policy=policy, prevent_cse=prevent_cse)
         def run(block_state, rope_state, x):
             return plain(nnx.merge(block_def, block_state), x, nnx.merge(rope_def, rope_state))
 
         return run(block_state, rope_state, x)
 
-    return rematerialized if remat else plain
+    return plain if remat == "none" else rematerialized
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, params: nnx.State, p_shardings: nnx.State,
@@ -123,15 +149,18 @@ def opt_state_shardings(tx: optax.GradientTransformation, params: nnx.State, p_s
         transform_non_params=lambda _: replicated, is_leaf=_is_variable)
 
 
-def make_loss_fn(graphdef, tokens_sharding: NamedSharding, *, remat: bool = False):
+def make_loss_fn(graphdef, tokens_sharding: NamedSharding, *, remat: str = "none"):
     """``loss_fn(params, rest, tokens (B, T+1)) -> float32 loss`` (inputs ``[:, :-1]``, targets ``[:, 1:]``):
-    the tokens pinned to ``tokens_sharding``, every block's activations to the batch sharding, optional remat."""
+    the tokens pinned to ``tokens_sharding``, every block's activations to the batch sharding, the blocks
+    rematerialized by ``REMAT_POLICIES[remat]``."""
     activations = NamedSharding(tokens_sharding.mesh, P(*tokens_sharding.spec[:1], None, None))  # (B, T, d)
-    apply_block = block_transform(remat=remat, activation_sharding=activations)
+    check_remat(remat)
 
     def loss_fn(params, rest, tokens):
         tokens = jax.lax.with_sharding_constraint(tokens, tokens_sharding)  # (B, T+1), batch split
         model = nnx.merge(graphdef, params, rest)
+        apply_block = block_transform(remat=remat, activation_sharding=activations,
+                                      prevent_cse=not model.scan_layers)
         logits = model(tokens[:, :-1], apply_block=apply_block)  # (B, T, V), compute dtype
         return cross_entropy(logits, tokens[:, 1:])  # float32
 
@@ -139,7 +168,7 @@ def make_loss_fn(graphdef, tokens_sharding: NamedSharding, *, remat: bool = Fals
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, p_shardings, o_shardings, rest_shardings,
-                    tokens_sharding: NamedSharding, *, remat: bool = False):
+                    tokens_sharding: NamedSharding, *, remat: str = "none"):
     """The jitted step ``(params, opt_state, rest, tokens (B, T+1)) -> (params, opt_state, loss)``.
 
     params and opt_state are donated; in/out shardings are pinned to the given ones (the loss replicated).
@@ -166,12 +195,13 @@ class ShardedTrainer:
     """AdamW training of ``TransformerLM(spec)`` on ``mesh`` under ``strategy``'s rules (module docstring)."""
 
     def __init__(self, spec: ModelSpec, mesh: Mesh, strategy: str, *, lr: float, weight_decay: float = 0.0,
-                 seed: int = 0, compute_dtype=None, remat: bool = False, attention: str = "naive",
-                 b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8):
+                 seed: int = 0, compute_dtype=None, remat: str = "none", attention: str = "naive",
+                 b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, scan_layers: bool = True):
         self.spec, self.mesh, self.strategy = spec, mesh, strategy
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
-        self.remat = remat
-        model = create_sharded_model(spec, mesh, strategy, seed=seed, attention=attention, dtype=compute_dtype)
+        self.remat = check_remat(remat)
+        model = create_sharded_model(spec, mesh, strategy, seed=seed, attention=attention, dtype=compute_dtype,
+                                     scan_layers=scan_layers)
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
         self.param_shardings = param_shardings(self.params, mesh, strategy)
         self.rest_shardings = param_shardings(self.rest, mesh, strategy)  # no logical names: replicated

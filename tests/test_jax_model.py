@@ -6,7 +6,10 @@ Runs on the CPU with the highest matmul precision, so the float32 comparisons be
 
 from __future__ import annotations
 
+import secrets
+
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -84,18 +87,69 @@ def test_every_parameter_has_logical_axes_of_its_rank():
         assert names == expected, name
 
 
-def test_flax_partition_spec_api_sees_the_logical_axes():
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_flax_partition_spec_api_sees_the_logical_axes(scan_layers):
     # nnx.get_partition_spec is what the sharding code uses: with no rules in context it returns the names.
-    model = TransformerLM(TINY, rngs=nnx.Rngs(0))
+    model = TransformerLM(TINY, rngs=nnx.Rngs(0), scan_layers=scan_layers)
     params = nnx.state(model, nnx.Param)
     specs = nnx.get_partition_spec(params)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     value_leaves = jax.tree.leaves(params)
-    assert len(spec_leaves) == len(value_leaves) == 2 + 9 * TINY.n_layers + 1
+    assert len(spec_leaves) == len(value_leaves) == 2 + 9 * (1 if scan_layers else TINY.n_layers) + 1
     for spec, value in zip(spec_leaves, value_leaves):
-        assert len(spec) == value.ndim and set(spec) <= AXIS_NAMES
-    assert tuple(specs["layers"][0]["attn"]["q_proj"]["kernel"].get_value()) == ("embed", "heads")
+        assert len(spec) == value.ndim and set(spec) <= AXIS_NAMES | {"layers"}
+    q_proj = specs["layers"]["attn"] if scan_layers else specs["layers"][0]["attn"]
+    assert tuple(q_proj["q_proj"]["kernel"].get_value()) == ("layers",) * scan_layers + ("embed", "heads")
     assert tuple(specs["lm_head"]["kernel"].get_value()) == ("embed", "vocab")
+
+
+def _equations(fn, *args) -> int:
+    """How many equations the traced program of ``fn(*args)`` has, counting those of nested jaxprs."""
+    def count(jaxpr) -> int:
+        return len(jaxpr.eqns) + sum(count(sub) for sub in jax.extend.core.subjaxprs(jaxpr))
+
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def test_scanned_programs_do_not_grow_with_depth():
+    """Init and forward trace to the same program at 2 and 6 layers with scan_layers; unrolled they grow."""
+    tokens = random_tokens(0)
+
+    def sizes(scan_layers):
+        out = []
+        for n_layers in (2, 6):
+            spec = TINY.replace(n_layers=n_layers)
+            init = lambda: nnx.state(TransformerLM(spec, rngs=nnx.Rngs(0), scan_layers=scan_layers))  # noqa: E731
+            graphdef, state = nnx.split(TransformerLM(spec, rngs=nnx.Rngs(0), scan_layers=scan_layers))
+            out.append((_equations(init), _equations(lambda s, t: nnx.merge(graphdef, s)(t), state, tokens)))
+        return out
+
+    (init2, fwd2), (init6, fwd6) = sizes(True)
+    assert (init2, fwd2) == (init6, fwd6)
+    (init2, fwd2), (init6, fwd6) = sizes(False)
+    assert init6 > 2 * init2 and fwd6 > 2 * fwd2
+
+
+@pytest.mark.parametrize("seed", [secrets.randbelow(2**31)])
+def test_scanned_and_unrolled_models_agree_on_logits_and_gradients(seed):
+    scanned = TransformerLM(TINY, rngs=nnx.Rngs(seed))
+    unrolled = TransformerLM(TINY, rngs=nnx.Rngs(seed + 1), scan_layers=False)
+    load_numpy_weights(unrolled, to_numpy_weights(scanned))
+    tokens = random_tokens(seed)
+
+    @nnx.jit
+    def loss_and_grads(model):
+        return nnx.value_and_grad(lambda m: cross_entropy(m(tokens[:, :-1]), tokens[:, 1:]))(model)
+
+    (loss_s, grads_s), (loss_u, grads_u) = loss_and_grads(scanned), loss_and_grads(unrolled)
+    assert abs(float(loss_s) - float(loss_u)) <= 1e-6 * abs(float(loss_u))
+    def as_weights(model, grads):  # gradients by stable name, through the model's own name table
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+        return to_numpy_weights(nnx.merge(graphdef, grads, rest))
+
+    got, want = as_weights(scanned, grads_s), as_weights(unrolled, grads_u)
+    for name in want:
+        assert relative_error(got[name], want[name]) <= 1e-5, name
 
 
 # --- weight exchange -----------------------------------------------------------------------------------

@@ -125,11 +125,18 @@ def test_axis_used_once_per_array():
     assert logical_to_spec(("unknown_name", "mlp"), "tp") == P(None, "tp")
 
 
-def test_model_params_follow_rules():
+def _stacked(spec: P) -> P:
+    """The spec of a parameter stacked on a leading, unsharded "layers" axis (trailing Nones dropped)."""
+    return P(None, *spec) if len(spec) else P()
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_model_params_follow_rules(scan_layers):
     """Every parameter of the real model gets the hand-written spec of its kind."""
     mesh = make_mesh(ParallelSpec(dp=2, fsdp=2, tp=2), _cpu_devices())
-    model = TransformerLM(TINY, rngs=nnx.Rngs(0))
-    layer = model.layers[0]
+    model = TransformerLM(TINY, rngs=nnx.Rngs(0), scan_layers=scan_layers)
+    layer = model.layers if scan_layers else model.layers[0]
+    in_layers = {"q_kernel", "output_proj", "w1", "w2", "norm_scale"}
     kinds = {
         "q_kernel": layer.attn.q_proj.kernel, "output_proj": layer.attn.output_proj.kernel,
         "w1": layer.ffn.w1.kernel, "w2": layer.ffn.w2.kernel, "embedding": model.token_embeddings.embedding,
@@ -139,7 +146,8 @@ def test_model_params_follow_rules():
         shard_params(model, mesh, strategy)
         for kind, param in kinds.items():
             got = param.get_value().sharding.spec
-            assert got == EXPECTED[strategy][kind], (strategy, kind, got)
+            want = EXPECTED[strategy][kind]
+            assert got == (_stacked(want) if scan_layers and kind in in_layers else want), (strategy, kind, got)
         assert model.rope.cos.get_value().sharding.spec == P()
 
 

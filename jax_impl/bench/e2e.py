@@ -11,7 +11,10 @@ parameters and optimizer state donated), compiled ahead of time, so only whole-s
 Record (``analysis.harness.step_record``): ``--batch-size`` is the global batch (one program over the
 mesh, JAX's convention; the PyTorch DDP benchmark's batch is per rank); ``tflops`` / ``mfu`` per device;
 ``world_size`` and ``mesh`` from the mesh; ``peak_memory_bytes`` the worst device's allocator peak (GPU; None
-on CPU). Metrics: ``strategy``, ``remat``, ``compile_s``, ``compiled_memory`` (the compiled step's
+on CPU). Metrics: ``strategy``, ``remat``, ``scan_layers``, ``init_s`` (parameters and AdamW state created,
+their jitted initializers' compiles included), ``compile_s`` (the step's ahead-of-time compile; with
+``JAX_COMPILATION_CACHE_DIR`` set, recorded as ``compilation_cache_dir``, a warm cache shortens both),
+``compiled_memory`` (the compiled step's
 ``memory_analysis()`` per device: arguments, outputs, aliased (donated) and temporary bytes, and
 ``estimate_bytes`` = arguments + outputs - aliased + temporaries), the losses, and
 ``predicted_memory_bytes`` from ``parallelism_calc.memory.per_device_memory`` for the strategy's sharding.
@@ -42,7 +45,7 @@ from analysis.records import Record
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights
 from jax_impl.sharding import STRATEGIES, make_mesh, strategy_for
-from jax_impl.train import ShardedTrainer, make_loss_fn
+from jax_impl.train import REMAT_POLICIES, ShardedTrainer, make_loss_fn
 from parallelism_calc.specs import ModelSpec, ParallelSpec
 
 PROFILED_STEPS = 3
@@ -139,10 +142,12 @@ def predicted_memory(spec: ModelSpec, args: argparse.Namespace, seq_len: int, me
             "fsdp_tp": ("fsdp_tp", ParallelSpec(dp=dp, fsdp=fsdp, tp=tp))}[strategy]
     if calc is None:
         return {"predicted_memory_error": f"strategy {strategy!r} with tp={tp} replicates work; not modelled"}
+    if args.remat not in ("none", "full"):
+        return {"predicted_memory_error": f"remat policy {args.remat!r} is not modelled (none and full are)"}
     precision, attention = calculator_terms(args.dtype, args.attention)
     try:
         pred = per_device_memory(spec, calc[0], calc[1], args.batch_size * seq_len, seq_len, precision,
-                                 checkpointing="full" if args.remat else "none", attention=attention)
+                                 checkpointing=args.remat, attention=attention)
     except ValueError as err:
         return {"predicted_memory_error": str(err)}
     return {"predicted_memory_bytes": pred.total, "predicted_strategy": calc[0]}
@@ -187,9 +192,12 @@ def _compile_step(args: argparse.Namespace, trainer: ShardedTrainer,
 
 def measure_on_mesh(args: argparse.Namespace, mesh: Mesh, strategy: str) -> Record:
     spec, seq_len = resolve_spec(args)
+    start = time.perf_counter()
     trainer = ShardedTrainer(spec, mesh, strategy, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                              compute_dtype=jnp.bfloat16 if args.dtype == "bf16" else None, remat=args.remat,
-                             attention=args.attention)
+                             attention=args.attention, scan_layers=args.scan_layers == "on")
+    jax.block_until_ready((trainer.params, trainer.opt_state))
+    init_s = time.perf_counter() - start  # parameters and AdamW state created (compiles included)
     if args.load_weights:
         trainer.load_weights(dict(np.load(args.load_weights)))
     if args.save_weights and jax.process_index() == 0:
@@ -206,7 +214,9 @@ def measure_on_mesh(args: argparse.Namespace, mesh: Mesh, strategy: str) -> Reco
         losses.append(step())
         step_ms.append((time.perf_counter() - start) * 1e3)
     metrics: dict[str, Any] = {
-        "strategy": strategy, "remat": args.remat, "attention": args.attention, "compile_s": compile_s,
+        "strategy": strategy, "remat": args.remat, "scan_layers": args.scan_layers == "on",
+        "attention": args.attention, "init_s": init_s, "compile_s": compile_s,
+        "compilation_cache_dir": jax.config.jax_compilation_cache_dir,
         "compiled_memory": compiled_memory(compiled), "loss_first": losses[0], "loss_last": losses[-1],
         "losses": losses, **predicted_memory(spec, args, seq_len, mesh, strategy)}
     if args.profile:
@@ -222,8 +232,10 @@ def measure_on_mesh(args: argparse.Namespace, mesh: Mesh, strategy: str) -> Reco
 
 
 def implementation_name(args: argparse.Namespace, mesh: Mesh | None, strategy: str | None) -> str:
-    """e.g. "jit naive" on one device, "jit dot_product fsdp_tp" on a mesh of several."""
-    name = f"jit {args.attention}" + (" remat" if args.remat else "")
+    """e.g. "jit naive" on one device, "jit dot_product remat:dots fsdp_tp" on a mesh of several; "unrolled"
+    where the blocks are a Python loop instead of a scan."""
+    remat = {"none": "", "full": " remat"}.get(args.remat, f" remat:{args.remat}")
+    name = f"jit {args.attention}{remat}" + (" unrolled" if args.scan_layers == "off" else "")
     return name if mesh is None or mesh.size == 1 else f"{name} {strategy}"
 
 
@@ -240,7 +252,13 @@ def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", help="device mesh, e.g. dp=2,fsdp=2,tp=2 or fsdp=-1 (default: one device)")
     parser.add_argument("--strategy", choices=STRATEGIES,
                         help="sharding rules (default: the ones the mesh's degrees call for)")
-    parser.add_argument("--remat", action="store_true", help="rematerialize every block in the backward pass")
+    parser.add_argument("--remat", nargs="?", const="full", default="none", choices=REMAT_POLICIES,
+                        help="what each block keeps for the backward pass, the rest recomputed: none (default), "
+                             "full (only its input; also the value of a bare --remat), dots (the weight "
+                             "products' outputs), dots_attention (those and the attention output)")
+    parser.add_argument("--scan-layers", choices=("on", "off"), default="on",
+                        help="on: the blocks' parameters stacked and run by one lax.scan, so init and compile "
+                             "time do not grow with depth (default); off: a Python loop over separate blocks")
     parser.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of 3 extra steps here")
 
 

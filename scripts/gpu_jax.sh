@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The JAX path on one GPU (issue 15), each phase one device call of under 10 minutes, records under OUT_DIR:
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR scan
+#     -> OUT_DIR/jax_scan.jsonl: the scanned Flax model (stacked blocks, one lax.scan) at xl 4 x 512 and
+#        4 x 2,048 and 2.7B 2 x 2,048 under every remat policy, with init_s and compile_s next to the step;
+#        then xl 4 x 512 twice through a persistent compilation cache (cold, then warm).
+# Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
+# limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
+set -uo pipefail
+out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan}
+phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan}
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+jax_e2e() {  # jax_e2e SECONDS ARGS...: one benchmark process, its wall time printed
+  local limit=$1 start=$SECONDS
+  shift
+  timeout "$limit" python3 -m jax_impl.bench.e2e --dtype bf16 --attention dot_product_cudnn "$@" \
+    || echo "exit $? after $((SECONDS - start)) s: $*"
+  echo "wall $((SECONDS - start)) s: $*"
+}
+case "$phase" in
+scan)
+  runs="$out/jax_scan.jsonl"
+  common=(--warmup 3 --steps 10 --suite jax_scan --out "$runs")
+  for remat in none dots dots_attention full; do
+    jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat "$remat" "${common[@]}"
+  done
+  for remat in dots_attention full; do
+    jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat "$remat" "${common[@]}"
+  done
+  for remat in none dots_attention; do
+    jax_e2e 120 --model xl --batch-size 4 --seq-len 512 --remat "$remat" "${common[@]}"
+  done
+  for cache in cold warm; do
+    JAX_COMPILATION_CACHE_DIR="$out/.jax_cache" jax_e2e 120 --model xl --batch-size 4 --seq-len 512 \
+      --remat dots_attention --warmup 1 --steps 3 --suite "jax_scan_cache_$cache" --out "$runs"
+  done
+  rm -rf "$out/.jax_cache"
+  ;;
+*) echo "unknown phase $phase; accepted: scan" >&2; exit 2 ;;
+esac
