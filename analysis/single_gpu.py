@@ -24,6 +24,7 @@ from typing import Iterable
 
 import pandas as pd
 
+from analysis.kernels import CATEGORIES
 from analysis.plots import bar_plot, line_plot
 from analysis.records import Record
 from analysis.tables import RecordSource, load_records, markdown_table
@@ -31,7 +32,6 @@ from parallelism_calc.checkpointing import best_checkpoint_every
 from parallelism_calc.specs import ModelSpec
 
 SUITES = ("memory", "kernels", "checkpointing")
-CATEGORIES = ("matmul", "reduction-softmax", "elementwise", "other")  # torch_impl.profiling.CATEGORIES
 
 
 def _rows(records: Iterable[Record]) -> pd.DataFrame:
@@ -95,7 +95,7 @@ def kernel_report(sources: RecordSource | Iterable[RecordSource], out_dir: str |
     text = markdown_table(frame, columns)
     report = out / f"{stem}.md"
     report.write_text("# Share of GPU time per kernel category\n\nFrom `torch.profiler` (`e2e --profile`): "
-                      "self device time per kernel, grouped by `torch_impl.profiling`.\n\n" + text + "\n")
+                      "self device time per kernel, grouped by `analysis.kernels`.\n\n" + text + "\n")
     return [report]
 
 

@@ -4,11 +4,14 @@
 #     -> OUT_DIR/jax_scan.jsonl: the scanned Flax model (stacked blocks, one lax.scan) at xl 4 x 512 and
 #        4 x 2,048 and 2.7B 2 x 2,048 under every remat policy, with init_s and compile_s next to the step;
 #        then xl 4 x 512 twice through a persistent compilation cache (cold, then warm).
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR profile
+#     -> OUT_DIR/jax_profile.jsonl and OUT_DIR/*_kernels.md: the step's GPU time by kernel (jax.profiler),
+#        and the same step under XLA options (XLA_FLAGS recorded in the log).
 # Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
 # limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan}
-phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan}
+out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile}
+phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -38,5 +41,18 @@ scan)
   done
   rm -rf "$out/.jax_cache"
   ;;
-*) echo "unknown phase $phase; accepted: scan" >&2; exit 2 ;;
+profile)
+  # Where the scanned step's time goes (kernel tables by category under OUT_DIR/profile), and XLA's GEMM and
+  # command-buffer options on the same step.
+  runs="$out/jax_profile.jsonl"
+  common=(--warmup 3 --steps 10 --suite jax_profile --out "$runs")
+  jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat dots "${common[@]}" --profile "$out/profile"
+  jax_e2e 150 --model xl --batch-size 4 --seq-len 512 --remat none "${common[@]}" --profile "$out/profile"
+  for flags in --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_command_buffer=; do
+    XLA_FLAGS="$flags" jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat dots "${common[@]}"
+  done
+  cp "$out"/profile/*_kernels.md "$out"/ 2>/dev/null
+  rm -rf "$out/profile"
+  ;;
+*) echo "unknown phase $phase; accepted: scan, profile" >&2; exit 2 ;;
 esac

@@ -1,9 +1,12 @@
-"""Kernel categories and the e2e benchmark's profile, checkpointing and compile flags on a tiny model."""
+"""Kernel categories, a JAX trace's kernel table, and the e2e benchmark's profile, checkpointing and compile
+flags on a tiny model."""
 
+import gzip
 import json
 
 import pytest
 
+from analysis.kernels import kernel_table, trace_kernel_times
 from analysis.records import read_records
 from torch_impl.bench import e2e
 from torch_impl.profiling import CATEGORIES, categorize
@@ -22,9 +25,45 @@ FLAGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--warmup", 
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
     ("aten::silu", "elementwise"),
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "other"),
+    # XLA's names (jax.profiler traces)
+    ("loop_multiply_fusion_12", "elementwise"),
+    ("input_reduce_fusion_3", "reduction-softmax"),
+    ("gemm_fusion_dot_4", "matmul"),
+    ("cudnn$fmha", "matmul"),
+    ("dynamic-update-slice.7", "elementwise"),
 ])
 def test_categorize(name, category):
     assert categorize(name) == category
+
+
+def _meta(kind, pid, name, tid=None):
+    return {"ph": "M", "pid": pid, "name": kind, "args": {"name": name}, **({} if tid is None else {"tid": tid})}
+
+
+def test_jax_trace_kernel_table_counts_stream_kernels_once(tmp_path):
+    """Only the GPU's stream threads count: the "XLA Ops" thread repeats the same time per HLO op, and host
+    threads are not device time."""
+    events = [_meta("process_name", 1, "/host:CPU"), _meta("process_name", 2, "/device:GPU:0"),
+              _meta("thread_name", 2, "Stream #13(compute)", tid=13), _meta("thread_name", 2, "XLA Ops", tid=99),
+              _meta("thread_name", 1, "python", tid=5)]
+    kernels = [("gemm_fusion_dot", 3000.0), ("loop_add_fusion", 500.0), ("gemm_fusion_dot", 3000.0),
+               ("input_reduce_fusion", 1500.0)]
+    for i, (name, dur) in enumerate(kernels):
+        events.append({"ph": "X", "pid": 2, "tid": 13, "ts": i * 1e4, "dur": dur, "name": name})
+        events.append({"ph": "X", "pid": 2, "tid": 99, "ts": i * 1e4, "dur": dur, "name": name})  # the HLO op
+        events.append({"ph": "X", "pid": 1, "tid": 5, "ts": i * 1e4, "dur": 7.0, "name": name})  # host
+    path = tmp_path / "host.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    times = trace_kernel_times(path)
+    assert times == {"gemm_fusion_dot": 6.0, "loop_add_fusion": 0.5, "input_reduce_fusion": 1.5}
+    rows = {r.category: r for r in kernel_table(times, n_steps=2)}
+    assert rows["matmul"].time_ms == pytest.approx(3.0) and rows["matmul"].fraction == pytest.approx(0.75)
+    assert rows["reduction-softmax"].time_ms == pytest.approx(0.75) and rows["other"].time_ms == 0
+    with gzip.open(path, "wt") as f:  # a CPU run's trace: no device timeline
+        json.dump({"traceEvents": events[:1] + events[4:5]}, f)
+    with pytest.raises(ValueError, match="no GPU stream timeline"):
+        trace_kernel_times(path)
 
 
 def test_e2e_profile_checkpoint_and_fused_flags(tmp_path):

@@ -19,7 +19,9 @@ their jitted initializers' compiles included), ``compile_s`` (the step's ahead-o
 ``estimate_bytes`` = arguments + outputs - aliased + temporaries), the losses, and
 ``predicted_memory_bytes`` from ``parallelism_calc.memory.per_device_memory`` for the strategy's sharding.
 ``--profile DIR`` writes a ``jax.profiler`` trace (TensorBoard / Perfetto) of three extra steps after the
-timed ones. ``--load-weights`` starts from the PyTorch model's weights (``--save-weights`` there).
+timed ones and, on a GPU, their kernel table by category (``DIR/<model>_<B>x<T>_<mode>_kernels.md``, the
+shares in the record as ``time_share.<category>``, as the PyTorch benchmark's). ``--load-weights`` starts
+from the PyTorch model's weights (``--save-weights`` there).
 
 Multi-host: ``jax_impl.distributed.initialize_from_env()`` runs first, so the same command under a
 launcher (SLURM, Open MPI, torchrun-style variables, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -41,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from analysis.harness import (StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark,
                               step_record)
+from analysis.kernels import kernel_table, markdown, trace_kernel_times
 from analysis.records import Record
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights
@@ -220,15 +224,32 @@ def measure_on_mesh(args: argparse.Namespace, mesh: Mesh, strategy: str) -> Reco
         "compiled_memory": compiled_memory(compiled), "loss_first": losses[0], "loss_last": losses[-1],
         "losses": losses, **predicted_memory(spec, args, seq_len, mesh, strategy)}
     if args.profile:
-        with jax.profiler.trace(args.profile):
-            for _ in range(PROFILED_STEPS):
-                step()
-        metrics["profile_dir"] = args.profile
+        metrics.update(profile_steps(step, args.profile, f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}"))
     return step_record(
         StepRun.of(args), spec, seq_len, backend="jax", implementation=implementation_name(args, mesh, strategy),
         device_name=device_name(mesh.devices.flat[0]), step_times_ms=step_ms, peak_memory_bytes=peak_memory_bytes(mesh),
         mesh={axis: int(size) for axis, size in mesh.shape.items()}, metrics=metrics,
     )
+
+
+def profile_steps(step: Callable[[], float], out_dir: str, tag: str) -> dict[str, Any]:
+    """``PROFILED_STEPS`` calls of ``step`` under ``jax.profiler.trace(out_dir)``; on a GPU also the kernel
+    table by category (``analysis.kernels``) as ``out_dir/<tag>_kernels.md`` and its shares as metrics."""
+    with jax.profiler.trace(out_dir):
+        for _ in range(PROFILED_STEPS):
+            step()
+    metrics: dict[str, Any] = {"profile_dir": out_dir}
+    traces = sorted(Path(out_dir).glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    try:
+        rows = kernel_table(trace_kernel_times(traces[-1]), PROFILED_STEPS) if traces else None
+    except ValueError:  # no GPU timeline (a CPU run): the trace alone
+        rows = None
+    if rows:
+        Path(out_dir, f"{tag}_kernels.md").write_text(markdown(rows, f"{tag}: GPU time per step by kernel category")
+                                                      + "\n")
+        metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
+        metrics.update({f"time_ms.{row.category}": row.time_ms for row in rows})
+    return metrics
 
 
 def implementation_name(args: argparse.Namespace, mesh: Mesh | None, strategy: str | None) -> str:

@@ -1,0 +1,105 @@
+"""Where a step's GPU time goes, whichever framework ran it: kernels grouped into matmul / reduction-softmax /
+elementwise / other, the numbers behind "what fraction of the step is GEMM".
+
+* ``categorize(name)``: the category of a kernel name: cuBLAS / CUTLASS / Triton GEMMs and attention kernels
+  (torch.profiler's names), XLA's fusion kinds (``loop_*_fusion``, ``input_reduce_fusion``, ``gemm_fusion``,
+  ``cublas`` custom calls, cuDNN's fused attention).
+* ``kernel_table(times_ms, n_steps)``: ``{kernel name: total ms}`` -> one ``KernelRow`` per category (ms per
+  step, share, largest kernels); ``markdown(rows, title)``: that table and the 40 largest kernels.
+* ``trace_kernel_times(path)``: ``{kernel name: total ms}`` of the device events of a Chrome-format trace
+  (``*.trace.json.gz`` that ``jax.profiler.trace`` writes; torch.profiler's are read by
+  ``torch_impl.profiling``): events of the "Stream #N" threads of processes named ``/device:GPU:N``.
+
+Never imports torch or jax. References: the torch.profiler and JAX profiling docs (trace formats).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+CATEGORIES = ("matmul", "reduction-softmax", "elementwise", "other")
+_PATTERNS = (  # checked in order: a GEMM kernel named "..._reduce..." is still a GEMM
+    ("other", r"nccl|allreduce|allgather|reducescatter|all-reduce|all-gather|reduce-scatter|memcpy|memset"),
+    ("matmul", r"gemm|matmul|\bmm\b|addmm|bmm|cutlass|xmma|wgmma|gemv|cublas|nvjet|linear|_attn_fwd|flash|sdpa|"
+               r"cudnn|\bdot\b|dot_general|convolution"),
+    ("reduction-softmax", r"softmax|reduce|reduction|\bsum\b|mean|norm|\bmax\b|\bmin\b|logsumexp|cross_entropy|nll"),
+    ("elementwise", r"elementwise|vectorized|unrolled|\badd|\bmul|\bdiv|\bsub|silu|sigmoid|\bexp|pow|rsqrt|copy|"
+                    r"cast|fill|where|masked|\bneg|\bcat\b|stack|index|embedding|clone|_to_copy|foreach|adam|sqrt|lerp|"
+                    r"tril|triu|addc|^loop_|dynamic.update.slice|dynamic.slice|transpose|convert|broadcast|select|"
+                    r"concatenate|scatter|gather|iota"),
+)
+
+
+def categorize(name: str) -> str:
+    """The category of a kernel or operator name."""
+    lowered = name.lower()
+    for category, pattern in _PATTERNS:
+        if re.search(pattern, lowered):
+            return category
+    return "other"
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    category: str
+    time_ms: float
+    fraction: float
+    top: str  # the largest kernels of the category, with their times
+    kernels: tuple[tuple[str, float], ...] = ()  # every kernel of the category, (name, ms / step), largest first
+
+
+def kernel_table(times_ms: dict[str, float], n_steps: int) -> list[KernelRow]:
+    """Per-step time by category from total milliseconds per kernel name over ``n_steps`` steps."""
+    per_category: dict[str, dict[str, float]] = {c: {} for c in CATEGORIES}
+    for name, ms in times_ms.items():
+        if ms > 0:
+            per_category[categorize(name)][name] = ms / n_steps
+    total = sum(sum(kernels.values()) for kernels in per_category.values()) or 1.0
+    rows = []
+    for category in CATEGORIES:
+        kernels = sorted(per_category[category].items(), key=lambda kv: -kv[1])
+        time_ms = sum(ms for _, ms in kernels)
+        top = "; ".join(f"{name[:60]} {ms:.3f}" for name, ms in kernels[:3])
+        rows.append(KernelRow(category, time_ms, time_ms / total, top, tuple(kernels)))
+    return rows
+
+
+def markdown(rows: list[KernelRow], title: str) -> str:
+    lines = [f"### {title}", "", "| category | ms / step | share | largest (ms / step) |", "|:--|--:|--:|:--|"]
+    lines += [f"| {r.category} | {r.time_ms:.3f} | {r.fraction:.1%} | {r.top} |" for r in rows]
+    largest = sorted(((ms, name, r.category) for r in rows for name, ms in r.kernels), reverse=True)
+    lines += ["", f"The {min(len(largest), 40)} largest:", "", "| ms / step | category | kernel |", "|--:|:--|:--|"]
+    lines += [f"| {ms:.3f} | {category} | `{name[:110]}` |" for ms, name, category in largest[:40]]
+    return "\n".join(lines)
+
+
+def trace_kernel_times(path: str | os.PathLike) -> dict[str, float]:
+    """Total milliseconds per kernel name on the GPU timelines of a Chrome-format trace (``.json`` or
+    ``.json.gz``). A kernel's name is the event's ``name`` (XLA names fusions after their HLO instruction,
+    e.g. ``loop_multiply_fusion_3``; numbered copies of one fusion kind are kept apart). ValueError if the
+    trace has no GPU timeline."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    def named(kind: str, prefix: str) -> set:
+        return {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"] for e in events
+                if e.get("ph") == "M" and e.get("name") == kind
+                and str(e.get("args", {}).get("name", "")).startswith(prefix)}
+
+    gpus = named("process_name", "/device:GPU")
+    # Kernels are on the "Stream #N" threads; the same process's "XLA Ops" / "XLA Modules" threads repeat
+    # their time per HLO op and per program, so counting those too would count it twice.
+    streams = {key for key in named("thread_name", "Stream") if key[0] in gpus}
+    if not streams:
+        raise ValueError(f"{path}: no GPU stream timeline in the trace (was it recorded on a GPU?)")
+    times: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams and e.get("dur"):
+            times[e["name"]] = times.get(e["name"], 0.0) + float(e["dur"]) / 1e3  # us -> ms
+    return times
