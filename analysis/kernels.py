@@ -74,15 +74,29 @@ def markdown(rows: list[KernelRow], title: str) -> str:
     lines += [f"| {r.category} | {r.time_ms:.3f} | {r.fraction:.1%} | {r.top} |" for r in rows]
     largest = sorted(((ms, name, r.category) for r in rows for name, ms in r.kernels), reverse=True)
     lines += ["", f"The {min(len(largest), 40)} largest:", "", "| ms / step | category | kernel |", "|--:|:--|:--|"]
-    lines += [f"| {ms:.3f} | {category} | `{name[:110]}` |" for ms, name, category in largest[:40]]
+    lines += [f"| {ms:.3f} | {category} | `{name[:160]}` |" for ms, name, category in largest[:40]]
     return "\n".join(lines)
 
 
-def trace_kernel_times(path: str | os.PathLike) -> dict[str, float]:
+def _hlo_detail(args: dict) -> str:
+    """What an XLA kernel computes, from its event's arguments: the HLO instruction's result type and kind
+    (``long_name`` is ``%name = f32[48,1600,6400]{2,1,0} fusion(...), kind=kLoop, ...``), else ``hlo_op``."""
+    long_name = str(args.get("long_name", ""))
+    match = re.match(r"\s*%?\S+\s*=\s*(.*?)\s+(\w+)\(", long_name)
+    if match:
+        result, op = match.groups()
+        result = re.sub(r"\{[^{}]*\}", "", result)  # drop layouts: f32[48,1600,6400]{2,1,0} -> f32[48,1600,6400]
+        kind = re.search(r"kind=(\w+)", long_name)
+        return f"{op} {result[:80]}" + (f" {kind.group(1)}" if kind else "")
+    return str(args.get("hlo_op", ""))
+
+
+def trace_kernel_times(path: str | os.PathLike, *, detail: bool = False) -> dict[str, float]:
     """Total milliseconds per kernel name on the GPU timelines of a Chrome-format trace (``.json`` or
     ``.json.gz``). A kernel's name is the event's ``name`` (XLA names fusions after their HLO instruction,
-    e.g. ``loop_multiply_fusion_3``; numbered copies of one fusion kind are kept apart). ValueError if the
-    trace has no GPU timeline."""
+    e.g. ``loop_multiply_fusion_3``; numbered copies of one fusion kind are kept apart); with ``detail``, followed
+    by what the HLO instruction computes where the trace says (its result shape and fusion kind), so that a
+    fusion can be told apart by the arrays it writes. ValueError if the trace has no GPU timeline."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
@@ -101,5 +115,6 @@ def trace_kernel_times(path: str | os.PathLike) -> dict[str, float]:
     times: dict[str, float] = {}
     for e in events:
         if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams and e.get("dur"):
-            times[e["name"]] = times.get(e["name"], 0.0) + float(e["dur"]) / 1e3  # us -> ms
+            name = f"{e['name']} {_hlo_detail(e.get('args') or {})}".rstrip() if detail else e["name"]
+            times[name] = times.get(name, 0.0) + float(e["dur"]) / 1e3  # us -> ms
     return times

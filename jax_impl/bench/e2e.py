@@ -241,7 +241,7 @@ def profile_steps(step: Callable[[], float], out_dir: str, tag: str) -> dict[str
     metrics: dict[str, Any] = {"profile_dir": out_dir}
     traces = sorted(Path(out_dir).glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     try:
-        rows = kernel_table(trace_kernel_times(traces[-1]), PROFILED_STEPS) if traces else None
+        rows = kernel_table(trace_kernel_times(traces[-1], detail=True), PROFILED_STEPS) if traces else None
     except ValueError:  # no GPU timeline (a CPU run): the trace alone
         rows = None
     if rows:
