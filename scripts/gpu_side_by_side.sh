@@ -5,14 +5,18 @@
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_side_by_side.sh OUT_DIR single_jax  # the other JAX kernels
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_side_by_side.sh OUT_DIR mesh     # 2 or 4 GPUs: xl, DP/FSDP/FSDP x TP
 #     -> OUT_DIR/side_by_side.jsonl, OUT_DIR/collectives.jsonl, OUT_DIR/report/side_by_side.md + charts
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_side_by_side.sh OUT_DIR collectives  # 2+ GPUs (issue 15 item 4)
+#     -> OUT_DIR/allreduce_nccl.jsonl, OUT_DIR/collectives.jsonl, OUT_DIR/collectives_vs_nccl.md
 # "single": stock PyTorch's best (cuDNN SDPA + torch.compile + fused AdamW), ours (flash_triton + compile),
 # and JAX with cuDNN attention, bf16, batch 4 x 2,048; "single_jax": JAX with Pallas flash attention and
 # with naive attention + remat. "mesh": a 1-GPU baseline at the
 # per-GPU batch, then torch DDP / FSDP / FSDP2 (torchrun) and JAX FSDP / FSDP x TP over all GPUs, and the
-# JAX collectives over the FSDP axis.
+# JAX collectives over the FSDP axis. "collectives": in one call, PyTorch's NCCL all-reduce (torchrun, one process
+# a GPU) and the JAX collectives over all GPUs, stock and with --xla-options tuned, then each JAX bus bandwidth
+# (measured op and raw loop) over NCCL's at the same size: the 10% comparison of issue 15 item 4.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_side_by_side.sh OUT_DIR single|mesh}
-phase=${2:?usage: scripts/gpu_side_by_side.sh OUT_DIR single|single_jax|mesh}
+out=${1:?usage: scripts/gpu_side_by_side.sh OUT_DIR single|single_jax|mesh|collectives}
+phase=${2:?usage: scripts/gpu_side_by_side.sh OUT_DIR single|single_jax|mesh|collectives}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 runs="$out/side_by_side.jsonl"
@@ -41,6 +45,18 @@ mesh)
   done
   python3 -m jax_impl.bench.collectives --mesh "fsdp=$n" --axis fsdp --out "$out/collectives.jsonl"
   ;;
-*) echo "unknown phase $phase; accepted: single, single_jax, mesh" >&2; exit 2 ;;
+collectives)
+  n=$(nvidia-smi -L | wc -l)
+  sizes=1MB,10MB,100MB,1GB
+  torchrun --standalone --nproc_per_node "$n" -m torch_impl.bench.allreduce --backend nccl --sizes "$sizes" \
+    --out "$out/allreduce_nccl.jsonl"
+  for xla in stock tuned; do
+    python3 -m jax_impl.bench.collectives --mesh "fsdp=$n" --axis fsdp --sizes "$sizes" --xla-options "$xla" \
+      --out "$out/collectives.jsonl"
+  done
+  python3 -m jax_impl.bench.collectives --report-only "$out/collectives.jsonl" --nccl "$out/allreduce_nccl.jsonl" \
+    | tee "$out/collectives_vs_nccl.md"
+  ;;
+*) echo "unknown phase $phase; accepted: single, single_jax, mesh, collectives" >&2; exit 2 ;;
 esac
-python3 -m analysis.side_by_side "$runs" --out "$out/report"
+[ "$phase" = collectives ] || python3 -m analysis.side_by_side "$runs" --out "$out/report"  # training records only

@@ -146,6 +146,8 @@ CASES = [
     Case(MATRIX, "--cell-timeout inf", "--cell-timeout: 'inf' is not a finite number"),
     Case(COLLECTIVES, "--iters 0", "--iters: '0': must be > 0"),
     Case(COLLECTIVES, "--out {file}/c.jsonl", "is a file, not a folder"),
+    Case(COLLECTIVES, "--xla-options latency_hiding", "is not stock, tuned or xla_NAME=VALUE"),
+    Case(COLLECTIVES, "--nccl {good}", "--nccl goes with --report-only"),
     # analysis (item 8)
     Case(REPORTS, "table {tmp}/metrics_list.jsonl", "field 'metrics' is list"),
     Case(REPORTS, "table {tmp}/future.jsonl", "schema_version 99: this code reads versions 1 to 1"),
