@@ -6,6 +6,8 @@ elementwise / other, the numbers behind "what fraction of the step is GEMM".
   ``cublas`` custom calls, cuDNN's fused attention).
 * ``kernel_table(times_ms, n_steps)``: ``{kernel name: total ms}`` -> one ``KernelRow`` per category (ms per
   step, share, largest kernels); ``markdown(rows, title)``: that table and the 40 largest kernels.
+* ``hlo_kernel_details(compiled.as_text())``: what each XLA kernel computes (result type, fusion kind, the
+  JAX operation), for ``markdown``'s largest-kernel list.
 * ``trace_kernel_times(path)``: ``{kernel name: total ms}`` of the device events of a Chrome-format trace
   (``*.trace.json.gz`` that ``jax.profiler.trace`` writes; torch.profiler's are read by
   ``torch_impl.profiling``): events of the "Stream #N" threads of processes named ``/device:GPU:N``.
@@ -69,34 +71,45 @@ def kernel_table(times_ms: dict[str, float], n_steps: int) -> list[KernelRow]:
     return rows
 
 
-def markdown(rows: list[KernelRow], title: str) -> str:
+def markdown(rows: list[KernelRow], title: str, details: dict[str, str] | None = None) -> str:
+    """The table by category, then the 40 largest kernels (each with ``details[name]`` where given)."""
     lines = [f"### {title}", "", "| category | ms / step | share | largest (ms / step) |", "|:--|--:|--:|:--|"]
     lines += [f"| {r.category} | {r.time_ms:.3f} | {r.fraction:.1%} | {r.top} |" for r in rows]
     largest = sorted(((ms, name, r.category) for r in rows for name, ms in r.kernels), reverse=True)
-    lines += ["", f"The {min(len(largest), 40)} largest:", "", "| ms / step | category | kernel |", "|--:|:--|:--|"]
-    lines += [f"| {ms:.3f} | {category} | `{name[:160]}` |" for ms, name, category in largest[:40]]
+    header = "| ms / step | category | kernel |" + (" what it computes |" if details else "")
+    lines += ["", f"The {min(len(largest), 40)} largest:", "", header, "|--:|:--|:--|" + ("--|" if details else "")]
+    for ms, name, category in largest[:40]:
+        extra = f" {details.get(name, '')} |" if details else ""
+        lines.append(f"| {ms:.3f} | {category} | `{name[:110]}` |{extra}")
     return "\n".join(lines)
 
 
-def _hlo_detail(args: dict) -> str:
-    """What an XLA kernel computes, from its event's arguments: the HLO instruction's result type and kind
-    (``long_name`` is ``%name = f32[48,1600,6400]{2,1,0} fusion(...), kind=kLoop, ...``), else ``hlo_op``."""
-    long_name = str(args.get("long_name", ""))
-    match = re.match(r"\s*%?\S+\s*=\s*(.*?)\s+(\w+)\(", long_name)
-    if match:
-        result, op = match.groups()
-        result = re.sub(r"\{[^{}]*\}", "", result)  # drop layouts: f32[48,1600,6400]{2,1,0} -> f32[48,1600,6400]
-        kind = re.search(r"kind=(\w+)", long_name)
-        return f"{op} {result[:80]}" + (f" {kind.group(1)}" if kind else "")
-    return str(args.get("hlo_op", ""))
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+(fusion|custom-call|copy|[\w\-]+)\(")
 
 
-def trace_kernel_times(path: str | os.PathLike, *, detail: bool = False) -> dict[str, float]:
+def hlo_kernel_details(hlo_text: str) -> dict[str, str]:
+    """What each instruction of an optimized HLO module (``compiled.as_text()``) computes, keyed by the name
+    its GPU kernel gets in a trace (``loop_add_fusion.7`` runs as ``loop_add_fusion_7``): result type (layouts
+    dropped), fusion kind, and the tail of the JAX operation it came from (``metadata={op_name=...}``)."""
+    details = {}
+    for line in hlo_text.splitlines():
+        match = _HLO_INSTRUCTION.match(line)
+        if not match:
+            continue
+        name, result, _ = match.groups()
+        result = re.sub(r"\{[^{}]*\}", "", result)[:70]  # f32[48,1600,6400]{2,1,0} -> f32[48,1600,6400]
+        kind = re.search(r"kind=k(\w+)", line)
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        details[re.sub(r"[.\-]", "_", name)] = " ".join(filter(None, (
+            result, kind and kind.group(1), op_name and "..." + op_name.group(1)[-70:])))
+    return details
+
+
+def trace_kernel_times(path: str | os.PathLike) -> dict[str, float]:
     """Total milliseconds per kernel name on the GPU timelines of a Chrome-format trace (``.json`` or
     ``.json.gz``). A kernel's name is the event's ``name`` (XLA names fusions after their HLO instruction,
-    e.g. ``loop_multiply_fusion_3``; numbered copies of one fusion kind are kept apart); with ``detail``, followed
-    by what the HLO instruction computes where the trace says (its result shape and fusion kind), so that a
-    fusion can be told apart by the arrays it writes. ValueError if the trace has no GPU timeline."""
+    e.g. ``loop_multiply_fusion_3``; numbered copies of one fusion kind are kept apart: ``hlo_kernel_details``
+    says what each computes). ValueError if the trace has no GPU timeline."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
@@ -115,6 +128,5 @@ def trace_kernel_times(path: str | os.PathLike, *, detail: bool = False) -> dict
     times: dict[str, float] = {}
     for e in events:
         if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams and e.get("dur"):
-            name = f"{e['name']} {_hlo_detail(e.get('args') or {})}".rstrip() if detail else e["name"]
-            times[name] = times.get(name, 0.0) + float(e["dur"]) / 1e3  # us -> ms
+            times[e["name"]] = times.get(e["name"], 0.0) + float(e["dur"]) / 1e3  # us -> ms
     return times

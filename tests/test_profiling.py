@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from analysis.kernels import kernel_table, trace_kernel_times
+from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_kernel_times
 from analysis.records import read_records
 from torch_impl.bench import e2e
 from torch_impl.profiling import CATEGORIES, categorize
@@ -64,6 +64,19 @@ def test_jax_trace_kernel_table_counts_stream_kernels_once(tmp_path):
         json.dump({"traceEvents": events[:1] + events[4:5]}, f)
     with pytest.raises(ValueError, match="no GPU stream timeline"):
         trace_kernel_times(path)
+
+
+def test_hlo_kernel_details_name_kernels_as_traces_do():
+    hlo = """ENTRY %main {
+  %loop_add_fusion.7 = f32[48,1600,6400]{2,1,0} fusion(f32[48,1600,6400]{2,1,0} %a), kind=kLoop, calls=%c, \
+metadata={op_name="jit(train_step)/mul" stack_frame_id=3}
+  ROOT %custom-call.2 = (bf16[8,64]{1,0}, s8[0]{0}) custom-call(%b), custom_call_target="__cublas$gemm"
+}"""
+    details = hlo_kernel_details(hlo)
+    assert details["loop_add_fusion_7"] == "f32[48,1600,6400] Loop ...jit(train_step)/mul"
+    assert details["custom_call_2"] == "(bf16[8,64], s8[0])"
+    rows = kernel_table({"loop_add_fusion_7": 3.0}, n_steps=1)
+    assert "| f32[48,1600,6400] Loop ...jit(train_step)/mul |" in markdown(rows, "t", details)
 
 
 def test_e2e_profile_checkpoint_and_fused_flags(tmp_path):

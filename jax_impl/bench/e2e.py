@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from analysis.harness import (StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark,
                               step_record)
-from analysis.kernels import kernel_table, markdown, trace_kernel_times
+from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_kernel_times
 from analysis.records import Record
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights
@@ -224,7 +224,8 @@ def measure_on_mesh(args: argparse.Namespace, mesh: Mesh, strategy: str) -> Reco
         "compiled_memory": compiled_memory(compiled), "loss_first": losses[0], "loss_last": losses[-1],
         "losses": losses, **predicted_memory(spec, args, seq_len, mesh, strategy)}
     if args.profile:
-        metrics.update(profile_steps(step, args.profile, f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}"))
+        metrics.update(profile_steps(step, compiled.as_text(), args.profile,
+                                     f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}"))
     return step_record(
         StepRun.of(args), spec, seq_len, backend="jax", implementation=implementation_name(args, mesh, strategy),
         device_name=device_name(mesh.devices.flat[0]), step_times_ms=step_ms, peak_memory_bytes=peak_memory_bytes(mesh),
@@ -232,21 +233,22 @@ def measure_on_mesh(args: argparse.Namespace, mesh: Mesh, strategy: str) -> Reco
     )
 
 
-def profile_steps(step: Callable[[], float], out_dir: str, tag: str) -> dict[str, Any]:
+def profile_steps(step: Callable[[], float], hlo_text: str, out_dir: str, tag: str) -> dict[str, Any]:
     """``PROFILED_STEPS`` calls of ``step`` under ``jax.profiler.trace(out_dir)``; on a GPU also the kernel
-    table by category (``analysis.kernels``) as ``out_dir/<tag>_kernels.md`` and its shares as metrics."""
+    table by category (``analysis.kernels``; what each kernel computes from ``hlo_text``, the compiled step's
+    optimized HLO) as ``out_dir/<tag>_kernels.md`` and its shares as metrics."""
     with jax.profiler.trace(out_dir):
         for _ in range(PROFILED_STEPS):
             step()
     metrics: dict[str, Any] = {"profile_dir": out_dir}
     traces = sorted(Path(out_dir).glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     try:
-        rows = kernel_table(trace_kernel_times(traces[-1], detail=True), PROFILED_STEPS) if traces else None
+        rows = kernel_table(trace_kernel_times(traces[-1]), PROFILED_STEPS) if traces else None
     except ValueError:  # no GPU timeline (a CPU run): the trace alone
         rows = None
     if rows:
-        Path(out_dir, f"{tag}_kernels.md").write_text(markdown(rows, f"{tag}: GPU time per step by kernel category")
-                                                      + "\n")
+        text = markdown(rows, f"{tag}: GPU time per step by kernel category", hlo_kernel_details(hlo_text))
+        Path(out_dir, f"{tag}_kernels.md").write_text(text + "\n")
         metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
         metrics.update({f"time_ms.{row.category}": row.time_ms for row in rows})
     return metrics
