@@ -243,6 +243,7 @@ class TransformerLM(nnx.Module):
         x = self.token_embeddings(token_ids)  # (B, T, d)
         if self.scan_layers:
             block_def, stacked = nnx.split(self.layers)
+            stacked = _kernels_in(stacked, self.dtype)  # one cast of every layer's weights, not one per layer
 
             def one_layer(x, layer_state):  # layer_state: the stacked state's slice of one layer
                 return apply_block(nnx.merge(block_def, layer_state), x, self.rope), None
@@ -257,6 +258,19 @@ class TransformerLM(nnx.Module):
     def scan_layers(self) -> bool:
         """Whether ``layers`` is one block of stacked parameters run by ``jax.lax.scan`` (else a list)."""
         return isinstance(self.layers, TransformerBlock)
+
+
+def _kernels_in(state: nnx.State, dtype) -> nnx.State:
+    """``state`` with its linear kernels cast to ``dtype`` (the compute dtype), the norm gains left as they are
+    (RMSNorm uses them in float32). Each Linear would cast its kernel anyway, so the values are the same;
+    cast once for the stacked weights of all layers, the backward pass reuses the copy instead of casting
+    every layer's weights again, and each weight gradient reaches float32 in one conversion of the stack."""
+
+    def cast(path, variable):
+        value = variable.get_value()
+        return variable.replace(value.astype(dtype)) if path[-1] == "kernel" and value.dtype != dtype else variable
+
+    return nnx.map_state(cast, state)
 
 
 def _stacked_blocks(spec: ModelSpec, attention: str, rngs: nnx.Rngs, param_dtype, dtype) -> TransformerBlock:

@@ -92,14 +92,22 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def _saved_attention(prim, *_, **params) -> bool:
+    """The attention core's results: our backends' output (named ``ATTENTION_OUTPUT`` in the model), and
+    what cuDNN's fused forward returns for its backward (output and softmax statistics), so that
+    the backward pass never runs the attention forward again."""
+    return prim.name.startswith("dot_product_attention_fwd") or (
+        prim.name == "name" and params.get("name") == ATTENTION_OUTPUT)
+
+
 # --remat: what each block keeps for the backward pass; the rest is recomputed there (jax.checkpoint policies).
 REMAT_POLICIES = {
     "none": None,  # no rematerialization: every residual is kept
     "full": jax.checkpoint_policies.nothing_saveable,  # only the block's input
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # the weight products' outputs
-    "dots_attention": jax.checkpoint_policies.save_from_both_policies(  # those and the attention output
+    "dots_attention": jax.checkpoint_policies.save_from_both_policies(  # those and the attention's results
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(ATTENTION_OUTPUT)),
+        _saved_attention),
 }
 
 

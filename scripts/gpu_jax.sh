@@ -45,8 +45,11 @@ profile)
   # Where the scanned step's time goes (kernel tables by category under OUT_DIR/profile).
   runs="$out/jax_profile.jsonl"
   common=(--warmup 3 --steps 10 --suite jax_profile --out "$runs")
-  jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat dots "${common[@]}" --profile "$out/profile"
+  jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat dots "${common[@]}"
+  jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat dots_attention "${common[@]}" --profile "$out/profile"
   jax_e2e 150 --model xl --batch-size 4 --seq-len 512 --remat none "${common[@]}" --profile "$out/profile"
+  jax_e2e 150 --model xl --batch-size 4 --seq-len 512 --remat dots_attention "${common[@]}"
+  jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat dots "${common[@]}"
   for flags in ${PROFILE_XLA_FLAGS:-}; do  # e.g. --xla_gpu_enable_triton_gemm=false (4edde5f: slower)
     XLA_FLAGS="$flags" jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat dots "${common[@]}"
   done

@@ -126,18 +126,21 @@ def test_bf16_compute_keeps_fp32_master_weights(reference):
     np.testing.assert_allclose(losses, reference[0], rtol=2e-2)  # bf16 matmuls, fp32 loss
 
 
-@pytest.mark.parametrize("remat", ["none", "dots"])
-def test_scanned_and_unrolled_blocks_take_the_same_steps(remat):
-    """The same weights, stacked and scanned or as separate blocks in a loop: the same losses and weights."""
+@pytest.mark.parametrize("remat,compute_dtype,rtol", [("none", None, 1e-6), ("dots", None, 1e-6),
+                                                     ("dots_attention", jnp.bfloat16, 1e-3)])
+def test_scanned_and_unrolled_blocks_take_the_same_steps(remat, compute_dtype, rtol):
+    """The same weights, stacked and scanned or as separate blocks in a loop: the same losses and weights
+    (in bf16 the scan casts all layers' kernels at once, the loop each layer's: the same values)."""
     spec = TINY1.replace(n_layers=3)
     mesh = make_mesh(ParallelSpec(fsdp=2), _cpu_devices(2))
-    scanned = ShardedTrainer(spec, mesh, "fsdp", remat=remat, **HP)
-    unrolled = ShardedTrainer(spec, mesh, "fsdp", remat=remat, scan_layers=False, **HP)
+    scanned = ShardedTrainer(spec, mesh, "fsdp", remat=remat, compute_dtype=compute_dtype, **HP)
+    unrolled = ShardedTrainer(spec, mesh, "fsdp", remat=remat, compute_dtype=compute_dtype, scan_layers=False,
+                              **HP)
     assert scanned.model.scan_layers and not unrolled.model.scan_layers
     unrolled.load_weights(to_numpy_weights(scanned.model))
     scanned_losses, _ = _run(scanned, _batches())
     unrolled_losses, _ = _run(unrolled, _batches())
-    np.testing.assert_allclose(scanned_losses, unrolled_losses, rtol=1e-6)
+    np.testing.assert_allclose(scanned_losses, unrolled_losses, rtol=rtol)
     after_scanned, after_unrolled = to_numpy_weights(scanned.model), to_numpy_weights(unrolled.model)
     for name in after_scanned:
         np.testing.assert_allclose(after_scanned[name], after_unrolled[name], rtol=1e-5, atol=HP["lr"] * 1e-3,
