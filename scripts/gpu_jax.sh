@@ -6,7 +6,8 @@
 #        then xl 4 x 512 twice through a persistent compilation cache (cold, then warm).
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR profile
 #     -> OUT_DIR/jax_profile.jsonl and OUT_DIR/*_kernels.md: the step's GPU time by kernel (jax.profiler),
-#        and the same step under each XLA option of PROFILE_XLA_FLAGS (space-separated; none by default).
+#        with PROFILE_XLA_FLAGS="--opt=a --opt=b" set, instead: xl 4 x 2,048 under each option alone, and with
+#        no option first (OUT_DIR/jax_xla_flags.jsonl).
 # Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
 # limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
 set -uo pipefail
@@ -42,6 +43,13 @@ scan)
   rm -rf "$out/.jax_cache"
   ;;
 profile)
+  if [ -n "${PROFILE_XLA_FLAGS:-}" ]; then  # only the step under each XLA option (the profiled runs are done)
+    for flags in "" $PROFILE_XLA_FLAGS; do
+      XLA_FLAGS="$flags" jax_e2e 200 --model xl --batch-size 4 --seq-len 2048 --remat dots_attention \
+        --warmup 3 --steps 10 --suite jax_xla_flags --out "$out/jax_xla_flags.jsonl"
+    done
+    exit 0
+  fi
   # Where the scanned step's time goes (kernel tables by category under OUT_DIR/profile).
   runs="$out/jax_profile.jsonl"
   common=(--warmup 3 --steps 10 --suite jax_profile --out "$runs")
@@ -50,9 +58,6 @@ profile)
   jax_e2e 150 --model xl --batch-size 4 --seq-len 512 --remat none "${common[@]}" --profile "$out/profile"
   jax_e2e 150 --model xl --batch-size 4 --seq-len 512 --remat dots_attention "${common[@]}"
   jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat dots "${common[@]}"
-  for flags in ${PROFILE_XLA_FLAGS:-}; do  # e.g. --xla_gpu_enable_triton_gemm=false (4edde5f: slower)
-    XLA_FLAGS="$flags" jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat dots "${common[@]}"
-  done
   cp "$out"/profile/*_kernels.md "$out"/ 2>/dev/null
   rm -rf "$out/profile"
   ;;

@@ -14,6 +14,7 @@ mesh, JAX's convention; the PyTorch DDP benchmark's batch is per rank); ``tflops
 on CPU). Metrics: ``strategy``, ``remat``, ``scan_layers``, ``init_s`` (parameters and AdamW state created,
 their jitted initializers' compiles included), ``compile_s`` (the step's ahead-of-time compile; with
 ``JAX_COMPILATION_CACHE_DIR`` set, recorded as ``compilation_cache_dir``, a warm cache shortens both),
+``xla_flags`` (the ``XLA_FLAGS`` it ran under),
 ``compiled_memory`` (the compiled step's
 ``memory_analysis()`` per device: arguments, outputs, aliased (donated) and temporary bytes, and
 ``estimate_bytes`` = arguments + outputs - aliased + temporaries), the losses, and
@@ -31,6 +32,7 @@ JAX_PROCESS_ID) runs one program over every host's devices; process 0 writes the
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -220,7 +222,7 @@ def measure_on_mesh(args: argparse.Namespace, mesh: Mesh, strategy: str) -> Reco
     metrics: dict[str, Any] = {
         "strategy": strategy, "remat": args.remat, "scan_layers": args.scan_layers == "on",
         "attention": args.attention, "init_s": init_s, "compile_s": compile_s,
-        "compilation_cache_dir": jax.config.jax_compilation_cache_dir,
+        "compilation_cache_dir": jax.config.jax_compilation_cache_dir, "xla_flags": os.environ.get("XLA_FLAGS"),
         "compiled_memory": compiled_memory(compiled), "loss_first": losses[0], "loss_last": losses[-1],
         "losses": losses, **predicted_memory(spec, args, seq_len, mesh, strategy)}
     if args.profile:
