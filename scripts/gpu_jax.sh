@@ -8,11 +8,13 @@
 #     -> OUT_DIR/jax_profile.jsonl and OUT_DIR/*_kernels.md: the step's GPU time by kernel (jax.profiler),
 #        with PROFILE_XLA_FLAGS="--opt=a --opt=b" set, instead: xl 4 x 2,048 under each option alone, and with
 #        no option first (OUT_DIR/jax_xla_flags.jsonl).
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR records
+#     -> OUT_DIR/jax_vs_torch.jsonl: the best PyTorch step and the scanned JAX step in one call (below).
 # Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
 # limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile}
-phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile}
+out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records}
+phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -61,5 +63,20 @@ profile)
   cp "$out"/profile/*_kernels.md "$out"/ 2>/dev/null
   rm -rf "$out/profile"
   ;;
-*) echo "unknown phase $phase; accepted: scan, profile" >&2; exit 2 ;;
+records)
+  # The records in one call: the best PyTorch step (ours, bf16 weights with fp32 masters, compiled in
+  # spans of blocks, each span's CUDA graph) and the scanned JAX step at xl 4 x 2,048 and 2.7B 2 x 2,048, then
+  # JAX's init and compile at xl 4 x 512 (OUT_DIR/jax_vs_torch.jsonl).
+  runs="$out/jax_vs_torch.jsonl"
+  torch_best() {  # model batch seq
+    timeout 240 python3 -m torch_impl.bench.e2e --model "$1" --batch-size "$2" --seq-len "$3" --dtype bf16_mixed \
+      --attention sdpa_cudnn --compile --cuda-graph blocks --warmup 3 --steps 10 --suite jax_vs_torch --out "$runs"
+  }
+  torch_best xl 4 2048
+  jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat dots_attention --suite jax_vs_torch --out "$runs"
+  torch_best 2.7B 2 2048
+  jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat full --suite jax_vs_torch --out "$runs"
+  jax_e2e 150 --model xl --batch-size 4 --seq-len 512 --remat dots_attention --suite jax_vs_torch --out "$runs"
+  ;;
+*) echo "unknown phase $phase; accepted: scan, profile, records" >&2; exit 2 ;;
 esac
