@@ -3,15 +3,15 @@
 # device call of under 10 minutes, records appended under OUT_DIR, the report regenerated at the end:
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_side_by_side.sh OUT_DIR single   # 1 GPU: 2.7B, 8,192 tokens/step
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_side_by_side.sh OUT_DIR single_jax  # the other JAX kernels
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_side_by_side.sh OUT_DIR mesh     # 2 or 4 GPUs: xl, DP/FSDP/FSDP x TP
-#     -> OUT_DIR/side_by_side.jsonl, OUT_DIR/collectives.jsonl, OUT_DIR/report/side_by_side.md + charts
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_side_by_side.sh OUT_DIR mesh     # 2 or 4 GPUs: 2.7B, DP/FSDP/TP
+#     -> OUT_DIR/side_by_side.jsonl, OUT_DIR/report/side_by_side.md + charts
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_side_by_side.sh OUT_DIR collectives  # 2+ GPUs (issue 15 item 4)
 #     -> OUT_DIR/allreduce_nccl.jsonl, OUT_DIR/collectives.jsonl, OUT_DIR/collectives_vs_nccl.md
 # "single": stock PyTorch's best (cuDNN SDPA + torch.compile + fused AdamW), ours (flash_triton + compile),
 # and JAX with cuDNN attention, bf16, batch 4 x 2,048; "single_jax": JAX with Pallas flash attention and
 # with naive attention + remat. "mesh": a 1-GPU baseline at the
-# per-GPU batch, then torch DDP / FSDP / FSDP2 (torchrun) and JAX FSDP / FSDP x TP over all GPUs, and the
-# JAX collectives over the FSDP axis. "collectives": in one call, PyTorch's NCCL all-reduce (torchrun, one process
+# per-GPU batch, then torch DDP / FSDP / FSDP2 (torchrun) and JAX DP / FSDP / TP (FSDP x TP on 4+ GPUs) over
+# all GPUs, on 2.7B (MESH_MODEL overrides; TP needs a head count the GPU count divides). "collectives": in one call, PyTorch's NCCL all-reduce (torchrun, one process
 # a GPU) and the JAX collectives over all GPUs, stock and with --xla-options tuned, then each JAX bus bandwidth
 # (measured op and raw loop) over NCCL's at the same size: the 10% comparison of issue 15 item 4.
 set -uo pipefail
@@ -34,16 +34,21 @@ single_jax)
   python3 -m jax_impl.bench.e2e "${flags[@]}" --attention naive --remat
   ;;
 mesh)
+  # 2.7B (32 heads: tp = 2 or 4 divides them; xl's 25 do not), batch 4 x 512 per GPU, cuDNN attention in both.
   n=$(nvidia-smi -L | wc -l)
-  flags=(--model xl --seq-len 512 --dtype bf16 --warmup 3 --steps 10 --suite side_by_side --out "$runs")
-  python3 -m torch_impl.bench.e2e "${flags[@]}" --batch-size 4 --attention sdpa
+  model=${MESH_MODEL:-2.7B}
+  flags=(--model "$model" --seq-len 512 --dtype bf16 --warmup 3 --steps 10 --suite side_by_side --out "$runs")
+  python3 -m torch_impl.bench.e2e "${flags[@]}" --batch-size 4 --attention sdpa_cudnn
   python3 -m jax_impl.bench.e2e "${flags[@]}" --batch-size 4 --attention dot_product_cudnn
-  torchrun --standalone --nproc_per_node "$n" -m torch_impl.bench.ddp --model xl --seq-len 512 --dtype bf16 \
-    --batch-size 4 --dist bucketed,torch_ddp,fsdp,fsdp2 --bucket-mb 25 --attention sdpa --out "$runs"
-  for mesh in "fsdp=$n" "fsdp=$((n / 2)),tp=2"; do
-    python3 -m jax_impl.bench.e2e "${flags[@]}" --batch-size $((4 * n)) --attention dot_product_cudnn --mesh "$mesh"
+  timeout 300 torchrun --standalone --nproc_per_node "$n" -m torch_impl.bench.ddp --model "$model" --seq-len 512 \
+    --dtype bf16 --batch-size 4 --dist bucketed,torch_ddp,fsdp,fsdp2 --bucket-mb 25 --attention sdpa_cudnn \
+    --out "$runs"
+  meshes=("dp=$n" "fsdp=$n" "tp=$n")
+  [ "$n" -ge 4 ] && meshes+=("fsdp=$((n / 2)),tp=2")
+  for mesh in "${meshes[@]}"; do
+    timeout 150 python3 -m jax_impl.bench.e2e "${flags[@]}" --batch-size $((4 * n)) --attention dot_product_cudnn \
+      --mesh "$mesh"
   done
-  python3 -m jax_impl.bench.collectives --mesh "fsdp=$n" --axis fsdp --out "$out/collectives.jsonl"
   ;;
 collectives)
   n=$(nvidia-smi -L | wc -l)
