@@ -27,7 +27,11 @@ from torch_impl.attention import get_attention
 
 
 class Linear(nn.Module):
-    """y = x W^T without bias; W (out, in) ~ truncated normal, std sqrt(2 / (in + out)), cut at 3 std."""
+    """y = x W^T without bias; W (out, in) ~ truncated normal, std sqrt(2 / (in + out)), cut at 3 std.
+
+    The std is the untruncated normal's, as in ``trunc_normal_`` and the Flax model's
+    ``jax.nn.initializers.truncated_normal``: the draws' own std is 0.98658 times it (tests/test_init_parity.py).
+    """
 
     def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
         super().__init__()
@@ -45,7 +49,7 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    """A lookup table (vocab, d_model) ~ truncated normal, std 1, cut at 3."""
+    """A lookup table (vocab, d_model) ~ truncated normal, std 1 (the untruncated normal's, as ``Linear``), cut at 3."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None):
         super().__init__()

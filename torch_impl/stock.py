@@ -5,7 +5,9 @@
 ``F.scaled_dot_product_attention`` (one of the SDPA backends of ``torch_impl.attention``, which only pick
 SDPA's kernel). RoPE has no stock module; it is the plain adjacent-pair rotation in float32. Parameter names
 and shapes equal ``torch_impl.model.TransformerLM``'s, so ``stock.load_state_dict(ours.state_dict())`` gives
-both models the same weights (tests/test_stock.py checks the logits match). A baseline, not a second model
+both models the same weights (tests/test_stock.py checks the logits match). Built alone it has the stock
+modules' own initialization (nn.Linear's uniform of std 1 / sqrt(3 in), nn.Embedding's untruncated N(0, 1)),
+not the spec's: every run loads ours first (the e2e benchmark's ``build_model``). A baseline, not a second model
 to maintain: no weight exchange, no options beyond the attention backend.
 """
 
