@@ -10,11 +10,13 @@
 #        no option first (OUT_DIR/jax_xla_flags.jsonl).
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR records
 #     -> OUT_DIR/jax_vs_torch.jsonl: the best PyTorch step and the scanned JAX step in one call (below).
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR parity
+#     -> OUT_DIR/jax_parity.jsonl: both backends' losses from the same initial xl weights (below).
 # Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
 # limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records}
-phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records}
+out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity}
+phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -78,5 +80,16 @@ records)
   jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat full --suite jax_vs_torch --out "$runs"
   jax_e2e 150 --model xl --batch-size 4 --seq-len 512 --remat dots_attention --suite jax_vs_torch --out "$runs"
   ;;
-*) echo "unknown phase $phase; accepted: scan, profile, records" >&2; exit 2 ;;
+parity)
+  # The same starting weights in both backends (issue 15 item 3): PyTorch saves its initial xl weights, JAX loads
+  # them, both take the same 11 AdamW steps on the same batch (OUT_DIR/jax_parity.jsonl; losses per step).
+  runs="$out/jax_parity.jsonl"
+  weights=/tmp/xl_init.npz
+  timeout 200 python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 512 --dtype bf16 \
+    --attention sdpa_cudnn --warmup 1 --steps 10 --suite jax_parity --save-weights "$weights" --out "$runs"
+  jax_e2e 200 --model xl --batch-size 4 --seq-len 512 --remat dots_attention --warmup 1 --steps 10 \
+    --suite jax_parity --load-weights "$weights" --out "$runs"
+  rm -f "$weights"
+  ;;
+*) echo "unknown phase $phase; accepted: scan, profile, records, parity" >&2; exit 2 ;;
 esac

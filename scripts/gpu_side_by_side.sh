@@ -24,9 +24,12 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "$phase" in
 single)
   flags=(--model 2.7B --batch-size 4 --seq-len 2048 --dtype bf16 --warmup 5 --steps 10 --suite side_by_side --out "$runs")
-  python3 -m torch_impl.bench.e2e "${flags[@]}" --attention sdpa_cudnn --compile --fused-adamw on
+  weights=/tmp/side_by_side_init.npz  # every run from the same weights, so the loss curves overlay
+  python3 -m torch_impl.bench.e2e "${flags[@]}" --attention sdpa_cudnn --compile --fused-adamw on \
+    --save-weights "$weights"
   python3 -m torch_impl.bench.e2e "${flags[@]}" --attention flash_triton --compile --fused-adamw on
-  python3 -m jax_impl.bench.e2e "${flags[@]}" --attention dot_product_cudnn
+  python3 -m jax_impl.bench.e2e "${flags[@]}" --attention dot_product_cudnn --remat full --load-weights "$weights"
+  rm -f "$weights"
   ;;
 single_jax)
   flags=(--model 2.7B --batch-size 4 --seq-len 2048 --dtype bf16 --warmup 5 --steps 10 --suite side_by_side --out "$runs")
