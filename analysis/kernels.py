@@ -84,7 +84,7 @@ def markdown(rows: list[KernelRow], title: str, details: dict[str, str] | None =
     return "\n".join(lines)
 
 
-_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+(fusion|custom-call|copy|[\w\-]+)\(")
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+[\w\-]+\(")  # name = type opcode(
 
 
 def hlo_kernel_details(hlo_text: str) -> dict[str, str]:
@@ -96,7 +96,7 @@ def hlo_kernel_details(hlo_text: str) -> dict[str, str]:
         match = _HLO_INSTRUCTION.match(line)
         if not match:
             continue
-        name, result, _ = match.groups()
+        name, result = match.groups()
         result = re.sub(r"\{[^{}]*\}", "", result)[:70]  # f32[48,1600,6400]{2,1,0} -> f32[48,1600,6400]
         kind = re.search(r"kind=k(\w+)", line)
         op_name = re.search(r'op_name="([^"]*)"', line)
@@ -114,6 +114,7 @@ def trace_kernel_times(path: str | os.PathLike) -> dict[str, float]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         events = json.load(f).get("traceEvents", [])
+
     def named(kind: str, prefix: str) -> set:
         return {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"] for e in events
                 if e.get("ph") == "M" and e.get("name") == kind

@@ -67,7 +67,7 @@ VOCAB = "vocab"
 EMBED = "embed"
 HEADS = "heads"
 MLP = "mlp"
-ATTENTION_OUTPUT = "attention_output"  # the name remat policies may save the attention core's output by
+ATTENTION_OUTPUT = "attention_output"  # checkpoint_name of the attention core's output (for remat policies)
 LAYERS = "layers"  # the leading axis of the stacked block parameters (scan_layers); never sharded
 
 

@@ -137,7 +137,7 @@ def compiled_memory(compiled) -> dict[str, int] | None:
 def predicted_memory(spec: ModelSpec, args: argparse.Namespace, seq_len: int, mesh: Mesh,
                      strategy: str) -> dict[str, Any]:
     """``parallelism_calc``'s per-device memory for this run (train_step only), or why there is none."""
-    from parallelism_calc.memory import per_device_memory
+    from parallelism_calc.memory import CHECKPOINTING, per_device_memory
 
     if args.mode != "train_step":
         return {}
@@ -148,8 +148,9 @@ def predicted_memory(spec: ModelSpec, args: argparse.Namespace, seq_len: int, me
             "fsdp_tp": ("fsdp_tp", ParallelSpec(dp=dp, fsdp=fsdp, tp=tp))}[strategy]
     if calc is None:
         return {"predicted_memory_error": f"strategy {strategy!r} with tp={tp} replicates work; not modelled"}
-    if args.remat not in ("none", "full"):
-        return {"predicted_memory_error": f"remat policy {args.remat!r} is not modelled (none and full are)"}
+    if args.remat not in CHECKPOINTING:
+        return {"predicted_memory_error": f"remat policy {args.remat!r} is not modelled "
+                                          f"(parallelism_calc models {', '.join(CHECKPOINTING)})"}
     precision, attention = calculator_terms(args.dtype, args.attention)
     try:
         pred = per_device_memory(spec, calc[0], calc[1], args.batch_size * seq_len, seq_len, precision,
