@@ -97,3 +97,94 @@ def test_trainer_with_the_blocks_cuda_graphs_trains_and_validates_like_without(t
         runs[graph] = run_training(cfg)
     np.testing.assert_allclose(runs["blocks"].train_losses, runs["off"].train_losses, rtol=1e-5)
     np.testing.assert_allclose(runs["blocks"].val_losses, runs["off"].val_losses, rtol=1e-5)
+
+
+def _in_backward_run(in_backward: bool, device: str, compile: bool = False, cuda_graphs: bool = False,
+                     graph_step: bool = False, steps: int = 3) -> tuple[list[float], list[torch.Tensor]]:
+    """tiny in bf16 with MasterAdamW, stepped after or in the backward on the same fresh random weights and tokens
+    (``torch_impl.parallelize.parallelize``, as e2e builds it): (losses, final weights)."""
+    from torch_impl.parallelize import parallelize
+    from torch_impl.step import step_stream
+    from torch_impl.timing import capture_step
+
+    torch._dynamo.reset()
+    seed = 1234
+    torch.manual_seed(seed)
+    # naive attention: every kernel deterministic, so the two runs can be compared bit for bit on a GPU too
+    model = TransformerLM(MODELS["tiny"].replace(n_layers=3), attention="naive", device=device)
+    tokens = torch.randint(0, model.spec.vocab_size, (2, 17), generator=torch.Generator().manual_seed(seed))
+    tokens = tokens.to(device)
+    adamw = dict(fused=False, capturable=graph_step, lr=3e-3, weight_decay=0.1, in_backward=in_backward)
+    forward, wrapper, optimizer = parallelize(model, dtype="bf16_mixed", adamw=adamw, compile=compile,
+                                              cuda_graphs=cuda_graphs)
+    parts = StepParts(forward, optimizer, dtype="bf16_mixed", wrapper=wrapper)
+    step = lambda: train_step(parts, [(tokens[:, :-1], tokens[:, 1:])])[0]  # noqa: E731
+    stream = step_stream(optimizer, torch.device(device))
+    with torch.cuda.stream(stream):
+        run = capture_step(step, optimizer) if graph_step else step
+        losses = [run().clone() for _ in range(steps)]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return [float(loss) for loss in losses], [p.detach().clone() for p in model.parameters()]
+
+
+def test_optimizer_in_backward_updates_as_the_step_after_it():
+    """MasterAdamW(in_backward=True), one group per block, each stepped from the backward: the same losses and
+    weights, bit for bit, as stepping after the backward (CPU: the same update, only earlier)."""
+    after, in_backward = _in_backward_run(False, "cpu"), _in_backward_run(True, "cpu")
+    assert after[0] == in_backward[0]
+    for p, q in zip(after[1], in_backward[1]):
+        assert torch.equal(p, q)
+
+
+def test_optimizer_in_backward_refuses_what_needs_the_whole_gradient_first():
+    from torch_impl.optim import MasterAdamW, adamw_for, module_groups
+    from torch_impl.parallelize import apply_data_parallel
+
+    model = TransformerLM(MODELS["tiny"].replace(n_layers=1), attention="sdpa")
+    optimizer = MasterAdamW(module_groups(model), in_backward=True)
+    tokens = torch.randint(0, model.spec.vocab_size, (4, 9))
+    micro = [(t[:, :-1], t[:, 1:]) for t in tokens.split(2)]
+    with pytest.raises(ValueError, match="one micro-batch only"):
+        train_step(StepParts(model, optimizer), micro)
+    with pytest.raises(ValueError, match="one micro-batch only"):
+        train_step(StepParts(model, optimizer), micro[:1], mode="forward_backward")
+    with pytest.raises(ValueError, match="not with gradient clipping"):
+        StepParts(model, optimizer, wrapper=SingleProcess(model), grad_clip=1.0)
+    with pytest.raises(ValueError, match="one process only"):
+        StepParts(model, optimizer, wrapper=object())
+    with pytest.raises(ValueError, match="data-parallel mode none only"):
+        apply_data_parallel(model, "bucketed", bucket_mb=1.0, dtype="bf16_mixed", adamw=dict(in_backward=True))
+    with pytest.raises(ValueError, match="needs --dtype bf16_mixed"):
+        adamw_for("bf16", model.parameters(), fused=False, in_backward=True)
+    # a second backward before step() would update a group twice: refused, not silently wrong
+    loss = cross_entropy(model(micro[0][0]), micro[0][1])
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="a second backward before step"):
+        loss.backward()
+
+
+def test_module_groups_are_the_embedding_each_block_the_norm_and_the_head():
+    from torch_impl.optim import module_groups
+
+    model = TransformerLM(MODELS["tiny"].replace(n_layers=3), attention="sdpa")
+    groups = module_groups(model)
+    assert len(groups) == 1 + 3 + 2
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [sorted({names[id(p)].split(".")[0 if not names[id(p)].startswith("layers") else 1]
+                    for p in g["params"]}) for g in groups] == [
+        ["token_embeddings"], ["0"], ["1"], ["2"], ["ln_final"], ["lm_head"]]
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", ["off", "blocks", "step"])
+def test_optimizer_in_backward_on_a_side_stream_matches_after_the_backward(graphs):
+    """On CUDA the groups step on a low-priority side stream while the backward runs on a high-priority one:
+    compiled (spans of blocks, their CUDA graphs, or the whole step captured) the losses and weights match the
+    step after the backward."""
+    kwargs = dict(compile=graphs != "step", cuda_graphs=graphs == "blocks", graph_step=graphs == "step")
+    after, in_backward = _in_backward_run(False, "cuda", **kwargs), _in_backward_run(True, "cuda", **kwargs)
+    assert in_backward[0] == after[0]
+    for p, q in zip(after[1], in_backward[1]):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
