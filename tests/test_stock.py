@@ -146,11 +146,11 @@ def test_e2e_writes_each_record_as_soon_as_it_is_measured(tmp_path, monkeypatch)
     """Stock's record is on disk before ours is measured: an interruption then loses only what was not done."""
     out, measured = tmp_path / "runs.jsonl", e2e._measure
 
-    def interrupted_after_stock(args, stock, graph, optimizer_step):
+    def interrupted_after_stock(args, stock, graph):
         if not stock:
             assert [r.implementation for r in read_records(out)] == ["stock eager sdpa"]
             raise KeyboardInterrupt
-        return measured(args, stock, graph, optimizer_step)
+        return measured(args, stock, graph)
 
     monkeypatch.setattr(e2e, "_measure", interrupted_after_stock)
     with pytest.raises(KeyboardInterrupt):
