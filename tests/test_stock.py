@@ -173,8 +173,8 @@ def test_e2e_bf16_mixed_trains_like_autocast_beside_stock(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--stock", "flash_triton"], "the stock model runs SDPA; accepted: sdpa, sdpa_cudnn"),
     (["--cuda-graph", "step"], "--cuda-graph step replays CUDA graphs: it needs --device cuda"),
-    (["--cuda-graph", "on"], "a comma-separated list of distinct names from off, blocks, step"),
-    (["--cuda-graph", "off,off"], "a comma-separated list of distinct names from off, blocks, step"),
+    (["--cuda-graph", "on"], "a comma-separated list of distinct modes from off, blocks, step"),
+    (["--cuda-graph", "off,off"], "a comma-separated list of distinct modes from off, blocks, step"),
     (["--cuda-graph", "blocks"], "--cuda-graph blocks replays the graphs of the compiled blocks: it needs --compile"),
     (["--cuda-graph", "off,blocks", "--compile", "--checkpoint-every", "1"], "not with --ac-every"),
 ])

@@ -15,15 +15,6 @@ and chunk, and the tensors' addresses sit in int64 tables that the kernel casts 
 grouped-GEMM tutorial does). The gradients' table is refreshed only when autograd hands out gradients at new
 addresses, which in steady state it does not.
 
-``in_backward=True`` steps each parameter group as soon as the backward has accumulated all of its gradients
-(``Tensor.register_post_accumulate_grad_hook``, as PyTorch's "optimizer step in backward" recipe and torchtitan's
-``early_step_in_backward`` do), on a side stream of the lowest priority: the update of the last blocks runs while
-the backward of the first ones still computes, filling the SMs that the backward's kernels leave idle (their
-tails, the gaps between them) instead of running alone after it. ``step()`` then only steps what the backward did
-not reach and makes the current stream wait for the side stream. The backward must be the step's last: one
-micro-batch, no gradient clipping, no data-parallel synchronization (``torch_impl.step`` checks); give the step's
-stream a higher priority (``step_stream``), or the device runs the two streams' kernels in launch order.
-
 Caveats: the step count is one device tensor per group (bias correction stays right in a captured CUDA graph, as
 in torch's ``capturable`` AdamW), but a captured step replays with the learning rate it was captured with; a
 parameter whose gradient is None is skipped (no decay, moments kept), but its group's step count still advances.
@@ -32,8 +23,6 @@ Without CUDA and without the Triton interpreter the same update runs as PyTorch 
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import os
 from collections.abc import Iterable
@@ -173,12 +162,11 @@ class MasterAdamW(torch.optim.Optimizer):
     without autocast. ``kernel``: True for the Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``), False
     for the same update in PyTorch ops, None to pick the kernel where it can run. ``state_dict`` holds, per
     parameter, ``master``, ``exp_avg``, ``exp_avg_sq`` (fp32) and ``step``; ``load_state_dict`` copies them
-    into the flat buffers. ``in_backward``: step each group from the backward, as soon as its gradients are all
-    there (see the module's doc); pass one group per block (``module_groups``) for it to start early."""
+    into the flat buffers."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, param_dtype: torch.dtype = torch.bfloat16,
-                 kernel: bool | None = None, in_backward: bool = False):
+                 kernel: bool | None = None):
         if param_dtype not in PARAM_DTYPES:
             raise ValueError(f"MasterAdamW: param_dtype {param_dtype}; accepted: "
                              f"{', '.join(str(d) for d in PARAM_DTYPES)}")
@@ -206,19 +194,6 @@ class MasterAdamW(torch.optim.Optimizer):
             raise ValueError("MasterAdamW(kernel=True): the Triton kernel runs on CUDA, or on the CPU under "
                              "TRITON_INTERPRET=1")
         self.kernel = runnable if kernel is None else kernel
-        self.in_backward = in_backward
-        # per group: gradients the backward must accumulate before the group steps, and how many it has
-        self._wanted = [sum(p.requires_grad for p in group["params"]) for group in self.param_groups]
-        self._arrived = [0] * len(self.param_groups)
-        self._stepped = [False] * len(self.param_groups)
-        cuda = [f.master.device for f in self.flat if f.master.is_cuda]
-        # the lowest priority: the backward's kernels, on a stream of higher priority, take the SMs first
-        self._side = torch.cuda.Stream(cuda[0], priority=0) if in_backward and cuda else None
-        if in_backward:
-            for index, group in enumerate(self.param_groups):
-                for p in group["params"]:
-                    if p.requires_grad:
-                        p.register_post_accumulate_grad_hook(functools.partial(self._gradient_arrived, index))
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "flat", None) is not None:  # after construction: the flat buffers are fixed
@@ -227,42 +202,15 @@ class MasterAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Step every group (``in_backward``: every group the backward has not stepped), then, with
-        ``in_backward``, make the current stream wait for the side stream's updates."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, stepped in enumerate(self._stepped):
-            if not stepped:
-                self._step_group(index)
-        if self._side is not None:
-            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
-        self._arrived = [0] * len(self.param_groups)
-        self._stepped = [False] * len(self.param_groups)
-        return loss
-
-    def _gradient_arrived(self, index: int, param: torch.Tensor) -> None:
-        """``in_backward``'s hook: a gradient of group ``index`` is accumulated; the last one steps the group."""
-        if self._stepped[index]:
-            raise RuntimeError("MasterAdamW(in_backward=True): a gradient arrived for a group already stepped: "
-                               "a second backward before step(); a step has one backward (no accumulation)")
-        self._arrived[index] += 1
-        if self._arrived[index] == self._wanted[index]:
-            self._step_group(index)
-
-    @torch.no_grad()
-    def _step_group(self, index: int) -> None:
-        self._stepped[index] = True
-        group, flat = self.param_groups[index], self.flat[index]
-        side = contextlib.nullcontext()
-        if self._side is not None:  # after the kernels that made the gradients, on the side stream
-            self._side.wait_stream(torch.cuda.current_stream(self._side.device))
-            side = torch.cuda.stream(self._side)
-        with side:
+        for group, flat in zip(self.param_groups, self.flat):
             flat.step += 1
             grads = [p.grad for p in group["params"]]
             (self._kernel_step if self.kernel else self._torch_step)(group, flat, grads)
+        return loss
 
     def _kernel_step(self, group: dict, flat: _FlatGroup, grads: list[torch.Tensor | None]) -> None:
         param_addrs = tuple(p.data_ptr() for p in group["params"])
@@ -317,27 +265,12 @@ class MasterAdamW(torch.optim.Optimizer):
                     flat.step.copy_(state["step"])
 
 
-def module_groups(model: torch.nn.Module) -> list[dict]:
-    """``model``'s parameters as optimizer groups, one per child module and one per block of a child ModuleList
-    (the embedding, each Transformer block, the final norm, the LM head): the units whose gradients a backward
-    finishes one after the other, for ``MasterAdamW(in_backward=True)``."""
-    groups = []
-    for child in model.children():
-        for unit in (child if isinstance(child, torch.nn.ModuleList) else (child,)):
-            params = [p for p in unit.parameters() if p.requires_grad]
-            if params:
-                groups.append({"params": params})
-    return groups
-
-
-def adamw_for(dtype: str, params: Iterable, *, fused: bool, capturable: bool = False, in_backward: bool = False,
+def adamw_for(dtype: str, params: Iterable, *, fused: bool, capturable: bool = False,
               **hyper) -> torch.optim.Optimizer:
     """The AdamW of a train step at ``--dtype`` (``analysis.harness.DTYPES``): ``MasterAdamW`` for
     ``bf16_mixed`` (it casts the weights to bf16: build it before a wrapper sees them, and run without
-    autocast; ``in_backward`` as it takes it), else torch's AdamW (``fused``, ``capturable`` as asked) for fp32
-    weights. ``hyper``: lr, weight_decay, betas, eps."""
+    autocast), else torch's AdamW (``fused``, ``capturable`` as asked) for fp32 weights. ``hyper``: lr,
+    weight_decay, betas, eps."""
     if dtype == "bf16_mixed":
-        return MasterAdamW(params, in_backward=in_backward, **hyper)
-    if in_backward:
-        raise ValueError(f"the optimizer step in the backward is MasterAdamW's: it needs --dtype bf16_mixed, not {dtype}")
+        return MasterAdamW(params, **hyper)
     return torch.optim.AdamW(params, fused=fused, capturable=capturable, **hyper)

@@ -22,8 +22,7 @@ made here reaches all of them.
   then the root; ``MixedPrecisionPolicy(param_dtype=bfloat16)`` with bf16: it reduces in the param dtype, as
   our FSDP does). ``check_supported`` rejects the modes ``UNSUPPORTED`` lists for ``--compile`` and
   ``--dtype bf16_mixed``; ``DataParallelConfig``: a mode with its bucket size, named as the records name it, and
-  its strategy in the calculator's vocabulary. ``adamw["in_backward"]`` (mode none, bf16_mixed): MasterAdamW
-  steps each block from the backward (``torch_impl.optim``).
+  its strategy in the calculator's vocabulary.
 """
 
 from __future__ import annotations
@@ -157,19 +156,13 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
     Collectives inside (the wrappers' broadcasts) run on every rank alike."""
     from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
                                         ShardedOptimizer, SingleProcess, TorchDDP)
-    from torch_impl.optim import adamw_for, module_groups
+    from torch_impl.optim import adamw_for
 
     bf16 = dtype == "bf16"
-    in_backward = adamw.get("in_backward", False)
-    if in_backward and mode != "none":
-        raise ValueError(f"the optimizer step in the backward runs before any gradient synchronization: "
-                         f"data-parallel mode none only, not {mode}")
     # zero1, fsdp and fsdp2 shard the weights and build their own optimizer; for the others it is built here,
-    # before any wrapper sees the weights: with bf16_mixed it casts them to bf16. Stepped in the backward, one
-    # group per block, so that each block's update can start as soon as the backward is past it.
+    # before any wrapper sees the weights: with bf16_mixed it casts them to bf16
     builds_own = mode in UNSUPPORTED["--dtype bf16_mixed"][0]
-    params = module_groups(model) if in_backward else model.parameters()
-    optimizer = None if builds_own else adamw_for(dtype, params, **adamw)
+    optimizer = None if builds_own else adamw_for(dtype, model.parameters(), **adamw)
     if mode == "none":
         return model, SingleProcess(model), optimizer
     if mode in ("naive", "flat", "individual", *BUCKETED):

@@ -17,7 +17,6 @@ from typing import Any, Callable
 
 import torch
 
-from torch_impl.distributed.interface import SingleProcess
 from torch_impl.model import cross_entropy
 
 MODES = ("forward", "forward_backward", "train_step")  # what a step runs (analysis.harness's modes)
@@ -48,29 +47,6 @@ class StepParts:
     def __post_init__(self) -> None:
         if self.grad_clip > 0 and self.wrapper is None:
             raise ValueError("StepParts: grad_clip needs the data-parallel wrapper (it computes the global norm)")
-        if steps_in_backward(self.optimizer):
-            if self.grad_clip > 0:
-                raise ValueError("the optimizer steps in the backward, before the global gradient norm is known: "
-                                 "not with gradient clipping")
-            if self.wrapper is not None and not isinstance(self.wrapper, SingleProcess):
-                raise ValueError("the optimizer steps in the backward, before the gradients are synchronized: "
-                                 "one process only (data-parallel mode none)")
-
-
-def steps_in_backward(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` updates each parameter group from the backward (``MasterAdamW(in_backward=True)``)."""
-    return getattr(optimizer, "in_backward", False)
-
-
-def step_stream(optimizer: torch.optim.Optimizer, device: torch.device) -> torch.cuda.Stream | None:
-    """The stream to run training steps on (``with torch.cuda.stream(...)``; None: the current one): for an
-    optimizer that steps in the backward on CUDA, a stream of the highest priority, after the current one's work,
-    so that the backward's kernels take the SMs before the optimizer's, which fill what they leave idle."""
-    if device.type != "cuda" or not steps_in_backward(optimizer):
-        return None
-    stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1])
-    stream.wait_stream(torch.cuda.current_stream(device))
-    return stream
 
 
 def _no_mark(phase: str) -> None:
@@ -88,9 +64,6 @@ def train_step(parts: StepParts, micro_batches: list[tuple[torch.Tensor, torch.T
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}; accepted: {', '.join(MODES)}")
     k, wrapper = len(micro_batches), parts.wrapper
-    if steps_in_backward(parts.optimizer) and (k > 1 or mode == "forward_backward"):
-        raise ValueError(f"the optimizer steps in the backward: a train step of one micro-batch only, not {k} "
-                         f"micro-batches in mode {mode}")
     if wrapper is not None:
         wrapper.on_train_batch_start()
     total, norm = None, None

@@ -18,10 +18,6 @@ bf16 the stock way (autocast, fused AdamW) and its record says ``bf16``.
 in the given order: ``off`` (none), ``blocks`` (each compiled span's graph, Inductor's CUDA graph trees: needs
 ``--compile``; the records keep the name "cuda graph per block"), ``step`` (the whole step, forward,
 backward and AdamW, as one graph: ``torch_impl.timing.capture_step``); e.g. ``--cuda-graph off,blocks,step``.
-``--optimizer-step`` names where ours steps ``MasterAdamW`` (``--dtype bf16_mixed``), one record each for every
-``--cuda-graph`` mode: ``after`` the backward, or in the ``backward`` (each block's update on a side stream of low
-priority as soon as its gradients are there, the step on a stream of high priority:
-``MasterAdamW(in_backward=True)``, ``torch_impl.step.step_stream``).
 
 The JAX twin, ``python -m jax_impl.bench.e2e``, takes the same step flags; ``--save-weights`` here and
 ``--load-weights`` there start both from the same weights. An OOM or error is recorded, not lost.
@@ -48,14 +44,12 @@ from torch_impl.device import device_name, pick_device
 from torch_impl.model import TransformerLM, cross_entropy
 from torch_impl.parallelize import BLOCKS_PER_GRAPH, check_cuda_graph, parallelize
 from torch_impl.profiling import profile_steps
-from torch_impl.step import StepParts, step_stream, train_step
+from torch_impl.step import StepParts, train_step
 from torch_impl.stock import SDPA_BACKENDS, StockTransformerLM
 from torch_impl.timing import PhaseTimer, capture_step
 
 # --cuda-graph: each mode and what it adds to the implementation's name (none, one per compiled block, one step)
 CUDA_GRAPH_MODES = {"off": "", "blocks": ", cuda graph per block", "step": ", cuda graph"}
-# --optimizer-step: where ours steps its optimizer, and what that adds to the implementation's name
-OPTIMIZER_STEPS = {"after": "", "backward": ", optimizer in backward"}
 
 
 def synchronize(device: torch.device) -> None:
@@ -80,40 +74,30 @@ def build_model(args: argparse.Namespace, spec, device: torch.device, stock: boo
 
 
 def measure(args: argparse.Namespace) -> Iterator[Record]:
-    """Ours, once per ``--cuda-graph`` mode and ``--optimizer-step``, and first the stock reference with
-    ``--stock BACKEND``, one after the other in this process, each record yielded as soon as it is made; each of
-    ours then carries ``metrics.x_stock`` = stock's median step time / ours (> 1: ours is faster)."""
-    graphs, optimizer_steps = check_flags(args)
+    """Ours, once per ``--cuda-graph`` mode, and first the stock reference with ``--stock BACKEND``, one after
+    the other in this process, each record yielded as soon as it is made; each of ours then carries
+    ``metrics.x_stock`` = stock's median step time / ours (> 1: ours is faster)."""
+    graphs = check_flags(args)
     stock = None
     if args.stock:  # the stock model trains bf16 the stock way, under autocast, also beside ours with bf16_mixed
         stock_dtype = "bf16" if args.dtype == "bf16_mixed" else args.dtype
         stock = measure_one(argparse.Namespace(**{**vars(args), "dtype": stock_dtype}), stock=True, graph="off")
         yield stock
     for graph in graphs:
-        for optimizer_step in optimizer_steps:
-            record = measure_one(args, stock=False, graph=graph, optimizer_step=optimizer_step)
-            if stock is not None and stock.status == "ok" and record.status == "ok":
-                record.metrics["x_stock"] = stock.timing["median_ms"] / record.timing["median_ms"]
-            yield record
+        record = measure_one(args, stock=False, graph=graph)
+        if stock is not None and stock.status == "ok" and record.status == "ok":
+            record.metrics["x_stock"] = stock.timing["median_ms"] / record.timing["median_ms"]
+        yield record
 
 
-def listed(flag: str, text: str, accepted) -> list[str]:
-    """``text``, a comma-separated list of distinct names from ``accepted``, as a list; else a ValueError."""
-    names = text.split(",")
-    if any(n not in accepted for n in names) or len(set(names)) < len(names):
-        raise ValueError(f"{flag} {text!r}: a comma-separated list of distinct names from {', '.join(accepted)}")
-    return names
-
-
-def check_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """Rejects flags that cannot go together; returns the ``--cuda-graph`` modes and the ``--optimizer-step``
-    places in order."""
+def check_flags(args: argparse.Namespace) -> list[str]:
+    """Rejects flags that cannot go together; returns the ``--cuda-graph`` modes in order."""
     device = pick_device(args.device)
-    graphs = listed("--cuda-graph", args.cuda_graph, CUDA_GRAPH_MODES)
-    optimizer_steps = listed("--optimizer-step", args.optimizer_step, OPTIMIZER_STEPS)
-    if "backward" in optimizer_steps and (args.dtype != "bf16_mixed" or args.mode != "train_step"):
-        raise ValueError(f"--optimizer-step backward steps MasterAdamW from the backward: it needs --dtype bf16_mixed "
-                         f"and --mode train_step (got --dtype {args.dtype}, --mode {args.mode})")
+    graphs = args.cuda_graph.split(",")
+    unknown = [g for g in graphs if g not in CUDA_GRAPH_MODES]
+    if unknown or len(set(graphs)) < len(graphs):
+        raise ValueError(f"--cuda-graph {args.cuda_graph!r}: a comma-separated list of distinct modes from "
+                         f"{', '.join(CUDA_GRAPH_MODES)}")
     if args.nested_checkpoint and not args.checkpoint_every:
         raise ValueError("--nested-checkpoint needs --ac-every K")
     if args.memory_snapshot and device.type != "cuda":
@@ -125,15 +109,15 @@ def check_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         check_cuda_graph(graph, args.compile, device.type, whole_step=True)
     if args.stock and args.stock not in SDPA_BACKENDS:
         raise ValueError(f"--stock {args.stock!r}: the stock model runs SDPA; accepted: {', '.join(SDPA_BACKENDS)}")
-    return graphs, optimizer_steps
+    return graphs
 
 
-def measure_one(args: argparse.Namespace, stock: bool, graph: str, optimizer_step: str = "after") -> Record:
+def measure_one(args: argparse.Namespace, stock: bool, graph: str) -> Record:
     """One model's record; an out-of-memory or other runtime failure becomes a failure record."""
     try:
-        return _measure(args, stock, graph, optimizer_step)
+        return _measure(args, stock, graph)
     except RuntimeError as err:  # torch.OutOfMemoryError is one
-        return failed_record(args, err, stock=stock, graph=graph, optimizer_step=optimizer_step)
+        return failed_record(args, err, stock=stock, graph=graph)
     finally:  # free this model before the next is built: compiled code and cached blocks included
         torch._dynamo.reset()
         gc.collect()
@@ -141,7 +125,7 @@ def measure_one(args: argparse.Namespace, stock: bool, graph: str, optimizer_ste
             torch.cuda.empty_cache()
 
 
-def _measure(args: argparse.Namespace, stock: bool, graph: str, optimizer_step: str) -> Record:
+def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
     spec, seq_len = resolve_spec(args)
     device = pick_device(args.device)
     if args.dtype == "fp32":
@@ -152,8 +136,7 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str, optimizer_step: 
     graphed = graph == "step"
     fused = args.dtype != "bf16_mixed" and (device.type == "cuda" if args.fused_adamw == "auto"
                                             else args.fused_adamw == "on")
-    adamw = dict(fused=fused, capturable=graphed, lr=args.lr, weight_decay=args.weight_decay,
-                 in_backward=optimizer_step == "backward")
+    adamw = dict(fused=fused, capturable=graphed, lr=args.lr, weight_decay=args.weight_decay)
     # ours compiled by regions; the stock way below: the whole model as one graph
     forward, _, optimizer = parallelize(model, dtype=args.dtype, adamw=adamw, compile=args.compile and not stock,
                                         cuda_graphs=graph == "blocks", ac_every=args.checkpoint_every,
@@ -164,7 +147,6 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str, optimizer_step: 
     elif args.compile:
         parts.loss_fn = torch.compile(cross_entropy)
     timer = PhaseTimer(device)
-    stream = step_stream(optimizer, device)  # None: the current stream
 
     def step(mark) -> torch.Tensor:
         return train_step(parts, [(inputs, targets)], mark, mode=args.mode)[0]
@@ -173,20 +155,17 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str, optimizer_step: 
     if graphed:
         # The graph's memory pool is made once, at capture, and never freed: count it in the peak.
         torch.cuda.reset_peak_memory_stats(device)
-        with torch.cuda.stream(stream):
-            replay = capture_step(lambda: step(lambda phase: None), optimizer)
+        replay = capture_step(lambda: step(lambda phase: None), optimizer)
 
         def run() -> torch.Tensor:
-            with torch.cuda.stream(stream):
-                timer.start()
-                loss = replay().clone()
-                timer.mark("step")  # one graph: its phases cannot be told apart
+            timer.start()
+            loss = replay().clone()
+            timer.mark("step")  # one graph: its phases cannot be told apart
             return loss
     else:
         def run() -> torch.Tensor:
-            with torch.cuda.stream(stream):
-                timer.start()
-                return step(timer.mark)
+            timer.start()
+            return step(timer.mark)
 
     losses = [run()]
     synchronize(device)
@@ -215,20 +194,18 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str, optimizer_step: 
         peak = getattr(torch.cuda, f"max_memory_{peak_kind}")(device)
     losses = [float(loss) for loss in losses]
     metrics = {"loss_first": losses[0], "loss_last": losses[-1], "losses": losses, "fused_adamw": fused,
-               "optimizer": type(optimizer).__name__, "optimizer_step": optimizer_step,
+               "optimizer": type(optimizer).__name__,
                "peak_memory_kind": peak_kind,
                "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
                "blocks_per_graph": BLOCKS_PER_GRAPH if args.compile and not stock else None,
                "compile_s": compile_s, **predicted_memory(args, spec, seq_len)}
     if args.profile:
-        variant = "_stock" if stock else ("" if graph == "off" else f"_graph_{graph}") + (
-            "_opt_in_backward" if optimizer_step == "backward" else "")
+        variant = "_stock" if stock else "" if graph == "off" else f"_graph_{graph}"
         tag = f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}_{args.dtype}{variant}"
         rows = profile_steps(run, 3, args.profile, tag=tag)
         metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
     return step_record(
-        StepRun.of(args), spec, seq_len, backend="torch",
-        implementation=implementation_name(args, stock, graph, optimizer_step),
+        StepRun.of(args), spec, seq_len, backend="torch", implementation=implementation_name(args, stock, graph),
         device_name=device_name(device), step_times_ms=step_ms, phases_ms=phases_ms,
         peak_memory_bytes=peak, metrics=metrics,
     )
@@ -256,26 +233,23 @@ def predicted_memory(args: argparse.Namespace, spec, seq_len: int) -> dict[str, 
     return {"predicted_activation_bytes": activations, "predicted_peak_bytes": peak}
 
 
-def implementation_name(args: argparse.Namespace, stock: bool = False, graph: str = "off",
-                        optimizer_step: str = "after") -> str:
+def implementation_name(args: argparse.Namespace, stock: bool = False, graph: str = "off") -> str:
     """e.g. 'compiled sdpa, ckpt 2 nested', 'compiled sdpa_cudnn, cuda graph' (the whole step),
-    'compiled sdpa_cudnn, cuda graph per block, optimizer in backward', 'stock compiled sdpa_cudnn'."""
+    'compiled sdpa_cudnn, cuda graph per block', 'stock compiled sdpa_cudnn'."""
     name = f"{'compiled' if args.compile else 'eager'} {args.stock if stock else args.attention}"
     if stock:
         name = "stock " + name
     else:
-        name += CUDA_GRAPH_MODES[graph] + OPTIMIZER_STEPS[optimizer_step]
+        name += CUDA_GRAPH_MODES[graph]
     if args.checkpoint_every:
         name += f", ckpt {args.checkpoint_every}" + (" nested" if args.nested_checkpoint else "")
     return name
 
 
-def failed_record(args: argparse.Namespace, err: RuntimeError, stock: bool = False, graph: str = "off",
-                  optimizer_step: str = "after") -> Record:
+def failed_record(args: argparse.Namespace, err: RuntimeError, stock: bool = False, graph: str = "off") -> Record:
     """The record of a run that ran out of memory or failed, so the failure is a row, not a gap."""
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    return failure_record(args, err, backend="torch",
-                          implementation=implementation_name(args, stock, graph, optimizer_step),
+    return failure_record(args, err, backend="torch", implementation=implementation_name(args, stock, graph),
                           device_name=device_name(torch.device(device)),
                           oom=isinstance(err, torch.OutOfMemoryError))
 
@@ -289,11 +263,6 @@ def add_torch_arguments(parser: argparse.ArgumentParser) -> None:
                              help="how ours replays CUDA graphs (GPU; never the stock model), a comma-separated "
                                   "list timed in order, one record each: off, blocks (each compiled block: needs "
                                   "--compile), step (the whole step); default off"),
-    torch_flags.add_argument("--optimizer-step", default="after", metavar="PLACES",
-                             help="where ours steps MasterAdamW (--dtype bf16_mixed), a comma-separated list timed "
-                                  "in order, one record each per --cuda-graph mode: after (the backward), backward "
-                                  "(each block's update as soon as the backward has its gradients, on a side "
-                                  "stream); default after")
     torch_flags.add_argument("--stock", metavar="SDPA_BACKEND",
                              help="first time the stock reference with this SDPA backend (e.g. sdpa_cudnn) in the "
                                   f"same process, same flags: {', '.join(SDPA_BACKENDS)}")
