@@ -14,7 +14,8 @@
 # and 4 x 512 against the stock reference (autocast) in one process each (OUT_DIR/e2e_<gpu>.jsonl); mixed_large:
 # the same for 2.7B 2 x 2,048, then ours at xl 4 x 2,048 profiled. probe: a change to ours checked in one call: xl
 # 4 x 2,048 against stock (graph per block), then ours profiled there (OUT_DIR/*_kernels.md). inductor: ours at xl
-# 4 x 2,048 (bf16_mixed, graph per block) under Inductor options, scripts/step_probe.py (OUT_DIR/step_probe.json).
+# 4 x 2,048 (bf16_mixed, spans of 4 with their graphs) under Inductor options, scripts/step_probe.py
+# (OUT_DIR/step_probe.json).
 # loops: the trainer's and the DDP benchmark's one-GPU step (xl 2 x 512, compiled per block) without and with each
 # block's CUDA graphs, as e2e's fastest step (OUT_DIR/ddp_one_gpu_<gpu>.jsonl, OUT_DIR/train_<gpu>.jsonl), then the
 # GPU tests of the step. host: xl 4 x 512 compiled without CUDA graphs, where the host sets the pace: ours per block
@@ -65,10 +66,13 @@ mixed_large)  # 2.7B 2 x 2,048 against stock, then ours at xl 4 x 2,048 profiled
 probe)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks
   profile_ours probe ;;
-inductor)
-  base=ours_block+ro+mixed
+inductor)  # spans of 4 blocks with their CUDA graphs: none, Inductor's autotuning of pointwise and reduction
+  # kernels, its persistent-or-looped reduction variants picked at run time, its GEMM templates (persistent TMA) that
+  # may fuse the SwiGLU product into a GEMM's epilogue (at 991c7b8 one block per region: mix-order reduction off and
+  # coordinate-descent tuning, within noise)
+  base=ours_span4+ro+mixed
   python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 --variants \
-    "$base,$base+ind:triton.mix_order_reduction=0,$base+ind:coordinate_descent_tuning=1,$base+ind:triton.mix_order_reduction=0+ind:coordinate_descent_tuning=1" ;;
+    "$base,$base+ind:max_autotune_pointwise=1,$base+ind:triton.multi_kernel=1,$base+ind:max_autotune=1+ind:triton.enable_persistent_tma_matmul=1" ;;
 loops)
   for dtype in bf16 bf16_mixed; do
     for graph in off blocks; do ddp_one_gpu --dtype "$dtype" --compile --cuda-graph "$graph"; done
