@@ -15,7 +15,7 @@
 # the same for 2.7B 2 x 2,048, then ours at xl 4 x 2,048 profiled. probe: a change to ours checked in one call: xl
 # 4 x 2,048 against stock (graph per block), then ours profiled there (OUT_DIR/*_kernels.md). inductor: ours at xl
 # 4 x 2,048 (bf16_mixed, spans of 4 with their graphs) under Inductor options, scripts/step_probe.py
-# (OUT_DIR/step_probe.json).
+# (OUT_DIR/step_probe.json); gaps: the same for spans of 12 and Programmatic Dependent Launch.
 # loops: the trainer's and the DDP benchmark's one-GPU step (xl 2 x 512, compiled per block) without and with each
 # block's CUDA graphs, as e2e's fastest step (OUT_DIR/ddp_one_gpu_<gpu>.jsonl, OUT_DIR/train_<gpu>.jsonl), then the
 # GPU tests of the step. host: xl 4 x 512 compiled without CUDA graphs, where the host sets the pace: ours per block
@@ -23,8 +23,8 @@
 # Inductor's combo kernels), then ours at 4 x 2,048 with Inductor's max-autotune GEMM templates
 # (OUT_DIR/host/step_probe.json, OUT_DIR/autotune/step_probe.json). Tables are regenerated into OUT_DIR/reports.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host}
-phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host}
+out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps}
+phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_tag.sh"  # GPU_TAG: h100, h200, ... in the record file names (<gpu> below)
@@ -73,6 +73,10 @@ inductor)  # spans of 4 blocks with their CUDA graphs: none, Inductor's autotuni
   base=ours_span4+ro+mixed
   python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 --variants \
     "$base,$base+ind:max_autotune_pointwise=1,$base+ind:triton.multi_kernel=1,$base+ind:max_autotune=1+ind:triton.enable_persistent_tma_matmul=1" ;;
+gaps)  # the 4 ms a step between kernels at xl 4 x 2,048 (spans of 4 with their graphs): fewer, longer graphs (spans of
+  # 12), and Programmatic Dependent Launch in Inductor's kernels (the next kernel starts while the last one drains)
+  python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 --variants "ours_span4+ro+mixed,\
+ours_span12+ro+mixed,ours_span4+ro+mixed+ind:triton.enable_pdl=1,ours_span12+ro+mixed+ind:triton.enable_pdl=1" ;;
 loops)
   for dtype in bf16 bf16_mixed; do
     for graph in off blocks; do ddp_one_gpu --dtype "$dtype" --compile --cuda-graph "$graph"; done
@@ -88,7 +92,7 @@ host)
 ours_block+mixed+skipguard,ours_span4+mixed,ours_span12+mixed,ours_span12+mixed+skipguard,ours_block+mixed+ind:combo_kernels=1"
   python3 scripts/step_probe.py "$out/autotune" --configs xl:4:2048 --steps 10 \
     --variants "ours_block+ro+mixed,ours_block+ro+mixed+ind:max_autotune=1" ;;
-*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host" >&2
+*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, gaps" >&2
    exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi
