@@ -7,7 +7,9 @@ collectives suite likewise, ``analysis.collectives``), the data-parallel suite i
 and a throughput plot (``analysis.data_parallel``), the single-GPU suites "memory", "kernels" and "checkpointing"
 their tables and plots (``analysis.single_gpu``), the precision suite its two tables, and every other suite (e2e,
 foundation, ddp, ...) a table of its records; where some configuration was measured in both backends, the
-PyTorch-vs-JAX report (``analysis.side_by_side``) into ``side_by_side/``. An ``index.md`` lists what was written.
+PyTorch-vs-JAX report (``analysis.side_by_side``) into ``side_by_side/``; where the device's measured ceilings are
+among the records, every GPU step against its predicted floor and memory (``analysis.fidelity``) into
+``fidelity.md``. An ``index.md`` lists what was written.
 Nothing is typed by hand: rerun it after adding records.
 
 ``python -m analysis.reports table FILES... [--suite S] [--columns a,b] [--metrics m] [--out FILE.md]`` prints one
@@ -28,6 +30,7 @@ from analysis.allreduce import ALLREDUCE_SUITE, REPORT_METRICS as ALLREDUCE_METR
 from analysis.attention import REPORT_METRICS as ATTENTION_METRICS, write_attention_report
 from analysis.collectives import COLLECTIVES_SUITE, REPORT_METRICS as COLLECTIVES_METRICS, write_collectives_report
 from analysis.data_parallel import SUITE as DDP_SUITE, write_ddp_report
+from analysis.fidelity import CEILINGS_SUITE, fidelity_rows, report as fidelity_report
 from analysis.records import Record, read_records
 from analysis.side_by_side import head_to_head, side_by_side_frame, write_side_by_side
 from analysis.single_gpu import REPORTS as SINGLE_GPU_REPORTS
@@ -110,6 +113,16 @@ def _side_by_side(files: list[Path], out_dir: Path) -> list[Path]:
     return write_side_by_side(records, out_dir / "side_by_side")
 
 
+def _fidelity(files: list[Path], out_dir: Path) -> list[Path]:
+    """Predicted against measured (``analysis.fidelity``) into ``out_dir/fidelity.md`` (and its chart) when the
+    records hold measured ceilings and GPU train steps."""
+    records = load_records(files)
+    if not any(r.suite == CEILINGS_SUITE for r in records) or not fidelity_rows(records):
+        return []
+    fidelity_report(records, out_dir / "fidelity.md")
+    return [out_dir / "fidelity.md", out_dir / "fidelity.png"]
+
+
 def check_suite(path: Path, suite: str, records: list[Record]) -> None:
     """Refuse records that do not carry what their suite's report reads (``REPORT_METRICS``): a record filed
     under the wrong suite is a ValueError naming the file, the suite and what is missing, not a table of blanks."""
@@ -145,6 +158,7 @@ def write_reports(results: Path, out_dir: Path) -> list[Path]:
                     raise ValueError(f"{path}: its {suite!r} records do not fit the {suite} report "
                                      f"({type(err).__name__}: {err}): are they filed under the right suite?") from None
         written += _side_by_side(files, staging)
+        written += _fidelity(files, staging)
         index = staging / "index.md"
         lines = ["# Reports", "", f"Generated from `{results}/*.jsonl` by `python -m analysis.reports`.", ""]
         lines += [f"- [{p.relative_to(staging)}]({p.relative_to(staging)})" for p in written]

@@ -1,0 +1,244 @@
+"""Predicted against measured: the committed GPU step records held against ``parallelism_calc``.
+
+``python -m analysis.fidelity results --out results/reports/fidelity.md`` (files or folders of ``.jsonl``; a PNG
+beside the Markdown). Rows: every record that times a whole training step (mode train_step, status ok) on a GPU
+whose measured ceilings are among the records (suite "ceilings", ``torch_impl.bench.ceilings``, matched by device
+name); a step record without them is listed, with the reason. Per row:
+
+* time: ``parallelism_calc.roofline.step_time_floor`` on those ceilings (the matmul rate of the record's compute
+  dtype, the copy bandwidth, and for several devices the bus bandwidth of the largest NCCL all-reduce recorded
+  between as many of them) against the median step; ``measured / floor`` says how far above its floor a run is;
+* memory: the prediction the benchmark made from ``parallelism_calc`` at run time (``metrics.predicted_peak_bytes``
+  or ``predicted_memory_bytes``) against the measured peak per device (``peak_memory_bytes``); none: the cell says so;
+* communication: the floor's exposed communication against the record's ``comm`` phase, where it has one.
+
+Error = predicted / measured - 1 (negative: the prediction is below the measurement). The summary gives, per
+suite, the rows, the median and the worst |error| of each, and how many rows are within the issue's bounds (5% for
+memory, 25% for time). The chart plots predicted against measured, log-log, one point per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from analysis.harness import DTYPES
+from analysis.records import Record
+from parallelism_calc.cli import ArgumentParser, error_boundary
+from parallelism_calc.roofline import Ceilings, step_time_floor
+from parallelism_calc.specs import ModelSpec
+
+MEMORY_BOUND, TIME_BOUND = 0.05, 0.25  # the bounds the summary counts rows within
+CEILINGS_SUITE = "ceilings"
+PREDICTED_MEMORY = ("predicted_peak_bytes", "predicted_memory_bytes")  # what the benchmarks call their prediction
+
+
+@dataclass
+class Row:
+    """One step record against its predictions; ``why`` says what could not be predicted."""
+
+    record: Record
+    floor_ms: float | None = None
+    comm_floor_ms: float | None = None
+    predicted_memory: float | None = None
+    why: str = ""
+
+    @property
+    def time_error(self) -> float | None:
+        return self.floor_ms / self.record.median_ms - 1 if self.floor_ms and self.record.median_ms else None
+
+    @property
+    def memory_error(self) -> float | None:
+        measured = self.record.peak_memory_bytes
+        return self.predicted_memory / measured - 1 if self.predicted_memory and measured else None
+
+
+def device_ceilings(records: list[Record]) -> dict[str, dict[str, float]]:
+    """{device name: {"bf16" | "fp32": matmul FLOP/s, "copy": bytes/s}} from the ceilings records (the latest of
+    each wins)."""
+    out: dict[str, dict[str, float]] = {}
+    for r in records:
+        if r.suite != CEILINGS_SUITE or r.status != "ok":
+            continue
+        entry = out.setdefault(r.provenance.get("device_name", "?"), {})
+        if r.tflops:
+            entry[r.dtype] = r.tflops * 1e12
+        elif r.metrics.get("bytes_per_s"):
+            entry["copy"] = r.metrics["bytes_per_s"]
+    return out
+
+
+def bus_bandwidths(records: list[Record]) -> dict[tuple[str, int], float]:
+    """{(device name, world size): bytes/s} of the largest NCCL all-reduce recorded (``torch_impl.bench.allreduce``)."""
+    best: dict[tuple[str, int], tuple[int, float]] = {}
+    for r in records:
+        if r.suite == "allreduce" and r.status == "ok" and r.metrics.get("comm_backend") == "nccl":
+            key = (r.provenance.get("device_name", "?"), r.world_size)
+            size = r.metrics.get("bytes", 0)
+            if size >= best.get(key, (-1, 0.0))[0]:
+                best[key] = (size, r.metrics["busbw_gbps"] * 1e9)
+    return {key: busbw for key, (_, busbw) in best.items()}
+
+
+def data_parallel(record: Record) -> tuple[str, int, int]:
+    """(strategy as ``roofline`` models it, ranks, sequences per rank). JAX runs one program over a mesh whose
+    batch is global; the torch benchmarks' batch is per rank. A tensor-parallel axis is not modeled."""
+    mesh = record.mesh or {}
+    if mesh.get("tp", 1) > 1:
+        raise ValueError("tensor parallelism: the floor does not model its communication")
+    ranks = record.world_size
+    sharded = mesh.get("fsdp", 1) > 1 or record.metrics.get("strategy") in ("fsdp", "zero3")
+    strategy = "none" if ranks == 1 else "fsdp" if sharded else "ddp"
+    batch = record.batch_size // ranks if record.backend == "jax" else record.batch_size
+    return strategy, ranks, batch
+
+
+def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[tuple[str, int], float]) -> Row:
+    row = Row(record, predicted_memory=next((record.metrics[k] for k in PREDICTED_MEMORY
+                                             if record.metrics.get(k)), None))
+    device = record.provenance.get("device_name", "?")
+    compute_dtype = "fp32" if record.dtype == "fp32" else "bf16"
+    measured = ceilings.get(device, {})
+    if compute_dtype not in measured or "copy" not in measured:
+        row.why = f"no measured ceilings for {device} ({compute_dtype} matmul, copy) among the records"
+        return row
+    try:
+        strategy, ranks, batch = data_parallel(record)
+        bus = buses.get((device, ranks)) if ranks > 1 else None
+        if ranks > 1 and bus is None:
+            raise ValueError(f"no NCCL all-reduce recorded over {ranks} x {device}")
+        spec = ModelSpec(**record.model_dims)
+        floor = step_time_floor(spec, batch, record.seq_len, record.mode, DTYPES[record.dtype],
+                                Ceilings(measured[compute_dtype], measured["copy"], bus), strategy, ranks)
+    except (ValueError, KeyError, TypeError) as err:
+        row.why = str(err)
+        return row
+    row.floor_ms, row.comm_floor_ms = floor.total_s * 1e3, floor.comm_s * 1e3
+    return row
+
+
+def is_step(record: Record) -> bool:
+    """A measured whole training step on a GPU with a model spec."""
+    return (record.mode == "train_step" and record.status == "ok" and bool(record.median_ms)
+            and bool(record.model_dims) and record.provenance.get("device_name", "cpu") != "cpu")
+
+
+def fidelity_rows(records: list[Record]) -> list[Row]:
+    ceilings, buses = device_ceilings(records), bus_bandwidths(records)
+    return [predict(r, ceilings, buses) for r in records if is_step(r)]
+
+
+def _frame(rows: list[Row]):
+    import pandas as pd
+
+    def gib(n: Any) -> float | None:
+        return n / 2**30 if n else None
+
+    return pd.DataFrame([{
+        "suite": row.record.suite, "backend": row.record.backend, "implementation": row.record.implementation,
+        "model": row.record.model, "batch x seq": f"{row.record.batch_size} x {row.record.seq_len}",
+        "dtype": row.record.dtype, "devices": row.record.world_size,
+        "device": row.record.provenance.get("device_name"), "commit": row.record.provenance.get("git_commit"),
+        "measured ms": row.record.median_ms, "floor ms": row.floor_ms, "time error": row.time_error,
+        "measured / floor": row.record.median_ms / row.floor_ms if row.floor_ms else None,
+        "comm ms": (row.record.phases or {}).get("comm", {}).get("median_ms"),
+        "comm floor ms": row.comm_floor_ms if row.record.world_size > 1 else None,
+        "measured GiB": gib(row.record.peak_memory_bytes), "predicted GiB": gib(row.predicted_memory),
+        "memory error": row.memory_error, "not predicted": row.why} for row in rows])
+
+
+def summary(frame) -> Any:
+    """Per suite: rows, the median and worst |error| of time and memory, and how many are within the bounds."""
+    import pandas as pd
+
+    out = []
+    for suite, group in frame.groupby("suite", sort=True):
+        entry: dict[str, Any] = {"suite": suite, "rows": len(group)}
+        for what, bound in (("time", TIME_BOUND), ("memory", MEMORY_BOUND)):
+            errors = group[f"{what} error"].dropna().abs()
+            entry[f"{what}: predicted"] = len(errors)
+            entry[f"{what}: median |error|"] = errors.median() if len(errors) else None
+            entry[f"{what}: worst |error|"] = errors.max() if len(errors) else None
+            entry[f"{what}: within {bound:.0%}"] = int((errors <= bound).sum())
+        out.append(entry)
+    return pd.DataFrame(out)
+
+
+def plot(frame, path: Path) -> None:
+    """Predicted against measured, log-log, time and memory side by side, one point per row, colour by suite."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from analysis.plots import color_map
+
+    colors = color_map(sorted(frame["suite"].unique()))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    for ax, (measured, predicted, label) in zip(axes, (("measured ms", "floor ms", "step time (ms)"),
+                                                      ("measured GiB", "predicted GiB", "peak memory (GiB)"))):
+        points = frame.dropna(subset=[measured, predicted])
+        for suite, group in points.groupby("suite"):
+            ax.scatter(group[measured], group[predicted], s=18, color=colors[suite], label=suite)
+        if len(points):
+            low = min(points[measured].min(), points[predicted].min()) * 0.8
+            high = max(points[measured].max(), points[predicted].max()) * 1.25
+            ax.plot([low, high], [low, high], color="grey", lw=0.8, label="predicted = measured")
+        ax.set(xscale="log", yscale="log", xlabel=f"measured {label}", ylabel=f"predicted {label}",
+               title=f"{label}: {len(points)} records")
+        ax.grid(True, which="both", lw=0.3)
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report(sources: list, out: Path) -> str:
+    """Write the fidelity report (Markdown, and a PNG beside it) of ``sources`` (records, or files and folders of
+    them); returns the text."""
+    from analysis.tables import load_records, markdown_table
+
+    records = load_records(sources)
+    rows = fidelity_rows(records)
+    if not rows:
+        raise ValueError(f"{', '.join(map(str, sources))}: no GPU train-step records")
+    frame = _frame(rows)
+    chart = out.with_suffix(".png")
+    predicted = frame.dropna(subset=["floor ms"])
+    lines = ["# Predicted against measured", "",
+             f"{len(frame)} GPU train-step records; {len(predicted)} with a time floor, "
+             f"{frame['memory error'].notna().sum()} with a memory prediction (`python -m analysis.fidelity`; "
+             "the floor: `parallelism_calc.roofline`).", "",
+             f"![predicted against measured]({chart.name})", "", "## By suite", "",
+             markdown_table(table := summary(frame), list(table.columns)), "", "## Every record", "",
+             markdown_table(frame, [c for c in frame.columns if c not in ("device", "not predicted")])]
+    unpredicted = frame[frame["not predicted"] != ""]
+    if len(unpredicted):
+        lines += ["", "## Not predicted", "", markdown_table(unpredicted, ["suite", "implementation", "model",
+                                                                         "device", "not predicted"])]
+    text = "\n".join(lines) + "\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    plot(frame, chart)
+    return text
+
+
+@error_boundary(prog="python -m analysis.fidelity")
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m analysis.fidelity", description=__doc__.splitlines()[0])
+    parser.add_argument("sources", nargs="+", help=".jsonl files or folders of them (e.g. results)")
+    parser.add_argument("--out", type=Path, default=Path("results/reports/fidelity.md"),
+                        help="the Markdown report; the chart goes beside it as .png (default "
+                             "results/reports/fidelity.md)")
+    args = parser.parse_args(argv)
+    report(args.sources, args.out)
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

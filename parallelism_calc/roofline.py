@@ -1,0 +1,134 @@
+"""A training step's time floor on measured ceilings: each part at its ceiling, none of them overlapping.
+
+    T_step >= F_matmul / C  +  (B_optimizer + B_casts + B_elementwise) / W  +  T_comm
+
+with C the device's measured matrix-product rate and W its measured copy bandwidth (``torch_impl.bench.ceilings``
+records them; datasheet peaks are never reached). The parts, for a ``transformer`` spec:
+
+* F_matmul: ``compute.forward_flops`` (x 3 for a train or forward-backward step: the backward is two products per
+  forward product), except that causal attention's score and value products count half: a fused kernel skips the
+  masked tiles (``compute`` counts them in full, as MFU conventionally does).
+* B_optimizer: AdamW's traffic per parameter, train steps only: it reads the gradient, the fp32 weight (or master),
+  both fp32 moments and writes weight (or master) and moments; with ``bf16_mixed`` it also writes the bf16 weight:
+  fp32 4 + 4 + 8 + 4 + 8 = 28 bytes; bf16_mixed 2 + 4 + 8 + (4 + 2) + 8 = 28 bytes.
+* B_casts: under autocast (``Precision.autocast``) every weight is read in fp32 and written in bf16 each forward
+  (6 bytes), and its bf16 gradient read and accumulated into the fp32 one each backward (2 + 4 bytes): 12 bytes a
+  parameter (6 for a forward alone).
+* B_elementwise: the memory-bound kernels between the products, each at its fused minimum, per token and block, in
+  the activation dtype: forward, two RMSNorms each fused with its residual add (read the stream and the branch
+  output, write the new stream and the normalised copy: 4 d each), RoPE of q and k (read 2 d, write 2 d), the
+  SwiGLU product (read 2 d_ff, write d_ff): 12 d + 3 d_ff; backward, the SwiGLU derivative (read a, b and the
+  product's gradient, write both input gradients: 5 d_ff), the FFN norm's (read its two input gradients, its input
+  and the residual gradient, write one: 5 d), RoPE's (4 d), the attention norm's (three input gradients, its input
+  and the residual gradient in, one out: 6 d): 15 d + 5 d_ff. The embedding, the LM head's softmax and the
+  attention kernels' own reads are left out (small, or inside C's work).
+* T_comm: data-parallel gradients all-reduced (``ddp``: one ring all-reduce of the gradients, bus bandwidth
+  ``bus_bw``), or sharded (``fsdp``: the weights all-gathered for the forward and again for the backward in the
+  compute dtype, the gradients reduce-scattered), at the measured bus bandwidth, all exposed (serialized): a run
+  that overlaps its communication beats this part of the floor by what it hides.
+
+What the floor leaves out is what a measurement above it shows: kernels below their ceilings (attention reaches
+under half the products' rate at d_head 64), gaps between kernels, host-bound steps, communication not overlapped.
+References: Williams et al. 2009 (the roofline model); notes/train_step.md (the xl step's kernels against it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallelism_calc.compute import MODES, forward_flops
+from parallelism_calc.memory import get_precision, Precision
+from parallelism_calc.specs import ModelSpec
+
+ADAMW_BYTES = 28  # fp32: read g, w, m, v (16), write w, m, v (12); bf16_mixed: read g, master, m, v (14), write 14
+STRATEGY_COMMS = ("none", "ddp", "fsdp")  # what T_comm models
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """What one device sustains, measured: ``matmul_flops`` (FLOP/s of a large product in the compute dtype),
+    ``memory_bw`` (bytes/s of a device copy, read + written), ``bus_bw`` (bytes/s, NCCL-tests' bus bandwidth of a
+    large collective between the devices; None on one device)."""
+
+    matmul_flops: float
+    memory_bw: float
+    bus_bw: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.matmul_flops > 0 and self.memory_bw > 0 and (self.bus_bw is None or self.bus_bw > 0)):
+            raise ValueError(f"Ceilings need positive rates; got {self}")
+
+
+@dataclass(frozen=True)
+class StepFloor:
+    """Seconds of each part of ``step_time_floor`` and their sum."""
+
+    matmul_s: float
+    optimizer_s: float
+    casts_s: float
+    elementwise_s: float
+    comm_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.matmul_s + self.optimizer_s + self.casts_s + self.elementwise_s + self.comm_s
+
+
+def matmul_flops(spec: ModelSpec, batch_size: int, seq_len: int, mode: str) -> float:
+    """F_matmul: the step's product FLOPs with causal attention's masked half not counted."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}; accepted: {', '.join(MODES)}")
+    forward = forward_flops(spec, batch_size, seq_len)
+    if spec.arch == "transformer":
+        masked_half = 2 * batch_size * seq_len * seq_len * spec.d_model  # half of scores + values, per layer
+        forward -= spec.n_layers * masked_half
+    return forward * (1 if mode == "forward" else 3)
+
+
+def elementwise_bytes(spec: ModelSpec, tokens: int, mode: str, precision: str | Precision) -> float:
+    """B_elementwise (see the module's doc): (12 d + 3 d_ff) forward and (15 d + 5 d_ff) backward elements a token
+    and block, in the activation dtype; 0 for the FFN-only model, whose blocks have no norms or RoPE."""
+    if spec.arch != "transformer":
+        return 0.0
+    d, ff = spec.d_model, spec.d_ff
+    elements = 12 * d + 3 * ff + (0 if mode == "forward" else 15 * d + 5 * ff)
+    return float(elements * get_precision(precision).activation_bytes * tokens * spec.n_layers)
+
+
+def comm_seconds(spec: ModelSpec, strategy: str, n_devices: int, precision: str | Precision,
+                 bus_bw: float | None) -> float:
+    """T_comm of one train step (see the module's doc); 0 on one device. ``bus_bw`` is NCCL-tests' bus bandwidth,
+    so a ring collective of V bytes takes V x 2 (n - 1) / n / bus_bw (all-reduce) or V x (n - 1) / n / bus_bw."""
+    if strategy not in STRATEGY_COMMS:
+        raise ValueError(f"strategy {strategy!r}; the time floor models {', '.join(STRATEGY_COMMS)}")
+    if n_devices < 1:
+        raise ValueError(f"n_devices={n_devices}: needs >= 1")
+    if n_devices == 1 or strategy == "none":
+        return 0.0
+    if bus_bw is None:
+        raise ValueError(f"{n_devices} devices with {strategy}: the floor needs the measured bus bandwidth")
+    p = get_precision(precision)
+    params = spec.n_params()
+    share = (n_devices - 1) / n_devices
+    if strategy == "ddp":  # gradients all-reduced in their own dtype
+        return 2 * share * params * p.grad_bytes / bus_bw
+    # fsdp: all-gather the weights twice in the compute dtype, reduce-scatter the gradients
+    return share * params * (2 * p.activation_bytes + p.grad_bytes) / bus_bw
+
+
+def step_time_floor(spec: ModelSpec, batch_size: int, seq_len: int, mode: str, precision: str | Precision,
+                    ceilings: Ceilings, strategy: str = "none", n_devices: int = 1) -> StepFloor:
+    """The floor of one step (see the module's doc); ``batch_size`` sequences per device, ``n_devices`` ranks of
+    ``strategy`` (``STRATEGY_COMMS``)."""
+    p = get_precision(precision)
+    train = mode == "train_step"
+    tokens = batch_size * seq_len
+    params = spec.n_params()
+    casts = (6 if mode == "forward" else 12) * params if p.autocast else 0
+    return StepFloor(
+        matmul_s=matmul_flops(spec, batch_size, seq_len, mode) / ceilings.matmul_flops,
+        optimizer_s=ADAMW_BYTES * params / ceilings.memory_bw if train else 0.0,
+        casts_s=casts / ceilings.memory_bw,
+        elementwise_s=elementwise_bytes(spec, tokens, mode, p) / ceilings.memory_bw,
+        comm_s=comm_seconds(spec, strategy, n_devices, p, ceilings.bus_bw) if train else 0.0,
+    )

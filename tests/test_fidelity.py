@@ -1,0 +1,100 @@
+"""The fidelity report (``analysis.fidelity``) on fixture records: the floor it shows is the calculator's on the
+recorded ceilings, rows it cannot predict say why, and the CLI writes the report and its chart."""
+
+import dataclasses
+
+import pytest
+
+from analysis.fidelity import fidelity_rows, main, summary, _frame
+from analysis.records import Record, save_records, timing_stats
+from parallelism_calc.roofline import Ceilings, step_time_floor
+from parallelism_calc.specs import MODELS
+
+H100 = "NVIDIA H100 80GB HBM3"
+SPEC = MODELS["small"]
+
+
+def _record(suite="e2e", device=H100, median=100.0, **fields) -> Record:
+    base = dict(suite=suite, backend="torch", implementation="compiled sdpa_cudnn", model=SPEC.name,
+                model_dims=dataclasses.asdict(SPEC), batch_size=4, seq_len=512, dtype="bf16", mode="train_step",
+                timing=timing_stats([median]), peak_memory_bytes=2 * 2**30,
+                metrics={"predicted_peak_bytes": 2.5 * 2**30})
+    record = Record(**{**base, **fields})
+    record.provenance["device_name"] = device
+    return record
+
+
+def _ceilings(device=H100) -> list[Record]:
+    matmul = Record(suite="ceilings", backend="torch", implementation="matmul", dtype="bf16", tflops=700.0)
+    copy = Record(suite="ceilings", backend="torch", implementation="copy", dtype="fp32",
+                  metrics={"bytes_per_s": 3e12})
+    for r in (matmul, copy):
+        r.provenance["device_name"] = device
+    return [matmul, copy]
+
+
+def test_floor_and_memory_errors_are_the_calculator_s():
+    step = _record()
+    row, = fidelity_rows([*_ceilings(), step])
+    floor = step_time_floor(SPEC, 4, 512, "train_step", "bf16_autocast", Ceilings(700e12, 3e12))
+    assert row.floor_ms == pytest.approx(floor.total_s * 1e3)
+    assert row.time_error == pytest.approx(floor.total_s * 1e3 / 100.0 - 1)
+    assert row.memory_error == pytest.approx(0.25)
+    assert row.why == ""
+
+
+def test_rows_without_what_they_need_say_why():
+    no_ceilings = _record(device="NVIDIA H200")
+    two_ranks = _record(suite="ddp", world_size=2, mesh={"dp": 2})
+    tensor_parallel = _record(suite="side_by_side", backend="jax", world_size=2, mesh={"tp": 2})
+    cpu, failed = _record(device="cpu"), _record(status="oom", error="out of memory")
+    rows = fidelity_rows([*_ceilings(), no_ceilings, two_ranks, tensor_parallel, cpu, failed])
+    assert [r.record for r in rows] == [no_ceilings, two_ranks, tensor_parallel]  # CPU and failed runs: no rows
+    assert "no measured ceilings for NVIDIA H200" in rows[0].why
+    assert "no NCCL all-reduce recorded over 2" in rows[1].why
+    assert "tensor parallelism" in rows[2].why
+    assert all(r.floor_ms is None for r in rows)
+
+
+def test_data_parallel_floor_adds_the_measured_all_reduce():
+    allreduce = Record(suite="allreduce", backend="torch", implementation="nccl all_reduce", world_size=2,
+                       metrics={"comm_backend": "nccl", "bytes": 2**30, "busbw_gbps": 300.0})
+    allreduce.provenance["device_name"] = H100
+    step = _record(suite="ddp", world_size=2, mesh={"dp": 2})
+    row, = fidelity_rows([*_ceilings(), allreduce, step])
+    assert row.comm_floor_ms == pytest.approx(2 * 0.5 * SPEC.n_params() * 4 / 300e9 * 1e3)
+    frame = _frame([row])
+    table = summary(frame)
+    assert table.loc[0, "time: predicted"] == 1 and table.loc[0, "memory: within 5%"] == 0
+
+
+def test_cli_writes_report_and_chart(tmp_path, capsys):
+    records = tmp_path / "records.jsonl"
+    save_records(records, [*_ceilings(), _record(), _record(device="NVIDIA H200")])
+    out = tmp_path / "reports" / "fidelity.md"
+    assert main([str(tmp_path), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## By suite" in text and "## Not predicted" in text and "fidelity.png" in text
+    assert out.with_suffix(".png").stat().st_size > 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(empty), "--out", str(tmp_path / "x.md")])
+    assert exit_info.value.code == 2
+    assert "no GPU train-step records" in capsys.readouterr().err
+
+
+def test_ceilings_benchmark_writes_what_the_report_reads(tmp_path):
+    from analysis.fidelity import device_ceilings
+    from analysis.records import read_records
+    from torch_impl.bench import ceilings
+
+    out = tmp_path / "ceilings.jsonl"
+    assert ceilings.main(["--device", "cpu", "--size", "64", "--copy-gib", "0.001", "--iters", "2", "--repeats", "2",
+                          "--warmup", "1", "--out", str(out)]) == 0
+    records = read_records(out)
+    assert [r.implementation for r in records] == ["matmul 64x64x64", "matmul 64x64x64", "copy 0.001 GiB"]
+    measured = device_ceilings(records)["cpu"]
+    assert set(measured) == {"bf16", "fp32", "copy"} and all(v > 0 for v in measured.values())
+    matmul = records[0]
+    assert matmul.tflops == pytest.approx(2 * 64**3 / (matmul.timing["median_ms"] / 1e3) / 1e12)
