@@ -8,8 +8,8 @@ epochs and optimizer steps per epoch, through the training matrix's cell runner
 failures (out of memory, crashes, timeouts) as rows, the sweep going on.
 
 The summary adds the timing breakdown of the trainer (``torch_impl.train``'s docstring): per optimizer step,
-the median over the epochs after the first of each phase's median (data, forward, loss, backward, comm,
-optimizer, in ms; forward/backward summed over the step's micro-batches) and per epoch the training,
+the median over the epochs after the first of each phase's median (data, forward with the loss, backward,
+comm, optimizer, in ms; forward/backward summed over the step's micro-batches) and per epoch the training,
 validation and epoch seconds; plus tokens/s, s/epoch and the worst rank's peak memory.
 
 Report (``--report-dir``; ``--report-only JSONL`` regenerates it): ``accum_study.md`` (the table, and the best

@@ -305,9 +305,6 @@ def _fatal(cfg: Config, args, spec, seq_len: int, world_size: int, device_name: 
     os._exit(3)  # no teardown: the group's other ranks may be gone or stuck
 
 
-# ----------------------------------------------------------------------------- report
-
-
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -357,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report(args.report_only))
         return 0
     try:
-        resolve_spec(argparse.Namespace(**{**vars(args), "mode": "train_step"}))
+        resolve_spec(args)
         impls = parse_impls(args.impl)
         check_supported(impls, args.compile, args.dtype, flag="")
         check_cuda_graph(args.cuda_graph, args.compile, args.device)
