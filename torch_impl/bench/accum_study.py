@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 
 from analysis.harness import progress
-from analysis.records import Record, read_records
+from analysis.records import TRAIN_PHASES as STEP_PHASES, Record, read_records
 from parallelism_calc.cli import ArgumentParser, error_boundary, writable_path
 from torch_impl.bench.train_matrix import Cell, parse_list, report_only, run_cell
-from torch_impl.train import DIST_MODES, STEP_PHASES
+from torch_impl.parallelize import WRAPPER_MODES as DIST_MODES
 
 SUITE = "accum_study"
 DEFAULT_SETTINGS = "16x64,32x32,64x16,128x8,256x4,512x2,1024x1"

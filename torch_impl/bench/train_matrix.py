@@ -44,7 +44,7 @@ from typing import Callable
 from analysis.harness import progress
 from analysis.records import Record, read_records, save_records
 from parallelism_calc.cli import ArgumentParser, error_boundary, positive_float, positive_int, writable_path
-from torch_impl.train import DIST_MODES
+from torch_impl.parallelize import WRAPPER_MODES as DIST_MODES
 
 SUITE = "train_matrix"
 TRAIN_SUITE = "train"
