@@ -37,8 +37,9 @@ import torch.nn as nn
 from torch_impl.activation_checkpointing import apply_activation_checkpointing
 from torch_impl.model import Blocks, run_blocks
 
-__all__ = ["BLOCKS_PER_GRAPH", "DATA_PARALLEL", "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig",
-           "apply_activation_checkpointing", "apply_compile", "apply_data_parallel", "check_supported", "data_parallel_configs", "parallelize"]
+__all__ = ["BLOCKS_PER_GRAPH", "CUDA_GRAPHS", "DATA_PARALLEL", "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig",
+           "apply_activation_checkpointing", "apply_compile", "apply_data_parallel", "check_cuda_graph",
+           "check_supported", "data_parallel_configs", "parallelize"]
 
 DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
 # The modes with a DataParallelWrapper, so the trainer's --dist: not fsdp2 (its DTensor parameters would need their

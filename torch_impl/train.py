@@ -91,7 +91,7 @@ from torch_impl import checkpoint as ckpt  # noqa: E402
 from torch_impl.device import pick_device  # noqa: E402
 from torch_impl.data import (DEFAULT_BUILTIN_BYTES, DEFAULT_VAL_FRACTION, TokenData, batch_at,  # noqa: E402
                              prepare_data, sample_starts, validation_batch_starts)
-from torch_impl.distributed.process_group import DistributedContext, init_distributed  # noqa: E402
+from torch_impl.distributed.process_group import DistributedContext, free_port, init_distributed  # noqa: E402
 from torch_impl.model import TransformerLM, cross_entropy  # noqa: E402
 from torch_impl.parallelize import (CUDA_GRAPHS, WRAPPER_MODES as DIST_MODES, DataParallelConfig,  # noqa: E402
                                     check_cuda_graph, check_supported, data_parallel_configs, parallelize)
@@ -575,21 +575,13 @@ def main(argv: list[str] | None = None) -> int:
     return _main(cfg, parser)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _main(cfg: TrainConfig, parser: argparse.ArgumentParser) -> int:
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
         if cfg.dist == "none":
             return 1 if run_training(cfg).diverged else 0
         if world_size == 1:  # a one-rank group for the wrappers, on a free port
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         from torch_impl.distributed import distributed_context
 
         with distributed_context(timeout_s=cfg.timeout, device="cpu" if cfg.device == "cpu" else None) as ctx:

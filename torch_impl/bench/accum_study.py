@@ -32,8 +32,8 @@ from pathlib import Path
 
 from analysis.harness import progress
 from analysis.records import TRAIN_PHASES as STEP_PHASES, Record, read_records
-from parallelism_calc.cli import ArgumentParser, error_boundary, writable_path
-from torch_impl.bench.train_matrix import Cell, parse_list, report_only, run_cell
+from parallelism_calc.cli import ArgumentParser, error_boundary, parse_list, writable_path
+from torch_impl.bench.train_matrix import Cell, report_only, run_cell
 from torch_impl.parallelize import WRAPPER_MODES as DIST_MODES
 
 SUITE = "accum_study"

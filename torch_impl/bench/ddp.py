@@ -74,7 +74,7 @@ from analysis.harness import DTYPES, StepRun, calculator_terms, fixed_batch, res
 from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, report,
                                      single_process_baselines)
 from analysis.records import Record, read_records, save_records
-from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int,
+from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int, parse_list,
                                   positive_float, positive_int, writable_path)
 from torch_impl.parallelize import CUDA_GRAPHS, DATA_PARALLEL, check_cuda_graph, check_supported, parallelize
 from torch_impl.parallelize import DataParallelConfig as Config, data_parallel_configs as configurations
@@ -85,12 +85,8 @@ class CollectiveFailure(RuntimeError):
 
 
 def parse_impls(text: str) -> list[str]:
-    """'naive, bucketed' -> ['naive', 'bucketed'] (order kept, repeats dropped); unknown names raise."""
-    impls = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-    unknown = [i for i in impls if i not in DATA_PARALLEL]
-    if unknown or not impls:
-        raise ValueError(f"--dist {text!r}: unknown {unknown}; accepted (comma list): {', '.join(DATA_PARALLEL)}")
-    return impls
+    """--dist: 'naive, bucketed' -> ['naive', 'bucketed'] (order kept, repeats dropped); unknown names raise."""
+    return parse_list(text, "--dist", DATA_PARALLEL)
 
 
 def parse_bucket_mb(text: str) -> list[float]:

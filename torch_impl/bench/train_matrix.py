@@ -32,7 +32,6 @@ import argparse
 import os
 import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,9 @@ from typing import Callable
 
 from analysis.harness import progress
 from analysis.records import Record, read_records, save_records
-from parallelism_calc.cli import ArgumentParser, error_boundary, positive_float, positive_int, writable_path
+from parallelism_calc.cli import (ArgumentParser, error_boundary, parse_list, positive_float, positive_int,
+                                  writable_path)
+from torch_impl.distributed.process_group import free_port
 from torch_impl.parallelize import WRAPPER_MODES as DIST_MODES
 
 SUITE = "train_matrix"
@@ -63,23 +64,6 @@ class Cell:
         return f"{self.attention} / {self.dist}"
 
 
-def parse_list(text: str, flag: str, accepted: tuple[str, ...] | None = None) -> list[str]:
-    """'a, b,a' -> ['a', 'b'] (order kept); with ``accepted``, unknown names are a ValueError."""
-    items = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-    unknown = [i for i in items if accepted is not None and i not in accepted]
-    if not items or unknown:
-        problem = f"unknown {unknown}" if unknown else "empty"
-        raise ValueError(f"{flag} {text!r}: {problem}" + (f"; accepted (comma list): {', '.join(accepted)}"
-                                                          if accepted else ""))
-    return items
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cell_command(cell: Cell, args: argparse.Namespace, run_name: str) -> list[str]:
     """The trainer's command line for one cell."""
     train = ["-m", "torch_impl.train", "--attention", cell.attention, "--dist", cell.dist, "--run-name", run_name,
@@ -92,7 +76,7 @@ def cell_command(cell: Cell, args: argparse.Namespace, run_name: str) -> list[st
     if cell.dist == "none":
         return [sys.executable, *train]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *train]
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *train]
 
 
 # ----------------------------------------------------------------------------- summaries
