@@ -48,6 +48,7 @@ from analysis.harness import (StepRun, calculator_terms, failure_record, fixed_b
                               step_record)
 from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_kernel_times
 from analysis.records import Record
+from jax_impl.device import pick_device, platform_devices
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights
 from jax_impl.sharding import STRATEGIES, make_mesh, strategy_for
@@ -55,29 +56,6 @@ from jax_impl.train import REMAT_POLICIES, ShardedTrainer, make_loss_fn
 from parallelism_calc.specs import ModelSpec, ParallelSpec
 
 PROFILED_STEPS = 3
-
-
-def platform_devices(platform: str) -> list[jax.Device]:
-    """Every device of ``--device``'s platform: auto (JAX's default backend), cpu or cuda."""
-    if platform not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device {platform!r}; accepted: auto, cpu, cuda")
-    if platform == "auto":
-        return jax.devices()
-    try:
-        return jax.devices("cpu" if platform == "cpu" else "gpu")
-    except RuntimeError:
-        raise ValueError(f"--device {platform}: JAX has no {platform} backend here; accepted: cpu, auto") from None
-
-
-def pick_device(name: str) -> jax.Device:
-    """``--device``: auto (JAX's default device), cpu, cuda or cuda:N (the N-th GPU)."""
-    platform, _, index = name.partition(":")
-    if platform not in ("auto", "cpu", "cuda") or (index and (platform == "auto" or not index.isdigit())):
-        raise ValueError(f"--device {name!r}; accepted: auto, cpu, cuda, cuda:N")
-    devices = platform_devices(platform)
-    if int(index or 0) >= len(devices):
-        raise ValueError(f"--device {name}: only {len(devices)} {platform} device(s)")
-    return devices[int(index or 0)]
 
 
 def build_mesh(args: argparse.Namespace) -> tuple[Mesh, str]:
