@@ -1,9 +1,9 @@
 """The trainer once per configuration (a cell), each in its own process: what the training matrix
 (``torch_impl.bench.train_matrix``) and the accumulation study (``torch_impl.bench.accum_study``) share.
 
-``run_cell(cell, args, run_name)`` runs ``python -m torch_impl.train`` (``--dist none``) or
+``run_cell(cell, sweep, run_name)`` runs ``python -m torch_impl.train`` (``--dist none``) or
 ``torchrun --nproc_per_node --nproc -m torch_impl.train`` with the cell's attention and data-parallel mode and the
-sweep's flags (``add_cell_arguments``); the trainer appends one "train" record per epoch to ``--out``, tagged
+sweep's settings (``SweepConfig``, from the flags of ``add_cell_arguments``); the trainer appends one "train" record per epoch to ``--out``, tagged
 ``metrics.run`` = the run name, and the cell's summary record (``summarize``) is appended after them:
 
 * wall time: the cell's process, start to exit, as measured here (start-up and data included);
@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -48,6 +48,30 @@ class Cell:
         return f"{self.attention} / {self.dist}"
 
 
+@dataclass(frozen=True)
+class SweepConfig:
+    """What every cell's trainer shares, typed: the flags of ``add_cell_arguments`` and the sweep's --out."""
+
+    nproc: int
+    model: str
+    batch_size: int
+    grad_accum: int
+    seq_len: int
+    epochs: int
+    steps_per_epoch: int | None
+    dtype: str
+    bucket_mb: float
+    device: str
+    train_args: str
+    cell_timeout: float
+    out: str
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, **changes) -> "SweepConfig":
+        """From a sweep's parsed flags, with ``changes`` (e.g. one setting's batch_size and grad_accum)."""
+        return cls(**{f.name: changes[f.name] if f.name in changes else getattr(args, f.name) for f in fields(cls)})
+
+
 def add_cell_arguments(parser: argparse.ArgumentParser, batch: bool = True) -> None:
     """The flags every cell's trainer gets (``cell_command``); ``batch``: --batch-size and --grad-accum too."""
     a = parser.add_argument
@@ -66,7 +90,7 @@ def add_cell_arguments(parser: argparse.ArgumentParser, batch: bool = True) -> N
     a("--cell-timeout", type=positive_float, default=3600.0, help="seconds a cell may take (default 3600)")
 
 
-def cell_command(cell: Cell, args: argparse.Namespace, run_name: str) -> list[str]:
+def cell_command(cell: Cell, args: SweepConfig, run_name: str) -> list[str]:
     """The trainer's command line for one cell."""
     train = ["-m", "torch_impl.train", "--attention", cell.attention, "--dist", cell.dist, "--run-name", run_name,
              "--model", args.model, "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum),
@@ -90,7 +114,7 @@ def median_after_first(values: list[float | None]) -> float | None:
 
 
 def summarize(cell: Cell, run_name: str, epochs: list[Record], wall_s: float, failure: str | None,
-              args: argparse.Namespace, suite: str) -> Record:
+              args: SweepConfig, suite: str) -> Record:
     """The cell's summary record from its epoch records (see the module docstring)."""
     ok = [r for r in epochs if r.status == "ok"]
     failed = [r for r in epochs if r.status != "ok"]
@@ -133,7 +157,7 @@ def failure_line(text: str) -> str:
     return hits[-1] if hits else (lines[-1] if lines else "")
 
 
-def run_cell(cell: Cell, args: argparse.Namespace, run_name: str, suite: str,
+def run_cell(cell: Cell, args: SweepConfig, run_name: str, suite: str,
              finish: Callable[[Record, list[Record]], Record] | None = None) -> Record:
     """Run one cell's trainer; its summary record (suite ``suite``, completed by ``finish(summary, epochs)``
     where given, then appended to --out)."""
@@ -158,10 +182,10 @@ def run_cell(cell: Cell, args: argparse.Namespace, run_name: str, suite: str,
     return record
 
 
-def report_only(args: argparse.Namespace, write: Callable[[str, str], str]) -> int | None:
+def report_only(jsonl: str | None, report_dir: str, write: Callable[[str, str], str]) -> int | None:
     """``--report-only JSONL``: ``write(JSONL, --report-dir)``, print its table, and the exit code; None when
     not asked. A missing or record-less file is a one-line error (exit 2, at ``main``'s error boundary)."""
-    if not args.report_only:
+    if not jsonl:
         return None
-    print(write(args.report_only, args.report_dir))
+    print(write(jsonl, report_dir))
     return 0

@@ -32,6 +32,7 @@ JAX_PROCESS_ID) runs one program over every host's devices; process 0 writes the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -44,8 +45,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from analysis.harness import (StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark,
-                              step_record)
+from analysis.harness import (StepConfig, StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec,
+                              run_benchmark, step_record)
 from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_kernel_times
 from analysis.records import Record
 from jax_impl.device import pick_device, platform_devices
@@ -58,7 +59,7 @@ from parallelism_calc.specs import ModelSpec, ParallelSpec
 PROFILED_STEPS = 3
 
 
-def build_mesh(args: argparse.Namespace) -> tuple[Mesh, str]:
+def build_mesh(args: JaxStepConfig) -> tuple[Mesh, str]:
     """The mesh of ``--mesh`` over the first devices of ``--device``'s platform, and its strategy."""
     if not args.mesh:
         mesh = make_mesh(ParallelSpec(), [pick_device(args.device)])
@@ -112,7 +113,7 @@ def compiled_memory(compiled) -> dict[str, int] | None:
     return out
 
 
-def predicted_memory(spec: ModelSpec, args: argparse.Namespace, seq_len: int, mesh: Mesh,
+def predicted_memory(spec: ModelSpec, args: JaxStepConfig, seq_len: int, mesh: Mesh,
                      strategy: str) -> dict[str, Any]:
     """``parallelism_calc``'s per-device memory for this run (train_step only), or why there is none."""
     from parallelism_calc.memory import CHECKPOINTING, per_device_memory
@@ -138,7 +139,7 @@ def predicted_memory(spec: ModelSpec, args: argparse.Namespace, seq_len: int, me
     return {"predicted_memory_bytes": pred.total, "predicted_strategy": calc[0]}
 
 
-def measure(args: argparse.Namespace) -> Record:
+def measure(args: JaxStepConfig) -> Record:
     if args.dtype == "bf16_mixed":
         raise ValueError("--dtype bf16_mixed (bf16 weights, fp32 master weights) is the PyTorch benchmark's; "
                          "the JAX twin accepts fp32, bf16")
@@ -150,7 +151,7 @@ def measure(args: argparse.Namespace) -> Record:
         return measure_on_mesh(args, mesh, strategy)
 
 
-def _compile_step(args: argparse.Namespace, trainer: ShardedTrainer,
+def _compile_step(args: JaxStepConfig, trainer: ShardedTrainer,
                   tokens: jax.Array) -> tuple[Any, Callable[[], float]]:
     """The AOT-compiled program of ``args.mode`` and a closure running one step (returns the loss)."""
     if args.mode == "train_step":
@@ -175,7 +176,7 @@ def _compile_step(args: argparse.Namespace, trainer: ShardedTrainer,
     return compiled, step
 
 
-def measure_on_mesh(args: argparse.Namespace, mesh: Mesh, strategy: str) -> Record:
+def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
     spec, seq_len = resolve_spec(args)
     start = time.perf_counter()
     trainer = ShardedTrainer(spec, mesh, strategy, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
@@ -235,7 +236,7 @@ def profile_steps(step: Callable[[], float], hlo_text: str, out_dir: str, tag: s
     return metrics
 
 
-def implementation_name(args: argparse.Namespace, mesh: Mesh | None, strategy: str | None) -> str:
+def implementation_name(args: JaxStepConfig, mesh: Mesh | None, strategy: str | None) -> str:
     """e.g. "jit naive" on one device, "jit dot_product remat:dots fsdp_tp" on a mesh of several; "unrolled"
     where the blocks are a Python loop instead of a scan."""
     remat = {"none": "", "full": " remat"}.get(args.remat, f" remat:{args.remat}")
@@ -243,13 +244,24 @@ def implementation_name(args: argparse.Namespace, mesh: Mesh | None, strategy: s
     return name if mesh is None or mesh.size == 1 else f"{name} {strategy}"
 
 
-def failed_record(args: argparse.Namespace, err: RuntimeError) -> Record:
+def failed_record(args: JaxStepConfig, err: RuntimeError) -> Record:
     """The record of a run that ran out of memory or failed, so the failure is a row, not a gap."""
     oom = "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
     mesh, strategy = build_mesh(args)
     return failure_record(args, err, backend="jax", implementation=implementation_name(args, mesh, strategy),
                           device_name=device_name(mesh.devices.flat[0]), oom=oom,
                           mesh={axis: int(size) for axis, size in mesh.shape.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxStepConfig(StepConfig):
+    """A run of this benchmark: the shared step flags and those of ``add_jax_arguments``."""
+
+    mesh: str | None = None
+    strategy: str | None = None
+    remat: str = "none"
+    scan_layers: str = "on"
+    profile: str | None = None
 
 
 def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
@@ -269,7 +281,7 @@ def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     return run_benchmark(argv, prog="python -m jax_impl.bench.e2e", description=__doc__.splitlines()[0],
                          measure=measure, on_failure=failed_record, add_arguments=add_jax_arguments,
-                         is_writer=lambda: jax.process_index() == 0)
+                         is_writer=lambda: jax.process_index() == 0, config=JaxStepConfig)
 
 
 if __name__ == "__main__":

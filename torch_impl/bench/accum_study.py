@@ -24,7 +24,6 @@ References: the 4-GPU batch-size x gradient-accumulation study of the project's 
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 
@@ -33,7 +32,7 @@ from analysis.records import TRAIN_PHASES as STEP_PHASES, Record
 from analysis.training import ACCUM_SUITE as SUITE, EPOCH_PHASES, write_accum_report as write_report
 from parallelism_calc.cli import ArgumentParser, error_boundary, parse_list, writable_path
 from torch_impl.parallelize import WRAPPER_MODES as DIST_MODES
-from torch_impl.train_sweep import Cell, add_cell_arguments, median_after_first, report_only, run_cell
+from torch_impl.train_sweep import Cell, SweepConfig, add_cell_arguments, median_after_first, report_only, run_cell
 
 DEFAULT_SETTINGS = "16x64,32x32,64x16,128x8,256x4,512x2,1024x1"
 
@@ -71,8 +70,7 @@ def run_study(args: argparse.Namespace) -> int:
     bar, write = progress(settings, "accum study", "setting")  # a line per setting with or without tqdm
     failures = 0
     for local, accum in bar:
-        setting = copy.copy(args)
-        setting.batch_size, setting.grad_accum = local, accum
+        setting = SweepConfig.of(args, batch_size=local, grad_accum=accum)
         run_name = f"{sweep}/{local}x{accum}"
         record = run_cell(cell, setting, run_name, suite=SUITE, finish=add_breakdown)
         failures += record.status != "ok"
@@ -104,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if (code := report_only(args, write_report)) is not None:
+    if (code := report_only(args.report_only, args.report_dir, write_report)) is not None:
         return code
     try:
         parse_settings(args.settings)

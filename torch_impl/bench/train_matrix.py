@@ -30,7 +30,8 @@ from analysis.harness import progress
 from analysis.training import CHARTS, MATRIX_SUITE as SUITE, write_matrix_report as write_report  # noqa: F401
 from parallelism_calc.cli import ArgumentParser, error_boundary, parse_list, writable_path
 from torch_impl.parallelize import WRAPPER_MODES as DIST_MODES
-from torch_impl.train_sweep import Cell, add_cell_arguments, failure_line, report_only, run_cell  # noqa: F401
+from torch_impl.train_sweep import (Cell, SweepConfig, add_cell_arguments, failure_line, report_only,  # noqa: F401
+                                    run_cell)
 
 ATTENTIONS = ("sdpa", "naive", "flash_triton")
 DISTS = ("none", "naive", "bucketed", "torch_ddp")
@@ -39,13 +40,13 @@ DISTS = ("none", "naive", "bucketed", "torch_ddp")
 def run_matrix(args: argparse.Namespace) -> int:
     cells = [Cell(a, d) for a in parse_list(args.attention, "--attention")
              for d in parse_list(args.dist, "--dist", DIST_MODES)]
-    sweep = time.strftime("%Y%m%dT%H%M%S")
+    sweep, settings = time.strftime("%Y%m%dT%H%M%S"), SweepConfig.of(args)
     bar, write = progress(cells, "train matrix", "cell")  # a line per cell is printed with or without tqdm
     failures = 0
     for cell in bar:
         if hasattr(bar, "set_postfix_str"):
             bar.set_postfix_str(cell.label)
-        record = run_cell(cell, args, f"{sweep}/{cell.attention}/{cell.dist}", SUITE)
+        record = run_cell(cell, settings, f"{sweep}/{cell.attention}/{cell.dist}", SUITE)
         failures += record.status != "ok"
         m = record.metrics
         line = (f"{cell.label}: {record.status}" + (f" ({record.error})" if record.error else "") +
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if (code := report_only(args, write_report)) is not None:
+    if (code := report_only(args.report_only, args.report_dir, write_report)) is not None:
         return code
     try:
         parse_list(args.attention, "--attention")
