@@ -116,17 +116,14 @@ def compiled_memory(compiled) -> dict[str, int] | None:
 def predicted_memory(spec: ModelSpec, args: JaxStepConfig, seq_len: int, mesh: Mesh,
                      strategy: str) -> dict[str, Any]:
     """``parallelism_calc``'s per-device memory for this run (train_step only), or why there is none."""
-    from parallelism_calc.memory import CHECKPOINTING, per_device_memory
+    from parallelism_calc.memory import CHECKPOINTING, mesh_memory_strategy, per_device_memory
 
     if args.mode != "train_step":
         return {}
-    dp, fsdp, tp = (int(mesh.shape[a]) for a in ("dp", "fsdp", "tp"))
-    calc = {"dp": ("ddp", ParallelSpec(dp=dp * fsdp)) if tp == 1 else None,
-            "fsdp": ("fsdp", ParallelSpec(dp=dp, fsdp=fsdp)) if tp == 1 else None,
-            "tp": ("fsdp_tp", ParallelSpec(dp=dp * fsdp, tp=tp)),
-            "fsdp_tp": ("fsdp_tp", ParallelSpec(dp=dp, fsdp=fsdp, tp=tp))}[strategy]
-    if calc is None:
-        return {"predicted_memory_error": f"strategy {strategy!r} with tp={tp} replicates work; not modelled"}
+    try:
+        calc = mesh_memory_strategy(strategy, *(int(mesh.shape[a]) for a in ("dp", "fsdp", "tp")))
+    except ValueError as err:
+        return {"predicted_memory_error": str(err)}
     if args.remat not in CHECKPOINTING:
         return {"predicted_memory_error": f"remat policy {args.remat!r} is not modelled "
                                           f"(parallelism_calc models {', '.join(CHECKPOINTING)})"}
