@@ -1,8 +1,9 @@
 """The benchmark harness both backends' benchmarks share: common flags, the step record, sweeps, progress bars.
 
-``torch_impl.bench.e2e`` and ``jax_impl.bench.e2e`` take the same flags (``add_step_arguments``) and turn
-their per-step times into the same ``Record`` (``step_record``), with FLOPs from ``parallelism_calc`` and
-MFU against the ``HardwareSpec`` of the device, so the two backends are compared field by field.
+``torch_impl.bench.e2e`` and ``jax_impl.bench.e2e`` take the same flags (``add_step_arguments``), parsed into a
+typed ``StepConfig`` (each backend's subclass adds its own flags), and turn their per-step times into the same
+``Record`` (``step_record``), with FLOPs from ``parallelism_calc`` and MFU against the ``HardwareSpec`` of the
+device, so the two backends are compared field by field.
 Stdlib and numpy only: no pandas, torch or jax.
 """
 
@@ -41,29 +42,62 @@ def calculator_terms(dtype: str, attention: str) -> tuple[str, str]:
 LOSS_METRICS = ("losses", "train_losses", "val_loss")  # metrics holding losses: one not finite = "diverged"
 
 
+@dataclass(frozen=True)
+class StepConfig:
+    """A step benchmark's run, typed: the flags every step benchmark takes (``add_step_arguments``, whose
+    defaults these are). ``run_benchmark`` hands it, not an ``argparse.Namespace``, to the backend's ``measure``;
+    a backend's own flags are the fields of its subclass (``run_benchmark(config=...)``), and
+    ``dataclasses.replace`` makes a variant of a run (one sweep configuration, the stock reference's dtype)."""
+
+    model: str = "tiny"
+    batch_size: int = 4
+    seq_len: int | None = None  # None: the spec's context
+    mode: str = "train_step"  # parallelism_calc.compute.MODES
+    dtype: str = "fp32"  # DTYPES
+    attention: str = "naive"
+    device: str = "auto"
+    warmup: int = 5
+    steps: int = 10
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    seed: int = 0
+    load_weights: str | None = None
+    save_weights: str | None = None
+    suite: str = "e2e"
+    out: str | None = None
+    json: bool = False
+    sweep_models: str | None = None
+    sweep_seq_lens: list[int] | None = None
+    config_timeout: float = 1800.0
+
+
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags every step benchmark accepts."""
-    parser.add_argument("--model", default="tiny", help=f"model preset: {', '.join(MODELS)} (default tiny)")
-    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (default 4)")
-    parser.add_argument("--seq-len", type=positive_int, default=None,
+    """The flags every step benchmark accepts (``StepConfig``'s fields)."""
+    d = StepConfig()
+    parser.add_argument("--model", default=d.model, help=f"model preset: {', '.join(MODELS)} (default {d.model})")
+    parser.add_argument("--batch-size", type=positive_int, default=d.batch_size,
+                        help=f"sequences per step (default {d.batch_size})")
+    parser.add_argument("--seq-len", type=positive_int, default=d.seq_len,
                         help="tokens per sequence (default: the spec's context)")
-    parser.add_argument("--mode", choices=MODES, default="train_step",
+    parser.add_argument("--mode", choices=MODES, default=d.mode,
                         help="forward (no gradients), forward_backward, or train_step with AdamW (default)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+    parser.add_argument("--dtype", choices=list(DTYPES), default=d.dtype,
                         help="fp32 (full-precision matmuls, no TF32); bf16 (autocast: fp32 weights, bf16 compute); "
                              "bf16_mixed (bf16 weights, fp32 master weights in the optimizer; PyTorch only) "
-                             "(default fp32)")
-    parser.add_argument("--attention", default="naive", help="attention backend (default naive)")
-    parser.add_argument("--device", default="auto", help="auto (the accelerator if any), cpu, cuda or cuda:N")
-    parser.add_argument("--warmup", type=nonnegative_int, default=5, help="untimed warm-up steps (default 5)")
-    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
-    parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    parser.add_argument("--weight-decay", type=nonnegative_float, default=0.01,
-                        help="AdamW weight decay (default 0.01)")
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of weights and data (default 0)")
+                             f"(default {d.dtype})")
+    parser.add_argument("--attention", default=d.attention, help=f"attention backend (default {d.attention})")
+    parser.add_argument("--device", default=d.device, help="auto (the accelerator if any), cpu, cuda or cuda:N")
+    parser.add_argument("--warmup", type=nonnegative_int, default=d.warmup,
+                        help=f"untimed warm-up steps (default {d.warmup})")
+    parser.add_argument("--steps", type=positive_int, default=d.steps, help=f"timed steps (default {d.steps})")
+    parser.add_argument("--lr", type=positive_float, default=d.lr, help="AdamW learning rate (default 1e-3)")
+    parser.add_argument("--weight-decay", type=nonnegative_float, default=d.weight_decay,
+                        help=f"AdamW weight decay (default {d.weight_decay})")
+    parser.add_argument("--seed", type=nonnegative_int, default=d.seed,
+                        help=f"seed of weights and data (default {d.seed})")
     parser.add_argument("--load-weights", metavar="NPZ", help="start from these weights (stable names, .npz)")
     parser.add_argument("--save-weights", metavar="NPZ", help="save the initial weights here (.npz)")
-    parser.add_argument("--suite", default="e2e", help="suite name written into the records (default e2e)")
+    parser.add_argument("--suite", default=d.suite, help=f"suite name written into the records (default {d.suite})")
     parser.add_argument("--out", metavar="JSONL", type=writable_path,
                         help="append the record to this JSON Lines file")
     parser.add_argument("--json", action="store_true", help="print the record as JSON")
@@ -71,11 +105,11 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--sweep-models", help="comma-separated presets, e.g. small,medium,large,xl,2.7B")
     sweep.add_argument("--sweep-seq-lens", type=int_list,
                        help="comma-separated sequence lengths, e.g. 128,256,512,1024")
-    sweep.add_argument("--config-timeout", type=positive_float, default=1800.0,
+    sweep.add_argument("--config-timeout", type=positive_float, default=d.config_timeout,
                        help="seconds one sweep configuration may take before it is recorded as an error")
 
 
-def resolve_spec(args: argparse.Namespace) -> tuple[ModelSpec, int]:
+def resolve_spec(args: StepConfig) -> tuple[ModelSpec, int]:
     """The model spec and sequence length of a run; the spec's context grows to fit a longer --seq-len."""
     spec = get_model(args.model)
     if spec.arch != "transformer":
@@ -94,7 +128,7 @@ def resolve_spec(args: argparse.Namespace) -> tuple[ModelSpec, int]:
 @dataclass(frozen=True)
 class StepRun:
     """What a step record says of the run that made it, typed: the suite, what one step runs, the dtype, one
-    step's batch and how many steps were warm-up and timed. ``StepRun.of(args)`` takes them from a CLI's flags."""
+    step's batch and how many steps were warm-up and timed. ``StepRun.of(config)`` takes them from a run's."""
 
     suite: str
     mode: str  # parallelism_calc.compute.MODES
@@ -183,7 +217,7 @@ def fixed_batch(seed: int, batch_size: int, seq_len: int, vocab_size: int) -> np
     return np.random.default_rng(seed).integers(0, vocab_size, size=(batch_size, seq_len + 1), dtype=np.int64)
 
 
-def emit(args: argparse.Namespace, record: Record) -> int:
+def emit(args: StepConfig, record: Record) -> int:
     """Append the record to --out, print it (as JSON with --json, else one line); the exit code (0 if ok)."""
     if args.out:
         save_records(args.out, record)
@@ -205,12 +239,14 @@ def run_benchmark(
     *,
     prog: str,
     description: str,
-    measure: Callable[[argparse.Namespace], Record | Iterable[Record]],
-    on_failure: Callable[[argparse.Namespace, RuntimeError], Record],
+    measure: Callable[[StepConfig], Record | Iterable[Record]],
+    on_failure: Callable[[StepConfig, RuntimeError], Record],
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
     is_writer: Callable[[], bool] = lambda: True,
+    config: type[StepConfig] = StepConfig,
 ) -> int:
-    """Parse the step flags, measure, and emit the record; the CLI body of both backends' step benchmarks.
+    """Parse the step flags into ``config`` (``StepConfig`` or a backend's subclass with a field per flag that
+    ``add_arguments`` adds), measure, and emit the record; the CLI body of both backends' step benchmarks.
 
     ``measure`` returns a record or yields several (e.g. a reference and ours, timed in one process), each
     emitted as soon as it is yielded. Bad input (flags, a weights file) exits with a one-line message and no
@@ -221,15 +257,15 @@ def run_benchmark(
     """
     return error_boundary(_run_benchmark, prog=prog)(argv, prog=prog, description=description, measure=measure,
                                                     on_failure=on_failure, add_arguments=add_arguments,
-                                                    is_writer=is_writer)
+                                                    is_writer=is_writer, config=config)
 
 
-def _run_benchmark(argv, *, prog, description, measure, on_failure, add_arguments, is_writer) -> int:
+def _run_benchmark(argv, *, prog, description, measure, on_failure, add_arguments, is_writer, config) -> int:
     parser = ArgumentParser(prog=prog, description=description)
     add_step_arguments(parser)
     if add_arguments is not None:  # the backend's own flags
         add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = config(**vars(parser.parse_args(argv)))
     if args.sweep_models or args.sweep_seq_lens:
         module = prog.split(" -m ")[-1]  # e.g. jax_impl.bench.e2e, whose backend is "jax"
         return run_sweep(args, list(sys.argv[1:] if argv is None else argv), module=module,
@@ -248,7 +284,7 @@ def _run_benchmark(argv, *, prog, description, measure, on_failure, add_argument
     return max(codes, default=0)
 
 
-def failure_record(args: argparse.Namespace, err: Exception, *, backend: str, implementation: str,
+def failure_record(args: StepConfig, err: Exception, *, backend: str, implementation: str,
                    device_name: str, oom: bool, mesh: dict[str, int] | None = None) -> Record:
     """The record of a run that ran out of memory (``oom``) or failed, with the error's first line."""
     spec, seq_len = resolve_spec(args)
@@ -277,7 +313,7 @@ def _count_lines(path: Path) -> int:
     return sum(1 for _ in path.open(encoding="utf-8")) if path.exists() else 0
 
 
-def run_sweep(args: argparse.Namespace, argv: list[str], *, module: str, backend: str) -> int:
+def run_sweep(args: StepConfig, argv: list[str], *, module: str, backend: str) -> int:
     """The model x sequence-length grid, one ``python -m module`` process per configuration (so an
     out-of-memory or a crash cannot poison the next one). A configuration that ends without writing its
     record (a crash, a hang past ``--config-timeout``) gets an error record written here: a row, not a gap."""
@@ -300,9 +336,8 @@ def run_sweep(args: argparse.Namespace, argv: list[str], *, module: str, backend
             proc, message = None, f"no result within --config-timeout {args.config_timeout:g} s"
         if _count_lines(Path(args.out)) == before:  # the child wrote nothing: record why
             failures += 1
-            spec_args = argparse.Namespace(**{**vars(args), "model": model, "seq_len": seq_len})
             try:
-                spec, n = resolve_spec(spec_args)
+                spec, n = resolve_spec(dataclasses.replace(args, model=model, seq_len=seq_len))
             except ValueError as err:  # bad configuration: still a row, with the spec's own dims unknown
                 spec, n, message = get_model(model) if model in MODELS else None, seq_len, str(err)
             record = Record(suite=args.suite, backend=backend, implementation=f"sweep {module}", model=model,

@@ -40,6 +40,7 @@ ATTENTION_PROVIDERS = ("flash_triton", "flash_torch", "naive", "naive_compiled",
 # the loss), backward, comm (the data-parallel wrapper's wait for its gradient synchronization), optimizer. A suite
 # may add its own around the step (the trainer's "data"). Older records' names are read as these (LEGACY_PHASES).
 STEP_PHASES = ("forward", "backward", "comm", "optimizer")
+TRAIN_PHASES = ("data", *STEP_PHASES)  # the trainer's: the windows to the device, then the step's
 LEGACY_PHASES = {"comm_blocked": "comm"}  # the DDP benchmark's name before the step loop was shared
 _LIBRARIES = ("torch", "triton", "jax", "jaxlib", "flax", "optax", "numpy")
 _REPO = Path(__file__).resolve().parent.parent

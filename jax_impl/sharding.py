@@ -68,6 +68,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.model import TransformerLM, axis_names
+from parallelism_calc.scaling import STRATEGIES  # the calculator's names: RULES has a table for each
 from parallelism_calc.specs import ModelSpec, ParallelSpec
 
 MESH_AXES = ("dp", "fsdp", "tp")
@@ -116,7 +117,6 @@ RULES: dict[str, Rules] = {
         ("mlp", "tp"),
     ),
 }
-STRATEGIES = tuple(RULES)
 
 
 def _check_strategy(strategy: str) -> Rules:

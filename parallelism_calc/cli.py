@@ -4,9 +4,9 @@
   with no usage dump.
 * Flag types for ``add_argument(type=...)``: ``positive_int``, ``nonnegative_int``, ``positive_float``,
   ``nonnegative_float``, ``finite_float``, ``fraction`` (in (0, 1)) and ``int_list`` (comma-separated
-  positive integers). Every number must be finite (no ``nan`` / ``inf``); an integer flag accepts ``1e6``
-  but refuses ``0.5``. A refused value is named with what is accepted, e.g.
-  ``argument --batch-tokens: '0.5' is not a whole number; accepted: integers > 0``.
+  positive integers); ``parse_list`` checks a comma list of names. Every number must be finite (no ``nan`` /
+  ``inf``); an integer flag accepts ``1e6`` but refuses ``0.5``. A refused value is named with what is
+  accepted, e.g. ``argument --batch-tokens: '0.5' is not a whole number; accepted: integers > 0``.
 * ``writable_path``: a file the command may create or append to (its folder exists or can be made, and is a
   folder; the file, if it exists, is a writable file), checked before any measurement starts.
 * ``error_boundary``: the decorator of every entry point's ``main(argv)``: bad input or an unusable file
@@ -100,6 +100,18 @@ def int_list(text: str) -> list[int]:
     except argparse.ArgumentTypeError as err:
         raise argparse.ArgumentTypeError(f"{text!r}: {str(err).split('; ')[0]}; accepted: comma-separated integers "
                                          "> 0, e.g. 128,256") from None
+
+
+def parse_list(text: str, flag: str, accepted: tuple[str, ...] | None = None) -> list[str]:
+    """A comma list of names, 'a, b,a' -> ['a', 'b'] (order kept, repeats dropped); empty, or with a name outside
+    ``accepted`` where given, is a ValueError naming ``flag`` (and what it accepts)."""
+    items = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    unknown = [i for i in items if accepted is not None and i not in accepted]
+    if not items or unknown:
+        problem = f"unknown {unknown}" if unknown else "empty"
+        raise ValueError(f"{flag} {text!r}: {problem}" + (f"; accepted (comma list): {', '.join(accepted)}"
+                                                          if accepted else ""))
+    return items
 
 
 def check_writable(path: str | os.PathLike) -> Path:

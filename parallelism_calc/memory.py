@@ -47,6 +47,9 @@ INT64 = 8  # bytes of an int64: the token ids the embedding's backward keeps
 CHECKPOINTING = ("none", "selective", "full")
 ATTENTION = ("naive", "flash")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp_tp")
+# A mesh's sharding strategies (``parallelism_calc.scaling.STRATEGIES``, jax_impl.sharding's rules) as the strategies
+# above, with their meshes: the batch goes over dp x fsdp; "tp" is DP x TP (the model's state split over tp only).
+_MESH_STRATEGY = {"dp": "ddp", "fsdp": "fsdp", "tp": "fsdp_tp", "fsdp_tp": "fsdp_tp"}
 GATHER_UNITS = ("block", "layer")  # what stage-3 sharding all-gathers at once (see per_device_memory)
 
 
@@ -330,6 +333,20 @@ def _cast_params(spec: ModelSpec) -> int:
     if spec.arch == "ffn_only":
         return spec.n_params()
     return spec.n_params() - spec.vocab_size * spec.d_model - _norm_gains(spec)
+
+
+def mesh_memory_strategy(mesh_strategy: str, dp: int, fsdp: int, tp: int) -> tuple[str, ParallelSpec]:
+    """(the ``STRATEGIES`` name, its ``ParallelSpec``) for ``per_device_memory`` of a dp x fsdp x tp mesh sharded by
+    ``mesh_strategy`` (``parallelism_calc.scaling.STRATEGIES``): "dp" is "ddp" over dp x fsdp ranks, "fsdp" is
+    "fsdp" over fsdp (dp replicating), "tp" is "fsdp_tp" with fsdp = 1 (dp x fsdp data ranks), "fsdp_tp" itself.
+    ValueError for "dp" or "fsdp" on a mesh with tp > 1 (the tp axis replicates the work: not modelled)."""
+    if mesh_strategy not in _MESH_STRATEGY:
+        raise ValueError(f"mesh strategy {mesh_strategy!r}; accepted: {', '.join(_MESH_STRATEGY)}")
+    if mesh_strategy in ("dp", "fsdp") and tp > 1:
+        raise ValueError(f"strategy {mesh_strategy!r} with tp={tp} replicates work; not modelled")
+    parallel = {"dp": ParallelSpec(dp=dp * fsdp), "fsdp": ParallelSpec(dp=dp, fsdp=fsdp),
+                "tp": ParallelSpec(dp=dp * fsdp, tp=tp), "fsdp_tp": ParallelSpec(dp=dp, fsdp=fsdp, tp=tp)}
+    return _MESH_STRATEGY[mesh_strategy], parallel[mesh_strategy]
 
 
 def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelSpec, batch_tokens: int,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from parallelism_calc.specs import HardwareSpec
 
 BF16 = 2
-STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")
+STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")  # how a dp x fsdp x tp mesh shards (jax_impl.sharding's rules)
 
 
 @dataclass(frozen=True)

@@ -332,3 +332,21 @@ def test_cuda_per_token_terms(attention, mode, precision):
     one = measure_saved_bytes(TINY, B, T, attention, mode, "cuda")
     two = measure_saved_bytes(TINY, 2 * B, T, attention, mode, "cuda")
     assert two - one == per_token * B * T
+
+
+def test_mesh_strategies_as_memory_strategies():
+    """Each mesh strategy of parallelism_calc.scaling (jax_impl.sharding's) has the memory strategy and mesh its
+    state is sharded like; a strategy that leaves the tp axis replicating the work is refused."""
+    from parallelism_calc.memory import mesh_memory_strategy
+    from parallelism_calc.scaling import STRATEGIES as MESH_STRATEGIES
+
+    expected = {"dp": ("ddp", ParallelSpec(dp=4)), "fsdp": ("fsdp", ParallelSpec(dp=2, fsdp=2)),
+                "tp": ("fsdp_tp", ParallelSpec(dp=4, tp=1)), "fsdp_tp": ("fsdp_tp", ParallelSpec(dp=2, fsdp=2))}
+    assert {s: mesh_memory_strategy(s, 2, 2, 1) for s in MESH_STRATEGIES} == expected
+    assert mesh_memory_strategy("tp", 1, 2, 4) == ("fsdp_tp", ParallelSpec(dp=2, tp=4))
+    assert mesh_memory_strategy("fsdp_tp", 1, 2, 4) == ("fsdp_tp", ParallelSpec(fsdp=2, tp=4))
+    for strategy in ("dp", "fsdp"):
+        with pytest.raises(ValueError, match="replicates work"):
+            mesh_memory_strategy(strategy, 1, 2, 2)
+    with pytest.raises(ValueError, match="accepted: dp, fsdp, tp, fsdp_tp"):
+        mesh_memory_strategy("ddp", 1, 1, 1)

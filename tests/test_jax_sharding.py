@@ -114,6 +114,7 @@ BATCH = {"dp": P(("dp", "fsdp")), "fsdp": P(("dp", "fsdp")), "tp": P(("dp", "fsd
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_rules_give_expected_specs(strategy):
     assert set(EXPECTED) == set(RULES)
+    assert tuple(RULES) == STRATEGIES  # one table per strategy of parallelism_calc.scaling, in its order
     for kind, names in KINDS.items():
         assert logical_to_spec(names, strategy) == EXPECTED[strategy][kind], (strategy, kind)
     assert logical_to_spec(("batch", None), strategy) == BATCH[strategy]

@@ -37,10 +37,14 @@ import torch.nn as nn
 from torch_impl.activation_checkpointing import apply_activation_checkpointing
 from torch_impl.model import Blocks, run_blocks
 
-__all__ = ["BLOCKS_PER_GRAPH", "DATA_PARALLEL", "UNSUPPORTED", "DataParallelConfig", "apply_activation_checkpointing",
-           "apply_compile", "apply_data_parallel", "check_supported", "data_parallel_configs", "parallelize"]
+__all__ = ["BLOCKS_PER_GRAPH", "CUDA_GRAPHS", "DATA_PARALLEL", "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig",
+           "apply_activation_checkpointing", "apply_compile", "apply_data_parallel", "check_cuda_graph",
+           "check_supported", "data_parallel_configs", "parallelize"]
 
 DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
+# The modes with a DataParallelWrapper, so the trainer's --dist: not fsdp2 (its DTensor parameters would need their
+# own norm and checkpoints).
+WRAPPER_MODES = tuple(m for m in DATA_PARALLEL if m != "fsdp2")
 # what a mode cannot be combined with: the flag, the modes, why
 UNSUPPORTED = {"--compile": (("fsdp", "fsdp2"), "their per-layer gathers run inside the compiled blocks"),
                "--dtype bf16_mixed": (("zero1", "fsdp", "fsdp2"), "they shard or cast the weights themselves")}

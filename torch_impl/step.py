@@ -17,9 +17,8 @@ from typing import Any, Callable
 
 import torch
 
+from parallelism_calc.compute import MODES  # what a step runs: forward, forward_backward, train_step
 from torch_impl.model import cross_entropy
-
-MODES = ("forward", "forward_backward", "train_step")  # what a step runs (analysis.harness's modes)
 
 
 def autocast(dtype: str, device: torch.device):

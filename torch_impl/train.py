@@ -83,7 +83,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from analysis.harness import DTYPES, StepRun, step_record  # noqa: E402
-from analysis.records import STEP_PHASES as SHARED_PHASES, Record, divergence, save_records  # noqa: E402
+from analysis.records import TRAIN_PHASES as STEP_PHASES, Record, divergence, save_records  # noqa: E402
 from parallelism_calc.cli import (ArgumentParser, error_boundary, fraction, nonnegative_float,  # noqa: E402
                                   nonnegative_int, one_line, positive_float, positive_int, writable_path)
 from parallelism_calc.specs import MODELS, ModelSpec, get_model  # noqa: E402
@@ -91,17 +91,14 @@ from torch_impl import checkpoint as ckpt  # noqa: E402
 from torch_impl.device import pick_device  # noqa: E402
 from torch_impl.data import (DEFAULT_BUILTIN_BYTES, DEFAULT_VAL_FRACTION, TokenData, batch_at,  # noqa: E402
                              prepare_data, sample_starts, validation_batch_starts)
-from torch_impl.distributed.process_group import DistributedContext, init_distributed  # noqa: E402
+from torch_impl.distributed.process_group import DistributedContext, free_port, init_distributed  # noqa: E402
 from torch_impl.model import TransformerLM, cross_entropy  # noqa: E402
-from torch_impl.parallelize import (CUDA_GRAPHS, DATA_PARALLEL, DataParallelConfig, check_cuda_graph,  # noqa: E402
-                                    check_supported, data_parallel_configs, parallelize)
+from torch_impl.parallelize import (CUDA_GRAPHS, WRAPPER_MODES as DIST_MODES, DataParallelConfig,  # noqa: E402
+                                    check_cuda_graph, check_supported, data_parallel_configs, parallelize)
 from torch_impl.step import StepParts, autocast, train_step  # noqa: E402
 from torch_impl.timing import PhaseTimer  # noqa: E402
 
 SUITE = "train"
-# Not fsdp2: it has no DataParallelWrapper (its DTensor parameters would need their own norm and checkpoints).
-DIST_MODES = tuple(m for m in DATA_PARALLEL if m != "fsdp2")
-STEP_PHASES = ("data", *SHARED_PHASES)  # the windows to the device, then the shared step's phases
 # Settings a resumed run must share with the checkpoint for its trajectory to be the uninterrupted one's.
 RESUME_KEYS = ("model", "d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "seq_len", "epochs",
                "steps_per_epoch", "lr", "min_lr", "warmup_steps", "grad_clip", "weight_decay", "adam_eps",
@@ -578,21 +575,13 @@ def main(argv: list[str] | None = None) -> int:
     return _main(cfg, parser)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _main(cfg: TrainConfig, parser: argparse.ArgumentParser) -> int:
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
         if cfg.dist == "none":
             return 1 if run_training(cfg).diverged else 0
         if world_size == 1:  # a one-rank group for the wrappers, on a free port
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         from torch_impl.distributed import distributed_context
 
         with distributed_context(timeout_s=cfg.timeout, device="cpu" if cfg.device == "cpu" else None) as ctx:

@@ -69,7 +69,7 @@ from jax.sharding import PartitionSpec as P
 from analysis.harness import progress
 from analysis.records import Record, save_records, timing_stats
 from parallelism_calc.cli import ArgumentParser, error_boundary, nonnegative_int, positive_int, writable_path
-from jax_impl.bench.e2e import platform_devices
+from jax_impl.device import platform_devices
 from jax_impl.distributed import initialize_from_env
 from jax_impl.sharding import MESH_AXES, make_mesh
 from parallelism_calc.collectives import OPS, bus_bandwidth

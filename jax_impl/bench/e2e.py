@@ -32,6 +32,7 @@ JAX_PROCESS_ID) runs one program over every host's devices; process 0 writes the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -44,10 +45,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from analysis.harness import (StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark,
-                              step_record)
+from analysis.harness import (StepConfig, StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec,
+                              run_benchmark, step_record)
 from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_kernel_times
 from analysis.records import Record
+from jax_impl.device import pick_device, platform_devices
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights
 from jax_impl.sharding import STRATEGIES, make_mesh, strategy_for
@@ -57,30 +59,7 @@ from parallelism_calc.specs import ModelSpec, ParallelSpec
 PROFILED_STEPS = 3
 
 
-def platform_devices(platform: str) -> list[jax.Device]:
-    """Every device of ``--device``'s platform: auto (JAX's default backend), cpu or cuda."""
-    if platform not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device {platform!r}; accepted: auto, cpu, cuda")
-    if platform == "auto":
-        return jax.devices()
-    try:
-        return jax.devices("cpu" if platform == "cpu" else "gpu")
-    except RuntimeError:
-        raise ValueError(f"--device {platform}: JAX has no {platform} backend here; accepted: cpu, auto") from None
-
-
-def pick_device(name: str) -> jax.Device:
-    """``--device``: auto (JAX's default device), cpu, cuda or cuda:N (the N-th GPU)."""
-    platform, _, index = name.partition(":")
-    if platform not in ("auto", "cpu", "cuda") or (index and (platform == "auto" or not index.isdigit())):
-        raise ValueError(f"--device {name!r}; accepted: auto, cpu, cuda, cuda:N")
-    devices = platform_devices(platform)
-    if int(index or 0) >= len(devices):
-        raise ValueError(f"--device {name}: only {len(devices)} {platform} device(s)")
-    return devices[int(index or 0)]
-
-
-def build_mesh(args: argparse.Namespace) -> tuple[Mesh, str]:
+def build_mesh(args: JaxStepConfig) -> tuple[Mesh, str]:
     """The mesh of ``--mesh`` over the first devices of ``--device``'s platform, and its strategy."""
     if not args.mesh:
         mesh = make_mesh(ParallelSpec(), [pick_device(args.device)])
@@ -134,20 +113,17 @@ def compiled_memory(compiled) -> dict[str, int] | None:
     return out
 
 
-def predicted_memory(spec: ModelSpec, args: argparse.Namespace, seq_len: int, mesh: Mesh,
+def predicted_memory(spec: ModelSpec, args: JaxStepConfig, seq_len: int, mesh: Mesh,
                      strategy: str) -> dict[str, Any]:
     """``parallelism_calc``'s per-device memory for this run (train_step only), or why there is none."""
-    from parallelism_calc.memory import CHECKPOINTING, per_device_memory
+    from parallelism_calc.memory import CHECKPOINTING, mesh_memory_strategy, per_device_memory
 
     if args.mode != "train_step":
         return {}
-    dp, fsdp, tp = (int(mesh.shape[a]) for a in ("dp", "fsdp", "tp"))
-    calc = {"dp": ("ddp", ParallelSpec(dp=dp * fsdp)) if tp == 1 else None,
-            "fsdp": ("fsdp", ParallelSpec(dp=dp, fsdp=fsdp)) if tp == 1 else None,
-            "tp": ("fsdp_tp", ParallelSpec(dp=dp * fsdp, tp=tp)),
-            "fsdp_tp": ("fsdp_tp", ParallelSpec(dp=dp, fsdp=fsdp, tp=tp))}[strategy]
-    if calc is None:
-        return {"predicted_memory_error": f"strategy {strategy!r} with tp={tp} replicates work; not modelled"}
+    try:
+        calc = mesh_memory_strategy(strategy, *(int(mesh.shape[a]) for a in ("dp", "fsdp", "tp")))
+    except ValueError as err:
+        return {"predicted_memory_error": str(err)}
     if args.remat not in CHECKPOINTING:
         return {"predicted_memory_error": f"remat policy {args.remat!r} is not modelled "
                                           f"(parallelism_calc models {', '.join(CHECKPOINTING)})"}
@@ -160,7 +136,7 @@ def predicted_memory(spec: ModelSpec, args: argparse.Namespace, seq_len: int, me
     return {"predicted_memory_bytes": pred.total, "predicted_strategy": calc[0]}
 
 
-def measure(args: argparse.Namespace) -> Record:
+def measure(args: JaxStepConfig) -> Record:
     if args.dtype == "bf16_mixed":
         raise ValueError("--dtype bf16_mixed (bf16 weights, fp32 master weights) is the PyTorch benchmark's; "
                          "the JAX twin accepts fp32, bf16")
@@ -172,7 +148,7 @@ def measure(args: argparse.Namespace) -> Record:
         return measure_on_mesh(args, mesh, strategy)
 
 
-def _compile_step(args: argparse.Namespace, trainer: ShardedTrainer,
+def _compile_step(args: JaxStepConfig, trainer: ShardedTrainer,
                   tokens: jax.Array) -> tuple[Any, Callable[[], float]]:
     """The AOT-compiled program of ``args.mode`` and a closure running one step (returns the loss)."""
     if args.mode == "train_step":
@@ -197,7 +173,7 @@ def _compile_step(args: argparse.Namespace, trainer: ShardedTrainer,
     return compiled, step
 
 
-def measure_on_mesh(args: argparse.Namespace, mesh: Mesh, strategy: str) -> Record:
+def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
     spec, seq_len = resolve_spec(args)
     start = time.perf_counter()
     trainer = ShardedTrainer(spec, mesh, strategy, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
@@ -257,7 +233,7 @@ def profile_steps(step: Callable[[], float], hlo_text: str, out_dir: str, tag: s
     return metrics
 
 
-def implementation_name(args: argparse.Namespace, mesh: Mesh | None, strategy: str | None) -> str:
+def implementation_name(args: JaxStepConfig, mesh: Mesh | None, strategy: str | None) -> str:
     """e.g. "jit naive" on one device, "jit dot_product remat:dots fsdp_tp" on a mesh of several; "unrolled"
     where the blocks are a Python loop instead of a scan."""
     remat = {"none": "", "full": " remat"}.get(args.remat, f" remat:{args.remat}")
@@ -265,13 +241,24 @@ def implementation_name(args: argparse.Namespace, mesh: Mesh | None, strategy: s
     return name if mesh is None or mesh.size == 1 else f"{name} {strategy}"
 
 
-def failed_record(args: argparse.Namespace, err: RuntimeError) -> Record:
+def failed_record(args: JaxStepConfig, err: RuntimeError) -> Record:
     """The record of a run that ran out of memory or failed, so the failure is a row, not a gap."""
     oom = "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
     mesh, strategy = build_mesh(args)
     return failure_record(args, err, backend="jax", implementation=implementation_name(args, mesh, strategy),
                           device_name=device_name(mesh.devices.flat[0]), oom=oom,
                           mesh={axis: int(size) for axis, size in mesh.shape.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxStepConfig(StepConfig):
+    """A run of this benchmark: the shared step flags and those of ``add_jax_arguments``."""
+
+    mesh: str | None = None
+    strategy: str | None = None
+    remat: str = "none"
+    scan_layers: str = "on"
+    profile: str | None = None
 
 
 def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
@@ -291,7 +278,7 @@ def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     return run_benchmark(argv, prog="python -m jax_impl.bench.e2e", description=__doc__.splitlines()[0],
                          measure=measure, on_failure=failed_record, add_arguments=add_jax_arguments,
-                         is_writer=lambda: jax.process_index() == 0)
+                         is_writer=lambda: jax.process_index() == 0, config=JaxStepConfig)
 
 
 if __name__ == "__main__":

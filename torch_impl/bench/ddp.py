@@ -70,14 +70,27 @@ import statistics
 import sys
 from typing import Any
 
-from analysis.harness import DTYPES, StepRun, calculator_terms, fixed_batch, resolve_spec, step_record
+from analysis.harness import DTYPES, StepConfig, StepRun, calculator_terms, fixed_batch, resolve_spec, step_record
 from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, report,
                                      single_process_baselines)
 from analysis.records import Record, read_records, save_records
-from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int,
+from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int, parse_list,
                                   positive_float, positive_int, writable_path)
 from torch_impl.parallelize import CUDA_GRAPHS, DATA_PARALLEL, check_cuda_graph, check_supported, parallelize
 from torch_impl.parallelize import DataParallelConfig as Config, data_parallel_configs as configurations
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DDPBenchConfig(StepConfig):
+    """A run of this benchmark, typed: its flags (``build_parser``, with their defaults), the step flags it
+    shares with the e2e benchmarks under ``StepConfig``'s names; ``impl``: --dist, a comma list."""
+
+    impl: str
+    bucket_mb: str
+    compile: bool
+    cuda_graph: str
+    timeout: float
+    report_only: str | None
 
 
 class CollectiveFailure(RuntimeError):
@@ -85,12 +98,8 @@ class CollectiveFailure(RuntimeError):
 
 
 def parse_impls(text: str) -> list[str]:
-    """'naive, bucketed' -> ['naive', 'bucketed'] (order kept, repeats dropped); unknown names raise."""
-    impls = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-    unknown = [i for i in impls if i not in DATA_PARALLEL]
-    if unknown or not impls:
-        raise ValueError(f"--dist {text!r}: unknown {unknown}; accepted (comma list): {', '.join(DATA_PARALLEL)}")
-    return impls
+    """--dist: 'naive, bucketed' -> ['naive', 'bucketed'] (order kept, repeats dropped); unknown names raise."""
+    return parse_list(text, "--dist", DATA_PARALLEL)
 
 
 def parse_bucket_mb(text: str) -> list[float]:
@@ -117,7 +126,7 @@ def _is_collective_error(err: BaseException) -> bool:
                                    "nccl", "peer", "broken pipe"))
 
 
-def _measure(cfg: Config, args: argparse.Namespace, spec, seq_len: int, device, rank: int) -> dict[str, Any]:
+def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank: int) -> dict[str, Any]:
     """This rank's per-step phase times (ms), its peak memory and its losses, for one configuration."""
     import torch
     from torch_impl.model import TransformerLM
@@ -154,7 +163,7 @@ def _measure(cfg: Config, args: argparse.Namespace, spec, seq_len: int, device, 
 # ----------------------------------------------------------------------------- records (rank 0)
 
 
-def predicted_memory(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world_size: int):
+def predicted_memory(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_size: int):
     """``per_device_memory`` of the strategy ``cfg`` implements, with the gathered working set of each FSDP
     (see the module docstring): ours per weight matrix with its default prefetch, FSDP2 per block with its
     unresharded root."""
@@ -169,7 +178,7 @@ def predicted_memory(cfg: Config, args: argparse.Namespace, spec, seq_len: int, 
                              attention=attention, **gathering)
 
 
-def make_record(cfg: Config, args: argparse.Namespace, spec, seq_len: int, world_size: int, device_name: str,
+def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_size: int, device_name: str,
                 gathered: list[dict[str, Any]]) -> Record:
     """The record of one configuration from every rank's measurements (see the module docstring)."""
     errors = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g.get("error")]
@@ -229,7 +238,7 @@ def _failure_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}".splitlines()[0]
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: DDPBenchConfig) -> int:
     import torch
 
     spec, seq_len = resolve_spec(args)
@@ -305,9 +314,6 @@ def _fatal(cfg: Config, args, spec, seq_len: int, world_size: int, device_name: 
     os._exit(3)  # no teardown: the group's other ranks may be gone or stuck
 
 
-# ----------------------------------------------------------------------------- report
-
-
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -352,12 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
 @error_boundary(prog="python -m torch_impl.bench.ddp")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = DDPBenchConfig(**vars(parser.parse_args(argv)))
     if args.report_only:
         print(report(args.report_only))
         return 0
     try:
-        resolve_spec(argparse.Namespace(**{**vars(args), "mode": "train_step"}))
+        resolve_spec(args)
         impls = parse_impls(args.impl)
         check_supported(impls, args.compile, args.dtype, flag="")
         check_cuda_graph(args.cuda_graph, args.compile, args.device)

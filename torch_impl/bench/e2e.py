@@ -26,6 +26,7 @@ The JAX twin, ``python -m jax_impl.bench.e2e``, takes the same step flags; ``--s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import time
@@ -34,8 +35,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from analysis.harness import (StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec, run_benchmark,
-                              step_record)
+from analysis.harness import (StepConfig, StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec,
+                              run_benchmark, step_record)
 from analysis.records import Record
 from parallelism_calc.checkpointing import checkpointed_activation_bytes
 from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
@@ -57,7 +58,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_model(args: argparse.Namespace, spec, device: torch.device, stock: bool) -> torch.nn.Module:
+def build_model(args: TorchStepConfig, spec, device: torch.device, stock: bool) -> torch.nn.Module:
     """Our TransformerLM, or the stock reference with the same weights (``torch_impl.stock``). Same seed, same
     weights, whichever is built."""
     torch.manual_seed(args.seed)
@@ -73,7 +74,7 @@ def build_model(args: argparse.Namespace, spec, device: torch.device, stock: boo
     return model
 
 
-def measure(args: argparse.Namespace) -> Iterator[Record]:
+def measure(args: TorchStepConfig) -> Iterator[Record]:
     """Ours, once per ``--cuda-graph`` mode, and first the stock reference with ``--stock BACKEND``, one after
     the other in this process, each record yielded as soon as it is made; each of ours then carries
     ``metrics.x_stock`` = stock's median step time / ours (> 1: ours is faster)."""
@@ -81,7 +82,7 @@ def measure(args: argparse.Namespace) -> Iterator[Record]:
     stock = None
     if args.stock:  # the stock model trains bf16 the stock way, under autocast, also beside ours with bf16_mixed
         stock_dtype = "bf16" if args.dtype == "bf16_mixed" else args.dtype
-        stock = measure_one(argparse.Namespace(**{**vars(args), "dtype": stock_dtype}), stock=True, graph="off")
+        stock = measure_one(dataclasses.replace(args, dtype=stock_dtype), stock=True, graph="off")
         yield stock
     for graph in graphs:
         record = measure_one(args, stock=False, graph=graph)
@@ -90,7 +91,7 @@ def measure(args: argparse.Namespace) -> Iterator[Record]:
         yield record
 
 
-def check_flags(args: argparse.Namespace) -> list[str]:
+def check_flags(args: TorchStepConfig) -> list[str]:
     """Rejects flags that cannot go together; returns the ``--cuda-graph`` modes in order."""
     device = pick_device(args.device)
     graphs = args.cuda_graph.split(",")
@@ -112,7 +113,7 @@ def check_flags(args: argparse.Namespace) -> list[str]:
     return graphs
 
 
-def measure_one(args: argparse.Namespace, stock: bool, graph: str) -> Record:
+def measure_one(args: TorchStepConfig, stock: bool, graph: str) -> Record:
     """One model's record; an out-of-memory or other runtime failure becomes a failure record."""
     try:
         return _measure(args, stock, graph)
@@ -125,7 +126,7 @@ def measure_one(args: argparse.Namespace, stock: bool, graph: str) -> Record:
             torch.cuda.empty_cache()
 
 
-def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
+def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
     spec, seq_len = resolve_spec(args)
     device = pick_device(args.device)
     if args.dtype == "fp32":
@@ -211,7 +212,7 @@ def _measure(args: argparse.Namespace, stock: bool, graph: str) -> Record:
     )
 
 
-def predicted_memory(args: argparse.Namespace, spec, seq_len: int) -> dict[str, int | None]:
+def predicted_memory(args: TorchStepConfig, spec, seq_len: int) -> dict[str, int | None]:
     """What ``parallelism_calc`` predicts for this run: the activations saved for backward at the step's peak
     (``checkpointing.checkpointed_activation_bytes`` for ``--ac-every K`` flat or nested, else
     ``memory.activation_bytes_per_token``) and, for a train step, the device's peak: those activations
@@ -233,7 +234,7 @@ def predicted_memory(args: argparse.Namespace, spec, seq_len: int) -> dict[str, 
     return {"predicted_activation_bytes": activations, "predicted_peak_bytes": peak}
 
 
-def implementation_name(args: argparse.Namespace, stock: bool = False, graph: str = "off") -> str:
+def implementation_name(args: TorchStepConfig, stock: bool = False, graph: str = "off") -> str:
     """e.g. 'compiled sdpa, ckpt 2 nested', 'compiled sdpa_cudnn, cuda graph' (the whole step),
     'compiled sdpa_cudnn, cuda graph per block', 'stock compiled sdpa_cudnn'."""
     name = f"{'compiled' if args.compile else 'eager'} {args.stock if stock else args.attention}"
@@ -246,12 +247,26 @@ def implementation_name(args: argparse.Namespace, stock: bool = False, graph: st
     return name
 
 
-def failed_record(args: argparse.Namespace, err: RuntimeError, stock: bool = False, graph: str = "off") -> Record:
+def failed_record(args: TorchStepConfig, err: RuntimeError, stock: bool = False, graph: str = "off") -> Record:
     """The record of a run that ran out of memory or failed, so the failure is a row, not a gap."""
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     return failure_record(args, err, backend="torch", implementation=implementation_name(args, stock, graph),
                           device_name=device_name(torch.device(device)),
                           oom=isinstance(err, torch.OutOfMemoryError))
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchStepConfig(StepConfig):
+    """A run of this benchmark: the shared step flags and those of ``add_torch_arguments``."""
+
+    compile: bool = False
+    cuda_graph: str = "off"  # a comma list of CUDA_GRAPH_MODES
+    stock: str | None = None
+    checkpoint_every: int | None = None  # --ac-every
+    nested_checkpoint: bool = False
+    fused_adamw: str = "auto"
+    profile: str | None = None
+    memory_snapshot: str | None = None
 
 
 def add_torch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -283,7 +298,8 @@ def add_torch_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     return run_benchmark(argv, prog="python -m torch_impl.bench.e2e", description=__doc__.splitlines()[0],
-                         measure=measure, on_failure=failed_record, add_arguments=add_torch_arguments)
+                         measure=measure, on_failure=failed_record, add_arguments=add_torch_arguments,
+                         config=TorchStepConfig)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 ``DDPBucketed`` with a ``ShardedOptimizer``) and ``FSDP`` subclass it; ``SingleProcess`` (``none``) and
 ``TorchDDP`` adapt the rest. The defaults are a replicated model's, whose gradients are full and averaged after
 ``finish_gradient_synchronization()``; ``FSDP`` overrides the class attributes, ``eval_module`` and
-``gather_full_params``. The trainer's step: ``torch_impl.train.train_step``.
+``gather_full_params``. The step that calls it: ``torch_impl.step.train_step``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -35,6 +36,13 @@ class DistributedContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def free_port() -> int:
+    """A TCP port free on this host now: MASTER_PORT (torchrun's --master_port) of a one-machine group."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _env_int(name: str, default: int) -> int:

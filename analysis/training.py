@@ -1,0 +1,164 @@
+"""Reports of the trainer's sweeps (``torch_impl.train_sweep``), from their records alone.
+
+* The training matrix (suite "train_matrix", ``torch_impl.bench.train_matrix``), ``write_matrix_report``: for each
+  cell (attention x data-parallel mode) the latest summary (file order) and that run's epoch records (suite
+  "train"): ``train_matrix.md`` (the table) and five PNG charts (``CHARTS``): ``time_per_epoch.png`` (s per epoch
+  against epoch), ``peak_memory.png``, ``throughput.png`` (tokens/s), ``samples_per_epoch.png``
+  (``analysis.plots.bar_plot``: bars per mode, one colour per attention kernel; a failed cell shows its status
+  instead of a bar; on a CPU, memory is not measured and the chart says so) and ``loss_convergence.png``
+  (training and validation loss against epoch).
+* The batch x accumulation study (suite "accum_study", ``torch_impl.bench.accum_study``), ``write_accum_report``:
+  the latest summary per setting: ``accum_study.md`` (the table, and the best setting by tokens/s) and two
+  charts, ``accum_phases.png`` (ms per step per phase, grouped bars per setting) and ``accum_throughput.png``
+  (tokens/s per setting).
+
+Stdlib only until a report is drawn (pandas, matplotlib), so the sweeps import it for the suite names.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from analysis.records import TRAIN_PHASES, Record, read_records
+
+TRAIN_SUITE = "train"  # the trainer's epoch records
+MATRIX_SUITE = "train_matrix"
+ACCUM_SUITE = "accum_study"
+CHARTS = ("time_per_epoch", "peak_memory", "throughput", "samples_per_epoch", "loss_convergence")
+EPOCH_PHASES = ("training_s", "validation_s", "epoch_s")  # the accumulation study's seconds per epoch
+
+
+# ----------------------------------------------------------------------------- the training matrix
+
+
+def latest_cells(records: list[Record]) -> tuple[list[Record], list[Record]]:
+    """(the latest summary per (attention, dist, world size) in file order, their runs' epoch records)."""
+    summaries: dict[tuple, Record] = {}
+    for r in records:
+        if r.suite == MATRIX_SUITE:
+            summaries[(r.metrics.get("attention"), r.metrics.get("dist"), r.world_size)] = r
+    if not summaries:
+        raise ValueError(f"no {MATRIX_SUITE!r} records")
+    runs = {s.metrics["run"] for s in summaries.values()}
+    epochs = [r for r in records if r.suite == TRAIN_SUITE and r.status == "ok" and r.metrics.get("run") in runs]
+    return list(summaries.values()), epochs
+
+
+TABLE_COLUMNS = {"metrics.attention": "attention", "implementation": "dist", "world_size": "world_size",
+                 "metrics.wall_s": "wall_s", "metrics.s_per_epoch": "s_per_epoch", "tokens_per_s": "tokens_per_s",
+                 "metrics.samples_per_epoch": "samples_per_epoch", "peak_memory_bytes": "peak_memory_bytes",
+                 "metrics.train_loss": "train_loss", "metrics.val_loss": "val_loss", "status": "status",
+                 "error": "error"}
+
+
+def matrix_markdown(summaries: list[Record]) -> str:
+    from analysis.tables import markdown_table, records_frame
+
+    frame = records_frame(summaries)
+    for column in TABLE_COLUMNS:
+        if column not in frame:
+            frame[column] = None
+    frame = frame[list(TABLE_COLUMNS)].rename(columns=TABLE_COLUMNS)
+    return markdown_table(frame, [c for c in TABLE_COLUMNS.values() if c not in ("status", "error")])
+
+
+def _frames(summaries: list[Record], epochs: list[Record]):
+    import pandas as pd
+
+    cells = pd.DataFrame([{"attention": s.metrics.get("attention"), "dist": s.metrics.get("dist"),
+                           "status": s.status, "tokens_per_s": s.tokens_per_s,
+                           "peak_memory_gib": s.peak_memory_bytes / 2**30 if s.peak_memory_bytes else None,
+                           "samples_per_epoch": s.metrics.get("samples_per_epoch")} for s in summaries])
+    rows = []
+    for r in epochs:
+        cell = f"{r.metrics['attention']} / {r.metrics['dist']}"
+        base = {"cell": cell, "epoch": r.metrics["epoch"], "epoch_s": r.metrics["epoch_s"]}
+        rows.append({**base, "split": "train", "loss": r.metrics["train_loss"]})
+        if r.metrics.get("val_loss") is not None:
+            rows.append({**base, "split": "validation", "loss": r.metrics["val_loss"]})
+    return cells, pd.DataFrame(rows, columns=["cell", "epoch", "epoch_s", "split", "loss"])
+
+
+def write_matrix_report(jsonl: str | os.PathLike, out_dir: str | os.PathLike) -> str:
+    """The table (``train_matrix.md``) and the five charts from ``jsonl``'s records; returns the table."""
+    from analysis.plots import bar_plot, line_plot
+
+    summaries, epochs = latest_cells(read_records(jsonl))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = matrix_markdown(summaries)
+    (out / "train_matrix.md").write_text(table + "\n")
+    cells, per_epoch = _frames(summaries, epochs)
+    order = dict(x_order=list(dict.fromkeys(cells["dist"])), hue_order=list(dict.fromkeys(cells["attention"])))
+    bars = {"peak_memory": ("peak_memory_gib", "peak memory per GPU, worst rank (GiB)"),
+            "throughput": ("tokens_per_s", "tokens/s"),
+            "samples_per_epoch": ("samples_per_epoch", "samples per epoch")}
+    for name, (value, label) in bars.items():
+        # A missing bar says why: the cell's status, or that this device does not measure it (CPU memory).
+        notes = cells.assign(note=cells["status"].where(cells["status"] != "ok", "not measured"))
+        bar_plot(notes, "dist", value, hue="attention", note="note", **order, xlabel="data-parallel mode", ylabel=label,
+                 title=label, out=out / f"{name}.png")
+    if per_epoch.empty:  # no cell finished an epoch: the line charts show each cell's status instead
+        for name in ("time_per_epoch", "loss_convergence"):
+            bar_plot(cells.assign(nothing=None), "dist", "nothing", hue="attention", note="status", **order,
+                     xlabel="data-parallel mode", ylabel="", title=name.replace("_", " "), out=out / f"{name}.png")
+        return table
+    epoch_rows = per_epoch.drop_duplicates(["cell", "epoch"])
+    line_plot(epoch_rows, "epoch", "epoch_s", hue="cell", ylabel="seconds per epoch", title="time per epoch",
+              out=out / "time_per_epoch.png")
+    line_plot(per_epoch, "epoch", "loss", hue="cell", col="split", col_order=("train", "validation"),
+              ylabel="loss (nats/token)", title="loss convergence", out=out / "loss_convergence.png")
+    return table
+
+
+# ----------------------------------------------------------------------------- the accumulation study
+
+
+def latest_settings(records: list[Record]) -> list[Record]:
+    """The latest summary per (local batch, accumulation, world size), in file order."""
+    latest: dict[tuple, Record] = {}
+    for r in records:
+        if r.suite == ACCUM_SUITE:
+            latest[(r.batch_size, r.metrics.get("grad_accum"), r.world_size)] = r
+    if not latest:
+        raise ValueError(f"no {ACCUM_SUITE!r} records")
+    return list(latest.values())
+
+
+def write_accum_report(jsonl: str | os.PathLike, out_dir: str | os.PathLike) -> str:
+    """The table (``accum_study.md``) and the two charts from ``jsonl``'s records; returns the table."""
+    import pandas as pd
+
+    from analysis.plots import bar_plot
+    from analysis.tables import markdown_table
+
+    summaries = latest_settings(read_records(jsonl))
+    rows = []
+    for s in summaries:
+        m = s.metrics
+        rows.append({"setting": f"{s.batch_size}x{m.get('grad_accum')}", "world_size": s.world_size,
+                     "global_batch": s.world_size * s.batch_size * (m.get("grad_accum") or 1),
+                     "status": s.status, "error": s.error, "tokens_per_s": s.tokens_per_s,
+                     "step_ms": m.get("step_ms"),
+                     **{f"{p}_ms": (m.get("phase_ms") or {}).get(p) for p in TRAIN_PHASES},
+                     **{name: m.get(name) for name in EPOCH_PHASES}, "peak_memory_bytes": s.peak_memory_bytes})
+    frame = pd.DataFrame(rows)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ok = frame[(frame["status"] == "ok") & frame["tokens_per_s"].notna()]
+    best = ok.loc[ok["tokens_per_s"].idxmax()] if not ok.empty else None
+    text = markdown_table(frame, [c for c in frame.columns if c != "error" or (frame["status"] != "ok").any()])
+    if best is not None:
+        text += (f"\n\nBest setting: {best['setting']} (local batch x accumulation) at "
+                 f"{best['tokens_per_s']:,.0f} tokens/s, global batch {best['global_batch']}.")
+    (out / "accum_study.md").write_text(f"# Batch x gradient accumulation at a fixed global batch\n\n{text}\n")
+    order = list(frame["setting"])
+    phases = frame.melt(id_vars=["setting", "status"], value_vars=[f"{p}_ms" for p in TRAIN_PHASES],
+                        var_name="phase", value_name="ms")
+    phases["phase"] = phases["phase"].str.removesuffix("_ms")
+    bar_plot(phases, "setting", "ms", hue="phase", note="status", x_order=order, xlabel="local batch x accumulation",
+             ylabel="ms per optimizer step", title="time per step by phase", out=out / "accum_phases.png")
+    bar_plot(frame.assign(run="tokens/s"), "setting", "tokens_per_s", hue="run", note="status", x_order=order,
+             xlabel="local batch x accumulation", ylabel="tokens/s", title="throughput", out=out / "accum_throughput.png")
+    return text
