@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parallelism_calc.collectives import ring_all_gather_time, ring_all_reduce_time, ring_reduce_scatter_time
 from parallelism_calc.compute import MODES, forward_flops
 from parallelism_calc.memory import get_precision, Precision
 from parallelism_calc.specs import ModelSpec
@@ -98,7 +99,8 @@ def elementwise_bytes(spec: ModelSpec, tokens: int, mode: str, precision: str | 
 def comm_seconds(spec: ModelSpec, strategy: str, n_devices: int, precision: str | Precision,
                  bus_bw: float | None) -> float:
     """T_comm of one train step (see the module's doc); 0 on one device. ``bus_bw`` is NCCL-tests' bus bandwidth,
-    so a ring collective of V bytes takes V x 2 (n - 1) / n / bus_bw (all-reduce) or V x (n - 1) / n / bus_bw."""
+    which the ring formulas of ``collectives`` take as their link bandwidth W (an all-reduce of V bytes: V x 2 (n - 1)
+    / n / bus_bw; an all-gather or reduce-scatter: V x (n - 1) / n / bus_bw)."""
     if strategy not in STRATEGY_COMMS:
         raise ValueError(f"strategy {strategy!r}; the time floor models {', '.join(STRATEGY_COMMS)}")
     if n_devices < 1:
@@ -109,11 +111,12 @@ def comm_seconds(spec: ModelSpec, strategy: str, n_devices: int, precision: str 
         raise ValueError(f"{n_devices} devices with {strategy}: the floor needs the measured bus bandwidth")
     p = get_precision(precision)
     params = spec.n_params()
-    share = (n_devices - 1) / n_devices
     if strategy == "ddp":  # gradients all-reduced in their own dtype
-        return 2 * share * params * p.grad_bytes / bus_bw
-    # fsdp: all-gather the weights twice in the compute dtype, reduce-scatter the gradients
-    return share * params * (2 * p.activation_bytes + p.grad_bytes) / bus_bw
+        return ring_all_reduce_time(params * p.grad_bytes, n_devices, bus_bw)
+    # fsdp: all-gather the weights for the forward and again for the backward in the compute dtype, then
+    # reduce-scatter the gradients
+    return (2 * ring_all_gather_time(params * p.activation_bytes, n_devices, bus_bw)
+            + ring_reduce_scatter_time(params * p.grad_bytes, n_devices, bus_bw))
 
 
 def step_time_floor(spec: ModelSpec, batch_size: int, seq_len: int, mode: str, precision: str | Precision,
