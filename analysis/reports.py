@@ -103,20 +103,18 @@ def _scalar_metrics(records: list[Record]) -> list[str]:
     return [name for name, scalar in names.items() if scalar]
 
 
-def _side_by_side(files: list[Path], out_dir: Path) -> list[Path]:
+def _side_by_side(records: list[Record], out_dir: Path) -> list[Path]:
     """The PyTorch-vs-JAX report (``analysis.side_by_side``) into ``out_dir/side_by_side`` when some
     configuration was measured in both backends."""
-    records = load_records(files)  # read once, for the check and the report
     frame = side_by_side_frame(records, "train_step")
     if frame.empty or head_to_head(frame).empty:
         return []
     return write_side_by_side(records, out_dir / "side_by_side")
 
 
-def _fidelity(files: list[Path], out_dir: Path) -> list[Path]:
+def _fidelity(records: list[Record], out_dir: Path) -> list[Path]:
     """Predicted against measured (``analysis.fidelity``) into ``out_dir/fidelity.md`` (and its chart) when the
     records hold measured ceilings and GPU train steps."""
-    records = load_records(files)
     if not any(r.suite == CEILINGS_SUITE for r in records) or not fidelity_rows(records):
         return []
     fidelity_report(records, out_dir / "fidelity.md")
@@ -157,8 +155,9 @@ def write_reports(results: Path, out_dir: Path) -> list[Path]:
                 except (KeyError, TypeError, AttributeError) as err:  # a field the report reads is missing
                     raise ValueError(f"{path}: its {suite!r} records do not fit the {suite} report "
                                      f"({type(err).__name__}: {err}): are they filed under the right suite?") from None
-        written += _side_by_side(files, staging)
-        written += _fidelity(files, staging)
+        every = load_records(files)  # the reports across suites read every file once
+        written += _side_by_side(every, staging)
+        written += _fidelity(every, staging)
         index = staging / "index.md"
         lines = ["# Reports", "", f"Generated from `{results}/*.jsonl` by `python -m analysis.reports`.", ""]
         lines += [f"- [{p.relative_to(staging)}]({p.relative_to(staging)})" for p in written]
