@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from analysis.allreduce import ALLREDUCE_SUITE
 from analysis.harness import DTYPES
 from analysis.records import Record
 from parallelism_calc.cli import ArgumentParser, error_boundary
@@ -76,7 +77,7 @@ def bus_bandwidths(records: list[Record]) -> dict[tuple[str, int], float]:
     """{(device name, world size): bytes/s} of the largest NCCL all-reduce recorded (``torch_impl.bench.allreduce``)."""
     best: dict[tuple[str, int], tuple[int, float]] = {}
     for r in records:
-        if r.suite == "allreduce" and r.status == "ok" and r.metrics.get("comm_backend") == "nccl":
+        if r.suite == ALLREDUCE_SUITE and r.status == "ok" and r.metrics.get("comm_backend") == "nccl":
             key = (r.provenance.get("device_name", "?"), r.world_size)
             size = r.metrics.get("bytes", 0)
             if size >= best.get(key, (-1, 0.0))[0]:
