@@ -12,11 +12,13 @@
 #     -> OUT_DIR/jax_vs_torch.jsonl: the best PyTorch step and the scanned JAX step in one call (below).
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR parity
 #     -> OUT_DIR/jax_parity.jsonl: both backends' losses from the same initial xl weights (below).
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR layout
+#     -> OUT_DIR/jax_layout.jsonl: scanned against unrolled blocks at xl 4 x 2,048 (below).
 # Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
 # limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity}
-phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity}
+out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout}
+phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -82,14 +84,28 @@ records)
   ;;
 parity)
   # The same starting weights in both backends (issue 15 item 3): PyTorch saves its initial xl weights, JAX loads
-  # them, both take the same 11 AdamW steps on the same batch (OUT_DIR/jax_parity.jsonl; losses per step).
+  # them, both take the same 12 AdamW steps on the same batch at each learning rate of PARITY_LRS (default 1e-3,
+  # the benchmarks' rate, at which this one-batch run turns chaotic after a few steps, and 1e-4)
+  # (OUT_DIR/jax_parity.jsonl; losses per step).
   runs="$out/jax_parity.jsonl"
   weights=/tmp/xl_init.npz
-  timeout 200 python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 512 --dtype bf16 \
-    --attention sdpa_cudnn --warmup 1 --steps 10 --suite jax_parity --save-weights "$weights" --out "$runs"
-  jax_e2e 200 --model xl --batch-size 4 --seq-len 512 --remat dots_attention --warmup 1 --steps 10 \
-    --suite jax_parity --load-weights "$weights" --out "$runs"
+  for lr in ${PARITY_LRS:-1e-3 1e-4}; do
+    timeout 200 python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 512 --dtype bf16 --lr "$lr" \
+      --attention sdpa_cudnn --warmup 1 --steps 11 --suite jax_parity --save-weights "$weights" --out "$runs"
+    jax_e2e 200 --model xl --batch-size 4 --seq-len 512 --remat dots_attention --warmup 1 --steps 11 --lr "$lr" \
+      --suite jax_parity --load-weights "$weights" --out "$runs"
+  done
   rm -f "$weights"
   ;;
-*) echo "unknown phase $phase; accepted: scan, profile, records, parity" >&2; exit 2 ;;
+layout)
+  # How the blocks are laid out, at xl 4 x 2,048 (OUT_DIR/jax_layout.jsonl): one lax.scan over stacked
+  # parameters (the default) against a Python loop over separate blocks, under the remat policies that fit.
+  runs="$out/jax_layout.jsonl"
+  common=(--model xl --batch-size 4 --seq-len 2048 --warmup 3 --steps 10 --suite jax_layout --out "$runs")
+  jax_e2e 150 --remat dots_attention "${common[@]}"
+  for remat in dots_attention none; do
+    jax_e2e 140 --remat "$remat" --scan-layers off "${common[@]}"
+  done
+  ;;
+*) echo "unknown phase $phase; accepted: scan, profile, records, parity, layout" >&2; exit 2 ;;
 esac
