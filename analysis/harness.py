@@ -83,7 +83,7 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
                         help="forward (no gradients), forward_backward, or train_step with AdamW (default)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=d.dtype,
                         help="fp32 (full-precision matmuls, no TF32); bf16 (autocast: fp32 weights, bf16 compute); "
-                             "bf16_mixed (bf16 weights, fp32 master weights in the optimizer; PyTorch only) "
+                             "bf16_mixed (bf16 weights, fp32 master weights in the optimizer) "
                              f"(default {d.dtype})")
     parser.add_argument("--attention", default=d.attention, help=f"attention backend (default {d.attention})")
     parser.add_argument("--device", default=d.device, help="auto (the accelerator if any), cpu, cuda or cuda:N")
@@ -128,7 +128,8 @@ def resolve_spec(args: StepConfig) -> tuple[ModelSpec, int]:
 @dataclass(frozen=True)
 class StepRun:
     """What a step record says of the run that made it, typed: the suite, what one step runs, the dtype, one
-    step's batch and how many steps were warm-up and timed. ``StepRun.of(config)`` takes them from a run's."""
+    step's batch, how many steps were warm-up and timed, and the learning rate (``metrics.lr``; None: the
+    caller records its own). ``StepRun.of(config)`` takes them from a run's."""
 
     suite: str
     mode: str  # parallelism_calc.compute.MODES
@@ -136,6 +137,7 @@ class StepRun:
     batch_size: int
     warmup: int
     steps: int
+    lr: float | None = None
 
     @classmethod
     def of(cls, args: Any, **changes: Any) -> "StepRun":
@@ -174,6 +176,8 @@ def step_record(
         flops_per_step=flops, peak_memory_bytes=peak_memory_bytes, metrics=dict(metrics or {}), status=status,
         error=error,
     )
+    if run.lr is not None:
+        record.metrics.setdefault("lr", run.lr)
     if status == "ok" and (why := divergence(_losses(record.metrics))):
         record.status, record.error = "diverged", why
     record.provenance["device_name"] = device_name

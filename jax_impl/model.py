@@ -67,7 +67,12 @@ VOCAB = "vocab"
 EMBED = "embed"
 HEADS = "heads"
 MLP = "mlp"
-ATTENTION_OUTPUT = "attention_output"  # checkpoint_name of the attention core's output (for remat policies)
+# checkpoint_name tags of a block's intermediates, which remat policies name (jax_impl.train.REMAT_POLICIES):
+ATTENTION_OUTPUT = "attention_output"  # the attention core's output (B, T, H, D)
+QKV = ("query", "key", "value")  # the attention core's inputs (B, T, H, D), queries and keys after RoPE
+MLP_GATE, MLP_UP = "mlp_gate", "mlp_up"  # SwiGLU's w1 x and w3 x (B, T, d_ff)
+NORMED = ("attention_input", "mlp_input")  # the outputs of ln1 and ln2 (B, T, d)
+ATTENTION_RESIDUAL = "attention_residual"  # x + attn(ln1(x)), the input of ln2 (B, T, d)
 LAYERS = "layers"  # the leading axis of the stacked block parameters (scan_layers); never sharded
 
 
@@ -166,9 +171,9 @@ class CausalSelfAttention(nnx.Module):
     def __call__(self, x: jax.Array, rope: RotaryEmbedding) -> jax.Array:
         batch, seq, d_model = x.shape
         heads = (batch, seq, self.n_heads, d_model // self.n_heads)  # (B, T, H, D)
-        q = rope(self.q_proj(x).reshape(heads))
-        k = rope(self.k_proj(x).reshape(heads))
-        v = self.v_proj(x).reshape(heads)
+        q = checkpoint_name(rope(self.q_proj(x).reshape(heads)), QKV[0])
+        k = checkpoint_name(rope(self.k_proj(x).reshape(heads)), QKV[1])
+        v = checkpoint_name(self.v_proj(x).reshape(heads), QKV[2])
         out = checkpoint_name(get_attention(self.attention_name)(q, k, v), ATTENTION_OUTPUT)  # (B, T, H, D)
         return self.output_proj(out.reshape(batch, seq, d_model))  # (B, T, d)
 
@@ -182,7 +187,8 @@ class SwiGLU(nnx.Module):
         self.w3 = Linear(d_model, d_ff, (EMBED, MLP), rngs=rngs, param_dtype=param_dtype, dtype=dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.w2(jax.nn.silu(self.w1(x)) * self.w3(x))  # (B, T, d) -> (B, T, d_ff) -> (B, T, d)
+        gate, up = checkpoint_name(self.w1(x), MLP_GATE), checkpoint_name(self.w3(x), MLP_UP)  # (B, T, d_ff)
+        return self.w2(jax.nn.silu(gate) * up)  # (B, T, d)
 
 
 class TransformerBlock(nnx.Module):
@@ -195,8 +201,8 @@ class TransformerBlock(nnx.Module):
         self.ffn = SwiGLU(spec.d_model, spec.d_ff, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
 
     def __call__(self, x: jax.Array, rope: RotaryEmbedding) -> jax.Array:
-        x = x + self.attn(self.ln1(x), rope)
-        return x + self.ffn(self.ln2(x))
+        x = checkpoint_name(x + self.attn(checkpoint_name(self.ln1(x), NORMED[0]), rope), ATTENTION_RESIDUAL)
+        return x + self.ffn(checkpoint_name(self.ln2(x), NORMED[1]))
 
 
 # ``apply_block(block, x, rope) -> block(x, rope)``, or a transform of it: the hook through which a train

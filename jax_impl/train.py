@@ -9,8 +9,8 @@ rest, i.e. the RoPE tables), the optax AdamW state and one jitted step:
     params, opt_state = AdamW(grads, opt_state, params)                     # fp32 master weights
 
 Public names:
-* ``ShardedTrainer(spec, mesh, strategy, *, lr, weight_decay=0.0, seed=0, compute_dtype=None, remat="none",
-  attention="naive", b1=0.9, b2=0.999, eps=1e-8, scan_layers=True)``:
+* ``ShardedTrainer(spec, mesh, strategy, *, lr, weight_decay=0.0, seed=0, compute_dtype=None, param_dtype=None,
+  remat="none", attention="naive", b1=0.9, b2=0.999, eps=1e-8, scan_layers=True)``:
   - parameters are created already sharded (``jax_impl.sharding.create_sharded_model``: no device ever
     holds a full copy of a sharded parameter); the AdamW state is created by a jitted ``tx.init`` whose
     ``out_shardings`` give each moment (mu, nu) its parameter's sharding and the step count replicated;
@@ -20,10 +20,13 @@ Public names:
     params / optimizer state;
   - ``.load_weights(weights)``: start from numpy weights keyed by the stable names (e.g. PyTorch's);
   - ``.model``: an ``nnx.Module`` view of the current state (for ``assert_params_sharded``,
-    ``to_numpy_weights``, evaluation); ``.params`` / ``.opt_state`` / ``.rest``: the raw states;
+    ``to_numpy_weights``, evaluation); ``.master_model``: the float32 weights the optimizer updates (the
+    masters, below); ``.params`` / ``.opt_state`` / ``.rest``: the raw states;
     ``.param_shardings`` / ``.opt_shardings`` / ``.batch_sharding``: the shardings used;
     ``.train_step``: the jitted function ``(params, opt_state, rest, tokens) -> (params, opt_state, loss)``
     (params and opt_state donated).
+* ``MasterState(master, inner)``, ``optimizer_update(tx, grads, opt_state, params)``, ``cast_params``: the
+  optimizer step with or without float32 master weights (below).
 * ``make_train_step(graphdef, tx, param_shardings, opt_shardings, rest_shardings, batch_sharding, *,
   remat="none")``: that jitted function on its own, for callers (benchmarks) that hold their own state.
 * ``make_loss_fn(graphdef, batch_sharding, *, remat="none")``: its loss ``(params, rest, tokens) -> loss``
@@ -34,7 +37,11 @@ Public names:
 Precision: parameters are stored in float32 (the master weights); ``compute_dtype=jnp.bfloat16`` builds
 the model with ``dtype=bfloat16``, so every matmul casts its operands to bf16 while RMSNorm, RoPE, the
 softmax and the loss stay float32 (``jax_impl.model``). Gradients come back in float32 (the parameters'
-dtype) and AdamW updates the float32 weights.
+dtype) and AdamW updates the float32 weights. ``param_dtype=jnp.bfloat16`` (the benchmarks' ``--dtype
+bf16_mixed``, PyTorch's ``MasterAdamW`` twin; Micikevicius et al. 2018) stores the parameters in bf16, so
+neither the forward nor the backward casts a weight and the gradients come back in bf16; the optimizer
+state is a ``MasterState``: float32 masters (the initial weights, drawn in float32) and AdamW's moments,
+and each step updates the masters and writes their bf16 rounding as the new parameters.
 
 Activations and rematerialization: the step calls the model with ``apply_block=block_transform(...)``
 (the model's hook, so model code stays single-device and transform-free). It pins every block's input and
@@ -42,7 +49,9 @@ output (B, T, d) to the batch sharding (batch over the rules' "batch" axes, T an
 Megatron layout between blocks), and unless ``remat="none"`` wraps each block in ``jax.checkpoint`` (over
 the block's split state; ``nnx.remat`` trips over the RoPE table shared by all blocks) with a policy of what
 to keep for the backward pass: "full" keeps only the block inputs, "dots" the outputs of the weight
-products, "dots_attention" those and the attention output; the rest of each block is recomputed. With
+products, "dots_attention" those and the attention output, "qkv_mlp" (by the model's ``checkpoint_name``
+tags) the attention's inputs after RoPE and its results and SwiGLU's two products, "qkv_mlp_norms" those
+and the norms' outputs and the residual between attention and MLP; the rest of each block is recomputed. With
 ``scan_layers`` (the default) the blocks are one ``lax.scan`` over stacked parameters (``jax_impl.model``),
 so tracing, compiling and initializing do not grow with depth; the policy then also decides what the scan
 stacks per layer.
@@ -73,7 +82,7 @@ Caveats:
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +92,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.model import ATTENTION_OUTPUT, ApplyBlock, TransformerLM, cross_entropy, load_numpy_weights
+from jax_impl.model import (ATTENTION_OUTPUT, ATTENTION_RESIDUAL, MLP_GATE, MLP_UP, NORMED, QKV, ApplyBlock,
+                            TransformerLM, cross_entropy, load_numpy_weights)
 from jax_impl.sharding import batch_sharding, create_sharded_model, param_shardings
 from parallelism_calc.specs import ModelSpec
 
@@ -100,6 +110,12 @@ def _saved_attention(prim, *_, **params) -> bool:
         prim.name == "name" and params.get("name") == ATTENTION_OUTPUT)
 
 
+def _saving(*names: str):
+    """A policy keeping the intermediates tagged ``names`` (``jax_impl.model``) and the attention's results."""
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_only_these_names(*names), _saved_attention)
+
+
 # --remat: what each block keeps for the backward pass; the rest is recomputed there (jax.checkpoint policies).
 REMAT_POLICIES = {
     "none": None,  # no rematerialization: every residual is kept
@@ -108,6 +124,12 @@ REMAT_POLICIES = {
     "dots_attention": jax.checkpoint_policies.save_from_both_policies(  # those and the attention's results
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         _saved_attention),
+    # By name: the attention's inputs (after RoPE) and results and SwiGLU's two products; the norms, RoPE and
+    # SwiGLU's product are recomputed ...
+    "qkv_mlp": _saving(*QKV, MLP_GATE, MLP_UP),
+    # ... or those and the norms' outputs and the residual stream between attention and MLP (only SwiGLU's
+    # elementwise product is recomputed).
+    "qkv_mlp_norms": _saving(*QKV, MLP_GATE, MLP_UP, *NORMED, ATTENTION_RESIDUAL),
 }
 
 
@@ -157,6 +179,32 @@ def opt_state_shardings(tx: optax.GradientTransformation, params: nnx.State, p_s
         transform_non_params=lambda _: replicated, is_leaf=_is_variable)
 
 
+class MasterState(NamedTuple):
+    """The optimizer state when the parameters are stored in bf16 (``--dtype bf16_mixed``): their float32
+    master copies and the inner optimizer's state (AdamW's moments), which updates the masters."""
+
+    master: Any
+    inner: Any
+
+
+def cast_params(params, dtype):
+    """``params`` with every floating-point leaf cast to ``dtype``."""
+    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+
+
+def optimizer_update(tx: optax.GradientTransformation, grads, opt_state, params):
+    """One optimizer step: ``tx`` on the parameters, or, under a ``MasterState``, on their float32 masters, the
+    parameters then being the new masters rounded to their own dtype (as PyTorch's ``MasterAdamW``): one pass
+    that reads the bf16 gradient, master and moments and writes them and the bf16 weight back."""
+    if isinstance(opt_state, MasterState):
+        updates, inner = tx.update(cast_params(grads, jnp.float32), opt_state.inner, opt_state.master)
+        master = optax.apply_updates(opt_state.master, updates)
+        params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)
+        return params, MasterState(master, inner)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
 def make_loss_fn(graphdef, tokens_sharding: NamedSharding, *, remat: str = "none"):
     """``loss_fn(params, rest, tokens (B, T+1)) -> float32 loss`` (inputs ``[:, :-1]``, targets ``[:, 1:]``):
     the tokens pinned to ``tokens_sharding``, every block's activations to the batch sharding, the blocks
@@ -187,8 +235,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, p_shardings, o_s
     def train_step(params, opt_state, rest, tokens):
         loss, grads = jax.value_and_grad(loss_fn)(params, rest, tokens)
         grads = jax.lax.with_sharding_constraint(grads, p_shardings)  # grads follow the params
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = optimizer_update(tx, grads, opt_state, params)
         return params, opt_state, loss
 
     return jax.jit(
@@ -203,22 +250,37 @@ class ShardedTrainer:
     """AdamW training of ``TransformerLM(spec)`` on ``mesh`` under ``strategy``'s rules (module docstring)."""
 
     def __init__(self, spec: ModelSpec, mesh: Mesh, strategy: str, *, lr: float, weight_decay: float = 0.0,
-                 seed: int = 0, compute_dtype=None, remat: str = "none", attention: str = "naive",
-                 b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, scan_layers: bool = True):
+                 seed: int = 0, compute_dtype=None, param_dtype=None, remat: str = "none",
+                 attention: str = "naive", b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                 scan_layers: bool = True):
         self.spec, self.mesh, self.strategy = spec, mesh, strategy
+        self.param_dtype = jnp.dtype(param_dtype or jnp.float32)
+        if self.param_dtype != jnp.float32 and compute_dtype is None:
+            compute_dtype = self.param_dtype  # low-precision weights compute in their own dtype
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
         self.remat = check_remat(remat)
         model = create_sharded_model(spec, mesh, strategy, seed=seed, attention=attention, dtype=compute_dtype,
-                                     scan_layers=scan_layers)
-        self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
-        self.param_shardings = param_shardings(self.params, mesh, strategy)
+                                     scan_layers=scan_layers)  # float32 weights, drawn as PyTorch draws them
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.param_shardings = param_shardings(params, mesh, strategy)
         self.rest_shardings = param_shardings(self.rest, mesh, strategy)  # no logical names: replicated
         self.batch_sharding = batch_sharding(mesh, strategy)
         self.tx = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)  # torch's AdamW defaults
-        self.opt_shardings = opt_state_shardings(self.tx, self.params, self.param_shardings, mesh)
-        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
+        inner_shardings = opt_state_shardings(self.tx, params, self.param_shardings, mesh)
+        inner = jax.jit(self.tx.init, out_shardings=inner_shardings)(params)
+        if self.param_dtype == jnp.float32:
+            self.params, self.opt_state, self.opt_shardings = params, inner, inner_shardings
+        else:  # the float32 weights become the masters; the model's weights are their rounded copies
+            self.opt_state, self.opt_shardings = MasterState(params, inner), MasterState(self.param_shardings,
+                                                                                          inner_shardings)
+            self.params = self._rounded(params)
         self.train_step = make_train_step(self.graphdef, self.tx, self.param_shardings, self.opt_shardings,
                                           self.rest_shardings, self.batch_sharding, remat=remat)
+
+    def _rounded(self, master):
+        """``master`` cast to the parameters' dtype, placed with the parameters' shardings."""
+        cast = functools.partial(cast_params, dtype=self.param_dtype)
+        return jax.jit(cast, out_shardings=self.param_shardings)(master)
 
     @property
     def data_parallel_degree(self) -> int:
@@ -233,12 +295,26 @@ class ShardedTrainer:
         """The current parameters as a module (shares the arrays; do not keep it across ``step`` calls)."""
         return nnx.merge(self.graphdef, self.params, self.rest)
 
+    @property
+    def master_model(self) -> TransformerLM:
+        """The float32 weights the optimizer updates as a module: the masters (``MasterState``) where the
+        parameters are stored in a lower precision, else ``model``."""
+        if isinstance(self.opt_state, MasterState):
+            return nnx.merge(self.graphdef, self.opt_state.master, self.rest)
+        return self.model
+
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
-        """Replace the parameters by ``weights`` (stable PyTorch names and layout, ``load_numpy_weights``),
-        each placed with its current sharding. Call before the first step (the moments start at zero)."""
-        model = self.model
+        """Replace the weights by ``weights`` (stable PyTorch names and layout, ``load_numpy_weights``),
+        each placed with its current sharding (the masters, and the parameters rounded from them, under a
+        ``MasterState``). Call before the first step (the moments start at zero)."""
+        model = self.master_model
         load_numpy_weights(model, weights)
-        self.params = nnx.state(model, nnx.Param)
+        loaded = nnx.state(model, nnx.Param)
+        if isinstance(self.opt_state, MasterState):
+            self.opt_state = self.opt_state._replace(master=loaded)
+            self.params = self._rounded(loaded)
+        else:
+            self.params = loaded
 
     def place_batch(self, tokens) -> jax.Array:
         """Check ``tokens`` (B, T+1) and place it with the batch sharding."""

@@ -14,11 +14,13 @@
 #     -> OUT_DIR/jax_parity.jsonl: both backends' losses from the same initial xl weights (below).
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR layout
 #     -> OUT_DIR/jax_layout.jsonl: scanned against unrolled blocks at xl 4 x 2,048 (below).
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR mixed
+#     -> OUT_DIR/jax_mixed.jsonl: bf16 weights with float32 masters under the remat policies (below).
 # Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
 # limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout}
-phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout}
+out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout|mixed}
+phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout|mixed}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -107,5 +109,28 @@ layout)
     jax_e2e 140 --remat "$remat" --scan-layers off "${common[@]}"
   done
   ;;
-*) echo "unknown phase $phase; accepted: scan, profile, records, parity, layout" >&2; exit 2 ;;
+mixed)
+  # bf16 weights with float32 masters (--dtype bf16_mixed, as PyTorch's best step) and the remat policies that
+  # keep named intermediates, against the bf16 step (fp32 weights, bf16 compute) at xl 4 x 2,048 and 2.7B
+  # 2 x 2,048 (OUT_DIR/jax_mixed.jsonl); with MIXED_XLA_FLAGS="--opt=a --opt=b" the xl bf16_mixed qkv_mlp step
+  # under each option too; the kernel table of xl bf16_mixed qkv_mlp.
+  runs="$out/jax_mixed.jsonl"
+  common=(--warmup 3 --steps 10 --suite jax_mixed --out "$runs")
+  xl=(--model xl --batch-size 4 --seq-len 2048)
+  jax_e2e 150 "${xl[@]}" --remat dots_attention "${common[@]}"
+  for remat in dots_attention qkv_mlp qkv_mlp_norms none; do
+    jax_e2e 150 "${xl[@]}" --dtype bf16_mixed --remat "$remat" "${common[@]}"
+  done
+  for flags in ${MIXED_XLA_FLAGS:-}; do
+    XLA_FLAGS="$flags" jax_e2e 150 "${xl[@]}" --dtype bf16_mixed --remat qkv_mlp "${common[@]}"
+  done
+  for remat in full dots_attention qkv_mlp; do
+    jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --dtype bf16_mixed --remat "$remat" "${common[@]}"
+  done
+  jax_e2e 150 "${xl[@]}" --dtype bf16_mixed --remat qkv_mlp --warmup 3 --steps 10 --suite jax_mixed_profile \
+    --out "$out/jax_mixed_profile.jsonl" --profile "$out/profile"
+  cp "$out"/profile/*_kernels.md "$out"/ 2>/dev/null
+  rm -rf "$out/profile"
+  ;;
+*) echo "unknown phase $phase; accepted: scan, profile, records, parity, layout, mixed" >&2; exit 2 ;;
 esac

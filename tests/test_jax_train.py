@@ -5,7 +5,8 @@ dp=2 x fsdp=2 x tp=2 give
 the same losses and final parameters as the same trainer on a 1-device mesh (float32, highest matmul
 precision, rtol 1e-5); afterwards parameters are placed as the rules say and each AdamW moment has its
 parameter's sharding; donated buffers are really consumed (and the steps after still work); every remat policy
-gives the same steps; bf16 compute keeps fp32 master weights; scanned (stacked) and unrolled blocks take the
+gives the same steps; bf16 compute keeps fp32 master weights; bf16 weights step float32 masters (AdamW
+against float64); scanned (stacked) and unrolled blocks take the
 same steps from the same weights; every block's input and output is pinned to the
 batch sharding in the lowered step; bad batches raise ValueError.
 """
@@ -22,7 +23,7 @@ from flax import nnx  # noqa: E402
 
 from jax_impl.sharding import assert_params_sharded, make_mesh  # noqa: E402
 from jax_impl.model import to_numpy_weights  # noqa: E402
-from jax_impl.train import REMAT_POLICIES, ShardedTrainer  # noqa: E402
+from jax_impl.train import REMAT_POLICIES, ShardedTrainer, make_loss_fn  # noqa: E402
 from parallelism_calc.specs import MODELS, ParallelSpec  # noqa: E402
 
 TINY1 = MODELS["tiny"].replace(name="tiny1", n_layers=1)  # one block: half the compile time
@@ -124,6 +125,41 @@ def test_bf16_compute_keeps_fp32_master_weights(reference):
     for leaf in jax.tree.leaves(trainer.params):  # fp32 master weights
         assert leaf.dtype == jnp.float32
     np.testing.assert_allclose(losses, reference[0], rtol=2e-2)  # bf16 matmuls, fp32 loss
+
+
+def test_bf16_weights_step_their_float32_masters():
+    """``param_dtype=bf16`` (``--dtype bf16_mixed``): bf16 parameters, float32 masters sharded like them; one
+    step moves the masters as float64 AdamW on the gradient taken at the bf16 weights, and the new parameters
+    are the new masters rounded to bf16; loaded weights become the masters exactly."""
+    mesh = make_mesh(ParallelSpec(fsdp=2), _cpu_devices(2))
+    trainer = ShardedTrainer(TINY1, mesh, "fsdp", param_dtype=jnp.bfloat16, remat="dots", **HP)
+    rng = np.random.default_rng(1)
+    weights = {name: rng.standard_normal(w.shape).astype(np.float32) * 0.1
+               for name, w in to_numpy_weights(trainer.master_model).items()}
+    trainer.load_weights(weights)
+    assert to_numpy_weights(trainer.master_model).keys() == weights.keys()
+    for name, master in to_numpy_weights(trainer.master_model).items():
+        np.testing.assert_array_equal(master, weights[name], err_msg=name)
+    assert trainer.model.dtype == jnp.bfloat16
+    for param, master in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(trainer.opt_state.master)):
+        assert param.dtype == jnp.bfloat16 and master.dtype == jnp.float32
+        assert master.sharding.is_equivalent_to(param.sharding, param.ndim)
+        np.testing.assert_array_equal(np.asarray(param), np.asarray(master.astype(jnp.bfloat16)))
+
+    tokens = trainer.place_batch(_batches()[0])
+    loss_fn = make_loss_fn(trainer.graphdef, trainer.batch_sharding, remat="dots")
+    grads = jax.jit(jax.grad(loss_fn))(trainer.params, trainer.rest, tokens)  # at the bf16 weights
+    before = {k: np.asarray(v.get_value(), np.float64) for k, v in nnx.to_flat_state(trainer.opt_state.master)}
+    trainer.step(np.asarray(jax.device_get(tokens)))
+    b1, b2, lr, eps, wd = 0.9, 0.999, HP["lr"], HP["eps"], HP["weight_decay"]
+    masters, params = dict(nnx.to_flat_state(trainer.opt_state.master)), dict(nnx.to_flat_state(trainer.params))
+    for path, g in nnx.to_flat_state(grads):
+        g = np.asarray(g.get_value(), np.float64)
+        m_hat, v_hat = (1 - b1) * g / (1 - b1), (1 - b2) * g * g / (1 - b2)  # Adam's first, bias-corrected step
+        expected = before[path] - lr * (m_hat / (np.sqrt(v_hat) + eps) + wd * before[path])
+        master = masters[path].get_value()
+        np.testing.assert_allclose(np.asarray(master), expected, rtol=1e-5, atol=1e-7, err_msg=str(path))
+        np.testing.assert_array_equal(np.asarray(params[path].get_value()), np.asarray(master.astype(jnp.bfloat16)))
 
 
 @pytest.mark.parametrize("remat,compute_dtype,rtol", [("none", None, 1e-6), ("dots", None, 1e-6),

@@ -137,9 +137,6 @@ def predicted_memory(spec: ModelSpec, args: JaxStepConfig, seq_len: int, mesh: M
 
 
 def measure(args: JaxStepConfig) -> Record:
-    if args.dtype == "bf16_mixed":
-        raise ValueError("--dtype bf16_mixed (bf16 weights, fp32 master weights) is the PyTorch benchmark's; "
-                         "the JAX twin accepts fp32, bf16")
     initialize_from_env()
     # fp32 means full fp32 matmuls, as PyTorch's default (JAX's default on a GPU would use TF32).
     precision = "highest" if args.dtype == "fp32" else "default"
@@ -177,14 +174,15 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
     spec, seq_len = resolve_spec(args)
     start = time.perf_counter()
     trainer = ShardedTrainer(spec, mesh, strategy, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
-                             compute_dtype=jnp.bfloat16 if args.dtype == "bf16" else None, remat=args.remat,
+                             compute_dtype=None if args.dtype == "fp32" else jnp.bfloat16,
+                             param_dtype=jnp.bfloat16 if args.dtype == "bf16_mixed" else None, remat=args.remat,
                              attention=args.attention, scan_layers=args.scan_layers == "on")
     jax.block_until_ready((trainer.params, trainer.opt_state))
     init_s = time.perf_counter() - start  # parameters and AdamW state created (compiles included)
     if args.load_weights:
         trainer.load_weights(dict(np.load(args.load_weights)))
     if args.save_weights and jax.process_index() == 0:
-        np.savez(args.save_weights, **to_numpy_weights(trainer.model))
+        np.savez(args.save_weights, **to_numpy_weights(trainer.master_model))
     tokens = trainer.place_batch(fixed_batch(args.seed, args.batch_size, seq_len, spec.vocab_size))
 
     start = time.perf_counter()
@@ -268,7 +266,9 @@ def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat", nargs="?", const="full", default="none", choices=REMAT_POLICIES,
                         help="what each block keeps for the backward pass, the rest recomputed: none (default), "
                              "full (only its input; also the value of a bare --remat), dots (the weight "
-                             "products' outputs), dots_attention (those and the attention output)")
+                             "products' outputs), dots_attention (those and the attention output), qkv_mlp (the "
+                             "attention's inputs and results, SwiGLU's products), qkv_mlp_norms (those, the norms' "
+                             "outputs and the residual between attention and MLP)")
     parser.add_argument("--scan-layers", choices=("on", "off"), default="on",
                         help="on: the blocks' parameters stacked and run by one lax.scan, so init and compile "
                              "time do not grow with depth (default); off: a Python loop over separate blocks")
