@@ -14,7 +14,7 @@ mesh, JAX's convention; the PyTorch DDP benchmark's batch is per rank); ``tflops
 on CPU). Metrics: ``strategy``, ``remat``, ``scan_layers``, ``init_s`` (parameters and AdamW state created,
 their jitted initializers' compiles included), ``compile_s`` (the step's ahead-of-time compile; with
 ``JAX_COMPILATION_CACHE_DIR`` set, recorded as ``compilation_cache_dir``, a warm cache shortens both),
-``xla_flags`` (the ``XLA_FLAGS`` it ran under),
+``xla_flags`` and ``mem_fraction`` (the ``XLA_FLAGS`` and ``XLA_PYTHON_CLIENT_MEM_FRACTION`` it ran under),
 ``compiled_memory`` (the compiled step's
 ``memory_analysis()`` per device: arguments, outputs, aliased (donated) and temporary bytes, and
 ``estimate_bytes`` = arguments + outputs - aliased + temporaries), the losses, and
@@ -198,6 +198,7 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
         "strategy": strategy, "remat": args.remat, "scan_layers": args.scan_layers == "on",
         "attention": args.attention, "init_s": init_s, "compile_s": compile_s,
         "compilation_cache_dir": jax.config.jax_compilation_cache_dir, "xla_flags": os.environ.get("XLA_FLAGS"),
+        "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
         "compiled_memory": compiled_memory(compiled), "loss_first": losses[0], "loss_last": losses[-1],
         "losses": losses, **predicted_memory(spec, args, seq_len, mesh, strategy)}
     if args.profile:
