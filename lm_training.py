@@ -11,6 +11,8 @@
 * ``check_resume_settings(saved, now, checkpoint, data)``: a ValueError naming what differs (the data set first).
 * ``epoch_metrics(cfg, ...)``: the metrics of an epoch record every trainer writes (the same names in both
   backends, so ``analysis.training`` reads either); ``describe_epoch(record)``: its one-line summary.
+* ``TrainResult``: what a run returns (records, losses, where it started, how it ended);
+  ``progress_bar(total, desc, enabled)``: a tqdm bar on stderr, or None (disabled, or tqdm missing).
 
 References: CS336 (Stanford, 2025) assignment 1 (the cosine schedule with warm-up, the training loop); MaxText's
 ``train.py`` (one config object across the loop); nanoGPT's ``train.py`` (``get_lr``).
@@ -22,6 +24,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -232,3 +235,26 @@ def describe_epoch(record: Any) -> str:
     return (f"epoch {m['epoch']}/{m['epochs']}: train loss {m['train_loss']:.4f}, val loss {val}, "
             f"{m['epoch_s']:.2f} s ({m['training_s']:.2f} training, {m['validation_s']:.2f} validation), "
             f"{record.tokens_per_s:,.0f} tokens/s, {m['samples_per_epoch']} samples")
+
+
+@dataclass
+class TrainResult:
+    records: list  # analysis.records.Record, one per epoch run (on every rank; rank 0 wrote them to --out)
+    train_losses: list[float]  # per step run, averaged over ranks
+    val_losses: list[float | None]  # per epoch run
+    start_step: int  # 0, or the step resumed from
+    params: dict[str, Any] | None = None  # full final parameters on the host, stable names (keep_params=True)
+    stopped_early: bool = False
+    diverged: bool = False  # a loss was not finite: the run stopped after that epoch (its record: "diverged")
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    """A tqdm bar of ``total`` steps on stderr, or None when disabled or tqdm is missing (the GPU image may lack
+    it: the per-epoch line is printed anyway)."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr, leave=False)

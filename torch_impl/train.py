@@ -84,8 +84,8 @@ import torch.distributed as dist  # noqa: E402
 from analysis.harness import DTYPES, StepRun, step_record  # noqa: E402
 from analysis.records import TRAIN_PHASES as STEP_PHASES, Record, divergence, save_records  # noqa: E402
 from lm_data import TokenData, global_batch_starts, prepare_data, validation_batch_starts  # noqa: E402
-from lm_training import (TrainSettings, add_training_arguments, check_resume_settings, describe_epoch,  # noqa: E402
-                         epoch_metrics, lr_at)
+from lm_training import (TrainResult, TrainSettings, add_training_arguments, check_resume_settings,  # noqa: E402
+                         describe_epoch, epoch_metrics, lr_at, progress_bar)
 from parallelism_calc.cli import ArgumentParser, error_boundary, one_line, positive_float  # noqa: E402
 from parallelism_calc.specs import ModelSpec  # noqa: E402
 from torch_impl import checkpoint as ckpt  # noqa: E402
@@ -221,32 +221,11 @@ def restore(parts: StepParts, cfg: TrainConfig, generator: np.random.Generator, 
 
 
 @dataclass
-class TrainResult:
-    records: list[Record]  # one per epoch run (on every rank; rank 0 wrote them to --out)
-    train_losses: list[float]  # per step run, averaged over ranks
-    val_losses: list[float | None]  # per epoch run
-    start_step: int  # 0, or the step resumed from
-    params: dict[str, torch.Tensor] | None = None  # full final parameters on the CPU (keep_params=True)
-    stopped_early: bool = False
-    diverged: bool = False  # a loss was not finite: the run stopped after that epoch (its record: "diverged")
-
-
-@dataclass
 class _EpochStats:
     step_ms: list[float] = field(default_factory=list)
     phase_ms: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in STEP_PHASES})
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the GPU image may lack tqdm: the per-epoch line is printed anyway
-        return None
-    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr, leave=False)
 
 
 def _context(cfg: TrainConfig) -> DistributedContext:
@@ -287,7 +266,7 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
             torch.cuda.reset_peak_memory_stats(device)
         epoch_start = time.perf_counter()
         stats = _EpochStats()
-        bar = _progress(steps_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and rank == 0)
+        bar = progress_bar(steps_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and rank == 0)
         timer = PhaseTimer(device)
         for _ in range(steps_per_epoch):
             step_start = time.perf_counter()
