@@ -132,3 +132,35 @@ def test_cli_refuses_a_checkpoint_of_other_settings(cache, tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "settings differ" in err[0] and "'seed': (0, 7)" in err[0], err
+
+
+def test_matrix_loss_chart_gets_the_latest_jax_run(tmp_path, monkeypatch):
+    """analysis.training: the JAX trainer's latest run (a resumed run continues it) is a line beside the cells."""
+    import analysis.plots
+    from analysis.records import Record, save_records
+    from analysis.training import latest_jax_runs, write_matrix_report
+
+    def epoch(backend, implementation, n, loss, run=None):
+        return Record(suite="train", backend=backend, implementation=implementation, metrics={
+            "attention": "sdpa", "dist": "none", "epoch": n, "epoch_s": 1.0, "train_loss": loss, "val_loss": loss,
+            "run": run})
+
+    records = [Record(suite="train_matrix", backend="torch", implementation="none",
+                      metrics={"attention": "sdpa", "dist": "none", "run": "cell", "samples_per_epoch": 4}),
+               epoch("torch", "none", 1, 5.0, "cell"), epoch("torch", "none", 2, 4.0, "cell"),
+               epoch("jax", "jit naive", 1, 9.0), epoch("jax", "jit naive", 2, 8.0),  # an older run
+               epoch("jax", "jit naive", 1, 6.0), epoch("jax", "jit naive", 2, 5.5), epoch("jax", "jit naive", 3, 5.0)]
+    for r in records:
+        save_records(tmp_path / "m.jsonl", r)
+    assert [r.metrics["train_loss"] for r in latest_jax_runs(records)] == [6.0, 5.5, 5.0]
+    drawn, line_plot = {}, analysis.plots.line_plot
+
+    def recording_line_plot(frame, *args, **kwargs):
+        drawn[kwargs["title"]] = frame
+        return line_plot(frame, *args, **kwargs)
+
+    monkeypatch.setattr(analysis.plots, "line_plot", recording_line_plot)
+    write_matrix_report(tmp_path / "m.jsonl", tmp_path / "report")
+    lines = drawn["loss convergence"].groupby("cell")["loss"].apply(list).to_dict()
+    assert lines == {"jax: jit naive": [6.0, 6.0, 5.5, 5.5, 5.0, 5.0], "sdpa / none": [5.0, 5.0, 4.0, 4.0]}
+    assert (tmp_path / "report" / "loss_convergence.png").exists()
