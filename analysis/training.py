@@ -6,7 +6,8 @@
   against epoch), ``peak_memory.png``, ``throughput.png`` (tokens/s), ``samples_per_epoch.png``
   (``analysis.plots.bar_plot``: bars per mode, one colour per attention kernel; a failed cell shows its status
   instead of a bar; on a CPU, memory is not measured and the chart says so) and ``loss_convergence.png``
-  (training and validation loss against epoch).
+  (training and validation loss against epoch; beside the cells, the latest run of the JAX trainer
+  (``jax_impl.trainer``) per implementation found in the same file, ``latest_jax_runs``, labelled "jax: ...").
 * The batch x accumulation study (suite "accum_study", ``torch_impl.bench.accum_study``), ``write_accum_report``:
   the latest summary per setting: ``accum_study.md`` (the table, and the best setting by tokens/s) and two
   charts, ``accum_phases.png`` (ms per step per phase, grouped bars per setting) and ``accum_throughput.png``
@@ -45,6 +46,19 @@ def latest_cells(records: list[Record]) -> tuple[list[Record], list[Record]]:
     return list(summaries.values()), epochs
 
 
+def latest_jax_runs(records: list[Record]) -> list[Record]:
+    """The epoch records of the JAX trainer's latest run per (implementation, run name), in file order: a run
+    restarts where its epoch number does not grow (a resumed run continues it)."""
+    runs: dict[tuple, list[Record]] = {}
+    for r in records:
+        if r.suite == TRAIN_SUITE and r.backend == "jax" and r.status == "ok":
+            run = runs.setdefault((r.implementation, r.metrics.get("run")), [])
+            if run and r.metrics["epoch"] <= run[-1].metrics["epoch"]:
+                run.clear()
+            run.append(r)
+    return [r for run in runs.values() for r in run]
+
+
 TABLE_COLUMNS = {"metrics.attention": "attention", "implementation": "dist", "world_size": "world_size",
                  "metrics.wall_s": "wall_s", "metrics.s_per_epoch": "s_per_epoch", "tokens_per_s": "tokens_per_s",
                  "metrics.samples_per_epoch": "samples_per_epoch", "peak_memory_bytes": "peak_memory_bytes",
@@ -63,6 +77,11 @@ def matrix_markdown(summaries: list[Record]) -> str:
     return markdown_table(frame, [c for c in TABLE_COLUMNS.values() if c not in ("status", "error")])
 
 
+def _cell(r: Record) -> str:
+    """The loss chart's line of an epoch record: "attention / dist" for the matrix's cells, "jax: ..." for JAX."""
+    return f"jax: {r.implementation}" if r.backend == "jax" else f"{r.metrics['attention']} / {r.metrics['dist']}"
+
+
 def _frames(summaries: list[Record], epochs: list[Record]):
     import pandas as pd
 
@@ -72,8 +91,7 @@ def _frames(summaries: list[Record], epochs: list[Record]):
                            "samples_per_epoch": s.metrics.get("samples_per_epoch")} for s in summaries])
     rows = []
     for r in epochs:
-        cell = f"{r.metrics['attention']} / {r.metrics['dist']}"
-        base = {"cell": cell, "epoch": r.metrics["epoch"], "epoch_s": r.metrics["epoch_s"]}
+        base = {"cell": _cell(r), "epoch": r.metrics["epoch"], "epoch_s": r.metrics["epoch_s"]}
         rows.append({**base, "split": "train", "loss": r.metrics["train_loss"]})
         if r.metrics.get("val_loss") is not None:
             rows.append({**base, "split": "validation", "loss": r.metrics["val_loss"]})
@@ -82,9 +100,12 @@ def _frames(summaries: list[Record], epochs: list[Record]):
 
 def write_matrix_report(jsonl: str | os.PathLike, out_dir: str | os.PathLike) -> str:
     """The table (``train_matrix.md``) and the five charts from ``jsonl``'s records; returns the table."""
+    import pandas as pd
+
     from analysis.plots import bar_plot, line_plot
 
-    summaries, epochs = latest_cells(read_records(jsonl))
+    records = read_records(jsonl)
+    summaries, epochs = latest_cells(records)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = matrix_markdown(summaries)
@@ -104,10 +125,12 @@ def write_matrix_report(jsonl: str | os.PathLike, out_dir: str | os.PathLike) ->
             bar_plot(cells.assign(nothing=None), "dist", "nothing", hue="attention", note="status", **order,
                      xlabel="data-parallel mode", ylabel="", title=name.replace("_", " "), out=out / f"{name}.png")
         return table
+    jax_epochs = _frames(summaries, latest_jax_runs(records))[1]
     epoch_rows = per_epoch.drop_duplicates(["cell", "epoch"])
     line_plot(epoch_rows, "epoch", "epoch_s", hue="cell", ylabel="seconds per epoch", title="time per epoch",
               out=out / "time_per_epoch.png")
-    line_plot(per_epoch, "epoch", "loss", hue="cell", col="split", col_order=("train", "validation"),
+    losses = pd.concat([per_epoch, jax_epochs], ignore_index=True) if not jax_epochs.empty else per_epoch
+    line_plot(losses, "epoch", "loss", hue="cell", col="split", col_order=("train", "validation"),
               ylabel="loss (nats/token)", title="loss convergence", out=out / "loss_convergence.png")
     return table
 

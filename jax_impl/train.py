@@ -5,19 +5,25 @@ rest, i.e. the RoPE tables), the optax AdamW state and one jitted step:
 
     tokens (B, T+1) int  --device_put with batch_sharding-->  inputs (B, T), targets (B, T)
     loss, grads = value_and_grad(cross_entropy(model(inputs), targets))     # fp32 loss
+                  (the mean over grad_accum micro-batches, lax.scan, when accumulating)
     grads = with_sharding_constraint(grads, param shardings)                # see sharding.py's docstring
-    params, opt_state = AdamW(grads, opt_state, params)                     # fp32 master weights
+    params, opt_state = [clip_by_global_norm ->] AdamW(grads, opt_state, params)   # fp32 master weights
 
 Public names:
 * ``ShardedTrainer(spec, mesh, strategy, *, lr, weight_decay=0.0, seed=0, compute_dtype=None, param_dtype=None,
-  remat="none", attention="naive", b1=0.9, b2=0.999, eps=1e-8, scan_layers=True)``:
+  remat="none", attention="naive", b1=0.9, b2=0.999, eps=1e-8, scan_layers=True, grad_clip=0.0,
+  grad_accum=1)``: ``lr`` a number or an optax schedule (a function of the update count, from 0);
+  ``grad_clip > 0`` chains ``optax.clip_by_global_norm`` before AdamW (the norm over every parameter, as
+  torch's ``clip_grad_norm_``);
   - parameters are created already sharded (``jax_impl.sharding.create_sharded_model``: no device ever
     holds a full copy of a sharded parameter); the AdamW state is created by a jitted ``tx.init`` whose
     ``out_shardings`` give each moment (mu, nu) its parameter's sharding and the step count replicated;
   - ``.step(tokens) -> loss`` (a float32 scalar ``jax.Array``; ``float()`` it to wait): places the batch
     with ``batch_sharding(mesh, strategy)`` (ValueError if B is not divisible by the data-parallel degree
     dp x fsdp, or tokens are not a 2-D integer array with T+1 >= 2), runs the jitted step, keeps the new
-    params / optimizer state;
+    params / optimizer state. With ``grad_accum`` A > 1 the B rows are A micro-batches of B / A rows in
+    order (rows ``[j B/A, (j+1) B/A)`` are micro-batch j), each split over the data-parallel devices;
+  - ``.eval_loss(tokens) -> loss``: the mean loss of a (B, T+1) batch, no update (a jitted forward);
   - ``.load_weights(weights)``: start from numpy weights keyed by the stable names (e.g. PyTorch's);
   - ``.model``: an ``nnx.Module`` view of the current state (for ``assert_params_sharded``,
     ``to_numpy_weights``, evaluation); ``.master_model``: the float32 weights the optimizer updates (the
@@ -28,7 +34,8 @@ Public names:
 * ``MasterState(master, inner)``, ``optimizer_update(tx, grads, opt_state, params)``, ``cast_params``: the
   optimizer step with or without float32 master weights (below).
 * ``make_train_step(graphdef, tx, param_shardings, opt_shardings, rest_shardings, batch_sharding, *,
-  remat="none")``: that jitted function on its own, for callers (benchmarks) that hold their own state.
+  remat="none", grad_accum=1)``: that jitted function on its own, for callers (benchmarks) that hold their own
+  state; with ``grad_accum`` A > 1 its tokens are (A, B / A, T+1), placed with ``micro_batch_sharding``.
 * ``make_loss_fn(graphdef, batch_sharding, *, remat="none")``: its loss ``(params, rest, tokens) -> loss``
   (for forward-only or forward+backward benchmarks); ``block_transform(*, remat="none",
   activation_sharding=None, prevent_cse=True)``: the model hook it uses (below); ``REMAT_POLICIES``: the
@@ -57,7 +64,7 @@ so tracing, compiling and initializing do not grow with depth; the policy then a
 stacks per layer.
 
 References: MaxText ``train.py`` (``train_step``: jit with in/out shardings from the logical-axis rules,
-donated state, fp32 loss) and ``maxtext_utils.get_abstract_state`` (optimizer state sharded like the
+donated state, fp32 loss; its ``gradient_accumulation_steps`` scan) and ``maxtext_utils.get_abstract_state`` (optimizer state sharded like the
 parameters); the Flax NNX "Scale up on multiple devices" guide (``nnx.split`` / jitted init with
 ``out_shardings``); the optax ``tree_map_params`` docs; Chen et al. 2016 (gradient checkpointing).
 
@@ -75,8 +82,11 @@ Caveats:
 * The loss is the mean over all B x T tokens of the global batch (the same number on any mesh), so sharded
   and single-device runs take identical steps up to float reassociation in the reductions; compare them
   at ``jax.default_matmul_precision("highest")``, since TPU/GPU defaults use bf16/TF32 matmul passes.
-* Gradient accumulation, learning-rate schedules, gradient clipping and multi-host data loading are not
-  here (a single global batch per step, placed from one host).
+* Gradient accumulation is a ``lax.scan`` over the micro-batches inside the one jitted step (one compile,
+  gradients summed in float32 then divided by A: the mean over the global batch, as the PyTorch trainer's
+  loss / grad_accum per micro-batch, equal to float round-off). Multi-host data loading is not here (the
+  global batch is placed from one host). The training loop (epochs, schedule, checkpoints) is
+  ``jax_impl.trainer``.
 """
 
 from __future__ import annotations
@@ -223,24 +233,47 @@ def make_loss_fn(graphdef, tokens_sharding: NamedSharding, *, remat: str = "none
     return loss_fn
 
 
+def micro_batch_sharding(tokens_sharding: NamedSharding) -> NamedSharding:
+    """The sharding of accumulated tokens (A, B / A, T+1): micro-batches whole on every device, each split as
+    ``tokens_sharding`` splits a batch."""
+    return NamedSharding(tokens_sharding.mesh, P(None, *tokens_sharding.spec))
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, p_shardings, o_shardings, rest_shardings,
-                    tokens_sharding: NamedSharding, *, remat: str = "none"):
-    """The jitted step ``(params, opt_state, rest, tokens (B, T+1)) -> (params, opt_state, loss)``.
+                    tokens_sharding: NamedSharding, *, remat: str = "none", grad_accum: int = 1):
+    """The jitted step ``(params, opt_state, rest, tokens) -> (params, opt_state, loss)``: tokens (B, T+1), or
+    (grad_accum, B / grad_accum, T+1) micro-batches whose mean loss and gradient make one update.
 
     params and opt_state are donated; in/out shardings are pinned to the given ones (the loss replicated).
     """
+    if not grad_accum >= 1:
+        raise ValueError(f"grad_accum={grad_accum} must be >= 1")
     replicated = NamedSharding(tokens_sharding.mesh, P())
     loss_fn = make_loss_fn(graphdef, tokens_sharding, remat=remat)
 
+    def loss_and_grads(params, rest, tokens):
+        if grad_accum == 1:
+            return jax.value_and_grad(loss_fn)(params, rest, tokens)
+
+        def add_micro_batch(total, micro_tokens):  # micro_tokens (B / A, T+1)
+            loss_and_grad = jax.value_and_grad(loss_fn)(params, rest, micro_tokens)
+            return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, loss_and_grad), None
+
+        # Sums in float32 whatever the parameters' dtype (bf16 weights' gradients too).
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (jnp.zeros(()), params))
+        total, _ = jax.lax.scan(add_micro_batch, zeros, tokens)
+        return jax.tree.map(lambda x: x / grad_accum, total)
+
     def train_step(params, opt_state, rest, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(params, rest, tokens)
+        loss, grads = loss_and_grads(params, rest, tokens)
         grads = jax.lax.with_sharding_constraint(grads, p_shardings)  # grads follow the params
         params, opt_state = optimizer_update(tx, grads, opt_state, params)
         return params, opt_state, loss
 
+    step_tokens = tokens_sharding if grad_accum == 1 else micro_batch_sharding(tokens_sharding)
     return jax.jit(
         train_step,
-        in_shardings=(p_shardings, o_shardings, rest_shardings, tokens_sharding),
+        in_shardings=(p_shardings, o_shardings, rest_shardings, step_tokens),
         out_shardings=(p_shardings, o_shardings, replicated),
         donate_argnums=(0, 1),
     )
@@ -252,8 +285,8 @@ class ShardedTrainer:
     def __init__(self, spec: ModelSpec, mesh: Mesh, strategy: str, *, lr: float, weight_decay: float = 0.0,
                  seed: int = 0, compute_dtype=None, param_dtype=None, remat: str = "none",
                  attention: str = "naive", b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                 scan_layers: bool = True):
-        self.spec, self.mesh, self.strategy = spec, mesh, strategy
+                 scan_layers: bool = True, grad_clip: float = 0.0, grad_accum: int = 1):
+        self.spec, self.mesh, self.strategy, self.grad_accum = spec, mesh, strategy, grad_accum
         self.param_dtype = jnp.dtype(param_dtype or jnp.float32)
         if self.param_dtype != jnp.float32 and compute_dtype is None:
             compute_dtype = self.param_dtype  # low-precision weights compute in their own dtype
@@ -266,6 +299,8 @@ class ShardedTrainer:
         self.rest_shardings = param_shardings(self.rest, mesh, strategy)  # no logical names: replicated
         self.batch_sharding = batch_sharding(mesh, strategy)
         self.tx = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)  # torch's AdamW defaults
+        if grad_clip > 0:
+            self.tx = optax.chain(optax.clip_by_global_norm(grad_clip), self.tx)
         inner_shardings = opt_state_shardings(self.tx, params, self.param_shardings, mesh)
         inner = jax.jit(self.tx.init, out_shardings=inner_shardings)(params)
         if self.param_dtype == jnp.float32:
@@ -275,7 +310,11 @@ class ShardedTrainer:
                                                                                           inner_shardings)
             self.params = self._rounded(params)
         self.train_step = make_train_step(self.graphdef, self.tx, self.param_shardings, self.opt_shardings,
-                                          self.rest_shardings, self.batch_sharding, remat=remat)
+                                          self.rest_shardings, self.batch_sharding, remat=remat,
+                                          grad_accum=grad_accum)
+        self._eval_loss = jax.jit(make_loss_fn(self.graphdef, self.batch_sharding, remat="none"),
+                                  in_shardings=(self.param_shardings, self.rest_shardings, self.batch_sharding),
+                                  out_shardings=NamedSharding(mesh, P()))
 
     def _rounded(self, master):
         """``master`` cast to the parameters' dtype, placed with the parameters' shardings."""
@@ -316,25 +355,36 @@ class ShardedTrainer:
         else:
             self.params = loaded
 
-    def place_batch(self, tokens) -> jax.Array:
-        """Check ``tokens`` (B, T+1) and place it with the batch sharding."""
+    def place_batch(self, tokens, micro_batches: int = 1) -> jax.Array:
+        """Check ``tokens`` (B, T+1) and place it with the batch sharding; with ``micro_batches`` A > 1, as
+        (A, B / A, T+1) with ``micro_batch_sharding`` (rows ``[j B/A, (j+1) B/A)`` are micro-batch j)."""
         shape = tuple(np.shape(tokens))
         dtype = np.dtype(getattr(tokens, "dtype", np.asarray(tokens).dtype))
         if len(shape) != 2 or shape[1] < 2:
             raise ValueError(f"tokens must be (batch, seq + 1) with seq >= 1, got shape {shape}")
         if not np.issubdtype(dtype, np.integer):
             raise ValueError(f"tokens must be integers, got dtype {dtype}")
+        if shape[0] % micro_batches:
+            raise ValueError(f"batch size {shape[0]} is not {micro_batches} micro-batches of equal size")
         degree = self.data_parallel_degree
-        if shape[0] % degree:
+        if shape[0] // micro_batches % degree:
             raise ValueError(
-                f"batch size {shape[0]} is not divisible by the data-parallel degree {degree} "
+                f"batch size {shape[0] // micro_batches} is not divisible by the data-parallel degree {degree} "
                 f"(batch split over {self.batch_sharding.spec} of mesh {dict(self.mesh.shape)})")
         self.spec.check_seq_len(shape[1] - 1)
         host = np.asarray(tokens, dtype=np.int32)  # every process holds the global batch (multi-host too)
-        return jax.make_array_from_callback(shape, self.batch_sharding, lambda index: host[index])
+        sharding = self.batch_sharding
+        if micro_batches > 1:
+            host, sharding = host.reshape(micro_batches, -1, shape[1]), micro_batch_sharding(sharding)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     def step(self, tokens) -> jax.Array:
-        """One AdamW step on ``tokens`` (B, T+1) (inputs ``[:, :-1]``, targets ``[:, 1:]``); returns the loss."""
-        tokens = self.place_batch(tokens)
+        """One AdamW step on ``tokens`` (B, T+1) (inputs ``[:, :-1]``, targets ``[:, 1:]``; with ``grad_accum``
+        A > 1, A micro-batches of B / A rows in order); returns the loss (the micro-batches' mean)."""
+        tokens = self.place_batch(tokens, self.grad_accum)
         self.params, self.opt_state, loss = self.train_step(self.params, self.opt_state, self.rest, tokens)
         return loss
+
+    def eval_loss(self, tokens) -> jax.Array:
+        """The mean loss of ``tokens`` (B, T+1), parameters unchanged (the forward of the jitted step)."""
+        return self._eval_loss(self.params, self.rest, self.place_batch(tokens))

@@ -81,7 +81,7 @@ class Case:
 CALC, E2E, JAX_E2E, TRAIN = "parallelism_calc", "torch_impl.bench.e2e", "jax_impl.bench.e2e", "torch_impl.train"
 PRECISION, ALLREDUCE, DDP = "torch_impl.bench.precision", "torch_impl.bench.allreduce", "torch_impl.bench.ddp"
 ATTENTION, MATRIX = "torch_impl.bench.attention", "torch_impl.bench.train_matrix"
-COLLECTIVES = "jax_impl.bench.collectives"
+COLLECTIVES, JAX_TRAIN = "jax_impl.bench.collectives", "jax_impl.trainer"
 TABLE, REPORTS = "analysis.table", "analysis.reports"  # TABLE: the old name of `REPORTS table`
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
@@ -125,6 +125,12 @@ CASES = [
     Case(TRAIN, f"{TINY_TRAIN} --out /dev/full", "cannot write records to /dev/full", check=printed_records),
     Case(TRAIN, f"{TINY_TRAIN} --lr 1e30 --steps-per-epoch 3 --out {{tmp}}/train_diverged.jsonl", "diverged",
          code=1, check=diverged_record("train_diverged.jsonl")),
+    # the JAX trainer (issue 15, item 5)
+    Case(JAX_TRAIN, f"{TINY_TRAIN} --grad-accum 0", "--grad-accum: '0': must be > 0"),
+    Case(JAX_TRAIN, f"{TINY_TRAIN} --resume", "--resume needs --checkpoint-dir"),
+    Case(JAX_TRAIN, f"{TINY_TRAIN} --resume --checkpoint-dir {{tmp}}/jax_empty", "no checkpoint in"),
+    Case(JAX_TRAIN, f"{TINY_TRAIN} --lr 1e30 --steps-per-epoch 3 --out {{tmp}}/jax_diverged.jsonl", "diverged",
+         code=1, check=diverged_record("jax_diverged.jsonl")),
     # the other benchmarks
     Case(PRECISION, "--table {tmp}/new/folder/precision.md", "accumulator", code=0, check=table_written),
     Case(PRECISION, "--out /dev/full", "cannot write records to /dev/full", check=printed_records),

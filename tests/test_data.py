@@ -1,4 +1,4 @@
-"""``torch_impl.data``: CS336-format token datasets, random training windows, fixed validation windows, corpora.
+"""``lm_data`` and ``torch_impl.data``: CS336-format token datasets, random training windows, fixed validation windows, corpora.
 
 Windows are checked against a dataset whose every token is its own position (so a window names its start)
 and against a plain Python loop; the built-in corpus is decoded back and compared with the standard
@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from torch_impl.data import (BYTE_VOCAB, SEPARATOR, batch_at, builtin_corpus, get_batch, prepare_data,
-                             sample_starts, token_dtype, validation_batches, validation_starts)
+from lm_data import (BYTE_VOCAB, SEPARATOR, builtin_corpus, global_batch_starts, prepare_data, sample_starts,
+                     token_dtype, validation_starts, windows_at)
+from torch_impl.data import batch_at, get_batch, validation_batches
 
 
 def test_get_batch_windows_are_contiguous_and_shifted():
@@ -146,3 +147,12 @@ def test_batch_at_moves_to_device_and_keeps_values():
     x, y = batch_at(dataset, np.array([0, 41]), 8, torch.device("cpu"))
     assert x.tolist() == [list(range(8)), list(range(41, 49))] and y.tolist() == [list(range(1, 9)),
                                                                                     list(range(42, 50))]
+
+
+def test_global_batch_is_one_draw_laid_out_micro_rank_row():
+    seed = secrets.randbelow(2**31)
+    starts = global_batch_starts(1000, 3, 2, 4, 16, np.random.default_rng(seed))
+    flat = sample_starts(1000, 24, 16, np.random.default_rng(seed))
+    assert starts.shape == (3, 2, 4) and np.array_equal(starts.reshape(-1), flat), seed
+    dataset = np.arange(50, dtype=np.uint16)
+    assert windows_at(dataset, np.array([3, 40]), 9).tolist() == [list(range(3, 13)), list(range(40, 50))]

@@ -27,9 +27,10 @@ import torch
 from analysis.records import read_records
 from parallelism_calc.specs import MODELS
 from tests._dist import run_ranks
-from torch_impl.data import prepare_data
+from lm_data import prepare_data
 from torch_impl.model import TransformerLM
-from torch_impl.train import TrainConfig, lr_at, main, run_training
+from lm_training import lr_at
+from torch_impl.train import TrainConfig, main, run_training
 
 REPO = Path(__file__).resolve().parent.parent
 BUILTIN_MB = 0.25

@@ -1,8 +1,8 @@
 """The training loop: ``python -m torch_impl.train`` (one process) or ``torchrun --nproc_per_node N -m torch_impl.train``.
 
-Trains ``TransformerLM`` on a token dataset (``torch_impl.data``: the built-in standard-library byte corpus,
+Trains ``TransformerLM`` on a token dataset (``lm_data``: the built-in standard-library byte corpus,
 a text file or a ``.npy`` token file) for ``--epochs`` epochs of ``--steps-per-epoch`` optimizer steps, with
-AdamW, linear warm-up then cosine decay of the learning rate (``lr_at``), gradient clipping, gradient
+AdamW, linear warm-up then cosine decay of the learning rate (``lm_training.lr_at``), gradient clipping, gradient
 accumulation over ``--grad-accum`` micro-batches of ``--batch-size`` sequences per rank, optional bf16
 autocast, any attention backend, and one of the data-parallel modes ``--dist``:
 ``none`` (one process), our ``naive`` / ``flat`` / ``individual`` / ``bucketed`` DDP, ``torch_ddp``
@@ -74,7 +74,6 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
@@ -84,13 +83,14 @@ import torch.distributed as dist  # noqa: E402
 
 from analysis.harness import DTYPES, StepRun, step_record  # noqa: E402
 from analysis.records import TRAIN_PHASES as STEP_PHASES, Record, divergence, save_records  # noqa: E402
-from parallelism_calc.cli import (ArgumentParser, error_boundary, fraction, nonnegative_float,  # noqa: E402
-                                  nonnegative_int, one_line, positive_float, positive_int, writable_path)
-from parallelism_calc.specs import MODELS, ModelSpec, get_model  # noqa: E402
+from lm_data import TokenData, global_batch_starts, prepare_data, validation_batch_starts  # noqa: E402
+from lm_training import (TrainResult, TrainSettings, add_training_arguments, check_resume_settings,  # noqa: E402
+                         describe_epoch, epoch_metrics, lr_at, progress_bar)
+from parallelism_calc.cli import ArgumentParser, error_boundary, one_line, positive_float  # noqa: E402
+from parallelism_calc.specs import ModelSpec  # noqa: E402
 from torch_impl import checkpoint as ckpt  # noqa: E402
 from torch_impl.device import pick_device  # noqa: E402
-from torch_impl.data import (DEFAULT_BUILTIN_BYTES, DEFAULT_VAL_FRACTION, TokenData, batch_at,  # noqa: E402
-                             prepare_data, sample_starts, validation_batch_starts)
+from torch_impl.data import batch_at  # noqa: E402
 from torch_impl.distributed.process_group import DistributedContext, free_port, init_distributed  # noqa: E402
 from torch_impl.model import TransformerLM, cross_entropy  # noqa: E402
 from torch_impl.parallelize import (CUDA_GRAPHS, WRAPPER_MODES as DIST_MODES, DataParallelConfig,  # noqa: E402
@@ -99,58 +99,20 @@ from torch_impl.step import StepParts, autocast, train_step  # noqa: E402
 from torch_impl.timing import PhaseTimer  # noqa: E402
 
 SUITE = "train"
-# Settings a resumed run must share with the checkpoint for its trajectory to be the uninterrupted one's.
-RESUME_KEYS = ("model", "d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "seq_len", "epochs",
-               "steps_per_epoch", "lr", "min_lr", "warmup_steps", "grad_clip", "weight_decay", "adam_eps",
-               "betas", "seed", "dtype", "data", "val_batches")
 
 
 @dataclass
-class TrainConfig:
-    """Every setting of a run (the CLI's flags, same names)."""
+class TrainConfig(TrainSettings):
+    """Every setting of a run (the CLI's flags, same names): the shared ones (``lm_training.TrainSettings``) and
+    PyTorch's own."""
 
-    model: str = "tiny"
-    d_model: int | None = None
-    d_ff: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    vocab_size: int | None = None
-    epochs: int = 1
-    steps_per_epoch: int | None = None  # None: about one pass over the training tokens
-    stop_after_epochs: int | None = None
-    batch_size: int = 8
-    grad_accum: int = 1
-    seq_len: int = 64
-    lr: float = 1e-3
-    min_lr: float | None = None  # None: lr / 10
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-    weight_decay: float = 0.01
-    adam_eps: float = 1e-8
-    betas: tuple[float, float] = (0.9, 0.999)
-    dtype: str = "fp32"
-    attention: str = "sdpa"
     compile: bool = False
     cuda_graph: str = "off"
     dist: str = "none"
     bucket_mb: float = 25.0
-    val_batches: int = 8
-    data: str = "builtin"
-    cache_dir: str = ".cache/data"
-    builtin_mb: float = DEFAULT_BUILTIN_BYTES / 2**20
-    val_fraction: float = DEFAULT_VAL_FRACTION
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 1
-    resume: bool = False
-    out: str | None = None
-    seed: int = 0
-    run_name: str | None = None  # tags the records (metrics.run), e.g. a sweep's cell
-    device: str = "auto"
     timeout: float = 300.0
-    progress: bool = True
 
     def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)
         if self.dist not in DIST_MODES:
             raise ValueError(f"--dist {self.dist!r}; accepted: {', '.join(DIST_MODES)}")
         if self.dtype not in DTYPES:
@@ -158,47 +120,9 @@ class TrainConfig:
         check_supported([self.dist], self.compile, self.dtype, flag="--dist ")
         cuda = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
         check_cuda_graph(self.cuda_graph, self.compile, "cuda" if cuda else "cpu", self.grad_accum)
-        for name in ("epochs", "batch_size", "grad_accum", "seq_len", "checkpoint_every"):
-            if not getattr(self, name) >= 1:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
-        for name in ("steps_per_epoch", "stop_after_epochs"):
-            if getattr(self, name) is not None and not getattr(self, name) >= 1:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
-        for name in ("warmup_steps", "val_batches", "grad_clip", "weight_decay"):  # `not >=`: NaN fails too
-            if not 0 <= getattr(self, name) < math.inf:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be finite and >= 0")
-        if not 0 < self.lr < math.inf or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
-            raise ValueError(f"--lr={self.lr} must be finite and > 0 and --min-lr={self.min_lr} in [0, lr]")
-        if not all(0 < v < math.inf for v in (self.bucket_mb, self.adam_eps, self.timeout)):
-            raise ValueError("--bucket-mb, --adam-eps and --timeout must be finite and > 0")
-        if self.resume and not self.checkpoint_dir:
-            raise ValueError("--resume needs --checkpoint-dir")
-
-    def spec(self) -> ModelSpec:
-        """The preset with any dimension overridden, its context grown to --seq-len if shorter."""
-        spec = get_model(self.model)
-        if spec.arch != "transformer":
-            raise ValueError(f"model {spec.name!r} is an analysis-only {spec.arch} model; pick a Transformer preset")
-        changes = {k: getattr(self, k) for k in ("d_model", "d_ff", "n_layers", "n_heads", "vocab_size")
-                   if getattr(self, k) is not None}
-        if self.seq_len > spec.context_length:
-            changes["context_length"] = self.seq_len
-        return spec.replace(**changes) if changes else spec
-
-    @property
-    def final_lr(self) -> float:
-        return self.lr / 10 if self.min_lr is None else self.min_lr
-
-
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
-    """The learning rate of optimizer step ``step`` (0-based): linear warm-up lr * (step + 1) / warmup_steps
-    for the first ``warmup_steps`` steps, then a cosine from lr (at step ``warmup_steps``) down to min_lr
-    (at the last step, ``total_steps - 1``): min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2 with
-    p = (step - warmup_steps) / (total_steps - 1 - warmup_steps), clamped to [0, 1]."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps))
-    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        if not all(0 < v < math.inf for v in (self.bucket_mb, self.timeout)):
+            raise ValueError("--bucket-mb and --timeout must be finite and > 0")
+        super().__post_init__()
 
 
 # ----------------------------------------------------------------------------- model, wrapper, optimizer
@@ -215,7 +139,7 @@ def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: i
     forward, wrapper, optimizer = parallelize(model, mode.impl, bucket_mb=mode.bucket_mb, dtype=cfg.dtype,
                                               adamw=adamw, compile=cfg.compile,
                                               cuda_graphs=cfg.cuda_graph == "blocks")
-    schedule = dict(lr=cfg.lr, min_lr=cfg.final_lr, warmup_steps=cfg.warmup_steps, total_steps=total_steps)
+    schedule = cfg.schedule(total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, **schedule) / cfg.lr)
     return StepParts(forward, optimizer, dtype=cfg.dtype, wrapper=wrapper, scheduler=scheduler,
                      grad_clip=cfg.grad_clip)
@@ -281,14 +205,7 @@ def restore(parts: StepParts, cfg: TrainConfig, generator: np.random.Generator, 
             world_size: int) -> int:
     """Load the latest checkpoint into ``parts`` and ``generator``; returns its step."""
     state = ckpt.load_checkpoint(cfg.checkpoint_dir, rank)
-    saved = state.shared["settings"]
-    differ = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
-    if "data" in differ:  # the data set's content digest (torch_impl.data), not its name or size
-        raise ValueError(f"--resume: --data {cfg.data} is not the data set the checkpoint {state.path} was trained "
-                         f"on (content digest {differ['data'][0]} there, {differ['data'][1]} now); resume with "
-                         "the same data")
-    if differ:
-        raise ValueError(f"--resume: settings differ from the checkpoint {state.path} (saved, now): {differ}")
+    check_resume_settings(state.shared["settings"], settings, state.path, cfg.data)
     mode = (state.shared["dist"], state.world_size)  # the model is in the rank files (fsdp's shards) or shared:
     if (parts.wrapper.sharded_state or state.shared["model"] is None) and mode != (cfg.dist, world_size):
         raise ValueError(f"--resume: a checkpoint of per-rank shards (fsdp) resumes in its mode on as many ranks "
@@ -304,32 +221,11 @@ def restore(parts: StepParts, cfg: TrainConfig, generator: np.random.Generator, 
 
 
 @dataclass
-class TrainResult:
-    records: list[Record]  # one per epoch run (on every rank; rank 0 wrote them to --out)
-    train_losses: list[float]  # per step run, averaged over ranks
-    val_losses: list[float | None]  # per epoch run
-    start_step: int  # 0, or the step resumed from
-    params: dict[str, torch.Tensor] | None = None  # full final parameters on the CPU (keep_params=True)
-    stopped_early: bool = False
-    diverged: bool = False  # a loss was not finite: the run stopped after that epoch (its record: "diverged")
-
-
-@dataclass
 class _EpochStats:
     step_ms: list[float] = field(default_factory=list)
     phase_ms: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in STEP_PHASES})
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the GPU image may lack tqdm: the per-epoch line is printed anyway
-        return None
-    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr, leave=False)
 
 
 def _context(cfg: TrainConfig) -> DistributedContext:
@@ -352,34 +248,31 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
     data = prepare_data(cfg.data, cfg.cache_dir, builtin_bytes=int(cfg.builtin_mb * 2**20),
                         val_fraction=cfg.val_fraction)
     data.check_vocab(spec.vocab_size)
-    if len(data.train) < cfg.seq_len + 1 or (cfg.val_batches and len(data.val) < cfg.seq_len + 1):
-        raise ValueError(f"data {data.name!r} ({len(data.train)} training, {len(data.val)} validation tokens) is "
-                         f"too small for --seq-len {cfg.seq_len}: each split needs {cfg.seq_len + 1} tokens")
+    data.check_windows(cfg.seq_len, validation=cfg.val_batches > 0)
     global_batch = cfg.grad_accum * world_size * cfg.batch_size
-    steps_per_epoch = cfg.steps_per_epoch or max(1, len(data.train) // (global_batch * cfg.seq_len))
+    steps_per_epoch = cfg.steps_per_epoch_for(len(data.train), global_batch)
     total_steps = cfg.epochs * steps_per_epoch
     parts = build(cfg, spec, device, world_size, total_steps)
     generator = np.random.default_rng(cfg.seed)
-    settings = {**{k: getattr(cfg, k) for k in RESUME_KEYS}, "data": data.digest, "steps_per_epoch": steps_per_epoch,
-                "global_batch": global_batch}  # the data set by its content digest
+    settings = cfg.resume_settings(data, steps_per_epoch, global_batch)
     step = restore(parts, cfg, generator, settings, rank, world_size) if cfg.resume else 0
     if rank == 0 and cfg.resume:
         print(f"resumed from step {step} ({cfg.checkpoint_dir})", flush=True)
     result = TrainResult([], [], [], start_step=step)
-    stop_epoch = min(cfg.epochs, cfg.stop_after_epochs or cfg.epochs)
+    stop_epoch = cfg.stop_epoch
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     for epoch in range(step // steps_per_epoch, stop_epoch):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         epoch_start = time.perf_counter()
         stats = _EpochStats()
-        bar = _progress(steps_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and rank == 0)
+        bar = progress_bar(steps_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and rank == 0)
         timer = PhaseTimer(device)
         for _ in range(steps_per_epoch):
             step_start = time.perf_counter()
             timer.start()
-            starts = sample_starts(len(data.train), global_batch, cfg.seq_len, generator)
-            starts = starts.reshape(cfg.grad_accum, world_size, cfg.batch_size)  # (micro, rank, row)
+            starts = global_batch_starts(len(data.train), cfg.grad_accum, world_size, cfg.batch_size, cfg.seq_len,
+                                         generator)  # (micro, rank, row)
             micro = [batch_at(data.train, starts[j, rank], cfg.seq_len, device) for j in range(cfg.grad_accum)]
             timer.mark("data")
             loss, norm = train_step(parts, micro, timer.mark)
@@ -425,7 +318,7 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
         if rank == 0:
             if cfg.out:
                 save_records(cfg.out, record)
-            print(_describe(record), flush=True)
+            print(describe_epoch(record), flush=True)
         if diverged:  # its record says "diverged"; a checkpoint of it would only hold NaNs
             if rank == 0:
                 print(f"error: epoch {epoch + 1}: {diverged}; training stopped, no checkpoint of this epoch",
@@ -447,20 +340,12 @@ def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch
     run = StepRun(suite=SUITE, mode="train_step", dtype=cfg.dtype, batch_size=cfg.batch_size * cfg.grad_accum,
                   warmup=0, steps=len(stats.step_ms))
     metrics = {
-        "epoch": epoch + 1, "epochs": cfg.epochs, "step": step, "steps_per_epoch": steps_per_epoch,
-        "attention": cfg.attention, "compiled": cfg.compile, "cuda_graph": cfg.cuda_graph, "dist": cfg.dist,
-        "grad_accum": cfg.grad_accum, "global_batch": global_batch,
-        "samples_per_epoch": global_batch * steps_per_epoch,
-        "tokens_per_epoch": global_batch * steps_per_epoch * cfg.seq_len,
-        "train_loss": statistics.fmean(losses), "train_losses": losses, "val_loss": val_loss,
-        "lr": lr_at(step - 1, lr=cfg.lr, min_lr=cfg.final_lr, warmup_steps=cfg.warmup_steps,
-                    total_steps=cfg.epochs * steps_per_epoch),  # of the epoch's last step
-        "grad_norms": stats.grad_norms,
+        **epoch_metrics(cfg, epoch=epoch, step=step, steps_per_epoch=steps_per_epoch, global_batch=global_batch,
+                        losses=losses, val_loss=val_loss, data=data),
+        "compiled": cfg.compile, "cuda_graph": cfg.cuda_graph, "dist": cfg.dist, "grad_norms": stats.grad_norms,
         **worst, **times,
         "phase_totals_s": {p: max(g["phase_s"][p] for g in gathered) for p in STEP_PHASES},
-        "per_rank_peak_memory_bytes": peaks, "data": data.describe(), "seed": cfg.seed,
-        "lr_max": cfg.lr, "min_lr": cfg.final_lr, "warmup_steps": cfg.warmup_steps, "grad_clip": cfg.grad_clip,
-        "weight_decay": cfg.weight_decay, "run": cfg.run_name,
+        "per_rank_peak_memory_bytes": peaks,
     }
     record = step_record(run, spec, cfg.seq_len, backend="torch", implementation=data_parallel_config(cfg).name,
                          device_name=device_name, step_times_ms=stats.step_ms, phases_ms=stats.phase_ms,
@@ -472,78 +357,24 @@ def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch
     return record
 
 
-def _describe(record: Record) -> str:
-    m = record.metrics
-    val = f"{m['val_loss']:.4f}" if m["val_loss"] is not None else "-"
-    return (f"epoch {m['epoch']}/{m['epochs']}: train loss {m['train_loss']:.4f}, val loss {val}, "
-            f"{m['epoch_s']:.2f} s ({m['training_s']:.2f} training, {m['validation_s']:.2f} validation), "
-            f"{record.tokens_per_s:,.0f} tokens/s, {m['samples_per_epoch']} samples")
-
-
 # ----------------------------------------------------------------------------- CLI
-
-
-def _betas(text: str) -> tuple[float, float]:
-    try:
-        b1, b2 = (float(s) for s in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: write two numbers, e.g. 0.9,0.95") from None
-    if not (0 <= b1 < 1 and 0 <= b2 < 1):
-        raise argparse.ArgumentTypeError(f"{text!r}: each beta must be in [0, 1), e.g. 0.9,0.95")
-    return b1, b2
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = ArgumentParser(prog="python -m torch_impl.train", description=__doc__.split("\n\n")[0])
+    add_training_arguments(p, d, batch_help="sequences per micro-batch per rank")
     a = p.add_argument
-    a("--model", default=d.model, help=f"model preset: {', '.join(MODELS)} (default {d.model})")
-    for flag in ("--d-model", "--d-ff", "--n-layers", "--n-heads", "--vocab-size"):
-        a(flag, type=positive_int, help="override the preset's dimension")
-    a("--epochs", type=positive_int, default=d.epochs, help=f"epochs (default {d.epochs})")
-    a("--steps-per-epoch", type=positive_int,
-      help="optimizer steps per epoch (default: about one pass over the tokens)")
-    a("--stop-after-epochs", type=positive_int, help="end the job after this many epochs (checkpointed), keeping the "
-                                            "schedule of --epochs; continue with --resume")
-    a("--batch-size", type=positive_int, default=d.batch_size,
-      help=f"sequences per micro-batch per rank (default {d.batch_size})")
-    a("--grad-accum", type=positive_int, default=d.grad_accum, help="micro-batches per optimizer step (default 1)")
-    a("--seq-len", type=positive_int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
-    a("--lr", type=positive_float, default=d.lr, help=f"peak learning rate (default {d.lr})")
-    a("--min-lr", type=nonnegative_float, help="learning rate at the last step (default lr / 10)")
-    a("--warmup-steps", type=nonnegative_int, default=d.warmup_steps, help="linear warm-up steps (default 0)")
-    a("--grad-clip", type=nonnegative_float, default=d.grad_clip,
-      help=f"max global gradient norm, 0 = off (default {d.grad_clip})")
-    a("--weight-decay", type=nonnegative_float, default=d.weight_decay,
-      help=f"AdamW weight decay (default {d.weight_decay})")
-    a("--adam-eps", type=positive_float, default=d.adam_eps, help=f"AdamW eps (default {d.adam_eps})")
-    a("--betas", type=_betas, default=d.betas, help="AdamW betas (default 0.9,0.999)")
     a("--dtype", choices=list(DTYPES), default=d.dtype,
       help="fp32; bf16 autocast with fp32 weights; bf16_mixed: bf16 weights, fp32 masters in the optimizer")
-    a("--attention", default=d.attention, help=f"attention backend (default {d.attention})")
     a("--compile", action="store_true", help="torch.compile each block (not with --dist fsdp)")
     a("--cuda-graph", choices=CUDA_GRAPHS, default=d.cuda_graph,
       help="blocks: replay each compiled block as CUDA graphs (needs --compile, CUDA, --grad-accum 1; default off)")
     a("--dist", choices=DIST_MODES, default=d.dist, help=f"data-parallel mode (default {d.dist})")
     a("--bucket-mb", type=positive_float, default=d.bucket_mb,
       help="bucket size in MiB for bucketed and zero1 (default 25)")
-    a("--val-batches", type=nonnegative_int, default=d.val_batches,
-      help="validation batches per epoch, 0 = none (default 8)")
-    a("--data", default=d.data, help="builtin (the stdlib's source as bytes), a .npy token file, or a text file")
-    a("--cache-dir", default=d.cache_dir, help=f"where byte corpora are built (default {d.cache_dir})")
-    a("--builtin-mb", type=positive_float, default=d.builtin_mb,
-      help=f"size of the built-in corpus (default {d.builtin_mb:g})")
-    a("--val-fraction", type=fraction, default=d.val_fraction, help="share of the data for validation (default 0.05)")
-    a("--checkpoint-dir", help="save checkpoints here")
-    a("--checkpoint-every", type=positive_int, default=d.checkpoint_every,
-      help="epochs between checkpoints (default 1)")
-    a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    a("--out", metavar="JSONL", type=writable_path, help="append one record per epoch here")
-    a("--seed", type=nonnegative_int, default=d.seed, help="seed of the weights and the data order (default 0)")
-    a("--run-name", help="a name for this run, written into its records (metrics.run)")
     a("--device", default=d.device, help="auto (CUDA if available), cpu, or cuda")
     a("--timeout", type=positive_float, default=d.timeout, help="process-group timeout in seconds (default 300)")
-    a("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
 

@@ -49,54 +49,19 @@ from analysis.harness import (StepConfig, StepRun, calculator_terms, failure_rec
                               run_benchmark, step_record)
 from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_kernel_times
 from analysis.records import Record
-from jax_impl.device import pick_device, platform_devices
+from jax_impl.device import device_name, mesh_from_flags, peak_memory_bytes
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights
-from jax_impl.sharding import STRATEGIES, make_mesh, strategy_for
+from jax_impl.sharding import STRATEGIES
 from jax_impl.train import REMAT_POLICIES, ShardedTrainer, make_loss_fn
-from parallelism_calc.specs import ModelSpec, ParallelSpec
+from parallelism_calc.specs import ModelSpec
 
 PROFILED_STEPS = 3
 
 
 def build_mesh(args: JaxStepConfig) -> tuple[Mesh, str]:
-    """The mesh of ``--mesh`` over the first devices of ``--device``'s platform, and its strategy."""
-    if not args.mesh:
-        mesh = make_mesh(ParallelSpec(), [pick_device(args.device)])
-    else:
-        if ":" in args.device:
-            raise ValueError(f"--device {args.device} names one device; with --mesh use auto, cpu or cuda")
-        parallel = ParallelSpec.parse(args.mesh)
-        devices = platform_devices(args.device)
-        wanted = int(np.prod([d for d in parallel.degrees().values() if d != -1]))
-        if parallel.is_resolved:
-            if wanted > len(devices):
-                raise ValueError(f"--mesh {args.mesh} needs {wanted} devices; {len(devices)} available")
-            devices = devices[:wanted]
-        mesh = make_mesh(parallel, devices)
-    resolved = ParallelSpec(**{axis: int(size) for axis, size in mesh.shape.items()})
-    strategy = args.strategy or strategy_for(resolved)
-    return mesh, strategy
-
-
-def device_name(device: jax.Device) -> str:
-    return "cpu" if device.platform == "cpu" else device.device_kind
-
-
-def peak_memory_bytes(mesh: Mesh) -> int | None:
-    """The largest allocator peak over the mesh's devices, every process's (None where not reported: CPU)."""
-    peaks = []
-    for device in mesh.devices.flat:
-        if device.process_index == jax.process_index():
-            stats = device.memory_stats() or {}
-            peaks.append(int(stats.get("peak_bytes_in_use", -1)))
-    local = min(peaks) if peaks and min(peaks) < 0 else max(peaks, default=-1)  # -1: a device did not report
-    if jax.process_count() > 1:  # a collective: every process calls it
-        from jax.experimental import multihost_utils
-
-        every = np.asarray(multihost_utils.process_allgather(np.int64(local)))
-        local = -1 if (every < 0).any() else int(every.max())
-    return None if local < 0 else local
+    """The mesh of ``--mesh`` over ``--device``'s devices and its strategy (``jax_impl.device.mesh_from_flags``)."""
+    return mesh_from_flags(args.mesh, args.device, args.strategy)
 
 
 def compiled_memory(compiled) -> dict[str, int] | None:
