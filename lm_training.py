@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from parallelism_calc.specs import MODELS, ModelSpec, get_model
 # Settings a resumed run must share with the checkpoint for its trajectory to be the uninterrupted one's.
 RESUME_KEYS = ("model", "d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "seq_len", "epochs",
                "steps_per_epoch", "lr", "min_lr", "warmup_steps", "grad_clip", "weight_decay", "adam_eps",
-               "betas", "seed", "dtype", "data", "val_batches")
+               "betas", "seed", "init_weights", "dtype", "data", "val_batches")
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
@@ -85,6 +86,7 @@ class TrainSettings:
     resume: bool = False
     out: str | None = None
     seed: int = 0
+    init_weights: str | None = None  # .npz of stable names: the initial weights, instead of --seed's draw
     run_name: str | None = None  # tags the records (metrics.run), e.g. a sweep's cell
     device: str = "auto"
     progress: bool = True
@@ -106,6 +108,9 @@ class TrainSettings:
             raise ValueError(f"--adam-eps={self.adam_eps} must be finite and > 0")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
+        if self.init_weights is not None and not os.path.isfile(self.init_weights):
+            raise ValueError(f"--init-weights {self.init_weights}: no such file (a .npz of weights by their stable "
+                             f"names, e.g. from an e2e benchmark's --save-weights)")
 
     def spec(self) -> ModelSpec:
         """The preset with any dimension overridden, its context grown to --seq-len if shorter."""
@@ -207,6 +212,8 @@ def add_training_arguments(parser: argparse.ArgumentParser, d: TrainSettings, *,
     a("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     a("--out", metavar="JSONL", type=writable_path, help="append one record per epoch here")
     a("--seed", type=nonnegative_int, default=d.seed, help="seed of the weights and the data order (default 0)")
+    a("--init-weights", metavar="NPZ", help="start from these weights (stable names, .npz, e.g. an e2e benchmark's "
+                                           "--save-weights; the other backend's too) instead of --seed's draw")
     a("--run-name", help="a name for this run, written into its records (metrics.run)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
 

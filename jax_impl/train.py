@@ -23,6 +23,7 @@ Public names:
     dp x fsdp, or tokens are not a 2-D integer array with T+1 >= 2), runs the jitted step, keeps the new
     params / optimizer state. With ``grad_accum`` A > 1 the B rows are A micro-batches of B / A rows in
     order (rows ``[j B/A, (j+1) B/A)`` are micro-batch j), each split over the data-parallel devices;
+  - ``.compile(batch_size, seq_len) -> seconds``: compile the step ahead of time for that batch shape;
   - ``.eval_loss(tokens) -> loss``: the mean loss of a (B, T+1) batch, no update (a jitted forward);
   - ``.load_weights(weights)``: start from numpy weights keyed by the stable names (e.g. PyTorch's);
   - ``.model``: an ``nnx.Module`` view of the current state (for ``assert_params_sharded``,
@@ -92,6 +93,7 @@ Caveats:
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -377,6 +379,14 @@ class ShardedTrainer:
         if micro_batches > 1:
             host, sharding = host.reshape(micro_batches, -1, shape[1]), micro_batch_sharding(sharding)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    def compile(self, batch_size: int, seq_len: int) -> float:
+        """Compile the step ahead of time for batches of ``batch_size`` sequences of ``seq_len + 1`` tokens (the
+        later ``step`` calls run that executable, so no step pays for compiling); the seconds it took."""
+        start = time.perf_counter()
+        tokens = self.place_batch(np.zeros((batch_size, seq_len + 1), np.int32), self.grad_accum)
+        self.train_step = self.train_step.lower(self.params, self.opt_state, self.rest, tokens).compile()
+        return time.perf_counter() - start
 
     def step(self, tokens) -> jax.Array:
         """One AdamW step on ``tokens`` (B, T+1) (inputs ``[:, :-1]``, targets ``[:, 1:]``; with ``grad_accum``

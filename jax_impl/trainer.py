@@ -17,8 +17,8 @@ is the micro-batch of the whole mesh (JAX's convention, one program; the PyTorch
 ``--batch-size 8`` on ``--mesh dp=2`` reads what ``torchrun --nproc_per_node 2 -m torch_impl.train --batch-size
 4`` reads. Validation: the first ``--val-batches`` batches of ``--batch-size`` fixed windows of the validation
 split (``lm_data.validation_batch_starts``); its loss is the mean over the windows. The initial weights come from
-``--seed`` through JAX's generator, so they are not the PyTorch model's (``ShardedTrainer.load_weights``
-takes those).
+``--seed`` through JAX's generator, so they are not the PyTorch model's: ``--init-weights NPZ`` (in both
+trainers) starts from saved weights by their stable names, so the two backends' curves start together.
 
 Checkpoints (``--checkpoint-dir``, every ``--checkpoint-every`` epochs and at ``--stop-after-epochs``): an orbax
 ``CheckpointManager`` step folder ``DIR/<step>/`` with ``state`` (the parameters and the optax state, each array
@@ -31,11 +31,12 @@ holds checkpoints already.
 
 Records: one per epoch, suite "train", backend "jax", the PyTorch trainer's metric names
 (``lm_training.epoch_metrics``: train_loss, train_losses, val_loss, lr, samples / tokens per epoch, ...; and
-training_s, validation_s, checkpoint_s, epoch_s, worker_s, total_s, the strategy and remat);
+compile_s, the step's ahead-of-time compile before the first epoch, outside every epoch's clock; training_s,
+validation_s, checkpoint_s, epoch_s, worker_s, total_s, the strategy and remat);
 batch_size the micro-batch, mesh and world size the mesh's; timing the whole step (one fused program: only
 the ``data`` phase, drawing and placing the windows, is timed apart); tokens_per_s = the epoch's tokens /
-training seconds; tflops and mfu per device (``analysis.harness.step_record``). The first epoch's first step
-includes the step's compilation. A non-finite loss ends the run after its epoch: status "diverged", no
+training seconds; tflops and mfu per device (``analysis.harness.step_record``). The first validation
+includes the evaluation's compilation. A non-finite loss ends the run after its epoch: status "diverged", no
 checkpoint of it, exit status 1.
 
 References: MaxText ``train.py`` (the loop around a jitted, sharded ``train_step``; checkpoints with orbax's
@@ -103,13 +104,18 @@ def lr_schedule(cfg: TrainSettings, total_steps: int) -> optax.Schedule:
 
 
 def build(cfg: JaxTrainConfig, total_steps: int) -> ShardedTrainer:
-    """The sharded model, its AdamW (clipping, ``lr_schedule``) and its jitted step, on ``--mesh``."""
+    """The sharded model (from ``--init-weights`` if given), its AdamW (clipping, ``lr_schedule``) and its jitted
+    step, on ``--mesh``."""
     mesh, strategy = mesh_from_flags(cfg.mesh, cfg.device)
-    return ShardedTrainer(cfg.spec(), mesh, strategy, lr=lr_schedule(cfg, total_steps), weight_decay=cfg.weight_decay,
-                          seed=cfg.seed, compute_dtype=None if cfg.dtype == "fp32" else jnp.bfloat16,
-                          param_dtype=jnp.bfloat16 if cfg.dtype == "bf16_mixed" else None,
-                          remat=cfg.remat, attention=cfg.attention, b1=cfg.betas[0], b2=cfg.betas[1],
-                          eps=cfg.adam_eps, grad_clip=cfg.grad_clip, grad_accum=cfg.grad_accum)
+    trainer = ShardedTrainer(cfg.spec(), mesh, strategy, lr=lr_schedule(cfg, total_steps),
+                             weight_decay=cfg.weight_decay, seed=cfg.seed,
+                             compute_dtype=None if cfg.dtype == "fp32" else jnp.bfloat16,
+                             param_dtype=jnp.bfloat16 if cfg.dtype == "bf16_mixed" else None,
+                             remat=cfg.remat, attention=cfg.attention, b1=cfg.betas[0], b2=cfg.betas[1],
+                             eps=cfg.adam_eps, grad_clip=cfg.grad_clip, grad_accum=cfg.grad_accum)
+    if cfg.init_weights:
+        trainer.load_weights(dict(np.load(cfg.init_weights)))
+    return trainer
 
 
 def evaluate(trainer: ShardedTrainer, cfg: JaxTrainConfig, data: TokenData) -> float | None:
@@ -196,6 +202,7 @@ def _run(cfg: JaxTrainConfig, keep_params: bool) -> TrainResult:
     elif manager is not None and manager.latest_step() is not None:
         raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds checkpoints (latest step "
                          f"{manager.latest_step()}): continue them with --resume, or pick an empty folder")
+    compile_s = trainer.compile(global_batch, cfg.seq_len)  # before the clock of any epoch starts
     result = TrainResult([], [], [], start_step=step)
     mesh_shape = {axis: int(size) for axis, size in trainer.mesh.shape.items()}
     name = device_name(trainer.mesh.devices.flat[0])
@@ -230,7 +237,7 @@ def _run(cfg: JaxTrainConfig, keep_params: bool) -> TrainResult:
         metrics = {
             **epoch_metrics(cfg, epoch=epoch, step=step, steps_per_epoch=steps_per_epoch, global_batch=global_batch,
                             losses=losses, val_loss=val_loss, data=data),
-            "strategy": trainer.strategy, "remat": cfg.remat, "training_s": training_s,
+            "strategy": trainer.strategy, "remat": cfg.remat, "compile_s": compile_s, "training_s": training_s,
             "validation_s": validation_s, "checkpoint_s": checkpoint_s,
             "epoch_s": time.perf_counter() - epoch_start, "worker_s": time.perf_counter() - worker_start,
             "total_s": time.perf_counter() - _IMPORTED, "phase_totals_s": {"data": sum(data_ms) / 1e3},

@@ -16,11 +16,13 @@
 #     -> OUT_DIR/jax_layout.jsonl: scanned against unrolled blocks at xl 4 x 2,048 (below).
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR mixed
 #     -> OUT_DIR/jax_mixed.jsonl: bf16 weights with float32 masters under the remat policies (below).
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR trainers
+#     -> OUT_DIR/train_jax_vs_torch.jsonl: both training loops from the same weights on the same data (below).
 # Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
 # limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout|mixed}
-phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout|mixed}
+out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout|mixed|trainers}
+phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout|mixed|trainers}
 mkdir -p "$out"
 # JAX's allocator may take 95% of the GPU (its default is 75%, which left 2.7B's remat policies short of
 # memory that PyTorch's allocator may use); it grows as needed rather than taking it all at the start.
@@ -140,5 +142,27 @@ mixed)
   cp "$out"/profile/*_kernels.md "$out"/ 2>/dev/null
   rm -rf "$out/profile"
   ;;
-*) echo "unknown phase $phase; accepted: scan, profile, records, parity, layout, mixed" >&2; exit 2 ;;
+trainers)
+  # Both training loops on the same data from the same initial weights (PyTorch's, saved by name), small 8 x 512,
+  # bf16 weights with fp32 masters, 3 epochs of 50 steps (OUT_DIR/train_jax_vs_torch.jsonl: one record per
+  # epoch each), JAX once straight and once stopped after epoch 1 and resumed from its orbax checkpoint; then
+  # the optimized HLO of the JAX xl 4 x 2,048 step (OUT_DIR/jax_xl_step_hlo.txt.gz).
+  runs="$out/train_jax_vs_torch.jsonl" weights=/tmp/small_init.npz
+  python3 -c "import sys, numpy as np, torch; from torch_impl.model import TransformerLM; \
+from parallelism_calc.specs import MODELS; torch.manual_seed(0); \
+np.savez(sys.argv[1], **TransformerLM(MODELS['small']).to_numpy_weights())" "$weights"
+  common=(--model small --batch-size 8 --seq-len 512 --epochs 3 --steps-per-epoch 50 --lr 1e-3 --warmup-steps 20
+          --dtype bf16_mixed --val-batches 4 --init-weights "$weights" --cache-dir /tmp/data --no-progress --out "$runs")
+  timeout 200 python3 -m torch_impl.train "${common[@]}" --attention sdpa_cudnn --compile --run-name torch
+  timeout 120 python3 -m jax_impl.trainer "${common[@]}" --attention dot_product_cudnn --run-name jax
+  for resume in "--stop-after-epochs 1" "--resume"; do
+    timeout 120 python3 -m jax_impl.trainer "${common[@]}" --attention dot_product_cudnn --run-name jax_resumed \
+      --checkpoint-dir /tmp/jax_ckpt $resume
+  done
+  rm -rf "$weights" /tmp/jax_ckpt
+  jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed --remat dots_attention --warmup 1 \
+    --steps 2 --suite jax_hlo --out "$out/jax_hlo.jsonl" --dump-hlo "$out/jax_xl_step_hlo.txt"
+  gzip -f "$out/jax_xl_step_hlo.txt"
+  ;;
+*) echo "unknown phase $phase; accepted: scan, profile, records, parity, layout, mixed, trainers" >&2; exit 2 ;;
 esac

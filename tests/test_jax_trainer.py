@@ -7,6 +7,7 @@ line and exit status 2. Tiny model with one block, 16-token sequences.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 
 import numpy as np
@@ -18,7 +19,7 @@ pytest.importorskip("orbax.checkpoint")
 from analysis.records import read_records  # noqa: E402
 from jax_impl.trainer import JaxTrainConfig, lr_schedule, main, run_training  # noqa: E402
 from lm_data import prepare_data  # noqa: E402
-from lm_training import epoch_metrics, lr_at  # noqa: E402
+from lm_training import TrainSettings, epoch_metrics, lr_at  # noqa: E402
 
 BUILTIN_MB = 0.25
 SEQ = 16
@@ -165,3 +166,23 @@ def test_matrix_loss_chart_gets_the_latest_jax_run(tmp_path, monkeypatch):
     lines = drawn["loss convergence"].groupby("cell")["loss"].apply(list).to_dict()
     assert lines == {"jax: jit naive": [6.0, 6.0, 5.5, 5.5, 5.0, 5.0], "sdpa / none": [5.0, 5.0, 4.0, 4.0]}
     assert (tmp_path / "report" / "loss_convergence.png").exists()
+
+
+def test_both_trainers_take_the_same_steps_from_the_same_weights(cache, tmp_path):
+    """``--init-weights``: PyTorch's initial weights in both trainers, the same data draw and schedule: the same
+    losses (fp32; clipping off, as JAX's clip has no 1e-6 term in its denominator)."""
+    torch = pytest.importorskip("torch")
+    from torch_impl.model import TransformerLM as TorchLM
+    from torch_impl.train import TrainConfig, run_training as run_torch_training
+
+    seed = secrets.randbelow(2**31)
+    settings = dict(seed=seed, grad_clip=0.0, init_weights=str(tmp_path / "init.npz"))
+    torch.manual_seed(seed)
+    np.savez(settings["init_weights"], **TorchLM(_cfg(cache).spec()).to_numpy_weights())
+    jax_run = run_training(_cfg(cache, attention="naive", **settings))
+    shared = {f.name: getattr(_cfg(cache, **settings), f.name) for f in dataclasses.fields(TrainSettings)}
+    torch_cfg = TrainConfig(**{**shared, "attention": "sdpa"})
+    torch_run = run_torch_training(torch_cfg)
+    assert len(jax_run.train_losses) == 2 * STEPS
+    np.testing.assert_allclose(jax_run.train_losses, torch_run.train_losses, rtol=2e-5, err_msg=str(seed))
+    np.testing.assert_allclose(jax_run.val_losses, torch_run.val_losses, rtol=2e-5, err_msg=str(seed))

@@ -133,6 +133,8 @@ def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: i
     with AdamW and the LR schedule (``torch_impl.parallelize.parallelize``): what ``train_step`` calls."""
     torch.manual_seed(cfg.seed)
     model = TransformerLM(spec, attention=cfg.attention, device=device)
+    if cfg.init_weights:
+        model.load_numpy_weights(dict(np.load(cfg.init_weights)))
     adamw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps, betas=cfg.betas,
                  fused=device.type == "cuda")
     mode = data_parallel_config(cfg)

@@ -21,8 +21,9 @@ their jitted initializers' compiles included), ``compile_s`` (the step's ahead-o
 ``predicted_memory_bytes`` from ``parallelism_calc.memory.per_device_memory`` for the strategy's sharding.
 ``--profile DIR`` writes a ``jax.profiler`` trace (TensorBoard / Perfetto) of three extra steps after the
 timed ones and, on a GPU, their kernel table by category (``DIR/<model>_<B>x<T>_<mode>_kernels.md``, the
-shares in the record as ``time_share.<category>``, as the PyTorch benchmark's). ``--load-weights`` starts
-from the PyTorch model's weights (``--save-weights`` there).
+shares in the record as ``time_share.<category>``, as the PyTorch benchmark's); ``--dump-hlo FILE`` the
+compiled step's optimized HLO (what XLA fused, copied and called). ``--load-weights`` starts from the PyTorch
+model's weights (``--save-weights`` there).
 
 Multi-host: ``jax_impl.distributed.initialize_from_env()`` runs first, so the same command under a
 launcher (SLURM, Open MPI, torchrun-style variables, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
@@ -153,6 +154,8 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
     start = time.perf_counter()
     compiled, step = _compile_step(args, trainer, tokens)
     compile_s = time.perf_counter() - start
+    if args.dump_hlo:
+        Path(args.dump_hlo).write_text(compiled.as_text())
     losses = [step() for _ in range(args.warmup)]
     step_ms = []
     for _ in range(args.steps):
@@ -223,6 +226,7 @@ class JaxStepConfig(StepConfig):
     remat: str = "none"
     scan_layers: str = "on"
     profile: str | None = None
+    dump_hlo: str | None = None
 
 
 def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
@@ -239,6 +243,7 @@ def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on: the blocks' parameters stacked and run by one lax.scan, so init and compile "
                              "time do not grow with depth (default); off: a Python loop over separate blocks")
     parser.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of 3 extra steps here")
+    parser.add_argument("--dump-hlo", metavar="FILE", help="write the compiled step's optimized HLO here (text)")
 
 
 def main(argv: list[str] | None = None) -> int:
