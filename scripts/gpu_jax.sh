@@ -18,11 +18,13 @@
 #     -> OUT_DIR/jax_mixed.jsonl: bf16 weights with float32 masters under the remat policies (below).
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR trainers
 #     -> OUT_DIR/train_jax_vs_torch.jsonl: both training loops from the same weights on the same data (below).
+#   RESULTS_GIT_COMMIT=<commit> XLA_SETS="--a=1 --b=2;--c=3" bash scripts/gpu_jax.sh OUT_DIR xla
+#     -> OUT_DIR/jax_xla.jsonl: the xl step under each set of XLA options, with its kernel table (below).
 # Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
 # limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout|mixed|trainers}
-phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout|mixed|trainers}
+out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout|mixed|trainers|xla}
+phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout|mixed|trainers|xla}
 mkdir -p "$out"
 # JAX's allocator may take 95% of the GPU (its default is 75%, which left 2.7B's remat policies short of
 # memory that PyTorch's allocator may use); it grows as needed rather than taking it all at the start.
@@ -164,5 +166,17 @@ np.savez(sys.argv[1], **TransformerLM(MODELS['small']).to_numpy_weights())" "$we
     --steps 2 --suite jax_hlo --out "$out/jax_hlo.jsonl" --dump-hlo "$out/jax_xl_step_hlo.txt"
   gzip -f "$out/jax_xl_step_hlo.txt"
   ;;
-*) echo "unknown phase $phase; accepted: scan, profile, records, parity, layout, mixed, trainers" >&2; exit 2 ;;
+xla)
+  # XLA options on the xl 4 x 2,048 step (bf16 weights, fp32 masters, remat dots_attention), each set of
+  # XLA_SETS (';'-separated; each set one XLA_FLAGS value) after none, with its kernel table
+  # (OUT_DIR/jax_xla.jsonl, OUT_DIR/xla_<n>_kernels.md: where the memcpy time goes).
+  IFS=';' read -ra sets <<< ";${XLA_SETS:-}"
+  for n in "${!sets[@]}"; do
+    XLA_FLAGS="${sets[$n]}" jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
+      --remat dots_attention --warmup 3 --steps 10 --suite jax_xla --out "$out/jax_xla.jsonl" --profile "$out/p$n"
+    cp "$out/p$n"/*_kernels.md "$out/xla_${n}_kernels.md" 2>/dev/null
+    rm -rf "$out/p$n"
+  done
+  ;;
+*) echo "unknown phase $phase; accepted: scan, profile, records, parity, layout, mixed, trainers, xla" >&2; exit 2 ;;
 esac
