@@ -71,9 +71,11 @@ def line_plot(
     ylabel: str | None = None,
     title: str | None = None,
     panel_size: tuple[float, float] = (4.0, 3.0),
+    sharex: bool = True,
     out: str | os.PathLike | None = None,
 ) -> Figure:
-    """Lines of ``y`` against ``x``, one per ``hue`` value, in a grid with one panel per (``row``, ``col``).
+    """Lines of ``y`` against ``x``, one per ``hue`` value, in a grid with one panel per (``row``, ``col``),
+    sharing the x axis unless ``sharex`` is False.
 
     ``logx`` / ``logy``: True for a base-10 log axis, an integer for that base (2 for powers-of-two sizes,
     whose ticks then read 512, 1k, 64k).
@@ -93,7 +95,7 @@ def line_plot(
 
     fig = Figure(figsize=(panel_size[0] * len(cols) + (2.2 if hue else 0), panel_size[1] * len(rows) + 0.6))
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(rows), len(cols), squeeze=False, sharex=True)
+    axes = fig.subplots(len(rows), len(cols), squeeze=False, sharex=sharex)
     handles: dict[Any, Any] = {}
     for i, row_value in enumerate(rows):
         for j, col_value in enumerate(cols):

@@ -9,7 +9,8 @@ their tables and plots (``analysis.single_gpu``), the precision suite its two ta
 foundation, ddp, ...) a table of its records; where some configuration was measured in both backends, the
 PyTorch-vs-JAX report (``analysis.side_by_side``) into ``side_by_side/``; where the device's measured ceilings are
 among the records, every GPU step against its predicted floor and memory (``analysis.fidelity``) into
-``fidelity.md``. An ``index.md`` lists what was written.
+``fidelity.md``; where both backends trained from the same saved weights, their losses step by step
+(``analysis.loss_parity``) into ``loss_parity.md``. An ``index.md`` lists what was written.
 Nothing is typed by hand: rerun it after adding records.
 
 ``python -m analysis.reports table FILES... [--suite S] [--columns a,b] [--metrics m] [--out FILE.md]`` prints one
@@ -32,6 +33,7 @@ from analysis.collectives import COLLECTIVES_SUITE, REPORT_METRICS as COLLECTIVE
 from analysis.data_parallel import SUITE as DDP_SUITE, write_ddp_report
 from analysis.fidelity import CEILINGS_SUITE, fidelity_rows, report as fidelity_report
 from analysis.records import Record, read_records
+from analysis.loss_parity import loss_parity, write_loss_parity
 from analysis.side_by_side import head_to_head, side_by_side_frame, write_side_by_side
 from analysis.single_gpu import REPORTS as SINGLE_GPU_REPORTS
 from analysis.tables import load_records, markdown_table, records_frame, records_table
@@ -121,6 +123,14 @@ def _fidelity(records: list[Record], out_dir: Path) -> list[Path]:
     return [out_dir / "fidelity.md", out_dir / "fidelity.png"]
 
 
+def _loss_parity(records: list[Record], out_dir: Path) -> list[Path]:
+    """PyTorch and JAX losses from the same weights (``analysis.loss_parity``) into ``out_dir/loss_parity.md``
+    (and its chart) when the records hold such a pair."""
+    if loss_parity(records)[0].empty:
+        return []
+    return write_loss_parity(records, out_dir / "loss_parity.md")
+
+
 def check_suite(path: Path, suite: str, records: list[Record]) -> None:
     """Refuse records that do not carry what their suite's report reads (``REPORT_METRICS``): a record filed
     under the wrong suite is a ValueError naming the file, the suite and what is missing, not a table of blanks."""
@@ -158,6 +168,7 @@ def write_reports(results: Path, out_dir: Path) -> list[Path]:
         every = load_records(files)  # the reports across suites read every file once
         written += _side_by_side(every, staging)
         written += _fidelity(every, staging)
+        written += _loss_parity(every, staging)
         index = staging / "index.md"
         lines = ["# Reports", "", f"Generated from `{results}/*.jsonl` by `python -m analysis.reports`.", ""]
         lines += [f"- [{p.relative_to(staging)}]({p.relative_to(staging)})" for p in written]
