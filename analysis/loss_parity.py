@@ -102,7 +102,8 @@ def loss_parity(records: Iterable[Record]) -> tuple[pd.DataFrame, pd.DataFrame]:
             steps = min(len(torch_run.losses), len(jax_run.losses))
             rel = [abs(j - t) / abs(t) for t, j in zip(torch_run.losses[:steps], jax_run.losses[:steps])]
             first = max(rel[:FIRST_STEPS], default=float("nan"))
-            pair = f"{torch_run.key[1]} {torch_run.key[2]} {torch_run.key[5]} lr {torch_run.key[6]} ({torch_run.key[0]}): {jax_run.name}"
+            commit, suite, model, _, _, dtype, lr, _ = torch_run.key
+            pair = f"{suite} {model} {dtype} lr {lr} ({commit}): {jax_run.name}"
             rows.append({**dict(zip(PAIR_KEYS, torch_run.key)), "torch": torch_run.name, "jax": jax_run.name,
                          "steps": steps, f"max_rel_diff_first_{FIRST_STEPS}": first, "max_rel_diff": max(rel),
                          f"within_bf16_first_{FIRST_STEPS}": first <= BF16_RTOL})

@@ -65,14 +65,15 @@ so tracing, compiling and initializing do not grow with depth; the policy then a
 stacks per layer.
 
 References: MaxText ``train.py`` (``train_step``: jit with in/out shardings from the logical-axis rules,
-donated state, fp32 loss; its ``gradient_accumulation_steps`` scan) and ``maxtext_utils.get_abstract_state`` (optimizer state sharded like the
-parameters); the Flax NNX "Scale up on multiple devices" guide (``nnx.split`` / jitted init with
+donated state, fp32 loss; its ``gradient_accumulation_steps`` scan) and ``maxtext_utils.get_abstract_state``
+(optimizer state sharded like the parameters); the Flax NNX "Scale up on multiple devices" guide (``nnx.split`` / jitted init with
 ``out_shardings``); the optax ``tree_map_params`` docs; Chen et al. 2016 (gradient checkpointing).
 
 Caveats:
 * Axis types are Auto (``jax_impl.sharding``): GSPMD propagates shardings inside a block from the
   parameters and the pinned block inputs (token ids and block boundaries, above). Under Auto axes GSPMD
-  may pick replicated gradients for some parameters, hence the explicit gradient constraint; the jit's ``out_shardings`` then pin the new parameters and moments to the rules' shardings.
+  may pick replicated gradients for some parameters, hence the explicit gradient constraint; the jit's
+  ``out_shardings`` then pin the new parameters and moments to the rules' shardings.
 * On meshes with dp, fsdp and tp all above 1, XLA's SPMD partitioner (seen with JAX 0.10 on CPU) warns of
   "involuntary full rematerialization" for a few backward cotangents it reshards from the batch split to
   the fsdp-split embed dim (with or without the block constraints): correct, but extra communication.
