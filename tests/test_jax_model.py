@@ -1,5 +1,5 @@
 """The Flax model on its own (jax_impl.model): parameter counts, logical axes, weight exchange, errors,
-bf16 compute, causality. Parity with the PyTorch model is tested in test_parity.py.
+bf16 compute, causality, the lookup's float32 gradient sums. Parity with the PyTorch model is tested in test_parity.py.
 
 Runs on the CPU with the highest matmul precision, so the float32 comparisons below mean float32.
 """
@@ -17,7 +17,7 @@ from flax import nnx
 
 from jax_impl import model as jax_model
 from jax_impl.attention import ATTENTION_BACKENDS
-from jax_impl.model import TransformerLM, cross_entropy, load_numpy_weights, logical_axes, to_numpy_weights
+from jax_impl.model import TransformerLM, cross_entropy, load_numpy_weights, logical_axes, lookup, to_numpy_weights
 from parallelism_calc.specs import MODELS
 
 TINY = MODELS["tiny"]
@@ -331,3 +331,21 @@ def test_rope_table_is_not_a_parameter():
     model = TransformerLM(TINY, rngs=nnx.Rngs(0))
     assert model.rope.cos.get_value().shape == (TINY.context_length, TINY.d_head // 2)
     assert not isinstance(model.rope.cos, nnx.Param) and isinstance(model.rope.cos, jax_model.RopeTable)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lookup_gradient_sums_repeated_tokens_in_float32(dtype):
+    """The embedding lookup's gradient against a float64 ``np.add.at`` on skewed ids (most of them repeated)."""
+    rng = np.random.default_rng()
+    vocab, d = 50, 8
+    table = jnp.asarray(rng.standard_normal((vocab, d)), dtype)
+    ids = rng.zipf(1.5, size=(4, 64)) % vocab  # a few rows take most tokens, as in text
+    grad_out = rng.standard_normal((4, 64, d))
+    expected = np.zeros((vocab, d))
+    np.add.at(expected, ids.reshape(-1), np.asarray(jnp.asarray(grad_out, dtype), np.float64).reshape(-1, d))
+    out, vjp = jax.vjp(lambda t: lookup(t, jnp.asarray(ids)), table)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(table)[ids])
+    (grad,) = vjp(jnp.asarray(grad_out, dtype))
+    assert grad.dtype == dtype
+    rtol = 1e-5 if dtype == jnp.float32 else 2.0**-8  # float32 sums (of up to 256 terms), one rounding to dtype
+    np.testing.assert_allclose(np.asarray(grad, np.float64), expected, rtol=rtol, atol=1e-5)
