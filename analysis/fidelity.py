@@ -1,9 +1,9 @@
 """Predicted against measured: the committed GPU step records held against ``parallelism_calc``.
 
-``python -m analysis.fidelity results --out results/reports/fidelity.md`` (files or folders of ``.jsonl``; a PNG
-beside the Markdown). Rows: every record that times a whole training step (mode train_step, status ok) on a GPU
-whose measured ceilings are among the records (suite "ceilings", ``torch_impl.bench.ceilings``, matched by device
-name); a step record without them is listed, with the reason. Per row:
+``python -m analysis.fidelity results --out results/reports/fidelity.md`` (files or folders of ``.jsonl``; the chart
+as PNG and PDF beside the Markdown). Rows: every record that times a whole training step (mode train_step, status ok)
+on a GPU whose measured ceilings are among the records (suite "ceilings", ``torch_impl.bench.ceilings``, matched by
+device name); a step record without them is listed, with the reason. Per row:
 
 * time: ``parallelism_calc.roofline.step_time_floor`` on those ceilings (the matmul rate of the record's compute
   dtype, the copy bandwidth, and for several devices the bus bandwidth of the largest NCCL all-reduce recorded
@@ -170,16 +170,17 @@ def summary(frame) -> Any:
 
 
 def plot(frame, path: Path) -> None:
-    """Predicted against measured, log-log, time and memory side by side, one point per row, colour by suite."""
-    import matplotlib
+    """Predicted against measured, log-log, time and memory side by side, one point per row, colour by suite;
+    saved as PNG at ``path`` and PDF beside it (``analysis.plots.save_figure``)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from analysis.plots import color_map
+    from analysis.plots import color_map, save_figure
 
     colors = color_map(sorted(frame["suite"].unique()))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    fig = Figure(figsize=(11, 5))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
     for ax, (measured, predicted, label) in zip(axes, (("measured ms", "floor ms", "step time (ms)"),
                                                       ("measured GiB", "predicted GiB", "peak memory (GiB)"))):
         points = frame.dropna(subset=[measured, predicted])
@@ -194,13 +195,12 @@ def plot(frame, path: Path) -> None:
         ax.grid(True, which="both", lw=0.3)
     axes[0].legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def report(sources: list, out: Path) -> str:
-    """Write the fidelity report (Markdown, and a PNG beside it) of ``sources`` (records, or files and folders of
-    them); returns the text."""
+    """Write the fidelity report (Markdown, and its chart as PNG and PDF beside it) of ``sources`` (records, or
+    files and folders of them); returns the text."""
     from analysis.tables import load_records, markdown_table
 
     records = load_records(sources)
@@ -233,11 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m analysis.fidelity", description=__doc__.splitlines()[0])
     parser.add_argument("sources", nargs="+", help=".jsonl files or folders of them (e.g. results)")
     parser.add_argument("--out", type=Path, default=Path("results/reports/fidelity.md"),
-                        help="the Markdown report; the chart goes beside it as .png (default "
+                        help="the Markdown report; the chart goes beside it as .png and .pdf (default "
                              "results/reports/fidelity.md)")
     args = parser.parse_args(argv)
     report(args.sources, args.out)
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')} (and .pdf)")
     return 0
 
 

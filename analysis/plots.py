@@ -1,9 +1,10 @@
-"""Generic plots from record frames (matplotlib, PNG); each suite's report lives in its own module.
+"""Generic plots from record frames (matplotlib, PNG and PDF); each suite's report lives in its own module.
 
 * ``line_plot(frame, x, y, hue=..., row=..., col=...)``: one line per ``hue`` value in a grid of panels, one
-  panel per (``row``, ``col``) value; log axes on request; saved as PNG when given ``out``.
+  panel per (``row``, ``col``) value; log axes on request; saved as PNG (and PDF) when given ``out``.
 * ``bar_plot(frame, x, y, hue=..., col=...)``: grouped bars, failed rows marked by a note where the bar would be.
 * ``color_map(names)``: one stable colour per name; ``ordered(values, order)``: the order of lines and legends.
+* ``save_figure(fig, out)``: the one place figures are saved: a PNG at ``out`` and a PDF beside it.
 
 The suites' reports: ``analysis.attention``, ``analysis.allreduce``, ``analysis.collectives``,
 ``analysis.data_parallel``, ``analysis.single_gpu``, ``analysis.side_by_side``. The attention, all-reduce and
@@ -80,7 +81,8 @@ def line_plot(
     ``logx`` / ``logy``: True for a base-10 log axis, an integer for that base (2 for powers-of-two sizes,
     whose ticks then read 512, 1k, 64k).
     Rows with a missing ``x`` or ``y`` are left out; each line is sorted by ``x``. With ``out`` the figure is
-    saved there as PNG (folders created). Raises ValueError on an unknown column or nothing to plot.
+    saved there as PNG, with a PDF beside it (``save_figure``). Raises ValueError on an unknown column or
+    nothing to plot.
     """
     unknown = [c for c in (x, y, hue, row, col) if c is not None and c not in frame.columns]
     if unknown:
@@ -132,7 +134,7 @@ def line_plot(
 def _finish(fig: Figure, handles: dict[Any, Any], order: Sequence[Any], legend_title: str | None,
             title: str | None, out: str | os.PathLike | None) -> Figure:
     """A figure's shared ending: the legend right of the panels (``order`` of ``handles``), the title, and
-    the PNG at ``out`` (folders created)."""
+    the PNG (and PDF) at ``out`` (``save_figure``)."""
     if order:
         fig.legend([handles[h] for h in order], [str(h) for h in order], title=legend_title, loc="center left",
                    bbox_to_anchor=(1.0, 0.5), fontsize=8)  # fmt: skip
@@ -140,10 +142,20 @@ def _finish(fig: Figure, handles: dict[Any, Any], order: Sequence[Any], legend_t
         fig.suptitle(title)
     fig.tight_layout()
     if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format="png", dpi=120, bbox_inches="tight")
+        save_figure(fig, out)
     return fig
+
+
+def save_figure(fig: Figure, out: str | os.PathLike) -> list[Path]:
+    """``fig`` as a PNG at ``out`` and a PDF beside it (same name, ``.pdf``; folders created): every figure of
+    the reports is saved here. The PDF carries no creation date, so regenerating the reports from the same
+    records gives the same bytes. https://matplotlib.org/stable/api/backend_pdf_api.html"""
+    png = Path(out)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, format="png", dpi=120, bbox_inches="tight")
+    pdf = png.with_suffix(".pdf")
+    fig.savefig(pdf, format="pdf", bbox_inches="tight", metadata={"CreationDate": None})
+    return [png, pdf]
 
 
 def bar_plot(
@@ -163,7 +175,8 @@ def bar_plot(
 ) -> Figure:
     """Grouped bars of ``y``: one group per ``x`` value, one bar per ``hue`` value (colours as ``color_map``),
     one panel per ``col`` value. A row whose ``y`` is missing shows its ``note`` column's text (e.g. "oom")
-    where its bar would be. Saved as PNG when given ``out``; ValueError on an unknown column."""
+    where its bar would be. Saved as PNG and PDF when given ``out`` (``save_figure``); ValueError on an unknown
+    column."""
     unknown = [c for c in (x, y, hue, col, note) if c is not None and c not in frame.columns]
     if unknown:
         raise ValueError(f"unknown column(s) {', '.join(unknown)}; accepted: {', '.join(map(str, frame.columns))}")
@@ -218,4 +231,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["bar_plot", "color_map", "line_plot", "ordered", *_MOVED]
+__all__ = ["bar_plot", "color_map", "line_plot", "ordered", "save_figure", *_MOVED]

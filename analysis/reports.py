@@ -10,8 +10,14 @@ foundation, ddp, ...) a table of its records; where some configuration was measu
 PyTorch-vs-JAX report (``analysis.side_by_side``) into ``side_by_side/``; where the device's measured ceilings are
 among the records, every GPU step against its predicted floor and memory (``analysis.fidelity``) into
 ``fidelity.md``; where both backends trained from the same saved weights, their losses step by step
-(``analysis.loss_parity``) into ``loss_parity.md``. An ``index.md`` lists what was written.
-Nothing is typed by hand: rerun it after adding records.
+(``analysis.loss_parity``) into ``loss_parity.md``; the training matrix and the accumulation study
+(``analysis.training``) into a folder per record file.
+For a paper: every Markdown table also as LaTeX (booktabs, ``DataFrame.to_latex``) and Typst (``#table``), in
+``<report>_tables/table<N>.tex`` and ``.typ`` beside ``<report>.md`` (N counts the report's tables in order;
+``analysis.tables.export_markdown_file``), and every chart as PNG with a PDF beside it (``analysis.plots.save_figure``).
+``index.md`` lists the reports by section (``SECTIONS``: PyTorch vs JAX, the attention leaderboard, the
+data-parallel family, the training matrix and accumulation study, fidelity, loss parity, then the other suites),
+linking each one's Markdown, charts and exports. Nothing is typed by hand: rerun it after adding records.
 
 ``python -m analysis.reports table FILES... [--suite S] [--columns a,b] [--metrics m] [--out FILE.md]`` prints one
 Markdown table of the records in some files, globs or folders instead (``table_main``; formerly
@@ -25,7 +31,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from analysis.allreduce import ALLREDUCE_SUITE, REPORT_METRICS as ALLREDUCE_METRICS, write_allreduce_report
 from analysis.attention import REPORT_METRICS as ATTENTION_METRICS, write_attention_report
@@ -36,7 +42,9 @@ from analysis.records import Record, read_records
 from analysis.loss_parity import loss_parity, write_loss_parity
 from analysis.side_by_side import head_to_head, side_by_side_frame, write_side_by_side
 from analysis.single_gpu import REPORTS as SINGLE_GPU_REPORTS
-from analysis.tables import load_records, markdown_table, records_frame, records_table
+from analysis.tables import (export_markdown_file, exports_folder, load_records, markdown_table, records_frame,
+                             records_table)
+from analysis.training import ACCUM_SUITE, MATRIX_SUITE, TRAIN_SUITE, write_accum_report, write_matrix_report
 from parallelism_calc.cli import ArgumentParser, error_boundary
 
 PROG = "python -m analysis.reports"
@@ -47,6 +55,17 @@ REPORT_METRICS = {
     ALLREDUCE_SUITE: ALLREDUCE_METRICS,
     COLLECTIVES_SUITE: COLLECTIVES_METRICS,
 }
+# The index's sections, in order, and the reports each lists: a suite's (by suite name) or one across suites
+# ("side_by_side", "fidelity", "loss_parity": ``CROSS_REPORTS``). Every other suite goes under OTHER_SECTION.
+SECTIONS = {
+    "PyTorch vs JAX, side by side": ("side_by_side", "jax_vs_torch"),
+    "Attention leaderboard": ATTENTION_SUITES,
+    "Data-parallel family": (DDP_SUITE, ALLREDUCE_SUITE, COLLECTIVES_SUITE),
+    "Training matrix and accumulation study": (MATRIX_SUITE, ACCUM_SUITE, TRAIN_SUITE),
+    "Predicted against measured (fidelity)": ("fidelity", CEILINGS_SUITE),
+    "Loss parity": ("loss_parity", "jax_parity"),
+}
+OTHER_SECTION = "Other suites"
 
 
 def precision_markdown(records: list[Record]) -> str:
@@ -86,6 +105,9 @@ def suite_report(path: Path, suite: str, records: list[Record], out_dir: Path) -
         return SINGLE_GPU_REPORTS[suite](records, out_dir, stem)
     if suite == DDP_SUITE:
         return write_ddp_report(path, out_dir)
+    if suite in (MATRIX_SUITE, ACCUM_SUITE):  # fixed file names (train_matrix.md, ...): a folder per record file
+        (write_matrix_report if suite == MATRIX_SUITE else write_accum_report)(path, out_dir / stem)
+        return sorted((out_dir / stem).iterdir())
     if suite == "precision":
         text = precision_markdown(records)
     else:
@@ -105,30 +127,30 @@ def _scalar_metrics(records: list[Record]) -> list[str]:
     return [name for name, scalar in names.items() if scalar]
 
 
-def _side_by_side(records: list[Record], out_dir: Path) -> list[Path]:
+def _side_by_side(records: list[Record], out_dir: Path) -> None:
     """The PyTorch-vs-JAX report (``analysis.side_by_side``) into ``out_dir/side_by_side`` when some
     configuration was measured in both backends."""
     frame = side_by_side_frame(records, "train_step")
-    if frame.empty or head_to_head(frame).empty:
-        return []
-    return write_side_by_side(records, out_dir / "side_by_side")
+    if not frame.empty and not head_to_head(frame).empty:
+        write_side_by_side(records, out_dir / "side_by_side")
 
 
-def _fidelity(records: list[Record], out_dir: Path) -> list[Path]:
+def _fidelity(records: list[Record], out_dir: Path) -> None:
     """Predicted against measured (``analysis.fidelity``) into ``out_dir/fidelity.md`` (and its chart) when the
     records hold measured ceilings and GPU train steps."""
-    if not any(r.suite == CEILINGS_SUITE for r in records) or not fidelity_rows(records):
-        return []
-    fidelity_report(records, out_dir / "fidelity.md")
-    return [out_dir / "fidelity.md", out_dir / "fidelity.png"]
+    if any(r.suite == CEILINGS_SUITE for r in records) and fidelity_rows(records):
+        fidelity_report(records, out_dir / "fidelity.md")
 
 
-def _loss_parity(records: list[Record], out_dir: Path) -> list[Path]:
+def _loss_parity(records: list[Record], out_dir: Path) -> None:
     """PyTorch and JAX losses from the same weights (``analysis.loss_parity``) into ``out_dir/loss_parity.md``
     (and its chart) when the records hold such a pair."""
-    if loss_parity(records)[0].empty:
-        return []
-    return write_loss_parity(records, out_dir / "loss_parity.md")
+    if not loss_parity(records)[0].empty:
+        write_loss_parity(records, out_dir / "loss_parity.md")
+
+
+# The reports across suites, each from every record: (records, out_dir) -> None, writing only where it applies.
+CROSS_REPORTS = {"side_by_side": _side_by_side, "fidelity": _fidelity, "loss_parity": _loss_parity}
 
 
 def check_suite(path: Path, suite: str, records: list[Record]) -> None:
@@ -142,9 +164,21 @@ def check_suite(path: Path, suite: str, records: list[Record]) -> None:
                              f"{', '.join(missing)} that the {suite} report reads: is it filed under the right suite?")
 
 
-def write_reports(results: Path, out_dir: Path) -> list[Path]:
-    """Every suite's report for every record file in ``results``, and an index; the files written.
+def _staged(staging: Path, report: Callable[..., object], *args: object) -> list[Path]:
+    """Run one report into ``staging``: the files it added there (whatever it returns: a chart's PDF too), then
+    the LaTeX and Typst exports of the tables in its Markdown (``analysis.tables.export_markdown_file``)."""
+    before = set(staging.rglob("*"))
+    report(*args)
+    added = sorted(p for p in staging.rglob("*") if p.is_file() and p not in before)
+    return added + [export for p in added if p.suffix == ".md" for export in export_markdown_file(p)]
 
+
+def write_reports(results: Path, out_dir: Path) -> list[Path]:
+    """Every suite's report for every record file in ``results``, the reports across suites (``CROSS_REPORTS``)
+    and ``index.md`` (``index_markdown``); the files written.
+
+    Each Markdown table gets its LaTeX and Typst exports (``foo.md`` -> ``foo_tables/table<N>.tex`` and ``.typ``)
+    and each chart is a PNG with a PDF beside it (``analysis.plots.save_figure``).
     All or nothing: the reports are written into a staging folder inside ``out_dir`` and moved into place only
     when every suite's report and the index are done, so a record that does not fit its report (a ValueError
     naming the file and suite) leaves ``out_dir`` as it was."""
@@ -154,32 +188,79 @@ def write_reports(results: Path, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".staging-", dir=out_dir) as tmp:
         staging = Path(tmp)
-        written: list[Path] = []
+        entries: list[tuple[str, list[Path]]] = []  # (suite or cross report, the files its report wrote)
         for path in files:
             records = read_records(path)
             for suite in dict.fromkeys(r.suite for r in records):
                 mine = [r for r in records if r.suite == suite]
                 check_suite(path, suite, mine)
                 try:
-                    written += suite_report(path, suite, mine, staging)
+                    entries.append((suite, _staged(staging, suite_report, path, suite, mine, staging)))
                 except (KeyError, TypeError, AttributeError) as err:  # a field the report reads is missing
                     raise ValueError(f"{path}: its {suite!r} records do not fit the {suite} report "
                                      f"({type(err).__name__}: {err}): are they filed under the right suite?") from None
         every = load_records(files)  # the reports across suites read every file once
-        written += _side_by_side(every, staging)
-        written += _fidelity(every, staging)
-        written += _loss_parity(every, staging)
+        entries += [(name, _staged(staging, report, every, staging)) for name, report in CROSS_REPORTS.items()]
+        entries = [(key, written) for key, written in entries if written]
         index = staging / "index.md"
-        lines = ["# Reports", "", f"Generated from `{results}/*.jsonl` by `python -m analysis.reports`.", ""]
-        lines += [f"- [{p.relative_to(staging)}]({p.relative_to(staging)})" for p in written]
-        index.write_text("\n".join(lines) + "\n")
+        index.write_text(index_markdown(entries, staging, results))
         final = []
-        for staged in [*written, index]:
+        for staged in [*(p for _, written in entries for p in written), index]:
             target = out_dir / staged.relative_to(staging)
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(staged, target)
             final.append(target)
     return final
+
+
+def index_markdown(entries: Sequence[tuple[str, Sequence[Path]]], root: Path, results: Path) -> str:
+    """``index.md``: the reports by section (``SECTIONS``, then ``OTHER_SECTION``; empty sections left out), each
+    linking its Markdown, its charts (PNG and PDF) and its tables' LaTeX and Typst exports. ``entries``: (suite or
+    cross report, the files its report wrote); only those files are linked, relative to ``root``."""
+    sections: dict[str, list[Sequence[Path]]] = {title: [] for title in [*SECTIONS, OTHER_SECTION]}
+    for key, written in entries:
+        sections[next((t for t, keys in SECTIONS.items() if key in keys), OTHER_SECTION)].append(written)
+    lines = ["# Reports", "",
+             f"Generated from `{results}/*.jsonl` by `python -m analysis.reports`; do not edit by hand. Each report: "
+             "its Markdown, its charts as PNG and PDF, and each of its tables as LaTeX (a booktabs `tabular`: "
+             "`\\usepackage{booktabs}`) and Typst (`#table`), in `<report>_tables/table<N>.tex` and `.typ`, N "
+             "counting the report's tables in order.", ""]
+    for title, reports in sections.items():
+        if reports:
+            lines += [f"## {title}", ""]
+            for written in reports:
+                lines += _index_entry(written, root)
+            lines.append("")
+    return "\n".join(lines)
+
+
+def _index_entry(written: Sequence[Path], root: Path) -> list[str]:
+    """One report in the index: a line per Markdown file with its title and tables, then its charts."""
+    files = set(written)
+
+    def link(path: Path, text: str | None = None) -> str:
+        relative = path.relative_to(root).as_posix()
+        return f"[{text or relative}]({relative})"
+
+    def formats(path: Path, kinds: dict[str, str]) -> str:
+        return ", ".join(link(path.with_suffix(suffix), name) for suffix, name in kinds.items()
+                         if path.with_suffix(suffix) in files)
+
+    lines = []
+    markdowns = [p for p in written if p.suffix == ".md"]
+    for markdown in markdowns:
+        heading = next((line[2:] for line in markdown.read_text().splitlines() if line.startswith("# ")), None)
+        lines.append(f"- {link(markdown)}" + (f": {heading}" if heading else ""))
+        tables = sorted((p for p in written if p.suffix == ".tex" and p.parent == exports_folder(markdown)),
+                        key=lambda p: int(p.stem.removeprefix("table")))
+        if tables:
+            lines.append("  - tables: " + "; ".join(
+                f"{p.stem} ({formats(p, {'.tex': 'LaTeX', '.typ': 'Typst'})})" for p in tables))
+    charts = [p for p in written if p.suffix == ".png"]
+    if charts:
+        lines.append(("  - charts: " if markdowns else "- charts: ") + "; ".join(
+            f"{p.stem} ({formats(p, {'.png': 'PNG', '.pdf': 'PDF'})})" for p in charts))
+    return lines
 
 
 def _names(text: str) -> list[str]:

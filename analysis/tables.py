@@ -7,6 +7,12 @@ MFU as a percentage, bytes in KiB/MiB/GiB) and renders with ``DataFrame.to_markd
 runs stay visible: whenever a row's status is not 'ok', the status and error columns are shown.
 ``records_table`` is both in one call, for the records of one suite (``python -m analysis.reports table``).
 
+Exports for a paper: ``markdown_tables`` reads the pipe tables back out of Markdown text (cells as the Markdown
+shows them, so numbers are formatted alike), ``latex_table`` renders one as a booktabs ``tabular``
+(``DataFrame.to_latex``) and ``typst_table`` as a Typst ``#table``, both with their special characters escaped;
+``export_markdown_file`` writes every table of ``foo.md`` as ``foo_tables/table<N>.tex`` and ``.typ`` (N from 1, in
+the Markdown's order), and ``export_table`` one frame's table, as ``markdown_table`` would show it.
+
 Caveat: uses pandas, so benchmarks must not import this module (they import ``analysis.records`` only).
 """
 
@@ -17,6 +23,7 @@ import glob
 import math
 import numbers
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, Union
 
@@ -244,10 +251,12 @@ def markdown_table(
     max_chars: int | None = 120,
 ) -> str:
     """A Markdown (pipe) table of ``frame``'s chosen columns (see ``select_columns``), numbers formatted by
-    column name, generic floats by ``floatfmt``, text cut to ``max_chars``; missing cells render as ``—``."""
+    column name, generic floats by ``floatfmt``, text cut to ``max_chars``; missing cells render as ``—``; pipes
+    escaped, in headers too (``median |error|``)."""
     chosen = select_columns(frame, columns, metrics)
     cells = pd.DataFrame({c: format_column(frame, c, floatfmt, max_chars) for c in chosen}, columns=chosen)
-    return cells.to_markdown(index=False, disable_numparse=True, colalign=[_alignment(frame[c]) for c in chosen])
+    return cells.to_markdown(index=False, disable_numparse=True, colalign=[_alignment(frame[c]) for c in chosen],
+                             headers=[_text(c, None) for c in chosen])
 
 
 def records_table(sources: RecordSource | Iterable[RecordSource], suite: str | None = None,
@@ -255,3 +264,94 @@ def records_table(sources: RecordSource | Iterable[RecordSource], suite: str | N
     """The Markdown table of the records in ``sources`` (paths, globs, folders or ``Record``s), of one suite if
     given (``filter_suite``), with ``markdown_table``'s columns."""
     return markdown_table(filter_suite(records_frame(sources), suite), columns, metrics=metrics)
+
+
+# ----------------------------------------------------------------------------- LaTeX and Typst exports
+
+# A pipe table's separator row, e.g. ``|:----|-----:|`` (colons give the alignment).
+_SEPARATOR = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
+_CELL_SPLIT = re.compile(r"(?<!\\)\|")  # a cell boundary: a pipe that ``_text`` did not escape
+_TYPST_SPECIAL = re.compile(r"([\\#$*_`<>@\[\]{}~=+\-/])")  # markup characters, escaped by a backslash
+_LATEX_ALIGN = {"left": "l", "right": "r", "center": "c"}
+
+
+def _row(line: str) -> list[str]:
+    return [cell.strip().replace("\\|", "|") for cell in _CELL_SPLIT.split(line.strip()[1:-1])]
+
+
+def _align(separator: str) -> str:
+    cell = separator.strip()
+    return "center" if cell[:1] == cell[-1:] == ":" else "right" if cell.endswith(":") else "left"
+
+
+def markdown_tables(text: str) -> list[tuple[pd.DataFrame, list[str]]]:
+    """Every pipe table in Markdown ``text`` (``markdown_table``'s or hand-written), in order: its cells as
+    text, exactly as the Markdown shows them, and each column's alignment ("left", "right" or "center")."""
+    lines, tables, i = text.splitlines(), [], 0
+    while i + 1 < len(lines):
+        if lines[i].lstrip().startswith("|") and _SEPARATOR.match(lines[i + 1].strip()):
+            header, align = _row(lines[i]), [_align(c) for c in _row(lines[i + 1])]
+            i += 2
+            body = []
+            while i < len(lines) and lines[i].lstrip().startswith("|"):
+                body.append(_row(lines[i]))
+                i += 1
+            tables.append((pd.DataFrame(body, columns=header, dtype=object), align))
+        else:
+            i += 1
+    return tables
+
+
+def latex_table(cells: pd.DataFrame, align: Sequence[str]) -> str:
+    """A booktabs ``tabular`` (``\\toprule``/``\\midrule``/``\\bottomrule``: ``\\usepackage{booktabs}``) by
+    ``DataFrame.to_latex`` with LaTeX's special characters escaped (``& % $ # _ { } ~ ^ \\``); ``cells`` are
+    text already formatted (``markdown_tables``).
+    https://pandas.pydata.org/docs/reference/api/pandas.DataFrame.to_latex.html"""
+    return cells.to_latex(index=False, escape=True, column_format="".join(_LATEX_ALIGN[a] for a in align))
+
+
+def typst_table(cells: pd.DataFrame, align: Sequence[str]) -> str:
+    """A Typst ``#table`` with a ``table.header`` row, one content block per cell, markup characters escaped
+    by a backslash. https://typst.app/docs/reference/model/table/"""
+
+    def block(text: Any) -> str:
+        return "[" + _TYPST_SPECIAL.sub(r"\\\1", str(text)) + "]"
+
+    lines = ["#table(", f"  columns: {len(cells.columns)},", f"  align: ({', '.join(align)},),",
+             f"  table.header({', '.join(block(c) for c in cells.columns)}),"]
+    lines += [f"  {', '.join(block(v) for v in row)}," for row in cells.itertuples(index=False)]
+    return "\n".join(lines + [")"]) + "\n"
+
+
+def write_table(cells: pd.DataFrame, align: Sequence[str], stem: str | os.PathLike) -> list[Path]:
+    """One table as ``<stem>.tex`` (``latex_table``) and ``<stem>.typ`` (``typst_table``); the two files."""
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    written = []
+    for suffix, render in ((".tex", latex_table), (".typ", typst_table)):
+        path = stem.with_name(stem.name + suffix)
+        path.write_text(render(cells, align), encoding="utf-8")
+        written.append(path)
+    return written
+
+
+def exports_folder(markdown_file: str | os.PathLike) -> Path:
+    """Where the exports of a Markdown report's tables go: ``foo.md`` -> ``foo_tables/``."""
+    path = Path(markdown_file)
+    return path.with_name(f"{path.stem}_tables")
+
+
+def export_markdown_file(markdown_file: str | os.PathLike) -> list[Path]:
+    """Each pipe table of a Markdown report as ``foo_tables/table<N>.tex`` and ``.typ`` beside ``foo.md``
+    (N = 1, 2, ... in the Markdown's order; ``exports_folder``); the files written (none without a table)."""
+    tables = markdown_tables(Path(markdown_file).read_text(encoding="utf-8"))
+    folder = exports_folder(markdown_file)
+    return [path for n, table in enumerate(tables, start=1) for path in write_table(*table, folder / f"table{n}")]
+
+
+def export_table(frame: pd.DataFrame, columns: Sequence[str] | None = None, *, out: str | os.PathLike,
+                 **options: Any) -> list[Path]:
+    """``markdown_table(frame, columns, **options)`` as ``<out>.tex`` and ``<out>.typ``: the Markdown's columns
+    and cells, formatted alike (for a notebook or a paper; the reports export theirs with ``export_markdown_file``)."""
+    [(cells, align)] = markdown_tables(markdown_table(frame, columns, **options))
+    return write_table(cells, align, out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,11 @@ from analysis.reports import table_main
 from analysis.records import Record, append_records, timing_stats
 from analysis.tables import (
     DEFAULT_COLUMNS,
+    export_table,
     format_bytes,
     format_number,
     markdown_table,
+    markdown_tables,
     records_frame,
     select_columns,
 )
@@ -150,6 +153,44 @@ def test_markdown_table_formats_values_and_shows_failures() -> None:
     for column in ("median_ms", "tokens_per_s", "mfu", "peak_memory_bytes", "metrics.loss", "dtype"):
         assert oom_row[column] == "—", column
     assert len(lines) == 4
+
+
+def _latex_rows(tex: str) -> list[str]:
+    """The body rows of a booktabs tabular (between \\midrule and \\bottomrule)."""
+    body = tex.split("\\midrule\n")[1].split("\\bottomrule")[0]
+    return [line for line in body.splitlines() if line.strip()]
+
+
+def _typst_cells(typ: str) -> list[str]:
+    """The content blocks of a Typst table, unescaped."""
+    return [re.sub(r"\\(.)", r"\1", c) for c in re.findall(r"\[((?:\\.|[^\\\]])*)\]", typ)]
+
+
+def test_latex_and_typst_exports_match_the_markdown(tmp_path: Path) -> None:
+    """``export_table``: the Markdown table's cells (numbers formatted alike) as a booktabs tabular and a Typst table
+    with a header row; LaTeX's and Typst's special characters escaped; a pipe in a header escaped in the Markdown."""
+    frame = pd.DataFrame({"implementation": ["eager_sdpa", "50% & #1 $5 a|b", "C:\\x {y} ~^ //"],
+                          "median_ms": [12.3456, 1.0, None], "mfu": [0.41234, 0.5, 0.1], "n |x|": [1, 2, 3]})
+    columns = list(frame.columns)
+    markdown = markdown_table(frame, columns)
+    [(shown, align)] = markdown_tables(markdown)
+    assert list(shown.columns) == columns and align == ["left", "right", "right", "right"]
+    assert shown.iloc[0].tolist() == ["eager_sdpa", "12.346", "41.2%", "1"]
+    assert shown.iloc[2, 1] == "—" and shown.iloc[1, 0] == "50% & #1 $5 a|b"  # the Markdown's "a\\|b", unescaped
+    tex, typ = export_table(frame, columns, out=tmp_path / "sub" / "t")
+    assert (tex.name, typ.name) == ("t.tex", "t.typ")
+    latex = tex.read_text()
+    assert latex.startswith("\\begin{tabular}{lrrr}\n\\toprule") and latex.rstrip().endswith("\\end{tabular}")
+    rows = _latex_rows(latex)
+    assert len(rows) == len(frame) and all(row.count(" & ") == 3 and row.endswith("\\\\") for row in rows)
+    assert rows[0].startswith("eager\\_sdpa & 12.346 & 41.2\\% & 1")
+    assert "50\\% \\& \\#1 \\$5" in rows[1] and "\\{y\\}" in rows[2]
+    typst = typ.read_text()
+    assert typst.startswith("#table(\n  columns: 4,\n  align: (left, right, right, right,),\n  table.header(")
+    blocks = _typst_cells(typst)
+    assert len(blocks) == 4 * (len(frame) + 1)
+    assert blocks == [*columns, *(v for row in shown.itertuples(index=False) for v in row)]
+    assert "[eager\\_sdpa]" in typst and "[50% & \\#1 \\$5 a|b]" in typst and "\\/\\/" in typst
 
 
 def test_markdown_table_column_choice() -> None:

@@ -57,6 +57,21 @@ def test_line_plot_grid_and_png(tmp_path):
         line_plot(frame.assign(t=None), "n", "t")
 
 
+def test_every_chart_is_saved_as_png_and_pdf(tmp_path):
+    """``save_figure`` (the one place figures are saved): a PDF beside each PNG, with no creation date, so the same
+    records give the same bytes; the Agg canvas renders both without a display."""
+    frame = pd.DataFrame({"x": [1, 2, 1, 2], "y": [1.0, 2.0, 3.0, None], "run": ["a", "a", "b", "b"],
+                          "note": ["", "", "", "oom"]})
+    line_plot(frame, "x", "y", hue="run", out=tmp_path / "line.png")
+    plots.bar_plot(frame, "x", "y", hue="run", note="note", out=tmp_path / "sub" / "bars.png")
+    first = {p.name: p.read_bytes() for p in tmp_path.rglob("*.*")}
+    assert sorted(first) == ["bars.pdf", "bars.png", "line.pdf", "line.png"]
+    assert first["line.pdf"][:5] == first["bars.pdf"][:5] == b"%PDF-"
+    assert first["line.png"][:8] == b"\x89PNG\r\n\x1a\n"
+    line_plot(frame, "x", "y", hue="run", out=tmp_path / "line.png")
+    assert (tmp_path / "line.pdf").read_bytes() == first["line.pdf"]
+
+
 def test_plots_never_import_torch():
     code = ("import sys, analysis.plots, analysis.attention, analysis.allreduce, analysis.collectives; "
             "assert 'torch' not in sys.modules, 'analysis imported torch'")

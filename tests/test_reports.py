@@ -1,5 +1,6 @@
 """``python -m analysis.reports``: every suite of every record file gets its report, from the records alone."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -51,3 +52,101 @@ def test_every_record_file_in_results_reads():
 
     for path in sorted(RESULTS.glob("*.jsonl")):
         assert read_records(path), path
+
+
+def fixture_results(folder: Path) -> None:
+    """Small records of several suites: PyTorch and JAX steps of one configuration (special characters in a name),
+    the attention leaderboard, data-parallel runs, a training matrix with its epochs, an accumulation study and a
+    suite of no section."""
+    from analysis.records import TRAIN_PHASES, timing_stats
+
+    cpu = {"provenance": {"device_name": "cpu"}}
+    step = dict(model="tiny", batch_size=2, seq_len=16, dtype="fp32", mode="train_step", **cpu)
+    append_records(folder / "e2e_cpu.jsonl", [
+        Record(suite="e2e", backend="torch", implementation="eager_sdpa 50% & #1 $", timing=timing_stats([2.0, 2.2]),
+               tokens_per_s=16.0, mfu=0.1, **step),
+        Record(suite="e2e", backend="jax", implementation="jit naive", timing=timing_stats([3.0]), tokens_per_s=11.0,
+               **step)])
+    append_records(folder / "attention_cpu.jsonl", [
+        Record(suite="attention", backend="torch", implementation=provider, batch_size=1, seq_len=seq, dtype="fp32",
+               mode="forward", timing=timing_stats([seq * factor]), tflops=1.0 / factor,
+               metrics={"heads": 2, "head_dim": 16, "causal": True}, **cpu)
+        for provider, factor in (("flash_triton", 1.0), ("naive", 3.0)) for seq in (16, 32)])
+    append_records(folder / "ddp_cpu.jsonl", [
+        Record(suite="ddp", backend="torch", implementation=impl, world_size=ranks, timing=timing_stats([ms]),
+               tokens_per_s=32.0 * ranks / ms, **step) for impl, ranks, ms in (("none", 1, 2.0), ("flat", 2, 2.5))])
+
+    def epoch(n, loss):
+        return Record(suite="train", backend="torch", implementation="none", metrics={
+            "attention": "sdpa", "dist": "none", "run": "cell", "epoch": n, "epoch_s": 1.0, "train_loss": loss,
+            "val_loss": loss})
+
+    append_records(folder / "matrix_cpu.jsonl", [
+        Record(suite="train_matrix", backend="torch", implementation="none",
+               metrics={"attention": "sdpa", "dist": "none", "run": "cell", "samples_per_epoch": 4}),
+        epoch(1, 5.0), epoch(2, 4.0)])
+    append_records(folder / "accum_cpu.jsonl", [
+        Record(suite="accum_study", backend="torch", implementation="ddp", batch_size=batch, world_size=2,
+               tokens_per_s=100.0 * batch, metrics={"grad_accum": 4 // batch, "step_ms": 5.0,
+                                                     "phase_ms": dict.fromkeys(TRAIN_PHASES, 1.0)})
+        for batch in (1, 2, 4)])
+    append_records(folder / "misc_cpu.jsonl", [Record(suite="misc", backend="jax", implementation="x",
+                                                      metrics={"value": 1.5})])
+
+
+def _links(markdown: str) -> list[str]:
+    return re.findall(r"\]\(([^)]+)\)", markdown)
+
+
+def test_report_index_groups_charts_and_exports(tmp_path):
+    """One command, from records alone: ``index.md`` by section, linking every file written and nothing else; a
+    PDF beside every PNG; each Markdown table as LaTeX and Typst with its rows and columns, names escaped."""
+    from analysis.tables import markdown_tables
+
+    fixture_results(tmp_path)
+    out = tmp_path / "reports"
+    written = reports.write_reports(tmp_path, out)
+    index = (out / "index.md").read_text()
+    assert re.findall(r"^## (.+)$", index, re.M) == [
+        "PyTorch vs JAX, side by side", "Attention leaderboard", "Data-parallel family",
+        "Training matrix and accumulation study", "Other suites"]
+    sections = dict(zip(re.findall(r"^## (.+)$", index, re.M), re.split(r"^## .+$", index, flags=re.M)[1:]))
+    assert "side_by_side/side_by_side.md" in sections["PyTorch vs JAX, side by side"]
+    assert "matrix_cpu_train_matrix/train_matrix.md" in sections["Training matrix and accumulation study"]
+    assert "accum_cpu/accum_study.md" in sections["Training matrix and accumulation study"]
+    assert "[misc_cpu.md](misc_cpu.md): misc: misc_cpu.jsonl" in sections["Other suites"]
+    files = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert set(_links(index)) == files - {"index.md"} and set(written) == {out / f for f in files}
+    charts = [p for p in out.rglob("*.png")]
+    assert len(charts) >= 10 and all(p.with_suffix(".pdf").read_bytes()[:5] == b"%PDF-" for p in charts)
+    for name in ("time_per_epoch", "loss_convergence"):  # the training matrix's charts, in its own folder
+        assert f"matrix_cpu_train_matrix/{name}.pdf" in index
+    for markdown in (p for p in out.rglob("*.md") if p.name != "index.md"):
+        tables = markdown_tables(markdown.read_text())
+        folder = markdown.with_name(f"{markdown.stem}_tables")
+        assert tables and sorted(p.name for p in folder.iterdir()) == sorted(
+            f"table{n}{suffix}" for n in range(1, len(tables) + 1) for suffix in (".tex", ".typ")), markdown
+        for n, (cells, _) in enumerate(tables, start=1):
+            latex = (folder / f"table{n}.tex").read_text()
+            assert latex.startswith("\\begin{tabular}") and latex.rstrip().endswith("\\end{tabular}")
+            body = latex.split("\\midrule\n")[1].split("\\bottomrule")[0]
+            assert len(body.splitlines()) == len(cells), (markdown, n)
+            typst = (folder / f"table{n}.typ").read_text()
+            assert f"columns: {len(cells.columns)}," in typst
+            assert len(re.findall(r"\[((?:\\.|[^\\\]])*)\]", typst)) == cells.size + len(cells.columns)
+    e2e = (out / "e2e_cpu_tables" / "table1.tex").read_text()
+    assert "eager\\_sdpa 50\\% \\& \\#1 \\$" in e2e
+    assert "[eager\\_sdpa 50% & \\#1 \\$]" in (out / "e2e_cpu_tables" / "table1.typ").read_text()
+
+
+def test_a_refused_record_leaves_the_reports_as_they_were(tmp_path):
+    """All or nothing: a record that does not fit its report (after others were staged) moves nothing into place,
+    neither Markdown nor charts nor exports."""
+    fixture_results(tmp_path)
+    append_records(tmp_path / "zz_misfiled.jsonl", [Record(suite="attention", backend="torch", implementation="x")])
+    out = tmp_path / "reports"
+    out.mkdir()
+    (out / "old.md").write_text("kept\n")
+    with pytest.raises(ValueError, match="zz_misfiled.jsonl: a 'attention' record"):
+        reports.write_reports(tmp_path, out)
+    assert [p.name for p in out.rglob("*")] == ["old.md"]
