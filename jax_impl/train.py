@@ -37,6 +37,8 @@ Public names:
 * ``make_train_step(graphdef, tx, param_shardings, opt_shardings, rest_shardings, batch_sharding, *,
   remat="none", grad_accum=1)``: that jitted function on its own, for callers (benchmarks) that hold their own
   state; with ``grad_accum`` A > 1 its tokens are (A, B / A, T+1), placed with ``micro_batch_sharding``.
+* ``dtype_arguments(dtype)`` / ``matmul_precision(dtype)``: what a ``--dtype`` means here; ``step_name(...)``:
+  how records name a step.
 * ``make_loss_fn(graphdef, batch_sharding, *, remat="none")``: its loss ``(params, rest, tokens) -> loss``
   (for forward-only or forward+backward benchmarks); ``block_transform(*, remat="none",
   activation_sharding=None, prevent_cse=True)``: the model hook it uses (below); ``REMAT_POLICIES``: the
@@ -280,6 +282,28 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, p_shardings, o_s
         out_shardings=(p_shardings, o_shardings, replicated),
         donate_argnums=(0, 1),
     )
+
+
+def dtype_arguments(dtype: str) -> dict[str, Any]:
+    """``ShardedTrainer``'s ``compute_dtype`` and ``param_dtype`` for a ``--dtype`` (``analysis.harness.DTYPES``):
+    fp32 computes in float32; bf16 computes in bf16 over float32 weights; bf16_mixed stores bf16 weights with
+    float32 masters (``MasterState``)."""
+    return {"compute_dtype": None if dtype == "fp32" else jnp.bfloat16,
+            "param_dtype": jnp.bfloat16 if dtype == "bf16_mixed" else None}
+
+
+def matmul_precision(dtype: str) -> str:
+    """``jax.default_matmul_precision`` for a ``--dtype``: "highest" for fp32 (float32 products, as PyTorch's
+    default; JAX's default on a GPU would use TF32 passes), else "default"."""
+    return "highest" if dtype == "fp32" else "default"
+
+
+def step_name(attention: str, remat: str, *, unrolled: bool = False, strategy: str | None = None) -> str:
+    """How records name a JAX step: e.g. "jit naive", "jit dot_product remat:dots fsdp_tp" (``strategy``: on a
+    mesh of several devices), "... unrolled" where the blocks are a Python loop instead of a scan."""
+    remat_part = {"none": "", "full": " remat"}.get(remat, f" remat:{remat}")
+    name = f"jit {attention}{remat_part}" + (" unrolled" if unrolled else "")
+    return name if strategy is None else f"{name} {strategy}"
 
 
 class ShardedTrainer:

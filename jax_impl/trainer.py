@@ -69,7 +69,8 @@ from analysis.records import Record, divergence, save_records  # noqa: E402
 from jax_impl.attention import get_attention  # noqa: E402
 from jax_impl.device import device_name, mesh_from_flags, peak_memory_bytes  # noqa: E402
 from jax_impl.model import to_numpy_weights  # noqa: E402
-from jax_impl.train import REMAT_POLICIES, ShardedTrainer, check_remat  # noqa: E402
+from jax_impl.train import (REMAT_POLICIES, ShardedTrainer, check_remat, dtype_arguments,  # noqa: E402
+                            matmul_precision, step_name)
 from lm_data import TokenData, global_batch_starts, prepare_data, validation_batch_starts, windows_at  # noqa: E402
 from lm_training import (TrainResult, TrainSettings, add_training_arguments, check_resume_settings,  # noqa: E402
                          describe_epoch, epoch_metrics, lr_at, progress_bar)
@@ -109,9 +110,7 @@ def build(cfg: JaxTrainConfig, total_steps: int) -> ShardedTrainer:
     mesh, strategy = mesh_from_flags(cfg.mesh, cfg.device)
     trainer = ShardedTrainer(cfg.spec(), mesh, strategy, lr=lr_schedule(cfg, total_steps),
                              weight_decay=cfg.weight_decay, seed=cfg.seed,
-                             compute_dtype=None if cfg.dtype == "fp32" else jnp.bfloat16,
-                             param_dtype=jnp.bfloat16 if cfg.dtype == "bf16_mixed" else None,
-                             remat=cfg.remat, attention=cfg.attention, b1=cfg.betas[0], b2=cfg.betas[1],
+                             **dtype_arguments(cfg.dtype), remat=cfg.remat, attention=cfg.attention, b1=cfg.betas[0], b2=cfg.betas[1],
                              eps=cfg.adam_eps, grad_clip=cfg.grad_clip, grad_accum=cfg.grad_accum)
     if cfg.init_weights:
         trainer.load_weights(dict(np.load(cfg.init_weights)))
@@ -169,16 +168,13 @@ def restore(manager: ocp.CheckpointManager, trainer: ShardedTrainer, cfg: JaxTra
 
 
 def implementation_name(cfg: JaxTrainConfig, trainer: ShardedTrainer) -> str:
-    """e.g. "jit naive" on one device, "jit dot_product remat:dots fsdp" on a mesh (as ``jax_impl.bench.e2e``)."""
-    remat = {"none": "", "full": " remat"}.get(cfg.remat, f" remat:{cfg.remat}")
-    name = f"jit {cfg.attention}{remat}"
-    return name if trainer.mesh.size == 1 else f"{name} {trainer.strategy}"
+    """``jax_impl.train.step_name`` of this run (as ``jax_impl.bench.e2e`` names it)."""
+    return step_name(cfg.attention, cfg.remat, strategy=None if trainer.mesh.size == 1 else trainer.strategy)
 
 
 def run_training(cfg: JaxTrainConfig, *, keep_params: bool = False) -> TrainResult:
     """Train as configured (the module docstring); ``keep_params``: the final weights as numpy arrays."""
-    precision = "highest" if cfg.dtype == "fp32" else "default"  # fp32: no TF32 / bf16 passes
-    with jax.default_matmul_precision(precision):
+    with jax.default_matmul_precision(matmul_precision(cfg.dtype)):
         return _run(cfg, keep_params)
 
 

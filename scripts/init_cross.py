@@ -19,14 +19,13 @@ import argparse
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 
 from analysis.harness import fixed_batch
 from jax_impl.model import to_numpy_weights as jax_weights
 from jax_impl.sharding import make_mesh
-from jax_impl.train import ShardedTrainer
+from jax_impl.train import ShardedTrainer, dtype_arguments, matmul_precision
 from parallelism_calc.specs import ModelSpec, ParallelSpec
 from torch_impl.model import TransformerLM
 from torch_impl.parallelize import parallelize
@@ -60,11 +59,11 @@ def main(argv: list[str] | None = None) -> None:
                      d_ff=args.d_ff, n_layers=args.layers, n_heads=args.heads)
     tokens = fixed_batch(args.seed, args.batch, args.seq, spec.vocab_size)  # (B, T + 1)
     mesh = make_mesh(ParallelSpec(), jax.devices("cpu")[:1])
-    precision = "highest" if args.dtype == "fp32" else "default"
+    precision = matmul_precision(args.dtype)
 
     def jax_trainer() -> ShardedTrainer:
         return ShardedTrainer(spec, mesh, "dp", lr=args.lr, weight_decay=WEIGHT_DECAY, seed=args.seed,
-                              compute_dtype=jnp.bfloat16 if args.dtype == "bf16" else None)
+                              **dtype_arguments(args.dtype))
 
     def initial(kind: str) -> dict[str, np.ndarray]:
         if kind == "t":

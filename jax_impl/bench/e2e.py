@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -54,7 +53,8 @@ from jax_impl.device import device_name, mesh_from_flags, peak_memory_bytes
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights
 from jax_impl.sharding import STRATEGIES
-from jax_impl.train import REMAT_POLICIES, ShardedTrainer, make_loss_fn
+from jax_impl.train import (REMAT_POLICIES, ShardedTrainer, dtype_arguments, make_loss_fn, matmul_precision,
+                            step_name)
 from parallelism_calc.specs import ModelSpec
 
 PROFILED_STEPS = 3
@@ -104,8 +104,7 @@ def predicted_memory(spec: ModelSpec, args: JaxStepConfig, seq_len: int, mesh: M
 
 def measure(args: JaxStepConfig) -> Record:
     initialize_from_env()
-    # fp32 means full fp32 matmuls, as PyTorch's default (JAX's default on a GPU would use TF32).
-    precision = "highest" if args.dtype == "fp32" else "default"
+    precision = matmul_precision(args.dtype)
     mesh, strategy = build_mesh(args)
     with jax.default_matmul_precision(precision):
         return measure_on_mesh(args, mesh, strategy)
@@ -140,8 +139,7 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
     spec, seq_len = resolve_spec(args)
     start = time.perf_counter()
     trainer = ShardedTrainer(spec, mesh, strategy, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
-                             compute_dtype=None if args.dtype == "fp32" else jnp.bfloat16,
-                             param_dtype=jnp.bfloat16 if args.dtype == "bf16_mixed" else None, remat=args.remat,
+                             **dtype_arguments(args.dtype), remat=args.remat,
                              attention=args.attention, scan_layers=args.scan_layers == "on")
     jax.block_until_ready((trainer.params, trainer.opt_state))
     init_s = time.perf_counter() - start  # parameters and AdamW state created (compiles included)
@@ -201,11 +199,9 @@ def profile_steps(step: Callable[[], float], hlo_text: str, out_dir: str, tag: s
 
 
 def implementation_name(args: JaxStepConfig, mesh: Mesh | None, strategy: str | None) -> str:
-    """e.g. "jit naive" on one device, "jit dot_product remat:dots fsdp_tp" on a mesh of several; "unrolled"
-    where the blocks are a Python loop instead of a scan."""
-    remat = {"none": "", "full": " remat"}.get(args.remat, f" remat:{args.remat}")
-    name = f"jit {args.attention}{remat}" + (" unrolled" if args.scan_layers == "off" else "")
-    return name if mesh is None or mesh.size == 1 else f"{name} {strategy}"
+    """``jax_impl.train.step_name`` of this run (its strategy named on a mesh of several devices)."""
+    return step_name(args.attention, args.remat, unrolled=args.scan_layers == "off",
+                     strategy=None if mesh is None or mesh.size == 1 else strategy)
 
 
 def failed_record(args: JaxStepConfig, err: RuntimeError) -> Record:
