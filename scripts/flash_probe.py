@@ -10,6 +10,9 @@ the GPU time alone, so the difference is host overhead). Our variants:
 * ``det``: forward + the two-pass backward (``torch.use_deterministic_algorithms(True)``).
 * ``fused``: forward + the fused backward (the default).
 
+``--loads tma,pointers`` runs each of ours twice: with tiles loaded through TMA tensor descriptors (what the kernels
+pick on sm_90 for aligned inputs) and with masked pointer loads (forced; what they do otherwise); rows say which.
+
 With ``--tiles`` each shape instead times the backward with each dK/dV tile configuration in turn (the autotuning
 list and ``EXTRA_TILES``; the fused backward and the two-pass one): what the tuner chose from, and what it could
 choose. With ``--host`` each shape instead measures the CPU time to enqueue one call (the GPU idle before it, so
@@ -52,6 +55,7 @@ from torch_impl.bench.attention import _choices, _shapes  # the benchmark's --sh
 
 SHAPES = ("1x16x16384x64", "4x32x2048x64", "1x16x16384x128", "4x32x2048x80")
 VARIANTS = ("fwd", "det", "fused")
+LOADS = ("tma", "pointers")  # how our kernels load tiles: what _tma_loads picks, or pointer loads forced
 BACKWARDS = {"det": True, "fused": False}  # name -> torch.use_deterministic_algorithms
 
 
@@ -68,6 +72,18 @@ def deterministic(flag: bool):
 def cudnn(q, k, v):
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         return sdpa(q, k, v, is_causal=True)
+
+
+@contextlib.contextmanager
+def loads(how: str):
+    """Our kernels' tile loads: as the library picks them ("tma" on sm_90 for aligned inputs), or "pointers"."""
+    saved = ft._tma_loads
+    if how == "pointers":
+        ft._tma_loads = lambda *tensors: False
+    try:
+        yield
+    finally:
+        ft._tma_loads = saved
 
 
 def ours(q, k, v):
@@ -145,13 +161,20 @@ def tuned_configs() -> dict:
             for name, tuned in (("fwd", ft._fwd_tuned), ("dkdv", ft._dkdv_tuned), ("dq", ft._dq_tuned))}
 
 
-def probe_shape(shape: tuple[int, int, int, int], emit, variants: set[str], profile: bool) -> None:
+def probe_shape(shape: tuple[int, int, int, int], emit, variants: set[str], profile: bool,
+                load_modes: list[str]) -> None:
     q, k, v, do = inputs(*shape)
-    row = shape_row(shape)
     want = grads(cudnn, q, k, v, do)
-    emit({**row, "variant": "cudnn", "pass": "fwd", **times(lambda: cudnn(q, k, v))})
-    emit({**row, "variant": "cudnn", "pass": "fwd+bwd", **times(lambda: grads(cudnn, q, k, v, do)),
+    emit({**shape_row(shape), "variant": "cudnn", "pass": "fwd", **times(lambda: cudnn(q, k, v))})
+    emit({**shape_row(shape), "variant": "cudnn", "pass": "fwd+bwd", **times(lambda: grads(cudnn, q, k, v, do)),
           **({"kernels": kernel_times(lambda: grads(cudnn, q, k, v, do))} if profile else {})})
+    for how in load_modes:
+        with loads(how):
+            probe_ours(q, k, v, do, want, {**shape_row(shape), "loads": how}, emit, variants, profile)
+
+
+def probe_ours(q, k, v, do, want, row: dict, emit, variants: set[str], profile: bool) -> None:
+    """Our forward and backwards at one shape, against cuDNN's gradients ``want``."""
     if "fwd" in variants:
         try:
             emit({**row, "variant": "fwd", "pass": "fwd", **times(lambda: ours(q, k, v)),
@@ -282,7 +305,7 @@ def table(rows: list[dict]) -> str:
             continue
         flops = r["flops_fwd"] * (1 if r["pass"] == "fwd" else 3.5)
         variant = r["variant"] + (" {BLOCK_M}x{BLOCK_N} w{num_warps} s{num_stages}".format(**r["tiles"])
-                                  if "tiles" in r else "")
+                                  if "tiles" in r else "") + (f" ({r['loads']} loads)" if "loads" in r else "")
         cudnn_ms = anchor.get((r["shape"], r["pass"]))
         ratio = f"{cudnn_ms / r['graph_ms']:.2f}x" if cudnn_ms else "-"
         lines.append(f"| {r['shape']} | {r['pass']} | {variant} | {r['ms']:.3f} | {r['graph_ms']:.3f} | "
@@ -301,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--once", action="store_true", help="run each variant once per shape, nothing else")
     parser.add_argument("--tiles", action="store_true", help="time the backward with each dK/dV tile configuration")
     parser.add_argument("--host", action="store_true", help="CPU time to enqueue one call, layer by layer")
+    parser.add_argument("--loads", type=_choices(LOADS), default="tma",
+                        help=f"comma-separated, of {', '.join(LOADS)}: how our kernels load tiles (probe_shape)")
     args = parser.parse_args(argv)
     variants = set(args.variants)
     if not torch.cuda.is_available():
@@ -335,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.tiles:
             tile_sweep(shape, emit)
         else:
-            probe_shape(shape, emit, variants, args.profile)
+            probe_shape(shape, emit, variants, args.profile, args.loads)
     emit({"autotune": tuned_configs()})
     print(table(rows))
     return 0

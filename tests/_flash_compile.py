@@ -56,6 +56,15 @@ CASES = [
     ("preprocess", ft._bwd_preprocess, None, head_dim(80)),
     ("forward-fp32", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": False,
                                                      "DOT_PRECISION": "ieee", **head_dim(64)}),
+    # tiles loaded by TMA (tensor descriptors), as on an H100 with aligned inputs
+    ("forward-tma", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": False, "TMA": True,
+                                                    **head_dim(80)}),
+    ("forward-tma", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": True, "TMA": True,
+                                                    **head_dim(64)}),
+    ("dkdv-tma", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True,
+                                                       "ATOMIC_DQ": True, "DQ_TMA": True, "TMA": True, **head_dim(80)}),
+    ("dq-tma", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": False, "TMA": True,
+                                                 **head_dim(64)}),
 ]
 
 
@@ -68,7 +77,8 @@ def first_kept_config(tuned, constexprs: dict) -> tuple[dict, dict]:
 
 def compile_case(kernel, tuned, flags: dict) -> dict:
     """Lower one kernel to an sm_90 cubin; its shared memory in bytes, or the error's first line."""
-    flags = {"DOT_PRECISION": "tf32", **flags} if "DOT_PRECISION" in kernel.arg_names else flags
+    if "DOT_PRECISION" in kernel.arg_names:  # the attention kernels (not the preprocess)
+        flags = {"DOT_PRECISION": "tf32", "TMA": False, **flags}
     tiles, options = first_kept_config(tuned, flags) if tuned else ({"BLOCK_M": 128}, {})
     constexprs = {**flags, **tiles}
     dtype = "fp32" if flags.get("DOT_PRECISION") == "ieee" else "bf16"

@@ -607,6 +607,21 @@ def test_triton_deterministic_backward_matches_float64(case, deterministic_algor
     assert all(torch.equal(got[key], again[key]) for key in ("dQ", "dK", "dV"))
 
 
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=lambda c: f"h{c[0][1]}-kv{c[0][2]}-q{c[1]}-k{c[2]}-d{c[3]}")
+def test_triton_pointer_loads_match_float64(monkeypatch, case, seed):
+    """Tiles loaded by masked pointers (what strided or misaligned inputs and pre-Hopper GPUs take) against
+    float64, with the TMA loads every aligned input in the other tests takes switched off."""
+    import torch_impl.attention.flash_triton as ft
+
+    impl = load_impl("triton")
+    monkeypatch.setattr(ft, "_tma_loads", lambda *tensors: False)
+    (batch, heads, kv_heads), n_q, n_k, d, is_causal = case
+    q, k, v, grad_out = random_inputs((batch, heads), n_q, n_k, d, torch.float32, impl.device, kv_lead=(batch, kv_heads))
+    got = run(impl.fn, q, k, v, grad_out, is_causal)
+    check_all(got, reference(q, k, v, grad_out, is_causal), tolerance(impl, torch.float32, impl.device),
+              f"pointer loads, case {case}, seed={seed}", lse_tol=lse_tolerance(impl, torch.float32, impl.device))
+
+
 def test_public_names_are_exported():
     """DESIGN.md: ``from torch_impl.attention import FlashAttention2Torch, FlashAttention2Triton``."""
     import torch_impl.attention as attention

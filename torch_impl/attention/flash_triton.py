@@ -83,6 +83,25 @@ def _ptrs(base, b, h, stride_b, stride_h, stride_n, stride_d, rows, cols):
 
 
 @triton.jit
+def _rows_desc(base, b, h, stride_b, stride_h, stride_n, n, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """A TMA descriptor over head (b, h)'s (n, HEAD_DIM) matrix in (BLOCK_ROWS, BLOCK_D) tiles: rows >= n and
+    columns >= HEAD_DIM read as zeros (and are dropped by stores and reduce-adds)."""
+    return tl.make_tensor_descriptor(base + b * stride_b + h * stride_h, shape=[n, HEAD_DIM], strides=[stride_n, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_D])
+
+
+@triton.jit
+def _load_rows(ptrs, desc, row, mask, TMA: tl.constexpr):
+    """The tile starting at ``row``: by TMA through ``desc``, or by masked pointer loads (masked-off: zeros)."""
+    if TMA:
+        tile = desc.load([row, 0])
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
 def _below(offs, n, MASK: tl.constexpr):
     """offs < n where MASK, else all True (a constant mask, which the compiler drops)."""
     if MASK:
@@ -109,9 +128,9 @@ def _query_tile(IS_CAUSAL: tl.constexpr, n_q, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n_base, d_ok, lo, hi, n_k,
-               sm_scale, MASK_DIAGONAL: tl.constexpr, MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m, offs_n_base, d_ok,
+               lo, hi, n_k, sm_scale, MASK_DIAGONAL: tl.constexpr, MASK_KEYS: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online softmax over the key tiles [lo, hi): acc, the row sum l_i and the row max m_i (natural units)."""
     k_ptrs += lo * stride_kn
     v_ptrs += lo * stride_vn
@@ -119,7 +138,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
         offs_n = start_n + offs_n_base  # (BLOCK_N,)
         key_ok = _below(offs_n, n_k, MASK_KEYS)
         kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        k = _load_rows(k_ptrs, k_desc, start_n, kv_mask, TMA)  # (BLOCK_N, BLOCK_D)
         # S = q k^T, written as in the backward's kernels (q @ trans(k), k @ trans(q)): the same rounding in each.
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_N)
         if MASK_DIAGONAL:
@@ -130,7 +149,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, o
         p = tl.math.exp2((s - m_new[:, None]) * _LOG2E)
         alpha = tl.math.exp2((m_i - m_new) * _LOG2E)  # 0 on the first tile (m_i = -inf)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = _load_rows(v_ptrs, v_desc, start_n, kv_mask, TMA)  # (BLOCK_N, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
@@ -144,9 +163,11 @@ def _fwd_kernel(Q, K, V, O, LSE, sm_scale,
                 stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
                 n_heads, group, n_q, n_k, n_q_bucket, n_k_bucket,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
-                EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     """One program per (query tile, batch x head): O = softmax(Q K^T * scale) V and L = logsumexp (natural).
-    Causal: the last query tiles see the most keys, so they are launched first (less tail at the end)."""
+    Causal: the last query tiles see the most keys, so they are launched first (less tail at the end).
+    TMA: q, k, v tiles are loaded through tensor descriptors (unit head-dim stride, 16-byte aligned rows)."""
     start_m = _query_tile(IS_CAUSAL, n_q, BLOCK_M) * BLOCK_M
     b, h, h_kv = _program_head(n_heads, group)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -154,8 +175,14 @@ def _fwd_kernel(Q, K, V, O, LSE, sm_scale,
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = _below(offs_d, HEAD_DIM, HEAD_DIM != BLOCK_D)
     row_ok = _below(offs_m, n_q, not EVEN_M)
-    q = tl.load(_ptrs(Q, b, h, stride_qb, stride_qh, stride_qn, stride_qd, offs_m, offs_d),
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    if TMA:
+        q_desc = _rows_desc(Q, b, h, stride_qb, stride_qh, stride_qn, n_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+        k_desc = _rows_desc(K, b, h_kv, stride_kb, stride_kh, stride_kn, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_desc = _rows_desc(V, b, h_kv, stride_vb, stride_vh, stride_vn, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+    else:
+        q_desc, k_desc, v_desc = None, None, None
+    q = _load_rows(_ptrs(Q, b, h, stride_qb, stride_qh, stride_qn, stride_qd, offs_m, offs_d), q_desc, start_m,
+                   row_ok[:, None] & d_ok[None, :], TMA)  # (BLOCK_M, BLOCK_D)
     k_ptrs = _ptrs(K, b, h_kv, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d)
     v_ptrs = _ptrs(V, b, h_kv, stride_vb, stride_vh, stride_vn, stride_vd, offs_n, offs_d)
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
@@ -164,15 +191,18 @@ def _fwd_kernel(Q, K, V, O, LSE, sm_scale,
     if IS_CAUSAL:
         # Stage 1: key tiles wholly below the diagonal (keys < start_m), no causal mask.
         hi = tl.minimum(start_m, n_k)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok,
-                                   0, hi, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m,
+                                   offs_n, d_ok, 0, hi, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, TMA,
+                                   BLOCK_N)
         # Stage 2: the tiles on the diagonal, masked; tiles above it are never visited.
         hi = tl.minimum(start_m + BLOCK_M, n_k)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok,
-                                   start_m, hi, n_k, sm_scale, True, not EVEN_N, DOT_PRECISION, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m,
+                                   offs_n, d_ok, start_m, hi, n_k, sm_scale, True, not EVEN_N, DOT_PRECISION, TMA,
+                                   BLOCK_N)
     else:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok,
-                                   0, n_k, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m,
+                                   offs_n, d_ok, 0, n_k, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, TMA,
+                                   BLOCK_N)
     acc = acc / l_i[:, None]
     lse = m_i + tl.log(l_i)
     tl.store(_ptrs(O, b, h, stride_ob, stride_oh, stride_on, stride_od, offs_m, offs_d),
@@ -197,10 +227,10 @@ def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don, stride_dqn,
-                offs_n, key_ok, offs_m_base, d_ok, lo, hi, n_q, sm_scale, MASK_DIAGONAL: tl.constexpr,
-                MASK_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, dq_desc):
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, stride_qn,
+                stride_don, stride_dqn, offs_n, key_ok, offs_m_base, d_ok, lo, hi, n_q, sm_scale,
+                MASK_DIAGONAL: tl.constexpr, MASK_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, TMA: tl.constexpr):
     """Accumulate dK, dV of one key tile over the query tiles [lo, hi) of one head, with transposed tiles; with
     ATOMIC_DQ also add each query tile's share of dQ / scale, dS K, to the fp32 dQ accumulator (atomics)."""
     q_ptrs += lo * stride_qn
@@ -209,8 +239,8 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stri
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base  # (BLOCK_M,)
         row_ok = _below(offs_m, n_q, MASK_ROWS)
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-        do = tl.load(do_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = _load_rows(q_ptrs, q_desc, start_m, row_ok[:, None] & d_ok[None, :], TMA)  # (BLOCK_M, BLOCK_D)
+        do = _load_rows(do_ptrs, do_desc, start_m, row_ok[:, None] & d_ok[None, :], TMA)
         lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * sm_scale  # S^T (BLOCK_N, BLOCK_M)
@@ -243,11 +273,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, sm_scale,
                      n_heads, group, n_q, n_k, n_q_bucket, n_k_bucket,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
                      EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                     DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     DQ_TMA: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (key tile, batch x key/value head): dK, dV summed over every query tile that sees the
     key tile, in each of the ``group`` query heads that share this key/value head (grid axis 1: B x H_kv).
     ATOMIC_DQ: the same pass adds dQ into an fp32 accumulator DQ (the fused backward: S, P, dP, dS computed once
-    per tile pair, five products instead of the two-kernel backward's seven); else DQ is not touched."""
+    per tile pair, five products instead of the two-kernel backward's seven); else DQ is not touched. TMA: q, k,
+    v, dO tiles are loaded through tensor descriptors."""
     start_n = tl.program_id(0) * BLOCK_N
     b, h_kv, _ = _program_head(n_heads // group, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -256,10 +287,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, sm_scale,
     d_ok = _below(offs_d, HEAD_DIM, HEAD_DIM != BLOCK_D)
     key_ok = _below(offs_n, n_k, not EVEN_N)
     kv_mask = key_ok[:, None] & d_ok[None, :]
-    k = tl.load(_ptrs(K, b, h_kv, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d), mask=kv_mask,
-                other=0.0)  # (BLOCK_N, BLOCK_D)
-    v = tl.load(_ptrs(V, b, h_kv, stride_vb, stride_vh, stride_vn, stride_vd, offs_n, offs_d), mask=kv_mask,
-                other=0.0)
+    if TMA:
+        k_desc = _rows_desc(K, b, h_kv, stride_kb, stride_kh, stride_kn, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_desc = _rows_desc(V, b, h_kv, stride_vb, stride_vh, stride_vn, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+    else:
+        k_desc, v_desc = None, None
+    k = _load_rows(_ptrs(K, b, h_kv, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d), k_desc, start_n,
+                   kv_mask, TMA)  # (BLOCK_N, BLOCK_D)
+    v = _load_rows(_ptrs(V, b, h_kv, stride_vb, stride_vh, stride_vn, stride_vd, offs_n, offs_d), v_desc, start_n,
+                   kv_mask, TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for g in range(0, group):  # the query heads of this key/value head, in order: deterministic sums
@@ -268,25 +304,31 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, sm_scale,
         do_ptrs = _ptrs(DO, b, h, stride_dob, stride_doh, stride_don, stride_dod, offs_m, offs_d)
         dq_ptrs = _ptrs(DQ, b, h, stride_dqb, stride_dqh, stride_dqn, stride_dqd, offs_m, offs_d)
         if ATOMIC_DQ and DQ_TMA:  # this head's (n_q, d) rows of the contiguous fp32 accumulator
-            dq_desc = tl.make_tensor_descriptor(DQ + b * stride_dqb + h * stride_dqh, shape=[n_q, HEAD_DIM],
-                                                strides=[stride_dqn, 1], block_shape=[BLOCK_M, BLOCK_D])
+            dq_desc = _rows_desc(DQ, b, h, stride_dqb, stride_dqh, stride_dqn, n_q, HEAD_DIM, BLOCK_M, BLOCK_D)
         else:
             dq_desc = None
+        if TMA:
+            q_desc = _rows_desc(Q, b, h, stride_qb, stride_qh, stride_qn, n_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+            do_desc = _rows_desc(DO, b, h, stride_dob, stride_doh, stride_don, n_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+        else:
+            q_desc, do_desc = None, None
         lse_ptr = LSE + (b * n_heads + h) * n_q
         delta_ptr = DELTA + (b * n_heads + h) * n_q
         if IS_CAUSAL:
             # Query rows on the diagonal (start_n .. start_n + BLOCK_N), masked; then the rows below, unmasked.
             diag_end = tl.minimum(start_n + BLOCK_N, n_q)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
-                                 stride_dqn, offs_n, key_ok, offs_m, d_ok, start_n, diag_end, n_q, sm_scale, True,
-                                 not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, dq_desc)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
-                                 stride_dqn, offs_n, key_ok, offs_m, d_ok, start_n + BLOCK_N, n_q, n_q, sm_scale,
-                                 False, not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, dq_desc)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptr,
+                                 delta_ptr, stride_qn, stride_don, stride_dqn, offs_n, key_ok, offs_m, d_ok, start_n,
+                                 diag_end, n_q, sm_scale, True, not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ,
+                                 DQ_TMA, TMA)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptr,
+                                 delta_ptr, stride_qn, stride_don, stride_dqn, offs_n, key_ok, offs_m, d_ok,
+                                 start_n + BLOCK_N, n_q, n_q, sm_scale, False, not EVEN_M, DOT_PRECISION, BLOCK_M,
+                                 ATOMIC_DQ, DQ_TMA, TMA)
         else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
-                                 stride_dqn, offs_n, key_ok, offs_m, d_ok, 0, n_q, n_q, sm_scale, False, not EVEN_M,
-                                 DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, dq_desc)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptr,
+                                 delta_ptr, stride_qn, stride_don, stride_dqn, offs_n, key_ok, offs_m, d_ok, 0, n_q,
+                                 n_q, sm_scale, False, not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, TMA)
     dk *= sm_scale
     tl.store(_ptrs(DK, b, h_kv, stride_dkb, stride_dkh, stride_dkn, stride_dkd, offs_n, offs_d),
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -295,17 +337,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, sm_scale,
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n_base, d_ok, lo, hi, n_k,
-              sm_scale, MASK_DIAGONAL: tl.constexpr, MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m, offs_n_base,
+              d_ok, lo, hi, n_k, sm_scale, MASK_DIAGONAL: tl.constexpr, MASK_KEYS: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr):
     """Accumulate dQ of one query tile over the key tiles [lo, hi)."""
     k_ptrs += lo * stride_kn
     v_ptrs += lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         key_ok = _below(offs_n, n_k, MASK_KEYS)
-        k = tl.load(k_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        k = _load_rows(k_ptrs, k_desc, start_n, key_ok[:, None] & d_ok[None, :], TMA)  # (BLOCK_N, BLOCK_D)
+        v = _load_rows(v_ptrs, v_desc, start_n, key_ok[:, None] & d_ok[None, :], TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_N)
         if MASK_DIAGONAL:
             s = tl.where(offs_m[:, None] >= offs_n[None, :], s, -float("inf"))
@@ -327,9 +369,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
                    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
                    n_heads, group, n_q, n_k, n_q_bucket, n_k_bucket,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
-                   EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     """One program per (query tile, batch x head): dQ over every key tile the query tile sees (causal: the
-    heaviest tiles first, as in the forward)."""
+    heaviest tiles first, as in the forward). TMA: as in the forward."""
     start_m = _query_tile(IS_CAUSAL, n_q, BLOCK_M) * BLOCK_M
     b, h, h_kv = _program_head(n_heads, group)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -338,9 +381,17 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
     d_ok = _below(offs_d, HEAD_DIM, HEAD_DIM != BLOCK_D)
     row_ok = _below(offs_m, n_q, not EVEN_M)
     mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(_ptrs(Q, b, h, stride_qb, stride_qh, stride_qn, stride_qd, offs_m, offs_d), mask=mask, other=0.0)
-    do = tl.load(_ptrs(DO, b, h, stride_dob, stride_doh, stride_don, stride_dod, offs_m, offs_d), mask=mask,
-                 other=0.0)
+    if TMA:
+        q_desc = _rows_desc(Q, b, h, stride_qb, stride_qh, stride_qn, n_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+        do_desc = _rows_desc(DO, b, h, stride_dob, stride_doh, stride_don, n_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+        k_desc = _rows_desc(K, b, h_kv, stride_kb, stride_kh, stride_kn, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_desc = _rows_desc(V, b, h_kv, stride_vb, stride_vh, stride_vn, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+    else:
+        q_desc, do_desc, k_desc, v_desc = None, None, None, None
+    q = _load_rows(_ptrs(Q, b, h, stride_qb, stride_qh, stride_qn, stride_qd, offs_m, offs_d), q_desc, start_m, mask,
+                   TMA)
+    do = _load_rows(_ptrs(DO, b, h, stride_dob, stride_doh, stride_don, stride_dod, offs_m, offs_d), do_desc,
+                    start_m, mask, TMA)
     lse = tl.load(LSE + (b * n_heads + h) * n_q + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + (b * n_heads + h) * n_q + offs_m, mask=row_ok, other=0.0)
     k_ptrs = _ptrs(K, b, h_kv, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d)
@@ -348,14 +399,14 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if IS_CAUSAL:
         hi = tl.minimum(start_m, n_k)
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok, 0, hi,
-                       n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m, offs_n,
+                       d_ok, 0, hi, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, TMA, BLOCK_N)
         hi = tl.minimum(start_m + BLOCK_M, n_k)
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok, start_m,
-                       hi, n_k, sm_scale, True, not EVEN_N, DOT_PRECISION, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m, offs_n,
+                       d_ok, start_m, hi, n_k, sm_scale, True, not EVEN_N, DOT_PRECISION, TMA, BLOCK_N)
     else:
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok, 0, n_k,
-                       n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m, offs_n,
+                       d_ok, 0, n_k, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, TMA, BLOCK_N)
     dq *= sm_scale
     tl.store(_ptrs(DQ, b, h, stride_dqb, stride_dqh, stride_dqn, stride_dqd, offs_m, offs_d),
              dq.to(DQ.dtype.element_ty), mask=mask)
@@ -384,7 +435,7 @@ def _prune_wide_tiles(axis: str):
     return prune
 
 
-_TUNE_KEY = ["n_q_bucket", "n_k_bucket", "BLOCK_D", "IS_CAUSAL", "DOT_PRECISION"]
+_TUNE_KEY = ["n_q_bucket", "n_k_bucket", "BLOCK_D", "IS_CAUSAL", "DOT_PRECISION", "TMA"]
 # The first configuration each pruning keeps is the one FLASH_TRITON_AUTOTUNE=0 runs (and tests/_flash_compile.py
 # compiles). Forward and dQ need BLOCK_M % BLOCK_N == 0 (the diagonal stage starts on a key-tile boundary); dK/dV needs
 # BLOCK_N % BLOCK_M == 0 (its diagonal stage covers exactly the key tile's rows).
@@ -473,16 +524,33 @@ def deterministic_backward() -> bool:
 
 
 def _descriptor_memory(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global memory for the tensor descriptors the fused backward makes in the kernel, from PyTorch's caching
-    allocator on the current device (stream-ordered: freed after the launch, reused only by later work)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Global memory for the tensor descriptors the kernels make, from PyTorch's caching allocator on the current
+    device (stream-ordered: freed after the launch, reused only by later work)."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if INTERPRET else "cuda")
+
+
+def _use_descriptors() -> None:
+    """Before a launch whose kernel makes tensor descriptors: Triton's allocator is a context variable, so it is
+    set in this thread (autograd runs the backward in a thread of its own)."""
+    triton.set_allocator(_descriptor_memory)
 
 
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
-    """Whether the GPU adds tiles with TMA reduce-adds (sm_90 and later): the fused backward needs them to win;
-    with per-element atomics (older GPUs) it lost to the two-pass backward (notes/flash_attention.md)."""
+    """Whether the GPU has TMA (sm_90 and later): tile loads through tensor descriptors, and the fused backward's
+    reduce-adds of dQ tiles, which it needs to win; with per-element atomics (older GPUs) it lost to the
+    two-pass backward (notes/flash_attention.md)."""
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_loads(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels load these (B, H, n, d) tensors' tiles by TMA: sm_90+ (or the interpreter), a unit
+    head-dim stride, and every other stride and the base address 16-byte aligned (TMA's rules); else masked
+    pointer loads, which take any strides."""
+    if not (INTERPRET or _has_tma(tensors[0].device)):
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1]) for t in tensors)
 
 
 def _dot_precision(dtype: torch.dtype, tf32: bool) -> str:
@@ -525,14 +593,16 @@ def _launch(tuned, kernel, name: str, grid_rows: int, by: str, bh: int, *args, *
         kernel[(triton.cdiv(grid_rows, config[by]), bh)](*args, **meta, **config, enable_fp_fusion=False)
 
 
-def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool) -> tuple[tuple, dict]:
+def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool, tma: bool) -> tuple[tuple, dict]:
     """The size arguments and constexprs every attention kernel takes."""
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
     sizes = (heads, heads // k4.shape[1], n_q, n_k, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k))
     meta = {"HEAD_DIM": d, "BLOCK_D": triton.next_power_of_2(d), "IS_CAUSAL": is_causal,
             "EVEN_M": n_q % 128 == 0, "EVEN_N": n_k % 128 == 0,  # 128: a multiple of every tile size
-            "DOT_PRECISION": _dot_precision(q4.dtype, tf32)}
+            "DOT_PRECISION": _dot_precision(q4.dtype, tf32), "TMA": tma}
+    if tma:
+        _use_descriptors()
     return sizes, meta
 
 
@@ -544,7 +614,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     if q.numel() == 0:  # no queries (or no heads, or an empty batch): nothing to launch
         return o, lse
     q4, k4, v4, o4 = (_as_heads(t) for t in (q, k, v, o))
-    sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
+    sizes, meta = _shape_meta(q4, k4, is_causal, tf32, _tma_loads(q4, k4, v4))
     batch, heads, n_q, d = q4.shape
     _launch(_fwd_tuned, _fwd_kernel, "fwd", n_q, "BLOCK_M", batch * heads,
             q4, k4, v4, o4, lse, 1.0 / math.sqrt(d), *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
@@ -563,7 +633,7 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         return dq, dk.zero_(), dv.zero_()
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_heads(t) for t in (q, k, v, o, do, dq, dk, dv))
     lse = lse.contiguous()
-    sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
+    sizes, meta = _shape_meta(q4, k4, is_causal, tf32, _tma_loads(q4, k4, v4, do4))
     batch, heads, n_q, d = q4.shape
     delta = torch.empty_like(lse)  # (..., n_q) fp32
     block = 16 if INTERPRET else 128
@@ -573,14 +643,14 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     sm_scale = 1.0 / math.sqrt(d)
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4))
     fused = not deterministic and (INTERPRET or _has_tma(q.device))
-    tma = fused and not INTERPRET
+    dq_tma = fused and not INTERPRET  # the interpreter has no TMA reduce-add: per-element atomics there
     # The fused pass adds dS K into fp32 zeros (scaled and cast into dq at the end); the two-pass one never reads it.
     dq_acc = torch.zeros(q4.shape, dtype=torch.float32, device=q.device) if fused else dq4
-    if tma:  # Triton's allocator is a context variable: set in this thread (autograd's backward runs in its own)
-        triton.set_allocator(_descriptor_memory)
+    if dq_tma:
+        _use_descriptors()
     _launch(_dkdv_tuned, _bwd_dkdv_kernel, "dkdv", k4.shape[2], "BLOCK_N", batch * k4.shape[1],
             q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, sm_scale, *common, *_strides(dk4), *_strides(dv4),
-            *_strides(dq_acc), *sizes, ATOMIC_DQ=fused, DQ_TMA=tma, **meta)
+            *_strides(dq_acc), *sizes, ATOMIC_DQ=fused, DQ_TMA=dq_tma, **meta)
     if not fused:
         _launch(_dq_tuned, _bwd_dq_kernel, "dq", n_q, "BLOCK_M", batch * heads,
                 q4, k4, v4, do4, lse, delta, dq4, sm_scale, *common, *_strides(dq4), *sizes, **meta)
