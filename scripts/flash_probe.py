@@ -10,9 +10,6 @@ the GPU time alone, so the difference is host overhead). Our variants:
 * ``det``: forward + the two-pass backward (``torch.use_deterministic_algorithms(True)``).
 * ``fused``: forward + the fused backward (the default).
 
-``--loads tma,pointers`` runs each of ours twice: with tiles loaded through TMA tensor descriptors (what the kernels
-pick on sm_90 for aligned inputs) and with masked pointer loads (forced; what they do otherwise); rows say which.
-
 With ``--tiles`` each shape instead times the backward with each dK/dV tile configuration in turn (the autotuning
 list and ``EXTRA_TILES``; the fused backward and the two-pass one): what the tuner chose from, and what it could
 choose. With ``--host`` each shape instead measures the CPU time to enqueue one call (the GPU idle before it, so
@@ -55,7 +52,6 @@ from torch_impl.bench.attention import _choices, _shapes  # the benchmark's --sh
 
 SHAPES = ("1x16x16384x64", "4x32x2048x64", "1x16x16384x128", "4x32x2048x80")
 VARIANTS = ("fwd", "det", "fused")
-LOADS = ("tma", "pointers")  # how our kernels load tiles: what _tma_loads picks, or pointer loads forced
 BACKWARDS = {"det": True, "fused": False}  # name -> torch.use_deterministic_algorithms
 
 
@@ -72,18 +68,6 @@ def deterministic(flag: bool):
 def cudnn(q, k, v):
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         return sdpa(q, k, v, is_causal=True)
-
-
-@contextlib.contextmanager
-def loads(how: str):
-    """Our kernels' tile loads: as the library picks them ("tma" on sm_90 for aligned inputs), or "pointers"."""
-    saved = ft._tma_loads
-    if how == "pointers":
-        ft._tma_loads = lambda *tensors: False
-    try:
-        yield
-    finally:
-        ft._tma_loads = saved
 
 
 def ours(q, k, v):
@@ -161,20 +145,13 @@ def tuned_configs() -> dict:
             for name, tuned in (("fwd", ft._fwd_tuned), ("dkdv", ft._dkdv_tuned), ("dq", ft._dq_tuned))}
 
 
-def probe_shape(shape: tuple[int, int, int, int], emit, variants: set[str], profile: bool,
-                load_modes: list[str]) -> None:
+def probe_shape(shape: tuple[int, int, int, int], emit, variants: set[str], profile: bool) -> None:
     q, k, v, do = inputs(*shape)
+    row = shape_row(shape)
     want = grads(cudnn, q, k, v, do)
-    emit({**shape_row(shape), "variant": "cudnn", "pass": "fwd", **times(lambda: cudnn(q, k, v))})
-    emit({**shape_row(shape), "variant": "cudnn", "pass": "fwd+bwd", **times(lambda: grads(cudnn, q, k, v, do)),
+    emit({**row, "variant": "cudnn", "pass": "fwd", **times(lambda: cudnn(q, k, v))})
+    emit({**row, "variant": "cudnn", "pass": "fwd+bwd", **times(lambda: grads(cudnn, q, k, v, do)),
           **({"kernels": kernel_times(lambda: grads(cudnn, q, k, v, do))} if profile else {})})
-    for how in load_modes:
-        with loads(how):
-            probe_ours(q, k, v, do, want, {**shape_row(shape), "loads": how}, emit, variants, profile)
-
-
-def probe_ours(q, k, v, do, want, row: dict, emit, variants: set[str], profile: bool) -> None:
-    """Our forward and backwards at one shape, against cuDNN's gradients ``want``."""
     if "fwd" in variants:
         try:
             emit({**row, "variant": "fwd", "pass": "fwd", **times(lambda: ours(q, k, v)),
@@ -260,12 +237,13 @@ def host_overhead(shape: tuple[int, int, int, int], emit, out: Path) -> None:
     q, k, v, do = inputs(*shape)
     qd, kd, vd = (t.detach() for t in (q, k, v))  # no autograd: the op's and the launches' own cost alone
     o, lse = ft.flash_forward(qd, kd, vd, True)
+    op = torch.ops.torch_impl.flash_attention_forward  # what torch.compile calls; eager calls skip its dispatch
     layers = {
         "cudnn fwd": lambda: cudnn(q, k, v),
         "cudnn fwd+bwd": lambda: grads(cudnn, q, k, v, do),
         "ours fwd+bwd (autograd.Function)": lambda: grads(ours, q, k, v, do),
-        "ours fwd+bwd (custom op)": lambda: grads(lambda *t: ft.flash_attention(*t, True), q, k, v, do),
-        "ours fwd (custom op)": lambda: ft.flash_attention(qd, kd, vd, True),
+        "ours fwd+bwd (custom op)": lambda: grads(lambda *t: op(*t, True, False)[0], q, k, v, do),
+        "ours fwd (custom op)": lambda: op(qd, kd, vd, True, False),
         "ours fwd (flash_forward: launches alone)": lambda: ft.flash_forward(qd, kd, vd, True),
         "ours bwd (flash_backward: launches alone)": lambda: ft.flash_backward(do, qd, kd, vd, o, lse, True),
         "empty tensor (allocation alone)": lambda: torch.empty(1, device="cuda"),
@@ -305,7 +283,7 @@ def table(rows: list[dict]) -> str:
             continue
         flops = r["flops_fwd"] * (1 if r["pass"] == "fwd" else 3.5)
         variant = r["variant"] + (" {BLOCK_M}x{BLOCK_N} w{num_warps} s{num_stages}".format(**r["tiles"])
-                                  if "tiles" in r else "") + (f" ({r['loads']} loads)" if "loads" in r else "")
+                                  if "tiles" in r else "")
         cudnn_ms = anchor.get((r["shape"], r["pass"]))
         ratio = f"{cudnn_ms / r['graph_ms']:.2f}x" if cudnn_ms else "-"
         lines.append(f"| {r['shape']} | {r['pass']} | {variant} | {r['ms']:.3f} | {r['graph_ms']:.3f} | "
@@ -324,8 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--once", action="store_true", help="run each variant once per shape, nothing else")
     parser.add_argument("--tiles", action="store_true", help="time the backward with each dK/dV tile configuration")
     parser.add_argument("--host", action="store_true", help="CPU time to enqueue one call, layer by layer")
-    parser.add_argument("--loads", type=_choices(LOADS), default="tma",
-                        help=f"comma-separated, of {', '.join(LOADS)}: how our kernels load tiles (probe_shape)")
     args = parser.parse_args(argv)
     variants = set(args.variants)
     if not torch.cuda.is_available():
@@ -360,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.tiles:
             tile_sweep(shape, emit)
         else:
-            probe_shape(shape, emit, variants, args.profile, args.loads)
+            probe_shape(shape, emit, variants, args.profile)
     emit({"autotune": tuned_configs()})
     print(table(rows))
     return 0

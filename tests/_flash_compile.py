@@ -27,7 +27,8 @@ def signature(kernel, dtype: str, constexprs: dict) -> dict:
         if name == "sm_scale":
             return "fp32"
         if name.isupper():
-            fp32 = name in FP32_POINTERS or (name == "DQ" and constexprs.get("ATOMIC_DQ"))  # the fused pass's dQ
+            dq_fp32 = constexprs.get("ATOMIC_DQ") or constexprs.get("ZERO_DQ")  # the fused pass's dQ accumulator
+            fp32 = name in FP32_POINTERS or (name == "DQ" and dq_fp32)
             return "*fp32" if fp32 else f"*{dtype}"
         return "i32"
     return {name: kind(name) for name in kernel.arg_names}
@@ -53,18 +54,9 @@ CASES = [
                                                    "ATOMIC_DQ": True, "DQ_TMA": True, **head_dim(80)}),
     ("dq", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": False, **head_dim(80)}),
     ("dq", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True, **head_dim(256)}),
-    ("preprocess", ft._bwd_preprocess, None, head_dim(80)),
+    ("preprocess", ft._bwd_preprocess, None, {"ZERO_DQ": True, **head_dim(80)}),
     ("forward-fp32", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": False,
                                                      "DOT_PRECISION": "ieee", **head_dim(64)}),
-    # tiles loaded by TMA (tensor descriptors), as on an H100 with aligned inputs
-    ("forward-tma", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": False, "TMA": True,
-                                                    **head_dim(80)}),
-    ("forward-tma", ft._fwd_kernel, ft._fwd_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": True, "TMA": True,
-                                                    **head_dim(64)}),
-    ("dkdv-tma", ft._bwd_dkdv_kernel, ft._dkdv_tuned, {"IS_CAUSAL": True, "EVEN_M": False, "EVEN_N": True,
-                                                       "ATOMIC_DQ": True, "DQ_TMA": True, "TMA": True, **head_dim(80)}),
-    ("dq-tma", ft._bwd_dq_kernel, ft._dq_tuned, {"IS_CAUSAL": True, "EVEN_M": True, "EVEN_N": False, "TMA": True,
-                                                 **head_dim(64)}),
 ]
 
 
@@ -77,8 +69,7 @@ def first_kept_config(tuned, constexprs: dict) -> tuple[dict, dict]:
 
 def compile_case(kernel, tuned, flags: dict) -> dict:
     """Lower one kernel to an sm_90 cubin; its shared memory in bytes, or the error's first line."""
-    if "DOT_PRECISION" in kernel.arg_names:  # the attention kernels (not the preprocess)
-        flags = {"DOT_PRECISION": "tf32", "TMA": False, **flags}
+    flags = {"DOT_PRECISION": "tf32", **flags} if "DOT_PRECISION" in kernel.arg_names else flags
     tiles, options = first_kept_config(tuned, flags) if tuned else ({"BLOCK_M": 128}, {})
     constexprs = {**flags, **tiles}
     dtype = "fp32" if flags.get("DOT_PRECISION") == "ieee" else "bf16"

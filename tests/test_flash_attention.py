@@ -560,7 +560,7 @@ def deterministic_algorithms():
 
 
 def _launched_kernels(monkeypatch, fn) -> list[str]:
-    """The names of the Triton launches fn makes (forward "fwd", backward "dkdv" and, two-pass only, "dq")."""
+    """The names of the Triton launches fn makes (forward "fwd"; backward "delta", "dkdv" and, two-pass only, "dq")."""
     import torch_impl.attention.flash_triton as ft
 
     names, launch = [], ft._launch
@@ -587,7 +587,7 @@ def test_triton_backward_follows_use_deterministic_algorithms(monkeypatch, deter
     finally:
         torch.use_deterministic_algorithms(saved)
     fused = not deterministic and (impl.interpreted or torch.cuda.get_device_capability()[0] >= 9)
-    assert names == (["fwd", "dkdv"] if fused else ["fwd", "dkdv", "dq"])
+    assert names == (["fwd", "delta", "dkdv"] if fused else ["fwd", "delta", "dkdv", "dq"])
 
 
 DETERMINISTIC_CASES = [((2, 4, 2), 33, 70, 80, False), ((1, 2, 2), 50, 50, 32, True), ((1, 4, 1), 65, 47, 64, True)]
@@ -605,21 +605,6 @@ def test_triton_deterministic_backward_matches_float64(case, deterministic_algor
               f"deterministic backward, case {case}, seed={seed}", lse_tol=lse_tolerance(impl, torch.float32, impl.device))
     again = run(impl.fn, q, k, v, grad_out, is_causal)
     assert all(torch.equal(got[key], again[key]) for key in ("dQ", "dK", "dV"))
-
-
-@pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=lambda c: f"h{c[0][1]}-kv{c[0][2]}-q{c[1]}-k{c[2]}-d{c[3]}")
-def test_triton_pointer_loads_match_float64(monkeypatch, case, seed):
-    """Tiles loaded by masked pointers (what strided or misaligned inputs and pre-Hopper GPUs take) against
-    float64, with the TMA loads every aligned input in the other tests takes switched off."""
-    import torch_impl.attention.flash_triton as ft
-
-    impl = load_impl("triton")
-    monkeypatch.setattr(ft, "_tma_loads", lambda *tensors: False)
-    (batch, heads, kv_heads), n_q, n_k, d, is_causal = case
-    q, k, v, grad_out = random_inputs((batch, heads), n_q, n_k, d, torch.float32, impl.device, kv_lead=(batch, kv_heads))
-    got = run(impl.fn, q, k, v, grad_out, is_causal)
-    check_all(got, reference(q, k, v, grad_out, is_causal), tolerance(impl, torch.float32, impl.device),
-              f"pointer loads, case {case}, seed={seed}", lse_tol=lse_tolerance(impl, torch.float32, impl.device))
 
 
 def test_public_names_are_exported():
@@ -713,6 +698,36 @@ def test_gpu_first_autotuned_call_is_right():
                           timeout=600, cwd=TRITON_FILE.parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert float(proc.stdout.split()[-1]) < BF16.rel, proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "two-pass"])
+def test_gpu_repeated_shape_reuses_the_launches(deterministic, seed):
+    """A second call of a shape, with new tensors, launches the kernels the first one kept (``ft._LAUNCHES``, no
+    new entry): right against float64 (GQA, ragged tiles, padded head dim); the two-pass backward gives the same
+    bits as the same call through Triton's own launcher (cache emptied)."""
+    import torch_impl.attention.flash_triton as ft
+
+    impl = load_impl("triton")
+    shape = ((2, 4), 300, 250, 80)
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        ft._LAUNCHES.clear()
+        run(impl.fn, *random_inputs(*shape, torch.float32, "cuda", kv_lead=(2, 2)), True)
+        kept = len(ft._LAUNCHES)
+        q, k, v, grad_out = random_inputs(*shape, torch.float32, "cuda", kv_lead=(2, 2))
+        got = run(impl.fn, q, k, v, grad_out, True)
+        assert len(ft._LAUNCHES) == kept == (4 if deterministic else 3)  # fwd, delta, dkdv (, dq)
+        check_all(got, reference(q, k, v, grad_out, True), tolerance(impl, torch.float32, "cuda"),
+                  f"cached launches, deterministic={deterministic}, seed={seed}",
+                  lse_tol=lse_tolerance(impl, torch.float32, "cuda"))
+        if deterministic:
+            ft._LAUNCHES.clear()
+            again = run(impl.fn, q, k, v, grad_out, True)
+            assert all(torch.equal(got[key], again[key]) for key in ("O", "L", "dQ", "dK", "dV"))
+    finally:
+        torch.use_deterministic_algorithms(saved)
 
 
 @pytest.mark.gpu

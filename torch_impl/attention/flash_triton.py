@@ -83,25 +83,6 @@ def _ptrs(base, b, h, stride_b, stride_h, stride_n, stride_d, rows, cols):
 
 
 @triton.jit
-def _rows_desc(base, b, h, stride_b, stride_h, stride_n, n, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-               BLOCK_D: tl.constexpr):
-    """A TMA descriptor over head (b, h)'s (n, HEAD_DIM) matrix in (BLOCK_ROWS, BLOCK_D) tiles: rows >= n and
-    columns >= HEAD_DIM read as zeros (and are dropped by stores and reduce-adds)."""
-    return tl.make_tensor_descriptor(base + b * stride_b + h * stride_h, shape=[n, HEAD_DIM], strides=[stride_n, 1],
-                                     block_shape=[BLOCK_ROWS, BLOCK_D])
-
-
-@triton.jit
-def _load_rows(ptrs, desc, row, mask, TMA: tl.constexpr):
-    """The tile starting at ``row``: by TMA through ``desc``, or by masked pointer loads (masked-off: zeros)."""
-    if TMA:
-        tile = desc.load([row, 0])
-    else:
-        tile = tl.load(ptrs, mask=mask, other=0.0)
-    return tile
-
-
-@triton.jit
 def _below(offs, n, MASK: tl.constexpr):
     """offs < n where MASK, else all True (a constant mask, which the compiler drops)."""
     if MASK:
@@ -128,9 +109,9 @@ def _query_tile(IS_CAUSAL: tl.constexpr, n_q, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m, offs_n_base, d_ok,
-               lo, hi, n_k, sm_scale, MASK_DIAGONAL: tl.constexpr, MASK_KEYS: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr):
+def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n_base, d_ok, lo, hi, n_k,
+               sm_scale, MASK_DIAGONAL: tl.constexpr, MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BLOCK_N: tl.constexpr):
     """Online softmax over the key tiles [lo, hi): acc, the row sum l_i and the row max m_i (natural units)."""
     k_ptrs += lo * stride_kn
     v_ptrs += lo * stride_vn
@@ -138,7 +119,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stri
         offs_n = start_n + offs_n_base  # (BLOCK_N,)
         key_ok = _below(offs_n, n_k, MASK_KEYS)
         kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = _load_rows(k_ptrs, k_desc, start_n, kv_mask, TMA)  # (BLOCK_N, BLOCK_D)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
         # S = q k^T, written as in the backward's kernels (q @ trans(k), k @ trans(q)): the same rounding in each.
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_N)
         if MASK_DIAGONAL:
@@ -149,7 +130,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stri
         p = tl.math.exp2((s - m_new[:, None]) * _LOG2E)
         alpha = tl.math.exp2((m_i - m_new) * _LOG2E)  # 0 on the first tile (m_i = -inf)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_ptrs, v_desc, start_n, kv_mask, TMA)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
@@ -163,11 +144,9 @@ def _fwd_kernel(Q, K, V, O, LSE, sm_scale,
                 stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_on, stride_od,
                 n_heads, group, n_q, n_k, n_q_bucket, n_k_bucket,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
-                EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+                EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch x head): O = softmax(Q K^T * scale) V and L = logsumexp (natural).
-    Causal: the last query tiles see the most keys, so they are launched first (less tail at the end).
-    TMA: q, k, v tiles are loaded through tensor descriptors (unit head-dim stride, 16-byte aligned rows)."""
+    Causal: the last query tiles see the most keys, so they are launched first (less tail at the end)."""
     start_m = _query_tile(IS_CAUSAL, n_q, BLOCK_M) * BLOCK_M
     b, h, h_kv = _program_head(n_heads, group)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -175,14 +154,8 @@ def _fwd_kernel(Q, K, V, O, LSE, sm_scale,
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = _below(offs_d, HEAD_DIM, HEAD_DIM != BLOCK_D)
     row_ok = _below(offs_m, n_q, not EVEN_M)
-    if TMA:
-        q_desc = _rows_desc(Q, b, h, stride_qb, stride_qh, stride_qn, n_q, HEAD_DIM, BLOCK_M, BLOCK_D)
-        k_desc = _rows_desc(K, b, h_kv, stride_kb, stride_kh, stride_kn, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
-        v_desc = _rows_desc(V, b, h_kv, stride_vb, stride_vh, stride_vn, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
-    else:
-        q_desc, k_desc, v_desc = None, None, None
-    q = _load_rows(_ptrs(Q, b, h, stride_qb, stride_qh, stride_qn, stride_qd, offs_m, offs_d), q_desc, start_m,
-                   row_ok[:, None] & d_ok[None, :], TMA)  # (BLOCK_M, BLOCK_D)
+    q = tl.load(_ptrs(Q, b, h, stride_qb, stride_qh, stride_qn, stride_qd, offs_m, offs_d),
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
     k_ptrs = _ptrs(K, b, h_kv, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d)
     v_ptrs = _ptrs(V, b, h_kv, stride_vb, stride_vh, stride_vn, stride_vd, offs_n, offs_d)
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
@@ -191,18 +164,15 @@ def _fwd_kernel(Q, K, V, O, LSE, sm_scale,
     if IS_CAUSAL:
         # Stage 1: key tiles wholly below the diagonal (keys < start_m), no causal mask.
         hi = tl.minimum(start_m, n_k)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m,
-                                   offs_n, d_ok, 0, hi, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, TMA,
-                                   BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok,
+                                   0, hi, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, BLOCK_N)
         # Stage 2: the tiles on the diagonal, masked; tiles above it are never visited.
         hi = tl.minimum(start_m + BLOCK_M, n_k)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m,
-                                   offs_n, d_ok, start_m, hi, n_k, sm_scale, True, not EVEN_N, DOT_PRECISION, TMA,
-                                   BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok,
+                                   start_m, hi, n_k, sm_scale, True, not EVEN_N, DOT_PRECISION, BLOCK_N)
     else:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m,
-                                   offs_n, d_ok, 0, n_k, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, TMA,
-                                   BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok,
+                                   0, n_k, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, BLOCK_N)
     acc = acc / l_i[:, None]
     lse = m_i + tl.log(l_i)
     tl.store(_ptrs(O, b, h, stride_ob, stride_oh, stride_on, stride_od, offs_m, offs_d),
@@ -211,10 +181,11 @@ def _fwd_kernel(Q, K, V, O, LSE, sm_scale,
 
 
 @triton.jit
-def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od,
+def _bwd_preprocess(O, DO, DELTA, DQ, stride_ob, stride_oh, stride_on, stride_od,
                     stride_dob, stride_doh, stride_don, stride_dod, n_heads, n_q,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """D = rowsum(dO * O) in fp32, one value per query: (batch x head, n_q)."""
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr):
+    """D = rowsum(dO * O) in fp32, one value per query: (batch x head, n_q); with ZERO_DQ, also zeros for the same
+    rows of DQ (contiguous fp32, q's shape), which the fused pass adds into (one launch fewer than a memset)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     b, h, _ = _program_head(n_heads, 1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -224,13 +195,16 @@ def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od,
                  mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + (b * n_heads + h) * n_q + offs_m, delta, mask=offs_m < n_q)
+    if ZERO_DQ:
+        rows = (b * n_heads + h).to(tl.int64) * n_q + offs_m
+        tl.store(DQ + rows[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=mask)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptr, delta_ptr, stride_qn,
-                stride_don, stride_dqn, offs_n, key_ok, offs_m_base, d_ok, lo, hi, n_q, sm_scale,
-                MASK_DIAGONAL: tl.constexpr, MASK_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, TMA: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don, stride_dqn,
+                offs_n, key_ok, offs_m_base, d_ok, lo, hi, n_q, sm_scale, MASK_DIAGONAL: tl.constexpr,
+                MASK_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, dq_desc):
     """Accumulate dK, dV of one key tile over the query tiles [lo, hi) of one head, with transposed tiles; with
     ATOMIC_DQ also add each query tile's share of dQ / scale, dS K, to the fp32 dQ accumulator (atomics)."""
     q_ptrs += lo * stride_qn
@@ -239,8 +213,8 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base  # (BLOCK_M,)
         row_ok = _below(offs_m, n_q, MASK_ROWS)
-        q = _load_rows(q_ptrs, q_desc, start_m, row_ok[:, None] & d_ok[None, :], TMA)  # (BLOCK_M, BLOCK_D)
-        do = _load_rows(do_ptrs, do_desc, start_m, row_ok[:, None] & d_ok[None, :], TMA)
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+        do = tl.load(do_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * sm_scale  # S^T (BLOCK_N, BLOCK_M)
@@ -273,12 +247,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, sm_scale,
                      n_heads, group, n_q, n_k, n_q_bucket, n_k_bucket,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
                      EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                     DQ_TMA: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (key tile, batch x key/value head): dK, dV summed over every query tile that sees the
     key tile, in each of the ``group`` query heads that share this key/value head (grid axis 1: B x H_kv).
     ATOMIC_DQ: the same pass adds dQ into an fp32 accumulator DQ (the fused backward: S, P, dP, dS computed once
-    per tile pair, five products instead of the two-kernel backward's seven); else DQ is not touched. TMA: q, k,
-    v, dO tiles are loaded through tensor descriptors."""
+    per tile pair, five products instead of the two-kernel backward's seven); else DQ is not touched."""
     start_n = tl.program_id(0) * BLOCK_N
     b, h_kv, _ = _program_head(n_heads // group, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -287,15 +260,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, sm_scale,
     d_ok = _below(offs_d, HEAD_DIM, HEAD_DIM != BLOCK_D)
     key_ok = _below(offs_n, n_k, not EVEN_N)
     kv_mask = key_ok[:, None] & d_ok[None, :]
-    if TMA:
-        k_desc = _rows_desc(K, b, h_kv, stride_kb, stride_kh, stride_kn, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
-        v_desc = _rows_desc(V, b, h_kv, stride_vb, stride_vh, stride_vn, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
-    else:
-        k_desc, v_desc = None, None
-    k = _load_rows(_ptrs(K, b, h_kv, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d), k_desc, start_n,
-                   kv_mask, TMA)  # (BLOCK_N, BLOCK_D)
-    v = _load_rows(_ptrs(V, b, h_kv, stride_vb, stride_vh, stride_vn, stride_vd, offs_n, offs_d), v_desc, start_n,
-                   kv_mask, TMA)
+    k = tl.load(_ptrs(K, b, h_kv, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d), mask=kv_mask,
+                other=0.0)  # (BLOCK_N, BLOCK_D)
+    v = tl.load(_ptrs(V, b, h_kv, stride_vb, stride_vh, stride_vn, stride_vd, offs_n, offs_d), mask=kv_mask,
+                other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for g in range(0, group):  # the query heads of this key/value head, in order: deterministic sums
@@ -304,31 +272,25 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, sm_scale,
         do_ptrs = _ptrs(DO, b, h, stride_dob, stride_doh, stride_don, stride_dod, offs_m, offs_d)
         dq_ptrs = _ptrs(DQ, b, h, stride_dqb, stride_dqh, stride_dqn, stride_dqd, offs_m, offs_d)
         if ATOMIC_DQ and DQ_TMA:  # this head's (n_q, d) rows of the contiguous fp32 accumulator
-            dq_desc = _rows_desc(DQ, b, h, stride_dqb, stride_dqh, stride_dqn, n_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+            dq_desc = tl.make_tensor_descriptor(DQ + b * stride_dqb + h * stride_dqh, shape=[n_q, HEAD_DIM],
+                                                strides=[stride_dqn, 1], block_shape=[BLOCK_M, BLOCK_D])
         else:
             dq_desc = None
-        if TMA:
-            q_desc = _rows_desc(Q, b, h, stride_qb, stride_qh, stride_qn, n_q, HEAD_DIM, BLOCK_M, BLOCK_D)
-            do_desc = _rows_desc(DO, b, h, stride_dob, stride_doh, stride_don, n_q, HEAD_DIM, BLOCK_M, BLOCK_D)
-        else:
-            q_desc, do_desc = None, None
         lse_ptr = LSE + (b * n_heads + h) * n_q
         delta_ptr = DELTA + (b * n_heads + h) * n_q
         if IS_CAUSAL:
             # Query rows on the diagonal (start_n .. start_n + BLOCK_N), masked; then the rows below, unmasked.
             diag_end = tl.minimum(start_n + BLOCK_N, n_q)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptr,
-                                 delta_ptr, stride_qn, stride_don, stride_dqn, offs_n, key_ok, offs_m, d_ok, start_n,
-                                 diag_end, n_q, sm_scale, True, not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ,
-                                 DQ_TMA, TMA)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptr,
-                                 delta_ptr, stride_qn, stride_don, stride_dqn, offs_n, key_ok, offs_m, d_ok,
-                                 start_n + BLOCK_N, n_q, n_q, sm_scale, False, not EVEN_M, DOT_PRECISION, BLOCK_M,
-                                 ATOMIC_DQ, DQ_TMA, TMA)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
+                                 stride_dqn, offs_n, key_ok, offs_m, d_ok, start_n, diag_end, n_q, sm_scale, True,
+                                 not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, dq_desc)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
+                                 stride_dqn, offs_n, key_ok, offs_m, d_ok, start_n + BLOCK_N, n_q, n_q, sm_scale,
+                                 False, not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, dq_desc)
         else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, q_desc, do_desc, dq_desc, lse_ptr,
-                                 delta_ptr, stride_qn, stride_don, stride_dqn, offs_n, key_ok, offs_m, d_ok, 0, n_q,
-                                 n_q, sm_scale, False, not EVEN_M, DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, TMA)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptr, delta_ptr, stride_qn, stride_don,
+                                 stride_dqn, offs_n, key_ok, offs_m, d_ok, 0, n_q, n_q, sm_scale, False, not EVEN_M,
+                                 DOT_PRECISION, BLOCK_M, ATOMIC_DQ, DQ_TMA, dq_desc)
     dk *= sm_scale
     tl.store(_ptrs(DK, b, h_kv, stride_dkb, stride_dkh, stride_dkn, stride_dkd, offs_n, offs_d),
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -337,17 +299,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, sm_scale,
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m, offs_n_base,
-              d_ok, lo, hi, n_k, sm_scale, MASK_DIAGONAL: tl.constexpr, MASK_KEYS: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n_base, d_ok, lo, hi, n_k,
+              sm_scale, MASK_DIAGONAL: tl.constexpr, MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     """Accumulate dQ of one query tile over the key tiles [lo, hi)."""
     k_ptrs += lo * stride_kn
     v_ptrs += lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         key_ok = _below(offs_n, n_k, MASK_KEYS)
-        k = _load_rows(k_ptrs, k_desc, start_n, key_ok[:, None] & d_ok[None, :], TMA)  # (BLOCK_N, BLOCK_D)
-        v = _load_rows(v_ptrs, v_desc, start_n, key_ok[:, None] & d_ok[None, :], TMA)
+        k = tl.load(k_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_N)
         if MASK_DIAGONAL:
             s = tl.where(offs_m[:, None] >= offs_n[None, :], s, -float("inf"))
@@ -369,10 +331,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
                    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
                    n_heads, group, n_q, n_k, n_q_bucket, n_k_bucket,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
-                   EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (query tile, batch x head): dQ over every key tile the query tile sees (causal: the
-    heaviest tiles first, as in the forward). TMA: as in the forward."""
+    heaviest tiles first, as in the forward)."""
     start_m = _query_tile(IS_CAUSAL, n_q, BLOCK_M) * BLOCK_M
     b, h, h_kv = _program_head(n_heads, group)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -381,17 +342,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
     d_ok = _below(offs_d, HEAD_DIM, HEAD_DIM != BLOCK_D)
     row_ok = _below(offs_m, n_q, not EVEN_M)
     mask = row_ok[:, None] & d_ok[None, :]
-    if TMA:
-        q_desc = _rows_desc(Q, b, h, stride_qb, stride_qh, stride_qn, n_q, HEAD_DIM, BLOCK_M, BLOCK_D)
-        do_desc = _rows_desc(DO, b, h, stride_dob, stride_doh, stride_don, n_q, HEAD_DIM, BLOCK_M, BLOCK_D)
-        k_desc = _rows_desc(K, b, h_kv, stride_kb, stride_kh, stride_kn, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
-        v_desc = _rows_desc(V, b, h_kv, stride_vb, stride_vh, stride_vn, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
-    else:
-        q_desc, do_desc, k_desc, v_desc = None, None, None, None
-    q = _load_rows(_ptrs(Q, b, h, stride_qb, stride_qh, stride_qn, stride_qd, offs_m, offs_d), q_desc, start_m, mask,
-                   TMA)
-    do = _load_rows(_ptrs(DO, b, h, stride_dob, stride_doh, stride_don, stride_dod, offs_m, offs_d), do_desc,
-                    start_m, mask, TMA)
+    q = tl.load(_ptrs(Q, b, h, stride_qb, stride_qh, stride_qn, stride_qd, offs_m, offs_d), mask=mask, other=0.0)
+    do = tl.load(_ptrs(DO, b, h, stride_dob, stride_doh, stride_don, stride_dod, offs_m, offs_d), mask=mask,
+                 other=0.0)
     lse = tl.load(LSE + (b * n_heads + h) * n_q + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + (b * n_heads + h) * n_q + offs_m, mask=row_ok, other=0.0)
     k_ptrs = _ptrs(K, b, h_kv, stride_kb, stride_kh, stride_kn, stride_kd, offs_n, offs_d)
@@ -399,14 +352,14 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if IS_CAUSAL:
         hi = tl.minimum(start_m, n_k)
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m, offs_n,
-                       d_ok, 0, hi, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, TMA, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok, 0, hi,
+                       n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, BLOCK_N)
         hi = tl.minimum(start_m + BLOCK_M, n_k)
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m, offs_n,
-                       d_ok, start_m, hi, n_k, sm_scale, True, not EVEN_N, DOT_PRECISION, TMA, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok, start_m,
+                       hi, n_k, sm_scale, True, not EVEN_N, DOT_PRECISION, BLOCK_N)
     else:
-        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kn, stride_vn, offs_m, offs_n,
-                       d_ok, 0, n_k, n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, TMA, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, d_ok, 0, n_k,
+                       n_k, sm_scale, False, not EVEN_N, DOT_PRECISION, BLOCK_N)
     dq *= sm_scale
     tl.store(_ptrs(DQ, b, h, stride_dqb, stride_dqh, stride_dqn, stride_dqd, offs_m, offs_d),
              dq.to(DQ.dtype.element_ty), mask=mask)
@@ -435,7 +388,7 @@ def _prune_wide_tiles(axis: str):
     return prune
 
 
-_TUNE_KEY = ["n_q_bucket", "n_k_bucket", "BLOCK_D", "IS_CAUSAL", "DOT_PRECISION", "TMA"]
+_TUNE_KEY = ["n_q_bucket", "n_k_bucket", "BLOCK_D", "IS_CAUSAL", "DOT_PRECISION"]
 # The first configuration each pruning keeps is the one FLASH_TRITON_AUTOTUNE=0 runs (and tests/_flash_compile.py
 # compiles). Forward and dQ need BLOCK_M % BLOCK_N == 0 (the diagonal stage starts on a key-tile boundary); dK/dV needs
 # BLOCK_N % BLOCK_M == 0 (its diagonal stage covers exactly the key tile's rows).
@@ -524,33 +477,16 @@ def deterministic_backward() -> bool:
 
 
 def _descriptor_memory(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global memory for the tensor descriptors the kernels make, from PyTorch's caching allocator on the current
-    device (stream-ordered: freed after the launch, reused only by later work)."""
-    return torch.empty(size, dtype=torch.int8, device="cpu" if INTERPRET else "cuda")
-
-
-def _use_descriptors() -> None:
-    """Before a launch whose kernel makes tensor descriptors: Triton's allocator is a context variable, so it is
-    set in this thread (autograd runs the backward in a thread of its own)."""
-    triton.set_allocator(_descriptor_memory)
+    """Global memory for the tensor descriptors the fused backward makes in the kernel, from PyTorch's caching
+    allocator on the current device (stream-ordered: freed after the launch, reused only by later work)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
-    """Whether the GPU has TMA (sm_90 and later): tile loads through tensor descriptors, and the fused backward's
-    reduce-adds of dQ tiles, which it needs to win; with per-element atomics (older GPUs) it lost to the
-    two-pass backward (notes/flash_attention.md)."""
+    """Whether the GPU adds tiles with TMA reduce-adds (sm_90 and later): the fused backward needs them to win;
+    with per-element atomics (older GPUs) it lost to the two-pass backward (notes/flash_attention.md)."""
     return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _tma_loads(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels load these (B, H, n, d) tensors' tiles by TMA: sm_90+ (or the interpreter), a unit
-    head-dim stride, and every other stride and the base address 16-byte aligned (TMA's rules); else masked
-    pointer loads, which take any strides."""
-    if not (INTERPRET or _has_tma(tensors[0].device)):
-        return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1]) for t in tensors)
 
 
 def _dot_precision(dtype: torch.dtype, tf32: bool) -> str:
@@ -579,30 +515,56 @@ def _first_config(tuned, meta: dict) -> dict:
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
+# One entry per launch seen on a GPU: the compiled kernel, its grid and its constexpr arguments (see _launch).
+_LAUNCHES: dict[tuple, tuple] = {}
+_MAX_LAUNCHES = 4096  # distinct shapes kept; then the cache starts over
+
+
 def _launch(tuned, kernel, name: str, grid_rows: int, by: str, bh: int, *args, **meta) -> None:
-    """The autotuned kernel on a GPU (or its first configuration, FLASH_TRITON_AUTOTUNE=0), or the plain one with
-    small fixed tiles under the interpreter. FP fusion is off: the backward must round each score exactly as
-    the forward did (see the module notes)."""
+    """The autotuned kernel on a GPU (or its first configuration, FLASH_TRITON_AUTOTUNE=0; with ``tuned`` None, the
+    tiles in ``meta``), or the plain one with small fixed tiles under the interpreter. FP fusion is off: the
+    backward must round each score exactly as the forward did (see the module notes).
+
+    The first launch of a (kernel, sizes, strides, dtypes, pointer alignments) goes through the autotuner and
+    Triton's launcher, which re-derive the kernel's specialization from all ~45 arguments on every call; it keeps
+    the compiled kernel it ran, and each later launch with the same key calls that kernel directly, as Inductor's
+    generated code does. The key holds every integer argument's value, so the specialization (multiples of 16,
+    ones) cannot differ."""
     if INTERPRET:
-        tiles = _INTERPRET_TILES[name]
-        kernel[(triton.cdiv(grid_rows, tiles[by]), bh)](*args, **meta, **tiles)
+        tiles = _INTERPRET_TILES.get(name, {})
+        kernel[(triton.cdiv(grid_rows, {**meta, **tiles}[by]), bh)](*args, **meta, **tiles)
+        return
+    key = (name, torch.cuda.current_device(), grid_rows, bh, *meta.items(),
+           *((a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args))
+    cached = _LAUNCHES.get(key)
+    if cached is not None:
+        compiled, grid, constexprs = cached
+        compiled[grid](*args, *constexprs)
+        return
+    if tuned is None:
+        config = {}
+        compiled = kernel[(triton.cdiv(grid_rows, meta[by]), bh)](*args, **meta, enable_fp_fusion=False)
     elif AUTOTUNE:
-        tuned[lambda m: (triton.cdiv(grid_rows, m[by]), bh)](*args, **meta, enable_fp_fusion=False)
+        compiled = tuned[lambda m: (triton.cdiv(grid_rows, m[by]), bh)](*args, **meta, enable_fp_fusion=False)
+        config = tuned.best_config.kwargs
     else:
         config = _first_config(tuned, meta)
-        kernel[(triton.cdiv(grid_rows, config[by]), bh)](*args, **meta, **config, enable_fp_fusion=False)
+        compiled = kernel[(triton.cdiv(grid_rows, config[by]), bh)](*args, **meta, **config, enable_fp_fusion=False)
+    values = {**meta, **config}
+    if len(_LAUNCHES) >= _MAX_LAUNCHES:
+        _LAUNCHES.clear()
+    _LAUNCHES[key] = (compiled, (triton.cdiv(grid_rows, values[by]), bh, 1),
+                      tuple(values[arg] for arg in kernel.arg_names[len(args):]))
 
 
-def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool, tma: bool) -> tuple[tuple, dict]:
+def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool) -> tuple[tuple, dict]:
     """The size arguments and constexprs every attention kernel takes."""
     batch, heads, n_q, d = q4.shape
     n_k = k4.shape[2]
     sizes = (heads, heads // k4.shape[1], n_q, n_k, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k))
     meta = {"HEAD_DIM": d, "BLOCK_D": triton.next_power_of_2(d), "IS_CAUSAL": is_causal,
             "EVEN_M": n_q % 128 == 0, "EVEN_N": n_k % 128 == 0,  # 128: a multiple of every tile size
-            "DOT_PRECISION": _dot_precision(q4.dtype, tf32), "TMA": tma}
-    if tma:
-        _use_descriptors()
+            "DOT_PRECISION": _dot_precision(q4.dtype, tf32)}
     return sizes, meta
 
 
@@ -614,7 +576,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     if q.numel() == 0:  # no queries (or no heads, or an empty batch): nothing to launch
         return o, lse
     q4, k4, v4, o4 = (_as_heads(t) for t in (q, k, v, o))
-    sizes, meta = _shape_meta(q4, k4, is_causal, tf32, _tma_loads(q4, k4, v4))
+    sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
     batch, heads, n_q, d = q4.shape
     _launch(_fwd_tuned, _fwd_kernel, "fwd", n_q, "BLOCK_M", batch * heads,
             q4, k4, v4, o4, lse, 1.0 / math.sqrt(d), *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
@@ -633,24 +595,24 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         return dq, dk.zero_(), dv.zero_()
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_heads(t) for t in (q, k, v, o, do, dq, dk, dv))
     lse = lse.contiguous()
-    sizes, meta = _shape_meta(q4, k4, is_causal, tf32, _tma_loads(q4, k4, v4, do4))
+    sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
     batch, heads, n_q, d = q4.shape
     delta = torch.empty_like(lse)  # (..., n_q) fp32
-    block = 16 if INTERPRET else 128
-    _bwd_preprocess[(triton.cdiv(n_q, block), batch * heads)](
-        o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_q, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"],
-        BLOCK_M=block)
     sm_scale = 1.0 / math.sqrt(d)
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4))
     fused = not deterministic and (INTERPRET or _has_tma(q.device))
-    dq_tma = fused and not INTERPRET  # the interpreter has no TMA reduce-add: per-element atomics there
-    # The fused pass adds dS K into fp32 zeros (scaled and cast into dq at the end); the two-pass one never reads it.
-    dq_acc = torch.zeros(q4.shape, dtype=torch.float32, device=q.device) if fused else dq4
-    if dq_tma:
-        _use_descriptors()
+    tma = fused and not INTERPRET
+    # The fused pass adds dS K into fp32 zeros (the preprocess writes them; scaled and cast into dq at the end); the
+    # two-pass one never reads it.
+    dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device) if fused else dq4
+    _launch(None, _bwd_preprocess, "delta", n_q, "BLOCK_M", batch * heads,
+            o4, do4, delta, dq_acc, *_strides(o4), *_strides(do4), heads, n_q, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"],
+            BLOCK_M=16 if INTERPRET else 128, ZERO_DQ=fused)
+    if tma:  # Triton's allocator is a context variable: set in this thread (autograd's backward runs in its own)
+        triton.set_allocator(_descriptor_memory)
     _launch(_dkdv_tuned, _bwd_dkdv_kernel, "dkdv", k4.shape[2], "BLOCK_N", batch * k4.shape[1],
             q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, sm_scale, *common, *_strides(dk4), *_strides(dv4),
-            *_strides(dq_acc), *sizes, ATOMIC_DQ=fused, DQ_TMA=dq_tma, **meta)
+            *_strides(dq_acc), *sizes, ATOMIC_DQ=fused, DQ_TMA=tma, **meta)
     if not fused:
         _launch(_dq_tuned, _bwd_dq_kernel, "dq", n_q, "BLOCK_M", batch * heads,
                 q4, k4, v4, do4, lse, delta, dq4, sm_scale, *common, *_strides(dq4), *sizes, **meta)
@@ -694,10 +656,10 @@ def _save_for_backward(ctx, q, k, v, is_causal: bool, tf32: bool, o, lse) -> Non
     ctx.is_causal, ctx.tf32 = is_causal, tf32
 
 
-def _grads(ctx, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _grads(ctx, do: torch.Tensor, backward) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) by ``backward`` (the backward op, or ``flash_backward``) from what ``_save_for_backward`` kept."""
     lse, q, k, v, o = ctx.saved_tensors
-    return torch.ops.torch_impl.flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal, ctx.tf32,
-                                                         deterministic_backward())
+    return backward(do, q, k, v, o, lse, ctx.is_causal, ctx.tf32, deterministic_backward())
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -707,8 +669,8 @@ def _setup_context(ctx, inputs, output) -> None:
     _save_for_backward(ctx, q, k, v, is_causal, tf32, o, lse)
 
 
-def _op_backward(ctx, do, _dlse):
-    return (*_grads(ctx, do), None, None)
+def _op_backward(ctx, do, _dlse):  # the op's formula, which AOTAutograd traces: always the backward op
+    return (*_grads(ctx, do, torch.ops.torch_impl.flash_attention_backward), None, None)
 
 
 flash_attention_forward.register_autograd(_op_backward, setup_context=_setup_context)
@@ -718,10 +680,12 @@ flash_attention_forward.register_autograd(_op_backward, setup_context=_setup_con
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) [+ top-left causal mask]) v through the custom ops: q (..., H, n_q, d), k and v
-    (..., H_kv, n_k, d) -> (..., H, n_q, d); differentiable (the ops' registered autograd formula)."""
-    o, _ = torch.ops.torch_impl.flash_attention_forward(q, k, v, bool(is_causal), tf32_allowed())
-    return o
+    """softmax(q k^T / sqrt(d) [+ top-left causal mask]) v: q (..., H, n_q, d), k and v (..., H_kv, n_k, d) ->
+    (..., H, n_q, d), differentiable. Traced by torch.compile, the custom ops and their registered autograd formula
+    (no graph break); in eager mode, ``FlashAttention2Triton`` (the same launches without the ops' dispatch)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.torch_impl.flash_attention_forward(q, k, v, bool(is_causal), tf32_allowed())[0]
+    return FlashAttention2Triton.apply(q, k, v, is_causal)
 
 
 @register_attention("flash_triton")
@@ -731,16 +695,20 @@ def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is
 
 
 class FlashAttention2Triton(torch.autograd.Function):
-    """``.apply(q, k, v, is_causal=False)``: the same ops as ``flash_attention``, as a ``torch.autograd.Function``
-    (DESIGN.md's stable name); saves (L, q, k, v, O) with L (..., n_q) fp32."""
+    """``.apply(q, k, v, is_causal=False)``: ``flash_attention`` as a ``torch.autograd.Function`` (DESIGN.md's stable
+    name): the custom ops while torch.compile traces it (opaque to Inductor), else the launches themselves (each
+    op's dispatch costs ~150 us of CPU, as much as a kernel launch: notes/flash_attention.md); saves (L, q, k, v, O)
+    with L (..., n_q) fp32."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
         tf32 = tf32_allowed()
-        o, lse = torch.ops.torch_impl.flash_attention_forward(q, k, v, bool(is_causal), tf32)
+        forward = torch.ops.torch_impl.flash_attention_forward if torch.compiler.is_compiling() else flash_forward
+        o, lse = forward(q, k, v, bool(is_causal), tf32)
         _save_for_backward(ctx, q, k, v, bool(is_causal), tf32, o, lse)
         return o
 
     @staticmethod
     def backward(ctx, do: torch.Tensor):
-        return (*_grads(ctx, do), None)
+        backward = torch.ops.torch_impl.flash_attention_backward if torch.compiler.is_compiling() else flash_backward
+        return (*_grads(ctx, do, backward), None)
