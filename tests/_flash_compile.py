@@ -63,7 +63,7 @@ CASES = [
 def first_kept_config(tuned, constexprs: dict) -> tuple[dict, dict]:
     """The first configuration the autotuner's pruning keeps for these constexprs (e.g. BLOCK_D = 256): the one
     FLASH_TRITON_AUTOTUNE=0 runs."""
-    config = ft._first_config(tuned, constexprs)
+    config = ft._kept_configs(tuned, constexprs)[0]
     return {k: config[k] for k in ("BLOCK_M", "BLOCK_N")}, {k: config[k] for k in ("num_warps", "num_stages")}
 
 

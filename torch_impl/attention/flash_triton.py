@@ -67,8 +67,8 @@ from torch_impl.attention.registry import register_attention
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# FLASH_TRITON_AUTOTUNE=0: on a GPU, run the first configuration the pruning keeps instead of autotuning (GPU
-# correctness tests over many shapes, without a tuning run per shape).
+# FLASH_TRITON_AUTOTUNE=0: on a GPU, run the first configuration the pruning keeps (that fits in shared memory)
+# instead of autotuning (GPU correctness tests over many shapes, without a tuning run per shape).
 AUTOTUNE = os.environ.get("FLASH_TRITON_AUTOTUNE", "1") != "0"
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
 
@@ -389,8 +389,8 @@ def _prune_wide_tiles(axis: str):
 
 
 _TUNE_KEY = ["n_q_bucket", "n_k_bucket", "BLOCK_D", "IS_CAUSAL", "DOT_PRECISION"]
-# The first configuration each pruning keeps is the one FLASH_TRITON_AUTOTUNE=0 runs (and tests/_flash_compile.py
-# compiles). Forward and dQ need BLOCK_M % BLOCK_N == 0 (the diagonal stage starts on a key-tile boundary); dK/dV needs
+# The first configuration each pruning keeps is the one FLASH_TRITON_AUTOTUNE=0 runs where it fits in shared memory
+# (and tests/_flash_compile.py compiles; IEEE fp32 at head dim 256 needs a later one). Forward and dQ need BLOCK_M % BLOCK_N == 0 (the diagonal stage starts on a key-tile boundary); dK/dV needs
 # BLOCK_N % BLOCK_M == 0 (its diagonal stage covers exactly the key tile's rows).
 _fwd_tuned = triton.autotune(_configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
                                       (128, 64, 4, 4), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4),
@@ -509,10 +509,10 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
 
 
-def _first_config(tuned, meta: dict) -> dict:
-    """The first configuration the autotuner's pruning keeps for these constexprs, as launch keywords."""
-    config = tuned.early_config_prune(tuned.configs, {}, **meta)[0]
-    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+def _kept_configs(tuned, meta: dict) -> list[dict]:
+    """The configurations the autotuner's pruning keeps for these constexprs, in order, as launch keywords."""
+    return [{**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+            for config in tuned.early_config_prune(tuned.configs, {}, **meta)]
 
 
 # One entry per launch seen on a GPU: the compiled kernel, its grid and its constexpr arguments (see _launch).
@@ -521,9 +521,9 @@ _MAX_LAUNCHES = 4096  # distinct shapes kept; then the cache starts over
 
 
 def _launch(tuned, kernel, name: str, grid_rows: int, by: str, bh: int, *args, **meta) -> None:
-    """The autotuned kernel on a GPU (or its first configuration, FLASH_TRITON_AUTOTUNE=0; with ``tuned`` None, the
-    tiles in ``meta``), or the plain one with small fixed tiles under the interpreter. FP fusion is off: the
-    backward must round each score exactly as the forward did (see the module notes).
+    """The autotuned kernel on a GPU (or, FLASH_TRITON_AUTOTUNE=0, the first kept configuration that fits; with
+    ``tuned`` None, the tiles in ``meta``), or the plain one with small fixed tiles under the interpreter. FP fusion
+    is off: the backward must round each score exactly as the forward did (see the module notes).
 
     The first launch of a (kernel, sizes, strides, dtypes, pointer alignments) goes through the autotuner and
     Triton's launcher, which re-derive the kernel's specialization from all ~45 arguments on every call; it keeps
@@ -547,9 +547,16 @@ def _launch(tuned, kernel, name: str, grid_rows: int, by: str, bh: int, *args, *
     elif AUTOTUNE:
         compiled = tuned[lambda m: (triton.cdiv(grid_rows, m[by]), bh)](*args, **meta, enable_fp_fusion=False)
         config = tuned.best_config.kwargs
-    else:
-        config = _first_config(tuned, meta)
-        compiled = kernel[(triton.cdiv(grid_rows, config[by]), bh)](*args, **meta, **config, enable_fp_fusion=False)
+    else:  # the first kept configuration that fits in shared memory (the autotuner skips the others as well)
+        configs = _kept_configs(tuned, meta)
+        for i, config in enumerate(configs):
+            try:  # Triton raises OutOfResources when it loads the compiled kernel, before it launches
+                compiled = kernel[(triton.cdiv(grid_rows, config[by]), bh)](*args, **meta, **config,
+                                                                            enable_fp_fusion=False)
+                break
+            except triton.runtime.errors.OutOfResources:
+                if i == len(configs) - 1:
+                    raise
     values = {**meta, **config}
     if len(_LAUNCHES) >= _MAX_LAUNCHES:
         _LAUNCHES.clear()
