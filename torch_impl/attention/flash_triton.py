@@ -197,7 +197,8 @@ def _bwd_preprocess(O, DO, DELTA, DQ, stride_ob, stride_oh, stride_on, stride_od
     tl.store(DELTA + (b * n_heads + h) * n_q + offs_m, delta, mask=offs_m < n_q)
     if ZERO_DQ:
         rows = (b * n_heads + h).to(tl.int64) * n_q + offs_m
-        tl.store(DQ + rows[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=mask)
+        zeros = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        tl.store(DQ + rows[:, None] * HEAD_DIM + offs_d[None, :], zeros, mask=mask)
 
 
 @triton.jit
@@ -390,8 +391,9 @@ def _prune_wide_tiles(axis: str):
 
 _TUNE_KEY = ["n_q_bucket", "n_k_bucket", "BLOCK_D", "IS_CAUSAL", "DOT_PRECISION"]
 # The first configuration each pruning keeps is the one FLASH_TRITON_AUTOTUNE=0 runs where it fits in shared memory
-# (and tests/_flash_compile.py compiles; IEEE fp32 at head dim 256 needs a later one). Forward and dQ need BLOCK_M % BLOCK_N == 0 (the diagonal stage starts on a key-tile boundary); dK/dV needs
-# BLOCK_N % BLOCK_M == 0 (its diagonal stage covers exactly the key tile's rows).
+# (and tests/_flash_compile.py compiles; IEEE fp32 at head dim 256 needs a later one). Forward and dQ need
+# BLOCK_M % BLOCK_N == 0 (the diagonal stage starts on a key-tile boundary); dK/dV needs BLOCK_N % BLOCK_M == 0 (its
+# diagonal stage covers exactly the key tile's rows).
 _fwd_tuned = triton.autotune(_configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
                                       (128, 64, 4, 4), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4),
                                       (64, 64, 8, 2), (64, 32, 4, 2)),
