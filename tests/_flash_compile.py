@@ -62,7 +62,7 @@ CASES = [
 
 def first_kept_config(tuned, constexprs: dict) -> tuple[dict, dict]:
     """The first configuration the autotuner's pruning keeps for these constexprs (e.g. BLOCK_D = 256): the one
-    FLASH_TRITON_AUTOTUNE=0 runs."""
+    FLASH_TRITON_AUTOTUNE=0 runs where it fits in shared memory."""
     config = ft._kept_configs(tuned, constexprs)[0]
     return {k: config[k] for k in ("BLOCK_M", "BLOCK_N")}, {k: config[k] for k in ("num_warps", "num_stages")}
 

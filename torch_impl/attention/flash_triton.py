@@ -706,8 +706,8 @@ def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is
 class FlashAttention2Triton(torch.autograd.Function):
     """``.apply(q, k, v, is_causal=False)``: ``flash_attention`` as a ``torch.autograd.Function`` (DESIGN.md's stable
     name): the custom ops while torch.compile traces it (opaque to Inductor), else the launches themselves (each
-    op's dispatch costs ~150 us of CPU, as much as a kernel launch: notes/flash_attention.md); saves (L, q, k, v, O)
-    with L (..., n_q) fp32."""
+    op call adds 70-150 us of CPU on the H100 host: notes/flash_attention.md); saves (L, q, k, v, O) with L
+    (..., n_q) fp32."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
