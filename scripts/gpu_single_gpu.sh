@@ -10,13 +10,20 @@
 set -uo pipefail
 out=${1:?usage: scripts/gpu_single_gpu.sh OUT_DIR PHASE}
 phase=${2:?usage: scripts/gpu_single_gpu.sh OUT_DIR sweep|memory|kernels|checkpointing|attention}
+set -- "$@" "" ""  # the optional arguments of a phase, blank when not given
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 e2e=(python3 -m torch_impl.bench.e2e --warmup 3 --steps 5)
 case "$phase" in
-sweep)
-  "${e2e[@]}" --sweep-models small,medium,large,xl,2.7B --sweep-seq-lens 128,256,512,1024 --batch-size 4 \
-    --dtype bf16 --attention sdpa --suite e2e_sweep --out "$out/e2e_sweep.jsonl" ;;
+sweep)  # sweep [eager|compiled] [fp32,bf16]: one record file per (dtype, eager / compiled)
+  how=${3:-eager}; [[ $how == eager || $how == compiled ]] || { echo "sweep eager|compiled, not $how" >&2; exit 2; }
+  dtypes=${4:-fp32,bf16}
+  for dtype in ${dtypes//,/ }; do
+    flags=(); [[ $how == compiled ]] && flags=(--compile)
+    "${e2e[@]}" --sweep-models small,medium,large,xl,2.7B --sweep-seq-lens 128,256,512,1024,2048 --batch-size 4 \
+      --dtype "$dtype" --attention sdpa "${flags[@]}" --config-timeout 150 --suite e2e_sweep \
+      --out "$out/e2e_sweep_${dtype}_${how}.jsonl"
+  done ;;
 memory)
   for seq in 128 256 512; do for dtype in fp32 bf16; do for mode in forward train_step; do
     snapshot=(); [[ $dtype == bf16 && $mode == train_step ]] && snapshot=(--memory-snapshot "$out/memory_2.7B_$seq.pickle")

@@ -4,7 +4,9 @@ Times ``--mode`` forward (no gradients) | forward_backward | train_step (AdamW) 
 ``--steps`` timed steps on a fixed random batch (so in train_step mode the loss falls as the model memorizes
 it), and writes one record (``analysis.records``) with the per-step and per-phase times, tokens/s, TFLOP/s and
 MFU (FLOPs from ``parallelism_calc``), peak memory, the losses and the time the first step took to build
-(compilation, capture: ``metrics.compile_s``). The step is ``torch_impl.step.train_step``, the trainer's and the DDP
+(compilation, capture: ``metrics.compile_s``). The warm-up steps are timed too and kept apart
+(``metrics.warmup_step_ms``, ``metrics.warmup_phases_ms``; the first includes compilation): with the timed steps
+after them they are what the same run would have reported without a warm-up. The step is ``torch_impl.step.train_step``, the trainer's and the DDP
 benchmark's; its phases are marked with CUDA events and the device is waited for once, after the timed steps
 (``torch_impl.timing.PhaseTimer``), so the harness does not stall the step it times.
 
@@ -171,9 +173,11 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
     losses = [run()]
     synchronize(device)
     compile_s = time.perf_counter() - start  # building the step: compilation, autotuning, capture
-    if args.warmup:  # the first step (compilation, capture) was the first warm-up step: not timed
+    warmup_ms, warmup_phases_ms = [], {}
+    if args.warmup:  # the first step (compilation, capture) was the first warm-up step: not in the timing
         with nvtx.range("warmup"):
             losses += [run() for _ in range(args.warmup - 1)]
+        warmup_ms, warmup_phases_ms = timer.results()  # kept apart: what timing without a warm-up would see
         timer = PhaseTimer(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -199,7 +203,8 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
                "peak_memory_kind": peak_kind,
                "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
                "blocks_per_graph": BLOCKS_PER_GRAPH if args.compile and not stock else None,
-               "compile_s": compile_s, **predicted_memory(args, spec, seq_len)}
+               "compile_s": compile_s, "warmup_step_ms": warmup_ms, "warmup_phases_ms": warmup_phases_ms,
+               **predicted_memory(args, spec, seq_len)}
     if args.profile:
         variant = "_stock" if stock else "" if graph == "off" else f"_graph_{graph}"
         tag = f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}_{args.dtype}{variant}"
