@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from analysis.records import Record, divergence, save_records, timing_stats
+from analysis.records import Record, divergence, read_records, save_records, timing_stats
 from parallelism_calc.cli import (ArgumentParser, error_boundary, int_list, nonnegative_float, nonnegative_int,
                                   positive_float, positive_int, writable_path)
 from parallelism_calc.compute import MODES, step_flops
@@ -69,6 +69,8 @@ class StepConfig:
     sweep_models: str | None = None
     sweep_seq_lens: list[int] | None = None
     config_timeout: float = 1800.0
+    process_per: str = "config"  # SWEEP_PROCESSES
+    in_process: bool = False  # set by run_sweep in the process it starts per model
 
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,12 +103,17 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="JSONL", type=writable_path,
                         help="append the record to this JSON Lines file")
     parser.add_argument("--json", action="store_true", help="print the record as JSON")
-    sweep = parser.add_argument_group("sweep (each configuration in its own process; needs --out)")
+    sweep = parser.add_argument_group("sweep (a process per configuration or per model; needs --out)")
     sweep.add_argument("--sweep-models", help="comma-separated presets, e.g. small,medium,large,xl,2.7B")
     sweep.add_argument("--sweep-seq-lens", type=int_list,
                        help="comma-separated sequence lengths, e.g. 128,256,512,1024")
     sweep.add_argument("--config-timeout", type=positive_float, default=d.config_timeout,
                        help="seconds one sweep configuration may take before it is recorded as an error")
+    sweep.add_argument("--process-per", choices=SWEEP_PROCESSES, default=d.process_per,
+                       help="config: a process per configuration (nothing shared); model: a process per model "
+                            "runs its sequence lengths one after the other (starts and compiles less; a crash "
+                            "loses that model's later lengths, each recorded as an error) (default config)")
+    sweep.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
 
 
 def resolve_spec(args: StepConfig) -> tuple[ModelSpec, int]:
@@ -270,21 +277,25 @@ def _run_benchmark(argv, *, prog, description, measure, on_failure, add_argument
     if add_arguments is not None:  # the backend's own flags
         add_arguments(parser)
     args = config(**vars(parser.parse_args(argv)))
-    if args.sweep_models or args.sweep_seq_lens:
+    runs = [args]
+    if args.in_process:  # one model's sequence lengths, one after the other (run_sweep's child)
+        runs = [dataclasses.replace(args, seq_len=n, sweep_seq_lens=None, in_process=False)
+                for n in args.sweep_seq_lens or [args.seq_len]]
+    elif args.sweep_models or args.sweep_seq_lens:
         module = prog.split(" -m ")[-1]  # e.g. jax_impl.bench.e2e, whose backend is "jax"
         return run_sweep(args, list(sys.argv[1:] if argv is None else argv), module=module,
                          backend=module.split(".")[0].removesuffix("_impl"))
     codes = []
+    for run in runs:
+        def emit_one(record: Record) -> None:  # written the moment it exists: a later failure cannot lose it
+            codes.append(emit(run, record) if is_writer() else 0 if record.status == "ok" else 1)
 
-    def emit_one(record: Record) -> None:  # written the moment it exists: a later failure cannot lose it
-        codes.append(emit(args, record) if is_writer() else 0 if record.status == "ok" else 1)
-
-    try:
-        measured = measure(args)
-        for record in [measured] if isinstance(measured, Record) else measured:
-            emit_one(record)
-    except RuntimeError as err:  # torch.OutOfMemoryError and jax's JaxRuntimeError are RuntimeErrors
-        emit_one(on_failure(args, err))
+        try:
+            measured = measure(run)
+            for record in [measured] if isinstance(measured, Record) else measured:
+                emit_one(record)
+        except RuntimeError as err:  # torch.OutOfMemoryError and jax's JaxRuntimeError are RuntimeErrors
+            emit_one(on_failure(run, err))
     return max(codes, default=0)
 
 
@@ -297,7 +308,9 @@ def failure_record(args: StepConfig, err: Exception, *, backend: str, implementa
                        error=f"{type(err).__name__}: {err}".splitlines()[0])
 
 
-_SWEEP_FLAGS = ("--sweep-models", "--sweep-seq-lens", "--config-timeout", "--model", "--seq-len")
+_SWEEP_FLAGS = ("--sweep-models", "--sweep-seq-lens", "--config-timeout", "--process-per", "--model", "--seq-len")
+# --process-per: what one process of a sweep runs
+SWEEP_PROCESSES = ("config", "model")
 
 
 def _without(argv: list[str], flags: Sequence[str]) -> list[str]:
@@ -314,43 +327,58 @@ def _without(argv: list[str], flags: Sequence[str]) -> list[str]:
 
 
 def _count_lines(path: Path) -> int:
-    return sum(1 for _ in path.open(encoding="utf-8")) if path.exists() else 0
+    return len(read_records(path)) if path.exists() else 0
 
 
 def run_sweep(args: StepConfig, argv: list[str], *, module: str, backend: str) -> int:
     """The model x sequence-length grid, one ``python -m module`` process per configuration (so an
-    out-of-memory or a crash cannot poison the next one). A configuration that ends without writing its
-    record (a crash, a hang past ``--config-timeout``) gets an error record written here: a row, not a gap."""
+    out-of-memory or a crash cannot poison the next one) or, with ``--process-per model``, per model (its
+    lengths one after the other: one start, one warm compiler; ``--config-timeout`` then bounds the whole
+    process, times its number of lengths). A configuration that ends without writing its record (a crash, a hang
+    past the timeout) gets an error record written here: a row, not a gap."""
     if not args.out:
         raise ValueError("a sweep needs --out (its records are its result)")
     models = [m for m in (args.sweep_models or args.model).split(",") if m]
     seq_lens = args.sweep_seq_lens or [args.seq_len]
     base = _without(argv, _SWEEP_FLAGS)
-    configs = list(itertools.product(models, seq_lens))
-    bar, _ = progress(configs, f"{module} sweep", "config")
+    lengths = ",".join(str(n) for n in seq_lens if n)
+    groups = ([[(model, n) for n in seq_lens] for model in models] if args.process_per == "model"
+              else [[config] for config in itertools.product(models, seq_lens)])
+    bar, _ = progress(groups, f"{module} sweep", "process")
     failures = 0
-    for i, (model, seq_len) in enumerate(bar, 1):
+    for i, group in enumerate(bar, 1):
+        model, seq_len = group[0]
         child = [sys.executable, "-m", module, *base, "--model", model]
-        child += ["--seq-len", str(seq_len)] if seq_len else []
-        before = _count_lines(Path(args.out))
+        if len(group) > 1:
+            child += ["--sweep-seq-lens", lengths, "--in-process"]
+        elif seq_len:
+            child += ["--seq-len", str(seq_len)]
+        written = _count_lines(Path(args.out))
+        timeout = args.config_timeout * len(group)
         try:
-            proc = subprocess.run(child, capture_output=True, text=True, timeout=args.config_timeout)
+            proc = subprocess.run(child, capture_output=True, text=True, timeout=timeout)
             message = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         except subprocess.TimeoutExpired:
             proc, message = None, f"no result within --config-timeout {args.config_timeout:g} s"
-        if _count_lines(Path(args.out)) == before:  # the child wrote nothing: record why
-            failures += 1
+        statuses: dict[tuple[str, int], set[str]] = {}
+        for r in read_records(args.out)[written:] if Path(args.out).exists() else []:
+            statuses.setdefault((r.model, r.seq_len), set()).add(r.status)
+        for model, seq_len in group:
             try:
                 spec, n = resolve_spec(dataclasses.replace(args, model=model, seq_len=seq_len))
             except ValueError as err:  # bad configuration: still a row, with the spec's own dims unknown
-                spec, n, message = get_model(model) if model in MODELS else None, seq_len, str(err)
-            record = Record(suite=args.suite, backend=backend, implementation=f"sweep {module}", model=model,
-                            model_dims=dataclasses.asdict(spec) if spec else None, batch_size=args.batch_size,
-                            seq_len=n, dtype=args.dtype, mode=args.mode, status="error", error=message)
-            save_records(args.out, record)
-        elif proc is not None and proc.returncode != 0:
-            failures += 1  # the child recorded its own failure (oom / error)
-        if bar is configs:  # no tqdm: a line per configuration instead
-            print(f"[{i}/{len(configs)}] {model} seq {seq_len}: {'ok' if proc and proc.returncode == 0 else 'failed'}")
-    print(f"sweep: {len(configs) - failures} of {len(configs)} configurations ok; records in {args.out}")
+                spec, n, why = get_model(model) if model in MODELS else None, seq_len, str(err)
+            else:
+                why = message
+            failures += statuses.get((model, n)) != {"ok"}  # none written, or the child's own oom / error
+            if (model, n) not in statuses:  # the child wrote nothing for this configuration: record why
+                save_records(args.out, Record(suite=args.suite, backend=backend, implementation=f"sweep {module}",
+                                              model=model, model_dims=dataclasses.asdict(spec) if spec else None,
+                                              batch_size=args.batch_size, seq_len=n, dtype=args.dtype,
+                                              mode=args.mode, status="error", error=why))
+        if bar is groups:  # no tqdm: a line per process instead
+            print(f"[{i}/{len(groups)}] {model} seq {lengths if len(group) > 1 else seq_len}: "
+                  f"{'ok' if proc and proc.returncode == 0 else 'failed'}")
+    configs = sum(len(group) for group in groups)
+    print(f"sweep: {configs - failures} of {configs} configurations ok; records in {args.out}")
     return 0

@@ -21,7 +21,7 @@ sweep)  # sweep [eager|compiled] [fp32,bf16]: one record file per (dtype, eager 
   for dtype in ${dtypes//,/ }; do
     flags=(); [[ $how == compiled ]] && flags=(--compile)
     "${e2e[@]}" --sweep-models small,medium,large,xl,2.7B --sweep-seq-lens 128,256,512,1024,2048 --batch-size 4 \
-      --dtype "$dtype" --attention sdpa "${flags[@]}" --config-timeout 150 --suite e2e_sweep \
+      --dtype "$dtype" --attention sdpa "${flags[@]}" --process-per model --config-timeout 150 --suite e2e_sweep \
       --out "$out/e2e_sweep_${dtype}_${how}.jsonl"
   done ;;
 memory)

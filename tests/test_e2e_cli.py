@@ -93,3 +93,19 @@ def test_sweep_runs_each_configuration_and_records_failures(tmp_path):
     assert rows[("xxl", 8)].status == "error" and "analysis-only" in rows[("xxl", 8)].error
     with pytest.raises(SystemExit, match="needs --out"):
         torch_e2e.main(["--sweep-models", "tiny"])
+
+
+def test_sweep_with_a_process_per_model_records_every_configuration(tmp_path):
+    """``--process-per model``: one process runs a model's lengths in turn; the records are those of a process
+    per configuration (a row each, a bad model's rows errors), warm-up step times kept apart from the timed ones."""
+    out = tmp_path / "sweep.jsonl"
+    sweep = ["--batch-size", "1", "--warmup", "2", "--steps", "1", "--device", "cpu", "--process-per", "model",
+             "--sweep-models", "tiny,xxl", "--sweep-seq-lens", "8,24", "--out", str(out)]
+    assert torch_e2e.main(sweep) == 0
+    rows = {(r.model, r.seq_len): r for r in read_records(out)}
+    assert len(read_records(out)) == 4 and set(rows) == {("tiny", 8), ("tiny", 24), ("xxl", 8), ("xxl", 24)}
+    for n in (8, 24):
+        tiny = rows[("tiny", n)]
+        assert tiny.status == "ok" and tiny.timed_steps == 1 and len(tiny.metrics["losses"]) == 3
+        assert len(tiny.metrics["warmup_step_ms"]) == 2 and len(tiny.metrics["warmup_phases_ms"]["forward"]) == 2
+        assert rows[("xxl", n)].status == "error" and "analysis-only" in rows[("xxl", n)].error
