@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 5's measurements on one GPU, one phase per device call (each under 10 minutes); records go to
-# OUT_DIR/<suite>.jsonl and every table and plot is regenerated into OUT_DIR/reports:
+# The single-GPU studies (issue 22), one phase per device call (each under 10 minutes); records go to
+# OUT_DIR/<suite>.jsonl (commit them to results/, then `python -m analysis.reports results`):
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_single_gpu.sh OUT_DIR sweep|memory|kernels|checkpointing|attention
 # sweep: train step of small ... 2.7B x context 128 ... 1024 (batch 4, bf16, SDPA); memory: 2.7B at context
 # 128 / 256 / 512, fp32 and bf16, forward and train step, with allocator snapshots of the bf16 train step;
@@ -20,7 +20,8 @@ sweep)  # sweep [eager|compiled] [fp32,bf16]: one record file per (dtype, eager 
   dtypes=${4:-fp32,bf16}
   for dtype in ${dtypes//,/ }; do
     flags=(); [[ $how == compiled ]] && flags=(--compile)
-    "${e2e[@]}" --sweep-models small,medium,large,xl,2.7B --sweep-seq-lens 128,256,512,1024,2048 --batch-size 4 \
+    "${e2e[@]}" --sweep-models "${SWEEP_MODELS:-small,medium,large,xl,2.7B}" \
+      --sweep-seq-lens "${SWEEP_SEQ_LENS:-128,256,512,1024,2048}" --batch-size 4 \
       --dtype "$dtype" --attention sdpa "${flags[@]}" --process-per model --config-timeout 150 --suite e2e_sweep \
       --out "$out/e2e_sweep_${dtype}_${how}.jsonl"
   done ;;
@@ -45,4 +46,3 @@ attention)
   python3 -m torch_impl.bench.naive_attention --out "$out/naive_attention.jsonl" ;;
 *) echo "unknown phase $phase; accepted: sweep, memory, kernels, checkpointing, attention" >&2; exit 2 ;;
 esac
-python3 -m analysis.reports "$out" --out "$out/reports"
