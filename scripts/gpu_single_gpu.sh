@@ -48,7 +48,9 @@ kernels)  # the profiling questions: kernel shares (eager, 4 x 512), attention's
       --out "$out/attention_parts.jsonl"
   done
   python3 -m torch_impl.bench.precision --device cuda --out "$out/precision.jsonl" ;;
-checkpointing)  # 2.7B (head dim 80) with our kernel, 4 x 2,048, bf16: no checkpointing, every k flat and nested
+checkpointing)  # 2.7B (head dim 80) with our kernel, 4 x 2,048, bf16: no checkpointing, every k flat and nested;
+  # each process would autotune the kernel again: all run its first configuration that fits (the same for all k)
+  export FLASH_TRITON_AUTOTUNE=${FLASH_TRITON_AUTOTUNE:-0}
   ckpt=(--model 2.7B --batch-size 4 --seq-len 2048 --dtype bf16 --attention flash_triton --suite checkpointing
         --out "$out/checkpointing.jsonl")
   "${e2e[@]}" "${ckpt[@]}"
