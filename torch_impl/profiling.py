@@ -31,8 +31,9 @@ def is_kernel(event) -> bool:
 _MARKERS = ("Command Buffer Full",)
 
 
-def kernel_table(prof: profile, n_steps: int) -> list[KernelRow]:
-    """Per-step time by category: device kernels where CUDA ran, else CPU aten operators (self time)."""
+def kernel_table(prof: profile, n_steps: int, calls: dict[str, float] | None = None) -> list[KernelRow]:
+    """Per-step time by category: device kernels where CUDA ran, else CPU aten operators (self time); ``calls``,
+    if given, gets each kernel's launches per step."""
     events = prof.key_averages()
     on_device = any(is_kernel(e) for e in events)
     times: dict[str, float] = {}
@@ -42,11 +43,15 @@ def kernel_table(prof: profile, n_steps: int) -> list[KernelRow]:
         us = e.self_device_time_total if on_device else e.self_cpu_time_total
         if us > 0:
             times[e.key] = times.get(e.key, 0.0) + us / 1e3
+            if calls is not None:
+                calls[e.key] = calls.get(e.key, 0.0) + e.count / n_steps
     return rows_by_category(times, n_steps)
 
 
-def profile_steps(step: Callable[[], object], n_steps: int, out_dir: str | Path, tag: str) -> list[KernelRow]:
-    """Profile ``n_steps`` calls of ``step``; write ``<tag>_trace.json`` and ``<tag>_kernels.md`` in ``out_dir``."""
+def profile_steps(step: Callable[[], object], n_steps: int, out_dir: str | Path, tag: str,
+                  calls: dict[str, float] | None = None) -> list[KernelRow]:
+    """Profile ``n_steps`` calls of ``step``; write ``<tag>_trace.json`` and ``<tag>_kernels.md`` in ``out_dir``;
+    ``calls``, if given, gets each kernel's launches per step."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -56,6 +61,6 @@ def profile_steps(step: Callable[[], object], n_steps: int, out_dir: str | Path,
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     prof.export_chrome_trace(str(out / f"{tag}_trace.json"))
-    rows = kernel_table(prof, n_steps)
+    rows = kernel_table(prof, n_steps, calls)
     (out / f"{tag}_kernels.md").write_text(markdown(rows, f"{tag}: time per step by kernel category") + "\n")
     return rows

@@ -51,6 +51,7 @@ from torch_impl.step import StepParts, train_step
 from torch_impl.stock import SDPA_BACKENDS, StockTransformerLM
 from torch_impl.timing import PhaseTimer, capture_step
 
+PROFILED_KERNELS = 30  # --profile: how many of the largest kernels a record names (all of them: the kernel table)
 # --cuda-graph: each mode and what it adds to the implementation's name (none, one per compiled block, one step)
 CUDA_GRAPH_MODES = {"off": "", "blocks": ", cuda graph per block", "step": ", cuda graph"}
 
@@ -208,9 +209,13 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
     if args.profile:
         variant = "_stock" if stock else "" if graph == "off" else f"_graph_{graph}"
         tag = f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}_{args.dtype}{variant}"
-        rows = profile_steps(run, 3, args.profile, tag=tag)
+        calls: dict[str, float] = {}
+        rows = profile_steps(run, 3, args.profile, tag=tag, calls=calls)
         metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
         metrics["profiled_kernel_ms"] = sum(row.time_ms for row in rows)  # per step, against the timed step
+        largest = sorted((kernel for row in rows for kernel in row.kernels), key=lambda k: -k[1])[:PROFILED_KERNELS]
+        metrics["kernel_ms"] = dict(largest)  # the largest kernels, ms per step
+        metrics["kernel_calls"] = {name: calls.get(name) for name, _ in largest}  # launches per step
     return step_record(
         StepRun.of(args), spec, seq_len, backend="torch", implementation=implementation_name(args, stock, graph),
         device_name=device_name(device), step_times_ms=step_ms, phases_ms=phases_ms,
