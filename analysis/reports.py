@@ -11,7 +11,8 @@ PyTorch-vs-JAX report (``analysis.side_by_side``) into ``side_by_side/``; where 
 among the records, every GPU step against its predicted floor and memory (``analysis.fidelity``) into
 ``fidelity.md``; where both backends trained from the same saved weights, their losses step by step
 (``analysis.loss_parity``) into ``loss_parity.md``; the training matrix and the accumulation study
-(``analysis.training``) into a folder per record file.
+(``analysis.training``) into a folder per record file; the single-GPU studies' answer pages (``analysis.answers``,
+one page per study, each answer computed from its records, beside the reference sheet's figures) into ``answers/``.
 For a paper: every Markdown table also as LaTeX (booktabs, ``DataFrame.to_latex``) and Typst (``#table``), in
 ``<report>_tables/table<N>.tex`` and ``.typ`` beside ``<report>.md`` (N counts the report's tables in order;
 ``analysis.tables.export_markdown_file``), and every chart as PNG with a PDF beside it (``analysis.plots.save_figure``).
@@ -33,6 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
+from analysis.answers import write_answers
 from analysis.allreduce import ALLREDUCE_SUITE, REPORT_METRICS as ALLREDUCE_METRICS, write_allreduce_report
 from analysis.attention import REPORT_METRICS as ATTENTION_METRICS, write_attention_report
 from analysis.collectives import COLLECTIVES_SUITE, REPORT_METRICS as COLLECTIVES_METRICS, write_collectives_report
@@ -64,6 +66,7 @@ SECTIONS = {
     "Training matrix and accumulation study": (MATRIX_SUITE, ACCUM_SUITE, TRAIN_SUITE),
     "Predicted against measured (fidelity)": ("fidelity", CEILINGS_SUITE),
     "Loss parity": ("loss_parity", "jax_parity"),
+    "Single-GPU studies: the answer pages": ("answers",),
 }
 OTHER_SECTION = "Other suites"
 
@@ -201,6 +204,7 @@ def write_reports(results: Path, out_dir: Path) -> list[Path]:
                                      f"({type(err).__name__}: {err}): are they filed under the right suite?") from None
         every = load_records(files)  # the reports across suites read every file once
         entries += [(name, _staged(staging, report, every, staging)) for name, report in CROSS_REPORTS.items()]
+        entries.append(("answers", _staged(staging, write_answers, results, staging / "answers")))
         entries = [(key, written) for key, written in entries if written]
         index = staging / "index.md"
         index.write_text(index_markdown(entries, staging, results))
