@@ -286,16 +286,17 @@ def _run_benchmark(argv, *, prog, description, measure, on_failure, add_argument
         return run_sweep(args, list(sys.argv[1:] if argv is None else argv), module=module,
                          backend=module.split(".")[0].removesuffix("_impl"))
     codes = []
-    for run in runs:
-        def emit_one(record: Record) -> None:  # written the moment it exists: a later failure cannot lose it
-            codes.append(emit(run, record) if is_writer() else 0 if record.status == "ok" else 1)
 
+    def emit_one(run: StepConfig, record: Record) -> None:  # written the moment it exists: not lost to a later failure
+        codes.append(emit(run, record) if is_writer() else 0 if record.status == "ok" else 1)
+
+    for run in runs:
         try:
             measured = measure(run)
             for record in [measured] if isinstance(measured, Record) else measured:
-                emit_one(record)
+                emit_one(run, record)
         except RuntimeError as err:  # torch.OutOfMemoryError and jax's JaxRuntimeError are RuntimeErrors
-            emit_one(on_failure(run, err))
+            emit_one(run, on_failure(run, err))
     return max(codes, default=0)
 
 
@@ -326,7 +327,7 @@ def _without(argv: list[str], flags: Sequence[str]) -> list[str]:
     return out
 
 
-def _count_lines(path: Path) -> int:
+def _count_records(path: Path) -> int:
     return len(read_records(path)) if path.exists() else 0
 
 
@@ -353,7 +354,7 @@ def run_sweep(args: StepConfig, argv: list[str], *, module: str, backend: str) -
             child += ["--sweep-seq-lens", lengths, "--in-process"]
         elif seq_len:
             child += ["--seq-len", str(seq_len)]
-        written = _count_lines(Path(args.out))
+        written = _count_records(Path(args.out))
         timeout = args.config_timeout * len(group)
         try:
             proc = subprocess.run(child, capture_output=True, text=True, timeout=timeout)

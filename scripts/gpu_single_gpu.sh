@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The single-GPU studies (issue 22), one phase per device call (each under 10 minutes); records go to
 # OUT_DIR/<suite>.jsonl (commit them to results/, then `python -m analysis.reports results`):
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_single_gpu.sh OUT_DIR sweep|memory|kernels|checkpointing|attention
-# sweep: train step of small ... 2.7B x context 128 ... 1024 (batch 4, bf16, SDPA); memory: 2.7B at context
-# 128 / 256 / 512, fp32 and bf16, forward and train step, with allocator snapshots of the bf16 train step;
-# kernels: torch.profiler kernel shares of forward vs train step; checkpointing: 2.7B, batch 4 x 2,048, bf16,
-# every k flat and nested; attention: the naive attention sweep (eager and compiled). The MFU target's
-# run (2.7B at 8,192 tokens per step against stock PyTorch's best) is scripts/gpu_side_by_side.sh single.
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_single_gpu.sh OUT_DIR PHASE [ARGS]
+# sweep [eager|compiled] [fp32,bf16]: forward / backward / step of small ... 2.7B x context 128 ... 2,048 (batch 4,
+# SDPA; SWEEP_MODELS, SWEEP_SEQ_LENS narrow it); kernels: kernel shares (eager, 4 x 512), the attention's matmuls
+# against its softmax, the mixed-precision experiments; memory: 2.7B peaks by context, fp32 / bf16, forward / step,
+# with two allocator snapshots; checkpointing: 2.7B, 4 x 2,048, bf16, our kernel, every k flat and nested;
+# attention: the naive attention sweep (eager and compiled); train: a short training run of small. The answer
+# pages: analysis.answers (notes/single_gpu_studies.md says which call made what).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_single_gpu.sh OUT_DIR PHASE}
 phase=${2:?usage: scripts/gpu_single_gpu.sh OUT_DIR sweep|memory|kernels|checkpointing|attention|train}

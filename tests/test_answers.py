@@ -60,7 +60,8 @@ def test_answer_pages_follow_the_records(tmp_path):
     results.mkdir()
     (results / "reference_004.json").write_text(json.dumps({"sheet": "sheet.txt", **parse(SHEET)}))
     rng = random.Random()
-    times = {(dtype, compiled): {(model, seq): rng.uniform(50, 500) for model in ("small", "large") for seq in (128, 256)}
+    configs = [(model, seq) for model in ("small", "large") for seq in (128, 256)]
+    times = {(dtype, compiled): {config: rng.uniform(50, 500) for config in configs}
              for dtype in ("fp32", "bf16") for compiled in (False, True)}
     _write_sweep(results, times)
     written = write_answers(results, out)

@@ -6,9 +6,10 @@ it), and writes one record (``analysis.records``) with the per-step and per-phas
 MFU (FLOPs from ``parallelism_calc``), peak memory, the losses and the time the first step took to build
 (compilation, capture: ``metrics.compile_s``). The warm-up steps are timed too and kept apart
 (``metrics.warmup_step_ms``, ``metrics.warmup_phases_ms``; the first includes compilation): with the timed steps
-after them they are what the same run would have reported without a warm-up. The step is ``torch_impl.step.train_step``, the trainer's and the DDP
-benchmark's; its phases are marked with CUDA events and the device is waited for once, after the timed steps
-(``torch_impl.timing.PhaseTimer``), so the harness does not stall the step it times.
+after them they are what the same run would have reported without a warm-up. The step is
+``torch_impl.step.train_step``, the trainer's and the DDP benchmark's; its phases are marked with CUDA events and
+the device is waited for once, after the timed steps (``torch_impl.timing.PhaseTimer``), so the harness does not
+stall the step it times.
 
 ``--stock BACKEND`` first times the stock reference (``torch_impl.stock``, compiled as a whole with
 ``--compile``) in the same process with the same flags and weights; ours then carries ``metrics.x_stock``.
