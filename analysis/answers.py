@@ -358,7 +358,8 @@ def memory(records: list[Record], out: Path, reference: dict | None, results: Pa
         lines.append("")
     for path in sorted(results.glob(SNAPSHOTS)):
         lines += [snapshot_markdown(peak_allocations(load_snapshot(path)), f"Allocator snapshot `{path.name}`"),
-                  "", f"Open `results/{path.relative_to(results)}` (gunzipped) at pytorch.org/memory_viz; "
+                  "", f"Open `results/{path.relative_to(results)}` ({path.stat().st_size / 1024:,.0f} KiB gzipped; "
+                  "gunzip it first) at pytorch.org/memory_viz; "
                   "'allocated before recording' is what existed before the timed steps: the weights, and for the "
                   "training step the gradients and AdamW state.", ""]
     return lines
