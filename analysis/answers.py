@@ -18,7 +18,7 @@ import pandas as pd
 
 from analysis.kernels import categorize
 from analysis.plots import line_plot
-from analysis.records import Record, read_records
+from analysis.records import Record, read_records, timing_stats
 from analysis.single_gpu import _rows as single_gpu_rows, best_k_lines
 from analysis.snapshot import load_snapshot, markdown as snapshot_markdown, peak_allocations
 from analysis.tables import markdown_table
@@ -43,16 +43,9 @@ STUDIES = {
 SNAPSHOTS = "profiles/single_gpu/*.pickle.gz"
 
 
-def _pm(stats: dict | None, scale: float = 1.0, digits: int = 1) -> str:
+def _pm(stats: dict | None) -> str:
     """'mean ± std' of a timing_stats dict (ms), or '—'."""
-    if not stats:
-        return "—"
-    return f"{stats['mean_ms'] * scale:.{digits}f} ± {stats['std_ms'] * scale:.{digits}f}"
-
-
-def _mean_std(values: list[float]) -> dict[str, float] | None:
-    return {"mean_ms": statistics.fmean(values), "std_ms": statistics.stdev(values) if len(values) > 1 else 0.0} \
-        if values else None
+    return f"{stats['mean_ms']:.1f} ± {stats['std_ms']:.1f}" if stats else "—"
 
 
 def _short(kernel: str) -> str:
@@ -77,6 +70,12 @@ def _sweep(records: list[Record]) -> dict[tuple[str, bool, str, int], Record]:
     """(dtype, compiled, model, seq_len) -> the latest e2e sweep record."""
     return {(r.dtype, r.implementation.startswith("compiled"), r.model, r.seq_len): r for r in records
             if r.suite == "e2e_sweep" and r.mode == "train_step"}
+
+
+def _ok(sweep: dict, key: tuple) -> Record | None:
+    """The sweep's record of ``key`` if it ran (status ok), else None."""
+    r = sweep.get(key)
+    return r if r is not None and r.status == "ok" else None
 
 
 def benchmarking(records: list[Record], out: Path, reference: dict | None) -> list[str]:
@@ -106,7 +105,7 @@ def benchmarking(records: list[Record], out: Path, reference: dict | None) -> li
                     row[f"{how} step"] = _pm(r.timing)
                     warm = r.metrics.get("warmup_step_ms") or []
                     row[f"{how} first step"] = f"{warm[0]:.0f}" if warm else "—"
-                    row[f"{how} steps 2-3"] = _pm(_mean_std(warm[1:]))
+                    row[f"{how} steps 2-3"] = _pm(timing_stats(warm[1:]) if warm[1:] else None)
                 rows.append(row)
         frame = pd.DataFrame(rows)
         if not frame.empty:
@@ -134,9 +133,8 @@ def benchmarking(records: list[Record], out: Path, reference: dict | None) -> li
     if fits:
         lines.append(f"- **Compiled, it fits where eager does not**: {', '.join(fits)} (Inductor's fused kernels save "
                      "fewer intermediate tensors for the backward).")
-    speedups = [(k, sweep[("bf16", False) + k[2:]], r) for k, r in sweep.items()
-                if k[:2] == ("bf16", True) and r.status == "ok" and ("bf16", False) + k[2:] in sweep
-                and sweep[("bf16", False) + k[2:]].status == "ok"]
+    speedups = [(k, eager, r) for k, r in sweep.items() if k[:2] == ("bf16", True) and r.status == "ok"
+                and (eager := _ok(sweep, ("bf16", False, *k[2:])))]
     if speedups:
         gains = [eager.timing["mean_ms"] / compiled.timing["mean_ms"] for _, eager, compiled in speedups]
         best = max(speedups, key=lambda s: s[1].timing["mean_ms"] / s[2].timing["mean_ms"])
@@ -196,27 +194,28 @@ def profiling(records: list[Record], out: Path, reference: dict | None) -> list[
              "each kernel's device time per step, grouped by `analysis.kernels` (matmul, reduction-softmax, "
              "elementwise, other). Kernel tables: `results/profiles/single_gpu/*_kernels.md`.", ""]
     if kernels:
-        rows = []
+        rows, largest = [], []
         for r in kernels:
             m = r.metrics
             top, top_ms = max(m.get("kernel_ms", {"—": 0}).items(), key=lambda kv: kv[1])
+            largest.append(_short(top))
             rows.append({"model": r.model, "dtype": r.dtype, "mode": r.mode, "measured ms": r.timing["median_ms"],
                          "profiler kernels ms": m.get("profiled_kernel_ms"),
                          "kernels / measured": (m.get("profiled_kernel_ms") or float("nan")) / r.timing["median_ms"],
                          **{f"{c} share": m.get(f"time_share.{c}") for c in ("matmul", "elementwise",
                                                                               "reduction-softmax")},
-                         "largest kernel": f"`{_short(top)}`", "its ms": top_ms,
+                         "largest kernel": f"`{largest[-1]}`", "its ms": top_ms,
                          "its launches": (m.get("kernel_calls") or {}).get(top)})
         frame = pd.DataFrame(rows)
         lines += ["## Measured against profiled, and the shares", "", markdown_table(frame, list(frame.columns)), ""]
         lines += ["## Answers", ""]
-        for r, row in zip(kernels, rows):
+        for r, row, top in zip(kernels, rows, largest):
             if r.mode == "forward":
                 others = sorted(((n, t) for n, t in r.metrics.get("kernel_ms", {}).items()
                                  if categorize(n) != "matmul"), key=lambda kv: -kv[1])[:3]
                 lines.append(f"- **{r.model} {r.dtype} forward**: {row['measured ms']:.1f} ms measured, "
                              f"{row['profiler kernels ms']:.1f} ms of kernels under the profiler "
-                             f"({row['kernels / measured']:.0%}); the largest kernel `{row['largest kernel'][1:-1]}` "
+                             f"({row['kernels / measured']:.0%}); the largest kernel `{top}` "
                              f"runs {row['its launches']:.0f} times a step for {row['its ms']:.1f} ms; matmuls take "
                              f"{row['matmul share']:.0%}; the largest others: "
                              + ", ".join(f"`{_short(n)}` {t:.2f} ms" for n, t in others) + ".")
@@ -268,8 +267,7 @@ def mixed_precision(records: list[Record], out: Path, reference: dict | None) ->
     sweep = _sweep(records)
     rows = []
     for (dtype, compiled, model, seq), r in sweep.items():
-        fp32 = sweep.get(("fp32", compiled, model, seq))
-        if dtype == "bf16" and r.status == "ok" and fp32 is not None and fp32.status == "ok":
+        if dtype == "bf16" and r.status == "ok" and (fp32 := _ok(sweep, ("fp32", compiled, model, seq))):
             rows.append({"model": model, "context": seq, "compiled": compiled,
                          "forward x": fp32.phases["forward"]["mean_ms"] / r.phases["forward"]["mean_ms"],
                          "backward x": fp32.phases["backward"]["mean_ms"] / r.phases["backward"]["mean_ms"],
@@ -519,12 +517,15 @@ def write_answers(results: Path, out_dir: Path, device: str = "h100") -> list[Pa
     reference_path = results / REFERENCE
     reference = json.loads(reference_path.read_text(encoding="utf-8")) if reference_path.exists() else None
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, loaded = [], {}  # loaded: each record file read once (two studies read the sweep)
     for study, patterns in STUDIES.items():
         files = [results / p.format(device=device) for p in patterns if (results / p.format(device=device)).exists()]
         if not files:
             continue
-        records = [r for f in files for r in read_records(f)]
+        for f in files:
+            if f not in loaded:
+                loaded[f] = read_records(f)
+        records = [r for f in files for r in loaded[f]]
         extra: dict[str, Any] = {"results": results} if study == "memory" else {}
         lines = PAGES[study](records, out_dir, reference, **extra)
         if not lines:

@@ -114,3 +114,20 @@ def test_records_carry_the_predicted_activation_memory(tmp_path):
     # The train step's predicted peak: those activations plus weights, gradients and AdamW state (16 B/param).
     assert records[0].metrics["predicted_peak_bytes"] == plain + 16 * tiny.n_params()
     assert records[1].metrics["predicted_peak_bytes"] is None
+
+
+def test_attention_parts_records_each_pass_with_its_flops(tmp_path):
+    """``python -m torch_impl.bench.attention_parts``: a record per pass, each kernel category's time per call and
+    the matmuls' and softmax's FLOPs at one layer's shapes (tiny: 4 heads of 16)."""
+    from analysis.records import read_records
+    from torch_impl.bench import attention_parts
+
+    out = tmp_path / "parts.jsonl"
+    assert attention_parts.main(["--model", "tiny", "--batch-size", "2", "--seq-len", "8", "--calls", "1",
+                                 "--device", "cpu", "--out", str(out)]) == 0
+    forward, both = read_records(out)
+    assert (forward.mode, both.mode) == ("forward", "forward_backward")
+    entries = 2 * 4 * 8 * 8
+    assert forward.metrics["matmul_flops"] == 4 * entries * 16 and both.metrics["matmul_flops"] == 12 * entries * 16
+    assert forward.metrics["softmax_flops"] == 5 * entries and both.metrics["softmax_flops"] == 9 * entries
+    assert forward.metrics["matmul_ms"] > 0

@@ -48,19 +48,20 @@ def kernel_table(prof: profile, n_steps: int, calls: dict[str, float] | None = N
     return rows_by_category(times, n_steps)
 
 
-def profile_steps(step: Callable[[], object], n_steps: int, out_dir: str | Path, tag: str,
+def profile_steps(step: Callable[[], object], n_steps: int, out_dir: str | Path | None, tag: str,
                   calls: dict[str, float] | None = None) -> list[KernelRow]:
-    """Profile ``n_steps`` calls of ``step``; write ``<tag>_trace.json`` and ``<tag>_kernels.md`` in ``out_dir``;
-    ``calls``, if given, gets each kernel's launches per step."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """Profile ``n_steps`` calls of ``step``; write ``<tag>_trace.json`` and ``<tag>_kernels.md`` in ``out_dir``
+    (None: the kernel table alone, nothing written); ``calls``, if given, gets each kernel's launches per step."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         for _ in range(n_steps):
             step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    prof.export_chrome_trace(str(out / f"{tag}_trace.json"))
     rows = kernel_table(prof, n_steps, calls)
-    (out / f"{tag}_kernels.md").write_text(markdown(rows, f"{tag}: time per step by kernel category") + "\n")
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(out / f"{tag}_trace.json"))
+        (out / f"{tag}_kernels.md").write_text(markdown(rows, f"{tag}: time per step by kernel category") + "\n")
     return rows
