@@ -20,6 +20,7 @@ Public names:
   kernels (in, out), so they are transposed on the way in and out). This module never imports torch.
 * ``logical_axes(model)``: the logical axis names of every parameter, keyed by the same names, for the
   JAX layout (a kernel's names are (in, out)).
+* ``copy_weights(source, target)``: every parameter by stable name, between scanned and unrolled models too.
 * ``cross_entropy(logits, targets)``: mean next-token loss in float32.
 
 Logical axes (MaxText style): every parameter is created through ``nnx.with_partitioning(init, names)``,
@@ -408,6 +409,29 @@ def load_numpy_weights(model: TransformerLM, weights: dict[str, np.ndarray]) -> 
                                                                lambda i, v=value: v[i])))
     for param, value in new_values:
         param.set_value(value)
+
+
+def copy_weights(source: TransformerLM, target: TransformerLM) -> None:
+    """Set every parameter and RoPE table of ``target`` to ``source``'s, by stable name, in place; either model
+    may be scanned or unrolled (a stacked parameter gives or takes one slice per layer). Works under a trace
+    (e.g. a jitted initializer that draws the scanned model's weights and returns an unrolled model's)."""
+    if source.spec != target.spec:
+        raise ValueError(f"copy_weights needs the same spec, got {source.spec.name!r} and {target.spec.name!r}")
+    sources, targets = _param_table(source), _param_table(target)
+    value_of = {}  # one read of each source parameter
+    layers: dict[int, tuple[nnx.Param, dict[int | None, jax.Array]]] = {}  # target parameter -> layer -> value
+    for name, entry in sources.items():
+        key = id(entry.param)
+        if key not in value_of:
+            value_of[key] = entry.param.get_value()
+        value = value_of[key] if entry.layer is None else value_of[key][entry.layer]
+        want = targets[name]
+        layers.setdefault(id(want.param), (want.param, {}))[1][want.layer] = value
+    for param, values in layers.values():
+        value = values[None] if None in values else jnp.stack([values[i] for i in range(len(values))])
+        param.set_value(value.astype(param.get_value().dtype))
+    for table in ("cos", "sin"):
+        getattr(target.rope, table).set_value(getattr(source.rope, table).get_value())
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

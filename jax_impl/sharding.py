@@ -62,12 +62,13 @@ import math
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.model import TransformerLM, axis_names
+from jax_impl.model import TransformerLM, axis_names, copy_weights
 from parallelism_calc.scaling import STRATEGIES  # the calculator's names: RULES has a table for each
 from parallelism_calc.specs import ModelSpec, ParallelSpec
 
@@ -256,7 +257,9 @@ def create_sharded_model(spec: ModelSpec, mesh: Mesh, strategy: str, seed: int =
 
     The structure comes from ``nnx.eval_shape`` (no memory); the values from one jitted initializer whose
     ``out_shardings`` are the rules' shardings, so each device only ever materializes its own shards. The
-    values equal those of the same model built unsharded with the same seed.
+    values equal those of the same model built unsharded with the same seed; an unrolled model
+    (``scan_layers=False``) gets the scanned model's values, drawn by its vmapped initializer and sliced
+    per layer, so its initializer does not grow with depth either.
     """
     _check_strategy(strategy)
     _check_model_fits(spec, mesh, strategy)
@@ -269,6 +272,10 @@ def create_sharded_model(spec: ModelSpec, mesh: Mesh, strategy: str, seed: int =
     shardings = param_shardings(abstract_state, mesh, strategy)
 
     def init_state():
+        if not model_kwargs.get("scan_layers", True):  # draw stacked (one vmapped initializer), then unstack
+            model = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_state))
+            copy_weights(TransformerLM(spec, rngs=nnx.Rngs(seed), **{**model_kwargs, "scan_layers": True}), model)
+            return nnx.state(model)
         return nnx.state(build())
 
     state = jax.jit(init_state, out_shardings=shardings)()

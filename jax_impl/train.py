@@ -11,7 +11,7 @@ rest, i.e. the RoPE tables), the optax AdamW state and one jitted step:
 
 Public names:
 * ``ShardedTrainer(spec, mesh, strategy, *, lr, weight_decay=0.0, seed=0, compute_dtype=None, param_dtype=None,
-  remat="none", attention="naive", b1=0.9, b2=0.999, eps=1e-8, scan_layers=True, grad_clip=0.0,
+  remat="none", attention="naive", b1=0.9, b2=0.999, eps=1e-8, block_loop="scan", grad_clip=0.0,
   grad_accum=1)``: ``lr`` a number or an optax schedule (a function of the update count, from 0);
   ``grad_clip > 0`` chains ``optax.clip_by_global_norm`` before AdamW (the norm over every parameter, as
   torch's ``clip_grad_norm_``);
@@ -23,6 +23,8 @@ Public names:
     dp x fsdp, or tokens are not a 2-D integer array with T+1 >= 2), runs the jitted step, keeps the new
     params / optimizer state. With ``grad_accum`` A > 1 the B rows are A micro-batches of B / A rows in
     order (rows ``[j B/A, (j+1) B/A)`` are micro-batch j), each split over the data-parallel devices;
+  - ``block_loop`` (``BLOCK_LOOPS``): "scan" (default), "unrolled" or "per_block" (``jax_impl.per_block``:
+    the host runs one compiled program per block; ``.train_step`` is then a ``PerBlockStep``);
   - ``.compile(batch_size, seq_len) -> seconds``: compile the step ahead of time for that batch shape;
   - ``.eval_loss(tokens) -> loss``: the mean loss of a (B, T+1) batch, no update (a jitted forward);
   - ``.load_weights(weights)``: start from numpy weights keyed by the stable names (e.g. PyTorch's);
@@ -62,9 +64,9 @@ to keep for the backward pass: "full" keeps only the block inputs, "dots" the ou
 products, "dots_attention" those and the attention output, "qkv_mlp" (by the model's ``checkpoint_name``
 tags) the attention's inputs after RoPE and its results and SwiGLU's two products, "qkv_mlp_norms" those
 and the norms' outputs and the residual between attention and MLP; the rest of each block is recomputed. With
-``scan_layers`` (the default) the blocks are one ``lax.scan`` over stacked parameters (``jax_impl.model``),
-so tracing, compiling and initializing do not grow with depth; the policy then also decides what the scan
-stacks per layer.
+``block_loop="scan"`` (the default) the blocks are one ``lax.scan`` over stacked parameters
+(``jax_impl.model``), so tracing, compiling and initializing do not grow with depth; the policy then also
+decides what the scan stacks per layer.
 
 References: MaxText ``train.py`` (``train_step``: jit with in/out shardings from the logical-axis rules,
 donated state, fp32 loss; its ``gradient_accumulation_steps`` scan) and ``maxtext_utils.get_abstract_state``
@@ -146,6 +148,19 @@ REMAT_POLICIES = {
     # elementwise product is recomputed).
     "qkv_mlp_norms": _saving(*QKV, MLP_GATE, MLP_UP, *NORMED, ATTENTION_RESIDUAL),
 }
+
+
+# How a step runs the blocks: "scan": one lax.scan over stacked parameters inside the step's one program (init
+# and compile do not grow with depth); "unrolled": a Python loop over separate blocks traced into that program
+# (its compile grows with depth); "per_block": separate blocks, the host calling one compiled forward and one
+# compiled backward per block (``jax_impl.per_block``: no stacks and so none of the scan's copies).
+BLOCK_LOOPS = ("scan", "unrolled", "per_block")
+
+
+def check_block_loop(block_loop: str) -> str:
+    if block_loop not in BLOCK_LOOPS:
+        raise ValueError(f"block_loop {block_loop!r}; accepted: {', '.join(BLOCK_LOOPS)}")
+    return block_loop
 
 
 def check_remat(remat: str) -> str:
@@ -298,11 +313,12 @@ def matmul_precision(dtype: str) -> str:
     return "highest" if dtype == "fp32" else "default"
 
 
-def step_name(attention: str, remat: str, *, unrolled: bool = False, strategy: str | None = None) -> str:
+def step_name(attention: str, remat: str, *, block_loop: str = "scan", strategy: str | None = None) -> str:
     """How records name a JAX step: e.g. "jit naive", "jit dot_product remat:dots fsdp_tp" (``strategy``: on a
-    mesh of several devices), "... unrolled" where the blocks are a Python loop instead of a scan."""
+    mesh of several devices), "... unrolled" or "... per_block" where the blocks do not run as a scan
+    (``BLOCK_LOOPS``)."""
     remat_part = {"none": "", "full": " remat"}.get(remat, f" remat:{remat}")
-    name = f"jit {attention}{remat_part}" + (" unrolled" if unrolled else "")
+    name = f"jit {attention}{remat_part}" + ("" if check_block_loop(block_loop) == "scan" else f" {block_loop}")
     return name if strategy is None else f"{name} {strategy}"
 
 
@@ -312,15 +328,16 @@ class ShardedTrainer:
     def __init__(self, spec: ModelSpec, mesh: Mesh, strategy: str, *, lr: float, weight_decay: float = 0.0,
                  seed: int = 0, compute_dtype=None, param_dtype=None, remat: str = "none",
                  attention: str = "naive", b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                 scan_layers: bool = True, grad_clip: float = 0.0, grad_accum: int = 1):
+                 block_loop: str = "scan", grad_clip: float = 0.0, grad_accum: int = 1):
         self.spec, self.mesh, self.strategy, self.grad_accum = spec, mesh, strategy, grad_accum
+        self.block_loop = check_block_loop(block_loop)
         self.param_dtype = jnp.dtype(param_dtype or jnp.float32)
         if self.param_dtype != jnp.float32 and compute_dtype is None:
             compute_dtype = self.param_dtype  # low-precision weights compute in their own dtype
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
         self.remat = check_remat(remat)
         model = create_sharded_model(spec, mesh, strategy, seed=seed, attention=attention, dtype=compute_dtype,
-                                     scan_layers=scan_layers)  # float32 weights, drawn as PyTorch draws them
+                                     scan_layers=block_loop == "scan")  # float32 weights, drawn as PyTorch draws them
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.param_shardings = param_shardings(params, mesh, strategy)
         self.rest_shardings = param_shardings(self.rest, mesh, strategy)  # no logical names: replicated
@@ -336,12 +353,20 @@ class ShardedTrainer:
             self.opt_state, self.opt_shardings = MasterState(params, inner), MasterState(self.param_shardings,
                                                                                           inner_shardings)
             self.params = self._rounded(params)
-        self.train_step = make_train_step(self.graphdef, self.tx, self.param_shardings, self.opt_shardings,
-                                          self.rest_shardings, self.batch_sharding, remat=remat,
-                                          grad_accum=grad_accum)
-        self._eval_loss = jax.jit(make_loss_fn(self.graphdef, self.batch_sharding, remat="none"),
-                                  in_shardings=(self.param_shardings, self.rest_shardings, self.batch_sharding),
-                                  out_shardings=NamedSharding(mesh, P()))
+        if block_loop == "per_block":
+            from jax_impl.per_block import PerBlockStep  # (it builds on this module's block_transform)
+
+            self.train_step = PerBlockStep(model, self.tx, self.param_shardings, self.opt_shardings,
+                                           self.batch_sharding, remat=remat, grad_accum=grad_accum)
+            self._eval_loss = self.train_step.loss
+        else:
+            self.train_step = make_train_step(self.graphdef, self.tx, self.param_shardings, self.opt_shardings,
+                                              self.rest_shardings, self.batch_sharding, remat=remat,
+                                              grad_accum=grad_accum)
+            self._eval_loss = jax.jit(make_loss_fn(self.graphdef, self.batch_sharding, remat="none"),
+                                      in_shardings=(self.param_shardings, self.rest_shardings,
+                                                    self.batch_sharding),
+                                      out_shardings=NamedSharding(mesh, P()))
 
     def _rounded(self, master):
         """``master`` cast to the parameters' dtype, placed with the parameters' shardings."""
@@ -410,7 +435,10 @@ class ShardedTrainer:
         later ``step`` calls run that executable, so no step pays for compiling); the seconds it took."""
         start = time.perf_counter()
         tokens = self.place_batch(np.zeros((batch_size, seq_len + 1), np.int32), self.grad_accum)
-        self.train_step = self.train_step.lower(self.params, self.opt_state, self.rest, tokens).compile()
+        if self.block_loop == "per_block":  # every block program, compiled once for all blocks
+            self.train_step = self.train_step.compile(self.params, self.opt_state, self.rest, tokens)
+        else:
+            self.train_step = self.train_step.lower(self.params, self.opt_state, self.rest, tokens).compile()
         return time.perf_counter() - start
 
     def step(self, tokens) -> jax.Array:

@@ -10,6 +10,9 @@
 #        no option first (OUT_DIR/jax_xla_flags.jsonl).
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR records
 #     -> OUT_DIR/jax_vs_torch.jsonl: the best PyTorch step and the scanned JAX step in one call (below).
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR per_block
+#     -> OUT_DIR/jax_per_block.jsonl and a kernel table: the blocks run one program at a time from the host
+#        (--block-loop per_block) against the scan and the best PyTorch step, in one call (below).
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR parity
 #     -> OUT_DIR/jax_parity.jsonl: both backends' losses from the same initial xl weights (below).
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR layout
@@ -23,13 +26,19 @@
 # Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
 # limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout|mixed|trainers|xla}
-phase=${2:?usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|parity|layout|mixed|trainers|xla}
+usage="usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|per_block|parity|layout|mixed|trainers|xla"
+out=${1:?$usage}
+phase=${2:?$usage}
 mkdir -p "$out"
 # JAX's allocator may take 95% of the GPU (its default is 75%, which left 2.7B's remat policies short of
 # memory that PyTorch's allocator may use); it grows as needed rather than taking it all at the start.
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+torch_best() {  # torch_best MODEL BATCH SEQ SUITE OUT: PyTorch's best step (bf16 weights with fp32 masters,
+  # compiled in spans of blocks, each span's CUDA graph)
+  timeout 240 python3 -m torch_impl.bench.e2e --model "$1" --batch-size "$2" --seq-len "$3" --dtype bf16_mixed \
+    --attention sdpa_cudnn --compile --cuda-graph blocks --warmup 3 --steps 10 --suite "$4" --out "$5"
+}
 jax_e2e() {  # jax_e2e SECONDS ARGS...: one benchmark process, its wall time printed
   local limit=$1 start=$SECONDS
   shift
@@ -81,20 +90,35 @@ records)
   # at xl 4 x 2,048 and 2.7B 2 x 2,048 (each remat policy that may be fastest), then JAX's init and compile at
   # xl 4 x 512 (OUT_DIR/jax_vs_torch.jsonl).
   runs="$out/jax_vs_torch.jsonl"
-  torch_best() {  # model batch seq
-    timeout 240 python3 -m torch_impl.bench.e2e --model "$1" --batch-size "$2" --seq-len "$3" --dtype bf16_mixed \
-      --attention sdpa_cudnn --compile --cuda-graph blocks --warmup 3 --steps 10 --suite jax_vs_torch --out "$runs"
-  }
   common=(--dtype bf16_mixed --suite jax_vs_torch --out "$runs")
-  torch_best xl 4 2048
+  torch_best xl 4 2048 jax_vs_torch "$runs"
   for remat in dots_attention qkv_mlp_norms; do
     jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat "$remat" "${common[@]}"
   done
-  torch_best 2.7B 2 2048
+  torch_best 2.7B 2 2048 jax_vs_torch "$runs"
   for remat in dots_attention qkv_mlp qkv_mlp_norms full; do
     jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat "$remat" "${common[@]}"
   done
   jax_e2e 150 --model xl --batch-size 4 --seq-len 512 --remat dots_attention "${common[@]}"
+  ;;
+per_block)
+  # The blocks as one program each, called by the host (--block-loop per_block: no stacks, so none of the scan's
+  # copies), against the scan and PyTorch's best step in the same call, bf16 weights with fp32 masters, at
+  # xl 4 x 2,048 under the remat policies (none may fit without stacks), then xl 4 x 512 (is the host fast
+  # enough?) and 2.7B 2 x 2,048; the kernel table of the per-block xl step (OUT_DIR/jax_per_block.jsonl).
+  runs="$out/jax_per_block.jsonl"
+  common=(--dtype bf16_mixed --warmup 3 --steps 10 --suite jax_per_block --out "$runs")
+  xl=(--model xl --batch-size 4 --seq-len 2048)
+  torch_best xl 4 2048 jax_per_block "$runs"
+  jax_e2e 150 "${xl[@]}" --remat dots_attention "${common[@]}"
+  jax_e2e 150 "${xl[@]}" --remat dots_attention --block-loop per_block "${common[@]}" --profile "$out/profile"
+  for remat in none qkv_mlp; do
+    jax_e2e 150 "${xl[@]}" --remat "$remat" --block-loop per_block "${common[@]}"
+  done
+  jax_e2e 120 --model xl --batch-size 4 --seq-len 512 --remat none --block-loop per_block "${common[@]}"
+  jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat qkv_mlp --block-loop per_block "${common[@]}"
+  cp "$out"/profile/*_kernels.md "$out"/ 2>/dev/null
+  rm -rf "$out/profile"
   ;;
 parity)
   # The same starting weights in both backends (issue 15 item 3): PyTorch saves its initial xl weights, JAX loads
@@ -118,7 +142,7 @@ layout)
   common=(--model xl --batch-size 4 --seq-len 2048 --warmup 3 --steps 10 --suite jax_layout --out "$runs")
   jax_e2e 150 --remat dots_attention "${common[@]}"
   for remat in dots_attention none; do
-    jax_e2e 140 --remat "$remat" --scan-layers off "${common[@]}"
+    jax_e2e 140 --remat "$remat" --block-loop unrolled "${common[@]}"
   done
   ;;
 mixed)

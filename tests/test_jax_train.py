@@ -170,7 +170,7 @@ def test_scanned_and_unrolled_blocks_take_the_same_steps(remat, compute_dtype, r
     spec = TINY1.replace(n_layers=3)
     mesh = make_mesh(ParallelSpec(fsdp=2), _cpu_devices(2))
     scanned = ShardedTrainer(spec, mesh, "fsdp", remat=remat, compute_dtype=compute_dtype, **HP)
-    unrolled = ShardedTrainer(spec, mesh, "fsdp", remat=remat, compute_dtype=compute_dtype, scan_layers=False,
+    unrolled = ShardedTrainer(spec, mesh, "fsdp", remat=remat, compute_dtype=compute_dtype, block_loop="unrolled",
                               **HP)
     assert scanned.model.scan_layers and not unrolled.model.scan_layers
     unrolled.load_weights(to_numpy_weights(scanned.model))

@@ -11,7 +11,7 @@ parameters and optimizer state donated), compiled ahead of time, so only whole-s
 Record (``analysis.harness.step_record``): ``--batch-size`` is the global batch (one program over the
 mesh, JAX's convention; the PyTorch DDP benchmark's batch is per rank); ``tflops`` / ``mfu`` per device;
 ``world_size`` and ``mesh`` from the mesh; ``peak_memory_bytes`` the worst device's allocator peak (GPU; None
-on CPU). Metrics: ``strategy``, ``remat``, ``scan_layers``, ``init_s`` (parameters and AdamW state created,
+on CPU). Metrics: ``strategy``, ``remat``, ``scan_layers``, ``block_loop``, ``init_s`` (parameters and AdamW state created,
 their jitted initializers' compiles included), ``compile_s`` (the step's ahead-of-time compile; with
 ``JAX_COMPILATION_CACHE_DIR`` set, recorded as ``compilation_cache_dir``, a warm cache shortens both),
 ``xla_flags`` and ``mem_fraction`` (the ``XLA_FLAGS`` and ``XLA_PYTHON_CLIENT_MEM_FRACTION`` it ran under),
@@ -53,7 +53,7 @@ from jax_impl.device import device_name, mesh_from_flags, peak_memory_bytes
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights
 from jax_impl.sharding import STRATEGIES
-from jax_impl.train import (REMAT_POLICIES, ShardedTrainer, dtype_arguments, make_loss_fn, matmul_precision,
+from jax_impl.train import (BLOCK_LOOPS, REMAT_POLICIES, ShardedTrainer, dtype_arguments, make_loss_fn, matmul_precision,
                             step_name)
 from parallelism_calc.specs import ModelSpec
 
@@ -69,7 +69,7 @@ def compiled_memory(compiled) -> dict[str, int] | None:
     """Per-device bytes of a compiled step from XLA's ``memory_analysis()`` (None where unsupported)."""
     try:
         analysis = compiled.memory_analysis()
-    except (NotImplementedError, RuntimeError):
+    except (NotImplementedError, RuntimeError, AttributeError):  # AttributeError: several programs
         return None
     if analysis is None:
         return None
@@ -114,12 +114,17 @@ def _compile_step(args: JaxStepConfig, trainer: ShardedTrainer,
                   tokens: jax.Array) -> tuple[Any, Callable[[], float]]:
     """The AOT-compiled program of ``args.mode`` and a closure running one step (returns the loss)."""
     if args.mode == "train_step":
-        compiled = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.rest, tokens).compile()
+        if args.block_loop == "per_block":  # every block program compiled once (jax_impl.per_block)
+            compiled = trainer.train_step.compile(trainer.params, trainer.opt_state, trainer.rest, tokens)
+        else:
+            compiled = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.rest, tokens).compile()
 
         def step() -> float:
             trainer.params, trainer.opt_state, loss = compiled(trainer.params, trainer.opt_state, trainer.rest,
                                                                tokens)
             return float(loss)  # float() waits for the device
+    elif args.block_loop == "per_block":
+        raise ValueError(f"--block-loop per_block times --mode train_step only, not {args.mode}")
     else:
         loss_fn = make_loss_fn(trainer.graphdef, trainer.batch_sharding, remat=trainer.remat)
         fn = loss_fn if args.mode == "forward" else jax.value_and_grad(loss_fn)
@@ -140,7 +145,7 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
     start = time.perf_counter()
     trainer = ShardedTrainer(spec, mesh, strategy, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                              **dtype_arguments(args.dtype), remat=args.remat,
-                             attention=args.attention, scan_layers=args.scan_layers == "on")
+                             attention=args.attention, block_loop=args.block_loop)
     jax.block_until_ready((trainer.params, trainer.opt_state))
     init_s = time.perf_counter() - start  # parameters and AdamW state created (compiles included)
     if args.load_weights:
@@ -161,7 +166,8 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
         losses.append(step())
         step_ms.append((time.perf_counter() - start) * 1e3)
     metrics: dict[str, Any] = {
-        "strategy": strategy, "remat": args.remat, "scan_layers": args.scan_layers == "on",
+        "strategy": strategy, "remat": args.remat, "scan_layers": args.block_loop == "scan",
+        "block_loop": args.block_loop,
         "attention": args.attention, "init_s": init_s, "compile_s": compile_s,
         "compilation_cache_dir": jax.config.jax_compilation_cache_dir, "xla_flags": os.environ.get("XLA_FLAGS"),
         "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
@@ -200,7 +206,7 @@ def profile_steps(step: Callable[[], float], hlo_text: str, out_dir: str, tag: s
 
 def implementation_name(args: JaxStepConfig, mesh: Mesh | None, strategy: str | None) -> str:
     """``jax_impl.train.step_name`` of this run (its strategy named on a mesh of several devices)."""
-    return step_name(args.attention, args.remat, unrolled=args.scan_layers == "off",
+    return step_name(args.attention, args.remat, block_loop=args.block_loop,
                      strategy=None if mesh is None or mesh.size == 1 else strategy)
 
 
@@ -220,7 +226,7 @@ class JaxStepConfig(StepConfig):
     mesh: str | None = None
     strategy: str | None = None
     remat: str = "none"
-    scan_layers: str = "on"
+    block_loop: str = "scan"
     profile: str | None = None
     dump_hlo: str | None = None
 
@@ -235,9 +241,11 @@ def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
                              "products' outputs), dots_attention (those and the attention output), qkv_mlp (the "
                              "attention's inputs and results, SwiGLU's products), qkv_mlp_norms (those, the norms' "
                              "outputs and the residual between attention and MLP)")
-    parser.add_argument("--scan-layers", choices=("on", "off"), default="on",
-                        help="on: the blocks' parameters stacked and run by one lax.scan, so init and compile "
-                             "time do not grow with depth (default); off: a Python loop over separate blocks")
+    parser.add_argument("--block-loop", choices=BLOCK_LOOPS, default="scan",
+                        help="scan: the blocks' parameters stacked and run by one lax.scan, so init and compile "
+                             "time do not grow with depth (default); unrolled: a Python loop over separate "
+                             "blocks traced into the step's program; per_block: the host calls one compiled "
+                             "forward and one compiled backward per block (no stacks, no scan copies)")
     parser.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of 3 extra steps here")
     parser.add_argument("--dump-hlo", metavar="FILE", help="write the compiled step's optimized HLO here (text)")
 
