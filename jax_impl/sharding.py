@@ -271,11 +271,18 @@ def create_sharded_model(spec: ModelSpec, mesh: Mesh, strategy: str, seed: int =
     graphdef, abstract_state = nnx.split(abstract)
     shardings = param_shardings(abstract_state, mesh, strategy)
 
-    def init_state():
-        if not model_kwargs.get("scan_layers", True):  # draw stacked (one vmapped initializer), then unstack
+    if not model_kwargs.get("scan_layers", True):  # drawn stacked (one vmapped initializer), then sliced
+        stacked = create_sharded_model(spec, mesh, strategy, seed, **{**model_kwargs, "scan_layers": True})
+        stacked_def, stacked_state = nnx.split(stacked)
+
+        def unstack(stacked_state):  # slices only: drawing inside this program made XLA compile for minutes
             model = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_state))
-            copy_weights(TransformerLM(spec, rngs=nnx.Rngs(seed), **{**model_kwargs, "scan_layers": True}), model)
+            copy_weights(nnx.merge(stacked_def, stacked_state), model)
             return nnx.state(model)
+
+        return nnx.merge(graphdef, jax.jit(unstack, out_shardings=shardings)(stacked_state))
+
+    def init_state():
         return nnx.state(build())
 
     state = jax.jit(init_state, out_shardings=shardings)()
