@@ -53,43 +53,44 @@ BLOCKS = "layers"  # the unrolled model's list of blocks in the parameter state
 
 
 class _Programs:
-    """The block's forward and backward programs (the pullback's structure, fixed by the first trace)."""
+    """The block's forward and backward programs over flat lists of arrays (a dispatch then flattens no module
+    state); the pullback's layout is fixed by the first trace of each input signature."""
 
-    def __init__(self, block_def, rope_def, apply_block):
-        self.structure: dict[Any, tuple[Any, tuple[int | None, ...]]] = {}  # input shapes -> pullback layout
+    def __init__(self, block_def, block_tree, rope_def, rope_tree, apply_block):
+        self.layout: dict[tuple, tuple[Any, tuple[int | None, ...]]] = {}  # input signature -> pullback layout
 
         def run(block_state, rope_state, x):
             return apply_block(nnx.merge(block_def, block_state), x, nnx.merge(rope_def, rope_state))
 
-        def forward(block_state, rope_state, x):
-            y, pullback = jax.vjp(run, block_state, rope_state, x)
-            inputs = jax.tree.leaves((block_state, rope_state, x))
+        def states(block_leaves, rope_leaves):
+            return jax.tree.unflatten(block_tree, block_leaves), jax.tree.unflatten(rope_tree, rope_leaves)
+
+        def apply(block_leaves, rope_leaves, x):  # the forward alone (evaluation)
+            return run(*states(block_leaves, rope_leaves), x)
+
+        def forward(block_leaves, rope_leaves, x):
+            y, pullback = jax.vjp(run, *states(block_leaves, rope_leaves), x)
+            inputs = [*block_leaves, *rope_leaves, x]
             position = {id(leaf): i for i, leaf in enumerate(inputs)}
             leaves, tree = jax.tree.flatten(pullback)
-            self.structure[_signature(inputs)] = (tree, tuple(position.get(id(leaf)) for leaf in leaves))
+            self.layout[_signature(inputs)] = (tree, tuple(position.get(id(leaf)) for leaf in leaves))
             return y, [leaf for leaf in leaves if id(leaf) not in position]
 
-        def backward(block_state, rope_state, x, saved, dy):
-            inputs = jax.tree.leaves((block_state, rope_state, x))
-            tree, where = self.structure[_signature(inputs)]
+        def backward(block_leaves, rope_leaves, x, saved, dy):
+            inputs = [*block_leaves, *rope_leaves, x]
+            tree, where = self.layout[_signature(inputs)]
             rest = iter(saved)
             pullback = jax.tree.unflatten(tree, [next(rest) if i is None else inputs[i] for i in where])
             grads, _, dx = pullback(dy)
-            return grads, dx
+            return jax.tree.leaves(grads), dx
 
-        self.run = run
+        self.apply = jax.jit(apply)
         self.forward = jax.jit(forward)
         self.backward = jax.jit(backward, donate_argnums=(4,))  # dy's buffer can take dx
 
 
 def _signature(leaves) -> tuple:
     return tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves)
-
-
-def _assemble(params: nnx.State, parts: dict[tuple, nnx.State]) -> nnx.State:
-    """A state shaped like ``params`` from sub-states keyed by their path in it (e.g. ("layers", 3))."""
-    flat = [(prefix + path, leaf) for prefix, part in parts.items() for path, leaf in nnx.to_flat_state(part)]
-    return nnx.from_flat_state(flat)
 
 
 class PerBlockStep:
@@ -99,27 +100,36 @@ class PerBlockStep:
                  tokens_sharding: NamedSharding, *, remat: str = "none", grad_accum: int = 1):
         if not grad_accum >= 1:
             raise ValueError(f"grad_accum={grad_accum} must be >= 1")
-        self.grad_accum = grad_accum
         if model.scan_layers:
             raise ValueError("PerBlockStep runs separate blocks: build the model with scan_layers=False")
+        self.grad_accum = grad_accum
         self.n_layers = len(model.layers)
-        block_def, self._rope_def = nnx.graphdef(model.layers[0]), nnx.graphdef(model.rope)
-        embed_def, norm_def, head_def = (nnx.graphdef(m) for m in (model.token_embeddings, model.ln_final,
-                                                                    model.lm_head))
+        params = nnx.state(model, nnx.Param)
+        self._tree = jax.tree.structure(params)
+        # Where each part's leaves sit in the flat parameter list (and so in the flat gradient list).
+        position = jax.tree.unflatten(self._tree, range(self._tree.num_leaves))
+        self._embed_at, self._norm_at, self._head_at = (
+            jax.tree.leaves(position[name]) for name in ("token_embeddings", "ln_final", "lm_head"))
+        self._block_at = [jax.tree.leaves(position[BLOCKS][i]) for i in range(self.n_layers)]
+        trees = {name: jax.tree.structure(params[name]) for name in ("token_embeddings", "ln_final", "lm_head")}
+        defs = {name: nnx.graphdef(getattr(model, name)) for name in ("token_embeddings", "ln_final", "lm_head")}
         activations = NamedSharding(tokens_sharding.mesh, P(*tokens_sharding.spec[:1], None, None))  # (B, T, d)
-        self._blocks = _Programs(block_def, self._rope_def, block_transform(
-            remat=check_remat(remat), activation_sharding=activations, prevent_cse=False))
+        self._blocks = _Programs(
+            nnx.graphdef(model.layers[0]), jax.tree.structure(params[BLOCKS][0]), nnx.graphdef(model.rope),
+            jax.tree.structure(nnx.state(model.rope)),
+            block_transform(remat=check_remat(remat), activation_sharding=activations, prevent_cse=False))
 
-        def embed(embed_state, inputs):
-            return jax.lax.with_sharding_constraint(nnx.merge(embed_def, embed_state)(inputs), activations)
+        def part(name, leaves):  # a module of the model from its flat parameters
+            return nnx.merge(defs[name], jax.tree.unflatten(trees[name], leaves))
 
-        def head_loss(norm_state, head_state, x, targets):
-            logits = nnx.merge(head_def, head_state)(nnx.merge(norm_def, norm_state)(x))
-            return cross_entropy(logits, targets)
+        def embed(embed_leaves, inputs):
+            return jax.lax.with_sharding_constraint(part("token_embeddings", embed_leaves)(inputs), activations)
 
-        def embed_backward(embed_state, inputs, dx):
-            _, pullback = jax.vjp(lambda state: embed(state, inputs), embed_state)
-            return pullback(dx)[0]
+        def head_loss(norm_leaves, head_leaves, x, targets):
+            return cross_entropy(part("lm_head", head_leaves)(part("ln_final", norm_leaves)(x)), targets)
+
+        def embed_backward(embed_leaves, inputs, dx):
+            return jax.vjp(lambda leaves: embed(leaves, inputs), embed_leaves)[1](dx)[0]
 
         def update(params, opt_state, grads):
             grads = jax.lax.with_sharding_constraint(grads, p_shardings)
@@ -128,13 +138,9 @@ class PerBlockStep:
         def accumulate(total, loss, grads):  # float32 sums of the micro-batches' losses and gradients
             return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, (loss, grads))
 
-        def apply(block_state, rope_state, x):  # a block's forward alone (evaluation)
-            return self._blocks.run(block_state, rope_state, x)
-
         self._embed = jax.jit(embed)
-        self._apply = jax.jit(apply)
-        self._head_loss = jax.jit(head_loss)
         self._head = jax.jit(jax.value_and_grad(head_loss, argnums=(0, 1, 2)))
+        self._head_loss = jax.jit(head_loss)
         self._embed_backward = jax.jit(embed_backward)
         self._update = jax.jit(update, out_shardings=(p_shardings, o_shardings), donate_argnums=(0, 1))
         self._accumulate = jax.jit(accumulate, donate_argnums=(0,))
@@ -144,30 +150,46 @@ class PerBlockStep:
     def _call(self, program, *args):
         return self._compiled.get(program, program)(*args)
 
+    def _split(self, params: nnx.State):
+        """The flat parameters of the embedding, each block, the final norm and the head."""
+        flat = jax.tree.leaves(params)
+        pick = lambda at: [flat[i] for i in at]  # noqa: E731
+        return (pick(self._embed_at), [pick(at) for at in self._block_at], pick(self._norm_at),
+                pick(self._head_at))
+
     def loss_and_grads(self, params: nnx.State, rest: nnx.State, tokens: jax.Array):
         """The loss of ``tokens`` (B, T+1) and the gradient of every parameter, shaped like ``params``."""
-        blocks, rope = params[BLOCKS], rest["rope"]
+        embed, blocks, norm, head = self._split(params)
+        rope = jax.tree.leaves(rest["rope"])
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        x = self._call(self._embed, params["token_embeddings"], inputs)
+        x = self._call(self._embed, embed, inputs)
         saved = []
-        for i in range(self.n_layers):
+        for block in blocks:
             block_input = x
-            x, kept = self._call(self._blocks.forward, blocks[i], rope, x)
+            x, kept = self._call(self._blocks.forward, block, rope, x)
             saved.append((block_input, kept))
-        loss, (d_norm, d_head, dx) = self._call(self._head, params["ln_final"], params["lm_head"], x, targets)
-        parts = {("ln_final",): d_norm, ("lm_head",): d_head}
-        for i in reversed(range(self.n_layers)):
+        loss, (d_norm, d_head, dx) = self._call(self._head, norm, head, x, targets)
+        grads: list[Any] = [None] * self._tree.num_leaves
+        for at, leaves in ((self._norm_at, d_norm), (self._head_at, d_head)):
+            for i, leaf in zip(at, leaves):
+                grads[i] = leaf
+        for at, block in zip(reversed(self._block_at), reversed(blocks)):
             block_input, kept = saved.pop()
-            parts[(BLOCKS, i)], dx = self._call(self._blocks.backward, blocks[i], rope, block_input, kept, dx)
-        parts[("token_embeddings",)] = self._call(self._embed_backward, params["token_embeddings"], inputs, dx)
-        return loss, _assemble(params, parts)
+            d_block, dx = self._call(self._blocks.backward, block, rope, block_input, kept, dx)
+            for i, leaf in zip(at, d_block):
+                grads[i] = leaf
+        for i, leaf in zip(self._embed_at, self._call(self._embed_backward, embed, inputs, dx)):
+            grads[i] = leaf
+        return loss, jax.tree.unflatten(self._tree, grads)
 
     def loss(self, params: nnx.State, rest: nnx.State, tokens: jax.Array) -> jax.Array:
         """The mean loss of ``tokens`` (B, T+1), forward programs only (nothing saved for a backward)."""
-        x = self._call(self._embed, params["token_embeddings"], tokens[:, :-1])
-        for i in range(self.n_layers):
-            x = self._call(self._apply, params[BLOCKS][i], rest["rope"], x)
-        return self._call(self._head_loss, params["ln_final"], params["lm_head"], x, tokens[:, 1:])
+        embed, blocks, norm, head = self._split(params)
+        rope = jax.tree.leaves(rest["rope"])
+        x = self._call(self._embed, embed, tokens[:, :-1])
+        for block in blocks:
+            x = self._call(self._blocks.apply, block, rope, x)
+        return self._call(self._head_loss, norm, head, x, tokens[:, 1:])
 
     def __call__(self, params, opt_state, rest, tokens):
         """``(params, opt_state, rest, tokens) -> (params, opt_state, loss)``; tokens (B, T+1), or
@@ -189,16 +211,15 @@ class PerBlockStep:
         abstract = lambda tree: jax.tree.map(  # noqa: E731
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
         micro = tokens if self.grad_accum == 1 else tokens[0]
-        blocks, rope = params[BLOCKS], rest["rope"]
-        x = jax.eval_shape(self._embed, params["token_embeddings"], micro[:, :-1])
+        embed, blocks, norm, head = self._split(params)
+        rope = jax.tree.leaves(rest["rope"])
+        inputs, targets = micro[:, :-1], micro[:, 1:]
+        x = jax.eval_shape(self._embed, embed, inputs)
         _, kept = jax.eval_shape(self._blocks.forward, blocks[0], rope, x)
         loss, grads = jax.eval_shape(self.loss_and_grads, params, rest, micro)
-        calls = [(self._embed, (params["token_embeddings"], micro[:, :-1])),
-                 (self._blocks.forward, (blocks[0], rope, x)),
-                 (self._head, (params["ln_final"], params["lm_head"], x, micro[:, 1:])),
-                 (self._blocks.backward, (blocks[0], rope, x, kept, x)),
-                 (self._embed_backward, (params["token_embeddings"], micro[:, :-1], x)),
-                 (self._update, (params, opt_state, grads))]
+        calls = [(self._embed, (embed, inputs)), (self._blocks.forward, (blocks[0], rope, x)),
+                 (self._head, (norm, head, x, targets)), (self._blocks.backward, (blocks[0], rope, x, kept, x)),
+                 (self._embed_backward, (embed, inputs, x)), (self._update, (params, opt_state, grads))]
         if self.grad_accum > 1:
             total = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), (loss, grads))
             calls += [(self._accumulate, (total, loss, grads)), (self._mean, (total,))]
