@@ -86,20 +86,26 @@ profile)
   ;;
 records)
   # The records in one call: the best PyTorch step (ours, bf16 weights with fp32 masters, compiled in
-  # spans of blocks, each span's CUDA graph) and the scanned JAX step, with bf16 weights and fp32 masters too,
-  # at xl 4 x 2,048 and 2.7B 2 x 2,048 (each remat policy that may be fastest), then JAX's init and compile at
-  # xl 4 x 512 (OUT_DIR/jax_vs_torch.jsonl).
+  # spans of blocks, each span's CUDA graph) and the JAX step, with bf16 weights and fp32 masters too, at xl
+  # 4 x 2,048 and 2.7B 2 x 2,048: its blocks run by the host one program each (--block-loop per_block) under the
+  # remat policies that may be fastest, and the scan beside them; then the per-block step at xl 4 x 512 (init
+  # and compile; the host's share) (OUT_DIR/jax_vs_torch.jsonl; each run's output in OUT_DIR/records.log).
   runs="$out/jax_vs_torch.jsonl"
   common=(--dtype bf16_mixed --suite jax_vs_torch --out "$runs")
-  torch_best xl 4 2048 jax_vs_torch "$runs"
-  for remat in dots_attention qkv_mlp_norms; do
-    jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat "$remat" "${common[@]}"
-  done
-  torch_best 2.7B 2 2048 jax_vs_torch "$runs"
-  for remat in dots_attention qkv_mlp qkv_mlp_norms full; do
-    jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat "$remat" "${common[@]}"
-  done
-  jax_e2e 150 --model xl --batch-size 4 --seq-len 512 --remat dots_attention "${common[@]}"
+  {
+    torch_best xl 4 2048 jax_vs_torch "$runs"
+    jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat dots_attention "${common[@]}"
+    for remat in qkv_mlp qkv_mlp_norms; do
+      jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat "$remat" --block-loop per_block "${common[@]}"
+    done
+    torch_best 2.7B 2 2048 jax_vs_torch "$runs"
+    jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat qkv_mlp "${common[@]}"
+    for remat in qkv_mlp qkv_mlp_norms; do
+      jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat "$remat" --block-loop per_block "${common[@]}"
+    done
+    jax_e2e 120 --model xl --batch-size 4 --seq-len 512 --remat none --block-loop per_block "${common[@]}"
+  } > "$out/records.log" 2>&1
+  grep -E "^(jax|torch) |ms/step|^exit|^wall" "$out/records.log"
   ;;
 per_block)
   # The blocks as one program each, called by the host (--block-loop per_block: no stacks, so none of the scan's
