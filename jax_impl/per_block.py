@@ -27,7 +27,9 @@ mesh, no overlap of one block's collectives with another's compute); on one GPU 
 Public names: ``PerBlockStep(model, tx, param_shardings, opt_shardings, tokens_sharding, *, remat="none",
 grad_accum=1)`` (``model`` gives the structure: an unrolled ``TransformerLM``, its values unused),
 called as the scanned step's jitted function, ``(params, opt_state, rest, tokens) -> (params, opt_state,
-loss)`` with params and opt_state donated; ``.compile(params, opt_state, rest, tokens)`` compiles every
+loss)`` with params and opt_state donated (the loss comes out of the update's program, so reading it waits for
+the whole step, as it does for the one-program step: a loss read straight from the head's program was ready
+before the backward ran, and a benchmark that waited on it timed the host, not the step); ``.compile(params, opt_state, rest, tokens)`` compiles every
 program ahead of time (for those shapes) and returns the step; ``.as_text()`` the compiled programs' HLO;
 ``.loss(params, rest, tokens)`` the mean loss through forward programs only; ``.loss_and_grads(...)``.
 
@@ -131,9 +133,9 @@ class PerBlockStep:
         def embed_backward(embed_leaves, inputs, dx):
             return jax.vjp(lambda leaves: embed(leaves, inputs), embed_leaves)[1](dx)[0]
 
-        def update(params, opt_state, grads):
+        def update(params, opt_state, grads, loss):  # the loss passes through, so it is ready with the step
             grads = jax.lax.with_sharding_constraint(grads, p_shardings)
-            return optimizer_update(tx, grads, opt_state, params)
+            return *optimizer_update(tx, grads, opt_state, params), loss
 
         def accumulate(total, loss, grads):  # float32 sums of the micro-batches' losses and gradients
             return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, (loss, grads))
@@ -142,7 +144,8 @@ class PerBlockStep:
         self._head = jax.jit(jax.value_and_grad(head_loss, argnums=(0, 1, 2)))
         self._head_loss = jax.jit(head_loss)
         self._embed_backward = jax.jit(embed_backward)
-        self._update = jax.jit(update, out_shardings=(p_shardings, o_shardings), donate_argnums=(0, 1))
+        replicated = NamedSharding(tokens_sharding.mesh, P())
+        self._update = jax.jit(update, out_shardings=(p_shardings, o_shardings, replicated), donate_argnums=(0, 1))
         self._accumulate = jax.jit(accumulate, donate_argnums=(0,))
         self._mean = jax.jit(lambda total: jax.tree.map(lambda t: t / grad_accum, total), donate_argnums=(0,))
         self._compiled: dict[Callable, Any] = {}
@@ -203,8 +206,7 @@ class PerBlockStep:
                 total = (jax.tree.map(lambda g: g.astype(jnp.float32), loss_grads) if total is None
                          else self._call(self._accumulate, total, *loss_grads))
             loss, grads = self._call(self._mean, total)
-        params, opt_state = self._call(self._update, params, opt_state, grads)
-        return params, opt_state, loss
+        return self._call(self._update, params, opt_state, grads, loss)
 
     def compile(self, params, opt_state, rest, tokens) -> PerBlockStep:
         """Compile every program ahead of time for these shapes (a step then compiles nothing); returns self."""
@@ -219,7 +221,7 @@ class PerBlockStep:
         loss, grads = jax.eval_shape(self.loss_and_grads, params, rest, micro)
         calls = [(self._embed, (embed, inputs)), (self._blocks.forward, (blocks[0], rope, x)),
                  (self._head, (norm, head, x, targets)), (self._blocks.backward, (blocks[0], rope, x, kept, x)),
-                 (self._embed_backward, (embed, inputs, x)), (self._update, (params, opt_state, grads))]
+                 (self._embed_backward, (embed, inputs, x)), (self._update, (params, opt_state, grads, loss))]
         if self.grad_accum > 1:
             total = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), (loss, grads))
             calls += [(self._accumulate, (total, loss, grads)), (self._mean, (total,))]
