@@ -52,20 +52,28 @@ from jax_impl.model import TransformerLM, cross_entropy
 from jax_impl.train import block_transform, check_remat, optimizer_update
 
 BLOCKS = "layers"  # the unrolled model's list of blocks in the parameter state
+BLOCKS_PER_PROGRAM = 1  # consecutive blocks run by one program (the last span may be shorter)
 
 
 class _Programs:
-    """The block's forward and backward programs over flat lists of arrays (a dispatch then flattens no module
-    state); the pullback's layout is fixed by the first trace of each input signature."""
+    """The forward and backward programs of a span of consecutive blocks, over flat lists of arrays (a dispatch
+    then flattens no module state): the span's blocks' parameters one after another; the pullback's layout is
+    fixed by the first trace of each input signature (one per span length)."""
 
     def __init__(self, block_def, block_tree, rope_def, rope_tree, apply_block):
         self.layout: dict[tuple, tuple[Any, tuple[int | None, ...]]] = {}  # input signature -> pullback layout
 
-        def run(block_state, rope_state, x):
-            return apply_block(nnx.merge(block_def, block_state), x, nnx.merge(rope_def, rope_state))
+        def run(block_states, rope_state, x):
+            rope = nnx.merge(rope_def, rope_state)
+            for block_state in block_states:
+                x = apply_block(nnx.merge(block_def, block_state), x, rope)
+            return x
 
         def states(block_leaves, rope_leaves):
-            return jax.tree.unflatten(block_tree, block_leaves), jax.tree.unflatten(rope_tree, rope_leaves)
+            per_block = block_tree.num_leaves
+            blocks = [jax.tree.unflatten(block_tree, block_leaves[i:i + per_block])
+                      for i in range(0, len(block_leaves), per_block)]
+            return blocks, jax.tree.unflatten(rope_tree, rope_leaves)
 
         def apply(block_leaves, rope_leaves, x):  # the forward alone (evaluation)
             return run(*states(block_leaves, rope_leaves), x)
@@ -99,12 +107,15 @@ class PerBlockStep:
     """One training step of an unrolled ``TransformerLM`` run block by block from the host (module docstring)."""
 
     def __init__(self, model: TransformerLM, tx: optax.GradientTransformation, p_shardings, o_shardings,
-                 tokens_sharding: NamedSharding, *, remat: str = "none", grad_accum: int = 1):
+                 tokens_sharding: NamedSharding, *, remat: str = "none", grad_accum: int = 1,
+                 blocks_per_program: int = BLOCKS_PER_PROGRAM):
         if not grad_accum >= 1:
             raise ValueError(f"grad_accum={grad_accum} must be >= 1")
+        if not blocks_per_program >= 1:
+            raise ValueError(f"blocks_per_program={blocks_per_program} must be >= 1")
         if model.scan_layers:
             raise ValueError("PerBlockStep runs separate blocks: build the model with scan_layers=False")
-        self.grad_accum = grad_accum
+        self.grad_accum, self.blocks_per_program = grad_accum, blocks_per_program
         self.n_layers = len(model.layers)
         params = nnx.state(model, nnx.Param)
         self._tree = jax.tree.structure(params)
@@ -112,7 +123,9 @@ class PerBlockStep:
         position = jax.tree.unflatten(self._tree, range(self._tree.num_leaves))
         self._embed_at, self._norm_at, self._head_at = (
             jax.tree.leaves(position[name]) for name in ("token_embeddings", "ln_final", "lm_head"))
-        self._block_at = [jax.tree.leaves(position[BLOCKS][i]) for i in range(self.n_layers)]
+        block_at = [jax.tree.leaves(position[BLOCKS][i]) for i in range(self.n_layers)]
+        self._span_at = [sum(block_at[i:i + blocks_per_program], [])  # each span's blocks' leaves, in order
+                         for i in range(0, self.n_layers, blocks_per_program)]
         trees = {name: jax.tree.structure(params[name]) for name in ("token_embeddings", "ln_final", "lm_head")}
         defs = {name: nnx.graphdef(getattr(model, name)) for name in ("token_embeddings", "ln_final", "lm_head")}
         activations = NamedSharding(tokens_sharding.mesh, P(*tokens_sharding.spec[:1], None, None))  # (B, T, d)
@@ -148,16 +161,16 @@ class PerBlockStep:
         self._update = jax.jit(update, out_shardings=(p_shardings, o_shardings, replicated), donate_argnums=(0, 1))
         self._accumulate = jax.jit(accumulate, donate_argnums=(0,))
         self._mean = jax.jit(lambda total: jax.tree.map(lambda t: t / grad_accum, total), donate_argnums=(0,))
-        self._compiled: dict[Callable, Any] = {}
+        self._compiled: dict[tuple[Callable, int], Any] = {}  # (program, leaves of its first argument) -> compiled
 
     def _call(self, program, *args):
-        return self._compiled.get(program, program)(*args)
+        return self._compiled.get((program, len(args[0])), program)(*args)
 
     def _split(self, params: nnx.State):
-        """The flat parameters of the embedding, each block, the final norm and the head."""
+        """The flat parameters of the embedding, each span of blocks, the final norm and the head."""
         flat = jax.tree.leaves(params)
         pick = lambda at: [flat[i] for i in at]  # noqa: E731
-        return (pick(self._embed_at), [pick(at) for at in self._block_at], pick(self._norm_at),
+        return (pick(self._embed_at), [pick(at) for at in self._span_at], pick(self._norm_at),
                 pick(self._head_at))
 
     def loss_and_grads(self, params: nnx.State, rest: nnx.State, tokens: jax.Array):
@@ -176,7 +189,7 @@ class PerBlockStep:
         for at, leaves in ((self._norm_at, d_norm), (self._head_at, d_head)):
             for i, leaf in zip(at, leaves):
                 grads[i] = leaf
-        for at, block in zip(reversed(self._block_at), reversed(blocks)):
+        for at, block in zip(reversed(self._span_at), reversed(blocks)):
             block_input, kept = saved.pop()
             d_block, dx = self._call(self._blocks.backward, block, rope, block_input, kept, dx)
             for i, leaf in zip(at, d_block):
@@ -217,16 +230,17 @@ class PerBlockStep:
         rope = jax.tree.leaves(rest["rope"])
         inputs, targets = micro[:, :-1], micro[:, 1:]
         x = jax.eval_shape(self._embed, embed, inputs)
-        _, kept = jax.eval_shape(self._blocks.forward, blocks[0], rope, x)
         loss, grads = jax.eval_shape(self.loss_and_grads, params, rest, micro)
-        calls = [(self._embed, (embed, inputs)), (self._blocks.forward, (blocks[0], rope, x)),
-                 (self._head, (norm, head, x, targets)), (self._blocks.backward, (blocks[0], rope, x, kept, x)),
+        calls = [(self._embed, (embed, inputs)), (self._head, (norm, head, x, targets)),
                  (self._embed_backward, (embed, inputs, x)), (self._update, (params, opt_state, grads, loss))]
+        for span in {len(span): span for span in blocks}.values():  # one pair of programs per span length
+            _, kept = jax.eval_shape(self._blocks.forward, span, rope, x)
+            calls += [(self._blocks.forward, (span, rope, x)), (self._blocks.backward, (span, rope, x, kept, x))]
         if self.grad_accum > 1:
             total = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), (loss, grads))
             calls += [(self._accumulate, (total, loss, grads)), (self._mean, (total,))]
         for program, args in calls:
-            self._compiled[program] = program.lower(*abstract(args)).compile()
+            self._compiled[program, len(args[0])] = program.lower(*abstract(args)).compile()
         return self
 
     def as_text(self) -> str:

@@ -24,7 +24,8 @@ Public names:
     params / optimizer state. With ``grad_accum`` A > 1 the B rows are A micro-batches of B / A rows in
     order (rows ``[j B/A, (j+1) B/A)`` are micro-batch j), each split over the data-parallel devices;
   - ``block_loop`` (``BLOCK_LOOPS``): "scan" (default), "unrolled" or "per_block" (``jax_impl.per_block``:
-    the host runs one compiled program per block; ``.train_step`` is then a ``PerBlockStep``);
+    the host runs one compiled program per span of ``blocks_per_program`` blocks (default
+    ``jax_impl.per_block.BLOCKS_PER_PROGRAM``); ``.train_step`` is then a ``PerBlockStep``);
   - ``.compile(batch_size, seq_len) -> seconds``: compile the step ahead of time for that batch shape;
   - ``.eval_loss(tokens) -> loss``: the mean loss of a (B, T+1) batch, no update (a jitted forward);
   - ``.load_weights(weights)``: start from numpy weights keyed by the stable names (e.g. PyTorch's);
@@ -328,7 +329,8 @@ class ShardedTrainer:
     def __init__(self, spec: ModelSpec, mesh: Mesh, strategy: str, *, lr: float, weight_decay: float = 0.0,
                  seed: int = 0, compute_dtype=None, param_dtype=None, remat: str = "none",
                  attention: str = "naive", b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                 block_loop: str = "scan", grad_clip: float = 0.0, grad_accum: int = 1):
+                 block_loop: str = "scan", grad_clip: float = 0.0, grad_accum: int = 1,
+                 blocks_per_program: int | None = None):
         self.spec, self.mesh, self.strategy, self.grad_accum = spec, mesh, strategy, grad_accum
         self.block_loop = check_block_loop(block_loop)
         self.param_dtype = jnp.dtype(param_dtype or jnp.float32)
@@ -356,8 +358,9 @@ class ShardedTrainer:
         if block_loop == "per_block":
             from jax_impl.per_block import PerBlockStep  # (it builds on this module's block_transform)
 
+            span = {} if blocks_per_program is None else {"blocks_per_program": blocks_per_program}
             self.train_step = PerBlockStep(model, self.tx, self.param_shardings, self.opt_shardings,
-                                           self.batch_sharding, remat=remat, grad_accum=grad_accum)
+                                           self.batch_sharding, remat=remat, grad_accum=grad_accum, **span)
             self._eval_loss = self.train_step.loss
         else:
             self.train_step = make_train_step(self.graphdef, self.tx, self.param_shardings, self.opt_shardings,

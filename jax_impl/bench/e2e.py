@@ -145,7 +145,8 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
     start = time.perf_counter()
     trainer = ShardedTrainer(spec, mesh, strategy, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                              **dtype_arguments(args.dtype), remat=args.remat,
-                             attention=args.attention, block_loop=args.block_loop)
+                             attention=args.attention, block_loop=args.block_loop,
+                             blocks_per_program=args.blocks_per_program)
     jax.block_until_ready((trainer.params, trainer.opt_state))
     init_s = time.perf_counter() - start  # parameters and AdamW state created (compiles included)
     if args.load_weights:
@@ -167,7 +168,8 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
         step_ms.append((time.perf_counter() - start) * 1e3)
     metrics: dict[str, Any] = {
         "strategy": strategy, "remat": args.remat, "scan_layers": args.block_loop == "scan",
-        "block_loop": args.block_loop,
+        "block_loop": args.block_loop, "blocks_per_program": (
+            trainer.train_step.blocks_per_program if args.block_loop == "per_block" else None),
         "attention": args.attention, "init_s": init_s, "compile_s": compile_s,
         "compilation_cache_dir": jax.config.jax_compilation_cache_dir, "xla_flags": os.environ.get("XLA_FLAGS"),
         "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
@@ -227,6 +229,7 @@ class JaxStepConfig(StepConfig):
     strategy: str | None = None
     remat: str = "none"
     block_loop: str = "scan"
+    blocks_per_program: int | None = None
     profile: str | None = None
     dump_hlo: str | None = None
 
@@ -246,6 +249,9 @@ def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
                              "time do not grow with depth (default); unrolled: a Python loop over separate "
                              "blocks traced into the step's program; per_block: the host calls one compiled "
                              "forward and one compiled backward per block (no stacks, no scan copies)")
+    parser.add_argument("--blocks-per-program", type=int, metavar="N",
+                        help="with --block-loop per_block: consecutive blocks run by one program (default: "
+                             "jax_impl.per_block.BLOCKS_PER_PROGRAM; fewer dispatches, a longer compile)")
     parser.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of 3 extra steps here")
     parser.add_argument("--dump-hlo", metavar="FILE", help="write the compiled step's optimized HLO here (text)")
 
