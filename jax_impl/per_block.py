@@ -52,7 +52,7 @@ from jax_impl.model import TransformerLM, cross_entropy
 from jax_impl.train import block_transform, check_remat, optimizer_update
 
 BLOCKS = "layers"  # the unrolled model's list of blocks in the parameter state
-BLOCKS_PER_PROGRAM = 1  # consecutive blocks run by one program (the last span may be shorter)
+BLOCKS_PER_PROGRAM = 4  # consecutive blocks run by one program (the last span may be shorter; notes/jax.md)
 
 
 class _Programs:
