@@ -121,10 +121,13 @@ def suite_report(path: Path, suite: str, records: list[Record], out_dir: Path) -
 
 
 def _scalar_metrics(records: list[Record]) -> list[str]:
-    """Metric names whose values are numbers in every record that has them (lists and dicts left out)."""
+    """Metric names whose values are numbers in every record that has them, None counting as not having it
+    (lists and dicts left out)."""
     names: dict[str, bool] = {}
     for r in records:
         for name, value in r.metrics.items():
+            if value is None:
+                continue
             scalar = isinstance(value, (int, float)) and not isinstance(value, bool)
             names[name] = names.get(name, True) and scalar
     return [name for name, scalar in names.items() if scalar]

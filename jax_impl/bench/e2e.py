@@ -103,6 +103,8 @@ def predicted_memory(spec: ModelSpec, args: JaxStepConfig, seq_len: int, mesh: M
 
 
 def measure(args: JaxStepConfig) -> Record:
+    if args.block_loop == "per_block" and args.mode != "train_step":
+        raise ValueError(f"--block-loop per_block times --mode train_step only, not {args.mode}")
     initialize_from_env()
     precision = matmul_precision(args.dtype)
     mesh, strategy = build_mesh(args)
@@ -123,8 +125,6 @@ def _compile_step(args: JaxStepConfig, trainer: ShardedTrainer,
             trainer.params, trainer.opt_state, loss = compiled(trainer.params, trainer.opt_state, trainer.rest,
                                                                tokens)
             return float(loss)  # float() waits for the device
-    elif args.block_loop == "per_block":
-        raise ValueError(f"--block-loop per_block times --mode train_step only, not {args.mode}")
     else:
         loss_fn = make_loss_fn(trainer.graphdef, trainer.batch_sharding, remat=trainer.remat)
         fn = loss_fn if args.mode == "forward" else jax.value_and_grad(loss_fn)
