@@ -1,5 +1,5 @@
-"""A train step whose host runs the blocks one at a time: one compiled forward and one compiled backward serve
-every block, so nothing is stacked and nothing grows with depth.
+"""A train step whose host runs the blocks span by span: one compiled forward and one compiled backward serve every
+span of ``blocks_per_program`` consecutive blocks, so nothing is stacked and nothing grows with depth.
 
 Why: the scanned step (``jax.lax.scan`` over stacked block parameters, ``jax_impl.model``) compiles in
 seconds, but XLA slices each layer's weights out of their stacks and writes each layer's saved activations and
@@ -9,29 +9,31 @@ stack nor write into one: ~84 GB a step at xl 4 x 2,048, ~30 ms of a 265 ms step
 did not finish in 140 s). Here the blocks are separate (``TransformerLM(scan_layers=False)``), and the host
 calls, per step:
 
-    x = embed(tokens)                                   one program
-    x, saved[i] = block_forward(block i, x)             one program, called n_layers times
-    loss, grads of the head, dx = head(x, targets)      one program
-    grads[i], dx = block_backward(block i, saved[i], dx)   one program, called n_layers times, last first
+    x = embed(tokens)                                      one program
+    x, saved[s] = span_forward(span s, x)                  one program per span length, called for every span
+    loss, grads of the head, dx = head(x, targets)         one program
+    grads[s], dx = span_backward(span s, saved[s], dx)     one program per span length, last span first
     grads of the embedding = embed_backward(tokens, dx)
-    params, opt_state = update(params, opt_state, grads)   one program (parameters and state donated)
+    params, opt_state, loss = update(params, opt_state, grads, loss)   one program (state donated)
 
-``block_forward`` is ``jax.vjp`` of the block (under the ``remat`` policy's ``jax.checkpoint``, so ``saved``
-holds what that policy keeps); its pullback's residuals leave the program as arrays, except those that are
-the program's own inputs (the block's weights, the RoPE tables and its input x), which ``block_backward`` takes
-again instead of receiving copies. Dispatch is asynchronous, so the host runs ahead of the GPU whenever a
-block's work outlasts the ~0.1 ms the host spends calling it (xl at 4 x 512 and beyond); programs are compiled
-once, so compile time does not grow with depth. What is given up: XLA cannot schedule across programs (on a
-mesh, no overlap of one block's collectives with another's compute); on one GPU there is nothing to overlap.
+``span_forward`` is ``jax.vjp`` of the span's blocks (each under the ``remat`` policy's ``jax.checkpoint``, so
+``saved`` holds what that policy keeps); its pullback's residuals leave the program as arrays, except those that
+are the program's own inputs (the blocks' weights, the RoPE tables and the span's input x), which
+``span_backward`` takes again instead of receiving copies. Dispatch is asynchronous, so the host runs ahead
+of the GPU whenever a span's work outlasts the host's cost of calling it (~1.1 ms a program on the H100 host
+measured; spans of 4 blocks keep xl at 4 x 512 GPU-bound). What is given up: XLA cannot schedule across
+programs (on a mesh, no overlap of one span's collectives with another's compute); on one GPU there is little
+to overlap.
 
 Public names: ``PerBlockStep(model, tx, param_shardings, opt_shardings, tokens_sharding, *, remat="none",
-grad_accum=1)`` (``model`` gives the structure: an unrolled ``TransformerLM``, its values unused),
-called as the scanned step's jitted function, ``(params, opt_state, rest, tokens) -> (params, opt_state,
-loss)`` with params and opt_state donated (the loss comes out of the update's program, so reading it waits for
-the whole step, as it does for the one-program step: a loss read straight from the head's program was ready
-before the backward ran, and a benchmark that waited on it timed the host, not the step); ``.compile(params, opt_state, rest, tokens)`` compiles every
-program ahead of time (for those shapes) and returns the step; ``.as_text()`` the compiled programs' HLO;
-``.loss(params, rest, tokens)`` the mean loss through forward programs only; ``.loss_and_grads(...)``.
+grad_accum=1, blocks_per_program=BLOCKS_PER_PROGRAM)`` (``model`` gives the structure: an unrolled
+``TransformerLM``, its values unused), called as the scanned step's jitted function, ``(params, opt_state, rest,
+tokens) -> (params, opt_state, loss)`` with params and opt_state donated. The loss comes out of the update's
+program, so reading it waits for the whole step, as for the one-program step (a loss read straight from the
+head's program is ready before the backward runs: a benchmark waiting on it would time the host, not the step).
+``.compile(params, opt_state, rest, tokens)`` compiles every program ahead of time for those shapes and returns
+the step; ``.as_text()`` the compiled programs' HLO; ``.loss(params, rest, tokens)`` the mean loss through
+forward programs only; ``.loss_and_grads(params, rest, tokens)``.
 
 References: the ``jax.vjp`` docs (the returned pullback is a pytree, so it can leave a ``jax.jit``);
 torchtitan's per-block ``torch.compile`` (the PyTorch twin: one compiled region that serves every block).
