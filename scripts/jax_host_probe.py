@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
               **{f"{k}_ms": v for k, v in times.items()}, "device": jax.devices()[0].device_kind,
               "jax": jax.__version__}
     (out / "jax_host_probe.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if not k.endswith("_ms") or "median" in k or k == "pipelined_ms"}))
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}))
     return 0
 
 

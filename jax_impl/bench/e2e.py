@@ -11,9 +11,10 @@ parameters and optimizer state donated), compiled ahead of time, so only whole-s
 Record (``analysis.harness.step_record``): ``--batch-size`` is the global batch (one program over the
 mesh, JAX's convention; the PyTorch DDP benchmark's batch is per rank); ``tflops`` / ``mfu`` per device;
 ``world_size`` and ``mesh`` from the mesh; ``peak_memory_bytes`` the worst device's allocator peak (GPU; None
-on CPU). Metrics: ``strategy``, ``remat``, ``scan_layers``, ``block_loop``, ``init_s`` (parameters and AdamW state created,
-their jitted initializers' compiles included), ``compile_s`` (the step's ahead-of-time compile; with
-``JAX_COMPILATION_CACHE_DIR`` set, recorded as ``compilation_cache_dir``, a warm cache shortens both),
+on CPU). Metrics: ``strategy``, ``remat``, ``scan_layers``, ``block_loop``, ``blocks_per_program``, ``init_s``
+(parameters and AdamW state created, their jitted initializers' compiles included), ``compile_s`` (the step's
+ahead-of-time compile; with ``JAX_COMPILATION_CACHE_DIR`` set, recorded as ``compilation_cache_dir``, a warm cache
+shortens both),
 ``xla_flags`` and ``mem_fraction`` (the ``XLA_FLAGS`` and ``XLA_PYTHON_CLIENT_MEM_FRACTION`` it ran under),
 ``compiled_memory`` (the compiled step's
 ``memory_analysis()`` per device: arguments, outputs, aliased (donated) and temporary bytes, and
@@ -53,8 +54,8 @@ from jax_impl.device import device_name, mesh_from_flags, peak_memory_bytes
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights
 from jax_impl.sharding import STRATEGIES
-from jax_impl.train import (BLOCK_LOOPS, REMAT_POLICIES, ShardedTrainer, dtype_arguments, make_loss_fn, matmul_precision,
-                            step_name)
+from jax_impl.train import (BLOCK_LOOPS, REMAT_POLICIES, ShardedTrainer, dtype_arguments, make_loss_fn,
+                            matmul_precision, step_name)
 from parallelism_calc.specs import ModelSpec
 
 PROFILED_STEPS = 3
@@ -116,10 +117,8 @@ def _compile_step(args: JaxStepConfig, trainer: ShardedTrainer,
                   tokens: jax.Array) -> tuple[Any, Callable[[], float]]:
     """The AOT-compiled program of ``args.mode`` and a closure running one step (returns the loss)."""
     if args.mode == "train_step":
-        if args.block_loop == "per_block":  # every block program compiled once (jax_impl.per_block)
-            compiled = trainer.train_step.compile(trainer.params, trainer.opt_state, trainer.rest, tokens)
-        else:
-            compiled = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.rest, tokens).compile()
+        trainer.compile(tokens.shape[0], tokens.shape[1] - 1)  # the one program, or every per-block program
+        compiled = trainer.train_step
 
         def step() -> float:
             trainer.params, trainer.opt_state, loss = compiled(trainer.params, trainer.opt_state, trainer.rest,
@@ -248,7 +247,7 @@ def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scan: the blocks' parameters stacked and run by one lax.scan, so init and compile "
                              "time do not grow with depth (default); unrolled: a Python loop over separate "
                              "blocks traced into the step's program; per_block: the host calls one compiled "
-                             "forward and one compiled backward per block (no stacks, no scan copies)")
+                             "forward and one compiled backward per span of blocks (no stacks, no scan copies)")
     parser.add_argument("--blocks-per-program", type=int, metavar="N",
                         help="with --block-loop per_block: consecutive blocks run by one program (default: "
                              "jax_impl.per_block.BLOCKS_PER_PROGRAM; fewer dispatches, a longer compile)")
