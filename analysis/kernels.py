@@ -11,6 +11,8 @@ elementwise / other, the numbers behind "what fraction of the step is GEMM".
 * ``trace_kernel_times(path)``: ``{kernel name: total ms}`` of the device events of a Chrome-format trace
   (``*.trace.json.gz`` that ``jax.profiler.trace`` writes; torch.profiler's are read by
   ``torch_impl.profiling``): events of the "Stream #N" threads of processes named ``/device:GPU:N``.
+* ``trace_gpu_idle(path)``: the GPU's busy and idle time over a trace and its largest gaps, each with the kernels
+  either side (``GpuIdle``): whether the host or the device sets the step's pace.
 
 Never imports torch or jax. References: the torch.profiler and JAX profiling docs (trace formats).
 """
@@ -105,11 +107,9 @@ def hlo_kernel_details(hlo_text: str) -> dict[str, str]:
     return details
 
 
-def trace_kernel_times(path: str | os.PathLike) -> dict[str, float]:
-    """Total milliseconds per kernel name on the GPU timelines of a Chrome-format trace (``.json`` or
-    ``.json.gz``). A kernel's name is the event's ``name`` (XLA names fusions after their HLO instruction,
-    e.g. ``loop_multiply_fusion_3``; numbered copies of one fusion kind are kept apart: ``hlo_kernel_details``
-    says what each computes). ValueError if the trace has no GPU timeline."""
+def _stream_kernels(path: str | os.PathLike) -> list[tuple[str, float, float]]:
+    """``(name, start us, duration us)`` of every kernel on the GPU stream timelines of a Chrome-format trace
+    (``.json`` or ``.json.gz``). ValueError if the trace has no GPU timeline."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
@@ -126,8 +126,57 @@ def trace_kernel_times(path: str | os.PathLike) -> dict[str, float]:
     streams = {key for key in named("thread_name", "Stream") if key[0] in gpus}
     if not streams:
         raise ValueError(f"{path}: no GPU stream timeline in the trace (was it recorded on a GPU?)")
+    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
+            if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams and e.get("dur")]
+
+
+def trace_kernel_times(path: str | os.PathLike) -> dict[str, float]:
+    """Total milliseconds per kernel name on the GPU timelines of a Chrome-format trace (``.json`` or
+    ``.json.gz``). A kernel's name is the event's ``name`` (XLA names fusions after their HLO instruction,
+    e.g. ``loop_multiply_fusion_3``; numbered copies of one fusion kind are kept apart: ``hlo_kernel_details``
+    says what each computes). ValueError if the trace has no GPU timeline."""
     times: dict[str, float] = {}
-    for e in events:
-        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams and e.get("dur"):
-            times[e["name"]] = times.get(e["name"], 0.0) + float(e["dur"]) / 1e3  # us -> ms
+    for name, _, dur in _stream_kernels(path):
+        times[name] = times.get(name, 0.0) + dur / 1e3  # us -> ms
     return times
+
+
+@dataclass(frozen=True)
+class GpuIdle:
+    """When the GPU ran no kernel between the trace's first kernel and its last: ``window_ms`` (first start to
+    last end), ``busy_ms`` (the union of the kernels' intervals, overlapping streams counted once),
+    ``idle_ms`` = window - busy, and the largest gaps as ``(ms, kernel before, kernel after)``."""
+
+    window_ms: float
+    busy_ms: float
+    idle_ms: float
+    gaps: tuple[tuple[float, str, str], ...]
+
+    def markdown(self, n_steps: int) -> str:
+        """The idle time per step and the largest gaps, for the kernel table's file."""
+        lines = [f"GPU busy {self.busy_ms / n_steps:.3f} ms and idle {self.idle_ms / n_steps:.3f} ms per step "
+                 f"(window {self.window_ms:.3f} ms over {n_steps} steps, the gaps between steps included).",
+                 "", "| gap ms | kernel before | kernel after |", "|--:|:--|:--|"]
+        lines += [f"| {ms:.3f} | `{before[:60]}` | `{after[:60]}` |" for ms, before, after in self.gaps]
+        return "\n".join(lines)
+
+
+def trace_gpu_idle(path: str | os.PathLike, largest: int = 20) -> GpuIdle:
+    """The GPU's idle time in a trace (``GpuIdle``): does the host, or the device, set the step's pace?"""
+    kernels = sorted(_stream_kernels(path), key=lambda k: k[1])
+    if not kernels:
+        raise ValueError(f"{path}: no kernels on the GPU timeline")
+    gaps, busy = [], 0.0
+    name, start, dur = kernels[0]
+    end, last = start + dur, name
+    busy_start = start
+    for name, start, dur in kernels[1:]:
+        if start > end:
+            busy += end - busy_start
+            gaps.append(((start - end) / 1e3, last, name))
+            busy_start = start
+        if start + dur >= end:
+            end, last = start + dur, name
+    busy += end - busy_start
+    window = (end - kernels[0][1]) / 1e3
+    return GpuIdle(window, busy / 1e3, window - busy / 1e3, tuple(sorted(gaps, reverse=True)[:largest]))

@@ -13,6 +13,9 @@
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR per_block
 #     -> OUT_DIR/jax_per_block.jsonl and a kernel table: the blocks run one program at a time from the host
 #        (--block-loop per_block) against the scan and the best PyTorch step, in one call (below).
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR per_block_profile
+#     -> OUT_DIR/jax_per_block_profile.jsonl and one kernel table per run: where the per-block step's time goes
+#        (kernels by category, the GPU's idle gaps) at xl 4 x 2,048 and 2.7B 2 x 2,048, PyTorch's best beside it.
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR parity
 #     -> OUT_DIR/jax_parity.jsonl: both backends' losses from the same initial xl weights (below).
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR layout
@@ -26,7 +29,7 @@
 # Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
 # limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
 set -uo pipefail
-usage="usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|per_block|parity|layout|mixed|trainers|xla"
+usage="usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|per_block|per_block_profile|parity|layout|mixed|trainers|xla"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -129,6 +132,28 @@ per_block)
   jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat qkv_mlp --block-loop per_block "${common[@]}"
   cp "$out"/profile/*_kernels.md "$out"/ 2>/dev/null
   rm -rf "$out/profile"
+  ;;
+per_block_profile)
+  # Where the per-block step's time goes (kernels by category, and the GPU's idle gaps: does the host keep up?),
+  # one and four blocks a program, at the records' configurations, PyTorch's best step in the same call
+  # (OUT_DIR/jax_per_block_profile.jsonl, OUT_DIR/<model>_span<N>_kernels.md, each run's output in
+  # OUT_DIR/per_block_profile.log).
+  runs="$out/jax_per_block_profile.jsonl"
+  common=(--dtype bf16_mixed --remat qkv_mlp_norms --block-loop per_block --warmup 3 --steps 10
+          --suite jax_per_block_profile --out "$runs")
+  {
+    torch_best xl 4 2048 jax_per_block_profile "$runs"
+    for span in 1 4; do
+      jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --blocks-per-program "$span" "${common[@]}" \
+        --profile "$out/profile_xl_$span"
+      cp "$out"/profile_xl_"$span"/*_kernels.md "$out/xl_4x2048_span${span}_kernels.md"
+    done
+    jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --blocks-per-program 4 "${common[@]}" \
+      --profile "$out/profile_2.7B_4"
+    cp "$out"/profile_2.7B_4/*_kernels.md "$out/2.7B_2x2048_span4_kernels.md"
+  } > "$out/per_block_profile.log" 2>&1
+  rm -rf "$out"/profile_*
+  grep -E "^(jax|torch) |ms/step|^exit|^wall" "$out/per_block_profile.log"
   ;;
 parity)
   # The same starting weights in both backends (issue 15 item 3): PyTorch saves its initial xl weights, JAX loads

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_kernel_times
+from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_gpu_idle, trace_kernel_times
 from analysis.records import read_records
 from torch_impl.bench import e2e
 from torch_impl.profiling import CATEGORIES, categorize
@@ -64,6 +64,24 @@ def test_jax_trace_kernel_table_counts_stream_kernels_once(tmp_path):
         json.dump({"traceEvents": events[:1] + events[4:5]}, f)
     with pytest.raises(ValueError, match="no GPU stream timeline"):
         trace_kernel_times(path)
+
+
+def test_trace_gpu_idle_counts_overlaps_once_and_names_the_gaps(tmp_path):
+    """Busy time is the union of the kernels' intervals over both streams; each gap names its neighbours."""
+    events = [_meta("process_name", 2, "/device:GPU:0"), _meta("thread_name", 2, "Stream #13", tid=13),
+              _meta("thread_name", 2, "Stream #14", tid=14)]
+    kernels = [(13, "a", 0, 100), (14, "side", 50, 100), (13, "b", 120, 20), (13, "c", 400, 100),
+               (14, "inner", 420, 10)]  # busy 0-150 and 400-500; gaps 150-400 (250 us) after b or side
+    events += [{"ph": "X", "pid": 2, "tid": tid, "ts": ts, "dur": dur, "name": name}
+               for tid, name, ts, dur in kernels]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    idle = trace_gpu_idle(path)
+    assert idle.window_ms == pytest.approx(0.5) and idle.busy_ms == pytest.approx(0.25)
+    assert idle.idle_ms == pytest.approx(0.25)
+    assert idle.gaps == ((pytest.approx(0.25), "side", "c"),)
+    assert "idle 0.125 ms per step" in idle.markdown(n_steps=2)
 
 
 def test_hlo_kernel_details_name_kernels_as_traces_do():

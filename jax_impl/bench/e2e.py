@@ -22,7 +22,8 @@ shortens both),
 ``predicted_memory_bytes`` from ``parallelism_calc.memory.per_device_memory`` for the strategy's sharding.
 ``--profile DIR`` writes a ``jax.profiler`` trace (TensorBoard / Perfetto) of three extra steps after the
 timed ones and, on a GPU, their kernel table by category (``DIR/<model>_<B>x<T>_<mode>_kernels.md``, the
-shares in the record as ``time_share.<category>``, as the PyTorch benchmark's); ``--dump-hlo FILE`` the
+shares in the record as ``time_share.<category>``, as the PyTorch benchmark's; the GPU's busy and idle ms per
+step as ``gpu_busy_ms`` / ``gpu_idle_ms``, the largest idle gaps in the table's file); ``--dump-hlo FILE`` the
 compiled step's optimized HLO (what XLA fused, copied and called). ``--load-weights`` starts from the PyTorch
 model's weights (``--save-weights`` there).
 
@@ -48,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from analysis.harness import (StepConfig, StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec,
                               run_benchmark, step_record)
-from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_kernel_times
+from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_gpu_idle, trace_kernel_times
 from analysis.records import Record
 from jax_impl.device import device_name, mesh_from_flags, peak_memory_bytes
 from jax_impl.distributed import initialize_from_env
@@ -198,10 +199,12 @@ def profile_steps(step: Callable[[], float], hlo_text: str, out_dir: str, tag: s
     except ValueError:  # no GPU timeline (a CPU run): the trace alone
         rows = None
     if rows:
+        idle = trace_gpu_idle(traces[-1])
         text = markdown(rows, f"{tag}: GPU time per step by kernel category", hlo_kernel_details(hlo_text))
-        Path(out_dir, f"{tag}_kernels.md").write_text(text + "\n")
+        Path(out_dir, f"{tag}_kernels.md").write_text(f"{text}\n\n{idle.markdown(PROFILED_STEPS)}\n")
         metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
         metrics.update({f"time_ms.{row.category}": row.time_ms for row in rows})
+        metrics.update(gpu_busy_ms=idle.busy_ms / PROFILED_STEPS, gpu_idle_ms=idle.idle_ms / PROFILED_STEPS)
     return metrics
 
 
