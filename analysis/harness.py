@@ -10,7 +10,9 @@ Stdlib and numpy only: no pandas, torch or jax.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import itertools
 import json
 import subprocess
@@ -221,6 +223,21 @@ def progress(items: Sequence[Any], desc: str, unit: str, enabled: bool = True):
         return items, print
     bar = tqdm(items, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, disable=not enabled)
     return bar, bar.write
+
+
+@contextlib.contextmanager
+def frozen_gc():
+    """Time steps with every object alive now out of the garbage collector's reach (``gc.freeze``): a full
+    collection then scans only what the steps allocate, not the framework's whole heap, which stalled a
+    host-driven JAX step for ~50 ms at random steps (notes/jax.md, session 16). Both backends' benchmarks time
+    under it. References: the ``gc.freeze`` docs; torchtitan's ``GarbageCollection`` (collections at chosen
+    steps)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def fixed_batch(seed: int, batch_size: int, seq_len: int, vocab_size: int) -> np.ndarray:

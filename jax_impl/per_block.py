@@ -11,10 +11,15 @@ calls, per step:
 
     x = embed(tokens)                                      one program
     x, saved[s] = span_forward(span s, x)                  one program per span length, called for every span
-    loss, grads of the head, dx = head(x, targets)         one program
+    loss, grads of the head, dx = head(x, tokens)          one program
     grads[s], dx = span_backward(span s, saved[s], dx)     one program per span length, last span first
     grads of the embedding = embed_backward(tokens, dx)
     params, opt_state, loss = update(params, opt_state, grads, loss)   one program (state donated)
+
+Every program takes flat lists of arrays and the whole token batch (inputs and targets are sliced inside: an eager
+slice would cost a host-to-device copy and a dispatch per step), and the state's flat leaves are kept between
+steps (``_FlatCache``), so the step's host work before its first program is a dictionary lookup: the GPU waits
+for the host only once per step, for the first dispatch after the loss was read.
 
 ``span_forward`` is ``jax.vjp`` of the span's blocks (each under the ``remat`` policy's ``jax.checkpoint``, so
 ``saved`` holds what that policy keeps); its pullback's residuals leave the program as arrays, except those that
@@ -55,6 +60,25 @@ from jax_impl.train import block_transform, check_remat, optimizer_update
 
 BLOCKS = "layers"  # the unrolled model's list of blocks in the parameter state
 BLOCKS_PER_PROGRAM = 4  # consecutive blocks run by one program (the last span may be shorter; notes/jax.md)
+
+
+class _FlatCache:
+    """The flat leaves of the trees the last update returned, so that the next step need not flatten them again
+    (flax ``Variable`` pytrees cost the host milliseconds to flatten at xl): ``leaves(tree)`` is a lookup for
+    those trees (by identity; the cache holds them, so an id is not reused while cached) and a flatten else."""
+
+    def __init__(self):
+        self._trees: dict[int, tuple[Any, list]] = {}
+
+    def leaves(self, tree) -> list:
+        hit = self._trees.get(id(tree))
+        return hit[1] if hit is not None and hit[0] is tree else jax.tree.leaves(tree)
+
+    def store(self, *flat: tuple[Any, list]) -> list:
+        """The trees of ``(treedef, leaves)`` pairs, cached in place of the trees cached before."""
+        trees = [jax.tree.unflatten(treedef, leaves) for treedef, leaves in flat]
+        self._trees = {id(tree): (tree, leaves) for tree, (_, leaves) in zip(trees, flat)}
+        return trees
 
 
 class _Programs:
@@ -139,18 +163,23 @@ class PerBlockStep:
         def part(name, leaves):  # a module of the model from its flat parameters
             return nnx.merge(defs[name], jax.tree.unflatten(trees[name], leaves))
 
-        def embed(embed_leaves, inputs):
-            return jax.lax.with_sharding_constraint(part("token_embeddings", embed_leaves)(inputs), activations)
+        def embed(embed_leaves, tokens):  # tokens (B, T+1): the inputs are tokens[:, :-1]
+            x = part("token_embeddings", embed_leaves)(tokens[:, :-1])
+            return jax.lax.with_sharding_constraint(x, activations)
 
-        def head_loss(norm_leaves, head_leaves, x, targets):
-            return cross_entropy(part("lm_head", head_leaves)(part("ln_final", norm_leaves)(x)), targets)
+        def head_loss(norm_leaves, head_leaves, x, tokens):  # the targets are tokens[:, 1:]
+            return cross_entropy(part("lm_head", head_leaves)(part("ln_final", norm_leaves)(x)), tokens[:, 1:])
 
-        def embed_backward(embed_leaves, inputs, dx):
-            return jax.vjp(lambda leaves: embed(leaves, inputs), embed_leaves)[1](dx)[0]
+        def embed_backward(embed_leaves, tokens, dx):
+            return jax.vjp(lambda leaves: embed(leaves, tokens), embed_leaves)[1](dx)[0]
 
-        def update(params, opt_state, grads, loss):  # the loss passes through, so it is ready with the step
+        self._opt_tree = None  # the optimizer state's structure (that of its shardings may differ: no Variables)
+
+        def update(param_leaves, opt_leaves, grad_leaves, loss):  # the loss passes through: ready with the step
+            params, grads = (jax.tree.unflatten(self._tree, leaves) for leaves in (param_leaves, grad_leaves))
             grads = jax.lax.with_sharding_constraint(grads, p_shardings)
-            return *optimizer_update(tx, grads, opt_state, params), loss
+            params, opt_state = optimizer_update(tx, grads, jax.tree.unflatten(self._opt_tree, opt_leaves), params)
+            return jax.tree.leaves(params), jax.tree.leaves(opt_state), loss
 
         def accumulate(total, loss, grads):  # float32 sums of the micro-batches' losses and gradients
             return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, (loss, grads))
@@ -160,33 +189,38 @@ class PerBlockStep:
         self._head_loss = jax.jit(head_loss)
         self._embed_backward = jax.jit(embed_backward)
         replicated = NamedSharding(tokens_sharding.mesh, P())
-        self._update = jax.jit(update, out_shardings=(p_shardings, o_shardings, replicated), donate_argnums=(0, 1))
+        self._update = jax.jit(update, out_shardings=(jax.tree.leaves(p_shardings), jax.tree.leaves(o_shardings),
+                                                      replicated), donate_argnums=(0, 1))
         self._accumulate = jax.jit(accumulate, donate_argnums=(0,))
         self._mean = jax.jit(lambda total: jax.tree.map(lambda t: t / grad_accum, total), donate_argnums=(0,))
         self._compiled: dict[tuple[Callable, int], Any] = {}  # (program, leaves of its first argument) -> compiled
+        self._flat = _FlatCache()
 
     def _call(self, program, *args):
         return self._compiled.get((program, len(args[0])), program)(*args)
 
-    def _split(self, params: nnx.State):
+    def _split(self, param_leaves: list):
         """The flat parameters of the embedding, each span of blocks, the final norm and the head."""
-        flat = jax.tree.leaves(params)
-        pick = lambda at: [flat[i] for i in at]  # noqa: E731
+        pick = lambda at: [param_leaves[i] for i in at]  # noqa: E731
         return (pick(self._embed_at), [pick(at) for at in self._span_at], pick(self._norm_at),
                 pick(self._head_at))
 
     def loss_and_grads(self, params: nnx.State, rest: nnx.State, tokens: jax.Array):
         """The loss of ``tokens`` (B, T+1) and the gradient of every parameter, shaped like ``params``."""
-        embed, blocks, norm, head = self._split(params)
+        loss, grads = self._loss_and_grad_leaves(self._flat.leaves(params), rest, tokens)
+        return loss, jax.tree.unflatten(self._tree, grads)
+
+    def _loss_and_grad_leaves(self, param_leaves: list, rest: nnx.State, tokens: jax.Array):
+        """The loss and the parameters' gradients as a flat list (``loss_and_grads``)."""
+        embed, blocks, norm, head = self._split(param_leaves)
         rope = jax.tree.leaves(rest["rope"])
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        x = self._call(self._embed, embed, inputs)
+        x = self._call(self._embed, embed, tokens)
         saved = []
         for block in blocks:
             block_input = x
             x, kept = self._call(self._blocks.forward, block, rope, x)
             saved.append((block_input, kept))
-        loss, (d_norm, d_head, dx) = self._call(self._head, norm, head, x, targets)
+        loss, (d_norm, d_head, dx) = self._call(self._head, norm, head, x, tokens)
         grads: list[Any] = [None] * self._tree.num_leaves
         for at, leaves in ((self._norm_at, d_norm), (self._head_at, d_head)):
             for i, leaf in zip(at, leaves):
@@ -196,45 +230,59 @@ class PerBlockStep:
             d_block, dx = self._call(self._blocks.backward, block, rope, block_input, kept, dx)
             for i, leaf in zip(at, d_block):
                 grads[i] = leaf
-        for i, leaf in zip(self._embed_at, self._call(self._embed_backward, embed, inputs, dx)):
+        for i, leaf in zip(self._embed_at, self._call(self._embed_backward, embed, tokens, dx)):
             grads[i] = leaf
-        return loss, jax.tree.unflatten(self._tree, grads)
+        return loss, grads
 
     def loss(self, params: nnx.State, rest: nnx.State, tokens: jax.Array) -> jax.Array:
         """The mean loss of ``tokens`` (B, T+1), forward programs only (nothing saved for a backward)."""
-        embed, blocks, norm, head = self._split(params)
+        embed, blocks, norm, head = self._split(self._flat.leaves(params))
         rope = jax.tree.leaves(rest["rope"])
-        x = self._call(self._embed, embed, tokens[:, :-1])
+        x = self._call(self._embed, embed, tokens)
         for block in blocks:
             x = self._call(self._blocks.apply, block, rope, x)
-        return self._call(self._head_loss, norm, head, x, tokens[:, 1:])
+        return self._call(self._head_loss, norm, head, x, tokens)
 
     def __call__(self, params, opt_state, rest, tokens):
         """``(params, opt_state, rest, tokens) -> (params, opt_state, loss)``; tokens (B, T+1), or
         (grad_accum, B / grad_accum, T+1) micro-batches whose mean loss and gradient make one update."""
+        param_leaves = self._flat.leaves(params)
         if self.grad_accum == 1:
-            loss, grads = self.loss_and_grads(params, rest, tokens)
+            loss, grads = self._loss_and_grad_leaves(param_leaves, rest, tokens)
         else:
             total = None
             for micro_tokens in tokens:
-                loss_grads = self.loss_and_grads(params, rest, micro_tokens)
+                loss_grads = self._loss_and_grad_leaves(param_leaves, rest, micro_tokens)
                 total = (jax.tree.map(lambda g: g.astype(jnp.float32), loss_grads) if total is None
                          else self._call(self._accumulate, total, *loss_grads))
             loss, grads = self._call(self._mean, total)
-        return self._call(self._update, params, opt_state, grads, loss)
+        param_leaves, opt_leaves, loss = self._call(self._update, param_leaves, self._opt_leaves(opt_state), grads,
+                                                    loss)
+        return *self._flat.store((self._tree, param_leaves), (self._opt_tree, opt_leaves)), loss
+
+    def _opt_leaves(self, opt_state) -> list:
+        """The optimizer state's flat leaves; its structure, for the update's program, is the first one's."""
+        leaves = self._flat.leaves(opt_state)
+        if self._opt_tree is None:
+            self._opt_tree = jax.tree.structure(opt_state)
+        if len(leaves) != self._opt_tree.num_leaves:
+            raise ValueError(f"the optimizer state has {len(leaves)} arrays where the first one had "
+                             f"{self._opt_tree.num_leaves}: pass the state the trainer's optimizer made")
+        return leaves
 
     def compile(self, params, opt_state, rest, tokens) -> PerBlockStep:
         """Compile every program ahead of time for these shapes (a step then compiles nothing); returns self."""
         abstract = lambda tree: jax.tree.map(  # noqa: E731
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
         micro = tokens if self.grad_accum == 1 else tokens[0]
-        embed, blocks, norm, head = self._split(params)
+        param_leaves = jax.tree.leaves(params)
+        embed, blocks, norm, head = self._split(param_leaves)
         rope = jax.tree.leaves(rest["rope"])
-        inputs, targets = micro[:, :-1], micro[:, 1:]
-        x = jax.eval_shape(self._embed, embed, inputs)
-        loss, grads = jax.eval_shape(self.loss_and_grads, params, rest, micro)
-        calls = [(self._embed, (embed, inputs)), (self._head, (norm, head, x, targets)),
-                 (self._embed_backward, (embed, inputs, x)), (self._update, (params, opt_state, grads, loss))]
+        x = jax.eval_shape(self._embed, embed, micro)
+        loss, grads = jax.eval_shape(self._loss_and_grad_leaves, param_leaves, rest, micro)
+        calls = [(self._embed, (embed, micro)), (self._head, (norm, head, x, micro)),
+                 (self._embed_backward, (embed, micro, x)),
+                 (self._update, (param_leaves, self._opt_leaves(opt_state), grads, loss))]
         for span in {len(span): span for span in blocks}.values():  # one pair of programs per span length
             _, kept = jax.eval_shape(self._blocks.forward, span, rope, x)
             calls += [(self._blocks.forward, (span, rope, x)), (self._blocks.backward, (span, rope, x, kept, x))]

@@ -13,7 +13,7 @@
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR per_block
 #     -> OUT_DIR/jax_per_block.jsonl and a kernel table: the blocks run one program at a time from the host
 #        (--block-loop per_block) against the scan and the best PyTorch step, in one call (below).
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR per_block_profile
+#   RESULTS_GIT_COMMIT=<commit> [XLA_SETS="--a=1;--b=2"] bash scripts/gpu_jax.sh OUT_DIR per_block_profile
 #     -> OUT_DIR/jax_per_block_profile.jsonl and one kernel table per run: where the per-block step's time goes
 #        (kernels by category, the GPU's idle gaps) at xl 4 x 2,048 and 2.7B 2 x 2,048, PyTorch's best beside it.
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_jax.sh OUT_DIR parity
@@ -135,22 +135,34 @@ per_block)
   ;;
 per_block_profile)
   # Where the per-block step's time goes (kernels by category, and the GPU's idle gaps: does the host keep up?),
-  # one and four blocks a program, at the records' configurations, PyTorch's best step in the same call
-  # (OUT_DIR/jax_per_block_profile.jsonl, OUT_DIR/<model>_span<N>_kernels.md, each run's output in
-  # OUT_DIR/per_block_profile.log).
+  # one and four blocks a program at xl 4 x 2,048, four at 2.7B 2 x 2,048, PyTorch's best step at both in the
+  # same call; with XLA_SETS="--a=1 --b=2;--c=3" each JAX run again under each set of XLA options
+  # (OUT_DIR/jax_per_block_profile.jsonl, OUT_DIR/<model>_span<N>_<set>_kernels.md with set 0 for no options,
+  # each run's output in OUT_DIR/per_block_profile.log).
   runs="$out/jax_per_block_profile.jsonl"
   common=(--dtype bf16_mixed --remat qkv_mlp_norms --block-loop per_block --warmup 3 --steps 10
           --suite jax_per_block_profile --out "$runs")
+  IFS=';' read -r -a sets <<< "${XLA_SETS:-}"
+  sets=("" "${sets[@]}")
+  profiled() {  # profiled NAME ARGS...: one profiled JAX run, its kernel table kept as OUT_DIR/NAME_kernels.md
+    local name=$1
+    shift
+    jax_e2e 150 "$@" "${common[@]}" --profile "$out/profile_$name"
+    cp "$out/profile_$name"/*_kernels.md "$out/${name}_kernels.md"
+  }
   {
     torch_best xl 4 2048 jax_per_block_profile "$runs"
-    for span in 1 4; do
-      jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --blocks-per-program "$span" "${common[@]}" \
-        --profile "$out/profile_xl_$span"
-      cp "$out"/profile_xl_"$span"/*_kernels.md "$out/xl_4x2048_span${span}_kernels.md"
+    for i in "${!sets[@]}"; do
+      for span in 1 4; do
+        XLA_FLAGS="${sets[$i]}" profiled "xl_span${span}_$i" --model xl --batch-size 4 --seq-len 2048 \
+          --blocks-per-program "$span"
+      done
     done
-    jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --blocks-per-program 4 "${common[@]}" \
-      --profile "$out/profile_2.7B_4"
-    cp "$out"/profile_2.7B_4/*_kernels.md "$out/2.7B_2x2048_span4_kernels.md"
+    torch_best 2.7B 2 2048 jax_per_block_profile "$runs"
+    for i in "${!sets[@]}"; do
+      XLA_FLAGS="${sets[$i]}" profiled "2.7B_span4_$i" --model 2.7B --batch-size 2 --seq-len 2048 \
+        --blocks-per-program 4
+    done
   } > "$out/per_block_profile.log" 2>&1
   rm -rf "$out"/profile_*
   grep -E "^(jax|torch) |ms/step|^exit|^wall" "$out/per_block_profile.log"

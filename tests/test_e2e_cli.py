@@ -1,8 +1,11 @@
 """The step benchmarks of both backends: records they write, same start in both, failures kept as rows."""
 
+import gc
+
 import numpy as np
 import pytest
 
+from analysis.harness import frozen_gc
 from analysis.records import read_records
 from parallelism_calc.compute import step_flops
 from parallelism_calc.specs import MODELS
@@ -109,3 +112,11 @@ def test_sweep_with_a_process_per_model_records_every_configuration(tmp_path):
         assert tiny.status == "ok" and tiny.timed_steps == 1 and len(tiny.metrics["losses"]) == 3
         assert len(tiny.metrics["warmup_step_ms"]) == 2 and len(tiny.metrics["warmup_phases_ms"]["forward"]) == 2
         assert rows[("xxl", n)].status == "error" and "analysis-only" in rows[("xxl", n)].error
+
+
+def test_frozen_gc_hides_the_heap_from_full_collections_then_gives_it_back():
+    before = gc.get_freeze_count()
+    with frozen_gc():
+        assert gc.get_freeze_count() > before  # what was alive is in the permanent generation
+        assert gc.isenabled()  # collections still run, over what the steps allocate
+    assert gc.get_freeze_count() == 0

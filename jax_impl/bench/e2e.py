@@ -47,8 +47,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from analysis.harness import (StepConfig, StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec,
-                              run_benchmark, step_record)
+from analysis.harness import (StepConfig, StepRun, calculator_terms, failure_record, fixed_batch, frozen_gc,
+                              resolve_spec, run_benchmark, step_record)
 from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_gpu_idle, trace_kernel_times
 from analysis.records import Record
 from jax_impl.device import device_name, mesh_from_flags, peak_memory_bytes
@@ -160,12 +160,13 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
     compile_s = time.perf_counter() - start
     if args.dump_hlo:
         Path(args.dump_hlo).write_text(compiled.as_text())
-    losses = [step() for _ in range(args.warmup)]
     step_ms = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        losses.append(step())
-        step_ms.append((time.perf_counter() - start) * 1e3)
+    with frozen_gc():
+        losses = [step() for _ in range(args.warmup)]
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            losses.append(step())
+            step_ms.append((time.perf_counter() - start) * 1e3)
     metrics: dict[str, Any] = {
         "strategy": strategy, "remat": args.remat, "scan_layers": args.block_loop == "scan",
         "block_loop": args.block_loop, "blocks_per_program": (

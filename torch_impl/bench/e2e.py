@@ -38,8 +38,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from analysis.harness import (StepConfig, StepRun, calculator_terms, failure_record, fixed_batch, resolve_spec,
-                              run_benchmark, step_record)
+from analysis.harness import (StepConfig, StepRun, calculator_terms, failure_record, fixed_batch, frozen_gc,
+                              resolve_spec, run_benchmark, step_record)
 from analysis.records import Record
 from parallelism_calc.checkpointing import checkpointed_activation_bytes
 from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
@@ -176,18 +176,19 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
     synchronize(device)
     compile_s = time.perf_counter() - start  # building the step: compilation, autotuning, capture
     warmup_ms, warmup_phases_ms = [], {}
-    if args.warmup:  # the first step (compilation, capture) was the first warm-up step: not in the timing
-        with nvtx.range("warmup"):
-            losses += [run() for _ in range(args.warmup - 1)]
-        warmup_ms, warmup_phases_ms = timer.results()  # kept apart: what timing without a warm-up would see
-        timer = PhaseTimer(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        if not graphed:  # the peak of a step after the warm-up
-            torch.cuda.reset_peak_memory_stats(device)
-    if args.memory_snapshot:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")  # C++ frames: 10x bigger
-    losses += [run() for _ in range(args.steps - (0 if args.warmup else 1))]
+    with frozen_gc():
+        if args.warmup:  # the first step (compilation, capture) was the first warm-up step: not in the timing
+            with nvtx.range("warmup"):
+                losses += [run() for _ in range(args.warmup - 1)]
+            warmup_ms, warmup_phases_ms = timer.results()  # kept apart: what timing without a warm-up would see
+            timer = PhaseTimer(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            if not graphed:  # the peak of a step after the warm-up
+                torch.cuda.reset_peak_memory_stats(device)
+        if args.memory_snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")  # C++: 10x bigger
+        losses += [run() for _ in range(args.steps - (0 if args.warmup else 1))]
     step_ms, phases_ms = timer.results()
     if args.memory_snapshot:
         torch.cuda.memory._dump_snapshot(args.memory_snapshot)
