@@ -60,6 +60,10 @@ from jax_impl.train import block_transform, check_remat, optimizer_update
 
 BLOCKS = "layers"  # the unrolled model's list of blocks in the parameter state
 BLOCKS_PER_PROGRAM = 4  # consecutive blocks run by one program (the last span may be shorter; notes/jax.md)
+# XLA options of every program compiled by ``PerBlockStep.compile``: XLA's dot merger made the q, k and v products (they share their input) one GEMM
+# over concatenated weights, and paid for the concatenates and slices around it more than it saved (xl 4 x 2,048
+# on one H100: 2.7 ms a step of GPU time; notes/jax.md, session 16).
+COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 
 class _FlatCache:
@@ -84,45 +88,49 @@ class _FlatCache:
 class _Programs:
     """The forward and backward programs of a span of consecutive blocks, over flat lists of arrays (a dispatch
     then flattens no module state): the span's blocks' parameters one after another; the pullback's layout is
-    fixed by the first trace of each input signature (one per span length)."""
+    fixed by the first trace of each input signature (one per span length).
 
-    def __init__(self, block_def, block_tree, rope_def, rope_tree, apply_block):
+    With ``embed`` (``(embedding leaves, tokens (B, T+1)) -> x``), the first span's programs: their leaves start
+    with the embedding's ``n_embed``, their input is the token batch, and the backward returns the embedding's
+    gradient with the blocks' and no dx. So the step's first program has a span of blocks' work in it: after
+    the last step's loss was read, the idle GPU waits for one dispatch, not for an embedding's and a span's."""
+
+    def __init__(self, block_def, block_tree, rope_def, rope_tree, apply_block, embed=None, n_embed: int = 0):
         self.layout: dict[tuple, tuple[Any, tuple[int | None, ...]]] = {}  # input signature -> pullback layout
 
-        def run(block_states, rope_state, x):
-            rope = nnx.merge(rope_def, rope_state)
-            for block_state in block_states:
-                x = apply_block(nnx.merge(block_def, block_state), x, rope)
+        def run(leaves, rope_leaves, x):
+            if embed is not None:
+                x = embed(leaves[:n_embed], x)
+            rope = nnx.merge(rope_def, jax.tree.unflatten(rope_tree, rope_leaves))
+            per_block = block_tree.num_leaves
+            for i in range(n_embed, len(leaves), per_block):
+                x = apply_block(nnx.merge(block_def, jax.tree.unflatten(block_tree, leaves[i:i + per_block])), x,
+                                rope)
             return x
 
-        def states(block_leaves, rope_leaves):
-            per_block = block_tree.num_leaves
-            blocks = [jax.tree.unflatten(block_tree, block_leaves[i:i + per_block])
-                      for i in range(0, len(block_leaves), per_block)]
-            return blocks, jax.tree.unflatten(rope_tree, rope_leaves)
+        def differentiable(x):  # run as a function of what is differentiated (not integer tokens)
+            return (run, x) if embed is None else (lambda leaves, rope_leaves: run(leaves, rope_leaves, x), None)
 
-        def apply(block_leaves, rope_leaves, x):  # the forward alone (evaluation)
-            return run(*states(block_leaves, rope_leaves), x)
-
-        def forward(block_leaves, rope_leaves, x):
-            y, pullback = jax.vjp(run, *states(block_leaves, rope_leaves), x)
-            inputs = [*block_leaves, *rope_leaves, x]
+        def forward(leaves, rope_leaves, x):
+            fn, dx_slot = differentiable(x)
+            y, pullback = jax.vjp(fn, leaves, rope_leaves, *([] if dx_slot is None else [x]))
+            inputs = [*leaves, *rope_leaves, x]
             position = {id(leaf): i for i, leaf in enumerate(inputs)}
-            leaves, tree = jax.tree.flatten(pullback)
-            self.layout[_signature(inputs)] = (tree, tuple(position.get(id(leaf)) for leaf in leaves))
-            return y, [leaf for leaf in leaves if id(leaf) not in position]
+            residuals, tree = jax.tree.flatten(pullback)
+            self.layout[_signature(inputs)] = (tree, tuple(position.get(id(leaf)) for leaf in residuals))
+            return y, [leaf for leaf in residuals if id(leaf) not in position]
 
-        def backward(block_leaves, rope_leaves, x, saved, dy):
-            inputs = [*block_leaves, *rope_leaves, x]
+        def backward(leaves, rope_leaves, x, saved, dy):
+            inputs = [*leaves, *rope_leaves, x]
             tree, where = self.layout[_signature(inputs)]
             rest = iter(saved)
             pullback = jax.tree.unflatten(tree, [next(rest) if i is None else inputs[i] for i in where])
-            grads, _, dx = pullback(dy)
-            return jax.tree.leaves(grads), dx
+            grads, _, *dx = pullback(dy)
+            return grads, (dx[0] if dx else None)
 
-        self.apply = jax.jit(apply)
+        self.apply = jax.jit(run)  # the forward alone (evaluation)
         self.forward = jax.jit(forward)
-        self.backward = jax.jit(backward, donate_argnums=(4,))  # dy's buffer can take dx
+        self.backward = jax.jit(backward, donate_argnums=() if embed else (4,))  # dy's buffer can take dx
 
 
 def _signature(leaves) -> tuple:
@@ -152,13 +160,10 @@ class PerBlockStep:
         block_at = [jax.tree.leaves(position[BLOCKS][i]) for i in range(self.n_layers)]
         self._span_at = [sum(block_at[i:i + blocks_per_program], [])  # each span's blocks' leaves, in order
                          for i in range(0, self.n_layers, blocks_per_program)]
+        self._span_at[0] = self._embed_at + self._span_at[0]  # the first span's programs embed the tokens
         trees = {name: jax.tree.structure(params[name]) for name in ("token_embeddings", "ln_final", "lm_head")}
         defs = {name: nnx.graphdef(getattr(model, name)) for name in ("token_embeddings", "ln_final", "lm_head")}
         activations = NamedSharding(tokens_sharding.mesh, P(*tokens_sharding.spec[:1], None, None))  # (B, T, d)
-        self._blocks = _Programs(
-            nnx.graphdef(model.layers[0]), jax.tree.structure(params[BLOCKS][0]), nnx.graphdef(model.rope),
-            jax.tree.structure(nnx.state(model.rope)),
-            block_transform(remat=check_remat(remat), activation_sharding=activations, prevent_cse=False))
 
         def part(name, leaves):  # a module of the model from its flat parameters
             return nnx.merge(defs[name], jax.tree.unflatten(trees[name], leaves))
@@ -170,8 +175,12 @@ class PerBlockStep:
         def head_loss(norm_leaves, head_leaves, x, tokens):  # the targets are tokens[:, 1:]
             return cross_entropy(part("lm_head", head_leaves)(part("ln_final", norm_leaves)(x)), tokens[:, 1:])
 
-        def embed_backward(embed_leaves, tokens, dx):
-            return jax.vjp(lambda leaves: embed(leaves, tokens), embed_leaves)[1](dx)[0]
+        blocks = (nnx.graphdef(model.layers[0]), jax.tree.structure(params[BLOCKS][0]), nnx.graphdef(model.rope),
+                  jax.tree.structure(nnx.state(model.rope)),
+                  block_transform(remat=check_remat(remat), activation_sharding=activations, prevent_cse=False))
+        self._programs = [_Programs(*blocks, embed=embed, n_embed=len(self._embed_at))]  # the first span's
+        if len(self._span_at) > 1:
+            self._programs.append(_Programs(*blocks))  # every later span's
 
         self._opt_tree = None  # the optimizer state's structure (that of its shardings may differ: no Variables)
 
@@ -184,10 +193,8 @@ class PerBlockStep:
         def accumulate(total, loss, grads):  # float32 sums of the micro-batches' losses and gradients
             return jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total, (loss, grads))
 
-        self._embed = jax.jit(embed)
         self._head = jax.jit(jax.value_and_grad(head_loss, argnums=(0, 1, 2)))
         self._head_loss = jax.jit(head_loss)
-        self._embed_backward = jax.jit(embed_backward)
         replicated = NamedSharding(tokens_sharding.mesh, P())
         self._update = jax.jit(update, out_shardings=(jax.tree.leaves(p_shardings), jax.tree.leaves(o_shardings),
                                                       replicated), donate_argnums=(0, 1))
@@ -200,10 +207,12 @@ class PerBlockStep:
         return self._compiled.get((program, len(args[0])), program)(*args)
 
     def _split(self, param_leaves: list):
-        """The flat parameters of the embedding, each span of blocks, the final norm and the head."""
+        """The flat parameters of each span (the first with the embedding's in front), the final norm and the
+        head, and each span's programs."""
         pick = lambda at: [param_leaves[i] for i in at]  # noqa: E731
-        return (pick(self._embed_at), [pick(at) for at in self._span_at], pick(self._norm_at),
-                pick(self._head_at))
+        spans = [pick(at) for at in self._span_at]
+        programs = [self._programs[min(i, 1)] for i in range(len(spans))]
+        return spans, programs, pick(self._norm_at), pick(self._head_at)
 
     def loss_and_grads(self, params: nnx.State, rest: nnx.State, tokens: jax.Array):
         """The loss of ``tokens`` (B, T+1) and the gradient of every parameter, shaped like ``params``."""
@@ -212,35 +221,32 @@ class PerBlockStep:
 
     def _loss_and_grad_leaves(self, param_leaves: list, rest: nnx.State, tokens: jax.Array):
         """The loss and the parameters' gradients as a flat list (``loss_and_grads``)."""
-        embed, blocks, norm, head = self._split(param_leaves)
+        spans, programs, norm, head = self._split(param_leaves)
         rope = jax.tree.leaves(rest["rope"])
-        x = self._call(self._embed, embed, tokens)
-        saved = []
-        for block in blocks:
-            block_input = x
-            x, kept = self._call(self._blocks.forward, block, rope, x)
-            saved.append((block_input, kept))
+        x, saved = tokens, []  # the first span's programs take the tokens
+        for span, program in zip(spans, programs):
+            span_input = x
+            x, kept = self._call(program.forward, span, rope, x)
+            saved.append((span_input, kept))
         loss, (d_norm, d_head, dx) = self._call(self._head, norm, head, x, tokens)
         grads: list[Any] = [None] * self._tree.num_leaves
         for at, leaves in ((self._norm_at, d_norm), (self._head_at, d_head)):
             for i, leaf in zip(at, leaves):
                 grads[i] = leaf
-        for at, block in zip(reversed(self._span_at), reversed(blocks)):
-            block_input, kept = saved.pop()
-            d_block, dx = self._call(self._blocks.backward, block, rope, block_input, kept, dx)
-            for i, leaf in zip(at, d_block):
+        for at, span, program in zip(reversed(self._span_at), reversed(spans), reversed(programs)):
+            span_input, kept = saved.pop()
+            d_span, dx = self._call(program.backward, span, rope, span_input, kept, dx)
+            for i, leaf in zip(at, d_span):
                 grads[i] = leaf
-        for i, leaf in zip(self._embed_at, self._call(self._embed_backward, embed, tokens, dx)):
-            grads[i] = leaf
         return loss, grads
 
     def loss(self, params: nnx.State, rest: nnx.State, tokens: jax.Array) -> jax.Array:
         """The mean loss of ``tokens`` (B, T+1), forward programs only (nothing saved for a backward)."""
-        embed, blocks, norm, head = self._split(self._flat.leaves(params))
+        spans, programs, norm, head = self._split(self._flat.leaves(params))
         rope = jax.tree.leaves(rest["rope"])
-        x = self._call(self._embed, embed, tokens)
-        for block in blocks:
-            x = self._call(self._blocks.apply, block, rope, x)
+        x = tokens
+        for span, program in zip(spans, programs):
+            x = self._call(program.apply, span, rope, x)
         return self._call(self._head_loss, norm, head, x, tokens)
 
     def __call__(self, params, opt_state, rest, tokens):
@@ -276,21 +282,24 @@ class PerBlockStep:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
         micro = tokens if self.grad_accum == 1 else tokens[0]
         param_leaves = jax.tree.leaves(params)
-        embed, blocks, norm, head = self._split(param_leaves)
+        spans, programs, norm, head = self._split(param_leaves)
         rope = jax.tree.leaves(rest["rope"])
-        x = jax.eval_shape(self._embed, embed, micro)
         loss, grads = jax.eval_shape(self._loss_and_grad_leaves, param_leaves, rest, micro)
-        calls = [(self._embed, (embed, micro)), (self._head, (norm, head, x, micro)),
-                 (self._embed_backward, (embed, micro, x)),
-                 (self._update, (param_leaves, self._opt_leaves(opt_state), grads, loss))]
-        for span in {len(span): span for span in blocks}.values():  # one pair of programs per span length
-            _, kept = jax.eval_shape(self._blocks.forward, span, rope, x)
-            calls += [(self._blocks.forward, (span, rope, x)), (self._blocks.backward, (span, rope, x, kept, x))]
+        calls, x = [], micro
+        for span, program in {(len(span), program): (span, program)  # one pair per program and span length
+                              for span, program in zip(spans, programs)}.values():
+            program_input = micro if program is programs[0] else x
+            y, kept = jax.eval_shape(program.forward, span, rope, program_input)
+            calls += [(program.forward, (span, rope, program_input)),
+                      (program.backward, (span, rope, program_input, kept, y))]
+            x = y
+        calls += [(self._head, (norm, head, x, micro)),
+                  (self._update, (param_leaves, self._opt_leaves(opt_state), grads, loss))]
         if self.grad_accum > 1:
             total = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), (loss, grads))
             calls += [(self._accumulate, (total, loss, grads)), (self._mean, (total,))]
         for program, args in calls:
-            self._compiled[program, len(args[0])] = program.lower(*abstract(args)).compile()
+            self._compiled[program, len(args[0])] = program.lower(*abstract(args)).compile(COMPILER_OPTIONS)
         return self
 
     def as_text(self) -> str:

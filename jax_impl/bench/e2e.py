@@ -54,6 +54,7 @@ from analysis.records import Record
 from jax_impl.device import device_name, mesh_from_flags, peak_memory_bytes
 from jax_impl.distributed import initialize_from_env
 from jax_impl.model import to_numpy_weights
+from jax_impl.per_block import COMPILER_OPTIONS
 from jax_impl.sharding import STRATEGIES
 from jax_impl.train import (BLOCK_LOOPS, REMAT_POLICIES, ShardedTrainer, dtype_arguments, make_loss_fn,
                             matmul_precision, step_name)
@@ -160,25 +161,27 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
     compile_s = time.perf_counter() - start
     if args.dump_hlo:
         Path(args.dump_hlo).write_text(compiled.as_text())
-    step_ms = []
+    step_ms, profiled = [], {}
     with frozen_gc():
         losses = [step() for _ in range(args.warmup)]
         for _ in range(args.steps):
             start = time.perf_counter()
             losses.append(step())
             step_ms.append((time.perf_counter() - start) * 1e3)
+        if args.profile:
+            profiled = profile_steps(step, compiled.as_text(), args.profile,
+                                     f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}")
     metrics: dict[str, Any] = {
         "strategy": strategy, "remat": args.remat, "scan_layers": args.block_loop == "scan",
         "block_loop": args.block_loop, "blocks_per_program": (
             trainer.train_step.blocks_per_program if args.block_loop == "per_block" else None),
         "attention": args.attention, "init_s": init_s, "compile_s": compile_s,
         "compilation_cache_dir": jax.config.jax_compilation_cache_dir, "xla_flags": os.environ.get("XLA_FLAGS"),
+        "compiler_options": COMPILER_OPTIONS if args.block_loop == "per_block" else None,
         "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
         "compiled_memory": compiled_memory(compiled), "loss_first": losses[0], "loss_last": losses[-1],
         "losses": losses, **predicted_memory(spec, args, seq_len, mesh, strategy)}
-    if args.profile:
-        metrics.update(profile_steps(step, compiled.as_text(), args.profile,
-                                     f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}"))
+    metrics.update(profiled)
     return step_record(
         StepRun.of(args), spec, seq_len, backend="jax", implementation=implementation_name(args, mesh, strategy),
         device_name=device_name(mesh.devices.flat[0]), step_times_ms=step_ms, peak_memory_bytes=peak_memory_bytes(mesh),
