@@ -9,11 +9,11 @@ stack nor write into one: ~84 GB a step at xl 4 x 2,048, ~30 ms of a 265 ms step
 did not finish in 140 s). Here the blocks are separate (``TransformerLM(scan_layers=False)``), and the host
 calls, per step:
 
-    x = embed(tokens)                                      one program
-    x, saved[s] = span_forward(span s, x)                  one program per span length, called for every span
+    x, saved[0] = first_forward(embedding + span 0, tokens)   one program: the lookup, then the first span
+    x, saved[s] = span_forward(span s, x)                  one program per span length, called for every later span
     loss, grads of the head, dx = head(x, tokens)          one program
     grads[s], dx = span_backward(span s, saved[s], dx)     one program per span length, last span first
-    grads of the embedding = embed_backward(tokens, dx)
+    grads of span 0 and the embedding = first_backward(saved[0], dx)
     params, opt_state, loss = update(params, opt_state, grads, loss)   one program (state donated)
 
 Every program takes flat lists of arrays and the whole token batch (inputs and targets are sliced inside: an eager
@@ -60,9 +60,9 @@ from jax_impl.train import block_transform, check_remat, optimizer_update
 
 BLOCKS = "layers"  # the unrolled model's list of blocks in the parameter state
 BLOCKS_PER_PROGRAM = 4  # consecutive blocks run by one program (the last span may be shorter; notes/jax.md)
-# XLA options of every program compiled by ``PerBlockStep.compile``: XLA's dot merger made the q, k and v products (they share their input) one GEMM
-# over concatenated weights, and paid for the concatenates and slices around it more than it saved (xl 4 x 2,048
-# on one H100: 2.7 ms a step of GPU time; notes/jax.md, session 16).
+# XLA options of every program ``PerBlockStep.compile`` compiles: XLA's dot merger made the q, k and v products
+# (they share their input) one GEMM over concatenated weights, and paid for the concatenates and slices around it
+# more than it saved (xl 4 x 2,048 on one H100: 2.7 ms a step of GPU time; notes/jax.md, session 16).
 COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 
@@ -108,12 +108,11 @@ class _Programs:
                                 rope)
             return x
 
-        def differentiable(x):  # run as a function of what is differentiated (not integer tokens)
-            return (run, x) if embed is None else (lambda leaves, rope_leaves: run(leaves, rope_leaves, x), None)
-
         def forward(leaves, rope_leaves, x):
-            fn, dx_slot = differentiable(x)
-            y, pullback = jax.vjp(fn, leaves, rope_leaves, *([] if dx_slot is None else [x]))
+            if embed is None:
+                y, pullback = jax.vjp(run, leaves, rope_leaves, x)
+            else:  # x is the integer token batch: not differentiated
+                y, pullback = jax.vjp(lambda leaves, rope_leaves: run(leaves, rope_leaves, x), leaves, rope_leaves)
             inputs = [*leaves, *rope_leaves, x]
             position = {id(leaf): i for i, leaf in enumerate(inputs)}
             residuals, tree = jax.tree.flatten(pullback)
