@@ -95,7 +95,7 @@ records)
   # 4 x 512 (init and compile; the host's share) (OUT_DIR/jax_vs_torch.jsonl; each run's output in
   # OUT_DIR/records.log).
   runs="$out/jax_vs_torch.jsonl"
-  common=(--dtype bf16_mixed --suite jax_vs_torch --out "$runs")
+  common=(--dtype bf16_mixed --warmup 8 --steps 10 --suite jax_vs_torch --out "$runs")  # 7 synced steps (metric)
   {
     torch_best xl 4 2048 jax_vs_torch "$runs"
     jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat dots_attention "${common[@]}"

@@ -1,12 +1,15 @@
 """The step benchmarks of both backends: records they write, same start in both, failures kept as rows."""
 
 import gc
+import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from analysis.harness import frozen_gc
 from analysis.records import read_records
+from jax_impl.bench.e2e import pipelined_step_times
 from parallelism_calc.compute import step_flops
 from parallelism_calc.specs import MODELS
 from torch_impl.bench import e2e as torch_e2e
@@ -120,3 +123,20 @@ def test_frozen_gc_hides_the_heap_from_full_collections_then_gives_it_back():
         assert gc.get_freeze_count() > before  # what was alive is in the permanent generation
         assert gc.isenabled()  # collections still run, over what the steps allocate
     assert gc.get_freeze_count() == 0
+
+
+def test_pipelined_step_times_time_each_step_from_the_last_completion():
+    """Every step is timed once, in order, and the times add up to the whole run (nothing waits in between)."""
+    state = {"x": jnp.ones((256, 256)), "i": 0}
+
+    def step():
+        state["i"] += 1
+        state["x"] = jnp.tanh(state["x"] @ state["x"]) * 0.5
+        return jnp.sum(state["x"]) * 0 + state["i"]  # the loss is the step's number
+
+    start = time.perf_counter()
+    times, losses = pipelined_step_times(step, 5)
+    wall = (time.perf_counter() - start) * 1e3
+    assert losses == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert len(times) == 5 and all(t >= 0 for t in times)
+    assert sum(times) <= wall

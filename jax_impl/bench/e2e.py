@@ -8,6 +8,12 @@ Every run is the sharded program of ``jax_impl.train`` (``make_train_step`` / ``
 ``--device``. Each mode is one ``jax.jit`` (train_step: forward, backward and the optax update fused,
 parameters and optimizer state donated), compiled ahead of time, so only whole-step times are recorded.
 
+Timing, as ``torch_impl.bench.e2e`` times PyTorch's steps with CUDA events: after ``--warmup`` steps, each
+followed by reading its loss (the median of all but the first is the metric ``synced_median_ms``: the step with
+the device idle while the host starts the next one), the ``--steps`` timed steps are enqueued back to back without
+reading a loss, the host running ahead, and a step's time is the interval between its completion and the
+previous step's, seen by a thread that waits for each step's loss in turn (``pipelined_step_times``).
+
 Record (``analysis.harness.step_record``): ``--batch-size`` is the global batch (one program over the
 mesh, JAX's convention; the PyTorch DDP benchmark's batch is per rank); ``tflops`` / ``mfu`` per device;
 ``world_size`` and ``mesh`` from the mesh; ``peak_memory_bytes`` the worst device's allocator peak (GPU; None
@@ -37,7 +43,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import queue
+import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -116,16 +125,16 @@ def measure(args: JaxStepConfig) -> Record:
 
 
 def _compile_step(args: JaxStepConfig, trainer: ShardedTrainer,
-                  tokens: jax.Array) -> tuple[Any, Callable[[], float]]:
-    """The AOT-compiled program of ``args.mode`` and a closure running one step (returns the loss)."""
+                  tokens: jax.Array) -> tuple[Any, Callable[[], jax.Array]]:
+    """The AOT-compiled program of ``args.mode`` and a closure enqueueing one step (returns its loss, unread)."""
     if args.mode == "train_step":
         trainer.compile(tokens.shape[0], tokens.shape[1] - 1)  # the one program, or every per-block program
         compiled = trainer.train_step
 
-        def step() -> float:
+        def step() -> jax.Array:
             trainer.params, trainer.opt_state, loss = compiled(trainer.params, trainer.opt_state, trainer.rest,
                                                                tokens)
-            return float(loss)  # float() waits for the device
+            return loss
     else:
         loss_fn = make_loss_fn(trainer.graphdef, trainer.batch_sharding, remat=trainer.remat)
         fn = loss_fn if args.mode == "forward" else jax.value_and_grad(loss_fn)
@@ -135,10 +144,33 @@ def _compile_step(args: JaxStepConfig, trainer: ShardedTrainer,
                                              trainer.batch_sharding), out_shardings=out) \
             .lower(trainer.params, trainer.rest, tokens).compile()
 
-        def step() -> float:
-            result = jax.block_until_ready(compiled(trainer.params, trainer.rest, tokens))
-            return float(result if args.mode == "forward" else result[0])
+        def step() -> jax.Array:
+            result = compiled(trainer.params, trainer.rest, tokens)
+            return result if args.mode == "forward" else result[0]
     return compiled, step
+
+
+def pipelined_step_times(step: Callable[[], jax.Array], n: int) -> tuple[list[float], list[float]]:
+    """``n`` steps enqueued back to back, none waited for by the host that enqueues them; a thread waits for each
+    step's loss in turn and notes when it is ready. Returns each step's time in ms (from the previous step's
+    completion, the first from the call, when the device is idle) and the losses. The device's view of the step,
+    as CUDA events give it (the waiting thread's wake-up, tens of microseconds, shifts one interval into the next)."""
+    pending: queue.Queue = queue.Queue()
+    done = [time.perf_counter()]
+
+    def wait_in_turn() -> None:
+        for _ in range(n):
+            jax.block_until_ready(pending.get())
+            done.append(time.perf_counter())
+
+    waiter = threading.Thread(target=wait_in_turn, daemon=True)
+    waiter.start()
+    losses = []
+    for _ in range(n):
+        losses.append(step())
+        pending.put(losses[-1])
+    waiter.join()
+    return [(b - a) * 1e3 for a, b in zip(done, done[1:])], [float(loss) for loss in losses]
 
 
 def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
@@ -161,15 +193,17 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
     compile_s = time.perf_counter() - start
     if args.dump_hlo:
         Path(args.dump_hlo).write_text(compiled.as_text())
-    step_ms, profiled = [], {}
+    losses, synced_ms, profiled = [], [], {}
+    read = lambda: float(step())  # noqa: E731  (float() waits for the device)
     with frozen_gc():
-        losses = [step() for _ in range(args.warmup)]
-        for _ in range(args.steps):
+        for _ in range(args.warmup):
             start = time.perf_counter()
-            losses.append(step())
-            step_ms.append((time.perf_counter() - start) * 1e3)
+            losses.append(read())
+            synced_ms.append((time.perf_counter() - start) * 1e3)
+        step_ms, timed_losses = pipelined_step_times(step, args.steps)
+        losses += timed_losses
         if args.profile:
-            profiled = profile_steps(step, compiled.as_text(), args.profile,
+            profiled = profile_steps(read, compiled.as_text(), args.profile,
                                      f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}")
     metrics: dict[str, Any] = {
         "strategy": strategy, "remat": args.remat, "scan_layers": args.block_loop == "scan",
@@ -180,7 +214,8 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
         "compiler_options": COMPILER_OPTIONS if args.block_loop == "per_block" else None,
         "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
         "compiled_memory": compiled_memory(compiled), "loss_first": losses[0], "loss_last": losses[-1],
-        "losses": losses, **predicted_memory(spec, args, seq_len, mesh, strategy)}
+        "losses": losses, "synced_median_ms": statistics.median(synced_ms[1:]) if synced_ms[1:] else None,
+        **predicted_memory(spec, args, seq_len, mesh, strategy)}
     metrics.update(profiled)
     return step_record(
         StepRun.of(args), spec, seq_len, backend="jax", implementation=implementation_name(args, mesh, strategy),
