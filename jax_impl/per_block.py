@@ -25,10 +25,10 @@ for the host only once per step, for the first dispatch after the loss was read.
 ``saved`` holds what that policy keeps); its pullback's residuals leave the program as arrays, except those that
 are the program's own inputs (the blocks' weights, the RoPE tables and the span's input x), which
 ``span_backward`` takes again instead of receiving copies. Dispatch is asynchronous, so the host runs ahead
-of the GPU whenever a span's work outlasts the host's cost of calling it (~1.1 ms a program on the H100 host
-measured; spans of 4 blocks keep xl at 4 x 512 GPU-bound). What is given up: XLA cannot schedule across
-programs (on a mesh, no overlap of one span's collectives with another's compute); on one GPU there is little
-to overlap.
+of the GPU whenever a span's work outlasts the host's cost of calling it (1.1-2.4 ms a program on the H100 host
+measured: xl at 4 x 2,048 is GPU-bound, at 4 x 512 host-bound even in spans of 4 blocks; notes/jax.md). What is
+given up: XLA cannot schedule across programs (on a mesh, no overlap of one span's collectives with another's
+compute); on one GPU there is little to overlap.
 
 Public names: ``PerBlockStep(model, tx, param_shardings, opt_shardings, tokens_sharding, *, remat="none",
 grad_accum=1, blocks_per_program=BLOCKS_PER_PROGRAM)`` (``model`` gives the structure: an unrolled
