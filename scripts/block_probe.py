@@ -1,11 +1,14 @@
-"""How do ways of writing the attention's projections compile? A one-call probe for the step issue (GPU):
-``python3 scripts/block_probe.py OUT [--model xl] [--batch 4] [--seq 2048] [--variants apart,cat,...]``.
+"""How do ways of writing a block's projections compile? A one-call probe for the step issue (GPU):
+``python3 scripts/block_probe.py OUT [--model xl] [--batch 4] [--seq 2048] [--variants apart,cat,cat+w13/slices]``.
 
 One Transformer block of ours in bf16, compiled alone as the step compiles it (``fullgraph``, static shapes),
 forward and backward from a random input, timed with CUDA events (median of ``--reps`` after 3 warm-up calls),
-then profiled: its kernels with their time per call. The variants write ``CausalSelfAttention.forward``
-differently (``VARIANTS``); the Triton source of each variant's slowest generated kernel is copied to OUT
-from Inductor's cache. Prints a table; writes OUT/block_probe.json. Not a record (notes/train_step.md).
+then profiled: its kernels with their time per call. A variant names how ``CausalSelfAttention.forward`` makes
+q, k and v (``ATTENTION``), optionally ``+w13`` (SwiGLU's W1 and W3 as one product on their concatenated
+weights) and ``/slices`` (Inductor lowers every ``cat`` as producers writing into slices of one buffer, not as
+one pointwise kernel that loads every input). The Triton source of each variant's slowest generated kernel is
+copied to OUT from Inductor's cache. Prints a table; writes OUT/block_probe.json. Not a record
+(notes/train_step.md).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
@@ -53,16 +57,39 @@ def written(how: str):
     return forward
 
 
-# each variant: how CausalSelfAttention.forward is written ("model": as torch_impl/model.py has it now)
-VARIANTS = {"model": MODEL_FORWARD, "apart": written("apart"), "cat": written("cat"),
-            "cat_vcontig": written("cat_vcontig"), "qk_cat": written("qk_cat")}
+# how CausalSelfAttention.forward is written ("model": as torch_impl/model.py has it now)
+ATTENTION = {"model": MODEL_FORWARD, "apart": written("apart"), "cat": written("cat"),
+             "cat_vcontig": written("cat_vcontig"), "qk_cat": written("qk_cat")}
+SWIGLU_FORWARD = ours.SwiGLU.forward
+
+
+def swiglu_w13(self, x):
+    """W2 (SiLU(a) * b) with a | b = x [W1; W3]^T: one product of width 2 d_ff."""
+    a, b = F.linear(x, torch.cat((self.w1.weight, self.w3.weight))).chunk(2, dim=-1)
+    return self.w2(F.silu(a) * b)
+
+
+# every cat as a ConcatKernel: its inputs' producers write into slices of the output (the options this torch has)
+CAT_AS_SLICES = {name: 0 for name in ("max_pointwise_cat_inputs", "max_complex_pointwise_cat_inputs")
+                 if hasattr(torch._inductor.config, name)}
+
+
+def parse_variant(variant: str) -> tuple[str, bool, bool]:
+    """'cat+w13/slices' -> ('cat', True, True): the q/k/v form, W1|W3 as one product, cats as slices."""
+    rest, slices = (variant[:-len("/slices")], True) if variant.endswith("/slices") else (variant, False)
+    attention, w13 = (rest[:-len("+w13")], True) if rest.endswith("+w13") else (rest, False)
+    return attention, w13, slices
 
 
 def run(variant: str, spec, batch: int, seq: int, attention: str, reps: int, out: Path) -> dict:
     cache = tempfile.mkdtemp(prefix=f"inductor_{variant}_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # a fresh cache: this variant's generated code alone
     torch._dynamo.reset()
-    ours.CausalSelfAttention.forward = VARIANTS[variant]
+    attention_form, w13, slices = parse_variant(variant)
+    ours.CausalSelfAttention.forward = ATTENTION[attention_form]
+    ours.SwiGLU.forward = swiglu_w13 if w13 else SWIGLU_FORWARD
+    inductor = torch._inductor.config.patch(CAT_AS_SLICES if slices else {})
+    inductor.__enter__()
     torch.manual_seed(0)
     model = ours.TransformerLM(spec.replace(n_layers=1), attention, device="cuda").to(torch.bfloat16)
     block = model.layers[0]
@@ -94,7 +121,8 @@ def run(variant: str, spec, batch: int, seq: int, attention: str, reps: int, out
     result = {"variant": variant, "ms": ms, "grad_x_norm": x.grad.float().norm().item(),
               "kernels": [(name[:100], round(t, 4)) for name, t in kernels[:20]],
               "slowest_triton_source": source.name if source else None}
-    ours.CausalSelfAttention.forward = MODEL_FORWARD
+    inductor.__exit__(None, None, None)
+    ours.CausalSelfAttention.forward, ours.SwiGLU.forward = MODEL_FORWARD, SWIGLU_FORWARD
     return result
 
 
@@ -105,12 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--attention", default="sdpa_cudnn")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(ATTENTION))
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args(argv)
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    unknown = [v for v in args.variants.split(",") if parse_variant(v)[0] not in ATTENTION]
     if unknown:
-        print(f"block_probe: unknown variants {unknown}; accepted: {', '.join(VARIANTS)}", file=sys.stderr)
+        print(f"block_probe: unknown variants {unknown}; accepted: one of {', '.join(ATTENTION)}, then optionally"
+              " +w13, then optionally /slices", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("block_probe: needs a CUDA device", file=sys.stderr)
@@ -118,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     spec = get_model(args.model)
     spec = spec.replace(context_length=max(args.seq, spec.context_length))
+    print(f"block_probe: torch {torch.__version__}; /slices sets {CAT_AS_SLICES}", flush=True)
     results = []
     for variant in args.variants.split(","):
         r = run(variant, spec, args.batch, args.seq, args.attention, args.reps, args.out)
