@@ -82,7 +82,8 @@ def parse_variant(variant: str) -> tuple[str, bool, bool]:
 
 
 def run(variant: str, spec, batch: int, seq: int, attention: str, reps: int, out: Path) -> dict:
-    cache = tempfile.mkdtemp(prefix=f"inductor_{variant}_")
+    tag = variant.replace("/", "_").replace("+", "_")  # for file names
+    cache = tempfile.mkdtemp(prefix=f"inductor_{tag}_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # a fresh cache: this variant's generated code alone
     torch._dynamo.reset()
     attention_form, w13, slices = parse_variant(variant)
@@ -115,7 +116,7 @@ def run(variant: str, spec, batch: int, seq: int, attention: str, reps: int, out
     if slowest:
         for path in Path(cache).rglob("*.py"):
             if f"def {slowest}(" in path.read_text(errors="ignore"):
-                source = out / f"block_probe_{variant}_{slowest[:60]}.py"
+                source = out / f"block_probe_{tag}_{slowest[:60]}.py"
                 source.write_text(path.read_text())
                 break
     result = {"variant": variant, "ms": ms, "grad_x_norm": x.grad.float().norm().item(),
