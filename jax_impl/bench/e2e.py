@@ -203,7 +203,7 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
         step_ms, timed_losses = pipelined_step_times(step, args.steps)
         losses += timed_losses
         if args.profile:
-            profiled = profile_steps(read, compiled.as_text(), args.profile,
+            profiled = profile_steps(step, compiled.as_text(), args.profile,
                                      f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}")
     metrics: dict[str, Any] = {
         "strategy": strategy, "remat": args.remat, "scan_layers": args.block_loop == "scan",
@@ -224,13 +224,13 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
     )
 
 
-def profile_steps(step: Callable[[], float], hlo_text: str, out_dir: str, tag: str) -> dict[str, Any]:
-    """``PROFILED_STEPS`` calls of ``step`` under ``jax.profiler.trace(out_dir)``; on a GPU also the kernel
-    table by category (``analysis.kernels``; what each kernel computes from ``hlo_text``, the compiled step's
-    optimized HLO) as ``out_dir/<tag>_kernels.md`` and its shares as metrics."""
+def profile_steps(step: Callable[[], jax.Array], hlo_text: str, out_dir: str, tag: str) -> dict[str, Any]:
+    """``PROFILED_STEPS`` calls of ``step`` under ``jax.profiler.trace(out_dir)``, enqueued back to back as the
+    timed steps are; on a GPU also the kernel table by category (``analysis.kernels``; what each kernel computes
+    from ``hlo_text``, the compiled step's optimized HLO) as ``out_dir/<tag>_kernels.md`` and its shares as
+    metrics."""
     with jax.profiler.trace(out_dir):
-        for _ in range(PROFILED_STEPS):
-            step()
+        jax.block_until_ready([step() for _ in range(PROFILED_STEPS)])
     metrics: dict[str, Any] = {"profile_dir": out_dir}
     traces = sorted(Path(out_dir).glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     try:
