@@ -10,7 +10,9 @@ elementwise / other, the numbers behind "what fraction of the step is GEMM".
   JAX operation), for ``markdown``'s largest-kernel list.
 * ``trace_kernel_times(path)``: ``{kernel name: total ms}`` of the device events of a Chrome-format trace
   (``*.trace.json.gz`` that ``jax.profiler.trace`` writes; torch.profiler's are read by
-  ``torch_impl.profiling``): events of the "Stream #N" threads of processes named ``/device:GPU:N``.
+  ``torch_impl.profiling``): events of the "Stream #N" threads of processes named ``/device:GPU:N``. A kernel
+  of an XLA program is named with its program, ``loop_add_fusion [jit_forward]``: several programs (the
+  per-block step's) each have a ``loop_add_fusion`` of their own.
 * ``trace_gpu_idle(path)``: the GPU's busy and idle time over a trace and its largest gaps, each with the kernels
   either side (``GpuIdle``): whether the host or the device sets the step's pace.
 
@@ -39,9 +41,12 @@ _PATTERNS = (  # checked in order: a GEMM kernel named "..._reduce..." is still 
 )
 
 
+_PROGRAM = re.compile(r" \[[\w.\-]+\]$")  # the " [jit_forward]" that names a kernel's XLA program
+
+
 def categorize(name: str) -> str:
-    """The category of a kernel or operator name."""
-    lowered = name.lower()
+    """The category of a kernel or operator name (``loop_add_fusion [jit_forward]`` as ``loop_add_fusion``)."""
+    lowered = _PROGRAM.sub("", name).lower()
     for category, pattern in _PATTERNS:
         if re.search(pattern, lowered):
             return category
@@ -87,14 +92,25 @@ def markdown(rows: list[KernelRow], title: str, details: dict[str, str] | None =
 
 
 _HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+[\w\-]+\(")  # name = type opcode(
+_HLO_MODULE = re.compile(r"^HloModule ([\w.\-]+)")
+
+
+def _kernel_key(name: str, program: str | None) -> str:
+    """A kernel's name in the tables: ``loop_add_fusion [jit_forward]`` in an XLA program, else the name."""
+    return f"{name} [{program}]" if program else name
 
 
 def hlo_kernel_details(hlo_text: str) -> dict[str, str]:
-    """What each instruction of an optimized HLO module (``compiled.as_text()``) computes, keyed by the name
-    its GPU kernel gets in a trace (``loop_add_fusion.7`` runs as ``loop_add_fusion_7``): result type (layouts
-    dropped), fusion kind, and the tail of the JAX operation it came from (``metadata={op_name=...}``)."""
-    details = {}
+    """What each instruction of optimized HLO modules (``compiled.as_text()``, one or several one after another)
+    computes, keyed by the name its GPU kernel gets in a trace (``loop_add_fusion.7`` of module ``jit_forward``
+    runs as ``loop_add_fusion_7 [jit_forward]``): result type (layouts dropped), fusion kind, and the tail of
+    the JAX operation it came from (``metadata={op_name=...}``)."""
+    details, program = {}, None
     for line in hlo_text.splitlines():
+        module = _HLO_MODULE.match(line)
+        if module:
+            program = module.group(1)
+            continue
         match = _HLO_INSTRUCTION.match(line)
         if not match:
             continue
@@ -102,7 +118,7 @@ def hlo_kernel_details(hlo_text: str) -> dict[str, str]:
         result = re.sub(r"\{[^{}]*\}", "", result)[:70]  # f32[48,1600,6400]{2,1,0} -> f32[48,1600,6400]
         kind = re.search(r"kind=k(\w+)", line)
         op_name = re.search(r'op_name="([^"]*)"', line)
-        details[re.sub(r"[.\-]", "_", name)] = " ".join(filter(None, (
+        details[_kernel_key(re.sub(r"[.\-]", "_", name), program)] = " ".join(filter(None, (
             result, kind and kind.group(1), op_name and "..." + op_name.group(1)[-70:])))
     return details
 
@@ -126,15 +142,16 @@ def _stream_kernels(path: str | os.PathLike) -> list[tuple[str, float, float]]:
     streams = {key for key in named("thread_name", "Stream") if key[0] in gpus}
     if not streams:
         raise ValueError(f"{path}: no GPU stream timeline in the trace (was it recorded on a GPU?)")
-    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
-            if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams and e.get("dur")]
+    return [(_kernel_key(e["name"], e.get("args", {}).get("hlo_module")), float(e["ts"]), float(e["dur"]))
+            for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams and e.get("dur")]
 
 
 def trace_kernel_times(path: str | os.PathLike) -> dict[str, float]:
     """Total milliseconds per kernel name on the GPU timelines of a Chrome-format trace (``.json`` or
     ``.json.gz``). A kernel's name is the event's ``name`` (XLA names fusions after their HLO instruction,
     e.g. ``loop_multiply_fusion_3``; numbered copies of one fusion kind are kept apart: ``hlo_kernel_details``
-    says what each computes). ValueError if the trace has no GPU timeline."""
+    says what each computes), followed by its XLA program's where the event names one
+    (``loop_multiply_fusion_3 [jit_backward]``). ValueError if the trace has no GPU timeline."""
     times: dict[str, float] = {}
     for name, _, dur in _stream_kernels(path):
         times[name] = times.get(name, 0.0) + dur / 1e3  # us -> ms

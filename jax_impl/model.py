@@ -72,6 +72,7 @@ MLP = "mlp"
 ATTENTION_OUTPUT = "attention_output"  # the attention core's output (B, T, H, D)
 QKV = ("query", "key", "value")  # the attention core's inputs (B, T, H, D), queries and keys after RoPE
 MLP_GATE, MLP_UP = "mlp_gate", "mlp_up"  # SwiGLU's w1 x and w3 x (B, T, d_ff)
+MLP_PRODUCT = "mlp_product"  # SiLU(w1 x) * w3 x, the input of w2 (B, T, d_ff)
 NORMED = ("attention_input", "mlp_input")  # the outputs of ln1 and ln2 (B, T, d)
 ATTENTION_RESIDUAL = "attention_residual"  # x + attn(ln1(x)), the input of ln2 (B, T, d)
 LAYERS = "layers"  # the leading axis of the stacked block parameters (scan_layers); never sharded
@@ -223,7 +224,7 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = checkpoint_name(self.w1(x), MLP_GATE), checkpoint_name(self.w3(x), MLP_UP)  # (B, T, d_ff)
-        return self.w2(jax.nn.silu(gate) * up)  # (B, T, d)
+        return self.w2(checkpoint_name(jax.nn.silu(gate) * up, MLP_PRODUCT))  # (B, T, d)
 
 
 class TransformerBlock(nnx.Module):

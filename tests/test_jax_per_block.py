@@ -77,7 +77,8 @@ def test_unrolled_model_draws_the_scanned_weights():
         np.testing.assert_array_equal(value, scanned[name], err_msg=name)
 
 
-@pytest.mark.parametrize("remat,span", [("none", 1), ("qkv_mlp_norms", 2), ("dots_attention", 3)])
+@pytest.mark.parametrize("remat,span", [("none", 1), ("qkv_mlp_norms", 2), ("dots_attention", 3),
+                                        ("qkv_mlp_norms_product", 2)])
 def test_per_block_takes_the_scanned_steps(remat, span):
     seed = int(np.random.default_rng().integers(2**31))
     scanned, per_block = _pair(make_mesh(ParallelSpec(), _devices(1)), "dp", seed, remat=remat,

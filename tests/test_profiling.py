@@ -66,6 +66,36 @@ def test_jax_trace_kernel_table_counts_stream_kernels_once(tmp_path):
         trace_kernel_times(path)
 
 
+def test_jax_trace_kernels_of_several_programs_keep_their_program(tmp_path):
+    """The per-block step runs several XLA programs whose fusions share names: each kernel is keyed with its
+    program (the event's ``hlo_module``), categorized by its own name, and described from that program's HLO."""
+    events = [_meta("process_name", 2, "/device:GPU:0"), _meta("thread_name", 2, "Stream #13", tid=13)]
+    kernels = [("loop_add_fusion", "jit_forward", 400.0), ("loop_add_fusion", "jit_backward", 900.0),
+               ("loop_add_fusion", "jit_forward", 400.0), ("nvjet_tst_128x128", "jit_forward", 2000.0)]
+    events += [{"ph": "X", "pid": 2, "tid": 13, "ts": i * 1e4, "dur": dur, "name": name,
+                "args": {"hlo_module": module, "hlo_op": name}} for i, (name, module, dur) in enumerate(kernels)]
+    path = tmp_path / "programs.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    times = trace_kernel_times(path)
+    assert times == {"loop_add_fusion [jit_forward]": 0.8, "loop_add_fusion [jit_backward]": 0.9,
+                     "nvjet_tst_128x128 [jit_forward]": 2.0}
+    rows = {r.category: r for r in kernel_table(times, n_steps=1)}
+    assert rows["elementwise"].time_ms == pytest.approx(1.7) and rows["matmul"].time_ms == pytest.approx(2.0)
+    hlo = """HloModule jit_forward, entry_computation_layout={()->f32[]}
+ENTRY %main {
+  ROOT %loop_add_fusion = bf16[8,64]{1,0} fusion(%a), kind=kLoop, calls=%c, metadata={op_name="jit(forward)/add"}
+}
+
+HloModule jit_backward, entry_computation_layout={()->f32[]}
+ENTRY %main {
+  ROOT %loop_add_fusion = f32[64]{0} fusion(%b), kind=kLoop, calls=%d, metadata={op_name="jit(backward)/add"}
+}"""
+    details = hlo_kernel_details(hlo)
+    assert details["loop_add_fusion [jit_forward]"] == "bf16[8,64] Loop ...jit(forward)/add"
+    assert details["loop_add_fusion [jit_backward]"] == "f32[64] Loop ...jit(backward)/add"
+
+
 def test_trace_gpu_idle_counts_overlaps_once_and_names_the_gaps(tmp_path):
     """Busy time is the union of the kernels' intervals over both streams; each gap names its neighbours."""
     events = [_meta("process_name", 2, "/device:GPU:0"), _meta("thread_name", 2, "Stream #13", tid=13),

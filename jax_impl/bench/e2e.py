@@ -284,7 +284,8 @@ def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
                              "full (only its input; also the value of a bare --remat), dots (the weight "
                              "products' outputs), dots_attention (those and the attention output), qkv_mlp (the "
                              "attention's inputs and results, SwiGLU's products), qkv_mlp_norms (those, the norms' "
-                             "outputs and the residual between attention and MLP)")
+                             "outputs and the residual between attention and MLP), qkv_mlp_norms_product (those "
+                             "and SwiGLU's elementwise product)")
     parser.add_argument("--block-loop", choices=BLOCK_LOOPS, default="scan",
                         help="scan: the blocks' parameters stacked and run by one lax.scan, so init and compile "
                              "time do not grow with depth (default); unrolled: a Python loop over separate "
