@@ -46,6 +46,7 @@ def test_meshes_train_like_one_device(tmp_path):
     seed = str(np.random.SeedSequence().entropy % 1000)
     single = _run(tmp_path, "--seed", seed)
     assert single.world_size == 1 and single.mesh == {"dp": 1, "fsdp": 1, "tp": 1}
+    assert single.metrics["back_to_back_mean_ms"] > 0
     for mesh, degrees, strategy in (("dp=2,fsdp=2,tp=2", (2, 2, 2), "fsdp_tp"), ("fsdp=4,tp=2", (1, 4, 2), "fsdp_tp")):
         run = _run(tmp_path, "--seed", seed, "--mesh", mesh)
         np.testing.assert_allclose(run.metrics["losses"], single.metrics["losses"], rtol=1e-5, err_msg=mesh)

@@ -12,7 +12,9 @@ Timing, as ``torch_impl.bench.e2e`` times PyTorch's steps with CUDA events: afte
 followed by reading its loss (the median of all but the first is the metric ``synced_median_ms``: the step with
 the device idle while the host starts the next one), the ``--steps`` timed steps are enqueued back to back without
 reading a loss, the host running ahead, and a step's time is the interval between its completion and the
-previous step's, seen by a thread that waits for each step's loss in turn (``pipelined_step_times``).
+previous step's, seen by a thread that waits for each step's loss in turn (``pipelined_step_times``). Then as
+many steps again are enqueued with nothing waiting on them until the last: their wall time over their count is
+the metric ``back_to_back_mean_ms`` (no thread beside the host that enqueues them).
 
 Record (``analysis.harness.step_record``): ``--batch-size`` is the global batch (one program over the
 mesh, JAX's convention; the PyTorch DDP benchmark's batch is per rank); ``tflops`` / ``mfu`` per device;
@@ -202,6 +204,9 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
             synced_ms.append((time.perf_counter() - start) * 1e3)
         step_ms, timed_losses = pipelined_step_times(step, args.steps)
         losses += timed_losses
+        start = time.perf_counter()
+        jax.block_until_ready([step() for _ in range(args.steps)])
+        back_to_back_ms = (time.perf_counter() - start) * 1e3 / args.steps
         if args.profile:
             profiled = profile_steps(step, compiled.as_text(), args.profile,
                                      f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}")
@@ -215,6 +220,7 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
         "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
         "compiled_memory": compiled_memory(compiled), "loss_first": losses[0], "loss_last": losses[-1],
         "losses": losses, "synced_median_ms": statistics.median(synced_ms[1:]) if synced_ms[1:] else None,
+        "back_to_back_mean_ms": back_to_back_ms,
         **predicted_memory(spec, args, seq_len, mesh, strategy)}
     metrics.update(profiled)
     return step_record(
