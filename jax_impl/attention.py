@@ -88,6 +88,10 @@ ATTENTION_BACKENDS: dict[str, AttentionFn] = {
     "dot_product_cudnn": dot_product_cudnn_attention,
     "pallas_flash": pallas_flash_attention,
 }
+# Backends whose forward primitive returns its output as a residual of its own backward, which the remat
+# policies save by primitive (``jax_impl.train``): the model does not also tag their output by name, which
+# would make it a second residual of the same value (XLA copied it, 26 MB a block at xl 4 x 2,048).
+KEEP_THEIR_OUTPUT = frozenset({"dot_product_cudnn"})
 
 
 def get_attention(name: str) -> AttentionFn:

@@ -60,7 +60,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_impl.attention import get_attention
+from jax_impl.attention import KEEP_THEIR_OUTPUT, get_attention
 from parallelism_calc.specs import ModelSpec
 
 # Logical axis names (see the module docstring for which parameter uses which).
@@ -210,7 +210,9 @@ class CausalSelfAttention(nnx.Module):
         q = checkpoint_name(rope(self.q_proj(x).reshape(heads)), QKV[0])
         k = checkpoint_name(rope(self.k_proj(x).reshape(heads)), QKV[1])
         v = checkpoint_name(self.v_proj(x).reshape(heads), QKV[2])
-        out = checkpoint_name(get_attention(self.attention_name)(q, k, v), ATTENTION_OUTPUT)  # (B, T, H, D)
+        out = get_attention(self.attention_name)(q, k, v)  # (B, T, H, D)
+        if self.attention_name not in KEEP_THEIR_OUTPUT:
+            out = checkpoint_name(out, ATTENTION_OUTPUT)
         return self.output_proj(out.reshape(batch, seq, d_model))  # (B, T, d)
 
 

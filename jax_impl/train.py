@@ -122,9 +122,9 @@ def _is_variable(x: Any) -> bool:
 
 
 def _saved_attention(prim, *_, **params) -> bool:
-    """The attention core's results: our backends' output (named ``ATTENTION_OUTPUT`` in the model), and
-    what cuDNN's fused forward returns for its backward (output and softmax statistics), so that
-    the backward pass never runs the attention forward again."""
+    """The attention core's results: our backends' output (named ``ATTENTION_OUTPUT`` in the model), or
+    what cuDNN's fused forward returns for its backward (output and softmax statistics; its output is not
+    also named), so that the backward pass never runs the attention forward again."""
     return prim.name.startswith("dot_product_attention_fwd") or (
         prim.name == "name" and params.get("name") == ATTENTION_OUTPUT)
 

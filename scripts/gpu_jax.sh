@@ -91,7 +91,7 @@ records)
   # The issue's records in one call: the best PyTorch step (ours, bf16 weights with fp32 masters, compiled in
   # spans of blocks, each span's CUDA graph) and the JAX step, with bf16 weights and fp32 masters too, at xl
   # 4 x 2,048 and 2.7B 2 x 2,048: its blocks run by the host (--block-loop per_block), one program per block and
-  # per span of 4, saving what qkv_mlp_norms names, and the scan beside them; then the per-block step at xl
+  # per span of 4, saving what qkv_mlp_norms_product names, and the scan beside them; then the per-block step at xl
   # 4 x 512 (init and compile; the host's share) (OUT_DIR/jax_vs_torch.jsonl; each run's output in
   # OUT_DIR/records.log).
   runs="$out/jax_vs_torch.jsonl"
@@ -100,13 +100,13 @@ records)
     torch_best xl 4 2048 jax_vs_torch "$runs"
     jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat dots_attention "${common[@]}"
     for span in 1 4; do
-      jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat qkv_mlp_norms --block-loop per_block \
+      jax_e2e 150 --model xl --batch-size 4 --seq-len 2048 --remat qkv_mlp_norms_product --block-loop per_block \
         --blocks-per-program "$span" "${common[@]}"
     done
     torch_best 2.7B 2 2048 jax_vs_torch "$runs"
     jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat qkv_mlp "${common[@]}"
     for span in 1 4; do
-      jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat qkv_mlp_norms --block-loop per_block \
+      jax_e2e 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat qkv_mlp_norms_product --block-loop per_block \
         --blocks-per-program "$span" "${common[@]}"
     done
     jax_e2e 120 --model xl --batch-size 4 --seq-len 512 --remat none --block-loop per_block --blocks-per-program 4 \
@@ -140,7 +140,7 @@ per_block_profile)
   # (OUT_DIR/jax_per_block_profile.jsonl, OUT_DIR/<model>_span<N>_<set>_kernels.md with set 0 for no options,
   # each run's output in OUT_DIR/per_block_profile.log).
   runs="$out/jax_per_block_profile.jsonl"
-  common=(--dtype bf16_mixed --remat qkv_mlp_norms --block-loop per_block --warmup 3 --steps 10
+  common=(--dtype bf16_mixed --remat qkv_mlp_norms_product --block-loop per_block --warmup 3 --steps 10
           --suite jax_per_block_profile --out "$runs")
   IFS=';' read -r -a sets <<< "${XLA_SETS:-}"
   sets=("" "${sets[@]}")
