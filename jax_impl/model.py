@@ -74,7 +74,6 @@ QKV = ("query", "key", "value")  # the attention core's inputs (B, T, H, D), que
 MLP_GATE, MLP_UP = "mlp_gate", "mlp_up"  # SwiGLU's w1 x and w3 x (B, T, d_ff)
 MLP_PRODUCT = "mlp_product"  # SiLU(w1 x) * w3 x, the input of w2 (B, T, d_ff)
 NORMED = ("attention_input", "mlp_input")  # the outputs of ln1 and ln2 (B, T, d)
-NORM_RSTD = "norm_rstd"  # an RMSNorm's 1 / sqrt(mean(x^2) + eps) (B, T, 1), float32
 ATTENTION_RESIDUAL = "attention_residual"  # x + attn(ln1(x)), the input of ln2 (B, T, d)
 LAYERS = "layers"  # the leading axis of the stacked block parameters (scan_layers); never sharded
 
@@ -159,8 +158,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        rstd = checkpoint_name(jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps), NORM_RSTD)
-        normed = x32 * rstd
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
         return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 

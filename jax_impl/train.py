@@ -64,7 +64,7 @@ the block's split state; ``nnx.remat`` trips over the RoPE table shared by all b
 to keep for the backward pass: "full" keeps only the block inputs, "dots" the outputs of the weight
 products, "dots_attention" those and the attention output, "qkv_mlp" (by the model's ``checkpoint_name``
 tags) the attention's inputs after RoPE and its results and SwiGLU's two products, "qkv_mlp_norms" those
-and the norms' outputs and statistics and the residual between attention and MLP, "qkv_mlp_norms_product" also SwiGLU's
+and the norms' outputs and the residual between attention and MLP, "qkv_mlp_norms_product" also SwiGLU's
 elementwise product; the rest of each block is recomputed. With
 ``block_loop="scan"`` (the default) the blocks are one ``lax.scan`` over stacked parameters
 (``jax_impl.model``), so tracing, compiling and initializing do not grow with depth; the policy then also
@@ -111,8 +111,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.model import (ATTENTION_OUTPUT, ATTENTION_RESIDUAL, MLP_GATE, MLP_PRODUCT, MLP_UP, NORM_RSTD, NORMED,
-                            QKV, ApplyBlock, TransformerLM, cross_entropy, load_numpy_weights)
+from jax_impl.model import (ATTENTION_OUTPUT, ATTENTION_RESIDUAL, MLP_GATE, MLP_PRODUCT, MLP_UP, NORMED, QKV,
+                            ApplyBlock, TransformerLM, cross_entropy, load_numpy_weights)
 from jax_impl.sharding import batch_sharding, create_sharded_model, param_shardings
 from parallelism_calc.specs import ModelSpec
 
@@ -146,12 +146,12 @@ REMAT_POLICIES = {
     # By name: the attention's inputs (after RoPE) and results and SwiGLU's two products; the norms, RoPE and
     # SwiGLU's product are recomputed ...
     "qkv_mlp": _saving(*QKV, MLP_GATE, MLP_UP),
-    # ... or those and the norms' outputs and statistics and the residual stream between attention and MLP (only
-    # SwiGLU's elementwise product is recomputed) ...
-    "qkv_mlp_norms": _saving(*QKV, MLP_GATE, MLP_UP, *NORMED, NORM_RSTD, ATTENTION_RESIDUAL),
+    # ... or those and the norms' outputs and the residual stream between attention and MLP (only SwiGLU's
+    # elementwise product is recomputed) ...
+    "qkv_mlp_norms": _saving(*QKV, MLP_GATE, MLP_UP, *NORMED, ATTENTION_RESIDUAL),
     # ... or also that product, as PyTorch's autograd keeps it (the backward then writes no (B, T, d_ff) tensor
     # beyond the two gradients).
-    "qkv_mlp_norms_product": _saving(*QKV, MLP_GATE, MLP_UP, MLP_PRODUCT, *NORMED, NORM_RSTD, ATTENTION_RESIDUAL),
+    "qkv_mlp_norms_product": _saving(*QKV, MLP_GATE, MLP_UP, MLP_PRODUCT, *NORMED, ATTENTION_RESIDUAL),
 }
 
 
