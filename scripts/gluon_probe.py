@@ -53,7 +53,7 @@ def _mma_partition(a_bufs, b_bufs, ready, free, k_tiles, acc_layout: gl.constexp
         acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # the MMA of step k - 1 is done
         mbarrier.arrive(free.index((k + stages - 1) % stages), count=1, pred=k > 0)
-    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return (warpgroup_mma_wait(num_outstanding=0, deps=(acc,)),)  # a tuple: warp_specialize flattens it
 
 
 @triton.constexpr_function
@@ -88,7 +88,7 @@ def ws_matmul_kernel(a_desc, b_desc, c_desc, STAGES: gl.constexpr, num_warps: gl
     acc = gl.warp_specialize([
         (_mma_partition, (a_bufs, b_bufs, ready, free, k_tiles, acc_layout, BLOCK_M, BLOCK_N)),
         (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, free, off_m, off_n, k_tiles, BLOCK_K)),
-    ], [1], [40])
+    ], [1], [40])[0]
 
     c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     c_smem.store(acc.to(c_desc.dtype))
