@@ -82,15 +82,22 @@ def parse_variant(variant: str) -> tuple[str, bool, bool]:
 
 
 def run(variant: str, spec, batch: int, seq: int, attention: str, reps: int, out: Path) -> dict:
+    """``measure`` with the variant's forwards and Inductor options in place, the model's restored after."""
+    attention_form, w13, slices = parse_variant(variant)
+    ours.CausalSelfAttention.forward = ATTENTION[attention_form]
+    ours.SwiGLU.forward = swiglu_w13 if w13 else SWIGLU_FORWARD
+    try:
+        with torch._inductor.config.patch(CAT_AS_SLICES if slices else {}):
+            return measure(variant, spec, batch, seq, attention, reps, out)
+    finally:
+        ours.CausalSelfAttention.forward, ours.SwiGLU.forward = MODEL_FORWARD, SWIGLU_FORWARD
+
+
+def measure(variant: str, spec, batch: int, seq: int, attention: str, reps: int, out: Path) -> dict:
     tag = variant.replace("/", "_").replace("+", "_")  # for file names
     cache = tempfile.mkdtemp(prefix=f"inductor_{tag}_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # a fresh cache: this variant's generated code alone
     torch._dynamo.reset()
-    attention_form, w13, slices = parse_variant(variant)
-    ours.CausalSelfAttention.forward = ATTENTION[attention_form]
-    ours.SwiGLU.forward = swiglu_w13 if w13 else SWIGLU_FORWARD
-    inductor = torch._inductor.config.patch(CAT_AS_SLICES if slices else {})
-    inductor.__enter__()
     torch.manual_seed(0)
     model = ours.TransformerLM(spec.replace(n_layers=1), attention, device="cuda").to(torch.bfloat16)
     block = model.layers[0]
@@ -119,12 +126,9 @@ def run(variant: str, spec, batch: int, seq: int, attention: str, reps: int, out
                 source = out / f"block_probe_{tag}_{slowest[:60]}.py"
                 source.write_text(path.read_text())
                 break
-    result = {"variant": variant, "ms": ms, "grad_x_norm": x.grad.float().norm().item(),
-              "kernels": [(name[:100], round(t, 4)) for name, t in kernels[:20]],
-              "slowest_triton_source": source.name if source else None}
-    inductor.__exit__(None, None, None)
-    ours.CausalSelfAttention.forward, ours.SwiGLU.forward = MODEL_FORWARD, SWIGLU_FORWARD
-    return result
+    return {"variant": variant, "ms": ms, "grad_x_norm": x.grad.float().norm().item(),
+            "kernels": [(name[:100], round(t, 4)) for name, t in kernels[:20]],
+            "slowest_triton_source": source.name if source else None}
 
 
 def main(argv: list[str] | None = None) -> int:
