@@ -1,0 +1,150 @@
+"""Is the Gluon forward (FlashAttention-3's structure, torch_impl/attention/flash_gluon.py) right, and faster than
+cuDNN's? A GPU probe for issue 14: ``PYTHONPATH=. python3 scripts/flash_gluon_probe.py OUT [--config I]``.
+
+For each head dim and each configuration of ``flash_gluon.CONFIGS`` (or only the I-th of each, so that a shell
+loop can run every configuration in a process of its own under ``timeout``: a kernel whose barriers deadlock
+hangs, it does not fail), in one process:
+
+* checks against float64 on fresh random inputs (O and the logsumexp; causal and not; GQA with two query heads a
+  k/v head; q, k, v as the model passes them, (B, H, n, d) views of (B, n, H, d)), next to cuDNN's O error on the
+  same inputs: the bf16 output's rounding is the floor both share;
+* the forward's ``triton.testing.do_bench`` median at the issue's shapes (bf16, causal), against cuDNN SDPA and
+  the Triton forward (``flash_triton.flash_forward``) in the same process, with O's relative error against cuDNN's.
+
+Rows (with provenance) are appended to OUT/flash_gluon_probe.jsonl as they are measured; a configuration that
+fails to compile or run is a row with its error. Not a record: it decides what ``flash_gluon`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+from analysis.records import provenance
+from torch_impl.attention import flash_gluon as fg
+from torch_impl.attention import flash_triton as ft
+
+SHAPES = ("1x16x16384x64", "4x32x2048x64", "1x16x16384x128", "4x32x2048x128")
+CHECKS = (  # (B, H, H_kv, n, causal, layout)
+    (2, 4, 4, 1024, True, "bhnd"), (2, 4, 4, 512, False, "bhnd"), (1, 4, 2, 1024, True, "bnhd"),
+    (2, 4, 4, 768, True, "bnhd"),
+)
+
+
+def heads(b: int, h: int, n: int, d: int, layout: str, gen: torch.Generator) -> torch.Tensor:
+    """(B, H, n, d): contiguous, or the (B, H, n, d) view of a (B, n, H, d) tensor the model passes."""
+    if layout == "bnhd":
+        return torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+    return torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+
+def reference(q, k, v, causal: bool):
+    """O and the logsumexp in float64, k/v heads repeated for GQA."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def cudnn(q, k, v, causal: bool):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+        return sdpa(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def error(err: Exception) -> str:
+    traceback.print_exc()
+    return f"{type(err).__name__}: {str(err)[-1500:]}"
+
+
+def check(config, d: int, emit) -> None:
+    for b, h, h_kv, n, causal, layout in CHECKS:
+        gen = torch.Generator(device="cuda").manual_seed(b * 1000 + n + d)
+        q = heads(b, h, n, d, layout, gen)
+        k, v = heads(b, h_kv, n, d, layout, gen), heads(b, h_kv, n, d, layout, gen)
+        row = {"check": "float64", "d": d, "config": config, "shape": f"{b}x{h}x{h_kv}x{n}", "causal": causal,
+               "layout": layout}
+        try:
+            if not fg.supports(q, k, v, causal, config):
+                emit({**row, "error": "not supported"})
+                continue
+            o_ref, lse_ref = reference(q, k, v, causal)
+            o, lse = fg.forward(q, k, v, causal, config)
+            torch.cuda.synchronize()
+            emit({**row, "o_rel": rel(o, o_ref), "lse_max_abs": (lse.double() - lse_ref).abs().max().item(),
+                  "o_rel_cudnn": rel(cudnn(q, k, v, causal), o_ref)})
+        except Exception as err:  # noqa: BLE001 (a failing configuration is a row)
+            emit({**row, "error": error(err)})
+
+
+def bench(shape: str, configs, emit) -> None:
+    b, h, n, d = (int(x) for x in shape.split("x"))
+    gen = torch.Generator(device="cuda").manual_seed(n + d)
+    q, k, v = (heads(b, h, n, d, "bhnd", gen) for _ in "qkv")
+    row = {"shape": shape, "pass": "fwd", "flops": 4 * b * h * n * n * d / 2}
+    want = cudnn(q, k, v, True)
+
+    def timed(name, fn, **extra):
+        try:
+            out = fn()
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+            emit({**row, "variant": name, "ms": ms, "tflops": row["flops"] / ms / 1e9,
+                  "o_rel_vs_cudnn": rel(out, want), **extra})
+            return ms
+        except Exception as err:  # noqa: BLE001
+            emit({**row, "variant": name, "error": error(err), **extra})
+            return None
+
+    cudnn_ms = timed("cudnn", lambda: cudnn(q, k, v, True))
+    timed("triton", lambda: ft.flash_forward(q, k, v, True)[0])
+    for config in configs:
+        if fg.supports(q, k, v, True, config):
+            ms = timed("gluon", lambda: fg.forward(q, k, v, True, config)[0], config=config)
+            if ms and cudnn_ms:
+                print(f"  {shape} {config}: {ms:.3f} ms, {cudnn_ms / ms:.3f}x cuDNN", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="BxHxNxd, comma-separated (causal, bf16)")
+    parser.add_argument("--config", type=int, help="only the I-th configuration of each head dim")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("flash_gluon_probe: needs an sm_90 GPU (H100, H200)", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = provenance(torch.cuda.get_device_name())
+    path = args.out / "flash_gluon_probe.jsonl"
+
+    def emit(row: dict) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps({**row, **meta}) + "\n")
+        print(json.dumps({k: v for k, v in row.items() if k != "error"}), row.get("error", "")[:300], flush=True)
+
+    configs = {d: cs if args.config is None else cs[args.config:args.config + 1] for d, cs in fg.CONFIGS.items()}
+    for d, cs in configs.items():
+        for config in cs:
+            check(config, d, emit)
+    for shape in args.shapes.split(","):
+        bench(shape, configs[int(shape.split("x")[-1])], emit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
