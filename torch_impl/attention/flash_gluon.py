@@ -38,19 +38,23 @@ def _wgmma_layout(block_n):
 
 
 @gluon.jit
-def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_free, q_row, q_col, kv_row,
-          kv_col, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The producer warp: both Q tiles, then K_j and V_j into stage j % STAGES once both consumers freed it."""
+def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, q_row, q_col,
+          kv_row, kv_col, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The producer warp: both Q tiles, then K_j and V_j into stage j % STAGES, each once both consumers freed it.
+    K and V are freed apart: K_j as soon as S_j is done, V_j once O += P_j V_j is, so that a consumer waiting for
+    K_{j+1} never waits on its own release of V_{j-1} (with two stages, that wait would deadlock)."""
     stages: gl.constexpr = k_bufs.type.shape[0]
     mbarrier.expect(q_bar, TILES * q_desc.block_type.nbytes)
     for t in gl.static_range(TILES):
         tma.async_copy_global_to_shared(q_desc, [q_row + t * BLOCK_M, q_col], q_bar, q_smem.index(t))
     for j in range(n_blocks):
         stage = j % stages
-        mbarrier.wait(kv_free.index(stage), ((j // stages) & 1) ^ 1)  # a new barrier passes the parity-1 wait
+        free_phase = ((j // stages) & 1) ^ 1  # a new barrier passes the parity-1 wait
+        mbarrier.wait(k_free.index(stage), free_phase)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(stage),
                                         k_bufs.index(stage))
+        mbarrier.wait(v_free.index(stage), free_phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(stage),
                                         v_bufs.index(stage))
@@ -71,7 +75,7 @@ def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, qk_scale, dtype: gl.const
 
 
 @gluon.jit
-def _consume(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_free, o_ptr, stride_on, lse_ptr, m_start,
+def _consume(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, o_ptr, stride_on, lse_ptr, m_start,
              n_blocks_program, qk_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """One consumer warpgroup: query tile TILE of the program, O and L written at the end."""
@@ -102,6 +106,7 @@ def _consume(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_free, o_ptr, st
     mbarrier.wait(k_ready.index(0), 0)
     s = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    mbarrier.arrive(k_free.index(0), count=1)
     for j in range(n_blocks - 1):
         # S_{j+1} = Q K_{j+1}^T runs on the tensor cores under the softmax of S_j.
         nxt = (j + 1) % stages
@@ -110,25 +115,29 @@ def _consume(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_free, o_ptr, st
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N + offs_n, j >= n_full, qk_scale,
                                            dtype, p_layout, IS_CAUSAL)
         o = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # O += P_{j-1} V_{j-1} is done
-        mbarrier.arrive(kv_free.index((j + stages - 1) % stages), count=1, pred=j > 0)
+        mbarrier.arrive(v_free.index((j + stages - 1) % stages), count=1, pred=j > 0)
         o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ready.index(j % stages), (j // stages) & 1)
         acc = warpgroup_mma(p, v_bufs.index(j % stages), o, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, ))  # S_{j+1} is done; O += P_j V_j runs on
+        mbarrier.arrive(k_free.index(nxt), count=1)
     last = n_blocks - 1
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, last * BLOCK_N + offs_n, last >= n_full, qk_scale,
                                        dtype, p_layout, IS_CAUSAL)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    mbarrier.arrive(kv_free.index((last + stages - 1) % stages), count=1, pred=last > 0)
+    mbarrier.arrive(v_free.index((last + stages - 1) % stages), count=1, pred=last > 0)
     o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
     mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
     acc = warpgroup_mma(p, v_bufs.index(last % stages), o, is_async=True)
     o = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    mbarrier.arrive(kv_free.index(last % stages), count=1)
-    # Key tiles only the other query tile sees (causal): free them once they have landed.
+    mbarrier.arrive(v_free.index(last % stages), count=1)
+    # Key tiles only the other query tile sees (causal): free them once they have landed (an early release would
+    # count towards the stage's previous phase).
     for j in range(n_blocks, n_blocks_program):
+        mbarrier.wait(k_ready.index(j % stages), (j // stages) & 1)
+        mbarrier.arrive(k_free.index(j % stages), count=1)
         mbarrier.wait(v_ready.index(j % stages), (j // stages) & 1)
-        mbarrier.arrive(kv_free.index(j % stages), count=1)
+        mbarrier.arrive(v_free.index(j % stages), count=1)
 
     o = o / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
     gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * _LN2)
@@ -166,23 +175,25 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, n_heads, group
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_free.index(i), count=TILES)  # both consumers release a stage
+        mbarrier.init(k_free.index(i), count=TILES)  # both consumers release a stage
+        mbarrier.init(v_free.index(i), count=TILES)
 
     q_row = b * q_rows_b + h * q_rows_h + m_start
     kv_row = b * kv_rows_b + h_kv * kv_rows_h
     o_ptr += b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
     lse_ptr += bh.to(gl.int64) * n_q
     gl.warp_specialize([
-        (_consume, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_free, o_ptr, stride_on, lse_ptr, m_start,
+        (_consume, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, o_ptr, stride_on, lse_ptr, m_start,
                     n_blocks, qk_scale, 0, IS_CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM)),
-        (_consume, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_free, o_ptr, stride_on, lse_ptr, m_start,
+        (_consume, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, o_ptr, stride_on, lse_ptr, m_start,
                     n_blocks, qk_scale, 1, IS_CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM)),
-        (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_free, q_row,
+        (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, q_row,
                  h * q_cols_h, kv_row, h_kv * kv_cols_h, n_blocks, BLOCK_M, BLOCK_N)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
