@@ -5,10 +5,12 @@ For each head dim and each configuration of ``flash_gluon.CONFIGS`` (or only the
 loop can run every configuration in a process of its own under ``timeout``: a kernel whose barriers deadlock
 hangs, it does not fail), in one process:
 
-* checks against float64 on fresh random inputs (O and the logsumexp; causal and not; GQA with two query heads a
+* checks against float64 on fresh random inputs, with scores rounded as the Triton backward does (``natural``) and
+  with the scale folded into the exponent (O and the logsumexp; causal and not; GQA with two query heads a
   k/v head; q, k, v as the model passes them, (B, H, n, d) views of (B, n, H, d)), next to cuDNN's O error on the
   same inputs: the bf16 output's rounding is the floor both share;
-* the forward's ``triton.testing.do_bench`` median at the issue's shapes (bf16, causal), against cuDNN SDPA and
+* the forward's ``triton.testing.do_bench`` median at the issue's shapes (bf16, causal; ``gluon`` natural,
+  ``gluon_base2`` folded), against cuDNN SDPA and
   the Triton forward (``flash_triton.flash_forward``) in the same process, with O's relative error against cuDNN's.
 
 Rows (with provenance) are appended to OUT/flash_gluon_probe.jsonl as they are measured; a configuration that
@@ -23,6 +25,10 @@ import math
 import sys
 import traceback
 from pathlib import Path
+
+import os
+
+os.environ["FLASH_GLUON"] = "0"  # the "triton" rows: flash_triton.flash_forward without the Gluon forward
 
 import torch
 import triton.testing
@@ -84,10 +90,12 @@ def check(config, d: int, emit) -> None:
                 emit({**row, "error": "not supported"})
                 continue
             o_ref, lse_ref = reference(q, k, v, causal)
-            o, lse = fg.forward(q, k, v, causal, config)
-            torch.cuda.synchronize()
-            emit({**row, "o_rel": rel(o, o_ref), "lse_max_abs": (lse.double() - lse_ref).abs().max().item(),
-                  "o_rel_cudnn": rel(cudnn(q, k, v, causal), o_ref)})
+            for natural in (True, False):
+                o, lse = fg.forward(q, k, v, causal, config, natural)
+                torch.cuda.synchronize()
+                emit({**row, "natural": natural, "o_rel": rel(o, o_ref),
+                      "lse_max_abs": (lse.double() - lse_ref).abs().max().item(),
+                      "o_rel_cudnn": rel(cudnn(q, k, v, causal), o_ref)})
         except Exception as err:  # noqa: BLE001 (a failing configuration is a row)
             emit({**row, "error": error(err)})
 
@@ -114,9 +122,11 @@ def bench(shape: str, configs, emit) -> None:
     timed("triton", lambda: ft.flash_forward(q, k, v, True)[0])
     for config in configs:
         if fg.supports(q, k, v, True, config):
-            ms = timed("gluon", lambda: fg.forward(q, k, v, True, config)[0], config=config)
-            if ms and cudnn_ms:
-                print(f"  {shape} {config}: {ms:.3f} ms, {cudnn_ms / ms:.3f}x cuDNN", flush=True)
+            for natural in (True, False):
+                name = "gluon" if natural else "gluon_base2"
+                ms = timed(name, lambda: fg.forward(q, k, v, True, config, natural)[0], config=config)
+                if ms and cudnn_ms:
+                    print(f"  {shape} {name} {config}: {ms:.3f} ms, {cudnn_ms / ms:.3f}x cuDNN", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

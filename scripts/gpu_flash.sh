@@ -16,8 +16,14 @@
 #          choices (TRITON_CACHE_AUTOTUNING=1), the profiled run reuses them and runs each kernel once
 #          -> OUT/flash_ncu.ncu-rep, its details and its per-instruction source view as text
 #          (OUT/flash_ncu_details.txt, OUT/flash_ncu_source.csv), the kernels' TTGIR/PTX (OUT/flash_triton_ir.tgz)
+#   gluon  the Gluon forward (torch_impl/attention/flash_gluon.py): scripts/flash_gluon_probe.py for the first two
+#          configurations of each head dim (a process each, under timeout: a barrier deadlock hangs), the GPU tests
+#          whose shapes it takes (whole tiles, d 64 / 128, x1000) -> OUT/gpu_tests_gluon.log, then ours with and
+#          without it (FLASH_GLUON=0; the backward's tuning cached between the two) against cuDNN at the
+#          leaderboard shapes and 4 x 32 x 2,048 (d 64, 128), forward and forward + backward
+#          -> OUT/attention_gluon_{on,off}_<gpu>.jsonl
 #   all    tests then bench (default). e2e is separate: autotuning plus compiling 2.7B may not fit the same call.
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu]
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu|gluon]
 # Records are appended as they are measured, so a call cut short keeps what it finished.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu]}
@@ -69,13 +75,30 @@ run_ncu() {
   tail -n 5 "$out/flash_ncu.log"
 }
 
+run_gluon() {
+  for i in 0 1; do
+    timeout 150 python3 scripts/flash_gluon_probe.py "$out" --config "$i" 2>&1 | grep -E "cuDNN|Error" || status=1
+  done
+  run_pytest gpu_tests_gluon.log -m gpu tests/test_flash_attention.py \
+    -k "(long_sequences and triton and (q1024-k1024 or q512-k1024) and not fp32) or x1000 or h16-kv4-d128"
+  export TRITON_CACHE_AUTOTUNING=1
+  local shapes=1x16x16384x64,1x16x16384x128,4x32x2048x64,4x32x2048x128
+  for gluon in 1 0; do
+    local name=$([ "$gluon" = 1 ] && echo on || echo off)
+    FLASH_GLUON=$gluon python3 -m torch_impl.bench.attention --shapes "$shapes" --dtypes bf16 --causal \
+      --providers flash_triton,sdpa_cudnn --passes forward,forward_backward --suite "flash_gluon_$name" --no-report \
+      --out "$out/attention_gluon_${name}_${GPU_TAG}.jsonl" || status=1
+  done
+}
+
 case "$mode" in
   tests) run_tests ;;
   tests_small) run_tests_small ;;
   bench) run_bench ;;
   e2e) run_e2e ;;
   ncu) run_ncu ;;
+  gluon) run_gluon ;;
   all) run_tests; run_bench ;;
-  *) echo "unknown mode $mode; accepted: all, tests, tests_small, bench, e2e, ncu" >&2; exit 2 ;;
+  *) echo "unknown mode $mode; accepted: all, tests, tests_small, bench, e2e, ncu, gluon" >&2; exit 2 ;;
 esac
 exit $status

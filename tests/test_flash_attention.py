@@ -768,12 +768,14 @@ def test_gpu_fp32_large_magnitudes(d, seed):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_x1000_dv_as_good_as_flash_sdpa(seed):
+@pytest.mark.parametrize("n", [300, 1024])
+def test_gpu_bf16_x1000_dv_as_good_as_flash_sdpa(n, seed):
     """bf16 inputs x1000 (ISSUE_NOTES: ours 6.4e-2 on dV, cuDNN 7.0e-2, SDPA's flash backend 1.5e-3): the bar is
-    flash SDPA's error on the same inputs (2x, or 5e-3, whichever is larger)."""
+    flash SDPA's error on the same inputs (2x, or 5e-3, whichever is larger). n = 1024 runs the Gluon forward on
+    sm_90 (whole tiles), whose L the Triton backward must reproduce to the last bit of each score."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, k, v, grad_out = random_inputs((1, 2), 300, 300, 64, torch.bfloat16, "cuda", q_scale=1e3, kv_scale=1e3)
+    q, k, v, grad_out = random_inputs((1, 2), n, n, 64, torch.bfloat16, "cuda", q_scale=1e3, kv_scale=1e3)
     want = reference(q, k, v, grad_out, True)
     got = run(load_impl("triton").fn, q, k, v, grad_out, True)
 
@@ -786,5 +788,5 @@ def test_gpu_bf16_x1000_dv_as_good_as_flash_sdpa(seed):
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     FlashSDPA.apply(q2, k2, v2, True).backward(grad_out)
     ours, theirs = errors(got["dV"], want["dV"])[0], errors(v2.grad, want["dV"])[0]
-    print(f"ERR dV bf16 x1000: ours {ours:.2e}, flash SDPA {theirs:.2e}")
-    assert ours <= max(2 * theirs, 5e-3), f"dV: ours {ours:.2e}, flash SDPA {theirs:.2e} (seed={seed})"
+    print(f"ERR dV bf16 x1000 n={n}: ours {ours:.2e}, flash SDPA {theirs:.2e}")
+    assert ours <= max(2 * theirs, 5e-3), f"dV: ours {ours:.2e}, flash SDPA {theirs:.2e} (n={n}, seed={seed})"

@@ -16,6 +16,8 @@ Triton kernels (torch_impl/attention/flash_triton.py), which also provide the ba
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -23,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-_LOG2E = 1.4426950408889634
+_LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
 HEAD_DIMS = (64, 128)  # head dims the tiles are written for (wgmma's N for O and TMA's box width)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -60,22 +62,33 @@ def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_read
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, qk_scale, dtype: gl.constexpr, p_layout: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr):
-    """Online softmax of one S tile (base 2): P in wgmma's register-operand layout, the rescale alpha, m and l."""
+def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, scale, dtype: gl.constexpr, p_layout: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, NATURAL: gl.constexpr):
+    """Online softmax of one S tile: P in wgmma's register-operand layout, the rescale alpha, m and l.
+    NATURAL: m in natural units and P = exp2((fl(S * scale) - m) * log2 e), each score rounded as the Triton
+    backward rounds it, so that its P = exp(S - L) matches at any magnitude (scale = 1 / sqrt(d)); else the scale
+    is folded into one multiply-add in base 2, P = exp2(S * scale - m) (scale = log2 e / sqrt(d)), one FP32
+    instruction less per score."""
+    if NATURAL:
+        s = s * scale
     if IS_CAUSAL:
         if masked:
             s = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), s, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # finite: key 0 is in the first tile, every row sees it
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
+    if NATURAL:
+        m_new = gl.maximum(m_i, gl.max(s, 1))  # finite: key 0 is in the first tile, every row sees it
+        p = gl.exp2((s - gl.expand_dims(m_new, 1)) * _LOG2E)
+        alpha = gl.exp2((m_i - m_new) * _LOG2E)  # 0 on the first tile (m_i = -inf)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
+        p = gl.exp2(s * scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
     return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
 
 
 @gluon.jit
 def _consume(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, o_ptr, stride_on, lse_ptr, m_start,
-             n_blocks_program, qk_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+             n_blocks_program, scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, NATURAL: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """One consumer warpgroup: query tile TILE of the program, O and L written at the end."""
     stages: gl.constexpr = k_bufs.type.shape[0]
@@ -106,8 +119,8 @@ def _consume(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, o_
     s = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     mbarrier.arrive(k_free.index(0), count=1)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, offs_n, n_full == 0, qk_scale, dtype, p_layout,
-                                       IS_CAUSAL)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, offs_n, n_full == 0, scale, dtype, p_layout,
+                                       IS_CAUSAL, NATURAL)
     # Iteration j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} on the tensor cores, the softmax of S_j under the latter.
     # Nothing is in flight across the loop's back edge: a loop-carried value of an unfinished wgmma is copied at
     # the edge, and ptxas then serializes every wgmma of the kernel (its warning C7514).
@@ -121,8 +134,8 @@ def _consume(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, o_
         o = warpgroup_mma(p, v_bufs.index(prev), o, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j is done; O += P_{j-1} V_{j-1} runs on
         mbarrier.arrive(k_free.index(stage), count=1)
-        p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N + offs_n, j >= n_full, qk_scale,
-                                                dtype, p_layout, IS_CAUSAL)
+        p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N + offs_n, j >= n_full, scale,
+                                                dtype, p_layout, IS_CAUSAL, NATURAL)
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # p: the operand stays alive until then
         mbarrier.arrive(v_free.index(prev), count=1)
         p = p_next
@@ -141,16 +154,19 @@ def _consume(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, o_
         mbarrier.arrive(v_free.index(j % stages), count=1)
 
     o = o / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-    gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * _LN2)
+    if NATURAL:
+        gl.store(lse_ptr + offs_m, m_i + gl.log(l_i))
+    else:
+        gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * _LN2)
     offs_mo = start_m + gl.arange(0, BLOCK_M, layout=o_rows)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     gl.store(o_ptr + gl.expand_dims(offs_mo, 1) * stride_on + gl.expand_dims(offs_d, 0), o.to(dtype))
 
 
 @gluon.jit
-def _fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, n_heads, group, n_q, n_k,
+def _fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, scale, n_heads, group, n_q, n_k,
                 q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
-                stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, NATURAL: gl.constexpr, STAGES: gl.constexpr,
                 CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Program (query-tile pair, batch x head). Element (b, h, n, :) of Q sits at row b * q_rows_b + h * q_rows_h
     + n, column h * q_cols_h of q_desc's 2-D view (and so for K, V with the k/v head h // group)."""
@@ -191,9 +207,9 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, n_heads, group
     lse_ptr += bh.to(gl.int64) * n_q
     gl.warp_specialize([
         (_consume, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, o_ptr, stride_on, lse_ptr, m_start,
-                    n_blocks, qk_scale, 0, IS_CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                    n_blocks, scale, 0, IS_CAUSAL, NATURAL, BLOCK_M, BLOCK_N, HEAD_DIM)),
         (_consume, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, o_ptr, stride_on, lse_ptr, m_start,
-                    n_blocks, qk_scale, 1, IS_CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                    n_blocks, scale, 1, IS_CAUSAL, NATURAL, BLOCK_M, BLOCK_N, HEAD_DIM)),
         (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, q_row,
                  h * q_cols_h, kv_row, h_kv * kv_cols_h, n_blocks, BLOCK_M, BLOCK_N)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -243,9 +259,11 @@ def _descriptor(t: torch.Tensor, block_rows: int):
     return TensorDescriptor(t, shape, [row_stride, 1], block, layout), where
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, natural: bool = True):
     """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
-    (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]."""
+    (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``natural`` (default)
+    rounds each score as the Triton backward does (``_softmax_tile``; FP fusion off), else the scale is folded
+    into the exponent's multiply-add."""
     block_m, block_n, stages, regs = config or CONFIGS[q.shape[-1]][0]
     batch, heads, n_q, d = q.shape
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -254,7 +272,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
     k_desc, kv_where = _descriptor(k, block_n)
     v_desc, _ = _descriptor(v, block_n)
     grid = (n_q // (TILES.value * block_m), batch * heads)
-    _fwd_kernel[grid](q_desc, k_desc, v_desc, o, lse, _LOG2E / d ** 0.5, heads, heads // k.shape[1], n_q,
-                      k.shape[2], *q_where, *kv_where, o.stride(0), o.stride(1), o.stride(2), IS_CAUSAL=is_causal,
-                      STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
+    scale = 1 / math.sqrt(d) if natural else _LOG2E.value / math.sqrt(d)
+    _fwd_kernel[grid](q_desc, k_desc, v_desc, o, lse, scale, heads, heads // k.shape[1], n_q, k.shape[2],
+                      *q_where, *kv_where, o.stride(0), o.stride(1), o.stride(2), IS_CAUSAL=is_causal,
+                      NATURAL=natural, STAGES=stages, CONSUMER_REGS=regs, num_warps=4, enable_fp_fusion=not natural)
     return o, lse

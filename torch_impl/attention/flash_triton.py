@@ -577,6 +577,21 @@ def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool)
     return sizes, meta
 
 
+@functools.cache
+def _gluon_forward():
+    """``flash_gluon`` (FlashAttention-3's forward on sm_90, in Gluon) where it can run: a GPU, not the interpreter,
+    ``FLASH_GLUON`` not "0", and a Triton with Gluon's Hopper API; else None. It takes the shapes its ``supports``
+    accepts (bf16/fp16, head dim 64 or 128, whole tiles), the Triton forward the rest; its O and L are what the
+    Triton backward reads, each score rounded alike."""
+    if INTERPRET or os.environ.get("FLASH_GLUON", "1") == "0" or not torch.cuda.is_available():
+        return None
+    try:
+        from torch_impl.attention import flash_gluon
+    except (ImportError, AttributeError):  # a Triton without (this version of) Gluon
+        return None
+    return flash_gluon
+
+
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, tf32: bool = False):
     """O (q's shape and dtype, contiguous) and L (q.shape[:-1], fp32) of q (..., H, n_q, d), k, v (..., H_kv, n_k, d)."""
     check_inputs(q, k, v)
@@ -585,6 +600,10 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     if q.numel() == 0:  # no queries (or no heads, or an empty batch): nothing to launch
         return o, lse
     q4, k4, v4, o4 = (_as_heads(t) for t in (q, k, v, o))
+    gluon = _gluon_forward()
+    if gluon is not None and gluon.supports(q4, k4, v4, is_causal):
+        o4, lse4 = gluon.forward(q4, k4, v4, is_causal)
+        return o4.view(q.shape), lse4.view(lse.shape)
     sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
     batch, heads, n_q, d = q4.shape
     _launch(_fwd_tuned, _fwd_kernel, "fwd", n_q, "BLOCK_M", batch * heads,
