@@ -5,12 +5,11 @@ For each head dim and each configuration of ``flash_gluon.CONFIGS`` (or only the
 loop can run every configuration in a process of its own under ``timeout``: a kernel whose barriers deadlock
 hangs, it does not fail), in one process:
 
-* checks against float64 on fresh random inputs, with scores rounded as the Triton backward does (``natural``) and
-  with the scale folded into the exponent (O and the logsumexp; causal and not; GQA with two query heads a
-  k/v head; q, k, v as the model passes them, (B, H, n, d) views of (B, n, H, d)), next to cuDNN's O error on the
-  same inputs: the bf16 output's rounding is the floor both share;
-* the forward's ``triton.testing.do_bench`` median at the issue's shapes (bf16, causal; ``gluon`` natural,
-  ``gluon_base2`` folded), against cuDNN SDPA and
+* checks each of VARIANTS (the defaults; the scale folded into the exponent; one program per work item instead of
+  the persistent grid) against float64 on fresh random inputs (O and the logsumexp; causal and not; GQA with two
+  query heads a k/v head; q, k, v as the model passes them, (B, H, n, d) views of (B, n, H, d)), next to cuDNN's
+  O error on the same inputs: the bf16 output's rounding is the floor both share;
+* the forward's ``triton.testing.do_bench`` median at the issue's shapes (bf16, causal; each of VARIANTS), against cuDNN SDPA and
   the Triton forward (``flash_triton.flash_forward``) in the same process, with O's relative error against cuDNN's.
 
 Rows (with provenance) are appended to OUT/flash_gluon_probe.jsonl as they are measured; a configuration that
@@ -40,10 +39,12 @@ from torch_impl.attention import flash_gluon as fg
 from torch_impl.attention import flash_triton as ft
 
 SHAPES = ("1x16x16384x64", "4x32x2048x64", "1x16x16384x128", "4x32x2048x128")
-CHECKS = (  # (B, H, H_kv, n, causal, layout)
+CHECKS = (  # (B, H, H_kv, n, causal, layout); the last three give a persistent grid several items a program
     (2, 4, 4, 1024, True, "bhnd"), (2, 4, 4, 512, False, "bhnd"), (1, 4, 2, 1024, True, "bnhd"),
-    (2, 4, 4, 768, True, "bnhd"),
+    (2, 4, 4, 768, True, "bnhd"), (4, 16, 16, 1024, True, "bnhd"), (2, 16, 8, 2048, True, "bhnd"),
+    (4, 16, 16, 512, False, "bhnd"),
 )
+VARIANTS = {"gluon": {}, "gluon_folded": {"folded": True}, "gluon_grid": {"persistent": False}}  # forward's options
 
 
 def heads(b: int, h: int, n: int, d: int, layout: str, gen: torch.Generator) -> torch.Tensor:
@@ -90,10 +91,10 @@ def check(config, d: int, emit) -> None:
                 emit({**row, "error": "not supported"})
                 continue
             o_ref, lse_ref = reference(q, k, v, causal)
-            for natural in (True, False):
-                o, lse = fg.forward(q, k, v, causal, config, natural)
+            for variant, options in VARIANTS.items():
+                o, lse = fg.forward(q, k, v, causal, config, **options)
                 torch.cuda.synchronize()
-                emit({**row, "natural": natural, "o_rel": rel(o, o_ref),
+                emit({**row, "variant": variant, "o_rel": rel(o, o_ref),
                       "lse_max_abs": (lse.double() - lse_ref).abs().max().item(),
                       "o_rel_cudnn": rel(cudnn(q, k, v, causal), o_ref)})
         except Exception as err:  # noqa: BLE001 (a failing configuration is a row)
@@ -122,12 +123,10 @@ def bench(shape: str, configs, emit) -> None:
     timed("triton", lambda: ft.flash_forward(q, k, v, True)[0])
     for config in configs:
         if fg.supports(q, k, v, True, config):
-            for natural in (True, False):
-                name = "gluon" if natural else "gluon_base2"
-                ms = timed(name, lambda: fg.forward(q, k, v, True, config, natural)[0], config=config)
+            for variant, options in VARIANTS.items():
+                ms = timed(variant, lambda: fg.forward(q, k, v, True, config, **options)[0], config=config)
                 if ms and cudnn_ms:
-                    print(f"  {shape} {name} {config}: {ms:.3f} ms, {cudnn_ms / ms:.3f}x cuDNN", flush=True)
-
+                    print(f"  {shape} {variant} {config}: {ms:.3f} ms, {cudnn_ms / ms:.3f}x cuDNN", flush=True)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,13 +1,15 @@
 """FlashAttention forward for Hopper (sm_90) written in Gluon, with FlashAttention-3's structure.
 
-One program computes two query tiles of one (batch, head) against every key tile they see. Its warps are split
-(``gl.warp_specialize``) into a one-warp producer that TMA-loads Q once and K, V tile by tile into a ring of
-shared-memory stages (mbarriers say when a stage is full and when both consumers are done with it), and two
-consumer warpgroups, one per query tile, that share every K and V tile they load. Each consumer pipelines its
-own work as FlashAttention-3 does within a warpgroup: the wgmma of S = Q K_{j+1}^T is issued before the softmax
-of S_j and runs under it, and the wgmma of O += P_j V_j stays in flight until the next tile's rescale needs O.
-Softmax in base 2 with the scale folded into one multiply-add (``exp2(s * scale * log2 e - m)``); the logsumexp
-is written in natural units, as the Triton kernels' backward reads it.
+A work item is two query tiles of one (batch, head) against every key tile they see; a persistent grid of one
+program per SM takes the items in turn, the heaviest first (causal). A program's warps are split
+(``gl.warp_specialize``) into a one-warp producer that TMA-loads Q and then K, V tile by tile into a ring of
+shared-memory stages (mbarriers say when a stage is full and when both consumers are done with it, so the next
+item's loads run under the end of the last), and two consumer warpgroups, one per query tile, that share every K
+and V tile. Each consumer overlaps within its warpgroup as FlashAttention-3 does: S_j = Q K_j^T and
+O += P_{j-1} V_{j-1} are issued together and the softmax of S_j runs under the latter.
+Softmax in base 2; by default each exponent is taken from the raw score's difference to its row maximum, so that the
+logsumexp L (natural units, as the Triton backward reads it) is exact for one-hot rows; ``folded`` folds the scale
+into one multiply-add instead (``_softmax_tile``).
 
 References: Shah et al., "FlashAttention-3" (2024), sections 3.1-3.2; Triton's Gluon tutorials
 (python/tutorials/gluon: 05-wgmma, 08-warp-specialization). What it handles is ``supports``; the rest goes to the
@@ -16,6 +18,7 @@ Triton kernels (torch_impl/attention/flash_triton.py), which also provide the ba
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -39,58 +42,91 @@ def _wgmma_layout(block_n):
 
 
 @gluon.jit
-def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, q_row, q_col,
-          kv_row, kv_col, n_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The producer warp: both Q tiles, then K_j and V_j into stage j % STAGES, each once both consumers freed it.
-    K and V are freed apart: K_j as soon as S_j is done, V_j once O += P_j V_j is, so that a consumer waiting for
-    K_{j+1} never waits on its own release of V_{j-1} (with two stages, that wait would deadlock)."""
-    stages: gl.constexpr = k_bufs.type.shape[0]
-    mbarrier.expect(q_bar, TILES * q_desc.block_type.nbytes)
-    for t in gl.static_range(TILES):
-        tma.async_copy_global_to_shared(q_desc, [q_row + t * BLOCK_M, q_col], q_bar, q_smem.index(t))
-    for j in range(n_blocks):
-        stage = j % stages
-        free_phase = ((j // stages) & 1) ^ 1  # a new barrier passes the parity-1 wait
-        mbarrier.wait(k_free.index(stage), free_phase)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(stage),
-                                        k_bufs.index(stage))
-        mbarrier.wait(v_free.index(stage), free_phase)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(stage),
-                                        v_bufs.index(stage))
+def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr):
+    """Work item ``tile`` -> (its first query, batch, head, k/v head, key tiles it reads): the query blocks that see
+    the most keys come first (causal), each for every (batch, head) before the next, so that a persistent grid's
+    programs, taking every num_programs-th item, get even shares."""
+    m_block = tile // n_bh
+    if IS_CAUSAL:
+        m_block = n_m_blocks - 1 - m_block
+    bh = tile % n_bh
+    h = bh % n_heads
+    m_start = m_block * (TILES * BLOCK_M)
+    if IS_CAUSAL:
+        n_blocks = gl.cdiv(m_start + TILES * BLOCK_M, BLOCK_N)
+    else:
+        n_blocks = n_k // BLOCK_N
+    return m_start, bh // n_heads, h, h // group, n_blocks
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, scale, dtype: gl.constexpr, p_layout: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, NATURAL: gl.constexpr):
-    """Online softmax of one S tile: P in wgmma's register-operand layout, the rescale alpha, m and l.
-    NATURAL: m in natural units and P = exp2((fl(S * scale) - m) * log2 e), each score rounded as the Triton
-    backward rounds it, so that its P = exp(S - L) matches at any magnitude (scale = 1 / sqrt(d)); else the scale
-    is folded into one multiply-add in base 2, P = exp2(S * scale - m) (scale = log2 e / sqrt(d)), one FP32
-    instruction less per score."""
-    if NATURAL:
-        s = s * scale
+def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, n_tiles,
+          n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
+          IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The producer warp, for each work item of the program: both Q tiles once both consumers are done with the
+    last item's (their last S is computed), then K_j and V_j into stage i % STAGES (i counts the program's key
+    tiles over all its items), each once both consumers freed it. K and V are freed apart: K_j as soon as S_j is
+    done, V_j once O += P_j V_j is, so that a consumer waiting for K_{j+1} never waits on its own release of
+    V_{j-1} (with two stages, that wait would deadlock). So the next item's loads run under the last one's end."""
+    stages: gl.constexpr = k_bufs.type.shape[0]
+    i = 0
+    t = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        m_start, b, h, h_kv, n_blocks = _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
+                                              BLOCK_N)
+        q_row = b * q_rows_b + h * q_rows_h + m_start
+        kv_row = b * kv_rows_b + h_kv * kv_rows_h
+        mbarrier.wait(q_free, (t & 1) ^ 1)  # a new barrier passes the parity-1 wait
+        mbarrier.expect(q_ready, TILES * q_desc.block_type.nbytes)
+        for u in gl.static_range(TILES):
+            tma.async_copy_global_to_shared(q_desc, [q_row + u * BLOCK_M, h * q_cols_h], q_ready, q_smem.index(u))
+        for j in range(n_blocks):
+            stage = i % stages
+            free_phase = ((i // stages) & 1) ^ 1
+            mbarrier.wait(k_free.index(stage), free_phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], k_ready.index(stage),
+                                            k_bufs.index(stage))
+            mbarrier.wait(v_free.index(stage), free_phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], v_ready.index(stage),
+                                            v_bufs.index(stage))
+            i += 1
+        t += 1
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, scale2, dtype: gl.constexpr, p_layout: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr):
+    """Online softmax of one tile of raw scores S = Q K^T: P in wgmma's register-operand layout, the rescale
+    alpha, the row max m and the row sum l; scale2 = log2(e) / sqrt(d).
+    FOLDED: m in base-2 scaled units and P = exp2(S * scale2 - m), one multiply-add a score (FlashAttention-3).
+    Else m is a raw score and P = exp2((S - m) * scale2), one instruction more: S - m is exact, so the row's
+    maximum gets P = 1 exactly and L = m / sqrt(d) + log(l) is the Triton backward's own rounding of that score
+    (``_fwd_kernel``): with one-hot rows (inputs x1000, |S| ~ 1e6) the backward's P = exp(S - L) stays exact."""
     if IS_CAUSAL:
         if masked:
             s = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), s, -float("inf"))
-    if NATURAL:
-        m_new = gl.maximum(m_i, gl.max(s, 1))  # finite: key 0 is in the first tile, every row sees it
-        p = gl.exp2((s - gl.expand_dims(m_new, 1)) * _LOG2E)
-        alpha = gl.exp2((m_i - m_new) * _LOG2E)  # 0 on the first tile (m_i = -inf)
+    if FOLDED:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * scale2)  # finite: key 0 is in the first tile, every row sees it
+        p = gl.exp2(s * scale2 - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
     else:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
-        p = gl.exp2(s * scale - gl.expand_dims(m_new, 1))
-        alpha = gl.exp2(m_i - m_new)
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        p = gl.exp2((s - gl.expand_dims(m_new, 1)) * scale2)
+        alpha = gl.exp2((m_i - m_new) * scale2)
     l_i = l_i * alpha + gl.sum(p, 1)
     return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
 
 
 @gluon.jit
-def _consume(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, o_ptr, stride_on, lse_ptr, m_start,
-             n_blocks_program, scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, NATURAL: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """One consumer warpgroup: query tile TILE of the program, O and L written at the end."""
+def _consume(q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_ptr, lse_ptr, n_tiles,
+             n_bh, n_heads, n_m_blocks, n_q, n_k, stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr,
+             IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             HEAD_DIM: gl.constexpr):
+    """One consumer warpgroup: query tile TILE of each of the program's work items, its O and L written at the end.
+    Key tile i of the program (over all its items) sits in stage i % STAGES, filled for the (i // STAGES)-th time."""
     stages: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -98,120 +134,125 @@ def _consume(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, o_
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    start_m = m_start + TILE * BLOCK_M  # this tile's first query
-    if IS_CAUSAL:
-        n_blocks = gl.cdiv(start_m + BLOCK_M, BLOCK_N)  # key tiles up to the diagonal
-        n_full = (start_m + 1) // BLOCK_N  # key tiles wholly below it: no mask
-    else:
-        n_blocks = n_blocks_program
-        n_full = n_blocks_program
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=rows)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows)
+    scale2 = sm_scale * _LOG2E
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     q = q_smem.index(TILE)
-    mbarrier.wait(q_bar, 0)
+    i = 0
+    t = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        m_start, b, h, h_kv, n_blocks_program = _tile(tile, n_bh, n_heads, 1, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
+                                                      BLOCK_N)
+        start_m = m_start + TILE * BLOCK_M  # this tile's first query
+        if IS_CAUSAL:
+            n_blocks = gl.cdiv(start_m + BLOCK_M, BLOCK_N)  # key tiles up to the diagonal
+            n_full = (start_m + 1) // BLOCK_N  # key tiles wholly below it: no mask
+        else:
+            n_blocks = n_blocks_program
+            n_full = n_blocks_program
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=rows)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows)
+        o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        mbarrier.wait(q_ready, t & 1)
 
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    mbarrier.arrive(k_free.index(0), count=1)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, offs_n, n_full == 0, scale, dtype, p_layout,
-                                       IS_CAUSAL, NATURAL)
-    # Iteration j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} on the tensor cores, the softmax of S_j under the latter.
-    # Nothing is in flight across the loop's back edge: a loop-carried value of an unfinished wgmma is copied at
-    # the edge, and ptxas then serializes every wgmma of the kernel (its warning C7514).
-    for j in range(1, n_blocks):
-        stage = j % stages
-        mbarrier.wait(k_ready.index(stage), (j // stages) & 1)
+        stage = i % stages
+        mbarrier.wait(k_ready.index(stage), (i // stages) & 1)
         s = warpgroup_mma(q, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-        prev = (j - 1) % stages
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // stages) & 1)
-        o = warpgroup_mma(p, v_bufs.index(prev), o, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j is done; O += P_{j-1} V_{j-1} runs on
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         mbarrier.arrive(k_free.index(stage), count=1)
-        p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N + offs_n, j >= n_full, scale,
-                                                dtype, p_layout, IS_CAUSAL, NATURAL)
-        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # p: the operand stays alive until then
-        mbarrier.arrive(v_free.index(prev), count=1)
-        p = p_next
-    last = n_blocks - 1
-    o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-    mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
-    o = warpgroup_mma(p, v_bufs.index(last % stages), o, is_async=True)
-    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
-    mbarrier.arrive(v_free.index(last % stages), count=1)
-    # Key tiles only the other query tile sees (causal): free them once they have landed (an early release would
-    # count towards the stage's previous phase).
-    for j in range(n_blocks, n_blocks_program):
-        mbarrier.wait(k_ready.index(j % stages), (j // stages) & 1)
-        mbarrier.arrive(k_free.index(j % stages), count=1)
-        mbarrier.wait(v_ready.index(j % stages), (j // stages) & 1)
-        mbarrier.arrive(v_free.index(j % stages), count=1)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, offs_n, n_full == 0, scale2, dtype, p_layout,
+                                           IS_CAUSAL, FOLDED)
+        # Key tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} on the tensor cores, the softmax of S_j under the
+        # latter. Nothing is in flight across the loop's back edge: a loop-carried value of an unfinished wgmma is
+        # copied at the edge, and ptxas then serializes every wgmma of the kernel (its warning C7514).
+        for j in range(1, n_blocks):
+            cur = i + j
+            stage = cur % stages
+            mbarrier.wait(k_ready.index(stage), (cur // stages) & 1)
+            s = warpgroup_mma(q, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            prev = (cur - 1) % stages
+            mbarrier.wait(v_ready.index(prev), ((cur - 1) // stages) & 1)
+            o = warpgroup_mma(p, v_bufs.index(prev), o, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j is done; O += P_{j-1} V_{j-1} runs on
+            mbarrier.arrive(k_free.index(stage), count=1)
+            p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N + offs_n, j >= n_full, scale2,
+                                                    dtype, p_layout, IS_CAUSAL, FOLDED)
+            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # p: the operand stays alive until then
+            mbarrier.arrive(v_free.index(prev), count=1)
+            p = p_next
+        mbarrier.arrive(q_free, count=1)  # every S of this item is done: the next item's Q may land
+        last = i + n_blocks - 1
+        o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
+        o = warpgroup_mma(p, v_bufs.index(last % stages), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+        mbarrier.arrive(v_free.index(last % stages), count=1)
+        # Key tiles only the other query tile sees (causal): free them once they have landed (an early release
+        # would count towards the stage's previous phase).
+        for j in range(n_blocks, n_blocks_program):
+            cur = i + j
+            mbarrier.wait(k_ready.index(cur % stages), (cur // stages) & 1)
+            mbarrier.arrive(k_free.index(cur % stages), count=1)
+            mbarrier.wait(v_ready.index(cur % stages), (cur // stages) & 1)
+            mbarrier.arrive(v_free.index(cur % stages), count=1)
 
-    o = o / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-    if NATURAL:
-        gl.store(lse_ptr + offs_m, m_i + gl.log(l_i))
-    else:
-        gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * _LN2)
-    offs_mo = start_m + gl.arange(0, BLOCK_M, layout=o_rows)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(o_ptr + gl.expand_dims(offs_mo, 1) * stride_on + gl.expand_dims(offs_d, 0), o.to(dtype))
+        o = o / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+        bh = b * n_heads + h
+        if FOLDED:
+            gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, (m_i + gl.log2(l_i)) * _LN2)
+        else:
+            gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, m_i * sm_scale + gl.log(l_i))
+        offs_mo = start_m + gl.arange(0, BLOCK_M, layout=o_rows)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_tile = o_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+        gl.store(o_tile + gl.expand_dims(offs_mo, 1) * stride_on + gl.expand_dims(offs_d, 0), o.to(dtype))
+        i += n_blocks_program
+        t += 1
 
 
 @gluon.jit
-def _fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, scale, n_heads, group, n_q, n_k,
+def _fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, sm_scale, n_heads, group, n_bh, n_q, n_k,
                 q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
-                stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, NATURAL: gl.constexpr, STAGES: gl.constexpr,
+                stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr, STAGES: gl.constexpr,
                 CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """Program (query-tile pair, batch x head). Element (b, h, n, :) of Q sits at row b * q_rows_b + h * q_rows_h
-    + n, column h * q_cols_h of q_desc's 2-D view (and so for K, V with the k/v head h // group)."""
+    """A program takes work items (two query tiles of one batch x head, ``_tile``) pid, pid + num_programs, ...
+    Element (b, h, n, :) of Q sits at row b * q_rows_b + h * q_rows_h + n, column h * q_cols_h of q_desc's 2-D view
+    (and so for K, V with the k/v head h // group)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    pid = gl.program_id(0)
-    if IS_CAUSAL:  # the last query tiles see the most keys: launched first
-        pid = gl.num_programs(0) - 1 - pid
-    bh = gl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    h_kv = h // group
-    m_start = pid * (TILES * BLOCK_M)
-    if IS_CAUSAL:
-        n_blocks = gl.cdiv(m_start + TILES * BLOCK_M, BLOCK_N)
-    else:
-        n_blocks = n_k // BLOCK_N
+    n_m_blocks = n_q // (TILES * BLOCK_M)
+    n_tiles = n_m_blocks * n_bh
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [TILES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_free.index(i), count=TILES)  # both consumers release a stage
-        mbarrier.init(v_free.index(i), count=TILES)
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_free, count=TILES)  # both consumers release Q
+    for u in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(u), count=1)
+        mbarrier.init(v_ready.index(u), count=1)
+        mbarrier.init(k_free.index(u), count=TILES)  # both consumers release a stage
+        mbarrier.init(v_free.index(u), count=TILES)
 
-    q_row = b * q_rows_b + h * q_rows_h + m_start
-    kv_row = b * kv_rows_b + h_kv * kv_rows_h
-    o_ptr += b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-    lse_ptr += bh.to(gl.int64) * n_q
     gl.warp_specialize([
-        (_consume, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, o_ptr, stride_on, lse_ptr, m_start,
-                    n_blocks, scale, 0, IS_CAUSAL, NATURAL, BLOCK_M, BLOCK_N, HEAD_DIM)),
-        (_consume, (q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, o_ptr, stride_on, lse_ptr, m_start,
-                    n_blocks, scale, 1, IS_CAUSAL, NATURAL, BLOCK_M, BLOCK_N, HEAD_DIM)),
-        (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_free, v_free, q_row,
-                 h * q_cols_h, kv_row, h_kv * kv_cols_h, n_blocks, BLOCK_M, BLOCK_N)),
+        (_consume, (q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_ptr, lse_ptr,
+                    n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, stride_ob, stride_oh, stride_on, sm_scale, 0,
+                    IS_CAUSAL, FOLDED, BLOCK_M, BLOCK_N, HEAD_DIM)),
+        (_consume, (q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_ptr, lse_ptr,
+                    n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, stride_ob, stride_oh, stride_on, sm_scale, 1,
+                    IS_CAUSAL, FOLDED, BLOCK_M, BLOCK_N, HEAD_DIM)),
+        (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                 n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
+                 kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -252,18 +293,36 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     return all(_rows_and_columns(t) is not None for t in (q, k, v))
 
 
+@functools.cache
+def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), DTYPES[dtype])
+
+
 def _descriptor(t: torch.Tensor, block_rows: int):
     shape, row_stride, where = _rows_and_columns(t)
-    block = [block_rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[t.dtype])
-    return TensorDescriptor(t, shape, [row_stride, 1], block, layout), where
+    block = (block_rows, t.shape[-1])
+    return TensorDescriptor(t, shape, [row_stride, 1], list(block), _smem_layout(block, t.dtype)), where
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, natural: bool = True):
+# The compiled kernel of each launch seen (sizes, strides, dtype, alignment, options): later launches call it
+# directly, without the JIT's per-call re-specialization of every argument (~100 us of host time a call, more than
+# the kernel itself at 4 x 32 x 2,048; the Triton launches keep such a cache too, flash_triton._launch).
+_COMPILED: dict[tuple, object] = {}
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    """A persistent grid: one program per SM (a program's registers fill an SM)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, folded: bool = False,
+            persistent: bool = True):
     """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
-    (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``natural`` (default)
-    rounds each score as the Triton backward does (``_softmax_tile``; FP fusion off), else the scale is folded
-    into the exponent's multiply-add."""
+    (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``folded`` folds the
+    scale into the exponent's multiply-add (faster; its L is not rounded as the Triton backward needs at extreme
+    magnitudes: ``_softmax_tile``); ``persistent`` launches one program per SM, each taking work items in turn
+    (else one program per item)."""
     block_m, block_n, stages, regs = config or CONFIGS[q.shape[-1]][0]
     batch, heads, n_q, d = q.shape
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -271,9 +330,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
     q_desc, q_where = _descriptor(q, block_m)
     k_desc, kv_where = _descriptor(k, block_n)
     v_desc, _ = _descriptor(v, block_n)
-    grid = (n_q // (TILES.value * block_m), batch * heads)
-    scale = 1 / math.sqrt(d) if natural else _LOG2E.value / math.sqrt(d)
-    _fwd_kernel[grid](q_desc, k_desc, v_desc, o, lse, scale, heads, heads // k.shape[1], n_q, k.shape[2],
-                      *q_where, *kv_where, o.stride(0), o.stride(1), o.stride(2), IS_CAUSAL=is_causal,
-                      NATURAL=natural, STAGES=stages, CONSUMER_REGS=regs, num_warps=4, enable_fp_fusion=not natural)
+    n_tiles = n_q // (TILES.value * block_m) * batch * heads
+    grid = (min(n_tiles, _programs(q.device)) if persistent else n_tiles, )
+    args = (q_desc, k_desc, v_desc, o, lse, 1 / math.sqrt(d), heads, heads // k.shape[1], batch * heads, n_q,
+            k.shape[2], *q_where, *kv_where, o.stride(0), o.stride(1), o.stride(2))
+    constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
+    key = (q.device.index, q.dtype, q.shape, q.stride(), k.shape, k.stride(), config, grid, *constexprs.values(),
+           *(t.data_ptr() % 16 for t in (q, k, v)))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        if len(_COMPILED) >= 1024:
+            _COMPILED.clear()
+        _COMPILED[key] = _fwd_kernel[grid](*args, **constexprs)
+    else:
+        compiled[grid](*args, *constexprs.values())
     return o, lse
