@@ -22,8 +22,9 @@
 #          without it (FLASH_GLUON=0; the backward's tuning cached between the two) against cuDNN at the
 #          leaderboard shapes and 4 x 32 x 2,048 (d 64, 128), forward and forward + backward
 #          -> OUT/attention_gluon_{on,off}_<gpu>.jsonl
+#   gluon_bench  the same without the tests, the probe for the first configuration of each head dim only
 #   all    tests then bench (default). e2e is separate: autotuning plus compiling 2.7B may not fit the same call.
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu|gluon]
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu|gluon|gluon_bench]
 # Records are appended as they are measured, so a call cut short keeps what it finished.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu]}
@@ -75,12 +76,13 @@ run_ncu() {
   tail -n 5 "$out/flash_ncu.log"
 }
 
-run_gluon() {
-  for i in 0 1; do
+run_gluon_probe() {  # configurations 0..$1 of each head dim, a process each, under timeout (a deadlock hangs)
+  for i in $(seq 0 "$1"); do
     timeout 150 python3 scripts/flash_gluon_probe.py "$out" --config "$i" 2>&1 | grep -E "cuDNN|Error" || status=1
   done
-  run_pytest gpu_tests_gluon.log -m gpu tests/test_flash_attention.py \
-    -k "(long_sequences and triton and (q1024-k1024 or q512-k1024) and not fp32) or x1000 or h16-kv4-d128"
+}
+
+run_gluon_bench() {
   export TRITON_CACHE_AUTOTUNING=1
   local shapes=1x16x16384x64,1x16x16384x128,4x32x2048x64,4x32x2048x128
   for gluon in 1 0; do
@@ -91,6 +93,13 @@ run_gluon() {
   done
 }
 
+run_gluon() {
+  run_gluon_probe 1
+  run_pytest gpu_tests_gluon.log -m gpu tests/test_flash_attention.py \
+    -k "(long_sequences and triton and (q1024-k1024 or q512-k1024) and not fp32) or x1000 or h16-kv4-d128"
+  run_gluon_bench
+}
+
 case "$mode" in
   tests) run_tests ;;
   tests_small) run_tests_small ;;
@@ -98,7 +107,8 @@ case "$mode" in
   e2e) run_e2e ;;
   ncu) run_ncu ;;
   gluon) run_gluon ;;
+  gluon_bench) run_gluon_probe 0; run_gluon_bench ;;
   all) run_tests; run_bench ;;
-  *) echo "unknown mode $mode; accepted: all, tests, tests_small, bench, e2e, ncu, gluon" >&2; exit 2 ;;
+  *) echo "unknown mode $mode; accepted: all, tests, tests_small, bench, e2e, ncu, gluon, gluon_bench" >&2; exit 2 ;;
 esac
 exit $status

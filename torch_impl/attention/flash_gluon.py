@@ -331,7 +331,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
     k_desc, kv_where = _descriptor(k, block_n)
     v_desc, _ = _descriptor(v, block_n)
     n_tiles = n_q // (TILES.value * block_m) * batch * heads
-    grid = (min(n_tiles, _programs(q.device)) if persistent else n_tiles, )
+    grid = (min(n_tiles, _programs(q.device)) if persistent else n_tiles, 1, 1)  # 3-D: the compiled kernel's launcher
     args = (q_desc, k_desc, v_desc, o, lse, 1 / math.sqrt(d), heads, heads // k.shape[1], batch * heads, n_q,
             k.shape[2], *q_where, *kv_where, o.stride(0), o.stride(1), o.stride(2))
     constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
