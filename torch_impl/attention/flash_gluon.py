@@ -30,7 +30,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
-HEAD_DIMS = (64, 128)  # head dims the tiles are written for (wgmma's N for O and TMA's box width)
+# TMA's global -> shared copy: ``async_copy_global_to_shared`` in Triton 3.6 (the GPU image), ``async_load`` from 3.7.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+HEAD_DIMS = (64, 128)
+MIN_KEYS = 4096  # below, the Triton forward is as fast or faster (``preferred``)  # head dims the tiles are written for (wgmma's N for O and TMA's box width)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 TILES = gl.constexpr(2)  # query tiles a program computes: one per consumer warpgroup
 
@@ -42,15 +45,18 @@ def _wgmma_layout(block_n):
 
 
 @gluon.jit
-def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+def _tile(tile, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr):
-    """Work item ``tile`` -> (its first query, batch, head, k/v head, key tiles it reads): the query blocks that see
-    the most keys come first (causal), each for every (batch, head) before the next, so that a persistent grid's
-    programs, taking every num_programs-th item, get even shares."""
-    m_block = tile // n_bh
+    """Work item ``tile`` -> (its first query, batch, head, k/v head, key tiles it reads). Items go head by head,
+    each head's query blocks the heaviest first (causal), as one program per item would be launched: the programs
+    running at once then read one or two heads' K and V, which stay in L2. Not yet measured: a175155 took the items
+    block-major (every head's heaviest block first), and its folded form took 2.022 / 0.415 ms at 1 x 16 x 16,384 x
+    128 / 4 x 32 x 2,048 x 128 against 1.718 / 0.307 for b17a373's grid, which ran them in this order; there the
+    running programs' K and V (128 MB) overflow the H100's 50 MB L2 (notes/flash_attention.md, session 18)."""
+    bh = tile // n_m_blocks
+    m_block = tile % n_m_blocks
     if IS_CAUSAL:
         m_block = n_m_blocks - 1 - m_block
-    bh = tile % n_bh
     h = bh % n_heads
     m_start = m_block * (TILES * BLOCK_M)
     if IS_CAUSAL:
@@ -62,7 +68,7 @@ def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, 
 
 @gluon.jit
 def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, n_tiles,
-          n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
+          n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
           IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The producer warp, for each work item of the program: both Q tiles once both consumers are done with the
     last item's (their last S is computed), then K_j and V_j into stage i % STAGES (i counts the program's key
@@ -73,24 +79,24 @@ def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_rea
     i = 0
     t = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        m_start, b, h, h_kv, n_blocks = _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
+        m_start, b, h, h_kv, n_blocks = _tile(tile, n_heads, group, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
                                               BLOCK_N)
         q_row = b * q_rows_b + h * q_rows_h + m_start
         kv_row = b * kv_rows_b + h_kv * kv_rows_h
         mbarrier.wait(q_free, (t & 1) ^ 1)  # a new barrier passes the parity-1 wait
         mbarrier.expect(q_ready, TILES * q_desc.block_type.nbytes)
         for u in gl.static_range(TILES):
-            tma.async_copy_global_to_shared(q_desc, [q_row + u * BLOCK_M, h * q_cols_h], q_ready, q_smem.index(u))
+            _tma_load(q_desc, [q_row + u * BLOCK_M, h * q_cols_h], q_ready, q_smem.index(u))
         for j in range(n_blocks):
             stage = i % stages
             free_phase = ((i // stages) & 1) ^ 1
             mbarrier.wait(k_free.index(stage), free_phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], k_ready.index(stage),
+            _tma_load(k_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], k_ready.index(stage),
                                             k_bufs.index(stage))
             mbarrier.wait(v_free.index(stage), free_phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], v_ready.index(stage),
+            _tma_load(v_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], v_ready.index(stage),
                                             v_bufs.index(stage))
             i += 1
         t += 1
@@ -122,7 +128,7 @@ def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, scale2, dtype: gl.constex
 
 @gluon.jit
 def _consume(q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_ptr, lse_ptr, n_tiles,
-             n_bh, n_heads, n_m_blocks, n_q, n_k, stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr,
+             n_heads, n_m_blocks, n_q, n_k, stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr,
              IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              HEAD_DIM: gl.constexpr):
     """One consumer warpgroup: query tile TILE of each of the program's work items, its O and L written at the end.
@@ -140,7 +146,7 @@ def _consume(q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, 
     i = 0
     t = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        m_start, b, h, h_kv, n_blocks_program = _tile(tile, n_bh, n_heads, 1, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
+        m_start, b, h, h_kv, n_blocks_program = _tile(tile, n_heads, 1, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
                                                       BLOCK_N)
         start_m = m_start + TILE * BLOCK_M  # this tile's first query
         if IS_CAUSAL:
@@ -245,13 +251,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, sm_scale, n_heads, group
 
     gl.warp_specialize([
         (_consume, (q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_ptr, lse_ptr,
-                    n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, stride_ob, stride_oh, stride_on, sm_scale, 0,
+                    n_tiles, n_heads, n_m_blocks, n_q, n_k, stride_ob, stride_oh, stride_on, sm_scale, 0,
                     IS_CAUSAL, FOLDED, BLOCK_M, BLOCK_N, HEAD_DIM)),
         (_consume, (q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_ptr, lse_ptr,
-                    n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, stride_ob, stride_oh, stride_on, sm_scale, 1,
+                    n_tiles, n_heads, n_m_blocks, n_q, n_k, stride_ob, stride_oh, stride_on, sm_scale, 1,
                     IS_CAUSAL, FOLDED, BLOCK_M, BLOCK_N, HEAD_DIM)),
         (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                 n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
+                 n_tiles, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
                  kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
@@ -293,6 +299,14 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     return all(_rows_and_columns(t) is not None for t in (q, k, v))
 
 
+def preferred(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
+    """Whether flash_triton's forward should run this kernel: it ``supports`` the inputs and they have at least
+    MIN_KEYS keys. Measured on one H100 (results/profiles/attention_gluon_{on,off}_h100_a175155.jsonl, bf16, causal):
+    at 16,384 keys it is 1.18x (d 64) and 1.19x (d 128) the Triton forward; at 2,048 1.00x (d 64) and 0.94x
+    (d 128), where its per-item start and end are not yet hidden."""
+    return k.shape[-2] >= MIN_KEYS and supports(q, k, v, is_causal)
+
+
 @functools.cache
 def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), DTYPES[dtype])
@@ -316,13 +330,11 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, folded: bool = False,
-            persistent: bool = True):
-    """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
-    (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``folded`` folds the
-    scale into the exponent's multiply-add (faster; its L is not rounded as the Triton backward needs at extreme
-    magnitudes: ``_softmax_tile``); ``persistent`` launches one program per SM, each taking work items in turn
-    (else one program per item)."""
+def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None,
+                     folded: bool = False, programs: int | None = None):
+    """What ``forward`` launches: (grid, positional arguments, constexprs, (O, L)), O and L allocated here.
+    ``programs``: the persistent grid's size (None: one program per work item). Also used to compile the kernel
+    on a machine without a GPU (scripts/gluon_compile.py)."""
     block_m, block_n, stages, regs = config or CONFIGS[q.shape[-1]][0]
     batch, heads, n_q, d = q.shape
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -331,10 +343,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
     k_desc, kv_where = _descriptor(k, block_n)
     v_desc, _ = _descriptor(v, block_n)
     n_tiles = n_q // (TILES.value * block_m) * batch * heads
-    grid = (min(n_tiles, _programs(q.device)) if persistent else n_tiles, 1, 1)  # 3-D: the compiled kernel's launcher
+    grid = (n_tiles if programs is None else min(n_tiles, programs), 1, 1)  # 3-D: the compiled kernel's launcher
     args = (q_desc, k_desc, v_desc, o, lse, 1 / math.sqrt(d), heads, heads // k.shape[1], batch * heads, n_q,
             k.shape[2], *q_where, *kv_where, o.stride(0), o.stride(1), o.stride(2))
     constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
+    return grid, args, constexprs, (o, lse)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, folded: bool = False,
+            persistent: bool = True):
+    """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
+    (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``folded`` folds the
+    scale into the exponent's multiply-add (its L is not rounded as the Triton backward needs at extreme
+    magnitudes: ``_softmax_tile``); ``persistent`` launches one program per SM, each taking work items in turn
+    (else one program per item)."""
+    grid, args, constexprs, outputs = launch_arguments(q, k, v, is_causal, config, folded,
+                                                       _programs(q.device) if persistent else None)
     key = (q.device.index, q.dtype, q.shape, q.stride(), k.shape, k.stride(), config, grid, *constexprs.values(),
            *(t.data_ptr() % 16 for t in (q, k, v)))
     compiled = _COMPILED.get(key)
@@ -344,4 +368,4 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
         _COMPILED[key] = _fwd_kernel[grid](*args, **constexprs)
     else:
         compiled[grid](*args, *constexprs.values())
-    return o, lse
+    return outputs

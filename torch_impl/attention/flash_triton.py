@@ -580,9 +580,9 @@ def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool)
 @functools.cache
 def _gluon_forward():
     """``flash_gluon`` (FlashAttention-3's forward on sm_90, in Gluon) where it can run: a GPU, not the interpreter,
-    ``FLASH_GLUON`` not "0", and a Triton with Gluon's Hopper API; else None. It takes the shapes its ``supports``
-    accepts (bf16/fp16, head dim 64 or 128, whole tiles), the Triton forward the rest; its O and L are what the
-    Triton backward reads, each score rounded alike."""
+    ``FLASH_GLUON`` not "0", and a Triton with Gluon's Hopper API; else None. It takes the inputs where it is
+    ``preferred`` (bf16/fp16, head dim 64 or 128, whole tiles, long sequences), the Triton forward the rest; its O
+    and L are what the Triton backward reads (L exact for one-hot rows, as the Triton forward's)."""
     if INTERPRET or os.environ.get("FLASH_GLUON", "1") == "0" or not torch.cuda.is_available():
         return None
     try:
@@ -601,7 +601,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
         return o, lse
     q4, k4, v4, o4 = (_as_heads(t) for t in (q, k, v, o))
     gluon = _gluon_forward()
-    if gluon is not None and gluon.supports(q4, k4, v4, is_causal):
+    if gluon is not None and gluon.preferred(q4, k4, v4, is_causal):
         o4, lse4 = gluon.forward(q4, k4, v4, is_causal)
         return o4.view(q.shape), lse4.view(lse.shape)
     sizes, meta = _shape_meta(q4, k4, is_causal, tf32)

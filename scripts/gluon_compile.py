@@ -1,0 +1,134 @@
+"""Compile the Gluon FlashAttention forward for sm_90 on a machine without a GPU, and read what ptxas says of it.
+
+    python scripts/gluon_compile.py            # every configuration of flash_gluon.CONFIGS, both softmax forms
+    python scripts/gluon_compile.py --check    # exit 1 if ptxas serializes a wgmma or spills
+    python scripts/gluon_compile.py --check --first   # the configuration each head dim runs by default (CI)
+    python scripts/gluon_compile.py --sass OUT_DIR   # also write each kernel's SASS
+
+Triton compiles for a target it is told, not one it finds, so a stand-in driver names an H100 (sm_90, warp 32) and
+``JITFunction.warmup`` compiles without launching; the PTX then goes through the ptxas bundled with Triton with
+``-v``. That report is where the forward's worst slowdown showed (ptxas warning C7514: every wgmma serialized
+because a loop-carried value of an unfinished wgmma was copied; notes/flash_attention.md, session 18) and it costs
+no device time: check a kernel change here before a GPU call. Per configuration it prints registers, spilled bytes,
+ptxas's performance warnings and the count of the SASS instructions the softmax and the MMAs run on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+from torch_impl.attention import flash_gluon
+
+TARGET = GPUTarget("cuda", 90, 32)
+WATCHED = ("HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP")  # the MMAs and the softmax's arithmetic
+
+
+class _TargetOnly:
+    """The driver methods ``warmup`` asks for, answering for an sm_90 device that is not there."""
+
+    def get_current_target(self):
+        return TARGET
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def is_active(self):
+        return True
+
+    def map_python_to_cpp_type(self, ty):
+        return ty
+
+
+def _tool(name: str) -> Path:
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
+def ptxas_report(ptx: str) -> str:
+    """``ptxas -v`` for sm_90a on the PTX, with the first bundled ptxas that reads its PTX version."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        for name in ("ptxas", "ptxas-blackwell"):  # Triton 3.9 writes PTX newer than its plain ptxas reads
+            if not _tool(name).exists():
+                continue
+            run = subprocess.run([str(_tool(name)), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                                 capture_output=True, text=True)
+            if run.returncode == 0:
+                return run.stdout + run.stderr
+        raise RuntimeError(f"no bundled ptxas assembled the PTX: {run.stderr.strip()[-300:]}")
+
+
+def sass(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(_tool("cuobjdump")), "-sass", f.name], capture_output=True, text=True).stdout
+
+
+def compile_config(d: int, config, folded: bool, is_causal: bool = True):
+    """The compiled kernel of one configuration (CPU tensors stand in for the inputs; nothing is launched)."""
+    q = torch.empty(1, 2, 1024, d, dtype=torch.bfloat16)
+    grid, args, constexprs, _ = flash_gluon.launch_arguments(q, q, q, is_causal, config, folded, programs=132)
+    return flash_gluon._fwd_kernel.warmup(*args, grid=grid, **constexprs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a wgmma is serialized or registers spill")
+    parser.add_argument("--first", action="store_true", help="only CONFIGS[d][0], what forward runs by default")
+    parser.add_argument("--sass", type=Path, metavar="DIR", help="write each kernel's SASS into DIR")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns while the default is unset
+    driver.set_active(_TargetOnly())
+    failures = []
+    for d, configs in flash_gluon.CONFIGS.items():
+        for config in configs[:1] if args.first else configs:
+            for folded in (False, True):
+                name = f"d{d}_{'_'.join(map(str, config))}{'_folded' if folded else ''}"
+                kernel = compile_config(d, config, folded)
+                report = ptxas_report(kernel.asm["ptx"])
+                registers = re.search(r"Used (\d+) registers", report)
+                spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+                warnings = [line.split(":", 1)[-1].strip() for line in report.splitlines() if "Performance Loss" in line]
+                code = sass(kernel.asm["cubin"])
+                ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(
+                    r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", code))
+                print(f"{name}: {registers.group(1) if registers else '?'} registers at entry, {sum(spills)} bytes "
+                      f"spilled, shared {kernel.metadata.shared} B; " + " ".join(f"{op} {ops[op]}" for op in WATCHED),
+                      flush=True)
+                for warning in warnings:
+                    print(f"  ptxas: {warning}")
+                if args.sass:
+                    args.sass.mkdir(parents=True, exist_ok=True)
+                    (args.sass / f"{name}.sass").write_text(code)
+                if warnings or sum(spills) or not ops["HGMMA"]:
+                    failures.append(name)
+    if args.check and failures:
+        print(f"gluon_compile: serialized wgmma, spills or no wgmma in {', '.join(failures)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
