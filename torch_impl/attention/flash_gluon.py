@@ -331,14 +331,17 @@ def _programs(device: torch.device) -> int:
 
 
 def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None,
-                     folded: bool = False, programs: int | None = None):
-    """What ``forward`` launches: (grid, positional arguments, constexprs, (O, L)), O and L allocated here.
-    ``programs``: the persistent grid's size (None: one program per work item). Also used to compile the kernel
-    on a machine without a GPU (scripts/gluon_compile.py)."""
+                     folded: bool = False, programs: int | None = None, out=None):
+    """What ``forward`` launches: (grid, positional arguments, constexprs, (O, L)), O and L allocated here unless
+    ``out`` gives them (O contiguous like q, L (B, H, n_q) fp32 contiguous). ``programs``: the persistent grid's
+    size (None: one program per work item). Also used to compile the kernel on a machine without a GPU
+    (scripts/gluon_compile.py)."""
     block_m, block_n, stages, regs = config or CONFIGS[q.shape[-1]][0]
     batch, heads, n_q, d = q.shape
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    if out is None:
+        out = (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+               torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+    o, lse = out
     q_desc, q_where = _descriptor(q, block_m)
     k_desc, kv_where = _descriptor(k, block_n)
     v_desc, _ = _descriptor(v, block_n)
@@ -351,16 +354,16 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, folded: bool = False,
-            persistent: bool = True):
+            persistent: bool = True, out=None):
     """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
     (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``folded`` folds the
     scale into the exponent's multiply-add (its L is not rounded as the Triton backward needs at extreme
     magnitudes: ``_softmax_tile``); ``persistent`` launches one program per SM, each taking work items in turn
-    (else one program per item)."""
+    (else one program per item); ``out``: (O, L) to write (``launch_arguments``)."""
     grid, args, constexprs, outputs = launch_arguments(q, k, v, is_causal, config, folded,
-                                                       _programs(q.device) if persistent else None)
-    key = (q.device.index, q.dtype, q.shape, q.stride(), k.shape, k.stride(), config, grid, *constexprs.values(),
-           *(t.data_ptr() % 16 for t in (q, k, v)))
+                                                       _programs(q.device) if persistent else None, out)
+    key = (q.device.index, q.dtype, q.shape, q.stride(), k.shape, k.stride(), outputs[0].stride(), config, grid,
+           *constexprs.values(), *(t.data_ptr() % 16 for t in (q, k, v, *outputs)))
     compiled = _COMPILED.get(key)
     if compiled is None:
         if len(_COMPILED) >= 1024:

@@ -601,9 +601,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
         return o, lse
     q4, k4, v4, o4 = (_as_heads(t) for t in (q, k, v, o))
     gluon = _gluon_forward()
-    if gluon is not None and gluon.preferred(q4, k4, v4, is_causal):
-        o4, lse4 = gluon.forward(q4, k4, v4, is_causal)
-        return o4.view(q.shape), lse4.view(lse.shape)
+    if gluon is not None and gluon.preferred(q4, k4, v4, is_causal):  # it writes O and L in place
+        gluon.forward(q4, k4, v4, is_causal, out=(o4, lse.view(q4.shape[:-1])))
+        return o, lse
     sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
     batch, heads, n_q, d = q4.shape
     _launch(_fwd_tuned, _fwd_kernel, "fwd", n_q, "BLOCK_M", batch * heads,
