@@ -1,6 +1,6 @@
 """Compile the Gluon FlashAttention forward for sm_90 on a machine without a GPU, and read what ptxas says of it.
 
-    python scripts/gluon_compile.py            # every configuration of flash_gluon.CONFIGS, both softmax forms
+    python scripts/gluon_compile.py            # every configuration of flash_gluon.CONFIGS, each of OPTIONS
     python scripts/gluon_compile.py --check    # exit 1 if ptxas serializes a wgmma or spills
     python scripts/gluon_compile.py --check --first   # the configuration each head dim runs by default (CI)
     python scripts/gluon_compile.py --sass OUT_DIR   # also write each kernel's SASS
@@ -86,10 +86,13 @@ def sass(cubin: bytes) -> str:
         return subprocess.run([str(_tool("cuobjdump")), "-sass", f.name], capture_output=True, text=True).stdout
 
 
-def compile_config(d: int, config, folded: bool, is_causal: bool = True):
+OPTIONS = {"": {}, "_folded": {"folded": True}, "_tma_store": {"tma_store": True}}  # launch_arguments' variants
+
+
+def compile_config(d: int, config, is_causal: bool = True, **options):
     """The compiled kernel of one configuration (CPU tensors stand in for the inputs; nothing is launched)."""
     q = torch.empty(1, 2, 1024, d, dtype=torch.bfloat16)
-    grid, args, constexprs, _ = flash_gluon.launch_arguments(q, q, q, is_causal, config, folded, programs=132)
+    grid, args, constexprs, _ = flash_gluon.launch_arguments(q, q, q, is_causal, config, programs=132, **options)
     return flash_gluon._fwd_kernel.warmup(*args, grid=grid, **constexprs)
 
 
@@ -104,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     failures = []
     for d, configs in flash_gluon.CONFIGS.items():
         for config in configs[:1] if args.first else configs:
-            for folded in (False, True):
-                name = f"d{d}_{'_'.join(map(str, config))}{'_folded' if folded else ''}"
-                kernel = compile_config(d, config, folded)
+            for suffix, options in OPTIONS.items():
+                name = f"d{d}_{'_'.join(map(str, config))}{suffix}"
+                kernel = compile_config(d, config, **options)
                 report = ptxas_report(kernel.asm["ptx"])
                 registers = re.search(r"Used (\d+) registers", report)
                 spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]

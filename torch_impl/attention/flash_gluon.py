@@ -25,13 +25,15 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
 # TMA's global -> shared copy: ``async_copy_global_to_shared`` in Triton 3.6 (the GPU image), ``async_load`` from 3.7.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # shared -> global, likewise
 HEAD_DIMS = (64, 128)
 MIN_KEYS = 4096  # below, the Triton forward is as fast or faster (``preferred``)  # head dims the tiles are written for (wgmma's N for O and TMA's box width)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -127,12 +129,14 @@ def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, scale2, dtype: gl.constex
 
 
 @gluon.jit
-def _consume(q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_ptr, lse_ptr, n_tiles,
-             n_heads, n_m_blocks, n_q, n_k, stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr,
-             IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             HEAD_DIM: gl.constexpr):
+def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, o_ptr,
+             lse_ptr, n_tiles, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh,
+             stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
+             TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """One consumer warpgroup: query tile TILE of each of the program's work items, its O and L written at the end.
-    Key tile i of the program (over all its items) sits in stage i % STAGES, filled for the (i // STAGES)-th time."""
+    Key tile i of the program (over all its items) sits in stage i % STAGES, filled for the (i // STAGES)-th time.
+    TMA_STORE: O goes through shared memory and a TMA store that runs on while the next item starts (else each
+    thread stores its accumulator registers)."""
     stages: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -210,19 +214,27 @@ def _consume(q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, 
             gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, (m_i + gl.log2(l_i)) * _LN2)
         else:
             gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, m_i * sm_scale + gl.log(l_i))
-        offs_mo = start_m + gl.arange(0, BLOCK_M, layout=o_rows)
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        o_tile = o_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-        gl.store(o_tile + gl.expand_dims(offs_mo, 1) * stride_on + gl.expand_dims(offs_d, 0), o.to(dtype))
+        if TMA_STORE:
+            tma.store_wait(0)  # the last item's store has read the buffer
+            o_smem.store(o.to(dtype))
+            fence_async_shared()
+            _tma_store(o_desc, [b * o_rows_b + h * o_rows_h + start_m, h * o_cols_h], o_smem)
+        else:
+            offs_mo = start_m + gl.arange(0, BLOCK_M, layout=o_rows)
+            offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            o_tile = o_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+            gl.store(o_tile + gl.expand_dims(offs_mo, 1) * stride_on + gl.expand_dims(offs_d, 0), o.to(dtype))
         i += n_blocks_program
         t += 1
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, sm_scale, n_heads, group, n_bh, n_q, n_k,
-                q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
-                stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr, STAGES: gl.constexpr,
-                CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_heads, group, n_bh, n_q, n_k,
+                q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, o_rows_b, o_rows_h, o_cols_h,
+                stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
+                TMA_STORE: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """A program takes work items (two query tiles of one batch x head, ``_tile``) pid, pid + num_programs, ...
     Element (b, h, n, :) of Q sits at row b * q_rows_b + h * q_rows_h + n, column h * q_cols_h of q_desc's 2-D view
     (and so for K, V with the k/v head h // group)."""
@@ -235,6 +247,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, sm_scale, n_heads, group
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [TILES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    o_bufs = gl.allocate_shared_memory(o_desc.dtype, [TILES if TMA_STORE else 1] + o_desc.block_type.shape,
+                                       o_desc.layout)  # one unused tile without TMA_STORE
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -250,12 +264,14 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, sm_scale, n_heads, group
         mbarrier.init(v_free.index(u), count=TILES)
 
     gl.warp_specialize([
-        (_consume, (q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_ptr, lse_ptr,
-                    n_tiles, n_heads, n_m_blocks, n_q, n_k, stride_ob, stride_oh, stride_on, sm_scale, 0,
-                    IS_CAUSAL, FOLDED, BLOCK_M, BLOCK_N, HEAD_DIM)),
-        (_consume, (q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_ptr, lse_ptr,
-                    n_tiles, n_heads, n_m_blocks, n_q, n_k, stride_ob, stride_oh, stride_on, sm_scale, 1,
-                    IS_CAUSAL, FOLDED, BLOCK_M, BLOCK_N, HEAD_DIM)),
+        (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(0 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
+                    k_free, v_free, o_desc, o_ptr, lse_ptr, n_tiles, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h,
+                    o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED, TMA_STORE, BLOCK_M,
+                    BLOCK_N, HEAD_DIM)),
+        (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(1 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
+                    k_free, v_free, o_desc, o_ptr, lse_ptr, n_tiles, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h,
+                    o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1, IS_CAUSAL, FOLDED, TMA_STORE, BLOCK_M,
+                    BLOCK_N, HEAD_DIM)),
         (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                  n_tiles, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
                  kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N)),
@@ -331,7 +347,7 @@ def _programs(device: torch.device) -> int:
 
 
 def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None,
-                     folded: bool = False, programs: int | None = None, out=None):
+                     folded: bool = False, programs: int | None = None, out=None, tma_store: bool = False):
     """What ``forward`` launches: (grid, positional arguments, constexprs, (O, L)), O and L allocated here unless
     ``out`` gives them (O contiguous like q, L (B, H, n_q) fp32 contiguous). ``programs``: the persistent grid's
     size (None: one program per work item). Also used to compile the kernel on a machine without a GPU
@@ -345,23 +361,26 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     q_desc, q_where = _descriptor(q, block_m)
     k_desc, kv_where = _descriptor(k, block_n)
     v_desc, _ = _descriptor(v, block_n)
+    o_desc, o_where = _descriptor(o, block_m)
     n_tiles = n_q // (TILES.value * block_m) * batch * heads
     grid = (n_tiles if programs is None else min(n_tiles, programs), 1, 1)  # 3-D: the compiled kernel's launcher
-    args = (q_desc, k_desc, v_desc, o, lse, 1 / math.sqrt(d), heads, heads // k.shape[1], batch * heads, n_q,
-            k.shape[2], *q_where, *kv_where, o.stride(0), o.stride(1), o.stride(2))
-    constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
+    args = (q_desc, k_desc, v_desc, o_desc, o, lse, 1 / math.sqrt(d), heads, heads // k.shape[1], batch * heads,
+            n_q, k.shape[2], *q_where, *kv_where, *o_where, o.stride(0), o.stride(1), o.stride(2))
+    constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, TMA_STORE=tma_store, STAGES=stages, CONSUMER_REGS=regs,
+                      num_warps=4)
     return grid, args, constexprs, (o, lse)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, folded: bool = False,
-            persistent: bool = True, out=None):
+            persistent: bool = True, out=None, tma_store: bool = False):
     """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
     (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``folded`` folds the
     scale into the exponent's multiply-add (its L is not rounded as the Triton backward needs at extreme
     magnitudes: ``_softmax_tile``); ``persistent`` launches one program per SM, each taking work items in turn
-    (else one program per item); ``out``: (O, L) to write (``launch_arguments``)."""
+    (else one program per item); ``out``: (O, L) to write (``launch_arguments``); ``tma_store`` writes O through
+    shared memory and TMA (not yet measured)."""
     grid, args, constexprs, outputs = launch_arguments(q, k, v, is_causal, config, folded,
-                                                       _programs(q.device) if persistent else None, out)
+                                                       _programs(q.device) if persistent else None, out, tma_store)
     key = (q.device.index, q.dtype, q.shape, q.stride(), k.shape, k.stride(), outputs[0].stride(), config, grid,
            *constexprs.values(), *(t.data_ptr() % 16 for t in (q, k, v, *outputs)))
     compiled = _COMPILED.get(key)
