@@ -6,7 +6,7 @@ loop can run every configuration in a process of its own under ``timeout``: a ke
 hangs, it does not fail), in one process:
 
 * checks each of VARIANTS (the defaults; the scale folded into the exponent; one program per work item instead of
-  the persistent grid; O written through shared memory and TMA) against float64 on fresh random inputs (O and the logsumexp; causal and not; GQA with two
+  the persistent grid; O written through shared memory and TMA; the consumers taking turns to issue their products) against float64 on fresh random inputs (O and the logsumexp; causal and not; GQA with two
   query heads a k/v head; q, k, v as the model passes them, (B, H, n, d) views of (B, n, H, d)), next to cuDNN's
   O error on the same inputs: the bf16 output's rounding is the floor both share;
 * the forward's ``triton.testing.do_bench`` median at the issue's shapes (bf16, causal; each of VARIANTS), against cuDNN SDPA and
@@ -45,7 +45,7 @@ CHECKS = (  # (B, H, H_kv, n, causal, layout); the last three give a persistent 
     (4, 16, 16, 512, False, "bhnd"),
 )
 VARIANTS = {"gluon": {}, "gluon_folded": {"folded": True}, "gluon_grid": {"persistent": False},
-            "gluon_tma_store": {"tma_store": True}}  # forward's options
+            "gluon_tma_store": {"tma_store": True}, "gluon_pingpong": {"pingpong": True}}  # forward's options
 
 
 def heads(b: int, h: int, n: int, d: int, layout: str, gen: torch.Generator) -> torch.Tensor:

@@ -86,7 +86,8 @@ def sass(cubin: bytes) -> str:
         return subprocess.run([str(_tool("cuobjdump")), "-sass", f.name], capture_output=True, text=True).stdout
 
 
-OPTIONS = {"": {}, "_folded": {"folded": True}, "_tma_store": {"tma_store": True}}  # launch_arguments' variants
+OPTIONS = {"": {}, "_folded": {"folded": True}, "_tma_store": {"tma_store": True},
+           "_pingpong": {"pingpong": True}}  # launch_arguments' variants
 
 
 def compile_config(d: int, config, is_causal: bool = True, **options):
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     for d, configs in flash_gluon.CONFIGS.items():
         for config in configs[:1] if args.first else configs:
             for suffix, options in OPTIONS.items():
+                if options.get("pingpong") and config[1] % (flash_gluon.TILES.value * config[0]):
+                    continue  # consumers with different key tiles per item cannot take turns
                 name = f"d{d}_{'_'.join(map(str, config))}{suffix}"
                 kernel = compile_config(d, config, **options)
                 report = ptxas_report(kernel.asm["ptx"])

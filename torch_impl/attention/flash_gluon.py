@@ -129,14 +129,31 @@ def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, scale2, dtype: gl.constex
 
 
 @gluon.jit
-def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, o_ptr,
+def _my_turn(turn, r, TILE: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: wait until the other consumer has issued its products of round r - 1 (tile 0 goes first)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(TILE), (r & 1) ^ (1 - TILE))
+
+
+@gluon.jit
+def _their_turn(turn, TILE: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: this round's products are issued; the other consumer may issue its own."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - TILE), count=1)
+
+
+@gluon.jit
+def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, o_desc, o_ptr,
              lse_ptr, n_tiles, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh,
              stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
-             TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+             TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             HEAD_DIM: gl.constexpr):
     """One consumer warpgroup: query tile TILE of each of the program's work items, its O and L written at the end.
     Key tile i of the program (over all its items) sits in stage i % STAGES, filled for the (i // STAGES)-th time.
     TMA_STORE: O goes through shared memory and a TMA store that runs on while the next item starts (else each
-    thread stores its accumulator registers)."""
+    thread stores its accumulator registers). PINGPONG: the two consumers take turns to issue each round's products
+    (FlashAttention-3's section 3.1), so that one's softmax runs under the other's products; both must run the same
+    number of rounds per item (``launch_arguments`` checks the tiles)."""
     stages: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -149,6 +166,7 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
     q = q_smem.index(TILE)
     i = 0
     t = 0
+    r = 0  # rounds of products issued (PINGPONG)
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         m_start, b, h, h_kv, n_blocks_program = _tile(tile, n_heads, 1, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
                                                       BLOCK_N)
@@ -168,7 +186,10 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
 
         stage = i % stages
         mbarrier.wait(k_ready.index(stage), (i // stages) & 1)
+        _my_turn(turn, r, TILE, PINGPONG)
         s = warpgroup_mma(q, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        _their_turn(turn, TILE, PINGPONG)
+        r += 1
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         mbarrier.arrive(k_free.index(stage), count=1)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, offs_n, n_full == 0, scale2, dtype, p_layout,
@@ -180,11 +201,14 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
             cur = i + j
             stage = cur % stages
             mbarrier.wait(k_ready.index(stage), (cur // stages) & 1)
+            _my_turn(turn, r, TILE, PINGPONG)
             s = warpgroup_mma(q, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             prev = (cur - 1) % stages
             mbarrier.wait(v_ready.index(prev), ((cur - 1) // stages) & 1)
             o = warpgroup_mma(p, v_bufs.index(prev), o, is_async=True)
+            _their_turn(turn, TILE, PINGPONG)
+            r += 1
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j is done; O += P_{j-1} V_{j-1} runs on
             mbarrier.arrive(k_free.index(stage), count=1)
             p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N + offs_n, j >= n_full, scale2,
@@ -196,7 +220,10 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
         last = i + n_blocks - 1
         o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
+        _my_turn(turn, r, TILE, PINGPONG)
         o = warpgroup_mma(p, v_bufs.index(last % stages), o, is_async=True)
+        _their_turn(turn, TILE, PINGPONG)
+        r += 1
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
         mbarrier.arrive(v_free.index(last % stages), count=1)
         # Key tiles only the other query tile sees (causal): free them once they have landed (an early release
@@ -234,7 +261,8 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
 def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_heads, group, n_bh, n_q, n_k,
                 q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, o_rows_b, o_rows_h, o_cols_h,
                 stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
-                TMA_STORE: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                num_warps: gl.constexpr):
     """A program takes work items (two query tiles of one batch x head, ``_tile``) pid, pid + num_programs, ...
     Element (b, h, n, :) of Q sits at row b * q_rows_b + h * q_rows_h + n, column h * q_cols_h of q_desc's 2-D view
     (and so for K, V with the k/v head h // group)."""
@@ -255,6 +283,9 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: whose round it is
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_free, count=TILES)  # both consumers release Q
     for u in gl.static_range(STAGES):
@@ -265,13 +296,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
 
     gl.warp_specialize([
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(0 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
-                    k_free, v_free, o_desc, o_ptr, lse_ptr, n_tiles, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h,
-                    o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED, TMA_STORE, BLOCK_M,
-                    BLOCK_N, HEAD_DIM)),
+                    k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_tiles, n_heads, n_m_blocks, n_q, n_k, o_rows_b,
+                    o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED, TMA_STORE,
+                    PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(1 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
-                    k_free, v_free, o_desc, o_ptr, lse_ptr, n_tiles, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h,
-                    o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1, IS_CAUSAL, FOLDED, TMA_STORE, BLOCK_M,
-                    BLOCK_N, HEAD_DIM)),
+                    k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_tiles, n_heads, n_m_blocks, n_q, n_k, o_rows_b,
+                    o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1, IS_CAUSAL, FOLDED, TMA_STORE,
+                    PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
         (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                  n_tiles, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
                  kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N)),
@@ -347,13 +378,17 @@ def _programs(device: torch.device) -> int:
 
 
 def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None,
-                     folded: bool = False, programs: int | None = None, out=None, tma_store: bool = False):
+                     folded: bool = False, programs: int | None = None, out=None, tma_store: bool = False,
+                     pingpong: bool = False):
     """What ``forward`` launches: (grid, positional arguments, constexprs, (O, L)), O and L allocated here unless
     ``out`` gives them (O contiguous like q, L (B, H, n_q) fp32 contiguous). ``programs``: the persistent grid's
     size (None: one program per work item). Also used to compile the kernel on a machine without a GPU
     (scripts/gluon_compile.py)."""
     block_m, block_n, stages, regs = config or CONFIGS[q.shape[-1]][0]
     batch, heads, n_q, d = q.shape
+    if pingpong and is_causal and block_n % (TILES.value * block_m):
+        raise ValueError(f"pingpong needs both consumers to see the same key tiles: causal with BLOCK_N {block_n} "
+                         f"not a multiple of {TILES.value} x BLOCK_M {block_m}")
     if out is None:
         out = (torch.empty(q.shape, dtype=q.dtype, device=q.device),
                torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
@@ -366,21 +401,22 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     grid = (n_tiles if programs is None else min(n_tiles, programs), 1, 1)  # 3-D: the compiled kernel's launcher
     args = (q_desc, k_desc, v_desc, o_desc, o, lse, 1 / math.sqrt(d), heads, heads // k.shape[1], batch * heads,
             n_q, k.shape[2], *q_where, *kv_where, *o_where, o.stride(0), o.stride(1), o.stride(2))
-    constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, TMA_STORE=tma_store, STAGES=stages, CONSUMER_REGS=regs,
-                      num_warps=4)
+    constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, TMA_STORE=tma_store, PINGPONG=pingpong, STAGES=stages,
+                      CONSUMER_REGS=regs, num_warps=4)
     return grid, args, constexprs, (o, lse)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, folded: bool = False,
-            persistent: bool = True, out=None, tma_store: bool = False):
+            persistent: bool = True, out=None, tma_store: bool = False, pingpong: bool = False):
     """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
     (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``folded`` folds the
     scale into the exponent's multiply-add (its L is not rounded as the Triton backward needs at extreme
     magnitudes: ``_softmax_tile``); ``persistent`` launches one program per SM, each taking work items in turn
     (else one program per item); ``out``: (O, L) to write (``launch_arguments``); ``tma_store`` writes O through
-    shared memory and TMA (not yet measured)."""
+    shared memory and TMA, ``pingpong`` has the consumers take turns (``_consume``; neither measured yet)."""
     grid, args, constexprs, outputs = launch_arguments(q, k, v, is_causal, config, folded,
-                                                       _programs(q.device) if persistent else None, out, tma_store)
+                                                       _programs(q.device) if persistent else None, out, tma_store,
+                                                       pingpong)
     key = (q.device.index, q.dtype, q.shape, q.stride(), k.shape, k.stride(), outputs[0].stride(), config, grid,
            *constexprs.values(), *(t.data_ptr() % 16 for t in (q, k, v, *outputs)))
     compiled = _COMPILED.get(key)
