@@ -79,3 +79,12 @@ def test_kernel_compiles_for_sm90_without_serialized_wgmma():
     report = "\n".join(line for line in (run.stdout + run.stderr).splitlines() if "leaked" not in line)
     assert run.returncode == 0, report[-3000:]
     assert "d64_" in run.stdout and "d128_" in run.stdout, report[-3000:]
+
+
+def test_pingpong_needs_consumers_with_the_same_key_tiles():
+    """Taking turns deadlocks if one consumer runs a round more than the other: causal with BLOCK_N = BLOCK_M."""
+    q = torch.zeros(1, 2, 1024, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pingpong"):
+        flash_gluon.launch_arguments(q, q, q, True, (64, 64, 3, 240), pingpong=True)
+    flash_gluon.launch_arguments(q, q, q, False, (64, 64, 3, 240), pingpong=True)  # full attention: the same tiles
+    flash_gluon.launch_arguments(q, q, q, True, (64, 128, 3, 240), pingpong=True)
