@@ -1,7 +1,7 @@
 """FlashAttention forward for Hopper (sm_90) written in Gluon, with FlashAttention-3's structure.
 
 A work item is two query tiles of one (batch, head) against every key tile they see; a persistent grid of one
-program per SM takes the items in turn, the heaviest first (causal). A program's warps are split
+program per SM takes the items in turn, head by head and each head's heaviest first (causal). A program's warps are split
 (``gl.warp_specialize``) into a one-warp producer that TMA-loads Q and then K, V tile by tile into a ring of
 shared-memory stages (mbarriers say when a stage is full and when both consumers are done with it, so the next
 item's loads run under the end of the last), and two consumer warpgroups, one per query tile, that share every K
@@ -9,7 +9,10 @@ and V tile. Each consumer overlaps within its warpgroup as FlashAttention-3 does
 O += P_{j-1} V_{j-1} are issued together and the softmax of S_j runs under the latter.
 Softmax in base 2; by default each exponent is taken from the raw score's difference to its row maximum, so that the
 logsumexp L (natural units, as the Triton backward reads it) is exact for one-hot rows; ``folded`` folds the scale
-into one multiply-add instead (``_softmax_tile``).
+into one multiply-add instead (``_softmax_tile``). Options not yet measured on a GPU: ``tma_store`` (O written
+through shared memory and TMA) and ``pingpong`` (the consumers take turns to issue their products).
+``scripts/gluon_compile.py`` compiles every variant without a GPU and reads ptxas's report of it;
+``scripts/flash_gluon_probe.py`` checks and times them on one.
 
 References: Shah et al., "FlashAttention-3" (2024), sections 3.1-3.2; Triton's Gluon tutorials
 (python/tutorials/gluon: 05-wgmma, 08-warp-specialization). What it handles is ``supports``; the rest goes to the
@@ -34,8 +37,8 @@ _LN2 = gl.constexpr(0.6931471805599453)
 # TMA's global -> shared copy: ``async_copy_global_to_shared`` in Triton 3.6 (the GPU image), ``async_load`` from 3.7.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # shared -> global, likewise
-HEAD_DIMS = (64, 128)
-MIN_KEYS = 4096  # below, the Triton forward is as fast or faster (``preferred``)  # head dims the tiles are written for (wgmma's N for O and TMA's box width)
+HEAD_DIMS = (64, 128)  # head dims the tiles are written for (wgmma's N for O and TMA's box width)
+MIN_KEYS = 4096  # below, the Triton forward is as fast or faster (``preferred``)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 TILES = gl.constexpr(2)  # query tiles a program computes: one per consumer warpgroup
 
@@ -309,8 +312,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-# (BLOCK_M a consumer, BLOCK_N, STAGES, consumer registers): what ``forward`` runs by head dim, and what the
-# probe (scripts/flash_probe.py --gluon) chooses from.
+# (BLOCK_M a consumer, BLOCK_N, STAGES, consumer registers): what ``forward`` runs by head dim (the first: the fastest
+# at b17a373, BLOCK_N 64 8-14% slower, 128-row consumers spill), and what scripts/flash_gluon_probe.py times.
 CONFIGS = {64: ((64, 128, 3, 240), (64, 128, 2, 240), (64, 128, 4, 240), (64, 64, 3, 240)),
            128: ((64, 128, 2, 240), (64, 64, 3, 240), (64, 64, 4, 240))}
 
