@@ -8,8 +8,14 @@ device name); a step record without them is listed, with the reason. Per row:
 * time: ``parallelism_calc.roofline.step_time_floor`` on those ceilings (the matmul rate of the record's compute
   dtype, the copy bandwidth, and for several devices the bus bandwidth of the largest NCCL all-reduce recorded
   between as many of them) against the median step; ``measured / floor`` says how far above its floor a run is;
-* memory: the prediction the benchmark made from ``parallelism_calc`` at run time (``metrics.predicted_peak_bytes``
-  or ``predicted_memory_bytes``) against the measured peak per device (``peak_memory_bytes``); none: the cell says so;
+* memory: ``parallelism_calc.memory.per_device_memory`` recomputed from the record's spec and configuration
+  (``memory_prediction``; so a fixed formula re-reads every committed record) against the measured peak per device
+  (``peak_memory_bytes``), for every record whose benchmark made a prediction at run time
+  (``metrics.predicted_peak_bytes`` or ``predicted_memory_bytes``). One PyTorch device: the peak placed in the step
+  (``peak_model="timeline"``: forward's end, each block's backward with its checkpointing, backward's end); several
+  PyTorch ranks and every JAX run: the benchmark's own call (``peak_model="sum"``, every term at once). A record whose
+  configuration the calculator cannot rebuild keeps the stored value, and the row's "memory model" says which;
+  a peak the benchmark read as the allocator's reserved bytes (CUDA graph pools) says so there too;
 * communication: the floor's exposed communication against the record's ``comm`` phase, where it has one.
 
 Error = predicted / measured - 1 (negative: the prediction is below the measurement). The summary gives, per
@@ -27,15 +33,22 @@ from pathlib import Path
 from typing import Any
 
 from analysis.allreduce import ALLREDUCE_SUITE
-from analysis.harness import DTYPES
+from analysis.harness import DTYPES, calculator_terms
 from analysis.records import Record
 from parallelism_calc.cli import ArgumentParser, error_boundary
+from parallelism_calc.memory import mesh_memory_strategy, per_device_memory
 from parallelism_calc.roofline import Ceilings, step_time_floor
 from parallelism_calc.specs import ModelSpec
 
 MEMORY_BOUND, TIME_BOUND = 0.05, 0.25  # the bounds the summary counts rows within
 CEILINGS_SUITE = "ceilings"
 PREDICTED_MEMORY = ("predicted_peak_bytes", "predicted_memory_bytes")  # what the benchmarks call their prediction
+# torch_impl/bench/ddp.py's gathered working set per FSDP implementation (its ``predicted_memory``): ours gathers
+# each weight matrix with torch_impl.distributed.fsdp.MAX_PREFETCH_LAYERS = 2 ahead, FSDP2 a block at a time with
+# its root kept (analysis imports no torch, hence the copy; tests/test_memory_records.py checks it reproduces the
+# stored predictions).
+DDP_BENCH_GATHERING = {"fsdp": dict(gather_unit="layer", prefetch_layers=2),
+                       "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False)}
 
 
 @dataclass
@@ -46,6 +59,7 @@ class Row:
     floor_ms: float | None = None
     comm_floor_ms: float | None = None
     predicted_memory: float | None = None
+    memory_model: str = ""  # how predicted_memory was made (see memory_prediction)
     why: str = ""
 
     @property
@@ -98,9 +112,67 @@ def data_parallel(record: Record) -> tuple[str, int, int]:
     return strategy, ranks, batch
 
 
+def attention_of(record: Record) -> str:
+    """The attention backend a torch record ran: ``metrics.attention``, else the implementation's name
+    ('compiled sdpa_cudnn, cuda graph' -> 'sdpa_cudnn'; 'stock eager sdpa' -> 'sdpa')."""
+    if record.metrics.get("attention"):
+        return record.metrics["attention"]
+    words = record.implementation.removeprefix("stock ").split(",")[0].split()
+    return words[1] if len(words) > 1 and words[0] in ("eager", "compiled") else words[-1]
+
+
+def memory_prediction(record: Record) -> tuple[float | None, str]:
+    """(predicted peak bytes per device, how it was made) for a step record whose benchmark predicted one at run
+    time, recomputed from ``parallelism_calc.memory.per_device_memory``:
+
+    * PyTorch on one device (``torch_impl.bench.e2e``, the DDP benchmark's one-GPU baseline): ``peak_model=
+      "timeline"`` with the record's precision, attention and checkpointing (``metrics.checkpoint_every``,
+      ``nested_checkpoint``) -> "timeline";
+    * PyTorch over several ranks (``torch_impl.bench.ddp``): that benchmark's call, the strategy's sharding and its
+      FSDP's gathered set -> "sum";
+    * JAX (``jax_impl.bench.e2e``): that benchmark's call, the mesh strategy and the remat policy -> "sum";
+
+    otherwise (or when the calculator refuses the configuration) the stored prediction -> "stored at run time";
+    no prediction stored: (None, "").
+    """
+    stored = next((record.metrics[k] for k in PREDICTED_MEMORY if record.metrics.get(k)), None)
+    if stored is None:
+        return None, ""
+    m = record.metrics
+    try:
+        spec = ModelSpec(**record.model_dims)
+        seq = record.seq_len
+        if record.backend == "torch":
+            precision, attention = calculator_terms(record.dtype, attention_of(record))
+            if record.world_size == 1:
+                pred = per_device_memory(spec, "ddp", 1, record.batch_size * seq, seq, precision, attention=attention,
+                                         peak_model="timeline", checkpoint_every=m.get("checkpoint_every"),
+                                         nested_checkpoint=bool(m.get("nested_checkpoint")))
+                return pred.total, "timeline"
+            n = record.world_size  # the DDP benchmark's batch is per rank
+            pred = per_device_memory(spec, m["strategy"], n, n * record.batch_size * seq, seq, precision,
+                                     attention=attention, **DDP_BENCH_GATHERING.get(m.get("impl"), {}))
+            return pred.total, "sum"
+        if record.backend == "jax":
+            precision, attention = calculator_terms(record.dtype, m["attention"])
+            mesh = record.mesh or {}
+            strategy, parallel = mesh_memory_strategy(m["strategy"], *(mesh.get(a, 1) for a in ("dp", "fsdp", "tp")))
+            pred = per_device_memory(spec, strategy, parallel, record.batch_size * seq, seq, precision,
+                                     checkpointing=m.get("remat", "none"), attention=attention)
+            return pred.total, "sum"
+    except (ValueError, KeyError, TypeError):
+        pass
+    return stored, "stored at run time"
+
+
 def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[tuple[str, int], float]) -> Row:
-    row = Row(record, predicted_memory=next((record.metrics[k] for k in PREDICTED_MEMORY
-                                             if record.metrics.get(k)), None))
+    predicted, model = memory_prediction(record)
+    graph_blocks = record.metrics.get("cuda_graph") == "blocks" or "cuda graph per block" in record.implementation
+    if predicted is not None and record.metrics.get("peak_memory_kind") == "reserved":
+        model += "; measured: reserved (CUDA graph pool), not allocated"
+    elif predicted is not None and graph_blocks and not record.metrics.get("peak_memory_kind"):
+        model += "; measured: allocated outside the CUDA graph pool (recorded before peak_memory_kind)"
+    row = Row(record, predicted_memory=predicted, memory_model=model)
     device = record.provenance.get("device_name", "?")
     compute_dtype = "fp32" if record.dtype == "fp32" else "bf16"
     measured = ceilings.get(device, {})
@@ -149,7 +221,8 @@ def _frame(rows: list[Row]):
         "comm ms": (row.record.phases or {}).get("comm", {}).get("median_ms"),
         "comm floor ms": row.comm_floor_ms if row.record.world_size > 1 else None,
         "measured GiB": gib(row.record.peak_memory_bytes), "predicted GiB": gib(row.predicted_memory),
-        "memory error": row.memory_error, "not predicted": row.why} for row in rows])
+        "memory error": row.memory_error, "memory model": row.memory_model, "not predicted": row.why}
+        for row in rows])
 
 
 def summary(frame) -> Any:

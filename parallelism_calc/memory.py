@@ -34,6 +34,7 @@ FFN-only analysis. Byte counts are exact integers where they can be; sharded sta
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -51,6 +52,9 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp_tp")
 # above, with their meshes: the batch goes over dp x fsdp; "tp" is DP x TP (the model's state split over tp only).
 _MESH_STRATEGY = {"dp": "ddp", "fsdp": "fsdp", "tp": "fsdp_tp", "fsdp_tp": "fsdp_tp"}
 GATHER_UNITS = ("block", "layer")  # what stage-3 sharding all-gathers at once (see per_device_memory)
+# How per_device_memory places the peak: "sum" adds every term as if all were alive at once (an upper bound);
+# "timeline" takes the largest of the step's moments (forward's end, each block's backward, backward's end).
+PEAK_MODELS = ("sum", "timeline")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -286,6 +290,9 @@ class MemoryBreakdown:
     cast_weights: float  # autocast under ddp / zero1 / zero2: each linear's bf16 weight copy, saved for backward
     total: float
     formulas: Mapping[str, str]
+    # Where the peak falls: "sum" (every term at once) or, for peak_model="timeline", the moment of the step
+    # ("forward's end", "backward, block i" (0 = the first block), "backward's end"; see step_peak_memory).
+    peak_at: str = "sum"
 
 
 def _mesh(strategy: str, n_devices: int | ParallelSpec) -> ParallelSpec:
@@ -352,7 +359,8 @@ def mesh_memory_strategy(mesh_strategy: str, dp: int, fsdp: int, tp: int) -> tup
 def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelSpec, batch_tokens: int,
                       seq_len: int, precision: str | Precision = "bf16_autocast", checkpointing: str = "none",
                       attention: str = "naive", prefetch_layers: int = 1, gather_unit: str = "block",
-                      reshard_root: bool = True) -> MemoryBreakdown:
+                      reshard_root: bool = True, peak_model: str = "sum", checkpoint_every: int | None = None,
+                      nested_checkpoint: bool = False) -> MemoryBreakdown:
     """Bytes per device of a training step with AdamW (ZeRO paper, Rajbhandari et al. 2020).
 
     P = spec.n_params(); per-parameter bytes from ``precision``; N_shard = the sharding degree.
@@ -394,9 +402,21 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     (P - V D - norm gains) x activation_bytes / tp. Stage 3 gathers in bf16 already (the cast is a no-op)
     and frees the gathered weights after each unit's forward: ``cast_weights`` = 0. (A stage-3 wrapper that
     gathered fp32 under autocast would keep those copies too: not modelled.)
+
+    ``peak_model``: "sum" (the default) adds every term above as if all were alive at once, an upper bound;
+    "timeline" places the peak in the step (``step_peak_memory``: weights, masters, AdamW state and the
+    gathered set always; the saved activations and autocast copies at the forward's end; the gradients written
+    so far, one block's (or recomputed segment's) activations and the checkpoints left during the backward),
+    which is what the measured single-GPU PyTorch peaks follow (notes/fidelity.md). ``checkpoint_every`` K
+    (``torch_impl.activation_checkpointing``: segments of K blocks recomputed in the backward, each block too
+    if ``nested_checkpoint``) needs "timeline" and ``checkpointing="none"``.
     """
     _check_choice("strategy", strategy, STRATEGIES)
     _check_choice("gather_unit", gather_unit, GATHER_UNITS)
+    _check_choice("peak_model", peak_model, PEAK_MODELS)
+    if checkpoint_every is not None and (peak_model != "timeline" or checkpointing != "none"):
+        raise ValueError(f"checkpoint_every={checkpoint_every} needs peak_model='timeline' and checkpointing='none' "
+                         f"(got {peak_model!r}, {checkpointing!r}); the sum model takes the per-block policies")
     prec = get_precision(precision)
     mesh = _mesh(strategy, n_devices)
     if batch_tokens < 1 or seq_len < 1 or prefetch_layers < 0:
@@ -447,8 +467,114 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
         "cast_weights": f"P_matmul * {prec.activation_bytes} / tp" if prec.autocast and stage < 3 else "0",
         "N_shard": str(n_shard),
     }
-    return MemoryBreakdown(strategy, params, grads, master, optimizer, activations, gathered, cast_weights,
-                           total, formulas)
+    breakdown = MemoryBreakdown(strategy, params, grads, master, optimizer, activations, gathered, cast_weights,
+                                total, formulas)
+    if peak_model == "timeline":
+        return step_peak_memory(spec, breakdown, tokens, seq_len, prec, checkpointing, attention, tp,
+                                checkpoint_every, nested_checkpoint)
+    return breakdown
+
+
+# --------------------------------------------------------------------------------------------------------
+# Where the peak of a training step falls (peak_model="timeline")
+
+
+def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_len: int,
+                     precision: str | Precision = "bf16_autocast", checkpointing: str = "none",
+                     attention: str = "naive", tp: int = 1, checkpoint_every: int | None = None,
+                     nested_checkpoint: bool = False) -> MemoryBreakdown:
+    """The peak of one training step over its moments, from the terms of ``state`` (a "sum" breakdown of
+    ``per_device_memory``, whose sharding of gradients and optimizer state it keeps) for ``tokens`` tokens per
+    device. ``per_device_memory(..., peak_model="timeline")`` calls it; notes/fidelity.md has the evidence.
+
+    The step frees gradients before its forward (``zero_grad(set_to_none=True)``, torch_impl/step.py), so no
+    gradient exists while activations accumulate, and its backward frees each block's saved activations (and
+    the autocast weight copies saved with them) as it writes that block's gradients. With S = params + master
+    + optimizer + gathered (alive throughout), per token b = one block's saved activations, a = one block input
+    (the residual stream: a checkpoint), e = the extras outside the blocks (final norm, fp32 log-softmax, token
+    ids), c = one block's autocast weight copies, c_head = the LM head's, g = one block's gradients, g_top = the
+    LM head's and final norm's (written before any block's), G = all gradients, L blocks, T = tokens:
+
+        peak = S + max(forward's end, backward at block i for i = L-1 .. 0, backward's end)
+        forward's end      = T (L b + e) + L c + c_head           no checkpointing
+                           = T (ceil(L / K) a + e) + c_head        checkpointing every K blocks
+        backward, block i  = g_top + (L - 1 - i) g + T live_i + copies_i       (gradients written so far + live)
+        backward's end     = G
+
+    with block i in segment s = floor(i / K) and, at the moment block i's backward starts:
+
+        no checkpointing:  live_i = (i + 1) b,                             copies_i = (i + 1) c
+        every K, flat:     live_i = (s + 1) a + (i - s K + 1) b,           copies_i = (i - s K + 1) c
+        every K, nested:   live_i = (s + 1) a + (i - s K) a + b,           copies_i = c
+
+    (flat: the segment's inputs left plus the recomputed blocks of segment s not yet back-propagated; nested: the
+    segment inputs left, the block inputs the recomputed segment checkpointed again, one block recomputed).
+    Without checkpointing every backward moment lies between the forward's end and the backward's end (each
+    block trades T b + c for g), so the peak is S + max(T (L b + e) + L c + c_head, g_top + T L b + L c, G):
+    ``max(activations + autocast copies, gradients)`` of notes/fidelity.md. ``checkpointing="full"`` is K = 1
+    flat; "selective" uses its smaller b. FFN-only models have no extras, head or g_top.
+
+    Simplifications: the extras are counted at the forward's end only (the loss's tensors and the final norm's
+    are freed before the blocks' backward; the int64 token ids, 8 bytes a token, are not counted there); the
+    embedding's gradient is written last (in G only); gradients are spread over the parameters evenly
+    (``state.grads / P`` a parameter: exact unless fsdp_tp shards the norm gains differently); the block
+    input a checkpoint keeps is also that block's first norm input, counted in b as well (one D-sized fp32
+    tensor a recomputed segment, 0.2% of the 2.7B peak); transients (the gradient flowing down the residual
+    stream, matmul workspaces, the allocator's rounding and caching) are not modelled. Checked against the
+    2.7B single-H100 records (results/memory_h100.jsonl, results/checkpointing_h100.jsonl;
+    tests/test_memory_records.py); not validated for data-parallel wrappers (gradient buckets, reduce-scatter
+    buffers) or XLA's buffer assignment.
+    """
+    prec = get_precision(precision)
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ValueError(f"checkpoint every {checkpoint_every} blocks: must be >= 1")
+    if checkpointing == "full":  # each block recomputed from its input: K = 1, flat
+        checkpointing, checkpoint_every, nested_checkpoint = "none", 1, False
+    n_layers, d = spec.n_layers, spec.d_model
+    saved = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp)
+    b, e = saved.per_layer_bytes, saved.extra_bytes  # one block's saved activations; the extras, per token
+    # One checkpoint: a block's input, the residual stream in the model dtype (FFN-only: the compute dtype).
+    a = d * (prec.param_bytes if spec.arch == "transformer" else prec.activation_bytes)
+    # Autocast copies (state.cast_weights: 0 without autocast or under stage 3): per block its matmul weights
+    # (4 D^2 + 3 D F; FFN-only 2 D F), the rest (the LM head) once.
+    block_matmul = spec.n_params_per_layer() - (0 if spec.arch == "ffn_only" else 2 * d)
+    cast_total = state.cast_weights
+    c = cast_total * block_matmul / _cast_params(spec) if cast_total else 0.0
+    c_head = cast_total - n_layers * c
+    # Gradient bytes a parameter as sharded (state.grads / P); a block's, and the LM head + final norm's.
+    per_param = state.grads / spec.n_params()
+    g = spec.n_params_per_layer() * per_param
+    g_top = 0.0 if spec.arch == "ffn_only" else (spec.vocab_size * d + d) * per_param
+    persistent = state.params + state.master + state.optimizer + state.gathered  # S
+
+    # Each moment: (where, gradients, activations, autocast copies) alive beside S.
+    k = checkpoint_every
+    if k is None:
+        forward_end = ("forward's end", 0.0, tokens * (n_layers * b + e), n_layers * c + c_head)
+    else:
+        forward_end = ("forward's end", 0.0, tokens * (math.ceil(n_layers / k) * a + e), c_head)
+    moments = [forward_end]
+    for i in reversed(range(n_layers)):  # the backward runs from the last block to the first
+        if k is None:
+            live, copies = (i + 1) * b, (i + 1) * c
+        else:
+            s = i // k  # block i's segment; segments s + 1 .. are back-propagated, their inputs freed
+            if nested_checkpoint:
+                live, copies = (s + 1) * a + (i - s * k) * a + b, c
+            else:
+                live, copies = (s + 1) * a + (i - s * k + 1) * b, (i - s * k + 1) * c
+        moments.append((f"backward, block {i}", g_top + (n_layers - 1 - i) * g, tokens * live, copies))
+    moments.append(("backward's end", state.grads, 0.0, 0.0))
+    where, grads, activations, copies = max(moments, key=lambda m: m[1] + m[2] + m[3])
+    total = persistent + grads + activations + copies
+    policy = ("none" if k is None else f"every {k}" + (" nested" if nested_checkpoint else ""))
+    formulas = {**state.formulas,
+                "peak": f"S + max(forward's end, backward at each block, backward's end) [checkpointing {policy}]",
+                "grads": f"gradients written by then ({where})",
+                "activations": f"saved activations alive then ({where})",
+                "cast_weights": f"autocast copies alive then ({where})"}
+    return dataclasses.replace(state, grads=grads, activations=float(activations), cast_weights=float(copies),
+                               total=total, formulas=formulas, peak_at=where)
 
 
 # --------------------------------------------------------------------------------------------------------

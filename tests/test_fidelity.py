@@ -5,10 +5,11 @@ import dataclasses
 
 import pytest
 
-from analysis.fidelity import fidelity_rows, main, summary, _frame
+from analysis.fidelity import attention_of, fidelity_rows, main, memory_prediction, summary, _frame
 from analysis.records import Record, save_records, timing_stats
 from parallelism_calc.roofline import Ceilings, step_time_floor
-from parallelism_calc.specs import MODELS
+from parallelism_calc.memory import per_device_memory
+from parallelism_calc.specs import MODELS, ParallelSpec
 
 H100 = "NVIDIA H100 80GB HBM3"
 SPEC = MODELS["small"]
@@ -39,8 +40,26 @@ def test_floor_and_memory_errors_are_the_calculator_s():
     floor = step_time_floor(SPEC, 4, 512, "train_step", "bf16_autocast", Ceilings(700e12, 3e12))
     assert row.floor_ms == pytest.approx(floor.total_s * 1e3)
     assert row.time_error == pytest.approx(floor.total_s * 1e3 / 100.0 - 1)
-    assert row.memory_error == pytest.approx(0.25)
+    # Memory: recomputed from the calculator (one torch device: the peak placed in the step), not the stored 2.5 GiB.
+    peak = per_device_memory(SPEC, "ddp", 1, 4 * 512, 512, "bf16_autocast", attention="flash", peak_model="timeline")
+    assert (row.predicted_memory, row.memory_model) == (peak.total, "timeline")
+    assert row.memory_error == pytest.approx(peak.total / (2 * 2**30) - 1)
     assert row.why == ""
+
+
+def test_memory_prediction_falls_back_to_the_stored_value_and_says_so():
+    # A JAX record without the metrics the calculator needs keeps what its benchmark stored; none stored: no cell.
+    unknown = _record(backend="jax", metrics={"predicted_memory_bytes": 3 * 2**30})
+    nothing = _record(metrics={})
+    assert memory_prediction(unknown) == (3 * 2**30, "stored at run time")
+    assert memory_prediction(nothing) == (None, "")
+    jax = _record(backend="jax", mesh={"dp": 1, "fsdp": 1, "tp": 1},
+                  metrics={"predicted_memory_bytes": 1.0, "attention": "dot_product_cudnn", "strategy": "dp",
+                           "remat": "full"})
+    expected = per_device_memory(SPEC, "ddp", ParallelSpec(dp=1), 4 * 512, 512, "bf16_autocast", "full", "flash")
+    assert memory_prediction(jax) == (expected.total, "sum")
+    assert attention_of(_record(implementation="stock compiled sdpa_cudnn, cuda graph")) == "sdpa_cudnn"
+    assert attention_of(_record(implementation="eager flash_triton, ckpt 2 nested")) == "flash_triton"
 
 
 def test_rows_without_what_they_need_say_why():

@@ -166,7 +166,9 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
 def predicted_memory(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_size: int):
     """``per_device_memory`` of the strategy ``cfg`` implements, with the gathered working set of each FSDP
     (see the module docstring): ours per weight matrix with its default prefetch, FSDP2 per block with its
-    unresharded root."""
+    unresharded root. The one-process baseline (``none``) places its peak in the step (``peak_model="timeline"``,
+    as ``torch_impl.bench.e2e`` does); the wrappers keep the sum of every term (their gradient buckets and
+    reduce-scatter buffers are not in the timeline)."""
     from parallelism_calc.memory import per_device_memory
     from torch_impl.distributed.fsdp import MAX_PREFETCH_LAYERS  # FSDP's default prefetch_layers
 
@@ -174,8 +176,9 @@ def predicted_memory(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, worl
     n = 1 if cfg.impl == "none" else world_size
     gathering = {"fsdp": dict(gather_unit="layer", prefetch_layers=MAX_PREFETCH_LAYERS),
                  "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False)}.get(cfg.impl, {})
+    peak = {"peak_model": "timeline"} if cfg.impl == "none" else {}
     return per_device_memory(spec, cfg.strategy, n, n * args.batch_size * seq_len, seq_len, precision,
-                             attention=attention, **gathering)
+                             attention=attention, **gathering, **peak)
 
 
 def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_size: int, device_name: str,

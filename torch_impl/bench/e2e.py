@@ -228,9 +228,10 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
 def predicted_memory(args: TorchStepConfig, spec, seq_len: int) -> dict[str, int | None]:
     """What ``parallelism_calc`` predicts for this run: the activations saved for backward at the step's peak
     (``checkpointing.checkpointed_activation_bytes`` for ``--ac-every K`` flat or nested, else
-    ``memory.activation_bytes_per_token``) and, for a train step, the device's peak: those activations
-    plus weights, gradients and AdamW state (``memory.per_device_memory``, one device). Forward-only runs
-    save nothing for backward: None."""
+    ``memory.activation_bytes_per_token``) and, for a train step, the device's peak placed in the step
+    (``memory.per_device_memory(..., peak_model="timeline")``, one device: weights and AdamW state plus the
+    largest of the forward's end, each block's backward with its checkpointing, and the backward's end; see
+    notes/fidelity.md). Forward-only runs save nothing for backward: None."""
     if args.mode == "forward":
         return {"predicted_activation_bytes": None, "predicted_peak_bytes": None}
     precision, attention = calculator_terms(args.dtype, args.attention)
@@ -242,8 +243,9 @@ def predicted_memory(args: TorchStepConfig, spec, seq_len: int) -> dict[str, int
         activations = activation_bytes_per_token(spec, seq_len, precision, "none", attention).for_tokens(tokens)
     peak = None
     if args.mode == "train_step":
-        state = per_device_memory(spec, "ddp", 1, tokens, seq_len, precision, attention=attention)
-        peak = int(state.total - state.activations + activations)
+        peak = int(per_device_memory(spec, "ddp", 1, tokens, seq_len, precision, attention=attention,
+                                     peak_model="timeline", checkpoint_every=args.checkpoint_every,
+                                     nested_checkpoint=args.nested_checkpoint).total)
     return {"predicted_activation_bytes": activations, "predicted_peak_bytes": peak}
 
 

@@ -1,0 +1,121 @@
+"""``per_device_memory(..., peak_model="timeline")``: the peak placed in the training step (forward's end, each
+block's backward with its checkpointing, backward's end) against moments written out by hand on a toy spec.
+
+The numbers below are derived here from the model's shapes, not from the module's helpers: per token one block
+of our model saves (fp32 norms) 2 (4 D + 4 D + 4) + norm outputs + 4 D p + 4 F p + attention probabilities, the
+extras are the final norm (4 D + 4 D + 4 + D p), the fp32 log-softmax (4 V) and the int64 ids (8).
+"""
+
+import pytest
+
+from parallelism_calc.memory import PEAK_MODELS, per_device_memory
+from parallelism_calc.specs import MODELS, ModelSpec
+
+# D 8, F 16, H 2, 2 layers, V 10. P = 80 (embedding) + 2 x 656 (blocks) + 8 (final norm) + 80 (LM head) = 1,480.
+TOY = ModelSpec("toy", vocab_size=10, context_length=16, d_model=8, d_ff=16, n_layers=2, n_heads=2)
+P = 1480
+BLOCK = 4 * 8 * 8 + 3 * 8 * 16 + 2 * 8  # 656 parameters a block
+S_DDP = 4 * P + 8 * P  # fp32 weights + AdamW m and v (fp32 and bf16_autocast alike), alive throughout
+
+# bf16_autocast, naive attention, T = 16, one block per token: norms 2 x (32 + 32 + 4) = 136; five bf16 copies
+# of the norm outputs (q, k, v, w1, w3) 5 x 8 x 2 = 80; q, k, v, attention output 4 x 8 x 2 = 64; SwiGLU
+# 4 x 16 x 2 = 128; fp32 probabilities + their bf16 copy, 2 heads x 16 keys x (4 + 2) = 192.
+B_AUTO = 136 + 80 + 64 + 128 + 192  # 600
+E_AUTO = (32 + 32 + 4 + 8 * 2) + 4 * 10 + 8  # 132: final norm, log-softmax, token ids
+A = 8 * 4  # a checkpoint: one block input, the fp32 residual stream
+C_BLOCK = (4 * 8 * 8 + 3 * 8 * 16) * 2  # 1,280: a block's bf16 weight copies (its matmuls)
+C_HEAD = 10 * 8 * 2  # 160: the LM head's
+G_BLOCK, G_TOP, G_ALL = BLOCK * 4, (10 * 8 + 8) * 4, P * 4  # fp32 gradients: a block, LM head + final norm, all
+
+
+def _timeline(**kw):
+    args = dict(strategy="ddp", n_devices=1, batch_tokens=4 * 16, seq_len=16, precision="bf16_autocast",
+                attention="naive", peak_model="timeline")
+    return per_device_memory(TOY, **{**args, **kw})
+
+
+def test_no_checkpointing_peak_is_the_largest_moment_by_hand():
+    t = 64  # tokens
+    forward_end = t * (2 * B_AUTO + E_AUTO) + 2 * C_BLOCK + C_HEAD  # 87,968: every activation and copy, no grad
+    block1 = G_TOP + t * 2 * B_AUTO + 2 * C_BLOCK  # 79,712: the head's gradients written, both blocks' live
+    block0 = G_TOP + G_BLOCK + t * B_AUTO + C_BLOCK  # 42,656
+    assert max(forward_end, block1, block0, G_ALL) == forward_end
+    got = _timeline()
+    assert got.total == S_DDP + forward_end == 105_728
+    assert got.peak_at == "forward's end"
+    assert (got.grads, got.activations, got.cast_weights) == (0, t * (2 * B_AUTO + E_AUTO), 2 * C_BLOCK + C_HEAD)
+    assert got.total == pytest.approx(got.params + got.grads + got.master + got.optimizer + got.activations
+                                      + got.gathered + got.cast_weights)
+    # The sum model adds every gradient on top: the timeline is G_ALL below it here.
+    assert per_device_memory(TOY, "ddp", 1, 64, 16, "bf16_autocast", attention="naive").total == got.total + G_ALL
+
+
+def test_short_sequences_peak_at_the_backward_s_end():
+    # T = 2, one sequence: probabilities 2 x 2 x 6 = 24 a token, so a block keeps 136 + 80 + 64 + 128 + 24 = 432.
+    b = 432
+    forward_end = 2 * (2 * b + E_AUTO) + 2 * C_BLOCK + C_HEAD  # 4,712
+    block1 = G_TOP + 2 * 2 * b + 2 * C_BLOCK  # 4,640
+    assert max(forward_end, block1) < G_ALL  # 5,920: every gradient, activations all freed
+    got = _timeline(batch_tokens=2, seq_len=2)
+    assert (got.total, got.peak_at, got.grads, got.activations) == (S_DDP + G_ALL, "backward's end", G_ALL, 0)
+
+
+def test_checkpointing_every_k_by_hand():
+    t = 64
+    # K = 1, flat: the forward keeps two block inputs; block 0's moment (both blocks' gradients but one written,
+    # its own input, one block recomputed and its copies) is the peak.
+    k1 = {"forward's end": t * (2 * A + E_AUTO) + C_HEAD,  # 12,704
+          "backward, block 1": G_TOP + t * (2 * A + B_AUTO) + C_BLOCK,  # 44,128
+          "backward, block 0": G_TOP + G_BLOCK + t * (A + B_AUTO) + C_BLOCK,  # 44,704
+          "backward's end": G_ALL}
+    got = _timeline(checkpoint_every=1)
+    assert (got.total, got.peak_at) == (S_DDP + max(k1.values()), "backward, block 0") == (62_464, got.peak_at)
+    assert got.grads == G_TOP + G_BLOCK and got.activations == t * (A + B_AUTO) and got.cast_weights == C_BLOCK
+    # "full" (each block recomputed from its input) is K = 1, flat.
+    assert _timeline(checkpointing="full").total == got.total
+    # K = 2, flat: one segment; recomputing it brings both blocks back while only the head's gradients exist.
+    k2 = {"forward's end": t * (A + E_AUTO) + C_HEAD,  # 10,656
+          "backward, block 1": G_TOP + t * (A + 2 * B_AUTO) + 2 * C_BLOCK,  # 81,760
+          "backward, block 0": G_TOP + G_BLOCK + t * (A + B_AUTO) + C_BLOCK}  # 44,704
+    got = _timeline(checkpoint_every=2)
+    assert (got.total, got.peak_at) == (S_DDP + max(k2.values()), "backward, block 1") == (99_520, got.peak_at)
+    # K = 2, nested: the recomputed segment checkpoints block 1's input again and recomputes one block at a time.
+    nested = {"backward, block 1": G_TOP + t * (A + A + B_AUTO) + C_BLOCK,  # 44,128
+              "backward, block 0": G_TOP + G_BLOCK + t * (A + B_AUTO) + C_BLOCK}  # 44,704
+    got = _timeline(checkpoint_every=2, nested_checkpoint=True)
+    assert (got.total, got.peak_at) == (S_DDP + max(nested.values()), "backward, block 0")
+    # K >= L is one segment of every block: the same as K = L.
+    assert _timeline(checkpoint_every=5).total == _timeline(checkpoint_every=2).total
+
+
+def test_sharded_gradients_and_state_still_apply():
+    # fp32, ZeRO-2 over 2 ranks, T = 2 and one sequence per rank: gradients (4 B) and AdamW state (8 B) halve.
+    # A block per token: norms 136, norm outputs 2 x 8 x 4 = 64, 4 D p = 128, 4 F p = 256, probabilities
+    # 2 x 2 x 4 = 16: 600; extras 32 + 32 + 4 + 32 + 40 + 8 = 148.
+    got = per_device_memory(TOY, "zero2", 2, 4, 2, "fp32", attention="naive", peak_model="timeline")
+    forward_end = 2 * (2 * 600 + 148)  # 2,696
+    block1 = G_TOP / 2 + 2 * 2 * 600  # 2,576
+    assert max(forward_end, block1) < G_ALL / 2  # 2,960
+    assert got.total == 4 * P + 8 * P / 2 + G_ALL / 2 and got.peak_at == "backward's end"
+    assert got.optimizer == 8 * P / 2 and got.cast_weights == 0
+    # One device, unsharded: the same moments with every gradient.
+    one = per_device_memory(TOY, "ddp", 1, 2, 2, "fp32", attention="naive", peak_model="timeline")
+    assert one.total == S_DDP + G_ALL
+
+
+def test_timeline_never_above_the_sum_and_options_checked():
+    spec = MODELS["small"]
+    for precision in ("fp32", "bf16_autocast", "bf16_mixed"):
+        for strategy, n in (("ddp", 1), ("zero1", 4), ("zero2", 4), ("fsdp", 4)):
+            kw = dict(precision=precision, attention="flash")
+            s = per_device_memory(spec, strategy, n, 4 * 4 * 512, 512, **kw)
+            t = per_device_memory(spec, strategy, n, 4 * 4 * 512, 512, peak_model="timeline", **kw)
+            assert t.total <= s.total and t.params == s.params and t.optimizer == s.optimizer
+            assert t.gathered == s.gathered and t.master == s.master
+    assert PEAK_MODELS == ("sum", "timeline")
+    for kw, message in ((dict(peak_model="max"), "accepted: sum, timeline"),
+                        (dict(peak_model="sum", checkpoint_every=2), "needs peak_model='timeline'"),
+                        (dict(checkpointing="full", checkpoint_every=2), "checkpointing='none'"),
+                        (dict(checkpoint_every=0), "must be >= 1")):
+        with pytest.raises(ValueError, match=message):
+            _timeline(**kw)

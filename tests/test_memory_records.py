@@ -1,0 +1,91 @@
+"""The calculator's single-GPU training-step peak (``per_device_memory(..., peak_model="timeline")``) against the
+committed 2.7B records of one H100 (results/memory_h100.jsonl: batch 4, context 128-1,024, fp32 and bf16 autocast,
+eager SDPA; results/checkpointing_h100.jsonl: 4 x 2,048 bf16, our Triton kernel, checkpointing every 1-8 blocks,
+flat and nested), and the fidelity report's recomputation against what the benchmarks stored at run time.
+
+Achieved: every ok train-step row of both files within 3.3% (worst +3.23%, bf16 autocast 4 x 1,024: the forward's
+end; the checkpointing rows -1.1% to +0.7%). The one failed row (no checkpointing at 4 x 2,048: out of memory) is
+predicted above the card's 79.18 GiB. Not explained here: see notes/fidelity.md (compiled steps, CUDA graph pools,
+data-parallel wrappers, XLA).
+"""
+
+from pathlib import Path
+
+import pytest
+
+from analysis.fidelity import memory_prediction
+from analysis.harness import calculator_terms
+from analysis.records import read_records
+from analysis.tables import load_records
+from parallelism_calc.memory import per_device_memory
+from parallelism_calc.specs import ModelSpec
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+FILES = ("memory_h100.jsonl", "checkpointing_h100.jsonl")
+ACHIEVED = 0.033  # the worst |predicted / measured - 1| over the rows below: 3.23%
+H100_CAPACITY = 79.18 * 2**30  # what torch reports for an H100 80GB HBM3 (the OOM record's message)
+
+
+def _step_records(name):
+    path = RESULTS / name
+    if not path.exists():
+        pytest.skip(f"{path} not committed")
+    return [r for r in read_records(path) if r.mode == "train_step"]
+
+
+def _predict(record):
+    attention = record.implementation.split()[1].rstrip(",")  # "eager sdpa", "eager flash_triton, ckpt 2 nested"
+    precision, attention = calculator_terms(record.dtype, attention)
+    return per_device_memory(ModelSpec(**record.model_dims), "ddp", 1, record.batch_size * record.seq_len,
+                             record.seq_len, precision, attention=attention, peak_model="timeline",
+                             checkpoint_every=record.metrics.get("checkpoint_every"),
+                             nested_checkpoint=bool(record.metrics.get("nested_checkpoint")))
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_single_gpu_peaks_within_the_achieved_error(name):
+    rows = [r for r in _step_records(name) if r.status == "ok"]
+    assert rows
+    errors = {}
+    for record in rows:
+        predicted = _predict(record).total
+        errors[record.implementation, record.dtype, record.seq_len] = predicted / record.peak_memory_bytes - 1
+        # The fidelity report reads the same number from the calculator, not the one stored at run time.
+        assert memory_prediction(record) == (predicted, "timeline")
+    outside = {k: f"{e:+.2%}" for k, e in errors.items() if abs(e) > ACHIEVED}
+    assert not outside, outside
+
+
+def test_the_out_of_memory_run_is_predicted_above_the_card():
+    failed = [r for r in _step_records("checkpointing_h100.jsonl") if r.status == "oom"]
+    for record in failed:
+        assert _predict(record).total > H100_CAPACITY, record.implementation
+
+
+def test_checkpointing_peaks_fall_in_the_last_segment_s_backward():
+    for record in _step_records("checkpointing_h100.jsonl"):
+        k = record.metrics.get("checkpoint_every")
+        if record.status == "ok" and k:
+            pred = _predict(record)
+            # nested: one block recomputed at a time, the first block's backward is the worst moment; flat: the
+            # top block of the first segment, right after the segment is recomputed (every gradient but k blocks').
+            block = 0 if record.metrics.get("nested_checkpoint") else k - 1
+            assert pred.peak_at == f"backward, block {block}", record.implementation
+
+
+def test_recomputed_sum_predictions_reproduce_what_the_benchmarks_stored():
+    """Multi-rank PyTorch and every JAX record keep the benchmark's own ("sum") formula: recomputing it from the
+    record must give the stored number (this checks fidelity's reading of each configuration, FSDP gathering
+    included)."""
+    checked = 0
+    for record in load_records([RESULTS]):
+        stored = record.metrics.get("predicted_memory_bytes")
+        if record.mode != "train_step" or record.status != "ok" or not stored:
+            continue
+        predicted, model = memory_prediction(record)
+        if model == "sum":
+            assert predicted == pytest.approx(stored, rel=1e-12), (record.suite, record.implementation)
+            checked += 1
+        else:
+            assert model == "timeline" and record.world_size == 1, (record.suite, record.implementation, model)
+    assert checked >= 1
