@@ -12,6 +12,9 @@ hangs, it does not fail), in one process:
 * the forward's ``triton.testing.do_bench`` median at the issue's shapes (bf16, causal; each of VARIANTS), against cuDNN SDPA and
   the Triton forward (``flash_triton.flash_forward``) in the same process, with O's relative error against cuDNN's.
 
+With ``--backward``, instead, ``flash_gluon.backward`` (not used by the op yet): dQ, dK, dV against float64 beside the
+Triton backward's errors on the same inputs, and its time beside the Triton backward's and cuDNN's forward + backward.
+
 Rows (with provenance) are appended to OUT/flash_gluon_probe.jsonl as they are measured; a configuration that
 fails to compile or run is a row with its error. Not a record: it decides what ``flash_gluon`` runs.
 """
@@ -129,11 +132,73 @@ def bench(shape: str, configs, emit) -> None:
                 if ms and cudnn_ms:
                     print(f"  {shape} {variant} {config}: {ms:.3f} ms, {cudnn_ms / ms:.3f}x cuDNN", flush=True)
 
+def grads_reference(q, k, v, do, causal: bool):
+    """dQ, dK, dV in float64 by autograd (k/v heads repeated for GQA, their gradients summed back)."""
+    group = q.shape[1] // k.shape[1]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    (torch.softmax(s, -1) @ v64.repeat_interleave(group, 1)).backward(do.double())
+    return q64.grad, k64.grad, v64.grad
+
+
+def check_backward(emit) -> None:
+    """``flash_gluon.backward`` (not used by the op yet) against float64, next to the Triton backward's errors on the
+    same inputs, both from the Gluon forward's O and L."""
+    for b, h, h_kv, n, causal, layout in CHECKS:
+        d = fg.BWD_HEAD_DIMS[0]
+        gen = torch.Generator(device="cuda").manual_seed(b * 1000 + n + d + 1)
+        q, do = heads(b, h, n, d, layout, gen), heads(b, h, n, d, layout, gen)
+        k, v = heads(b, h_kv, n, d, layout, gen), heads(b, h_kv, n, d, layout, gen)
+        row = {"check": "backward_float64", "d": d, "shape": f"{b}x{h}x{h_kv}x{n}", "causal": causal,
+               "layout": layout}
+        try:
+            want = grads_reference(q, k, v, do, causal)
+            o, lse = fg.forward(q, k, v, causal)
+            ours = fg.backward(do, q, k, v, o, lse, causal)
+            theirs = ft.flash_backward(do, q, k, v, o, lse, causal)
+            torch.cuda.synchronize()
+            emit({**row, **{f"{name}_rel": rel(x, ref) for name, x, ref in zip(("dq", "dk", "dv"), ours, want)},
+                  **{f"{name}_rel_triton": rel(x, ref) for name, x, ref in zip(("dq", "dk", "dv"), theirs, want)}})
+        except Exception as err:  # noqa: BLE001 (a failing shape is a row)
+            emit({**row, "error": error(err)})
+
+
+def bench_backward(shape: str, emit) -> None:
+    """The backward alone (ours in Gluon, ours in Triton, from the same O and L) and forward + backward against
+    cuDNN's (autograd through SDPA), causal bf16."""
+    b, h, n, d = (int(x) for x in shape.split("x"))
+    gen = torch.Generator(device="cuda").manual_seed(n + d + 1)
+    q, k, v, do = (heads(b, h, n, d, "bhnd", gen) for _ in "qkvo")
+    o, lse = fg.forward(q, k, v, True)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+    def cudnn_fwd_bwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            sdpa(*leaves, is_causal=True).backward(do)
+
+    for name, fn, pass_ in (("gluon", lambda: fg.backward(do, q, k, v, o, lse, True), "bwd"),
+                            ("triton", lambda: ft.flash_backward(do, q, k, v, o, lse, True), "bwd"),
+                            ("cudnn", cudnn_fwd_bwd, "fwd+bwd"),
+                            ("gluon", lambda: fg.backward(do, q, k, v, *fg.forward(q, k, v, True), True), "fwd+bwd")):
+        row = {"shape": shape, "pass": pass_, "variant": name}
+        try:
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+            emit({**row, "ms": ms})
+            print(f"  {shape} {pass_} {name}: {ms:.3f} ms", flush=True)
+        except Exception as err:  # noqa: BLE001
+            emit({**row, "error": error(err)})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="BxHxNxd, comma-separated (causal, bf16)")
     parser.add_argument("--config", type=int, help="only the I-th configuration of each head dim")
+    parser.add_argument("--backward", action="store_true",
+                        help="instead: check flash_gluon.backward against float64 and time it (d in BWD_HEAD_DIMS)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("flash_gluon_probe: needs an sm_90 GPU (H100, H200)", file=sys.stderr)
@@ -148,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in row.items() if k != "error"}), row.get("error", "")[:300], flush=True)
 
     configs = {d: cs if args.config is None else cs[args.config:args.config + 1] for d, cs in fg.CONFIGS.items()}
+    if args.backward:
+        check_backward(emit)
+        for shape in args.shapes.split(","):
+            if int(shape.split("x")[-1]) in fg.BWD_HEAD_DIMS:
+                bench_backward(shape, emit)
+        return 0
     for d, cs in configs.items():
         for config in cs:
             check(config, d, emit)

@@ -1,8 +1,8 @@
-"""Compile the Gluon FlashAttention forward for sm_90 on a machine without a GPU, and read what ptxas says of it.
+"""Compile the Gluon FlashAttention kernels for sm_90 on a machine without a GPU, and read what ptxas says of them.
 
-    python scripts/gluon_compile.py            # every configuration of flash_gluon.CONFIGS, each of OPTIONS
+    python scripts/gluon_compile.py            # the backward, every configuration of flash_gluon.CONFIGS x OPTIONS
     python scripts/gluon_compile.py --check    # exit 1 if ptxas serializes a wgmma or spills
-    python scripts/gluon_compile.py --check --first   # the configuration each head dim runs by default (CI)
+    python scripts/gluon_compile.py --check --first   # the backward, the forward's default configurations (CI)
     python scripts/gluon_compile.py --sass OUT_DIR   # also write each kernel's SASS
 
 Triton compiles for a target it is told, not one it finds, so a stand-in driver names an H100 (sm_90, warp 32) and
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import re
 import subprocess
@@ -97,6 +98,14 @@ def compile_config(d: int, config, is_causal: bool = True, **options):
     return flash_gluon._fwd_kernel.warmup(*args, grid=grid, **constexprs)
 
 
+def compile_backward(is_causal: bool = True):
+    """The compiled backward (d 64, two query heads a k/v head), as ``compile_config`` compiles the forward."""
+    q = torch.empty(1, 4, 1024, 64, dtype=torch.bfloat16)
+    k = torch.empty(1, 2, 1024, 64, dtype=torch.bfloat16)
+    grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, torch.empty(1, 4, 1024), is_causal)
+    return flash_gluon._bwd_kernel.warmup(*args, grid=grid, **constexprs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a wgmma is serialized or registers spill")
@@ -106,30 +115,33 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns while the default is unset
     driver.set_active(_TargetOnly())
     failures = []
+    kernels = [("backward_d64", compile_backward)]
     for d, configs in flash_gluon.CONFIGS.items():
         for config in configs[:1] if args.first else configs:
             for suffix, options in OPTIONS.items():
                 if options.get("pingpong") and config[1] % (flash_gluon.TILES.value * config[0]):
                     continue  # consumers with different key tiles per item cannot take turns
-                name = f"d{d}_{'_'.join(map(str, config))}{suffix}"
-                kernel = compile_config(d, config, **options)
-                report = ptxas_report(kernel.asm["ptx"])
-                registers = re.search(r"Used (\d+) registers", report)
-                spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
-                warnings = [line.split(":", 1)[-1].strip() for line in report.splitlines() if "Performance Loss" in line]
-                code = sass(kernel.asm["cubin"])
-                ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(
-                    r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", code))
-                print(f"{name}: {registers.group(1) if registers else '?'} registers at entry, {sum(spills)} bytes "
-                      f"spilled, shared {kernel.metadata.shared} B; " + " ".join(f"{op} {ops[op]}" for op in WATCHED),
-                      flush=True)
-                for warning in warnings:
-                    print(f"  ptxas: {warning}")
-                if args.sass:
-                    args.sass.mkdir(parents=True, exist_ok=True)
-                    (args.sass / f"{name}.sass").write_text(code)
-                if warnings or sum(spills) or not ops["HGMMA"]:
-                    failures.append(name)
+                kernels.append((f"d{d}_{'_'.join(map(str, config))}{suffix}",
+                                functools.partial(compile_config, d, config, **options)))
+    for name, build in kernels:
+        kernel = build()
+        report = ptxas_report(kernel.asm["ptx"])
+        registers = re.search(r"Used (\d+) registers", report)
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+        warnings = [line.split(":", 1)[-1].strip() for line in report.splitlines() if "Performance Loss" in line]
+        code = sass(kernel.asm["cubin"])
+        ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(
+            r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", code))
+        print(f"{name}: {registers.group(1) if registers else '?'} registers at entry, {sum(spills)} bytes "
+              f"spilled, shared {kernel.metadata.shared} B; " + " ".join(f"{op} {ops[op]}" for op in WATCHED),
+              flush=True)
+        for warning in warnings:
+            print(f"  ptxas: {warning}")
+        if args.sass:
+            args.sass.mkdir(parents=True, exist_ok=True)
+            (args.sass / f"{name}.sass").write_text(code)
+        if warnings or sum(spills) or not ops["HGMMA"]:
+            failures.append(name)
     if args.check and failures:
         print(f"gluon_compile: serialized wgmma, spills or no wgmma in {', '.join(failures)}", file=sys.stderr)
         return 1

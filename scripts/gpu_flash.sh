@@ -17,7 +17,8 @@
 #          -> OUT/flash_ncu.ncu-rep, its details and its per-instruction source view as text
 #          (OUT/flash_ncu_details.txt, OUT/flash_ncu_source.csv), the kernels' TTGIR/PTX (OUT/flash_triton_ir.tgz)
 #   gluon  the Gluon forward (torch_impl/attention/flash_gluon.py): scripts/flash_gluon_probe.py for the first two
-#          configurations of each head dim (a process each, under timeout: a barrier deadlock hangs), the GPU tests
+#          configurations of each head dim (a process each, under timeout: a barrier deadlock hangs) and for the
+#          Gluon backward (--backward: float64 checks, times against the Triton backward and cuDNN), the GPU tests
 #          of the op with it (every shape it supports, x1000) -> OUT/gpu_tests_gluon.log, then ours with and
 #          without it (FLASH_GLUON=0; the backward's tuning cached between the two) against cuDNN at the
 #          leaderboard shapes and 4 x 32 x 2,048 (d 64, 128), forward and forward + backward
@@ -76,10 +77,13 @@ run_ncu() {
   tail -n 5 "$out/flash_ncu.log"
 }
 
-run_gluon_probe() {  # configurations 0..$1 of each head dim, a process each, under timeout (a deadlock hangs)
+run_gluon_probe() {  # configurations 0..$1 of each head dim, a process each, under timeout (a deadlock hangs);
+  # then the backward (d 64) in a process of its own
   for i in $(seq 0 "$1"); do
     timeout 150 python3 scripts/flash_gluon_probe.py "$out" --config "$i" 2>&1 | grep -E "cuDNN|Error" || status=1
   done
+  timeout 150 python3 scripts/flash_gluon_probe.py "$out" --backward --shapes 1x16x16384x64,4x32x2048x64 2>&1 |
+    grep -E " ms|Error" || status=1
 }
 
 run_gluon_bench() {

@@ -88,3 +88,18 @@ def test_pingpong_needs_consumers_with_the_same_key_tiles():
         flash_gluon.launch_arguments(q, q, q, True, (64, 64, 3, 240), pingpong=True)
     flash_gluon.launch_arguments(q, q, q, False, (64, 64, 3, 240), pingpong=True)  # full attention: the same tiles
     flash_gluon.launch_arguments(q, q, q, True, (64, 128, 3, 240), pingpong=True)
+
+
+def test_backward_launch_arguments_match_the_kernel_signature():
+    q = torch.zeros(2, 4, 1024, 64, dtype=torch.bfloat16)
+    k = torch.zeros(2, 2, 1024, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 4, 1024)
+    grid, args, options, (dq, dk, dv) = flash_gluon.backward_launch_arguments(q, q, k, k, q, lse, True)
+    names = flash_gluon._bwd_kernel.arg_names
+    constexprs = [name for name in options if name != "enable_fp_fusion"]  # a launch option, not a parameter
+    assert len(args) + len(constexprs) == len(names) and constexprs == names[len(args):]
+    assert grid == (1024 // (flash_gluon.TILES.value * flash_gluon.BWD_CONFIG[1]), 2 * 2, 1)
+    assert dq.dtype == torch.float32 and dq.shape == q.shape and dk.shape == dv.shape == k.shape
+    with pytest.raises(ValueError, match="Gluon backward takes d in"):
+        flash_gluon.backward_launch_arguments(*(torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16),) * 5,
+                                              torch.zeros(1, 2, 1024), True)

@@ -37,6 +37,7 @@ _LN2 = gl.constexpr(0.6931471805599453)
 # TMA's global -> shared copy: ``async_copy_global_to_shared`` in Triton 3.6 (the GPU image), ``async_load`` from 3.7.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # shared -> global, likewise
+_thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the warps' barrier: 3.6's name, then 3.9's
 HEAD_DIMS = (64, 128)  # head dims the tiles are written for (wgmma's N for O and TMA's box width)
 MIN_KEYS = 4096  # below, the Triton forward is as fast or faster (``preferred``)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -310,6 +311,188 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
                  n_tiles, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
                  kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N)),
     ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# ----------------------------------------------------------------------------------------------------- backward
+# Not yet run on a GPU (compiled and read by ptxas here: scripts/gluon_compile.py); not used by flash_triton.
+
+
+@gluon.jit
+def _bwd_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, free, b, h_kv,
+              group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
+              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    """The producer warp: the program's K and V (a BLOCK_K-key half for each consumer) once, then Q_i and dO_i of
+    every query tile i >= i_first of every query head of the k/v head's group into stage s % STAGES."""
+    stages: gl.constexpr = q_bufs.type.shape[0]
+    mbarrier.expect(kv_ready, TILES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for u in gl.static_range(TILES):
+        row = b * kv_rows_b + h_kv * kv_rows_h + key_start + u * BLOCK_K
+        _tma_load(k_desc, [row, h_kv * kv_cols_h], kv_ready, k_smem.index(u))
+        _tma_load(v_desc, [row, h_kv * kv_cols_h], kv_ready, v_smem.index(u))
+    s = 0
+    for g in range(group):
+        h = h_kv * group + g
+        for i in range(i_first, n_m):
+            stage = s % stages
+            mbarrier.wait(free.index(stage), ((s // stages) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            row = b * q_rows_b + h * q_rows_h + i * BLOCK_M
+            _tma_load(q_desc, [row, h * q_cols_h], ready.index(stage), q_bufs.index(stage))
+            _tma_load(do_desc, [row, h * q_cols_h], ready.index(stage), do_bufs.index(stage))
+            s += 1
+
+
+@gluon.jit
+def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, kv_ready, ready, free, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
+                 dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale, n_kv_heads, n_k,
+                 TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                 HEAD_DIM: gl.constexpr):
+    """One consumer warpgroup: keys key_start + TILE * BLOCK_K .. + BLOCK_K. Per query tile i (with L_i and
+    D_i = rowsum(dO_i O_i)): S^T = K Q_i^T and dP^T = V dO_i^T, P^T = exp(fl(S^T / sqrt(d)) - L) rounded as the
+    Triton backward rounds it, dS^T = P^T (dP^T - D); dV += P^T dO_i and dK += dS^T Q_i (register operands), and
+    dQ_i += dS K through dS^T in shared memory read transposed, its fp32 part added to dq_ptr element by element.
+    Every product is waited within the iteration (no wgmma in flight across a back edge: see ``_consume``)."""
+    stages: gl.constexpr = q_bufs.type.shape[0]
+    dtype: gl.constexpr = q_bufs.dtype
+    st_layout: gl.constexpr = _wgmma_layout(BLOCK_M)  # S^T, dP^T: (keys, queries)
+    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # dK, dV (keys, d) and the dQ part (queries, d)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    key_rows: gl.constexpr = gl.SliceLayout(1, st_layout)
+    query_cols: gl.constexpr = gl.SliceLayout(0, st_layout)
+    k = k_smem.index(TILE)
+    v = v_smem.index(TILE)
+    offs_key = key_start + TILE * BLOCK_K + gl.arange(0, BLOCK_K, layout=key_rows)
+    zero_st = gl.zeros([BLOCK_K, BLOCK_M], gl.float32, layout=st_layout)
+    zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
+    dk = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
+    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    mbarrier.wait(kv_ready, 0)
+    s = 0
+    for g in range(group):
+        h = h_kv * group + g
+        bh = (b * n_heads + h).to(gl.int64)
+        for i in range(i_first, n_m):
+            stage = s % stages
+            mbarrier.wait(ready.index(stage), (s // stages) & 1)
+            q = q_bufs.index(stage)
+            do = do_bufs.index(stage)
+            st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+            offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_cols)
+            lse = gl.load(lse_ptr + bh * n_q + offs_q)
+            delta = gl.load(delta_ptr + bh * n_q + offs_q)
+            st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+            st = st * sm_scale
+            if IS_CAUSAL:
+                st = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_key, 1), st, -float("inf"))
+            pt = gl.exp2((st - gl.expand_dims(lse, 0)) * _LOG2E)
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            pt_a = gl.convert_layout(pt.to(dtype), a_layout)
+            dst_lo = dst.to(dtype)
+            dst_a = gl.convert_layout(dst_lo, a_layout)
+            ds_smem.store(dst_lo)
+            fence_async_shared()
+            _thread_barrier()  # every thread's part of dS^T is in shared memory before the tensor cores read it
+            dv = warpgroup_mma(pt_a, do, dv, is_async=True)
+            dk = warpgroup_mma(dst_a, q, dk, is_async=True)
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_dq, use_acc=False, is_async=True)
+            dv, dk, dq, pt_a, dst_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_a, dst_a))
+            mbarrier.arrive(free.index(stage), count=1)
+            rows = (bh * n_q + i * BLOCK_M + dq_rows) * HEAD_DIM
+            gl.atomic_add(dq_ptr + gl.expand_dims(rows, 1) + gl.expand_dims(dq_cols, 0), dq * sm_scale, sem="relaxed")
+            s += 1
+    rows = ((b * n_kv_heads + h_kv).to(gl.int64) * n_k + key_start + TILE * BLOCK_K +
+            gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))) * HEAD_DIM
+    ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(dq_cols, 0)
+    gl.store(dk_ptr + ptrs, (dk * sm_scale).to(dtype))
+    gl.store(dv_ptr + ptrs, dv.to(dtype))
+
+
+@gluon.jit
+def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, sm_scale, n_heads,
+                n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
+                IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Program (key block of TILES x BLOCK_K keys, batch x k/v head): dK, dV of its keys summed over the query heads
+    of the group, and their part of dQ. Q and dO of the (b, h, n, :) element sit at row b * q_rows_b +
+    h * q_rows_h + n, column h * q_cols_h of their descriptors' 2-D views (K, V likewise); L, D (B, H, n_q) and
+    dQ (B, H, n_q, d, fp32) and dK, dV (B, H_kv, n_k, d) are contiguous."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = k_desc.block_type.shape[0]
+    key_start = gl.program_id(0) * (TILES * BLOCK_K)
+    b = gl.program_id(1) // n_kv_heads
+    h_kv = gl.program_id(1) % n_kv_heads
+    group = n_heads // n_kv_heads
+    n_m = n_q // BLOCK_M
+    i_first = key_start // BLOCK_M if IS_CAUSAL else 0  # query tiles wholly above the diagonal see none of its keys
+
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [TILES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [TILES] + v_desc.block_type.shape, v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [TILES, BLOCK_K, BLOCK_M], ds_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for u in gl.static_range(STAGES):
+        mbarrier.init(ready.index(u), count=1)
+        mbarrier.init(free.index(u), count=TILES)  # both consumers release a stage
+
+    gl.warp_specialize([
+        (_bwd_consume, (q_bufs, do_bufs, k_smem, v_smem, ds_smem.index(0), kv_ready, ready, free, lse_ptr, delta_ptr,
+                        dq_ptr, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale,
+                        n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)),
+        (_bwd_consume, (q_bufs, do_bufs, k_smem, v_smem, ds_smem.index(1), kv_ready, ready, free, lse_ptr, delta_ptr,
+                        dq_ptr, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale,
+                        n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)),
+        (_bwd_load, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, free, b, h_kv,
+                     group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
+                     kv_cols_h, BLOCK_M, BLOCK_K)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+BWD_HEAD_DIMS = (64, )  # at d 128, dK, dV and the dQ part (64 registers each) beside S^T and dP^T exceed 240
+BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer registers)
+
+
+def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                              lse: torch.Tensor, is_causal: bool, config=None):
+    """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV));
+    D = rowsum(dO O) is computed here. Inputs as ``forward`` takes them (``supports``), d in BWD_HEAD_DIMS; dQ comes back in fp32."""
+    block_m, block_k, stages, regs = config or BWD_CONFIG
+    batch, heads, n_q, d = q.shape
+    kv_heads, n_k = k.shape[1], k.shape[2]
+    if d not in BWD_HEAD_DIMS or n_q % block_m or n_k % (TILES.value * block_k):
+        raise ValueError(f"the Gluon backward takes d in {BWD_HEAD_DIMS}, n_q a multiple of {block_m} and n_k of "
+                         f"{TILES.value * block_k}; got d {d}, n_q {n_q}, n_k {n_k}")
+    delta = (do.float() * o.float()).sum(-1).contiguous()  # (B, H, n_q)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    q_desc, q_where = _descriptor(q, block_m)
+    do_desc, do_where = _descriptor(do, block_m)
+    if do_where != q_where:
+        raise ValueError("dO must have q's layout (strides)")
+    k_desc, kv_where = _descriptor(k, block_k)
+    v_desc, _ = _descriptor(v, block_k)
+    grid = (n_k // (TILES.value * block_k), batch * kv_heads, 1)
+    args = (q_desc, do_desc, k_desc, v_desc, lse.contiguous(), delta, dq, dk, dv, 1 / math.sqrt(d), heads, kv_heads,
+            n_q, n_k, *q_where, *kv_where)
+    # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
+    constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, num_warps=4, enable_fp_fusion=False)
+    return grid, args, constexprs, (dq, dk, dv)
+
+
+def backward(do, q, k, v, o, lse, is_causal: bool, config=None):
+    """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO, each like its input.
+    Not yet run on a GPU: scripts/flash_gluon_probe.py checks it against float64 and times it when it is."""
+    grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(do, q, k, v, o, lse, is_causal, config)
+    _bwd_kernel[grid](*args, **constexprs)
+    return dq.to(q.dtype), dk, dv
 
 
 # (BLOCK_M a consumer, BLOCK_N, STAGES, consumer registers): what ``forward`` runs by head dim (the first: the fastest
