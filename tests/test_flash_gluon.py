@@ -1,9 +1,10 @@
-"""The Gluon FlashAttention forward (``torch_impl/attention/flash_gluon.py``) on a machine without a GPU.
+"""The Gluon FlashAttention kernels (``torch_impl/attention/flash_gluon.py``) on a machine without a GPU.
 
-Its numerics are checked on the GPU (``tests/test_flash_attention.py``, ``test_gpu_gluon_forward_in_the_op``, and
-``scripts/flash_gluon_probe.py`` against float64); here: the 2-D views its TMA descriptors read (every element of
-q, k, v where the kernel's row and column arithmetic says it is), the launch's arguments in the order its cached
-launch passes them, and its compilation for sm_90 with ptxas's report (no serialized wgmma, no spills).
+Their numerics are checked on the GPU (``tests/test_flash_attention.py``, ``test_gpu_gluon_forward_in_the_op``, and
+``scripts/flash_gluon_probe.py`` against float64); here: the 2-D views their TMA descriptors read (every element of
+q, k, v where the kernels' row and column arithmetic says it is), the launches' arguments in the order the kernels
+take them (the forward's cached launch passes them positionally), and their compilation for sm_90 with ptxas's
+report (no serialized wgmma, no spills).
 """
 
 from __future__ import annotations
