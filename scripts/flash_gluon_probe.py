@@ -6,11 +6,13 @@ loop can run every configuration in a process of its own under ``timeout``: a ke
 hangs, it does not fail), in one process:
 
 * checks each of VARIANTS (the defaults; the scale folded into the exponent; one program per work item instead of
-  the persistent grid; O written through shared memory and TMA; the consumers taking turns to issue their products) against float64 on fresh random inputs (O and the logsumexp; causal and not; GQA with two
-  query heads a k/v head; q, k, v as the model passes them, (B, H, n, d) views of (B, n, H, d)), next to cuDNN's
-  O error on the same inputs: the bf16 output's rounding is the floor both share;
-* the forward's ``triton.testing.do_bench`` median at the issue's shapes (bf16, causal; each of VARIANTS), against cuDNN SDPA and
-  the Triton forward (``flash_triton.flash_forward``) in the same process, with O's relative error against cuDNN's.
+  the persistent grid; O written through shared memory and TMA; the consumers taking turns to issue their products)
+  against float64 on fresh random inputs (O and the logsumexp; causal and not; GQA with two query heads a k/v head;
+  q, k, v as the model passes them, (B, H, n, d) views of (B, n, H, d)), next to cuDNN's O error on the same inputs:
+  the bf16 output's rounding is the floor both share;
+* the forward's ``triton.testing.do_bench`` median at the issue's shapes (bf16, causal; each of VARIANTS), against
+  cuDNN SDPA and the Triton forward (``flash_triton.flash_forward``) in the same process, with O's relative error
+  against cuDNN's.
 
 With ``--backward``, instead, ``flash_gluon.backward`` (not used by the op yet): dQ, dK, dV against float64 beside the
 Triton backward's errors on the same inputs, and its time beside the Triton backward's and cuDNN's forward + backward.

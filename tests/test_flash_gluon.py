@@ -72,7 +72,8 @@ def test_launch_arguments_match_the_kernel_signature(programs):
 
 def test_kernel_compiles_for_sm90_without_serialized_wgmma():
     """ptxas's verdict on the default configurations (scripts/gluon_compile.py --check --first): a wgmma left in
-    flight across a loop's back edge made ptxas serialize all of them (warning C7514): the forward took 1.20-1.23x as long on the H100."""
+    flight across a loop's back edge made ptxas serialize all of them (warning C7514): the forward took 1.20-1.23x
+    as long on the H100."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "gluon_compile.py"), "--check", "--first"],

@@ -1,12 +1,13 @@
-"""FlashAttention forward for Hopper (sm_90) written in Gluon, with FlashAttention-3's structure.
+"""FlashAttention for Hopper (sm_90) written in Gluon: a forward with FlashAttention-3's structure, and a first
+backward (``backward``, d 64, not yet run on a GPU nor used by the op; its design is in its kernels' docstrings).
 
 A work item is two query tiles of one (batch, head) against every key tile they see; a persistent grid of one
-program per SM takes the items in turn, head by head and each head's heaviest first (causal). A program's warps are split
-(``gl.warp_specialize``) into a one-warp producer that TMA-loads Q and then K, V tile by tile into a ring of
+program per SM takes the items in turn, head by head and each head's heaviest first (causal). A program's warps are
+split (``gl.warp_specialize``) into a one-warp producer that TMA-loads Q and then K, V tile by tile into a ring of
 shared-memory stages (mbarriers say when a stage is full and when both consumers are done with it, so the next
-item's loads run under the end of the last), and two consumer warpgroups, one per query tile, that share every K
-and V tile. Each consumer overlaps within its warpgroup as FlashAttention-3 does: S_j = Q K_j^T and
-O += P_{j-1} V_{j-1} are issued together and the softmax of S_j runs under the latter.
+item's loads run under the end of the last), and two consumer warpgroups, one per query tile, that share every K and
+V tile. Each consumer overlaps within its warpgroup as FlashAttention-3 does: S_j = Q K_j^T and O += P_{j-1} V_{j-1}
+are issued together and the softmax of S_j runs under the latter.
 Softmax in base 2; by default each exponent is taken from the raw score's difference to its row maximum, so that the
 logsumexp L (natural units, as the Triton backward reads it) is exact for one-hot rows; ``folded`` folds the scale
 into one multiply-add instead (``_softmax_tile``). Options not yet measured on a GPU: ``tma_store`` (O written
@@ -15,8 +16,8 @@ through shared memory and TMA) and ``pingpong`` (the consumers take turns to iss
 ``scripts/flash_gluon_probe.py`` checks and times them on one.
 
 References: Shah et al., "FlashAttention-3" (2024), sections 3.1-3.2; Triton's Gluon tutorials
-(python/tutorials/gluon: 05-wgmma, 08-warp-specialization). What it handles is ``supports``; the rest goes to the
-Triton kernels (torch_impl/attention/flash_triton.py), which also provide the backward.
+(python/tutorials/gluon: 05-wgmma, 08-warp-specialization). What the forward handles is ``supports``; the rest goes
+to the Triton kernels (torch_impl/attention/flash_triton.py), which provide the backward the op uses.
 """
 
 from __future__ import annotations
@@ -98,12 +99,10 @@ def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_rea
             free_phase = ((i // stages) & 1) ^ 1
             mbarrier.wait(k_free.index(stage), free_phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], k_ready.index(stage),
-                                            k_bufs.index(stage))
+            _tma_load(k_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], k_ready.index(stage), k_bufs.index(stage))
             mbarrier.wait(v_free.index(stage), free_phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], v_ready.index(stage),
-                                            v_bufs.index(stage))
+            _tma_load(v_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], v_ready.index(stage), v_bufs.index(stage))
             i += 1
         t += 1
 
@@ -115,8 +114,8 @@ def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, scale2, dtype: gl.constex
     alpha, the row max m and the row sum l; scale2 = log2(e) / sqrt(d).
     FOLDED: m in base-2 scaled units and P = exp2(S * scale2 - m), one multiply-add a score (FlashAttention-3).
     Else m is a raw score and P = exp2((S - m) * scale2), one instruction more: S - m is exact, so the row's
-    maximum gets P = 1 exactly and L = m / sqrt(d) + log(l) is the Triton backward's own rounding of that score
-    (``_fwd_kernel``): with one-hot rows (inputs x1000, |S| ~ 1e6) the backward's P = exp(S - L) stays exact."""
+    maximum gets P = 1 exactly and L = m / sqrt(d) + log(l) is the Triton backward's own rounding of that score:
+    with one-hot rows (inputs x1000, |S| ~ 1e6) the backward's P = exp(S - L) stays exact."""
     if IS_CAUSAL:
         if masked:
             s = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), s, -float("inf"))
@@ -462,7 +461,7 @@ BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, is_causal: bool, config=None):
     """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV));
-    D = rowsum(dO O) is computed here. Inputs as ``forward`` takes them (``supports``), d in BWD_HEAD_DIMS; dQ comes back in fp32."""
+    D = rowsum(dO O) is computed here. Inputs as ``forward`` takes them (``supports``), d in BWD_HEAD_DIMS."""
     block_m, block_k, stages, regs = config or BWD_CONFIG
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
