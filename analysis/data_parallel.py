@@ -11,6 +11,12 @@ from __future__ import annotations
 from analysis.records import STEP_PHASES as PHASES, Record, read_records
 
 SUITE = "ddp"
+# The working set each FSDP implementation of the benchmark gathers, as ``parallelism_calc.memory.per_device_memory``
+# takes it: ours each weight matrix with torch_impl.distributed.fsdp's default prefetch of MAX_PREFETCH_LAYERS = 2
+# (tests/test_ddp_bench.py ties the two), FSDP2 a block at a time with its root kept. The benchmark records its
+# prediction with it (torch_impl.bench.ddp.predicted_memory) and analysis.fidelity recomputes it.
+FSDP_GATHERING = {"fsdp": dict(gather_unit="layer", prefetch_layers=2),
+                  "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False)}
 
 
 def baseline_key(record: Record) -> tuple:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.allreduce import ALLREDUCE_SUITE
+from analysis.data_parallel import FSDP_GATHERING
 from analysis.harness import DTYPES, calculator_terms
 from analysis.records import Record
 from parallelism_calc.cli import ArgumentParser, error_boundary
@@ -43,12 +44,6 @@ from parallelism_calc.specs import ModelSpec
 MEMORY_BOUND, TIME_BOUND = 0.05, 0.25  # the bounds the summary counts rows within
 CEILINGS_SUITE = "ceilings"
 PREDICTED_MEMORY = ("predicted_peak_bytes", "predicted_memory_bytes")  # what the benchmarks call their prediction
-# torch_impl/bench/ddp.py's gathered working set per FSDP implementation (its ``predicted_memory``): ours gathers
-# each weight matrix with torch_impl.distributed.fsdp.MAX_PREFETCH_LAYERS = 2 ahead, FSDP2 a block at a time with
-# its root kept (analysis imports no torch, hence the copy; tests/test_memory_records.py checks it reproduces the
-# stored predictions).
-DDP_BENCH_GATHERING = {"fsdp": dict(gather_unit="layer", prefetch_layers=2),
-                       "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False)}
 
 
 @dataclass
@@ -151,7 +146,7 @@ def memory_prediction(record: Record) -> tuple[float | None, str]:
                 return pred.total, "timeline"
             n = record.world_size  # the DDP benchmark's batch is per rank
             pred = per_device_memory(spec, m["strategy"], n, n * record.batch_size * seq, seq, precision,
-                                     attention=attention, **DDP_BENCH_GATHERING.get(m.get("impl"), {}))
+                                     attention=attention, **FSDP_GATHERING.get(m.get("impl"), {}))
             return pred.total, "sum"
         if record.backend == "jax":
             precision, attention = calculator_terms(record.dtype, m["attention"])

@@ -117,6 +117,15 @@ def test_predicted_memory_in_bf16_gathers_bf16_without_weight_copies():
     assert (zero1.gathered, zero1.cast_weights) == (0, (2 * (4 * 64 * 64 + 3 * 64 * 176) + 64 * 512) * 2)
 
 
+def test_predicted_fsdp_gathering_is_our_fsdp_default():
+    """analysis.data_parallel.FSDP_GATHERING (stdlib, shared with analysis.fidelity) holds our FSDP's default
+    prefetch as a number: it must be the wrapper's own."""
+    from analysis.data_parallel import FSDP_GATHERING
+    from torch_impl.distributed.fsdp import MAX_PREFETCH_LAYERS
+
+    assert FSDP_GATHERING["fsdp"]["prefetch_layers"] == MAX_PREFETCH_LAYERS
+
+
 def test_scaling_efficiency_against_the_single_process_record(records):
     _, recs = records
     single = recs[0].tokens_per_s

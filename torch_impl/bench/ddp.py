@@ -71,8 +71,8 @@ import sys
 from typing import Any
 
 from analysis.harness import DTYPES, StepConfig, StepRun, calculator_terms, fixed_batch, resolve_spec, step_record
-from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, report,
-                                     single_process_baselines)
+from analysis.data_parallel import (FSDP_GATHERING, PHASES, SUITE, add_scaling_efficiency, baseline_key,
+                                     report, single_process_baselines)
 from analysis.records import Record, read_records, save_records
 from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int, parse_list,
                                   positive_float, positive_int, writable_path)
@@ -170,12 +170,10 @@ def predicted_memory(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, worl
     as ``torch_impl.bench.e2e`` does); the wrappers keep the sum of every term (their gradient buckets and
     reduce-scatter buffers are not in the timeline)."""
     from parallelism_calc.memory import per_device_memory
-    from torch_impl.distributed.fsdp import MAX_PREFETCH_LAYERS  # FSDP's default prefetch_layers
 
     precision, attention = calculator_terms(args.dtype, args.attention)
     n = 1 if cfg.impl == "none" else world_size
-    gathering = {"fsdp": dict(gather_unit="layer", prefetch_layers=MAX_PREFETCH_LAYERS),
-                 "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False)}.get(cfg.impl, {})
+    gathering = FSDP_GATHERING.get(cfg.impl, {})
     peak = {"peak_model": "timeline"} if cfg.impl == "none" else {}
     return per_device_memory(spec, cfg.strategy, n, n * args.batch_size * seq_len, seq_len, precision,
                              attention=attention, **gathering, **peak)
