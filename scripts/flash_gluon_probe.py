@@ -27,12 +27,9 @@ import argparse
 import json
 import math
 import sys
+import os
 import traceback
 from pathlib import Path
-
-import os
-
-os.environ["FLASH_GLUON"] = "0"  # the "triton" rows: flash_triton.flash_forward without the Gluon forward
 
 import torch
 import triton.testing
@@ -43,14 +40,18 @@ from analysis.records import provenance
 from torch_impl.attention import flash_gluon as fg
 from torch_impl.attention import flash_triton as ft
 
+os.environ["FLASH_GLUON"] = "0"  # the "triton" rows: flash_triton.flash_forward without the Gluon forward (read
+# at its first call)
+
 SHAPES = ("1x16x16384x64", "4x32x2048x64", "1x16x16384x128", "4x32x2048x128")
 CHECKS = (  # (B, H, H_kv, n, causal, layout); the last three give a persistent grid several items a program
     (2, 4, 4, 1024, True, "bhnd"), (2, 4, 4, 512, False, "bhnd"), (1, 4, 2, 1024, True, "bnhd"),
     (2, 4, 4, 768, True, "bnhd"), (4, 16, 16, 1024, True, "bnhd"), (2, 16, 8, 2048, True, "bhnd"),
     (4, 16, 16, 512, False, "bhnd"),
 )
-VARIANTS = {"gluon": {}, "gluon_folded": {"folded": True}, "gluon_grid": {"persistent": False},
-            "gluon_tma_store": {"tma_store": True}, "gluon_pingpong": {"pingpong": True}}  # forward's options
+# forward's options by variant name: flash_gluon.OPTIONS, and one program per work item instead of the persistent grid
+VARIANTS = {"gluon" + ("_" + name if name else ""): options for name, options in fg.OPTIONS.items()}
+VARIANTS["gluon_grid"] = {"persistent": False}
 
 
 def heads(b: int, h: int, n: int, d: int, layout: str, gen: torch.Generator) -> torch.Tensor:
@@ -98,6 +99,8 @@ def check(config, d: int, emit) -> None:
                 continue
             o_ref, lse_ref = reference(q, k, v, causal)
             for variant, options in VARIANTS.items():
+                if options.get("pingpong") and not fg.can_take_turns(config, causal):
+                    continue
                 o, lse = fg.forward(q, k, v, causal, config, **options)
                 torch.cuda.synchronize()
                 emit({**row, "variant": variant, "o_rel": rel(o, o_ref),
@@ -130,6 +133,8 @@ def bench(shape: str, configs, emit) -> None:
     for config in configs:
         if fg.supports(q, k, v, True, config):
             for variant, options in VARIANTS.items():
+                if options.get("pingpong") and not fg.can_take_turns(config, True):
+                    continue
                 ms = timed(variant, lambda: fg.forward(q, k, v, True, config, **options)[0], config=config)
                 if ms and cudnn_ms:
                     print(f"  {shape} {variant} {config}: {ms:.3f} ms, {cudnn_ms / ms:.3f}x cuDNN", flush=True)

@@ -1,6 +1,6 @@
 """Compile the Gluon FlashAttention kernels for sm_90 on a machine without a GPU, and read what ptxas says of them.
 
-    python scripts/gluon_compile.py            # the backward, every configuration of flash_gluon.CONFIGS x OPTIONS
+    python scripts/gluon_compile.py            # the backward, every configuration of CONFIGS x OPTIONS
     python scripts/gluon_compile.py --check    # exit 1 if ptxas serializes a wgmma or spills
     python scripts/gluon_compile.py --check --first   # the backward, the forward's default configurations (CI)
     python scripts/gluon_compile.py --sass OUT_DIR   # also write each kernel's SASS
@@ -87,10 +87,6 @@ def sass(cubin: bytes) -> str:
         return subprocess.run([str(_tool("cuobjdump")), "-sass", f.name], capture_output=True, text=True).stdout
 
 
-OPTIONS = {"": {}, "_folded": {"folded": True}, "_tma_store": {"tma_store": True},
-           "_pingpong": {"pingpong": True}}  # launch_arguments' variants
-
-
 def compile_config(d: int, config, is_causal: bool = True, **options):
     """The compiled kernel of one configuration (CPU tensors stand in for the inputs; nothing is launched)."""
     q = torch.empty(1, 2, 1024, d, dtype=torch.bfloat16)
@@ -118,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     kernels = [("backward_d64", compile_backward)]
     for d, configs in flash_gluon.CONFIGS.items():
         for config in configs[:1] if args.first else configs:
-            for suffix, options in OPTIONS.items():
-                if options.get("pingpong") and config[1] % (flash_gluon.TILES.value * config[0]):
-                    continue  # consumers with different key tiles per item cannot take turns
-                kernels.append((f"d{d}_{'_'.join(map(str, config))}{suffix}",
+            for option, options in flash_gluon.OPTIONS.items():
+                if options.get("pingpong") and not flash_gluon.can_take_turns(config, True):
+                    continue
+                kernels.append((f"d{d}_{'_'.join(map(str, config))}{'_' + option if option else ''}",
                                 functools.partial(compile_config, d, config, **options)))
     for name, build in kernels:
         kernel = build()

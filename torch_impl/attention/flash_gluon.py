@@ -556,6 +556,18 @@ def _descriptor(t: torch.Tensor, block_rows: int):
 _COMPILED: dict[tuple, object] = {}
 
 
+# The forward's kernel options by name (``launch_arguments``' keywords): what scripts/gluon_compile.py compiles and
+# scripts/flash_gluon_probe.py checks and times, beside the defaults.
+OPTIONS = {"": {}, "folded": {"folded": True}, "tma_store": {"tma_store": True}, "pingpong": {"pingpong": True}}
+
+
+def can_take_turns(config, is_causal: bool) -> bool:
+    """Whether ``pingpong`` can run with ``config``: both consumers of a work item must run as many rounds, i.e. see
+    the same key tiles (always without the causal mask; with it, when BLOCK_N is a multiple of TILES x BLOCK_M)."""
+    block_m, block_n = config[0], config[1]
+    return not is_causal or block_n % (TILES.value * block_m) == 0
+
+
 @functools.cache
 def _programs(device: torch.device) -> int:
     """A persistent grid: one program per SM (a program's registers fill an SM)."""
@@ -571,7 +583,7 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     (scripts/gluon_compile.py)."""
     block_m, block_n, stages, regs = config or CONFIGS[q.shape[-1]][0]
     batch, heads, n_q, d = q.shape
-    if pingpong and is_causal and block_n % (TILES.value * block_m):
+    if pingpong and not can_take_turns((block_m, block_n), is_causal):
         raise ValueError(f"pingpong needs both consumers to see the same key tiles: causal with BLOCK_N {block_n} "
                          f"not a multiple of {TILES.value} x BLOCK_M {block_m}")
     if out is None:
