@@ -16,14 +16,14 @@
 #          choices (TRITON_CACHE_AUTOTUNING=1), the profiled run reuses them and runs each kernel once
 #          -> OUT/flash_ncu.ncu-rep, its details and its per-instruction source view as text
 #          (OUT/flash_ncu_details.txt, OUT/flash_ncu_source.csv), the kernels' TTGIR/PTX (OUT/flash_triton_ir.tgz)
-#   gluon  the Gluon forward (torch_impl/attention/flash_gluon.py): scripts/flash_gluon_probe.py for the first two
-#          configurations of each head dim (a process each, under timeout: a barrier deadlock hangs) and for the
+#   gluon  the Gluon forward (torch_impl/attention/flash_gluon.py): scripts/flash_gluon_probe.py for the first
+#          configuration of each head dim (a process, under timeout: a barrier deadlock hangs) and for the
 #          Gluon backward (--backward: float64 checks, times against the Triton backward and cuDNN), the GPU tests
 #          of the op with it (every shape it supports, x1000) -> OUT/gpu_tests_gluon.log, then ours with and
 #          without it (FLASH_GLUON=0; the backward's tuning cached between the two) against cuDNN at the
 #          leaderboard shapes and 4 x 32 x 2,048 (d 64, 128), forward and forward + backward
 #          -> OUT/attention_gluon_{on,off}_<gpu>.jsonl
-#   gluon_bench  the same without the tests, the probe for the first configuration of each head dim only
+#   gluon_bench  the same without the tests
 #   all    tests then bench (default). e2e is separate: autotuning plus compiling 2.7B may not fit the same call.
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu|gluon|gluon_bench]
 # Records are appended as they are measured, so a call cut short keeps what it finished.
@@ -80,7 +80,7 @@ run_ncu() {
 run_gluon_probe() {  # configurations 0..$1 of each head dim, a process each, under timeout (a deadlock hangs);
   # then the backward (d 64) in a process of its own
   for i in $(seq 0 "$1"); do
-    timeout 150 python3 scripts/flash_gluon_probe.py "$out" --config "$i" 2>&1 | grep -E "cuDNN|Error" || status=1
+    timeout 240 python3 scripts/flash_gluon_probe.py "$out" --config "$i" 2>&1 | grep -E "cuDNN|Error" || status=1
   done
   timeout 150 python3 scripts/flash_gluon_probe.py "$out" --backward --shapes 1x16x16384x64,4x32x2048x64 2>&1 |
     grep -E " ms|Error" || status=1
@@ -98,7 +98,7 @@ run_gluon_bench() {
 }
 
 run_gluon() {
-  run_gluon_probe 1
+  run_gluon_probe 0
   run_pytest gpu_tests_gluon.log -m gpu tests/test_flash_attention.py \
     -k "gluon_forward_in_the_op or x1000"
   run_gluon_bench

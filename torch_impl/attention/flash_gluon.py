@@ -52,16 +52,20 @@ def _wgmma_layout(block_n):
 
 
 @gluon.jit
-def _tile(tile, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr):
-    """Work item ``tile`` -> (its first query, batch, head, k/v head, key tiles it reads). Items go head by head,
-    each head's query blocks the heaviest first (causal), as one program per item would be launched: the programs
-    running at once then read one or two heads' K and V, which stay in L2. Not yet measured: a175155 took the items
-    block-major (every head's heaviest block first), and its folded form took 2.022 / 0.415 ms at 1 x 16 x 16,384 x
-    128 / 4 x 32 x 2,048 x 128 against 1.718 / 0.307 for b17a373's grid, which ran them in this order; there the
-    running programs' K and V (128 MB) overflow the H100's 50 MB L2 (notes/flash_attention.md, session 18)."""
-    bh = tile // n_m_blocks
-    m_block = tile % n_m_blocks
+def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Work item ``tile`` -> (its first query, batch, head, k/v head, key tiles it reads). The heaviest query blocks
+    (causal: those that see the most keys) come first. One program per item (the hardware hands out programs as
+    SMs free up): head by head, so that the programs running at once read one or two heads' K and V, which stay in
+    L2. PERSISTENT: block by block, every head's heaviest block first, so that taking them in the order
+    ``_position`` deals them gives every program an even share (head by head, a program's share depends on which
+    blocks its stride lands on: 1.43x the per-item grid's time at 1 x 16 x 16,384 x 64, call 1 of session 19)."""
+    if PERSISTENT:
+        m_block = tile // n_bh
+        bh = tile % n_bh
+    else:
+        bh = tile // n_m_blocks
+        m_block = tile % n_m_blocks
     if IS_CAUSAL:
         m_block = n_m_blocks - 1 - m_block
     h = bh % n_heads
@@ -74,9 +78,19 @@ def _tile(tile, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, BLOCK_
 
 
 @gluon.jit
+def _position(k):
+    """The k-th work item of this program: items are dealt to the programs in rounds, in turn forward and backward
+    (program p gets items p, 2P - 1 - p, 2P + p, ...), so that with the heaviest first every program's share of
+    the work is even (a round's lighter items go to the programs that got the heavier ones in the last round)."""
+    programs = gl.num_programs(0)
+    pid = gl.program_id(0)
+    return k * programs + gl.where(k % 2 == 0, pid, programs - 1 - pid)
+
+
+@gluon.jit
 def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, n_tiles,
-          n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
-          IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+          n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
+          IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr):
     """The producer warp, for each work item of the program: both Q tiles once both consumers are done with the
     last item's (their last S is computed), then K_j and V_j into stage i % STAGES (i counts the program's key
     tiles over all its items), each once both consumers freed it. K and V are freed apart: K_j as soon as S_j is
@@ -85,26 +99,30 @@ def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_rea
     stages: gl.constexpr = k_bufs.type.shape[0]
     i = 0
     t = 0
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        m_start, b, h, h_kv, n_blocks = _tile(tile, n_heads, group, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
-                                              BLOCK_N)
-        q_row = b * q_rows_b + h * q_rows_h + m_start
-        kv_row = b * kv_rows_b + h_kv * kv_rows_h
-        mbarrier.wait(q_free, (t & 1) ^ 1)  # a new barrier passes the parity-1 wait
-        mbarrier.expect(q_ready, TILES * q_desc.block_type.nbytes)
-        for u in gl.static_range(TILES):
-            _tma_load(q_desc, [q_row + u * BLOCK_M, h * q_cols_h], q_ready, q_smem.index(u))
-        for j in range(n_blocks):
-            stage = i % stages
-            free_phase = ((i // stages) & 1) ^ 1
-            mbarrier.wait(k_free.index(stage), free_phase)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], k_ready.index(stage), k_bufs.index(stage))
-            mbarrier.wait(v_free.index(stage), free_phase)
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], v_ready.index(stage), v_bufs.index(stage))
-            i += 1
-        t += 1
+    for k in range(gl.cdiv(n_tiles, gl.num_programs(0))):
+        tile = _position(k)
+        if tile < n_tiles:  # the last round's items run out
+            m_start, b, h, h_kv, n_blocks = _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
+                                                  BLOCK_N, PERSISTENT)
+            q_row = b * q_rows_b + h * q_rows_h + m_start
+            kv_row = b * kv_rows_b + h_kv * kv_rows_h
+            mbarrier.wait(q_free, (t & 1) ^ 1)  # a new barrier passes the parity-1 wait
+            mbarrier.expect(q_ready, TILES * q_desc.block_type.nbytes)
+            for u in gl.static_range(TILES):
+                _tma_load(q_desc, [q_row + u * BLOCK_M, h * q_cols_h], q_ready, q_smem.index(u))
+            for j in range(n_blocks):
+                stage = i % stages
+                free_phase = ((i // stages) & 1) ^ 1
+                mbarrier.wait(k_free.index(stage), free_phase)
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                _tma_load(k_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], k_ready.index(stage),
+                          k_bufs.index(stage))
+                mbarrier.wait(v_free.index(stage), free_phase)
+                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                _tma_load(v_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], v_ready.index(stage),
+                          v_bufs.index(stage))
+                i += 1
+            t += 1
 
 
 @gluon.jit
@@ -147,10 +165,10 @@ def _their_turn(turn, TILE: gl.constexpr, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, o_desc, o_ptr,
-             lse_ptr, n_tiles, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh,
-             stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
+             lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob,
+             stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
              TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             HEAD_DIM: gl.constexpr):
+             HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr):
     """One consumer warpgroup: query tile TILE of each of the program's work items, its O and L written at the end.
     Key tile i of the program (over all its items) sits in stage i % STAGES, filled for the (i // STAGES)-th time.
     TMA_STORE: O goes through shared memory and a TMA store that runs on while the next item starts (else each
@@ -170,92 +188,94 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
     i = 0
     t = 0
     r = 0  # rounds of products issued (PINGPONG)
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        m_start, b, h, h_kv, n_blocks_program = _tile(tile, n_heads, 1, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
-                                                      BLOCK_N)
-        start_m = m_start + TILE * BLOCK_M  # this tile's first query
-        if IS_CAUSAL:
-            n_blocks = gl.cdiv(start_m + BLOCK_M, BLOCK_N)  # key tiles up to the diagonal
-            n_full = (start_m + 1) // BLOCK_N  # key tiles wholly below it: no mask
-        else:
-            n_blocks = n_blocks_program
-            n_full = n_blocks_program
-        offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows)
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=rows)
-        l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows)
-        o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-        mbarrier.wait(q_ready, t & 1)
+    for k in range(gl.cdiv(n_tiles, gl.num_programs(0))):
+        tile = _position(k)
+        if tile < n_tiles:  # the last round's items run out
+            m_start, b, h, h_kv, n_blocks_program = _tile(tile, n_bh, n_heads, 1, n_m_blocks, n_k, IS_CAUSAL,
+                                                          BLOCK_M, BLOCK_N, PERSISTENT)
+            start_m = m_start + TILE * BLOCK_M  # this tile's first query
+            if IS_CAUSAL:
+                n_blocks = gl.cdiv(start_m + BLOCK_M, BLOCK_N)  # key tiles up to the diagonal
+                n_full = (start_m + 1) // BLOCK_N  # key tiles wholly below it: no mask
+            else:
+                n_blocks = n_blocks_program
+                n_full = n_blocks_program
+            offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows)
+            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=rows)
+            l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows)
+            o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+            mbarrier.wait(q_ready, t & 1)
 
-        stage = i % stages
-        mbarrier.wait(k_ready.index(stage), (i // stages) & 1)
-        _my_turn(turn, r, TILE, PINGPONG)
-        s = warpgroup_mma(q, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        _their_turn(turn, TILE, PINGPONG)
-        r += 1
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        mbarrier.arrive(k_free.index(stage), count=1)
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, offs_n, n_full == 0, scale2, dtype, p_layout,
-                                           IS_CAUSAL, FOLDED)
-        # Key tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} on the tensor cores, the softmax of S_j under the
-        # latter. Nothing is in flight across the loop's back edge: a loop-carried value of an unfinished wgmma is
-        # copied at the edge, and ptxas then serializes every wgmma of the kernel (its warning C7514).
-        for j in range(1, n_blocks):
-            cur = i + j
-            stage = cur % stages
-            mbarrier.wait(k_ready.index(stage), (cur // stages) & 1)
+            stage = i % stages
+            mbarrier.wait(k_ready.index(stage), (i // stages) & 1)
             _my_turn(turn, r, TILE, PINGPONG)
             s = warpgroup_mma(q, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            prev = (cur - 1) % stages
-            mbarrier.wait(v_ready.index(prev), ((cur - 1) // stages) & 1)
-            o = warpgroup_mma(p, v_bufs.index(prev), o, is_async=True)
             _their_turn(turn, TILE, PINGPONG)
             r += 1
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j is done; O += P_{j-1} V_{j-1} runs on
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             mbarrier.arrive(k_free.index(stage), count=1)
-            p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N + offs_n, j >= n_full, scale2,
-                                                    dtype, p_layout, IS_CAUSAL, FOLDED)
-            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # p: the operand stays alive until then
-            mbarrier.arrive(v_free.index(prev), count=1)
-            p = p_next
-        mbarrier.arrive(q_free, count=1)  # every S of this item is done: the next item's Q may land
-        last = i + n_blocks - 1
-        o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-        mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
-        _my_turn(turn, r, TILE, PINGPONG)
-        o = warpgroup_mma(p, v_bufs.index(last % stages), o, is_async=True)
-        _their_turn(turn, TILE, PINGPONG)
-        r += 1
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
-        mbarrier.arrive(v_free.index(last % stages), count=1)
-        # Key tiles only the other query tile sees (causal): free them once they have landed (an early release
-        # would count towards the stage's previous phase).
-        for j in range(n_blocks, n_blocks_program):
-            cur = i + j
-            mbarrier.wait(k_ready.index(cur % stages), (cur // stages) & 1)
-            mbarrier.arrive(k_free.index(cur % stages), count=1)
-            mbarrier.wait(v_ready.index(cur % stages), (cur // stages) & 1)
-            mbarrier.arrive(v_free.index(cur % stages), count=1)
+            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, offs_n, n_full == 0, scale2, dtype, p_layout,
+                                               IS_CAUSAL, FOLDED)
+            # Key tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} on the tensor cores, the softmax of S_j under the
+            # latter. Nothing is in flight across the loop's back edge: a loop-carried value of an unfinished wgmma is
+            # copied at the edge, and ptxas then serializes every wgmma of the kernel (its warning C7514).
+            for j in range(1, n_blocks):
+                cur = i + j
+                stage = cur % stages
+                mbarrier.wait(k_ready.index(stage), (cur // stages) & 1)
+                _my_turn(turn, r, TILE, PINGPONG)
+                s = warpgroup_mma(q, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                prev = (cur - 1) % stages
+                mbarrier.wait(v_ready.index(prev), ((cur - 1) // stages) & 1)
+                o = warpgroup_mma(p, v_bufs.index(prev), o, is_async=True)
+                _their_turn(turn, TILE, PINGPONG)
+                r += 1
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j is done; O += P_{j-1} V_{j-1} runs on
+                mbarrier.arrive(k_free.index(stage), count=1)
+                p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N + offs_n, j >= n_full, scale2,
+                                                        dtype, p_layout, IS_CAUSAL, FOLDED)
+                o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # p: the operand stays alive until then
+                mbarrier.arrive(v_free.index(prev), count=1)
+                p = p_next
+            mbarrier.arrive(q_free, count=1)  # every S of this item is done: the next item's Q may land
+            last = i + n_blocks - 1
+            o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
+            _my_turn(turn, r, TILE, PINGPONG)
+            o = warpgroup_mma(p, v_bufs.index(last % stages), o, is_async=True)
+            _their_turn(turn, TILE, PINGPONG)
+            r += 1
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+            mbarrier.arrive(v_free.index(last % stages), count=1)
+            # Key tiles only the other query tile sees (causal): free them once they have landed (an early release
+            # would count towards the stage's previous phase).
+            for j in range(n_blocks, n_blocks_program):
+                cur = i + j
+                mbarrier.wait(k_ready.index(cur % stages), (cur // stages) & 1)
+                mbarrier.arrive(k_free.index(cur % stages), count=1)
+                mbarrier.wait(v_ready.index(cur % stages), (cur // stages) & 1)
+                mbarrier.arrive(v_free.index(cur % stages), count=1)
 
-        o = o / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-        bh = b * n_heads + h
-        if FOLDED:
-            gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, (m_i + gl.log2(l_i)) * _LN2)
-        else:
-            gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, m_i * sm_scale + gl.log(l_i))
-        if TMA_STORE:
-            tma.store_wait(0)  # the last item's store has read the buffer
-            o_smem.store(o.to(dtype))
-            fence_async_shared()
-            _tma_store(o_desc, [b * o_rows_b + h * o_rows_h + start_m, h * o_cols_h], o_smem)
-        else:
-            offs_mo = start_m + gl.arange(0, BLOCK_M, layout=o_rows)
-            offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            o_tile = o_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-            gl.store(o_tile + gl.expand_dims(offs_mo, 1) * stride_on + gl.expand_dims(offs_d, 0), o.to(dtype))
-        i += n_blocks_program
-        t += 1
+            o = o / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+            bh = b * n_heads + h
+            if FOLDED:
+                gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, (m_i + gl.log2(l_i)) * _LN2)
+            else:
+                gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, m_i * sm_scale + gl.log(l_i))
+            if TMA_STORE:
+                tma.store_wait(0)  # the last item's store has read the buffer
+                o_smem.store(o.to(dtype))
+                fence_async_shared()
+                _tma_store(o_desc, [b * o_rows_b + h * o_rows_h + start_m, h * o_cols_h], o_smem)
+            else:
+                offs_mo = start_m + gl.arange(0, BLOCK_M, layout=o_rows)
+                offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                o_tile = o_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+                gl.store(o_tile + gl.expand_dims(offs_mo, 1) * stride_on + gl.expand_dims(offs_d, 0), o.to(dtype))
+            i += n_blocks_program
+            t += 1
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -265,8 +285,9 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
                 q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, o_rows_b, o_rows_h, o_cols_h,
                 stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
                 TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                num_warps: gl.constexpr):
-    """A program takes work items (two query tiles of one batch x head, ``_tile``) pid, pid + num_programs, ...
+                PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
+    """A program takes work items (two query tiles of one batch x head, ``_tile``) in the order ``_position``
+    deals them: one item without PERSISTENT (a program per item).
     Element (b, h, n, :) of Q sits at row b * q_rows_b + h * q_rows_h + n, column h * q_cols_h of q_desc's 2-D view
     (and so for K, V with the k/v head h // group)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -299,16 +320,16 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
 
     gl.warp_specialize([
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(0 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
-                    k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_tiles, n_heads, n_m_blocks, n_q, n_k, o_rows_b,
-                    o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED, TMA_STORE,
-                    PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                    k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
+                    o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED,
+                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT)),
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(1 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
-                    k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_tiles, n_heads, n_m_blocks, n_q, n_k, o_rows_b,
-                    o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1, IS_CAUSAL, FOLDED, TMA_STORE,
-                    PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM)),
+                    k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
+                    o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1, IS_CAUSAL, FOLDED,
+                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT)),
         (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                 n_tiles, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
-                 kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N)),
+                 n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
+                 kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -319,15 +340,14 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
 @gluon.jit
 def _bwd_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, free, b, h_kv,
               group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
-              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr):
-    """The producer warp: the program's K and V (a BLOCK_K-key half for each consumer) once, then Q_i and dO_i of
+              BLOCK_M: gl.constexpr):
+    """The producer warp: the program's K and V (both consumers' keys, one tile each) once, then Q_i and dO_i of
     every query tile i >= i_first of every query head of the k/v head's group into stage s % STAGES."""
     stages: gl.constexpr = q_bufs.type.shape[0]
-    mbarrier.expect(kv_ready, TILES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-    for u in gl.static_range(TILES):
-        row = b * kv_rows_b + h_kv * kv_rows_h + key_start + u * BLOCK_K
-        _tma_load(k_desc, [row, h_kv * kv_cols_h], kv_ready, k_smem.index(u))
-        _tma_load(v_desc, [row, h_kv * kv_cols_h], kv_ready, v_smem.index(u))
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    row = b * kv_rows_b + h_kv * kv_rows_h + key_start
+    _tma_load(k_desc, [row, h_kv * kv_cols_h], kv_ready, k_smem)
+    _tma_load(v_desc, [row, h_kv * kv_cols_h], kv_ready, v_smem)
     s = 0
     for g in range(group):
         h = h_kv * group + g
@@ -342,15 +362,18 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, 
 
 
 @gluon.jit
-def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, kv_ready, ready, free, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
-                 dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale, n_kv_heads, n_k,
-                 TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                 HEAD_DIM: gl.constexpr):
+def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
+                 delta_ptr, dq_ptr, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale,
+                 n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr):
     """One consumer warpgroup: keys key_start + TILE * BLOCK_K .. + BLOCK_K. Per query tile i (with L_i and
     D_i = rowsum(dO_i O_i)): S^T = K Q_i^T and dP^T = V dO_i^T, P^T = exp(fl(S^T / sqrt(d)) - L) rounded as the
-    Triton backward rounds it, dS^T = P^T (dP^T - D); dV += P^T dO_i and dK += dS^T Q_i (register operands), and
-    dQ_i += dS K through dS^T in shared memory read transposed, its fp32 part added to dq_ptr element by element.
-    Every product is waited within the iteration (no wgmma in flight across a back edge: see ``_consume``)."""
+    Triton backward rounds it, dS^T = P^T (dP^T - D); dV += P^T dO_i and dK += dS^T Q_i (register operands).
+    dQ_i += dS K over both consumers' keys at once: each writes its dS^T into its half of a shared buffer (two
+    buffers, alternating), and the consumers take turns (tile i's s-th of the program: consumer s % 2) to read the
+    whole of it transposed, multiply by the program's K and add the fp32 result to dq_ptr element by element, half
+    the additions of a dQ part per consumer. Every product is waited within the iteration (no wgmma in flight
+    across a back edge: see ``_consume``)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
     st_layout: gl.constexpr = _wgmma_layout(BLOCK_M)  # S^T, dP^T: (keys, queries)
@@ -358,8 +381,8 @@ def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, kv_ready, ready, free
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     key_rows: gl.constexpr = gl.SliceLayout(1, st_layout)
     query_cols: gl.constexpr = gl.SliceLayout(0, st_layout)
-    k = k_smem.index(TILE)
-    v = v_smem.index(TILE)
+    k = k_smem.slice(TILE * BLOCK_K, BLOCK_K)
+    v = v_smem.slice(TILE * BLOCK_K, BLOCK_K)
     offs_key = key_start + TILE * BLOCK_K + gl.arange(0, BLOCK_K, layout=key_rows)
     zero_st = gl.zeros([BLOCK_K, BLOCK_M], gl.float32, layout=st_layout)
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -391,16 +414,25 @@ def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_smem, kv_ready, ready, free
             pt_a = gl.convert_layout(pt.to(dtype), a_layout)
             dst_lo = dst.to(dtype)
             dst_a = gl.convert_layout(dst_lo, a_layout)
-            ds_smem.store(dst_lo)
+            buf = s % 2
+            ds = ds_bufs.index(buf)
+            mbarrier.wait(ds_free.index(buf), ((s // 2) & 1) ^ 1)  # the dQ of tile s - 2 has read the buffer
+            ds.slice(TILE * BLOCK_K, BLOCK_K).store(dst_lo)
             fence_async_shared()
             _thread_barrier()  # every thread's part of dS^T is in shared memory before the tensor cores read it
+            mbarrier.arrive(ds_ready.index(buf), count=1)
             dv = warpgroup_mma(pt_a, do, dv, is_async=True)
             dk = warpgroup_mma(dst_a, q, dk, is_async=True)
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_dq, use_acc=False, is_async=True)
-            dv, dk, dq, pt_a, dst_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_a, dst_a))
+            dv, dk, pt_a, dst_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_a, dst_a))
             mbarrier.arrive(free.index(stage), count=1)
-            rows = (bh * n_q + i * BLOCK_M + dq_rows) * HEAD_DIM
-            gl.atomic_add(dq_ptr + gl.expand_dims(rows, 1) + gl.expand_dims(dq_cols, 0), dq * sm_scale, sem="relaxed")
+            if s % TILES == TILE:  # this consumer's turn: dQ_i over both halves of the keys
+                mbarrier.wait(ds_ready.index(buf), (s // 2) & 1)
+                dq = warpgroup_mma(ds.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                mbarrier.arrive(ds_free.index(buf), count=1)
+                rows = (bh * n_q + i * BLOCK_M + dq_rows) * HEAD_DIM
+                gl.atomic_add(dq_ptr + gl.expand_dims(rows, 1) + gl.expand_dims(dq_cols, 0), dq * sm_scale,
+                              sem="relaxed")
             s += 1
     rows = ((b * n_kv_heads + h_kv).to(gl.int64) * n_k + key_start + TILE * BLOCK_K +
             gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))) * HEAD_DIM
@@ -415,12 +447,13 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, dk_
                 IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Program (key block of TILES x BLOCK_K keys, batch x k/v head): dK, dV of its keys summed over the query heads
     of the group, and their part of dQ. Q and dO of the (b, h, n, :) element sit at row b * q_rows_b +
-    h * q_rows_h + n, column h * q_cols_h of their descriptors' 2-D views (K, V likewise); L, D (B, H, n_q) and
-    dQ (B, H, n_q, d, fp32) and dK, dV (B, H_kv, n_k, d) are contiguous."""
+    h * q_rows_h + n, column h * q_cols_h of their descriptors' 2-D views (K, V likewise, one block of the
+    program's keys); L, D (B, H, n_q) and dQ (B, H, n_q, d, fp32) and dK, dV (B, H_kv, n_k, d) are contiguous."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_K: gl.constexpr = k_desc.block_type.shape[0]
-    key_start = gl.program_id(0) * (TILES * BLOCK_K)
+    BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = BLOCK_KEYS // TILES
+    key_start = gl.program_id(0) * BLOCK_KEYS
     b = gl.program_id(1) // n_kv_heads
     h_kv = gl.program_id(1) % n_kv_heads
     group = n_heads // n_kv_heads
@@ -429,28 +462,33 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, dk_
 
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [TILES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [TILES] + v_desc.block_type.shape, v_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], q_desc.dtype)
-    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [TILES, BLOCK_K, BLOCK_M], ds_layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_KEYS, BLOCK_M], q_desc.dtype)
+    ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_KEYS, BLOCK_M], ds_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     for u in gl.static_range(STAGES):
         mbarrier.init(ready.index(u), count=1)
         mbarrier.init(free.index(u), count=TILES)  # both consumers release a stage
+    for u in gl.static_range(2):
+        mbarrier.init(ds_ready.index(u), count=TILES)  # both consumers' halves of dS^T written
+        mbarrier.init(ds_free.index(u), count=1)  # the consumer whose turn it was has read them
 
     gl.warp_specialize([
-        (_bwd_consume, (q_bufs, do_bufs, k_smem, v_smem, ds_smem.index(0), kv_ready, ready, free, lse_ptr, delta_ptr,
-                        dq_ptr, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale,
-                        n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)),
-        (_bwd_consume, (q_bufs, do_bufs, k_smem, v_smem, ds_smem.index(1), kv_ready, ready, free, lse_ptr, delta_ptr,
-                        dq_ptr, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale,
-                        n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)),
+        (_bwd_consume, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
+                        delta_ptr, dq_ptr, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m,
+                        sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)),
+        (_bwd_consume, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
+                        delta_ptr, dq_ptr, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m,
+                        sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)),
         (_bwd_load, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, free, b, h_kv,
                      group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
-                     kv_cols_h, BLOCK_M, BLOCK_K)),
+                     kv_cols_h, BLOCK_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -476,8 +514,8 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     do_desc, do_where = _descriptor(do, block_m)
     if do_where != q_where:
         raise ValueError("dO must have q's layout (strides)")
-    k_desc, kv_where = _descriptor(k, block_k)
-    v_desc, _ = _descriptor(v, block_k)
+    k_desc, kv_where = _descriptor(k, TILES.value * block_k)  # a program's keys, both consumers' in one tile
+    v_desc, _ = _descriptor(v, TILES.value * block_k)
     grid = (n_k // (TILES.value * block_k), batch * kv_heads, 1)
     args = (q_desc, do_desc, k_desc, v_desc, lse.contiguous(), delta, dq, dk, dv, 1 / math.sqrt(d), heads, kv_heads,
             n_q, n_k, *q_where, *kv_where)
@@ -599,7 +637,7 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     args = (q_desc, k_desc, v_desc, o_desc, o, lse, 1 / math.sqrt(d), heads, heads // k.shape[1], batch * heads,
             n_q, k.shape[2], *q_where, *kv_where, *o_where, o.stride(0), o.stride(1), o.stride(2))
     constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, TMA_STORE=tma_store, PINGPONG=pingpong, STAGES=stages,
-                      CONSUMER_REGS=regs, num_warps=4)
+                      CONSUMER_REGS=regs, PERSISTENT=programs is not None, num_warps=4)
     return grid, args, constexprs, (o, lse)
 
 
