@@ -5,8 +5,8 @@ For each head dim and each configuration of ``flash_gluon.CONFIGS`` (or only the
 loop can run every configuration in a process of its own under ``timeout``: a kernel whose barriers deadlock
 hangs, it does not fail), in one process:
 
-* checks each of VARIANTS (the defaults; the scale folded into the exponent; one program per work item instead of
-  the persistent grid; O written through shared memory and TMA; the consumers taking turns to issue their products)
+* checks each of VARIANTS (the defaults; the scale folded into the exponent; O written through shared memory and
+  TMA; the consumers taking turns to issue their products; a persistent grid instead of one program per work item)
   against float64 on fresh random inputs (O and the logsumexp; causal and not; GQA with two query heads a k/v head;
   q, k, v as the model passes them, (B, H, n, d) views of (B, n, H, d)), next to cuDNN's O error on the same inputs:
   the bf16 output's rounding is the floor both share;
@@ -44,14 +44,14 @@ os.environ["FLASH_GLUON"] = "0"  # the "triton" rows: flash_triton.flash_forward
 # at its first call)
 
 SHAPES = ("1x16x16384x64", "4x32x2048x64", "1x16x16384x128", "4x32x2048x128")
-CHECKS = (  # (B, H, H_kv, n, causal, layout); the last three give a persistent grid several items a program
+CHECKS = (  # (B, H, H_kv, n, causal, layout); the last three give the persistent grid several items a program
     (2, 4, 4, 1024, True, "bhnd"), (2, 4, 4, 512, False, "bhnd"), (1, 4, 2, 1024, True, "bnhd"),
     (2, 4, 4, 768, True, "bnhd"), (4, 16, 16, 1024, True, "bnhd"), (2, 16, 8, 2048, True, "bhnd"),
     (4, 16, 16, 512, False, "bhnd"),
 )
-# forward's options by variant name: flash_gluon.OPTIONS, and one program per work item instead of the persistent grid
+# forward's options by variant name: flash_gluon.OPTIONS, and the persistent grid instead of one program per work item
 VARIANTS = {"gluon" + ("_" + name if name else ""): options for name, options in fg.OPTIONS.items()}
-VARIANTS["gluon_grid"] = {"persistent": False}
+VARIANTS["gluon_persistent"] = {"persistent": True}
 
 
 def heads(b: int, h: int, n: int, d: int, layout: str, gen: torch.Generator) -> torch.Tensor:

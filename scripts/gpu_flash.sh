@@ -24,8 +24,11 @@
 #          leaderboard shapes and 4 x 32 x 2,048 (d 64, 128), forward and forward + backward
 #          -> OUT/attention_gluon_{on,off}_<gpu>.jsonl
 #   gluon_bench  the same without the tests
+#   ncu_gluon  Nsight Compute on one launch of the Gluon backward at 1 x 16 x 16,384 x 64 (stall reasons by SASS
+#          instruction) -> OUT/flash_gluon_bwd_ncu_{details.txt,source.csv} (the report itself stays there: 16 MiB)
 #   all    tests then bench (default). e2e is separate: autotuning plus compiling 2.7B may not fit the same call.
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu|gluon|gluon_bench]
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu|gluon|gluon_bench|
+#                                                                ncu_gluon]
 # Records are appended as they are measured, so a call cut short keeps what it finished.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu]}
@@ -77,6 +80,18 @@ run_ncu() {
   tail -n 5 "$out/flash_ncu.log"
 }
 
+run_ncu_gluon() {  # where the Gluon backward's time goes: Nsight Compute on one launch at 1 x 16 x 16,384 x 64 (the
+  # probe's float64 checks launch it 7 times first), stall reasons per SASS instruction
+  local probe=(python3 scripts/flash_gluon_probe.py "$out/ncu_probe" --backward --shapes 1x16x16384x64)
+  timeout 300 ncu --clock-control none --set full --import-source no -k regex:'^_bwd_kernel$' -s 7 -c 1 \
+    -f -o /tmp/flash_gluon_bwd_ncu "${probe[@]}" >"$out/flash_gluon_bwd_ncu.log" 2>&1 || status=1
+  ncu -i /tmp/flash_gluon_bwd_ncu.ncu-rep --page details >"$out/flash_gluon_bwd_ncu_details.txt" 2>&1 || status=1
+  ncu -i /tmp/flash_gluon_bwd_ncu.ncu-rep --page source --csv --print-source sass \
+    >"$out/flash_gluon_bwd_ncu_source.csv" 2>&1 || status=1
+  rm -rf "$out/ncu_probe"
+  tail -n 3 "$out/flash_gluon_bwd_ncu.log"
+}
+
 run_gluon_probe() {  # configurations 0..$1 of each head dim, a process each, under timeout (a deadlock hangs);
   # then the backward (d 64) in a process of its own
   for i in $(seq 0 "$1"); do
@@ -112,7 +127,9 @@ case "$mode" in
   ncu) run_ncu ;;
   gluon) run_gluon ;;
   gluon_bench) run_gluon_probe 0; run_gluon_bench ;;
+  ncu_gluon) run_ncu_gluon ;;
   all) run_tests; run_bench ;;
-  *) echo "unknown mode $mode; accepted: all, tests, tests_small, bench, e2e, ncu, gluon, gluon_bench" >&2; exit 2 ;;
+  *) echo "unknown mode $mode; accepted: all, tests, tests_small, bench, e2e, ncu, gluon, gluon_bench, ncu_gluon" >&2
+     exit 2 ;;
 esac
 exit $status

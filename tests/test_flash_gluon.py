@@ -83,6 +83,33 @@ def test_kernel_compiles_for_sm90_without_serialized_wgmma():
     assert "d64_" in run.stdout and "d128_" in run.stdout, report[-3000:]
 
 
+def _sass(*lines: str) -> str:
+    """cuobjdump-style SASS, one instruction a line at addresses 0x0000, 0x0010, ..."""
+    return "\n".join(f"        /*{16 * i:04x}*/                   {line} ;" for i, line in enumerate(lines))
+
+
+def test_spills_counted_only_inside_the_mma_loops():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from gluon_compile import spills_in_mma_loops
+    finally:
+        sys.path.pop(0)
+    code = _sass("STL [R1], R0",  # spilled once at the start: not counted
+                 "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ",  # outer loop (0x10-0x70) around the inner one
+                 "LDL R2, [R1]",  # a reload in the inner loop (0x20-0x50)
+                 "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24",
+                 "STL [R1+0x4], R3",  # a store in the inner loop
+                 "@P0 BRA 0x20",
+                 "LDL R4, [R1+0x4]",  # in the outer loop only: once per head
+                 "@P1 BRA 0x10",
+                 "EXIT",
+                 "@!P0 BRA 0x90",  # the retry of an mbarrier wait, out of line ...
+                 "BRA 0x20")  # ... jumping back across the EXIT: not a loop
+    assert spills_in_mma_loops(code) == (1, 1)
+    no_mma = code.replace("HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24", "NOP")
+    assert spills_in_mma_loops(no_mma) == (1, 2)  # the inner loop without wgmma: the outer one is the MMA loop
+
+
 def test_pingpong_needs_consumers_with_the_same_key_tiles():
     """Taking turns deadlocks if one consumer runs a round more than the other: causal with BLOCK_N = BLOCK_M."""
     q = torch.zeros(1, 2, 1024, 64, dtype=torch.bfloat16)

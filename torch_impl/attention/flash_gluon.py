@@ -1,17 +1,20 @@
 """FlashAttention for Hopper (sm_90) written in Gluon: a forward with FlashAttention-3's structure, and a first
-backward (``backward``, d 64, not yet run on a GPU nor used by the op; its design is in its kernels' docstrings).
+backward (``backward``, d 64; right, at 0.96x the Triton backward's speed, not used by the op; its design is in its
+kernels' docstrings).
 
-A work item is two query tiles of one (batch, head) against every key tile they see; a persistent grid of one
-program per SM takes the items in turn, head by head and each head's heaviest first (causal). A program's warps are
+A work item is two query tiles of one (batch, head) against every key tile they see; by default a program per item,
+head by head and each head's heaviest first (causal), else (``persistent``) a grid of one program per SM taking the
+items in turn (``_tile``, ``_position``). A program's warps are
 split (``gl.warp_specialize``) into a one-warp producer that TMA-loads Q and then K, V tile by tile into a ring of
-shared-memory stages (mbarriers say when a stage is full and when both consumers are done with it, so the next
-item's loads run under the end of the last), and two consumer warpgroups, one per query tile, that share every K and
-V tile. Each consumer overlaps within its warpgroup as FlashAttention-3 does: S_j = Q K_j^T and O += P_{j-1} V_{j-1}
+shared-memory stages (mbarriers say when a stage is full and when both consumers are done with it, so a persistent
+program's next item's loads run under the end of the last), and two consumer warpgroups, one per query tile, that
+share every K and V tile. Each consumer overlaps within its warpgroup as FlashAttention-3 does: S_j = Q K_j^T and O += P_{j-1} V_{j-1}
 are issued together and the softmax of S_j runs under the latter.
 Softmax in base 2; by default each exponent is taken from the raw score's difference to its row maximum, so that the
 logsumexp L (natural units, as the Triton backward reads it) is exact for one-hot rows; ``folded`` folds the scale
-into one multiply-add instead (``_softmax_tile``). Options not yet measured on a GPU: ``tma_store`` (O written
-through shared memory and TMA) and ``pingpong`` (the consumers take turns to issue their products).
+into one multiply-add instead (``_softmax_tile``; 2-5% faster). Options measured and not faster on one H100
+(notes/flash_attention.md, session 19): ``persistent``, ``tma_store`` (O written through shared memory and TMA) and
+``pingpong`` (the consumers take turns to issue their products).
 ``scripts/gluon_compile.py`` compiles every variant without a GPU and reads ptxas's report of it;
 ``scripts/flash_gluon_probe.py`` checks and times them on one.
 
@@ -334,7 +337,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
 
 
 # ----------------------------------------------------------------------------------------------------- backward
-# Not yet run on a GPU (compiled and read by ptxas here: scripts/gluon_compile.py); not used by flash_triton.
+# Right on the H100 (float64 checks, scripts/flash_gluon_probe.py --backward); not used by flash_triton yet.
 
 
 @gluon.jit
@@ -408,7 +411,8 @@ def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, kv_ready, ready, free
             st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
             st = st * sm_scale
             if IS_CAUSAL:
-                st = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_key, 1), st, -float("inf"))
+                if i * BLOCK_M < key_start + TILES * BLOCK_K:  # a tile the diagonal crosses (the program's first)
+                    st = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_key, 1), st, -float("inf"))
             pt = gl.exp2((st - gl.expand_dims(lse, 0)) * _LOG2E)
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             pt_a = gl.convert_layout(pt.to(dtype), a_layout)
@@ -526,7 +530,7 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO, each like its input.
-    Not yet run on a GPU: scripts/flash_gluon_probe.py checks it against float64 and times it when it is."""
+    scripts/flash_gluon_probe.py --backward checks it against float64 and times it (not yet used by the op)."""
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(do, q, k, v, o, lse, is_causal, config)
     _bwd_kernel[grid](*args, **constexprs)
     return dq.to(q.dtype), dk, dv
@@ -642,13 +646,14 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, folded: bool = False,
-            persistent: bool = True, out=None, tma_store: bool = False, pingpong: bool = False):
+            persistent: bool = False, out=None, tma_store: bool = False, pingpong: bool = False):
     """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
     (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``folded`` folds the
     scale into the exponent's multiply-add (its L is not rounded as the Triton backward needs at extreme
     magnitudes: ``_softmax_tile``); ``persistent`` launches one program per SM, each taking work items in turn
-    (else one program per item); ``out``: (O, L) to write (``launch_arguments``); ``tma_store`` writes O through
-    shared memory and TMA, ``pingpong`` has the consumers take turns (``_consume``; neither measured yet)."""
+    (else one program per item: as fast or faster where measured); ``out``: (O, L) to write
+    (``launch_arguments``); ``tma_store`` writes O through shared memory and TMA, ``pingpong`` has the consumers
+    take turns (``_consume``)."""
     grid, args, constexprs, outputs = launch_arguments(q, k, v, is_causal, config, folded,
                                                        _programs(q.device) if persistent else None, out, tma_store,
                                                        pingpong)
