@@ -399,15 +399,17 @@ def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, kv_ready, ready, free
         h = h_kv * group + g
         bh = (b * n_heads + h).to(gl.int64)
         for i in range(i_first, n_m):
+            # L_i and D_i first: their loads' latency (behind the dQ additions in L2) then runs under the wait for
+            # Q_i, dO_i and the products (they were the first stall of the loop: Nsight Compute, session 19)
+            offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_cols)
+            lse = gl.load(lse_ptr + bh * n_q + offs_q)
+            delta = gl.load(delta_ptr + bh * n_q + offs_q)
             stage = s % stages
             mbarrier.wait(ready.index(stage), (s // stages) & 1)
             q = q_bufs.index(stage)
             do = do_bufs.index(stage)
             st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
             dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-            offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_cols)
-            lse = gl.load(lse_ptr + bh * n_q + offs_q)
-            delta = gl.load(delta_ptr + bh * n_q + offs_q)
             st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
             st = st * sm_scale
             if IS_CAUSAL:
