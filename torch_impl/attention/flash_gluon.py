@@ -577,9 +577,9 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
 
 def preferred(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
     """Whether flash_triton's forward should run this kernel: it ``supports`` the inputs and they have at least
-    MIN_KEYS keys. Measured on one H100 (results/profiles/attention_gluon_{on,off}_h100_a175155.jsonl, bf16, causal):
-    at 16,384 keys it is 1.18x (d 64) and 1.19x (d 128) the Triton forward; at 2,048 1.00x (d 64) and 0.94x
-    (d 128), where its per-item start and end are not yet hidden."""
+    MIN_KEYS keys. Measured on one H100 (results/profiles/attention_gluon_{on,off}_h100_a097623.jsonl, bf16, causal):
+    at 16,384 keys the op's forward is 1.24x (d 64) and 1.29x (d 128) the Triton forward's, 1.04x and 1.00x cuDNN's;
+    at 2,048 (a175155, 9a7c20b) 1.00x (d 64) and 0.94x (d 128) the Triton forward's."""
     return k.shape[-2] >= MIN_KEYS and supports(q, k, v, is_causal)
 
 
