@@ -1,5 +1,5 @@
 """FlashAttention for Hopper (sm_90) written in Gluon: a forward with FlashAttention-3's structure, and a first
-backward (``backward``, d 64; right, at 0.96x the Triton backward's speed, not used by the op; its design is in its
+backward (``backward``, d 64; right, at 0.99x the Triton backward's speed, not used by the op; its design is in its
 kernels' docstrings).
 
 A work item is two query tiles of one (batch, head) against every key tile they see; by default a program per item,
