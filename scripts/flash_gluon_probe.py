@@ -14,8 +14,9 @@ hangs, it does not fail), in one process:
   cuDNN SDPA and the Triton forward (``flash_triton.flash_forward``) in the same process, with O's relative error
   against cuDNN's.
 
-With ``--backward``, instead, ``flash_gluon.backward`` (not used by the op yet): dQ, dK, dV against float64 beside the
-Triton backward's errors on the same inputs, and its time beside the Triton backward's and cuDNN's forward + backward.
+With ``--backward``, instead, ``flash_gluon.backward``: dQ, dK, dV against float64 beside the Triton backward's errors
+on the same inputs (dO contiguous where q is the model's layout), and its time beside the Triton backward's and
+cuDNN's forward + backward.
 
 Rows (with provenance) are appended to OUT/flash_gluon_probe.jsonl as they are measured; a configuration that
 fails to compile or run is a row with its error. Not a record: it decides what ``flash_gluon`` runs.
@@ -152,12 +153,12 @@ def grads_reference(q, k, v, do, causal: bool):
 
 
 def check_backward(emit) -> None:
-    """``flash_gluon.backward`` (not used by the op yet) against float64, next to the Triton backward's errors on the
-    same inputs, both from the Gluon forward's O and L."""
+    """``flash_gluon.backward`` against float64, next to the Triton backward's errors on the same inputs, both from
+    the Gluon forward's O and L."""
     for b, h, h_kv, n, causal, layout in CHECKS:
         d = fg.BWD_HEAD_DIMS[0]
         gen = torch.Generator(device="cuda").manual_seed(b * 1000 + n + d + 1)
-        q, do = heads(b, h, n, d, layout, gen), heads(b, h, n, d, layout, gen)
+        q, do = heads(b, h, n, d, layout, gen), heads(b, h, n, d, "bhnd", gen)  # dO contiguous, as autograd gives it
         k, v = heads(b, h_kv, n, d, layout, gen), heads(b, h_kv, n, d, layout, gen)
         row = {"check": "backward_float64", "d": d, "shape": f"{b}x{h}x{h_kv}x{n}", "causal": causal,
                "layout": layout}

@@ -109,7 +109,8 @@ def spills_in_mma_loops(code: str) -> tuple[int, int]:
             if not any(lo <= a <= addr and o == "EXIT" for a, o, _ in ops):
                 loops.append((lo, addr))
     mma = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi and op == "HGMMA" for a, op, _ in ops)]
-    innermost = [(lo, hi) for lo, hi in mma if not any((lo, hi) != (l2, h2) and lo <= l2 and h2 <= hi for l2, h2 in mma)]
+    innermost = [(lo, hi) for lo, hi in mma
+                 if not any((lo, hi) != (l2, h2) and lo <= l2 and h2 <= hi for l2, h2 in mma)]
     inside = [op for a, op, _ in ops if any(lo <= a <= hi for lo, hi in innermost)]
     return inside.count("STL"), inside.count("LDL")
 
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         if warnings or stores or loads > RELOADS_ALLOWED or not ops["HGMMA"]:
             failures.append(name)
     if args.check and failures:
-        print(f"gluon_compile: serialized wgmma, spills in an MMA loop or no wgmma in {', '.join(failures)}", file=sys.stderr)
+        print(f"gluon_compile: serialized wgmma, spills in an MMA loop or no wgmma in {', '.join(failures)}",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -115,7 +115,7 @@ run_gluon_bench() {
 run_gluon() {
   run_gluon_probe 0
   run_pytest gpu_tests_gluon.log -m gpu tests/test_flash_attention.py \
-    -k "gluon_forward_in_the_op or x1000"
+    -k "gluon_in_the_op or x1000"
   run_gluon_bench
 }
 

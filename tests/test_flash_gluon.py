@@ -1,6 +1,6 @@
 """The Gluon FlashAttention kernels (``torch_impl/attention/flash_gluon.py``) on a machine without a GPU.
 
-Their numerics are checked on the GPU (``tests/test_flash_attention.py``, ``test_gpu_gluon_forward_in_the_op``, and
+Their numerics are checked on the GPU (``tests/test_flash_attention.py``, ``test_gpu_gluon_in_the_op``, and
 ``scripts/flash_gluon_probe.py`` against float64); here: the 2-D views their TMA descriptors read (every element of
 q, k, v where the kernels' row and column arithmetic says it is), the launches' arguments in the order the kernels
 take them (the forward's cached launch passes them positionally), and their compilation for sm_90 with ptxas's

@@ -1,15 +1,14 @@
-"""FlashAttention for Hopper (sm_90) written in Gluon: a forward with FlashAttention-3's structure, and a first
-backward (``backward``, d 64; right, at 0.99x the Triton backward's speed, not used by the op; its design is in its
-kernels' docstrings).
+"""FlashAttention for Hopper (sm_90) written in Gluon: a forward with FlashAttention-3's structure, and a backward
+(``backward``, d 64; flash_triton runs it where ``backward_preferred``; its design is in its kernels' docstrings).
 
 A work item is two query tiles of one (batch, head) against every key tile they see; by default a program per item,
 head by head and each head's heaviest first (causal), else (``persistent``) a grid of one program per SM taking the
-items in turn (``_tile``, ``_position``). A program's warps are
-split (``gl.warp_specialize``) into a one-warp producer that TMA-loads Q and then K, V tile by tile into a ring of
-shared-memory stages (mbarriers say when a stage is full and when both consumers are done with it, so a persistent
-program's next item's loads run under the end of the last), and two consumer warpgroups, one per query tile, that
-share every K and V tile. Each consumer overlaps within its warpgroup as FlashAttention-3 does: S_j = Q K_j^T and O += P_{j-1} V_{j-1}
-are issued together and the softmax of S_j runs under the latter.
+items in turn (``_tile``, ``_position``). A program's warps are split (``gl.warp_specialize``) into a one-warp
+producer that TMA-loads Q and then K, V tile by tile into a ring of shared-memory stages (mbarriers say when a stage
+is full and when both consumers are done with it, so a persistent program's next item's loads run under the end of
+the last), and two consumer warpgroups, one per query tile, that share every K and V tile. Each consumer overlaps
+within its warpgroup as FlashAttention-3 does: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued together and the
+softmax of S_j runs under the latter.
 Softmax in base 2; by default each exponent is taken from the raw score's difference to its row maximum, so that the
 logsumexp L (natural units, as the Triton backward reads it) is exact for one-hot rows; ``folded`` folds the scale
 into one multiply-add instead (``_softmax_tile``; 2-5% faster). Options measured and not faster on one H100
@@ -19,8 +18,8 @@ into one multiply-add instead (``_softmax_tile``; 2-5% faster). Options measured
 ``scripts/flash_gluon_probe.py`` checks and times them on one.
 
 References: Shah et al., "FlashAttention-3" (2024), sections 3.1-3.2; Triton's Gluon tutorials
-(python/tutorials/gluon: 05-wgmma, 08-warp-specialization). What the forward handles is ``supports``; the rest goes
-to the Triton kernels (torch_impl/attention/flash_triton.py), which provide the backward the op uses.
+(python/tutorials/gluon: 05-wgmma, 08-warp-specialization). What the forward handles is ``supports``, the backward
+``backward_supports``; the rest goes to the Triton kernels (torch_impl/attention/flash_triton.py).
 """
 
 from __future__ import annotations
@@ -342,8 +341,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
 
 @gluon.jit
 def _bwd_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, free, b, h_kv,
-              group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
-              BLOCK_M: gl.constexpr):
+              group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h,
+              kv_rows_b, kv_rows_h, kv_cols_h, BLOCK_M: gl.constexpr):
     """The producer warp: the program's K and V (both consumers' keys, one tile each) once, then Q_i and dO_i of
     every query tile i >= i_first of every query head of the k/v head's group into stage s % STAGES."""
     stages: gl.constexpr = q_bufs.type.shape[0]
@@ -358,9 +357,10 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, 
             stage = s % stages
             mbarrier.wait(free.index(stage), ((s // stages) & 1) ^ 1)
             mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            row = b * q_rows_b + h * q_rows_h + i * BLOCK_M
-            _tma_load(q_desc, [row, h * q_cols_h], ready.index(stage), q_bufs.index(stage))
-            _tma_load(do_desc, [row, h * q_cols_h], ready.index(stage), do_bufs.index(stage))
+            _tma_load(q_desc, [b * q_rows_b + h * q_rows_h + i * BLOCK_M, h * q_cols_h], ready.index(stage),
+                      q_bufs.index(stage))
+            _tma_load(do_desc, [b * do_rows_b + h * do_rows_h + i * BLOCK_M, h * do_cols_h], ready.index(stage),
+                      do_bufs.index(stage))
             s += 1
 
 
@@ -410,14 +410,18 @@ def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, kv_ready, ready, free
             do = do_bufs.index(stage)
             st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
             dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-            st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+            # The products in the order their operands are ready, each under the arithmetic that follows it
+            # (FlashAttention-3's order): P^T under dP^T, dV under dS^T.
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))  # S^T done, dP^T running
             st = st * sm_scale
             if IS_CAUSAL:
                 if i * BLOCK_M < key_start + TILES * BLOCK_K:  # a tile the diagonal crosses (the program's first)
                     st = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_key, 1), st, -float("inf"))
             pt = gl.exp2((st - gl.expand_dims(lse, 0)) * _LOG2E)
-            dst = pt * (dpt - gl.expand_dims(delta, 0))
             pt_a = gl.convert_layout(pt.to(dtype), a_layout)
+            dv = warpgroup_mma(pt_a, do, dv, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))  # dP^T done, dV running
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
             dst_lo = dst.to(dtype)
             dst_a = gl.convert_layout(dst_lo, a_layout)
             buf = s % 2
@@ -427,7 +431,6 @@ def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, kv_ready, ready, free
             fence_async_shared()
             _thread_barrier()  # every thread's part of dS^T is in shared memory before the tensor cores read it
             mbarrier.arrive(ds_ready.index(buf), count=1)
-            dv = warpgroup_mma(pt_a, do, dv, is_async=True)
             dk = warpgroup_mma(dst_a, q, dk, is_async=True)
             dv, dk, pt_a, dst_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_a, dst_a))
             mbarrier.arrive(free.index(stage), count=1)
@@ -449,12 +452,13 @@ def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, kv_ready, ready, free
 
 @gluon.jit
 def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, sm_scale, n_heads,
-                n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
-                IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b,
+                kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                num_warps: gl.constexpr):
     """Program (key block of TILES x BLOCK_K keys, batch x k/v head): dK, dV of its keys summed over the query heads
-    of the group, and their part of dQ. Q and dO of the (b, h, n, :) element sit at row b * q_rows_b +
-    h * q_rows_h + n, column h * q_cols_h of their descriptors' 2-D views (K, V likewise, one block of the
-    program's keys); L, D (B, H, n_q) and dQ (B, H, n_q, d, fp32) and dK, dV (B, H_kv, n_k, d) are contiguous."""
+    of the group, and their part of dQ. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
+    column h * q_cols_h of its descriptor's 2-D view (dO, K, V likewise, K and V one block of the program's keys);
+    L, D (B, H, n_q) and dQ (B, H, n_q, d, fp32) and dK, dV (B, H_kv, n_k, d) are contiguous."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -493,49 +497,69 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, dk_
                         delta_ptr, dq_ptr, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m,
                         sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)),
         (_bwd_load, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, free, b, h_kv,
-                     group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
-                     kv_cols_h, BLOCK_M)),
+                     group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h,
+                     do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, BLOCK_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
 BWD_HEAD_DIMS = (64, )  # at d 128, dK, dV and the dQ part (64 registers each) beside S^T and dP^T exceed 240
 BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer registers)
+BWD_MIN_KEYS = 16384  # below, the Triton backward is faster (``backward_preferred``)
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                              lse: torch.Tensor, is_causal: bool, config=None):
-    """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV));
-    D = rowsum(dO O) is computed here. Inputs as ``forward`` takes them (``supports``), d in BWD_HEAD_DIMS."""
+                              lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None):
+    """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV)).
+    D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
+    given (flash_triton's backward makes both in one pass). Inputs as ``backward_supports`` takes them."""
     block_m, block_k, stages, regs = config or BWD_CONFIG
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     if d not in BWD_HEAD_DIMS or n_q % block_m or n_k % (TILES.value * block_k):
         raise ValueError(f"the Gluon backward takes d in {BWD_HEAD_DIMS}, n_q a multiple of {block_m} and n_k of "
                          f"{TILES.value * block_k}; got d {d}, n_q {n_q}, n_k {n_k}")
-    delta = (do.float() * o.float()).sum(-1).contiguous()  # (B, H, n_q)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if delta is None:
+        delta = (do.float() * o.float()).sum(-1)
+    if dq_acc is None:
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     q_desc, q_where = _descriptor(q, block_m)
     do_desc, do_where = _descriptor(do, block_m)
-    if do_where != q_where:
-        raise ValueError("dO must have q's layout (strides)")
     k_desc, kv_where = _descriptor(k, TILES.value * block_k)  # a program's keys, both consumers' in one tile
     v_desc, _ = _descriptor(v, TILES.value * block_k)
     grid = (n_k // (TILES.value * block_k), batch * kv_heads, 1)
-    args = (q_desc, do_desc, k_desc, v_desc, lse.contiguous(), delta, dq, dk, dv, 1 / math.sqrt(d), heads, kv_heads,
-            n_q, n_k, *q_where, *kv_where)
+    args = (q_desc, do_desc, k_desc, v_desc, lse.contiguous(), delta.contiguous(), dq_acc, dk, dv, 1 / math.sqrt(d),
+            heads, kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, num_warps=4, enable_fp_fusion=False)
-    return grid, args, constexprs, (dq, dk, dv)
+    return grid, args, constexprs, (dq_acc, dk, dv)
 
 
-def backward(do, q, k, v, o, lse, is_causal: bool, config=None):
-    """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO, each like its input.
-    scripts/flash_gluon_probe.py --backward checks it against float64 and times it (not yet used by the op)."""
-    grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(do, q, k, v, o, lse, is_causal, config)
+def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None):
+    """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
+    when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous. flash_triton's backward runs it where
+    ``backward_preferred``; scripts/flash_gluon_probe.py --backward checks it against float64 and times it."""
+    grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(do, q, k, v, o, lse, is_causal, config, delta,
+                                                                     dq_acc)
     _bwd_kernel[grid](*args, **constexprs)
-    return dq.to(q.dtype), dk, dv
+    return (dq if dq_acc is not None else dq.to(q.dtype)), dk, dv
+
+
+def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
+    """Whether ``backward`` takes these (B, H, n, d) inputs: those ``supports`` takes with d in BWD_HEAD_DIMS, n_k a
+    multiple of a program's keys, and a dO of q's shape that TMA can read (its strides may differ from q's)."""
+    block_m, block_k = BWD_CONFIG[:2]
+    if q.shape[-1] not in BWD_HEAD_DIMS or q.shape[2] % block_m or k.shape[2] % (TILES.value * block_k):
+        return False
+    return do.shape == q.shape and supports(q, k, v, is_causal) and _rows_and_columns(do) is not None
+
+
+def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
+    """Whether flash_triton's backward should run this kernel: ``backward_supports`` and at least BWD_MIN_KEYS keys
+    (on one H100 it was 0.99x the Triton backward at 16,384 keys and 0.79x at 2,048 before FlashAttention-3's order
+    of its products; notes/flash_attention.md, session 19)."""
+    return k.shape[-2] >= BWD_MIN_KEYS and backward_supports(do, q, k, v, is_causal)
 
 
 # (BLOCK_M a consumer, BLOCK_N, STAGES, consumer registers): what ``forward`` runs by head dim (the first: the fastest

@@ -578,11 +578,12 @@ def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool)
 
 
 @functools.cache
-def _gluon_forward():
-    """``flash_gluon`` (FlashAttention-3's forward on sm_90, in Gluon) where it can run: a GPU, not the interpreter,
-    ``FLASH_GLUON`` not "0", and a Triton with Gluon's Hopper API; else None. It takes the inputs where it is
-    ``preferred`` (bf16/fp16, head dim 64 or 128, whole tiles, long sequences), the Triton forward the rest; its O
-    and L are what the Triton backward reads (L exact for one-hot rows, as the Triton forward's)."""
+def _gluon():
+    """``flash_gluon`` (FlashAttention-3's structure on sm_90, in Gluon) where it can run: a GPU, not the interpreter,
+    ``FLASH_GLUON`` not "0", and a Triton with Gluon's Hopper API; else None. Its forward takes the inputs where it
+    is ``preferred`` (bf16/fp16, head dim 64 or 128, whole tiles, long sequences), its backward where it is
+    ``backward_preferred`` (d 64), the Triton kernels the rest; its O and L are what the Triton backward reads (L
+    exact for one-hot rows, as the Triton forward's), and the reverse."""
     if INTERPRET or os.environ.get("FLASH_GLUON", "1") == "0" or not torch.cuda.is_available():
         return None
     try:
@@ -600,7 +601,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     if q.numel() == 0:  # no queries (or no heads, or an empty batch): nothing to launch
         return o, lse
     q4, k4, v4, o4 = (_as_heads(t) for t in (q, k, v, o))
-    gluon = _gluon_forward()
+    gluon = _gluon()
     if gluon is not None and gluon.preferred(q4, k4, v4, is_causal):  # it writes O and L in place
         gluon.forward(q4, k4, v4, is_causal, out=(o4, lse.view(q4.shape[:-1])))
         return o, lse
@@ -615,9 +616,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, is_causal: bool, tf32: bool = False, deterministic: bool = False):
     """dQ, dK, dV (each shaped like its input, contiguous): the D = rowsum(dO * O) pass, then the fused pass
-    (dK, dV, and dQ added with fp32 atomics, in an order that varies from run to run), or, with ``deterministic``
-    or on a GPU older than sm_90, the dK/dV pass and then a dQ pass of its own (no atomics, the same bits every
-    run, 7/5 of the products)."""
+    (dK, dV, and dQ added with fp32 atomics, in an order that varies from run to run; the Gluon kernel where
+    ``flash_gluon.backward_preferred``), or, with ``deterministic`` or on a GPU older than sm_90, the dK/dV pass
+    and then a dQ pass of its own (no atomics, the same bits every run, 7/5 of the products)."""
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if q.numel() == 0:  # no queries: nothing flows to the keys
         return dq, dk.zero_(), dv.zero_()
@@ -628,7 +629,9 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     delta = torch.empty_like(lse)  # (..., n_q) fp32
     sm_scale = 1.0 / math.sqrt(d)
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4))
-    fused = not deterministic and (INTERPRET or _has_tma(q.device))
+    gluon = None if deterministic else _gluon()
+    gluon = gluon if gluon is not None and gluon.backward_preferred(do4, q4, k4, v4, is_causal) else None
+    fused = gluon is not None or (not deterministic and (INTERPRET or _has_tma(q.device)))
     tma = fused and not INTERPRET
     # The fused pass adds dS K into fp32 zeros (the preprocess writes them; scaled and cast into dq at the end); the
     # two-pass one never reads it.
@@ -636,6 +639,13 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     _launch(None, _bwd_preprocess, "delta", n_q, "BLOCK_M", batch * heads,
             o4, do4, delta, dq_acc, *_strides(o4), *_strides(do4), heads, n_q, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"],
             BLOCK_M=16 if INTERPRET else 128, ZERO_DQ=fused)
+    if gluon is not None:  # the Gluon backward adds dS K into the same zeros, scaled
+        _, dk_heads, dv_heads = gluon.backward(do4, q4, k4, v4, o4, lse.view(q4.shape[:-1]), is_causal,
+                                               delta=delta.view(q4.shape[:-1]), dq_acc=dq_acc)
+        dq4.copy_(dq_acc)
+        dk4.copy_(dk_heads)
+        dv4.copy_(dv_heads)
+        return dq, dk, dv
     if tma:  # Triton's allocator is a context variable: set in this thread (autograd's backward runs in its own)
         triton.set_allocator(_descriptor_memory)
     _launch(_dkdv_tuned, _bwd_dkdv_kernel, "dkdv", k4.shape[2], "BLOCK_N", batch * k4.shape[1],
