@@ -504,7 +504,7 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, dk_
 
 BWD_HEAD_DIMS = (64, )  # at d 128, dK, dV and the dQ part (64 registers each) beside S^T and dP^T exceed 240
 BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer registers)
-BWD_MIN_KEYS = 16384  # below, the Triton backward is faster (``backward_preferred``)
+BWD_MIN_KEYS = 16384  # the shortest measured where it is not slower than the Triton backward
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -556,9 +556,10 @@ def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
-    """Whether flash_triton's backward should run this kernel: ``backward_supports`` and at least BWD_MIN_KEYS keys
-    (on one H100 it was 0.99x the Triton backward at 16,384 keys and 0.79x at 2,048 before FlashAttention-3's order
-    of its products; notes/flash_attention.md, session 19)."""
+    """Whether flash_triton's backward should run this kernel: ``backward_supports`` and at least BWD_MIN_KEYS keys.
+    On one H100 (results/profiles/flash_gluon_probe_h100_e11edd8.jsonl) it is 0.99x the Triton backward alone at
+    16,384 keys and 0.80x at 2,048; in the op at 16,384 (it shares the D pass) forward + backward went from 0.86x
+    to 0.90x cuDNN's (notes/flash_attention.md, session 19)."""
     return k.shape[-2] >= BWD_MIN_KEYS and backward_supports(do, q, k, v, is_causal)
 
 
