@@ -3,8 +3,8 @@
 Their numerics are checked on the GPU (``tests/test_flash_attention.py``, ``test_gpu_gluon_in_the_op``, and
 ``scripts/flash_gluon_probe.py`` against float64); here: the 2-D views their TMA descriptors read (every element of
 q, k, v where the kernels' row and column arithmetic says it is), the launches' arguments in the order the kernels
-take them (the forward's cached launch passes them positionally), and their compilation for sm_90 with ptxas's
-report (no serialized wgmma, no spills).
+take them (the forward's cached launch passes them positionally), their compilation for sm_90 with ptxas's
+report (no serialized wgmma, no spills in the MMA loops), and what flash_triton's backward hands the Gluon backward.
 """
 
 from __future__ import annotations
@@ -132,3 +132,48 @@ def test_backward_launch_arguments_match_the_kernel_signature():
     with pytest.raises(ValueError, match="Gluon backward takes d in"):
         flash_gluon.backward_launch_arguments(*(torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16),) * 5,
                                               torch.zeros(1, 2, 1024), True)
+
+
+class _GluonBackwardStandIn:
+    """flash_gluon as flash_triton's backward calls it, with the kernel replaced by float64 autograd: it checks the D
+    and the zeroed fp32 dQ accumulator it is given, adds dQ into the accumulator and returns dK, dV contiguous."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def preferred(self, q, k, v, is_causal):  # the forward: the Triton one
+        return False
+
+    def backward_preferred(self, do, q, k, v, is_causal):
+        return True
+
+    def backward(self, do, q, k, v, o, lse, is_causal, delta=None, dq_acc=None):
+        self.calls += 1
+        assert torch.allclose(delta, (do.double() * o.double()).sum(-1).float(), atol=1e-5)
+        assert dq_acc.dtype == torch.float32 and dq_acc.is_contiguous() and not dq_acc.any()
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=is_causal)
+        dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), do.double())
+        dq_acc += dq.float()
+        return None, dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+def test_flash_triton_backward_hands_the_gluon_kernel_its_inputs_and_outputs(monkeypatch):
+    """Where ``backward_preferred`` holds, flash_triton's backward runs the preprocess pass (D, dQ zeroed), the Gluon
+    backward into them, and copies dQ, dK, dV into the op's layout: (B, n, H, d) inputs, as the model passes them."""
+    from torch_impl.attention import flash_triton
+
+    stand_in = _GluonBackwardStandIn()
+    monkeypatch.setattr(flash_triton, "_gluon", lambda: stand_in)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, 64, 4, 16, generator=gen).transpose(1, 2) for _ in range(4))
+    o, lse = flash_triton.flash_forward(q, k, v, True)
+    dq, dk, dv = flash_triton.flash_backward(do, q, k, v, o, lse, True)
+    assert stand_in.calls == 1
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=True),
+                               (q64, k64, v64), do.double())
+    for got, ref in zip((dq, dk, dv), want):
+        assert torch.allclose(got.double(), ref, atol=1e-4, rtol=1e-4)
+    flash_triton.flash_backward(do, q, k, v, o, lse, True, deterministic=True)  # the two-pass backward: not Gluon
+    assert stand_in.calls == 1
