@@ -141,14 +141,9 @@ def bench(shape: str, configs, emit) -> None:
                     print(f"  {shape} {variant} {config}: {ms:.3f} ms, {cudnn_ms / ms:.3f}x cuDNN", flush=True)
 
 def grads_reference(q, k, v, do, causal: bool):
-    """dQ, dK, dV in float64 by autograd (k/v heads repeated for GQA, their gradients summed back)."""
-    group = q.shape[1] // k.shape[1]
+    """dQ, dK, dV in float64: autograd through ``reference`` (the k/v heads' gradients summed over their group)."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), -math.inf)
-    (torch.softmax(s, -1) @ v64.repeat_interleave(group, 1)).backward(do.double())
+    reference(q64, k64, v64, causal)[0].backward(do.double())
     return q64.grad, k64.grad, v64.grad
 
 

@@ -158,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
         warnings = [line.split(":", 1)[-1].strip() for line in report.splitlines() if "Performance Loss" in line]
         code = sass(kernel.asm["cubin"])
-        ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(
-            r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", code))
+        ops = collections.Counter(m.group(2).split(".")[0] for m in _INSTRUCTION.finditer(code))
         stores, loads = spills_in_mma_loops(code)
         print(f"{name}: {registers.group(1) if registers else '?'} registers at entry, {sum(spills)} bytes "
               f"spilled (in the MMA loops: {stores} stores, {loads} loads), shared {kernel.metadata.shared} B; " +

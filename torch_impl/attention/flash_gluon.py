@@ -321,7 +321,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
         mbarrier.init(v_free.index(u), count=TILES)
 
     gl.warp_specialize([
-        (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(0 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
+        (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(0), q_ready, q_free, k_ready, v_ready,
                     k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
                     o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED,
                     TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT)),
@@ -336,7 +336,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
 
 
 # ----------------------------------------------------------------------------------------------------- backward
-# Right on the H100 (float64 checks, scripts/flash_gluon_probe.py --backward); not used by flash_triton yet.
+# Right on the H100 (float64 checks, scripts/flash_gluon_probe.py --backward); flash_triton's backward runs it
+# where ``backward_preferred``.
 
 
 @gluon.jit
