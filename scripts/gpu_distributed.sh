@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Issues 6 and 8 on the NCCL machines (2 or 4 GPUs), one phase per device call (each under 10 minutes);
 # records go to OUT_DIR/<suite>.jsonl, then every table and chart is regenerated into OUT_DIR/reports:
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|sharded|matrix|accum
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|overlap|sharded|matrix|accum
 # allreduce: NCCL all-reduce 1 MB ... 1 GB on 2 and (where there are) 4 GPUs, against a raw loop;
 # ddp: xl, bf16, batch 2 x 512 per rank: one GPU alone (the scaling baseline), then every DDP variant over all
-# GPUs; sharded: ZeRO-1, our FSDP and FSDP2 (memory against parallelism_calc's prediction) and bucketed DDP
+# GPUs; overlap: the step users run (xl, 4 x 1,024 per rank, bf16 autocast, cuDNN attention, compiled blocks):
+# one GPU, then naive / flat / individual / bucketed 25 and 100 MB / torch DDP, each profiled on every rank
+# (OUT_DIR/ddp_profiles.tgz: a Chrome trace and a kernel table per configuration and rank); sharded: ZeRO-1, our FSDP and FSDP2 (memory against parallelism_calc's prediction) and bucketed DDP
 # at 1, 10 and 100 MB buckets; matrix: the training matrix
 # (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs); accum: the batch x
 # accumulation study (16x64 ... 1024x1, bucketed DDP, small at 128 tokens).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
-phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|sharded|matrix|accum}
+phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|overlap|sharded|matrix|accum}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 n=$(nvidia-smi -L | wc -l)
@@ -26,6 +28,12 @@ ddp)
        --bucket-mb 25 --out "$out/ddp.jsonl")
   python3 "${ddp[@]}" --dist none
   "${run[@]}" "$n" "${ddp[@]}" --dist naive,flat,individual,bucketed,torch_ddp ;;
+overlap)
+  ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
+       --compile --profile "$out/profiles" --out "$out/ddp.jsonl")
+  python3 "${ddp[@]}" --dist none
+  "${run[@]}" "$n" "${ddp[@]}" --dist naive,flat,individual,bucketed,torch_ddp --bucket-mb 25,100
+  tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles" ;;
 sharded)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 2 --seq-len 512 --dtype bf16 --attention sdpa
        --out "$out/ddp.jsonl")
@@ -37,6 +45,6 @@ matrix)
 accum)
   python3 -m torch_impl.bench.accum_study --nproc "$n" --model small --seq-len 128 --epochs 2 --steps-per-epoch 5 \
     --dist bucketed --out "$out/accum_study.jsonl" --report-dir "$out/accum_study" ;;
-*) echo "unknown phase $phase; accepted: allreduce, ddp, sharded, matrix, accum" >&2; exit 2 ;;
+*) echo "unknown phase $phase; accepted: allreduce, ddp, overlap, sharded, matrix, accum" >&2; exit 2 ;;
 esac
 python3 -m analysis.reports "$out" --out "$out/reports"

@@ -90,7 +90,11 @@ class DDPBenchConfig(StepConfig):
     compile: bool
     cuda_graph: str
     timeout: float
+    profile: str | None
     report_only: str | None
+
+
+PROFILED_STEPS = 2  # --profile: steps each rank runs under torch.profiler after the timed ones
 
 
 class CollectiveFailure(RuntimeError):
@@ -157,6 +161,11 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
     # figure there (as in the e2e benchmark)
     peak_of = torch.cuda.max_memory_reserved if args.cuda_graph == "blocks" else torch.cuda.max_memory_allocated
     peak = peak_of(device) if device.type == "cuda" else None
+    if args.profile:  # after the timed steps, so the profiler's own cost is in no timing
+        from torch_impl.profiling import profile_steps
+
+        profile_steps(lambda: step(PhaseTimer(device)), PROFILED_STEPS, args.profile,
+                      tag=f"{cfg.name.replace(' ', '_')}_rank{rank}")
     return {"step_ms": step_ms, "phases_ms": phases_ms, "peak": peak, "losses": losses, "error": None}
 
 
@@ -350,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cuda (NCCL, cuda:LOCAL_RANK) or cpu (gloo); default cuda if available")
     parser.add_argument("--timeout", type=positive_float, default=300.0,
                         help="process-group timeout in seconds: a failed collective ends the run (default 300)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help=f"after timing, {PROFILED_STEPS} steps per configuration under torch.profiler on every "
+                             "rank: a Chrome trace <impl>_rank<r>_trace.json and a kernel table in DIR (the NCCL "
+                             "kernels beside the compute ones: where overlap slows the backward)")
     parser.add_argument("--out", default="results/ddp.jsonl", type=writable_path,
                         help="append records here (rank 0; default results/ddp.jsonl)")
     parser.add_argument("--report-only", metavar="JSONL", help="no measuring: print a Markdown table of JSONL")
