@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch_impl.activation_checkpointing import apply_activation_checkpointing
 from torch_impl.model import Blocks, run_blocks
 
-__all__ = ["BLOCKS_PER_GRAPH", "CUDA_GRAPHS", "DATA_PARALLEL", "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig",
+__all__ = ["BLOCKS_PER_GRAPH", "COMM_SMS_MODES", "CUDA_GRAPHS", "DATA_PARALLEL", "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig",
            "apply_activation_checkpointing", "apply_compile", "apply_data_parallel", "check_cuda_graph",
            "check_supported", "data_parallel_configs", "parallelize"]
 
@@ -118,12 +118,18 @@ def check_supported(modes: list[str], compile: bool, dtype: str, flag: str) -> N
                              f"{', '.join(m for m in DATA_PARALLEL if m not in excluded)}")
 
 
+# our DDP wrappers, which take comm_sms (torch_impl.distributed.ddp: the SMs their NCCL kernels may occupy)
+COMM_SMS_MODES = ("naive", "flat", "individual", "bucketed", "zero1")
+
+
 @dataclass(frozen=True)
 class DataParallelConfig:
-    """A mode of ``DATA_PARALLEL`` with its bucket size in MiB (bucketed, zero1, torch_ddp; else None)."""
+    """A mode of ``DATA_PARALLEL`` with its bucket size in MiB (bucketed, zero1, torch_ddp; else None) and, for
+    ``COMM_SMS_MODES``, the SMs its NCCL kernels may occupy (0: NCCL's default)."""
 
     impl: str
     bucket_mb: float | None = None
+    comm_sms: int = 0
 
     @property
     def strategy(self) -> str:
@@ -133,29 +139,28 @@ class DataParallelConfig:
     @property
     def name(self) -> str:
         """The record's implementation: 'bucketed 25MB', 'zero1 + bucketed 25MB', 'torch_ddp', ..."""
-        if self.impl == "bucketed":
-            return f"bucketed {self.bucket_mb:g}MB"
-        if self.impl == "zero1":
-            return f"zero1 + bucketed {self.bucket_mb:g}MB"
-        return self.impl
+        name = (f"bucketed {self.bucket_mb:g}MB" if self.impl == "bucketed" else
+                f"zero1 + bucketed {self.bucket_mb:g}MB" if self.impl == "zero1" else self.impl)
+        return f"{name}, comm {self.comm_sms} SMs" if self.comm_sms else name
 
 
-def data_parallel_configs(modes: list[str], bucket_mb: list[float]) -> list[DataParallelConfig]:
-    """In order: bucketed and zero1 once per bucket size, torch_ddp with its default bucket, the others once."""
+def data_parallel_configs(modes: list[str], bucket_mb: list[float],
+                          comm_sms: list[int] | tuple[int, ...] = (0,)) -> list[DataParallelConfig]:
+    """In order: bucketed and zero1 once per bucket size, torch_ddp with its default bucket, the others once;
+    each of ``COMM_SMS_MODES`` once per ``comm_sms`` value."""
     out: list[DataParallelConfig] = []
     for mode in modes:
-        if mode in BUCKETED:
-            out += [DataParallelConfig(mode, mb) for mb in bucket_mb]
-        else:
-            out.append(DataParallelConfig(mode, TORCH_DDP_BUCKET_MB if mode == "torch_ddp" else None))
+        sizes = bucket_mb if mode in BUCKETED else [TORCH_DDP_BUCKET_MB if mode == "torch_ddp" else None]
+        sms = comm_sms if mode in COMM_SMS_MODES else (0,)
+        out += [DataParallelConfig(mode, mb, k) for mb in sizes for k in sms]
     return out
 
 
 def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None = None, dtype: str = "fp32",
-                        adamw: dict[str, Any]) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+                        adamw: dict[str, Any], comm_sms: int = 0) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     """(the module to call, its ``DataParallelWrapper`` (None for fsdp2), the optimizer): ``model``, built on its
     device (and compiled, but not for the FSDPs: ``check_supported`` first), wrapped in ``mode`` with
-    ``AdamW(**adamw)``. ``dtype`` (``analysis.harness.DTYPES``): bf16 makes the FSDPs compute in bf16;
+    ``AdamW(**adamw)``; ``comm_sms``: ``COMM_SMS_MODES``' NCCL SMs (0: NCCL's default; others take none). ``dtype`` (``analysis.harness.DTYPES``): bf16 makes the FSDPs compute in bf16;
     bf16_mixed gives ``MasterAdamW``.
     Collectives inside (the wrappers' broadcasts) run on every rank alike."""
     from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
@@ -169,9 +174,12 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
     optimizer = None if builds_own else adamw_for(dtype, model.parameters(), **adamw)
     if mode == "none":
         return model, SingleProcess(model), optimizer
-    if mode in ("naive", "flat", "individual", *BUCKETED):
-        wrapper = (DDPBucketed(model, bucket_mb) if mode in BUCKETED else
-                   {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[mode](model))
+    if comm_sms and mode not in COMM_SMS_MODES:
+        raise ValueError(f"comm_sms={comm_sms} with {mode}; accepted with: {', '.join(COMM_SMS_MODES)}")
+    if mode in COMM_SMS_MODES:
+        wrapper = (DDPBucketed(model, bucket_mb, comm_sms=comm_sms) if mode in BUCKETED else
+                   {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[mode](
+                       model, comm_sms=comm_sms))
         if mode == "zero1":
             optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **adamw)
         return wrapper, wrapper, optimizer
@@ -206,7 +214,7 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
 
 def parallelize(model: nn.Module, mode: str = "none", *, bucket_mb: float | None = None, dtype: str = "fp32",
                 adamw: dict[str, Any], compile: bool = False, cuda_graphs: bool = False, ac_every: int = 0,
-                nested_ac: bool = False) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+                nested_ac: bool = False, comm_sms: int = 0) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     """``model`` made fast and parallel in torchtitan's order: activation checkpointing every ``ac_every`` blocks,
     then ``apply_compile`` (with the CUDA graphs of its regions if ``cuda_graphs``), then ``apply_data_parallel``
     in ``mode``; returns what that returns: (the module to call, its wrapper, the optimizer)."""
@@ -217,4 +225,4 @@ def parallelize(model: nn.Module, mode: str = "none", *, bucket_mb: float | None
         apply_activation_checkpointing(model, ac_every, nested=nested_ac)
     if compile:
         apply_compile(model, cuda_graphs=cuda_graphs)
-    return apply_data_parallel(model, mode, bucket_mb=bucket_mb, dtype=dtype, adamw=adamw)
+    return apply_data_parallel(model, mode, bucket_mb=bucket_mb, dtype=dtype, adamw=adamw, comm_sms=comm_sms)

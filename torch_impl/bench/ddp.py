@@ -87,6 +87,7 @@ class DDPBenchConfig(StepConfig):
 
     impl: str
     bucket_mb: str
+    comm_sms: str
     compile: bool
     cuda_graph: str
     timeout: float
@@ -117,6 +118,18 @@ def parse_bucket_mb(text: str) -> list[float]:
     return values
 
 
+def parse_comm_sms(text: str) -> list[int]:
+    """--comm-sms '0,4,8' -> [0, 4, 8]: SMs for our wrappers' NCCL kernels, one configuration each (0: NCCL's
+    default, no carveout)."""
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise ValueError(f"--comm-sms {text!r}: write whole numbers of SMs >= 0, e.g. 0,4,8 (0: NCCL's default)")
+    return values
+
+
 # ----------------------------------------------------------------------------- per-step timing
 
 
@@ -137,11 +150,13 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
     from torch_impl.step import StepParts, train_step
     from torch_impl.timing import PhaseTimer
 
+    allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     torch.manual_seed(args.seed)
     model = TransformerLM(spec, attention=args.attention, device=device)
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     forward, wrapper, optimizer = parallelize(model, cfg.impl, bucket_mb=cfg.bucket_mb, dtype=args.dtype, adamw=adamw,
-                                              compile=args.compile, cuda_graphs=args.cuda_graph == "blocks")
+                                              compile=args.compile, cuda_graphs=args.cuda_graph == "blocks",
+                                              comm_sms=cfg.comm_sms)
     tokens = torch.from_numpy(fixed_batch(args.seed + rank, args.batch_size, seq_len, spec.vocab_size)).to(device)
     batch = [(tokens[:, :-1], tokens[:, 1:])]  # (inputs, targets), (B, T) each
     parts = StepParts(forward, optimizer, dtype=args.dtype, wrapper=wrapper)
@@ -166,7 +181,8 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
 
         profile_steps(lambda: step(PhaseTimer(device)), PROFILED_STEPS, args.profile,
                       tag=f"{cfg.name.replace(' ', '_')}_rank{rank}")
-    return {"step_ms": step_ms, "phases_ms": phases_ms, "peak": peak, "losses": losses, "error": None}
+    return {"step_ms": step_ms, "phases_ms": phases_ms, "peak": peak, "losses": losses, "error": None,
+            "allocated_before": allocated_before}
 
 
 # ----------------------------------------------------------------------------- records (rank 0)
@@ -194,7 +210,8 @@ def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_siz
     errors = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g.get("error")]
     run = StepRun.of(args, suite=SUITE, mode="train_step")
     common = dict(backend="torch", implementation=cfg.name, device_name=device_name)
-    metrics: dict[str, Any] = {"impl": cfg.impl, "bucket_mb": cfg.bucket_mb, "attention": args.attention,
+    metrics: dict[str, Any] = {"impl": cfg.impl, "bucket_mb": cfg.bucket_mb, "comm_sms": cfg.comm_sms,
+                               "attention": args.attention,
                                "compiled": bool(args.compile), "cuda_graph": args.cuda_graph,
                                "peak_memory_kind": "reserved" if args.cuda_graph == "blocks" else "allocated",
                                "strategy": cfg.strategy, "fused_adamw": device_name != "cpu",
@@ -218,6 +235,8 @@ def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_siz
         peaks = [g["peak"] for g in gathered]
         metrics.update({
             "per_rank_peak_memory_bytes": peaks,
+            # what earlier configurations of the launch left allocated (0 unless something leaks)
+            "per_rank_allocated_before_bytes": [g.get("allocated_before") for g in gathered],
             "per_rank_median_ms": [{"step": statistics.median(g["step_ms"]),
                                     **{p: statistics.median(g["phases_ms"][p]) for p in PHASES}} for g in gathered],
             "loss_first": gathered[0]["losses"][0], "loss_last": gathered[0]["losses"][-1],
@@ -252,7 +271,7 @@ def run(args: DDPBenchConfig) -> int:
     import torch
 
     spec, seq_len = resolve_spec(args)
-    configs = configurations(parse_impls(args.impl), parse_bucket_mb(args.bucket_mb))
+    configs = configurations(parse_impls(args.impl), parse_bucket_mb(args.bucket_mb), parse_comm_sms(args.comm_sms))
     if args.dtype == "fp32":
         torch.set_float32_matmul_precision("highest")
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
@@ -288,7 +307,7 @@ def _run_configs(configs: list[Config], args, spec, seq_len: int, device, rank: 
             if distributed and _is_collective_error(err):
                 _fatal(cfg, args, spec, seq_len, world_size, device_name, rank, err)
             mine = {"error": _failure_text(err)}
-        gc.collect()
+        _release_configuration()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         gathered = [mine]
@@ -311,6 +330,15 @@ def _run_configs(configs: list[Config], args, spec, seq_len: int, device, rank: 
     if distributed:
         dist.barrier()
     return 1 if failures else 0
+
+
+def _release_configuration() -> None:
+    """Free what a configuration built before the next one: its compiled regions too (Dynamo's cache keeps
+    references into the model it compiled, so each configuration's weights and gradients would stay allocated)."""
+    import torch
+
+    torch._dynamo.reset()
+    gc.collect()
 
 
 def _fatal(cfg: Config, args, spec, seq_len: int, world_size: int, device_name: str, rank: int,
@@ -342,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma list of: {', '.join(DATA_PARALLEL)} (default bucketed; --impl: its old name)")
     parser.add_argument("--bucket-mb", default="1,10,25,100",
                         help="bucket sizes in MiB for bucketed and zero1, one configuration each (default 1,10,25,100)")
+    parser.add_argument("--comm-sms", default="0",
+                        help="SMs our DDP wrappers' NCCL kernels may occupy, with cuBLAS leaving them free during "
+                             "the backward (torch_impl.distributed.ddp), one configuration each: e.g. 0,4,8 "
+                             "(default 0: NCCL's default, no carveout)")
     parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps per configuration (default 3)")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration (default 10)")
     parser.add_argument("--attention", default="sdpa", help="attention backend of the model (default sdpa)")
@@ -382,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         check_supported(impls, args.compile, args.dtype, flag="")
         check_cuda_graph(args.cuda_graph, args.compile, args.device)
         parse_bucket_mb(args.bucket_mb)
+        parse_comm_sms(args.comm_sms)
         return run(args)
     except ValueError as err:
         parser.error(str(err))

@@ -32,6 +32,14 @@ training (so an optimizer with weight decay or momentum skips it there too). Wit
 ``find_unused_parameters=False`` that count (and its device-to-host sync) is skipped and such a parameter
 ends the step with a zero gradient instead.
 
+Communication beside compute (``comm_sms=k``, NCCL only): an all-reduce's kernels occupy SMs while the backward's
+matrix products run, and cuBLAS's persistent GEMMs, sized to every SM, then run in two waves: on an H100 the
+backward's largest GEMMs took 1.84x as long while NCCL's 24 thread blocks were resident (notes/data_parallel.md).
+With ``comm_sms=k`` the gradients go through a group whose NCCL kernels use at most k SMs
+(``process_group.comm_group``), and the hook-driven variants set cuBLAS's SM carveout to k from the backward's
+first gradient to ``finish_gradient_synchronization`` (``torch._C._set_sm_carveout_experimental``), so the
+GEMMs fit beside them. Averages are taken by NCCL itself (``ReduceOp.AVG``); on gloo, a sum and a division.
+
 Gradient accumulation: run the backward of every micro-batch but the last inside ``with ddp.no_sync():``
 (as with torch DDP): gradients accumulate locally in ``.grad`` and nothing is communicated (the hooks of the
 overlapped variants stand down); the last backward, outside it, communicates the accumulated gradients once,
@@ -64,6 +72,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from torch_impl.distributed.interface import DataParallelWrapper
+from torch_impl.distributed.process_group import comm_group
 
 _MIB = 2**20
 
@@ -94,13 +103,18 @@ class _DataParallel(nn.Module, DataParallelWrapper):
     """
 
     def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None,
-                 find_unused_parameters: bool = True):
+                 find_unused_parameters: bool = True, comm_sms: int = 0):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs an initialized process group; call "
                                "torch_impl.distributed.init_distributed() (or dist.init_process_group) first")
+        if comm_sms < 0:
+            raise ValueError(f"comm_sms={comm_sms}: the SMs left to communication; 0 (NCCL's default) or more")
         self.module = module
-        self.process_group = process_group
+        self.comm_sms = comm_sms
+        self.process_group = comm_group(comm_sms, process_group) if comm_sms else process_group
+        # NCCL averages inside the all-reduce (ReduceOp.AVG: no division pass over the gradients); gloo cannot
+        self._averages = dist.get_backend(self.process_group) == "nccl"
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.find_unused_parameters = find_unused_parameters
@@ -146,8 +160,14 @@ class _DataParallel(nn.Module, DataParallelWrapper):
             raise RuntimeError(f"{type(self).__name__}.finish_gradient_synchronization() inside no_sync(): "
                                "call it after the last micro-batch's backward, outside no_sync()")
 
-    def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group, async_op=async_op)
+    def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False, average: bool = False):
+        """Sum ``tensor`` over the ranks, or average it where the backend can (then ``_averaged`` does nothing)."""
+        op = dist.ReduceOp.AVG if average and self._averages else dist.ReduceOp.SUM
+        return dist.all_reduce(tensor, op=op, group=self.process_group, async_op=async_op)
+
+    def _averaged(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` after ``_all_reduce(..., average=True)``: divided by the world size unless NCCL did it."""
+        return tensor if self._averages else tensor.div_(self.world_size)
 
     @staticmethod
     def _grad_or_zeros(p: nn.Parameter) -> tuple[torch.Tensor, bool]:
@@ -188,8 +208,8 @@ class NaiveDDP(_DataParallel):
         self._check_sync()
         grads, present = zip(*(self._grad_or_zeros(p) for p in self._params)) if self._params else ((), ())
         for g in grads:  # same order on every rank: registration order
-            self._all_reduce(g)
-            g.div_(self.world_size)
+            self._all_reduce(g, average=True)
+            self._averaged(g)
         self._assign_grads(list(grads), self._launch_presence(list(present)))
 
 
@@ -205,8 +225,8 @@ class FlatDDP(_DataParallel):
         for idx in _group_by_dtype_device(grads):
             group = [grads[i] for i in idx]
             flat = _flatten_dense_tensors(group)  # (sum of numels,)
-            self._all_reduce(flat)
-            flat.div_(self.world_size)
+            self._all_reduce(flat, average=True)
+            self._averaged(flat)
             for g, synced in zip(group, _unflatten_dense_tensors(flat, group)):
                 g.copy_(synced)
         self._assign_grads(grads, presence)
@@ -237,6 +257,8 @@ class _OverlappedDDP(_DataParallel):
 
     def __init__(self, module: nn.Module, units: list[list[int]] | None = None, **kwargs: Any):
         super().__init__(module, **kwargs)
+        # comm_sms on NCCL: cuBLAS leaves those SMs free during the backward (see the class docstring)
+        self._carveout = self.comm_sms if self._averages else 0
         order = list(reversed(range(len(self._params))))
         self._units = [_Unit(params=u) for u in (units if units is not None else self._make_units(order))]
         self._unit_of = {i: k for k, u in enumerate(self._units) for i in u.params}
@@ -251,6 +273,7 @@ class _OverlappedDDP(_DataParallel):
         self._ready = [False] * len(self._params)
         self._present = [False] * len(self._params)
         self._next = 0  # the first unit not launched yet
+        self._carved = False  # cuBLAS's SM carveout set for this backward
         for u in self._units:
             u.pending, u.launched, u.work = len(u.params), False, None
 
@@ -261,6 +284,9 @@ class _OverlappedDDP(_DataParallel):
             if self._ready[i]:
                 raise RuntimeError(f"{type(self).__name__}: parameter {i} received a second gradient before "
                                    "finish_gradient_synchronization(); run one backward per step")
+            if self._carveout and not self._carved:  # the backward's first gradient: leave SMs to NCCL
+                torch._C._set_sm_carveout_experimental(self._carveout)
+                self._carved = True
             self._ready[i] = self._present[i] = True
             self._units[self._unit_of[i]].pending -= 1
             self._launch_ready()
@@ -294,6 +320,8 @@ class _OverlappedDDP(_DataParallel):
             for i, g in zip(unit.params, self._unit_grads(unit)):
                 grads[i] = g
         self._assign_grads(grads, presence)
+        if self._carved:
+            torch._C._set_sm_carveout_experimental(None)
         self.on_train_batch_start()
 
 
@@ -309,11 +337,11 @@ class DDPIndividualParameters(_OverlappedDDP):
             p.grad = torch.zeros_like(p)
             self._present[i] = False
         unit.flat = p.grad
-        unit.work = self._all_reduce(p.grad, async_op=True)
+        unit.work = self._all_reduce(p.grad, async_op=True, average=True)
         unit.launched = True
 
     def _unit_grads(self, unit: _Unit) -> list[torch.Tensor]:
-        return [unit.flat.div_(self.world_size)]
+        return [self._averaged(unit.flat)]
 
 
 class DDPBucketed(_OverlappedDDP):
@@ -365,10 +393,10 @@ class DDPBucketed(_OverlappedDDP):
                 self._present[i] = False
             elif g.data_ptr() != view.data_ptr() or not g.is_contiguous():  # not already our view
                 view.copy_(g.reshape(-1))
-        unit.work = self._all_reduce(unit.flat, async_op=True)
+        unit.work = self._all_reduce(unit.flat, async_op=True, average=True)
         unit.launched = True
 
     def _unit_grads(self, unit: _Unit) -> list[torch.Tensor]:
-        unit.flat.div_(self.world_size)
+        self._averaged(unit.flat)
         return [unit.flat[unit.offsets[k]:unit.offsets[k + 1]].view_as(self._params[i])
                 for k, i in enumerate(unit.params)]

@@ -8,6 +8,9 @@ timeout instead of hanging the job; the exception names the rank and the timeout
 is a ValueError, and an address that cannot be listened on (a port in use) a ``ConnectionError`` naming it.
 
 Without torchrun's variables it runs as a single process (world size 1), so the same script runs alone.
+
+``comm_group(sms)``: a group over the same ranks whose NCCL kernels occupy at most ``sms`` SMs, for collectives
+that run beside compute (``torch_impl.distributed.ddp``'s ``comm_sms``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 300.0
+_timeout_s = {"default": DEFAULT_TIMEOUT_S}  # the default group's, for the groups made beside it
+_comm_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     else:
         dev = torch.device("cpu")
     if not dist.is_initialized():
+        _timeout_s["default"] = timeout_s
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         kwargs = {"device_id": dev} if backend == "nccl" else {}
@@ -94,6 +100,26 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     return DistributedContext(rank, world_size, local_rank, dev, backend)
 
 
+def comm_group(sms: int, process_group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """A process group over the ranks of ``process_group`` (None: the default group) whose NCCL kernels run on at
+    most ``sms`` thread blocks, so at most ``sms`` SMs (NCCL's ``maxCTAs``; by default NCCL takes 24 of an H100's
+    132 for an all-reduce over NVLink). Made once per (group, sms) on every rank alike, with the default group's
+    timeout; a non-NCCL group is returned as it is (gloo runs on the host: no SMs to leave free). Reference: the
+    NCCL documentation, ``ncclConfig_t`` (maxCTAs)."""
+    if sms < 1:
+        raise ValueError(f"sms={sms}: an NCCL communicator needs at least 1 thread block")
+    if dist.get_backend(process_group) != "nccl":
+        return process_group
+    key = (id(process_group), sms)
+    if key not in _comm_groups:
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.max_ctas = sms
+        ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+        _comm_groups[key] = dist.new_group(ranks, timeout=datetime.timedelta(seconds=_timeout_s["default"]),
+                                           backend="nccl", pg_options=options)
+    return _comm_groups[key]
+
+
 @contextlib.contextmanager
 def distributed_context(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                         device: str | None = None) -> Iterator[DistributedContext]:
@@ -102,5 +128,6 @@ def distributed_context(backend: str | None = None, timeout_s: float = DEFAULT_T
     try:
         yield ctx
     finally:
+        _comm_groups.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
