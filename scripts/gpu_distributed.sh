@@ -5,9 +5,9 @@
 # allreduce: NCCL all-reduce 1 MB ... 1 GB on 2 and (where there are) 4 GPUs, against a raw loop;
 # ddp: xl, bf16, batch 2 x 512 per rank: one GPU alone (the scaling baseline), then every DDP variant over all
 # GPUs; overlap: the step users run (xl, 4 x 1,024 per rank, bf16 autocast, cuDNN attention, compiled blocks):
-# one GPU, then naive / flat / torch DDP / bucketed 100 MB, individual and bucketed 25 MB with their NCCL kernels on
-# COMM_SMS SMs (default 0,2,4,8,16; 0: NCCL's own choice), then naive and bucketed on PROFILE_SMS SMs (default 8)
-# profiled on every rank (OUT_DIR/ddp_profiles.tgz: a Chrome trace and a kernel table per configuration and rank);
+# cuBLAS with SMs left free (scripts/carveout_probe.py), one GPU, then naive and torch DDP, individual and
+# bucketed 25 MB with their NCCL kernels on COMM_SMS SMs (default 0,4,8,16; 0: NCCL's own choice), then bucketed on
+# PROFILE_SMS SMs (default 8) profiled on every rank (OUT_DIR/ddp_profiles.tgz: a Chrome trace and a kernel table per configuration and rank);
 # sharded: ZeRO-1, our FSDP and FSDP2 (memory against parallelism_calc's prediction) and bucketed DDP
 # at 1, 10 and 100 MB buckets; matrix: the training matrix
 # (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs); accum: the batch x
@@ -33,10 +33,11 @@ ddp)
 overlap)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
        --compile --out "$out/ddp.jsonl")
+  python3 scripts/carveout_probe.py --sms 4,8,16,24 --out "$out/carveout.jsonl"
   python3 "${ddp[@]}" --dist none
-  "${run[@]}" "$n" "${ddp[@]}" --dist naive,flat,torch_ddp,bucketed --bucket-mb 100
-  "${run[@]}" "$n" "${ddp[@]}" --dist individual,bucketed --bucket-mb 25 --comm-sms "${COMM_SMS:-0,2,4,8,16}"
-  "${run[@]}" "$n" "${ddp[@]}" --dist naive,bucketed --bucket-mb 25 --comm-sms "${PROFILE_SMS:-8}" \
+  "${run[@]}" "$n" "${ddp[@]}" --dist naive,torch_ddp
+  "${run[@]}" "$n" "${ddp[@]}" --dist individual,bucketed --bucket-mb 25 --comm-sms "${COMM_SMS:-0,4,8,16}"
+  "${run[@]}" "$n" "${ddp[@]}" --dist bucketed --bucket-mb 25 --comm-sms "${PROFILE_SMS:-8}" \
     --profile "$out/profiles" --out "$out/ddp_profiled.jsonl"
   tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles" ;;
 sharded)

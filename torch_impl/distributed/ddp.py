@@ -36,9 +36,9 @@ Communication beside compute (``comm_sms=k``, NCCL only): an all-reduce's kernel
 matrix products run, and cuBLAS's persistent GEMMs, sized to every SM, then run in two waves: on an H100 the
 backward's largest GEMMs took 1.84x as long while NCCL's 24 thread blocks were resident (notes/data_parallel.md).
 With ``comm_sms=k`` the gradients go through a group whose NCCL kernels use at most k SMs
-(``process_group.comm_group``), and the hook-driven variants set cuBLAS's SM carveout to k from the backward's
-first gradient to ``finish_gradient_synchronization`` (``torch._C._set_sm_carveout_experimental``), so the
-GEMMs fit beside them. Averages are taken by NCCL itself (``ReduceOp.AVG``); on gloo, a sum and a division.
+(``process_group.comm_group``), and the hook-driven variants make cuBLAS target all SMs but k from the backward's
+first gradient to ``finish_gradient_synchronization`` (``leave_sms_to_communication``), so the GEMMs fit beside
+them. Averages are taken by NCCL itself (``ReduceOp.AVG``); on gloo, a sum and a division.
 
 Gradient accumulation: run the backward of every micro-batch but the last inside ``with ddp.no_sync():``
 (as with torch DDP): gradients accumulate locally in ``.grad`` and nothing is communicated (the hooks of the
@@ -63,6 +63,7 @@ parameters; Stanford CS336 assignment 2 (2025), section 2.3 (naive, flat, indivi
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -232,6 +233,22 @@ class FlatDDP(_DataParallel):
         self._assign_grads(grads, presence)
 
 
+def leave_sms_to_communication(sms: int) -> tuple:
+    """Make cuBLAS's matrix products run on all SMs but ``sms`` (``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``, which
+    PyTorch sets from ``torch._C._set_sm_carveout_experimental`` on its cuBLASLt path only, so that library is
+    chosen too); returns the settings replaced, for ``restore_matmul_sms``."""
+    replaced = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(sms)
+    return replaced
+
+
+def restore_matmul_sms(replaced: tuple) -> None:
+    library, carveout = replaced
+    torch.backends.cuda.preferred_blas_library(library)
+    torch._C._set_sm_carveout_experimental(carveout)
+
+
 @dataclass
 class _Unit:
     """A group of parameters communicated together (one parameter for ``DDPIndividualParameters``)."""
@@ -273,20 +290,24 @@ class _OverlappedDDP(_DataParallel):
         self._ready = [False] * len(self._params)
         self._present = [False] * len(self._params)
         self._next = 0  # the first unit not launched yet
-        self._carved = False  # cuBLAS's SM carveout set for this backward
+        self._carved = None  # what leave_sms_to_communication replaced in this backward, to restore
         for u in self._units:
             u.pending, u.launched, u.work = len(u.params), False, None
 
     def _make_hook(self, i: int):
+        # A weak reference: the parameter holds its hooks where the garbage collector cannot see them, so a hook
+        # holding the wrapper would keep the wrapper, its model and its buckets alive forever (a test checks)
+        wrapper = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            if not self._sync:  # inside no_sync(): the gradient just accumulates in .grad
+            self = wrapper()
+            if self is None or not self._sync:  # inside no_sync(): the gradient just accumulates in .grad
                 return
             if self._ready[i]:
                 raise RuntimeError(f"{type(self).__name__}: parameter {i} received a second gradient before "
                                    "finish_gradient_synchronization(); run one backward per step")
-            if self._carveout and not self._carved:  # the backward's first gradient: leave SMs to NCCL
-                torch._C._set_sm_carveout_experimental(self._carveout)
-                self._carved = True
+            if self._carveout and self._carved is None:  # the backward's first gradient: leave SMs to NCCL
+                self._carved = leave_sms_to_communication(self._carveout)
             self._ready[i] = self._present[i] = True
             self._units[self._unit_of[i]].pending -= 1
             self._launch_ready()
@@ -320,8 +341,8 @@ class _OverlappedDDP(_DataParallel):
             for i, g in zip(unit.params, self._unit_grads(unit)):
                 grads[i] = g
         self._assign_grads(grads, presence)
-        if self._carved:
-            torch._C._set_sm_carveout_experimental(None)
+        if self._carved is not None:
+            restore_matmul_sms(self._carved)
         self.on_train_batch_start()
 
 
