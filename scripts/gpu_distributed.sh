@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 6 and 8 on the NCCL machines (2 or 4 GPUs), one phase per device call (each under 10 minutes);
 # records go to OUT_DIR/<suite>.jsonl, then every table and chart is regenerated into OUT_DIR/reports:
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|overlap|sharded|matrix|accum
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|overlap|graphs|sharded|matrix|accum
 # allreduce: NCCL all-reduce 1 MB ... 1 GB on 2 and (where there are) 4 GPUs, against a raw loop;
 # ddp: xl, bf16, batch 2 x 512 per rank: one GPU alone (the scaling baseline), then every DDP variant over all
 # GPUs; overlap: the step users run (xl, 4 x 1,024 per rank, bf16 autocast, cuDNN attention, compiled blocks):
@@ -14,7 +14,7 @@
 # accumulation study (16x64 ... 1024x1, bucketed DDP, small at 128 tokens).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
-phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|overlap|sharded|matrix|accum}
+phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|overlap|graphs|sharded|matrix|accum}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 n=$(nvidia-smi -L | wc -l)
@@ -40,6 +40,11 @@ overlap)
   "${run[@]}" "$n" "${ddp[@]}" --dist bucketed --bucket-mb 25 --comm-sms "${PROFILE_SMS:-8}" \
     --profile "$out/profiles" --out "$out/ddp_profiled.jsonl"
   tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles" ;;
+graphs)
+  ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype "${DTYPE:-bf16}"
+       --attention sdpa_cudnn --compile --cuda-graph blocks --out "$out/ddp.jsonl")
+  python3 "${ddp[@]}" --dist none
+  "${run[@]}" "$n" "${ddp[@]}" --dist naive,individual,bucketed,torch_ddp --bucket-mb "${BUCKET_MB:-25,100}" ;;
 sharded)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 2 --seq-len 512 --dtype bf16 --attention sdpa
        --out "$out/ddp.jsonl")
@@ -51,6 +56,6 @@ matrix)
 accum)
   python3 -m torch_impl.bench.accum_study --nproc "$n" --model small --seq-len 128 --epochs 2 --steps-per-epoch 5 \
     --dist bucketed --out "$out/accum_study.jsonl" --report-dir "$out/accum_study" ;;
-*) echo "unknown phase $phase; accepted: allreduce, ddp, overlap, sharded, matrix, accum" >&2; exit 2 ;;
+*) echo "unknown phase $phase; accepted: allreduce, ddp, overlap, graphs, sharded, matrix, accum" >&2; exit 2 ;;
 esac
 python3 -m analysis.reports "$out" --out "$out/reports"

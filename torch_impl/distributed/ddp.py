@@ -406,14 +406,18 @@ class DDPBucketed(_OverlappedDDP):
 
     @torch.no_grad()
     def _launch(self, unit: _Unit) -> None:
-        for k, i in enumerate(unit.params):
+        views, grads = [], []  # the gradients to copy into the bucket: one multi-tensor copy (the host's time
+        for k, i in enumerate(unit.params):  # per launch is what a compiled backward has least of)
             view = unit.flat[unit.offsets[k]:unit.offsets[k + 1]]
             g = self._params[i].grad
             if g is None:  # no gradient on this rank this step: contribute zeros
                 view.zero_()
                 self._present[i] = False
             elif g.data_ptr() != view.data_ptr() or not g.is_contiguous():  # not already our view
-                view.copy_(g.reshape(-1))
+                views.append(view)
+                grads.append(g.reshape(-1))
+        if views:
+            torch._foreach_copy_(views, grads)
         unit.work = self._all_reduce(unit.flat, async_op=True, average=True)
         unit.launched = True
 
