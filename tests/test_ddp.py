@@ -400,3 +400,53 @@ def test_comm_group_on_gloo_is_the_group_itself_and_needs_a_block():
             comm_group(0)
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- gradients in bf16
+
+
+def _bf16_comm_grads(rank: int, world_size: int, seed: int) -> dict:
+    from torch_impl.distributed import DDPBucketed
+
+    model = _make_model("tied", seed)  # the same init on every rank: the gradients alone differ
+    mid_mb = 2 * max(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    ddp = DDPBucketed(model, bucket_size_mb=mid_mb, comm_dtype=torch.bfloat16)
+    grads = []
+    for step in range(2):  # the second step: the gradients are not bucket views, as after a fp32 step
+        model.zero_grad(set_to_none=True)
+        x, y = _batch("tied", seed, step, world_size)
+        sl = slice(rank * BATCH, (rank + 1) * BATCH)
+        out = ddp(x[sl])
+        F.cross_entropy(out.reshape(-1, out.shape[-1]), y[sl].reshape(-1)).backward()
+        ddp.finish_gradient_synchronization()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    flats = [u.flat for u in ddp._units]
+    return {"grads": grads, "bucket_dtypes": sorted({str(f.dtype) for f in flats}),
+            "views": any(p.grad.data_ptr() == f.data_ptr() for p in model.parameters() for f in flats)}
+
+
+def test_bucketed_bf16_communication_rounds_the_average_once():
+    """comm_dtype=bf16: the buckets are bf16, each gradient keeps its own dtype (float64 here) and equals the true
+    average (float64, one process) to bf16's rounding (2**-8 relative per rank's contribution), and not closer
+    than float64 would (so the cast really happened)."""
+    seed = secrets.randbelow(2**20)
+    world_size = 2
+    results = run_ranks(_bf16_comm_grads, world_size, seed, timeout_s=120)
+    model = _make_model("tied", seed)
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        x, y = _batch("tied", seed, step, world_size)
+        loss = sum(_local_loss(model, "tied", x[r * BATCH:(r + 1) * BATCH], y[r * BATCH:(r + 1) * BATCH], 0, r)
+                   for r in range(world_size)) / world_size
+        loss.backward()
+        want = {n: p.grad for n, p in model.named_parameters()}
+        for rank, res in enumerate(results):
+            assert res["bucket_dtypes"] == ["torch.bfloat16"] and not res["views"]
+            worst = 0.0
+            for n, g in res["grads"][step].items():
+                assert g.dtype == torch.float64, n
+                scale = want[n].abs().max().item() + 1e-30
+                err = (g - want[n]).abs().max().item() / scale
+                assert err < 2 * 2**-8, f"[seed={seed}] rank {rank} step {step} {n}: {err:.3g}"
+                worst = max(worst, err)
+            assert worst > 1e-12, f"[seed={seed}] no bf16 rounding seen: {worst:.3g}"

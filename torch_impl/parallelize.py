@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch_impl.activation_checkpointing import apply_activation_checkpointing
 from torch_impl.model import Blocks, run_blocks
 
-__all__ = ["BLOCKS_PER_GRAPH", "COMM_SMS_MODES", "CUDA_GRAPHS", "DATA_PARALLEL", "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig",
+__all__ = ["BLOCKS_PER_GRAPH", "COMM_DTYPES", "COMM_DTYPE_MODES", "COMM_SMS_MODES", "CUDA_GRAPHS", "DATA_PARALLEL", "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig",
            "apply_activation_checkpointing", "apply_compile", "apply_data_parallel", "check_cuda_graph",
            "check_supported", "data_parallel_configs", "parallelize"]
 
@@ -120,16 +120,21 @@ def check_supported(modes: list[str], compile: bool, dtype: str, flag: str) -> N
 
 # our DDP wrappers, which take comm_sms (torch_impl.distributed.ddp: the SMs their NCCL kernels may occupy)
 COMM_SMS_MODES = ("naive", "flat", "individual", "bucketed", "zero1")
+# the dtype gradients travel in: their own, or bf16 (our buckets' comm_dtype; torch DDP's bf16_compress_hook)
+COMM_DTYPES = ("grad", "bf16")
+COMM_DTYPE_MODES = ("bucketed", "zero1", "torch_ddp")
 
 
 @dataclass(frozen=True)
 class DataParallelConfig:
     """A mode of ``DATA_PARALLEL`` with its bucket size in MiB (bucketed, zero1, torch_ddp; else None) and, for
-    ``COMM_SMS_MODES``, the SMs its NCCL kernels may occupy (0: NCCL's default)."""
+    ``COMM_SMS_MODES``, the SMs its NCCL kernels may occupy (0: NCCL's default); for ``COMM_DTYPE_MODES``, the
+    dtype its gradients travel in (``COMM_DTYPES``)."""
 
     impl: str
     bucket_mb: float | None = None
     comm_sms: int = 0
+    comm_dtype: str = "grad"
 
     @property
     def strategy(self) -> str:
@@ -141,26 +146,32 @@ class DataParallelConfig:
         """The record's implementation: 'bucketed 25MB', 'zero1 + bucketed 25MB', 'torch_ddp', ..."""
         name = (f"bucketed {self.bucket_mb:g}MB" if self.impl == "bucketed" else
                 f"zero1 + bucketed {self.bucket_mb:g}MB" if self.impl == "zero1" else self.impl)
-        return f"{name}, comm {self.comm_sms} SMs" if self.comm_sms else name
+        return name + (f", comm {self.comm_sms} SMs" if self.comm_sms else "") + (
+            f", {self.comm_dtype} comm" if self.comm_dtype != "grad" else "")
 
 
-def data_parallel_configs(modes: list[str], bucket_mb: list[float],
-                          comm_sms: list[int] | tuple[int, ...] = (0,)) -> list[DataParallelConfig]:
+def data_parallel_configs(modes: list[str], bucket_mb: list[float], comm_sms: list[int] | tuple[int, ...] = (0,),
+                          comm_dtypes: list[str] | tuple[str, ...] = ("grad",)) -> list[DataParallelConfig]:
     """In order: bucketed and zero1 once per bucket size, torch_ddp with its default bucket, the others once;
-    each of ``COMM_SMS_MODES`` once per ``comm_sms`` value."""
+    each of ``COMM_SMS_MODES`` once per ``comm_sms`` value, each of ``COMM_DTYPE_MODES`` once per comm dtype."""
     out: list[DataParallelConfig] = []
     for mode in modes:
         sizes = bucket_mb if mode in BUCKETED else [TORCH_DDP_BUCKET_MB if mode == "torch_ddp" else None]
         sms = comm_sms if mode in COMM_SMS_MODES else (0,)
-        out += [DataParallelConfig(mode, mb, k) for mb in sizes for k in sms]
+        dtypes = comm_dtypes if mode in COMM_DTYPE_MODES else ("grad",)
+        out += [DataParallelConfig(mode, mb, k, d) for mb in sizes for d in dtypes for k in sms]
     return out
 
 
 def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None = None, dtype: str = "fp32",
-                        adamw: dict[str, Any], comm_sms: int = 0) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+                        adamw: dict[str, Any], comm_sms: int = 0,
+                        comm_dtype: str = "grad") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     """(the module to call, its ``DataParallelWrapper`` (None for fsdp2), the optimizer): ``model``, built on its
     device (and compiled, but not for the FSDPs: ``check_supported`` first), wrapped in ``mode`` with
-    ``AdamW(**adamw)``; ``comm_sms``: ``COMM_SMS_MODES``' NCCL SMs (0: NCCL's default; others take none). ``dtype`` (``analysis.harness.DTYPES``): bf16 makes the FSDPs compute in bf16;
+    ``AdamW(**adamw)``; ``comm_sms``: ``COMM_SMS_MODES``' NCCL SMs (0: NCCL's default; others take none);
+    ``comm_dtype``: the dtype gradients travel in (``COMM_DTYPES``; bf16 only for ``COMM_DTYPE_MODES``).
+    Our DDP wrappers skip the per-step count of unused parameters (``find_unused_parameters=False``, torch DDP's
+    default: a device-to-host synchronization per step), as every parameter of ``TransformerLM`` gets a gradient. ``dtype`` (``analysis.harness.DTYPES``): bf16 makes the FSDPs compute in bf16;
     bf16_mixed gives ``MasterAdamW``.
     Collectives inside (the wrappers' broadcasts) run on every rank alike."""
     from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
@@ -176,10 +187,15 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
         return model, SingleProcess(model), optimizer
     if comm_sms and mode not in COMM_SMS_MODES:
         raise ValueError(f"comm_sms={comm_sms} with {mode}; accepted with: {', '.join(COMM_SMS_MODES)}")
+    if comm_dtype not in COMM_DTYPES or comm_dtype != "grad" and mode not in COMM_DTYPE_MODES:
+        raise ValueError(f"comm_dtype={comm_dtype!r} with {mode}; accepted: {', '.join(COMM_DTYPES)}, bf16 with "
+                         f"{', '.join(COMM_DTYPE_MODES)}")
+    bf16_comm = comm_dtype == "bf16"
     if mode in COMM_SMS_MODES:
-        wrapper = (DDPBucketed(model, bucket_mb, comm_sms=comm_sms) if mode in BUCKETED else
-                   {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[mode](
-                       model, comm_sms=comm_sms))
+        ours = dict(comm_sms=comm_sms, find_unused_parameters=False)
+        wrapper = (DDPBucketed(model, bucket_mb, comm_dtype=torch.bfloat16 if bf16_comm else None, **ours)
+                   if mode in BUCKETED else
+                   {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[mode](model, **ours))
         if mode == "zero1":
             optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **adamw)
         return wrapper, wrapper, optimizer
@@ -192,6 +208,13 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
         device = next(model.parameters()).device
         ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                       bucket_cap_mb=bucket_mb, **no_sync)
+        if bf16_comm:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+            if device.type != "cuda":
+                raise ValueError("torch_ddp with bf16 gradients (its bf16_compress_hook) runs on CUDA devices only")
+
+            ddp.register_comm_hook(None, bf16_compress_hook)
         return ddp, TorchDDP(ddp), optimizer
     if mode == "fsdp":
         fsdp = FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None)
@@ -214,7 +237,8 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
 
 def parallelize(model: nn.Module, mode: str = "none", *, bucket_mb: float | None = None, dtype: str = "fp32",
                 adamw: dict[str, Any], compile: bool = False, cuda_graphs: bool = False, ac_every: int = 0,
-                nested_ac: bool = False, comm_sms: int = 0) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+                nested_ac: bool = False, comm_sms: int = 0,
+                comm_dtype: str = "grad") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     """``model`` made fast and parallel in torchtitan's order: activation checkpointing every ``ac_every`` blocks,
     then ``apply_compile`` (with the CUDA graphs of its regions if ``cuda_graphs``), then ``apply_data_parallel``
     in ``mode``; returns what that returns: (the module to call, its wrapper, the optimizer)."""
@@ -229,4 +253,5 @@ def parallelize(model: nn.Module, mode: str = "none", *, bucket_mb: float | None
         # DDPOptimizer would split each at DDP's bucket boundaries (2 H100s, xl 4 x 1,024: forward 110 ms instead
         # of 41, notes/data_parallel.md); a region's gradients are all ready at its end anyway. Process-wide.
         torch._dynamo.config.optimize_ddp = mode != "torch_ddp" and torch._dynamo.config.optimize_ddp
-    return apply_data_parallel(model, mode, bucket_mb=bucket_mb, dtype=dtype, adamw=adamw, comm_sms=comm_sms)
+    return apply_data_parallel(model, mode, bucket_mb=bucket_mb, dtype=dtype, adamw=adamw, comm_sms=comm_sms,
+                               comm_dtype=comm_dtype)

@@ -76,7 +76,8 @@ from analysis.data_parallel import (FSDP_GATHERING, PHASES, SUITE, add_scaling_e
 from analysis.records import Record, read_records, save_records
 from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int, parse_list,
                                   positive_float, positive_int, writable_path)
-from torch_impl.parallelize import CUDA_GRAPHS, DATA_PARALLEL, check_cuda_graph, check_supported, parallelize
+from torch_impl.parallelize import (COMM_DTYPE_MODES, COMM_DTYPES, CUDA_GRAPHS, DATA_PARALLEL, check_cuda_graph,
+                                    check_supported, parallelize)
 from torch_impl.parallelize import DataParallelConfig as Config, data_parallel_configs as configurations
 
 
@@ -88,6 +89,7 @@ class DDPBenchConfig(StepConfig):
     impl: str
     bucket_mb: str
     comm_sms: str
+    comm_dtype: str
     compile: bool
     cuda_graph: str
     timeout: float
@@ -130,6 +132,11 @@ def parse_comm_sms(text: str) -> list[int]:
     return values
 
 
+def parse_comm_dtypes(text: str) -> list[str]:
+    """--comm-dtype 'grad,bf16' -> ['grad', 'bf16'] (checked against ``COMM_DTYPES``)."""
+    return parse_list(text, "--comm-dtype", COMM_DTYPES)
+
+
 # ----------------------------------------------------------------------------- per-step timing
 
 
@@ -156,7 +163,7 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     forward, wrapper, optimizer = parallelize(model, cfg.impl, bucket_mb=cfg.bucket_mb, dtype=args.dtype, adamw=adamw,
                                               compile=args.compile, cuda_graphs=args.cuda_graph == "blocks",
-                                              comm_sms=cfg.comm_sms)
+                                              comm_sms=cfg.comm_sms, comm_dtype=cfg.comm_dtype)
     tokens = torch.from_numpy(fixed_batch(args.seed + rank, args.batch_size, seq_len, spec.vocab_size)).to(device)
     batch = [(tokens[:, :-1], tokens[:, 1:])]  # (inputs, targets), (B, T) each
     parts = StepParts(forward, optimizer, dtype=args.dtype, wrapper=wrapper)
@@ -211,7 +218,7 @@ def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_siz
     run = StepRun.of(args, suite=SUITE, mode="train_step")
     common = dict(backend="torch", implementation=cfg.name, device_name=device_name)
     metrics: dict[str, Any] = {"impl": cfg.impl, "bucket_mb": cfg.bucket_mb, "comm_sms": cfg.comm_sms,
-                               "attention": args.attention,
+                               "comm_dtype": cfg.comm_dtype, "attention": args.attention,
                                "compiled": bool(args.compile), "cuda_graph": args.cuda_graph,
                                "peak_memory_kind": "reserved" if args.cuda_graph == "blocks" else "allocated",
                                "strategy": cfg.strategy, "fused_adamw": device_name != "cpu",
@@ -271,7 +278,8 @@ def run(args: DDPBenchConfig) -> int:
     import torch
 
     spec, seq_len = resolve_spec(args)
-    configs = configurations(parse_impls(args.impl), parse_bucket_mb(args.bucket_mb), parse_comm_sms(args.comm_sms))
+    configs = configurations(parse_impls(args.impl), parse_bucket_mb(args.bucket_mb), parse_comm_sms(args.comm_sms),
+                             parse_comm_dtypes(args.comm_dtype))
     if args.dtype == "fp32":
         torch.set_float32_matmul_precision("highest")
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
@@ -374,6 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="SMs our DDP wrappers' NCCL kernels may occupy, with cuBLAS leaving them free during "
                              "the backward (torch_impl.distributed.ddp), one configuration each: e.g. 0,4,8 "
                              "(default 0: NCCL's default, no carveout)")
+    parser.add_argument("--comm-dtype", default="grad",
+                        help=f"the dtype gradients travel in, one configuration each: grad (their own) and/or bf16 "
+                             f"(half the bytes; with {', '.join(COMM_DTYPE_MODES)}; torch_ddp: its "
+                             "bf16_compress_hook), e.g. grad,bf16 (default grad)")
     parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps per configuration (default 3)")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration (default 10)")
     parser.add_argument("--attention", default="sdpa", help="attention backend of the model (default sdpa)")
@@ -415,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         check_cuda_graph(args.cuda_graph, args.compile, args.device)
         parse_bucket_mb(args.bucket_mb)
         parse_comm_sms(args.comm_sms)
+        if "torch_ddp" in impls and "bf16" in parse_comm_dtypes(args.comm_dtype) and args.device != "cuda":
+            raise ValueError("--dist torch_ddp --comm-dtype bf16 (torch DDP's bf16_compress_hook) runs on CUDA "
+                             "devices only; on the CPU bf16 gradients work with bucketed and zero1")
         return run(args)
     except ValueError as err:
         parser.error(str(err))

@@ -259,6 +259,7 @@ class _Unit:
     work: Any = None  # the async all-reduce's handle
     flat: torch.Tensor | None = None  # the bucket's flat buffer (bucketed only)
     offsets: list[int] = field(default_factory=list)  # each parameter's start in ``flat``
+    grads: list[torch.Tensor] = field(default_factory=list)  # bucketed with a comm dtype: the gradients' home
 
 
 class _OverlappedDDP(_DataParallel):
@@ -370,19 +371,29 @@ class DDPBucketed(_OverlappedDDP):
     registration order; a bucket's asynchronous all-reduce starts once all its gradients are ready (and all
     earlier buckets have started). A bucket holds one dtype on one device; a parameter larger than the cap
     gets a bucket of its own, so a tiny cap means one parameter per bucket and a huge one a single bucket.
-    After the step each ``.grad`` is a view into its bucket's buffer."""
+    After the step each ``.grad`` is a view into its bucket's buffer.
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, **kwargs: Any):
+    ``comm_dtype`` (e.g. ``torch.bfloat16``; None: the gradients' own): buckets of that dtype, so the gradients are
+    cast on their way into the bucket (the copy made anyway), communicated in it (half the bytes of fp32), and
+    copied back into each parameter's own ``.grad`` afterwards, as torch DDP's ``bf16_compress_hook`` does; the
+    average then carries that dtype's rounding (8 bits of mantissa for bf16)."""
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, comm_dtype: torch.dtype | None = None,
+                 **kwargs: Any):
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb={bucket_size_mb} must be > 0")
+        if comm_dtype is not None and not comm_dtype.is_floating_point:
+            raise ValueError(f"comm_dtype={comm_dtype}: gradients travel in a floating-point dtype")
         self.bucket_size_bytes = bucket_size_mb * _MIB
+        self.comm_dtype = comm_dtype
         super().__init__(module, **kwargs)
         for unit in self._units:
             ps = [self._params[i] for i in unit.params]
             unit.offsets = [0]
             for p in ps:
                 unit.offsets.append(unit.offsets[-1] + p.numel())
-            unit.flat = torch.zeros(unit.offsets[-1], dtype=ps[0].dtype, device=ps[0].device)  # (bucket numel,)
+            unit.flat = torch.zeros(unit.offsets[-1], dtype=comm_dtype or ps[0].dtype, device=ps[0].device)
+            # (bucket numel,)
 
     def _make_units(self, order: list[int]) -> list[list[int]]:
         buckets: list[list[int]] = []
@@ -404,24 +415,38 @@ class DDPBucketed(_OverlappedDDP):
         """The parameters of each bucket, in launch order (for inspection and tests)."""
         return [[self._params[i] for i in u.params] for u in self._units]
 
+    def _views(self, unit: _Unit) -> list[torch.Tensor]:
+        return [unit.flat[unit.offsets[k]:unit.offsets[k + 1]] for k in range(len(unit.params))]
+
+    def _casts(self, unit: _Unit) -> bool:
+        return unit.flat.dtype != self._params[unit.params[0]].dtype
+
     @torch.no_grad()
     def _launch(self, unit: _Unit) -> None:
         views, grads = [], []  # the gradients to copy into the bucket: one multi-tensor copy (the host's time
-        for k, i in enumerate(unit.params):  # per launch is what a compiled backward has least of)
-            view = unit.flat[unit.offsets[k]:unit.offsets[k + 1]]
-            g = self._params[i].grad
+        casts = self._casts(unit)  # per launch is what a compiled backward has least of)
+        unit.grads = []  # with a cast: where each averaged gradient goes back
+        for view, i in zip(self._views(unit), unit.params):
+            p = self._params[i]
+            g = p.grad
             if g is None:  # no gradient on this rank this step: contribute zeros
                 view.zero_()
                 self._present[i] = False
-            elif g.data_ptr() != view.data_ptr() or not g.is_contiguous():  # not already our view
+            elif casts or g.data_ptr() != view.data_ptr() or not g.is_contiguous():  # not already our view
                 views.append(view)
                 grads.append(g.reshape(-1))
+            if casts:
+                unit.grads.append(g if g is not None and g.is_contiguous() else
+                                  torch.zeros_like(p, memory_format=torch.contiguous_format))
         if views:
             torch._foreach_copy_(views, grads)
         unit.work = self._all_reduce(unit.flat, async_op=True, average=True)
         unit.launched = True
 
+    @torch.no_grad()
     def _unit_grads(self, unit: _Unit) -> list[torch.Tensor]:
         self._averaged(unit.flat)
-        return [unit.flat[unit.offsets[k]:unit.offsets[k + 1]].view_as(self._params[i])
-                for k, i in enumerate(unit.params)]
+        if self._casts(unit):
+            torch._foreach_copy_([g.view(-1) for g in unit.grads], self._views(unit))
+            return unit.grads
+        return [view.view_as(self._params[i]) for view, i in zip(self._views(unit), unit.params)]
