@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# Issues 6 and 8 on the NCCL machines (2 or 4 GPUs), one phase per device call (each under 10 minutes);
+# The data-parallel runs on the NCCL machines (2 or 4 GPUs), one phase per device call (each under 10 minutes);
 # records go to OUT_DIR/<suite>.jsonl, then every table and chart is regenerated into OUT_DIR/reports:
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|overlap|graphs|sharded|matrix|accum
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_distributed.sh OUT_DIR PHASE
 # allreduce: NCCL all-reduce 1 MB ... 1 GB on 2 and (where there are) 4 GPUs, against a raw loop;
-# ddp: xl, bf16, batch 2 x 512 per rank: one GPU alone (the scaling baseline), then every DDP variant over all
-# GPUs; overlap: the step users run (xl, 4 x 1,024 per rank, bf16 autocast, cuDNN attention, compiled blocks):
-# cuBLAS with SMs left free (scripts/carveout_probe.py), one GPU, then naive and torch DDP, individual and
-# bucketed 25 MB with their NCCL kernels on COMM_SMS SMs (default 0,4,8,16; 0: NCCL's own choice), then bucketed on
-# PROFILE_SMS SMs (default 8) profiled on every rank (OUT_DIR/ddp_profiles.tgz: a Chrome trace and a kernel table per configuration and rank);
-# sharded: ZeRO-1, our FSDP and FSDP2 (memory against parallelism_calc's prediction) and bucketed DDP
-# at 1, 10 and 100 MB buckets; matrix: the training matrix
-# (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs); accum: the batch x
-# accumulation study (16x64 ... 1024x1, bucketed DDP, small at 128 tokens).
+# ddp: xl, bf16, batch 2 x 512 per rank: one GPU alone (the scaling baseline), then every DDP variant over all GPUs;
+# seed: the reference sheet's DDP run (xl, fp32, eager, 2 x 512 per rank: batch 4 over 2 GPUs);
+# overlap: the step users run (xl, 4 x 1,024 per rank, bf16 autocast, cuDNN attention, compiled blocks): cuBLAS
+#   with SMs left free (scripts/carveout_probe.py), one GPU, naive and torch DDP, individual and bucketed 25 MB
+#   with their NCCL kernels on COMM_SMS SMs (default 0,4,8,16; 0: NCCL's own choice), then bucketed on
+#   PROFILE_SMS SMs (default 8) profiled on every rank (OUT_DIR/ddp_profiles.tgz: a Chrome trace and a kernel
+#   table per configuration and rank);
+# graphs: that step with each compiled region replayed as CUDA graphs (with hooks, the backward's host time was
+#   the limit), DTYPE (default bf16), BUCKET_MB (default 25,100), gradients communicated in COMM_DTYPE (default
+#   grad,bf16), and with PROFILE set, bucketed 100 MB and torch DDP profiled;
+# sharded: ZeRO-1, our FSDP and FSDP2 (memory against parallelism_calc's prediction) and bucketed DDP at 1, 10
+#   and 100 MB buckets; matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed /
+#   torch DDP, small, 5 epochs); accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
+#   128 tokens).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
-phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|overlap|graphs|sharded|matrix|accum}
+phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|seed|overlap|graphs|sharded|matrix|accum}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 n=$(nvidia-smi -L | wc -l)
@@ -44,7 +49,18 @@ graphs)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype "${DTYPE:-bf16}"
        --attention sdpa_cudnn --compile --cuda-graph blocks --out "$out/ddp.jsonl")
   python3 "${ddp[@]}" --dist none
-  "${run[@]}" "$n" "${ddp[@]}" --dist naive,individual,bucketed,torch_ddp --bucket-mb "${BUCKET_MB:-25,100}" ;;
+  "${run[@]}" "$n" "${ddp[@]}" --dist naive,individual,bucketed,torch_ddp --bucket-mb "${BUCKET_MB:-25,100}" \
+    --comm-dtype "${COMM_DTYPE:-grad,bf16}"
+  if [[ -n "${PROFILE:-}" ]]; then
+    "${run[@]}" "$n" "${ddp[@]}" --dist bucketed,torch_ddp --bucket-mb 100 --profile "$out/profiles" \
+      --out "$out/ddp_profiled.jsonl"
+    tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles"
+  fi ;;
+seed)
+  ddp=(-m torch_impl.bench.ddp --model xl --batch-size 2 --seq-len 512 --dtype fp32 --attention sdpa
+       --out "$out/ddp.jsonl")
+  python3 "${ddp[@]}" --dist none
+  "${run[@]}" "$n" "${ddp[@]}" --dist naive,individual,bucketed,torch_ddp --bucket-mb 25 ;;
 sharded)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 2 --seq-len 512 --dtype bf16 --attention sdpa
        --out "$out/ddp.jsonl")
@@ -56,6 +72,6 @@ matrix)
 accum)
   python3 -m torch_impl.bench.accum_study --nproc "$n" --model small --seq-len 128 --epochs 2 --steps-per-epoch 5 \
     --dist bucketed --out "$out/accum_study.jsonl" --report-dir "$out/accum_study" ;;
-*) echo "unknown phase $phase; accepted: allreduce, ddp, overlap, graphs, sharded, matrix, accum" >&2; exit 2 ;;
+*) echo "unknown phase $phase; accepted: allreduce, ddp, seed, overlap, graphs, sharded, matrix, accum" >&2; exit 2 ;;
 esac
 python3 -m analysis.reports "$out" --out "$out/reports"
