@@ -73,7 +73,7 @@ def free_port() -> int:
 
 
 def _child(rank: int, world_size: int, port: int, out_dir: str, pg_timeout_s: float,
-           fn: Callable[..., Any], args: tuple) -> None:
+           fn: Callable[..., Any], args: tuple, backend: str = "gloo") -> None:
     """Runs in each spawned process (index = rank)."""
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -87,7 +87,7 @@ def _child(rank: int, world_size: int, port: int, out_dir: str, pg_timeout_s: fl
         torch.set_num_threads(1)  # N ranks share a small CI machine
         from torch_impl.distributed import init_distributed
 
-        init_distributed(backend="gloo", timeout_s=pg_timeout_s, device="cpu")
+        init_distributed(backend=backend, timeout_s=pg_timeout_s, device="cpu" if backend == "gloo" else None)
         outcome = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt/SystemExit
         outcome = ("error", traceback.format_exc())
@@ -108,9 +108,9 @@ def _child(rank: int, world_size: int, port: int, out_dir: str, pg_timeout_s: fl
         pass
 
 
-def _run_once(fn, world_size, args, timeout_s, pg_timeout_s) -> list[RankOutcome]:
+def _run_once(fn, world_size, args, timeout_s, pg_timeout_s, backend) -> list[RankOutcome]:
     with tempfile.TemporaryDirectory(prefix="run_ranks_") as out_dir:
-        ctx = mp.start_processes(_child, args=(world_size, free_port(), out_dir, pg_timeout_s, fn, args),
+        ctx = mp.start_processes(_child, args=(world_size, free_port(), out_dir, pg_timeout_s, fn, args, backend),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         procs = ctx.processes
@@ -143,12 +143,13 @@ def _run_once(fn, world_size, args, timeout_s, pg_timeout_s) -> list[RankOutcome
 
 
 def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S,
-                       pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S) -> list[RankOutcome]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; one ``RankOutcome`` per rank."""
+                       pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S, backend: str = "gloo") -> list[RankOutcome]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of ``backend`` (gloo on the CPU, or nccl with
+    rank r on cuda:r); one ``RankOutcome`` per rank."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     for attempt in range(_PORT_TRIES):
-        outcomes = _run_once(fn, world_size, args, timeout_s, pg_timeout_s)
+        outcomes = _run_once(fn, world_size, args, timeout_s, pg_timeout_s, backend)
         port_clash = any(o.error and any(s in o.error.lower() for s in _PORT_ERRORS) for o in outcomes)
         if not port_clash:
             break

@@ -318,12 +318,13 @@ def _bucket_layouts(rank: int, world_size: int) -> dict:
 # ----------------------------------------------------------------------------- failures end the job
 
 
-def _rank1_fails(rank: int, world_size: int, how: str) -> str:
+def _rank1_fails(rank: int, world_size: int, how: str, device: str = "cpu") -> str:
     from torch_impl.distributed import DDPBucketed
 
-    model = _make_model("mlp", rank)
+    device = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    model = _make_model("mlp", rank).to(device)
     ddp = DDPBucketed(model, bucket_size_mb=1e-9)  # the constructor's broadcast succeeds on both ranks
-    x, y = _batch("mlp", 0, 0, world_size)
+    x, y = (t.to(device) for t in _batch("mlp", 0, 0, world_size))
     if rank == 1:
         if how == "raises":
             raise RuntimeError("rank 1 fails before the gradient all-reduce")
@@ -334,6 +335,8 @@ def _rank1_fails(rank: int, world_size: int, how: str) -> str:
             return "left"
     F.cross_entropy(ddp(x[:BATCH]), y[:BATCH]).backward()  # launches async all-reduces
     ddp.finish_gradient_synchronization()  # must raise on rank 0, not hang
+    if device.type == "cuda":  # NCCL's wait only orders the streams: the host meets the failure here
+        torch.cuda.synchronize(device)
     return "finished"
 
 
@@ -353,6 +356,23 @@ def test_failed_rank_ends_job_with_error(how):
     else:  # rank 1 was still alive: rank 0's collective must have given up on the timeout, not on a closed socket
         assert "timed out" in rank0.error.lower() or "timeout" in rank0.error.lower(), rank0.error[-500:]
     assert elapsed < 30, f"took {elapsed:.1f}s"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs >= 2 GPUs")
+@pytest.mark.parametrize("how", ["raises", "killed", "hangs"])
+def test_failed_rank_ends_the_nccl_job(how):
+    """On NCCL a failed peer leaves rank 0's all-reduce kernel waiting on the GPU: the group's watchdog must end
+    rank 0 within the timeout (NCCL's asynchronous error handling), with a message, instead of a hang."""
+    start = time.monotonic()
+    outcomes = run_ranks_outcomes(_rank1_fails, 2, how, "cuda", timeout_s=60, pg_timeout_s=5, backend="nccl")
+    elapsed = time.monotonic() - start
+    rank0 = outcomes[0]
+    assert not rank0.timed_out, f"rank 0 hung ({elapsed:.1f}s)"
+    assert rank0.result != "finished", f"rank 0 finished although rank 1 {how}"
+    assert rank0.error, rank0
+    assert elapsed < 45, f"took {elapsed:.1f}s"
+    print(f"rank 1 {how}: rank 0 ended after {elapsed:.1f} s: {rank0.error.strip().splitlines()[-1]}")
 
 
 # ----------------------------------------------------------------------------- lifetime
