@@ -1,0 +1,78 @@
+"""analysis.overlap on hand-made traces whose answers are worked out by hand."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import random
+import tarfile
+
+import pytest
+
+from analysis.overlap import analyze, main, medians, merged, traces
+
+
+def _kernel(name: str, start: float, dur: float) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": dur, "pid": 0, "tid": 7}
+
+
+# compute: gemm [0, 10] alone, gemm [20, 30] and add [30, 35] beside the collective [18, 40]; a CPU op to ignore
+EVENTS = [_kernel("gemm", 0, 10), _kernel("gemm", 20, 10), _kernel("add", 30, 5),
+          _kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 18, 22),
+          {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100, "pid": 1, "tid": 1}]
+
+
+def test_times_by_hand():
+    r = analyze(EVENTS, "t", steps=1)
+    # span 0..40 us; compute [0,10] + [20,35] = 25; collective 22; both [20,35] = 15; idle 40 - (10 + 22) = 8
+    assert (r.span_ms, r.compute_ms, r.comm_ms, r.both_ms, r.idle_ms) == pytest.approx(
+        (0.040, 0.025, 0.022, 0.015, 0.008))
+    gemm = next(k for k in r.kernels if k.name == "gemm")
+    assert gemm.alone_us == (10.0,) and gemm.beside_us == (10.0,) and gemm.slowdown == pytest.approx(1.0)
+    assert [k.name for k in r.kernels] == ["gemm", "add"]  # largest total first, no collective among them
+    with_base = analyze(EVENTS, "t", steps=2, baseline={"gemm": 5.0})
+    assert with_base.span_ms == pytest.approx(0.020)  # per step
+    assert next(k for k in with_base.kernels if k.name == "gemm").slowdown == pytest.approx(2.0)
+
+
+def test_interval_union_matches_a_brute_force_count():
+    rng = random.Random(5)
+    intervals = [(s, s + rng.randint(1, 9)) for s in (rng.randint(0, 90) for _ in range(40))]
+    covered = {t for a, b in intervals for t in range(a, b)}
+    union = merged([(float(a), float(b)) for a, b in intervals])
+    assert sum(b - a for a, b in union) == len(covered)
+    assert all(union[i][1] < union[i + 1][0] for i in range(len(union) - 1))
+
+
+def test_reads_gzipped_traces_in_an_archive(tmp_path, capsys):
+    archive = tmp_path / "profiles.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, data in (("profiles/a_rank0_trace.json", json.dumps({"traceEvents": EVENTS}).encode()),
+                           ("profiles/none_rank0_trace.json",
+                            gzip.compress(json.dumps({"traceEvents": EVENTS[:1]}).encode())),
+                           ("profiles/a_rank0_kernels.md", b"not a trace")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert [name for name, _ in traces(archive)] == ["a_rank0_trace.json", "none_rank0_trace.json"]
+    assert medians(dict(traces(archive))["none_rank0_trace.json"], "none") == {"gemm": 10.0}
+    assert main([str(archive), "--steps", "1", "--baseline", "none_rank0_trace.json"]) == 0
+    out = capsys.readouterr().out
+    assert "| a_rank0_trace.json | 0.0 |" in out and "| baseline us |" in out
+
+
+def test_bad_input_is_a_one_line_error(tmp_path, capsys):
+    bad = tmp_path / "x_trace.json"
+    bad.write_text("{not json")
+    for argv in ([str(bad)], [str(tmp_path / "missing.json")], [str(bad), "--steps", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err and "Traceback" not in "\n".join(err)
+    empty = tmp_path / "e_trace.json"
+    empty.write_text(json.dumps({"traceEvents": EVENTS[-1:]}))
+    with pytest.raises(SystemExit):
+        main([str(empty)])
+    assert "no kernel events" in capsys.readouterr().err
