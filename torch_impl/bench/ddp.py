@@ -8,8 +8,12 @@ default), ``zero1`` (``ShardedOptimizer(AdamW)`` over bucketed DDP), our ``fsdp`
 an import failure is an error record); ``bucketed`` and ``zero1`` run once per ``--bucket-mb`` value.
 
 ``--dist`` (old name ``--impl``) takes a comma list (``naive,bucketed,zero1``): the configurations run one after
-another in the same launch. ``--dtype bf16`` runs the forward under ``torch.autocast(bfloat16)``, fp32 weights (all
-impls).
+another in the same launch (each freed, Dynamo's caches too, before the next; ``per_rank_allocated_before_bytes``
+records what was still allocated). ``--dtype bf16`` runs the forward under ``torch.autocast(bfloat16)``, fp32
+weights (all impls). ``--comm-dtype grad,bf16`` runs bucketed, zero1 and torch_ddp once per dtype the gradients
+travel in; ``--comm-sms 0,8`` runs our wrappers once per budget of SMs for their NCCL kernels (with cuBLAS kept off
+them during the backward; ``torch_impl.distributed.ddp``); ``--profile DIR`` profiles ``PROFILED_STEPS`` more steps
+of each configuration on every rank (read them with ``python -m analysis.overlap``).
 
 Phases of a step (ms), ``torch_impl.step.train_step``'s (``analysis.records.STEP_PHASES``): ``forward`` (model +
 loss), ``backward`` (``loss.backward()``), ``comm`` (time blocked in ``finish_gradient_synchronization()``: the
@@ -66,6 +70,7 @@ import dataclasses
 import gc
 import math
 import os
+import re
 import statistics
 import sys
 from typing import Any
@@ -186,8 +191,8 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
     if args.profile:  # after the timed steps, so the profiler's own cost is in no timing
         from torch_impl.profiling import profile_steps
 
-        profile_steps(lambda: step(PhaseTimer(device)), PROFILED_STEPS, args.profile,
-                      tag=f"{cfg.name.replace(' ', '_')}_rank{rank}")
+        tag = re.sub(r"[^A-Za-z0-9._-]+", "_", cfg.name)  # 'bucketed 25MB, bf16 comm' -> bucketed_25MB_bf16_comm
+        profile_steps(lambda: step(PhaseTimer(device)), PROFILED_STEPS, args.profile, tag=f"{tag}_rank{rank}")
     return {"step_ms": step_ms, "phases_ms": phases_ms, "peak": peak, "losses": losses, "error": None,
             "allocated_before": allocated_before}
 
