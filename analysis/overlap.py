@@ -1,6 +1,6 @@
-"""``python -m analysis.overlap TRACE... [--steps N] [--top K] [--baseline TRACE]``: communication beside computation in a profiled
-step. How much of the collectives' time the other kernels hid, how long the GPU sat idle, and which kernels ran
-slower while a collective shared the GPU with them.
+"""``python -m analysis.overlap TRACE... [--steps N] [--top K] [--baseline TRACE]``: communication beside
+computation in a profiled step. How much of the collectives' time the other kernels hid, how long the GPU sat
+idle, and which kernels ran slower while a collective shared the GPU with them.
 
 Reads torch.profiler Chrome traces (``*_trace.json``, gzipped or not) or a ``.tgz`` of them (the DDP benchmark's
 ``--profile`` directory, as ``scripts/gpu_distributed.sh`` packs it); kernels are the ``"cat": "kernel"`` events,
@@ -9,9 +9,9 @@ benchmark's ``PROFILED_STEPS``): the span from the first kernel to the last, the
 time some collective ran, the time both did, and the idle time (neither). Per kernel name (the ``--top`` largest
 by total time): launches and median duration alone and beside a collective (overlapping one in time) and their
 ratio; with ``--baseline TRACE`` (a run without communication, e.g. the one-GPU ``none`` trace) the ratio is to
-that run's median of the kernel instead. A collective's kernel counts from its launch, so one waiting for a late peer counts as running: it holds
-its SMs all the same. Never imports torch. Reference: the trace format of ``torch.profiler``'s
-``export_chrome_trace``.
+that run's median of the kernel instead. A collective's kernel counts from its launch, so one waiting for a late
+peer counts as running: it holds its SMs all the same. Never imports torch. Reference: the trace format of
+``torch.profiler``'s ``export_chrome_trace``.
 """
 
 from __future__ import annotations

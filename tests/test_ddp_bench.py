@@ -14,12 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from analysis.data_parallel import baseline_key
 from analysis.records import read_records
 from parallelism_calc.specs import MODELS
 from tests._dist import free_port
-from torch_impl.bench.ddp import Config, configurations, main, parse_bucket_mb, parse_impls, predicted_memory
+from torch_impl.bench.ddp import (Config, configurations, main, parse_bucket_mb, parse_comm_dtypes, parse_comm_sms,
+                                  parse_impls, predicted_memory)
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--warmup", "1",
@@ -56,6 +58,29 @@ def test_parse_flags():
     assert [c.name for c in cfgs] == ["naive", "bucketed 1MB", "bucketed 25MB", "zero1 + bucketed 1MB",
                                       "zero1 + bucketed 25MB", "torch_ddp"]
     assert Config("bucketed", 0.5).name == "bucketed 0.5MB"
+    # --comm-sms multiplies our wrappers' configurations, --comm-dtype those that send bf16 (torch_ddp too)
+    cfgs = configurations(["naive", "bucketed", "torch_ddp"], [25.0], parse_comm_sms("0,8"),
+                          parse_comm_dtypes("grad,bf16"))
+    assert [c.name for c in cfgs] == ["naive", "naive, comm 8 SMs", "bucketed 25MB", "bucketed 25MB, comm 8 SMs",
+                                      "bucketed 25MB, bf16 comm", "bucketed 25MB, comm 8 SMs, bf16 comm", "torch_ddp",
+                                      "torch_ddp, bf16 comm"]
+    for bad in ("-1", "x", ""):
+        with pytest.raises(ValueError, match="--comm-sms"):
+            parse_comm_sms(bad)
+    with pytest.raises(ValueError, match="--comm-dtype"):
+        parse_comm_dtypes("fp16")
+
+
+def test_modes_refuse_what_they_cannot_send():
+    """comm_sms is our wrappers', bf16 gradients bucketed / zero1 / torch DDP's: the rest is a one-line error."""
+    from torch_impl.parallelize import apply_data_parallel
+
+    model = torch.nn.Linear(2, 2)
+    for mode, kwargs, words in (("torch_ddp", {"comm_sms": 8}, "comm_sms=8 with torch_ddp"),
+                                ("naive", {"comm_dtype": "bf16"}, "comm_dtype='bf16' with naive"),
+                                ("bucketed", {"comm_dtype": "fp8"}, "accepted: grad, bf16")):
+        with pytest.raises(ValueError, match=words):
+            apply_data_parallel(model, mode, bucket_mb=25.0, adamw={"lr": 1e-3, "fused": False}, **kwargs)
 
 
 def test_one_record_per_configuration(records):

@@ -37,9 +37,9 @@ import torch.nn as nn
 from torch_impl.activation_checkpointing import apply_activation_checkpointing
 from torch_impl.model import Blocks, run_blocks
 
-__all__ = ["BLOCKS_PER_GRAPH", "COMM_DTYPES", "COMM_DTYPE_MODES", "COMM_SMS_MODES", "CUDA_GRAPHS", "DATA_PARALLEL", "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig",
-           "apply_activation_checkpointing", "apply_compile", "apply_data_parallel", "check_cuda_graph",
-           "check_supported", "data_parallel_configs", "parallelize"]
+__all__ = ["BLOCKS_PER_GRAPH", "COMM_DTYPES", "COMM_DTYPE_MODES", "COMM_SMS_MODES", "CUDA_GRAPHS", "DATA_PARALLEL",
+           "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig", "apply_activation_checkpointing", "apply_compile",
+           "apply_data_parallel", "check_cuda_graph", "check_supported", "data_parallel_configs", "parallelize"]
 
 DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
 # The modes with a DataParallelWrapper, so the trainer's --dist: not fsdp2 (its DTensor parameters would need their
@@ -168,11 +168,12 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
                         comm_dtype: str = "grad") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     """(the module to call, its ``DataParallelWrapper`` (None for fsdp2), the optimizer): ``model``, built on its
     device (and compiled, but not for the FSDPs: ``check_supported`` first), wrapped in ``mode`` with
-    ``AdamW(**adamw)``; ``comm_sms``: ``COMM_SMS_MODES``' NCCL SMs (0: NCCL's default; others take none);
-    ``comm_dtype``: the dtype gradients travel in (``COMM_DTYPES``; bf16 only for ``COMM_DTYPE_MODES``).
-    Our DDP wrappers skip the per-step count of unused parameters (``find_unused_parameters=False``, torch DDP's
-    default: a device-to-host synchronization per step), as every parameter of ``TransformerLM`` gets a gradient. ``dtype`` (``analysis.harness.DTYPES``): bf16 makes the FSDPs compute in bf16;
-    bf16_mixed gives ``MasterAdamW``.
+    ``AdamW(**adamw)``. ``dtype`` (``analysis.harness.DTYPES``): bf16 makes the FSDPs compute in bf16;
+    bf16_mixed gives ``MasterAdamW``. ``comm_sms``: the SMs ``COMM_SMS_MODES``' NCCL kernels may occupy (0:
+    NCCL's default); ``comm_dtype``: the dtype gradients travel in (``COMM_DTYPES``; bf16 with
+    ``COMM_DTYPE_MODES`` only). Our DDP wrappers skip the per-step count of unused parameters
+    (``find_unused_parameters=False``, torch DDP's default; the count costs a device-to-host synchronization per
+    step): every parameter of ``TransformerLM`` gets a gradient.
     Collectives inside (the wrappers' broadcasts) run on every rank alike."""
     from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
                                         ShardedOptimizer, SingleProcess, TorchDDP)
@@ -209,10 +210,9 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
         ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                       bucket_cap_mb=bucket_mb, **no_sync)
         if bf16_comm:
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-
             if device.type != "cuda":
                 raise ValueError("torch_ddp with bf16 gradients (its bf16_compress_hook) runs on CUDA devices only")
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
             ddp.register_comm_hook(None, bf16_compress_hook)
         return ddp, TorchDDP(ddp), optimizer

@@ -392,8 +392,8 @@ class DDPBucketed(_OverlappedDDP):
             unit.offsets = [0]
             for p in ps:
                 unit.offsets.append(unit.offsets[-1] + p.numel())
-            unit.flat = torch.zeros(unit.offsets[-1], dtype=comm_dtype or ps[0].dtype, device=ps[0].device)
-            # (bucket numel,)
+            numel = unit.offsets[-1]
+            unit.flat = torch.zeros(numel, dtype=comm_dtype or ps[0].dtype, device=ps[0].device)  # (numel,)
 
     def _make_units(self, order: list[int]) -> list[list[int]]:
         buckets: list[list[int]] = []
