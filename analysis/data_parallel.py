@@ -17,6 +17,21 @@ SUITE = "ddp"
 # prediction with it (torch_impl.bench.ddp.predicted_memory) and analysis.fidelity recomputes it.
 FSDP_GATHERING = {"fsdp": dict(gather_unit="layer", prefetch_layers=2),
                   "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False)}
+# The implementations that keep flat gradient buckets from step to step (the others reduce in place or shard).
+BUCKETED_IMPLS = ("bucketed", "zero1", "torch_ddp")
+
+
+def memory_terms(impl: str, grad_bytes: int, comm_dtype: str = "grad") -> dict:
+    """What ``per_device_memory`` takes for an implementation of the benchmark, beside its strategy: the FSDPs'
+    gathered working set (every term at once, ``peak_model="sum"``); the others' peak placed in the step
+    (``"timeline"``, as for one process) with their persistent gradient buckets, in the dtype the gradients travel
+    in (``grad_bytes``, 2 for our bf16 communication; torch DDP's bf16 hook compresses a copy of its fp32
+    buckets). On 2 H100s, xl fp32 eager 2 x 512 per rank, that is within 2% of every measured peak
+    (notes/data_parallel.md)."""
+    if impl in FSDP_GATHERING:
+        return dict(FSDP_GATHERING[impl])
+    bf16 = comm_dtype == "bf16" and impl != "torch_ddp"
+    return {"peak_model": "timeline", "gradient_buckets": (2 if bf16 else grad_bytes) if impl in BUCKETED_IMPLS else 0}
 
 
 def baseline_key(record: Record) -> tuple:

@@ -13,7 +13,8 @@ device name); a step record without them is listed, with the reason. Per row:
   (``peak_memory_bytes``), for every record whose benchmark made a prediction at run time
   (``metrics.predicted_peak_bytes`` or ``predicted_memory_bytes``). One PyTorch device: the peak placed in the step
   (``peak_model="timeline"``: forward's end, each block's backward with its checkpointing, backward's end); several
-  PyTorch ranks and every JAX run: the benchmark's own call (``peak_model="sum"``, every term at once). A record whose
+  PyTorch ranks: the benchmark's own call (the DDP family: timeline with its gradient buckets; the FSDPs: every term
+  at once, ``peak_model="sum"``); every JAX run: its benchmark's call ("sum"). A record whose
   configuration the calculator cannot rebuild keeps the stored value, and the row's "memory model" says which;
   a peak the benchmark read as the allocator's reserved bytes (CUDA graph pools) says so there too;
 * communication: the floor's exposed communication against the record's ``comm`` phase, where it has one.
@@ -33,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from analysis.allreduce import ALLREDUCE_SUITE
-from analysis.data_parallel import FSDP_GATHERING
+from analysis.data_parallel import memory_terms
 from analysis.harness import DTYPES, calculator_terms
 from analysis.records import Record
 from parallelism_calc.cli import ArgumentParser, error_boundary
-from parallelism_calc.memory import mesh_memory_strategy, per_device_memory
+from parallelism_calc.memory import get_precision, mesh_memory_strategy, per_device_memory
 from parallelism_calc.roofline import Ceilings, step_time_floor
 from parallelism_calc.specs import ModelSpec
 
@@ -123,8 +124,9 @@ def memory_prediction(record: Record) -> tuple[float | None, str]:
     * PyTorch on one device (``torch_impl.bench.e2e``, the DDP benchmark's one-GPU baseline): ``peak_model=
       "timeline"`` with the record's precision, attention and checkpointing (``metrics.checkpoint_every``,
       ``nested_checkpoint``) -> "timeline";
-    * PyTorch over several ranks (``torch_impl.bench.ddp``): that benchmark's call, the strategy's sharding and its
-      FSDP's gathered set -> "sum";
+    * PyTorch over several ranks (``torch_impl.bench.ddp``): that benchmark's call
+      (``analysis.data_parallel.memory_terms``): the FSDPs' gathered sets -> "sum", the DDP family's peak in the
+      step with its gradient buckets -> "timeline";
     * JAX (``jax_impl.bench.e2e``): that benchmark's call, the mesh strategy and the remat policy -> "sum";
 
     otherwise (or when the calculator refuses the configuration) the stored prediction -> "stored at run time";
@@ -145,9 +147,10 @@ def memory_prediction(record: Record) -> tuple[float | None, str]:
                                          nested_checkpoint=bool(m.get("nested_checkpoint")))
                 return pred.total, "timeline"
             n = record.world_size  # the DDP benchmark's batch is per rank
+            terms = memory_terms(m["impl"], get_precision(precision).grad_bytes, m.get("comm_dtype", "grad"))
             pred = per_device_memory(spec, m["strategy"], n, n * record.batch_size * seq, seq, precision,
-                                     attention=attention, **FSDP_GATHERING.get(m.get("impl"), {}))
-            return pred.total, "sum"
+                                     attention=attention, **terms)
+            return pred.total, terms.get("peak_model", "sum")
         if record.backend == "jax":
             precision, attention = calculator_terms(record.dtype, m["attention"])
             mesh = record.mesh or {}

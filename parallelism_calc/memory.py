@@ -293,6 +293,7 @@ class MemoryBreakdown:
     # Where the peak falls: "sum" (every term at once) or, for peak_model="timeline", the moment of the step
     # ("forward's end", "backward, block i" (0 = the first block), "backward's end"; see step_peak_memory).
     peak_at: str = "sum"
+    buckets: float = 0.0  # DDP's persistent flat gradient buffers (gradient_buckets bytes a parameter)
 
 
 def _mesh(strategy: str, n_devices: int | ParallelSpec) -> ParallelSpec:
@@ -360,7 +361,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                       seq_len: int, precision: str | Precision = "bf16_autocast", checkpointing: str = "none",
                       attention: str = "naive", prefetch_layers: int = 1, gather_unit: str = "block",
                       reshard_root: bool = True, peak_model: str = "sum", checkpoint_every: int | None = None,
-                      nested_checkpoint: bool = False) -> MemoryBreakdown:
+                      nested_checkpoint: bool = False, gradient_buckets: int = 0) -> MemoryBreakdown:
     """Bytes per device of a training step with AdamW (ZeRO paper, Rajbhandari et al. 2020).
 
     P = spec.n_params(); per-parameter bytes from ``precision``; N_shard = the sharding degree.
@@ -403,6 +404,11 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     and frees the gathered weights after each unit's forward: ``cast_weights`` = 0. (A stage-3 wrapper that
     gathered fp32 under autocast would keep those copies too: not modelled.)
 
+    ``gradient_buckets``: bytes a parameter of flat gradient buffers kept from step to step, replicated (stages 0
+    and 1 only): bucketed DDP's and torch DDP's all-reduce buckets hold every gradient in the dtype it travels in
+    (4 for fp32 gradients, 2 sent in bf16); DDP that reduces each gradient in place holds none (0, the default).
+    ``buckets`` = P x gradient_buckets, alive throughout the step.
+
     ``peak_model``: "sum" (the default) adds every term above as if all were alive at once, an upper bound;
     "timeline" places the peak in the step (``step_peak_memory``: weights, masters, AdamW state and the
     gathered set always; the saved activations and autocast copies at the forward's end; the gradients written
@@ -419,6 +425,9 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                          f"(got {peak_model!r}, {checkpointing!r}); the sum model takes the per-block policies")
     prec = get_precision(precision)
     mesh = _mesh(strategy, n_devices)
+    if gradient_buckets < 0 or gradient_buckets and strategy not in ("ddp", "zero1"):
+        raise ValueError(f"gradient_buckets={gradient_buckets}: bytes a parameter >= 0, with strategy ddp or zero1 "
+                         f"(replicated gradients); got {strategy!r}")
     if batch_tokens < 1 or seq_len < 1 or prefetch_layers < 0:
         raise ValueError(f"batch_tokens={batch_tokens}, seq_len={seq_len} must be >= 1, "
                          f"prefetch_layers={prefetch_layers} >= 0")
@@ -452,7 +461,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     gathered = (resident + (1 + prefetch_layers) * unit) * prec.activation_bytes / tp if stage == 3 else 0.0
     # Autocast's bf16 weight copies, saved for backward: only where the forward reads fp32 weights (not stage 3).
     cast_weights = _cast_params(spec) * prec.activation_bytes / tp if prec.autocast and stage < 3 else 0.0
-    total = params + grads + master + optimizer + activations + gathered + cast_weights
+    buckets = float(n * gradient_buckets)
+    total = params + grads + master + optimizer + activations + gathered + cast_weights + buckets
     s = "N_shard" if n_shard > 1 else "1"
     if gains:
         s = f"N_shard [norm gains G = {gains:,}: (P - G) / N_shard + G / fsdp]"
@@ -465,10 +475,11 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
         "gathered": (f"({'root + ' if resident else ''}(1 + {prefetch_layers}) * largest unit [{gather_unit}]) * "
                      f"{prec.activation_bytes} / tp" if stage == 3 else "0"),
         "cast_weights": f"P_matmul * {prec.activation_bytes} / tp" if prec.autocast and stage < 3 else "0",
+        "buckets": f"P * {gradient_buckets}",
         "N_shard": str(n_shard),
     }
     breakdown = MemoryBreakdown(strategy, params, grads, master, optimizer, activations, gathered, cast_weights,
-                                total, formulas)
+                                total, formulas, buckets=buckets)
     if peak_model == "timeline":
         return step_peak_memory(spec, breakdown, tokens, seq_len, prec, checkpointing, attention, tp,
                                 checkpoint_every, nested_checkpoint)
@@ -490,7 +501,7 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     The step frees gradients before its forward (``zero_grad(set_to_none=True)``, torch_impl/step.py), so no
     gradient exists while activations accumulate, and its backward frees each block's saved activations (and
     the autocast weight copies saved with them) as it writes that block's gradients. With S = params + master
-    + optimizer + gathered (alive throughout), per token b = one block's saved activations, a = one block input
+    + optimizer + gathered + buckets (alive throughout), per token b = one block's saved activations, a = one block input
     (the residual stream: a checkpoint), e = the extras outside the blocks (final norm, fp32 log-softmax, token
     ids), c = one block's autocast weight copies, c_head = the LM head's, g = one block's gradients, g_top = the
     LM head's and final norm's (written before any block's), G = all gradients, L blocks, T = tokens:
@@ -545,7 +556,7 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     per_param = state.grads / spec.n_params()
     g = spec.n_params_per_layer() * per_param
     g_top = 0.0 if spec.arch == "ffn_only" else (spec.vocab_size * d + d) * per_param
-    persistent = state.params + state.master + state.optimizer + state.gathered  # S
+    persistent = state.params + state.master + state.optimizer + state.gathered + state.buckets  # S
 
     # Each moment: (where, gradients, activations, autocast copies) alive beside S.
     k = checkpoint_every

@@ -119,3 +119,21 @@ def test_timeline_never_above_the_sum_and_options_checked():
                         (dict(checkpoint_every=0), "must be >= 1")):
         with pytest.raises(ValueError, match=message):
             _timeline(**kw)
+
+
+def test_gradient_buckets_stay_alive_through_the_step():
+    """DDP's flat buckets (bucketed, ZeRO-1 over it, torch DDP) hold every gradient from step to step: P x bytes more
+    at every moment of the timeline, and in the sum; sharded gradients have no such buckets."""
+    for precision, nbytes in (("fp32", 4), ("bf16_autocast", 4), ("bf16_autocast", 2)):
+        for peak_model in ("sum", "timeline"):
+            kw = dict(precision=precision, attention="naive", peak_model=peak_model)
+            plain = per_device_memory(TOY, "ddp", 2, 4 * 16, 16, **kw)
+            bucketed = per_device_memory(TOY, "ddp", 2, 4 * 16, 16, gradient_buckets=nbytes, **kw)
+            assert bucketed.buckets == P * nbytes and plain.buckets == 0
+            assert bucketed.total - plain.total == P * nbytes and bucketed.peak_at == plain.peak_at
+    # One device without buckets: the timeline's S + gradients at the backward's end, as above, plus P x 4.
+    one = per_device_memory(TOY, "ddp", 1, 2, 2, "fp32", attention="naive", peak_model="timeline", gradient_buckets=4)
+    assert one.total == S_DDP + G_ALL + 4 * P
+    for strategy, value, message in (("fsdp", 4, "with strategy ddp or zero1"), ("ddp", -1, "bytes a parameter >= 0")):
+        with pytest.raises(ValueError, match=message):
+            per_device_memory(TOY, strategy, 2, 4 * 16, 16, gradient_buckets=value)

@@ -76,8 +76,8 @@ import sys
 from typing import Any
 
 from analysis.harness import DTYPES, StepConfig, StepRun, calculator_terms, fixed_batch, resolve_spec, step_record
-from analysis.data_parallel import (FSDP_GATHERING, PHASES, SUITE, add_scaling_efficiency, baseline_key,
-                                     report, single_process_baselines)
+from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, memory_terms, report,
+                                     single_process_baselines)
 from analysis.records import Record, read_records, save_records
 from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int, parse_list,
                                   positive_float, positive_int, writable_path)
@@ -201,19 +201,16 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
 
 
 def predicted_memory(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_size: int):
-    """``per_device_memory`` of the strategy ``cfg`` implements, with the gathered working set of each FSDP
-    (see the module docstring): ours per weight matrix with its default prefetch, FSDP2 per block with its
-    unresharded root. The one-process baseline (``none``) places its peak in the step (``peak_model="timeline"``,
-    as ``torch_impl.bench.e2e`` does); the wrappers keep the sum of every term (their gradient buckets and
-    reduce-scatter buffers are not in the timeline)."""
-    from parallelism_calc.memory import per_device_memory
+    """``per_device_memory`` of the strategy ``cfg`` implements with ``analysis.data_parallel.memory_terms``: the
+    FSDPs with the working set each gathers (see the module docstring), every term at once; the one-process
+    baseline and the DDP family with their peak placed in the step, plus the gradient buckets they keep."""
+    from parallelism_calc.memory import get_precision, per_device_memory
 
     precision, attention = calculator_terms(args.dtype, args.attention)
     n = 1 if cfg.impl == "none" else world_size
-    gathering = FSDP_GATHERING.get(cfg.impl, {})
-    peak = {"peak_model": "timeline"} if cfg.impl == "none" else {}
+    terms = memory_terms(cfg.impl, get_precision(precision).grad_bytes, cfg.comm_dtype)
     return per_device_memory(spec, cfg.strategy, n, n * args.batch_size * seq_len, seq_len, precision,
-                             attention=attention, **gathering, **peak)
+                             attention=attention, **terms)
 
 
 def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_size: int, device_name: str,
