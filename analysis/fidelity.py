@@ -35,7 +35,7 @@ from typing import Any
 
 from analysis.allreduce import ALLREDUCE_SUITE
 from analysis.data_parallel import memory_terms
-from analysis.harness import DTYPES, calculator_terms
+from analysis.harness import DTYPES, calculator_terms, compiled_activations
 from analysis.records import Record
 from parallelism_calc.cli import ArgumentParser, error_boundary
 from parallelism_calc.memory import get_precision, mesh_memory_strategy, per_device_memory
@@ -117,6 +117,12 @@ def attention_of(record: Record) -> str:
     return words[1] if len(words) > 1 and words[0] in ("eager", "compiled") else words[-1]
 
 
+def compiled_of(record: Record) -> bool:
+    """Whether a torch record's blocks were compiled: ``metrics.compiled`` (the DDP benchmark), else its
+    implementation's name ('compiled sdpa_cudnn, cuda graph per block', 'stock compiled sdpa_cudnn')."""
+    return bool(record.metrics.get("compiled")) or record.implementation.removeprefix("stock ").startswith("compiled")
+
+
 def memory_prediction(record: Record) -> tuple[float | None, str]:
     """(predicted peak bytes per device, how it was made) for a step record whose benchmark predicted one at run
     time, recomputed from ``parallelism_calc.memory.per_device_memory``:
@@ -141,16 +147,18 @@ def memory_prediction(record: Record) -> tuple[float | None, str]:
         seq = record.seq_len
         if record.backend == "torch":
             precision, attention = calculator_terms(record.dtype, attention_of(record))
+            compiled = compiled_activations(compiled_of(record), attention, m.get("checkpoint_every"))
+            label = ", compiled" if compiled else ""
             if record.world_size == 1:
                 pred = per_device_memory(spec, "ddp", 1, record.batch_size * seq, seq, precision, attention=attention,
                                          peak_model="timeline", checkpoint_every=m.get("checkpoint_every"),
-                                         nested_checkpoint=bool(m.get("nested_checkpoint")))
-                return pred.total, "timeline"
+                                         nested_checkpoint=bool(m.get("nested_checkpoint")), compiled=compiled)
+                return pred.total, "timeline" + label
             n = record.world_size  # the DDP benchmark's batch is per rank
             terms = memory_terms(m["impl"], get_precision(precision).grad_bytes, m.get("comm_dtype", "grad"))
             pred = per_device_memory(spec, m["strategy"], n, n * record.batch_size * seq, seq, precision,
-                                     attention=attention, **terms)
-            return pred.total, terms.get("peak_model", "sum")
+                                     attention=attention, compiled=compiled, **terms)
+            return pred.total, terms.get("peak_model", "sum") + label
         if record.backend == "jax":
             precision, attention = calculator_terms(record.dtype, m["attention"])
             mesh = record.mesh or {}

@@ -41,6 +41,13 @@ def calculator_terms(dtype: str, attention: str) -> tuple[str, str]:
     return DTYPES[dtype], "naive" if attention == "naive" else "flash"
 
 
+def compiled_activations(compiled: bool, attention: str, checkpoint_every: int | None = None) -> bool:
+    """Whether ``parallelism_calc.memory``'s count of what compiled blocks save (``compiled=True``) applies to a
+    run: compiled, a fused attention kernel (``calculator_terms``' "flash"), no checkpointing (what the count was
+    measured for); otherwise the eager count stands."""
+    return bool(compiled) and attention == "flash" and not checkpoint_every
+
+
 LOSS_METRICS = ("losses", "train_losses", "val_loss")  # metrics holding losses: one not finite = "diverged"
 
 

@@ -193,6 +193,23 @@ def _transformer_block_terms(spec: ModelSpec, seq_len: int, precision: Precision
     return terms
 
 
+def _compiled_block_terms(spec: ModelSpec, precision: Precision, tp: int) -> dict[str, int]:
+    """Bytes per token one ``TransformerBlock`` compiled by Inductor saves for backward, flash attention, no
+    checkpointing: ``torch.compile``'s partitioner keeps the block's input and recomputes the norms' fp32
+    intermediates and SiLU from it and from what else it keeps. Measured with saved-tensor hooks (CPU, ``small``,
+    fp32, bf16 autocast and bf16 weights: these terms to the byte, notes/fidelity.md)."""
+    d, f, h, p = spec.d_model, spec.d_ff, spec.n_heads, precision.activation_bytes
+    return {
+        "layer.block_input": d * precision.param_bytes,  # the residual stream entering the block
+        "layer.norm_rsqrt": 2 * FP32,
+        "layer.norm_outputs": 2 * d * p,  # each norm's output once, in the compute dtype (replicated under TP)
+        "layer.qkv": 3 * d * p // tp,
+        "layer.attn_out": 2 * d * p // tp,  # the kernel's output (B, H, T, d_head) and its merged-heads copy
+        "layer.attn_lse": h * FP32 // tp,
+        "layer.ffn": 3 * f * p // tp,  # w1 x, w3 x and SiLU(w1 x) * w3 x
+    }
+
+
 def _transformer_extra_terms(spec: ModelSpec, precision: Precision) -> dict[str, int]:
     """Bytes per token saved once outside the blocks (no vocabulary-parallel loss: replicated under TP)."""
     d, p = spec.d_model, precision.activation_bytes
@@ -208,7 +225,7 @@ def _transformer_extra_terms(spec: ModelSpec, precision: Precision) -> dict[str,
 
 def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | Precision = "fp32",
                                checkpointing: str = "none", attention: str = "naive",
-                               tp: int = 1) -> ActivationBreakdown:
+                               tp: int = 1, compiled: bool = False) -> ActivationBreakdown:
     """Bytes saved for backward per token of a forward over sequences of ``seq_len`` tokens.
 
     Transformer (``spec.arch == "transformer"``), per layer per token, p = precision.activation_bytes,
@@ -240,6 +257,11 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
     inputs of its two linears, (D + F / tp) p per token; "full" keeps D p per block plus one block;
     "selective" equals "none" (no attention); no extras.
 
+    ``compiled``: the blocks compiled by ``torch.compile`` (Inductor), which saves less: per layer per token, w =
+    param_bytes (the residual stream's dtype), w D + 2 x 4 + 2 D p + 5 D p / tp + 4 H / tp + 3 F p / tp
+    (``_compiled_block_terms``; 0.64x the eager count for xl under bf16 autocast). Measured for flash attention
+    without checkpointing only; the extras outside the blocks stay as above.
+
     Not counted: batch-independent tensors (RoPE cos/sin rows, the (T, T) causal mask, scalars).
     """
     prec = get_precision(precision)
@@ -247,6 +269,9 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
     _check_choice("attention", attention, ATTENTION)
     if seq_len < 1 or tp < 1:
         raise ValueError(f"seq_len={seq_len} and tp={tp} must be >= 1")
+    if compiled and (spec.arch != "transformer" or attention != "flash" or checkpointing != "none"):
+        raise ValueError(f"compiled=True: measured for a transformer with flash attention and no checkpointing; got "
+                         f"arch={spec.arch!r}, attention={attention!r}, checkpointing={checkpointing!r}")
     d, f, p = spec.d_model, spec.d_ff, prec.activation_bytes
     if spec.arch == "ffn_only":
         if f % tp:
@@ -256,7 +281,8 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
     else:
         if spec.n_heads % tp or f % tp:
             raise ValueError(f"tp={tp} must divide n_heads={spec.n_heads} and d_ff={f} of {spec.name!r}")
-        block = _transformer_block_terms(spec, seq_len, prec, attention, checkpointing == "selective", tp)
+        block = (_compiled_block_terms(spec, prec, tp) if compiled else
+                 _transformer_block_terms(spec, seq_len, prec, attention, checkpointing == "selective", tp))
         extra = _transformer_extra_terms(spec, prec)
     block_bytes = sum(block.values())
     if checkpointing == "full":
@@ -361,7 +387,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                       seq_len: int, precision: str | Precision = "bf16_autocast", checkpointing: str = "none",
                       attention: str = "naive", prefetch_layers: int = 1, gather_unit: str = "block",
                       reshard_root: bool = True, peak_model: str = "sum", checkpoint_every: int | None = None,
-                      nested_checkpoint: bool = False, gradient_buckets: int = 0) -> MemoryBreakdown:
+                      nested_checkpoint: bool = False, gradient_buckets: int = 0,
+                      compiled: bool = False) -> MemoryBreakdown:
     """Bytes per device of a training step with AdamW (ZeRO paper, Rajbhandari et al. 2020).
 
     P = spec.n_params(); per-parameter bytes from ``precision``; N_shard = the sharding degree.
@@ -404,6 +431,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     and frees the gathered weights after each unit's forward: ``cast_weights`` = 0. (A stage-3 wrapper that
     gathered fp32 under autocast would keep those copies too: not modelled.)
 
+    ``compiled``: the blocks compiled by Inductor, which saves fewer activations (``activation_bytes_per_token``).
+
     ``gradient_buckets``: bytes a parameter of flat gradient buffers kept from step to step, replicated (stages 0
     and 1 only): bucketed DDP's and torch DDP's all-reduce buckets hold every gradient in the dtype it travels in
     (4 for fp32 gradients, 2 sent in bf16); DDP that reduces each gradient in place holds none (0, the default).
@@ -425,6 +454,9 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                          f"(got {peak_model!r}, {checkpointing!r}); the sum model takes the per-block policies")
     prec = get_precision(precision)
     mesh = _mesh(strategy, n_devices)
+    if compiled and checkpoint_every is not None:
+        raise ValueError(f"compiled=True with checkpoint_every={checkpoint_every}: the compiled count was measured "
+                         "without checkpointing")
     if gradient_buckets < 0 or gradient_buckets and strategy not in ("ddp", "zero1"):
         raise ValueError(f"gradient_buckets={gradient_buckets}: bytes a parameter >= 0, with strategy ddp or zero1 "
                          f"(replicated gradients); got {strategy!r}")
@@ -453,7 +485,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     master = shard(prec.master_bytes, 1)
     optimizer = shard(prec.optimizer_bytes, 1)
     tokens = batch_tokens // ranks
-    act = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp)
+    act = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled)
     activations = float(act.total_bytes * tokens)
     resident, unit = _gather_working_set(spec, gather_unit, reshard_root)
     # Stage 3: the resident root + the unit in use + prefetch_layers units ahead, gathered in the compute
@@ -471,7 +503,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
         "grads": f"P * {prec.grad_bytes}" + (f" / {s}" if stage >= 2 else ""),
         "master": f"P * {prec.master_bytes}" + (f" / {s}" if stage >= 1 else ""),
         "optimizer": f"P * {prec.optimizer_bytes}" + (f" / {s}" if stage >= 1 else ""),
-        "activations": f"{act.total_bytes} bytes/token * batch_tokens / (dp * fsdp) [tp={tp}]",
+        "activations": f"{act.total_bytes} bytes/token * batch_tokens / (dp * fsdp) [tp={tp}"
+                       + (", compiled]" if compiled else "]"),
         "gathered": (f"({'root + ' if resident else ''}(1 + {prefetch_layers}) * largest unit [{gather_unit}]) * "
                      f"{prec.activation_bytes} / tp" if stage == 3 else "0"),
         "cast_weights": f"P_matmul * {prec.activation_bytes} / tp" if prec.autocast and stage < 3 else "0",
@@ -482,7 +515,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                                 total, formulas, buckets=buckets)
     if peak_model == "timeline":
         return step_peak_memory(spec, breakdown, tokens, seq_len, prec, checkpointing, attention, tp,
-                                checkpoint_every, nested_checkpoint)
+                                checkpoint_every, nested_checkpoint, compiled)
     return breakdown
 
 
@@ -493,7 +526,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
 def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_len: int,
                      precision: str | Precision = "bf16_autocast", checkpointing: str = "none",
                      attention: str = "naive", tp: int = 1, checkpoint_every: int | None = None,
-                     nested_checkpoint: bool = False) -> MemoryBreakdown:
+                     nested_checkpoint: bool = False, compiled: bool = False) -> MemoryBreakdown:
     """The peak of one training step over its moments, from the terms of ``state`` (a "sum" breakdown of
     ``per_device_memory``, whose sharding of gradients and optimizer state it keeps) for ``tokens`` tokens per
     device. ``per_device_memory(..., peak_model="timeline")`` calls it; notes/fidelity.md has the evidence.
@@ -501,8 +534,8 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     The step frees gradients before its forward (``zero_grad(set_to_none=True)``, torch_impl/step.py), so no
     gradient exists while activations accumulate, and its backward frees each block's saved activations (and
     the autocast weight copies saved with them) as it writes that block's gradients. With S = params + master
-    + optimizer + gathered + buckets (alive throughout), per token b = one block's saved activations, a = one block input
-    (the residual stream: a checkpoint), e = the extras outside the blocks (final norm, fp32 log-softmax, token
+    + optimizer + gathered + buckets (alive throughout), per token b = one block's saved activations, a = one block
+    input (the residual stream: a checkpoint), e = the extras outside the blocks (final norm, fp32 log-softmax, token
     ids), c = one block's autocast weight copies, c_head = the LM head's, g = one block's gradients, g_top = the
     LM head's and final norm's (written before any block's), G = all gradients, L blocks, T = tokens:
 
@@ -542,7 +575,7 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     if checkpointing == "full":  # each block recomputed from its input: K = 1, flat
         checkpointing, checkpoint_every, nested_checkpoint = "none", 1, False
     n_layers, d = spec.n_layers, spec.d_model
-    saved = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp)
+    saved = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled)
     b, e = saved.per_layer_bytes, saved.extra_bytes  # one block's saved activations; the extras, per token
     # One checkpoint: a block's input, the residual stream in the model dtype (FFN-only: the compute dtype).
     a = d * (prec.param_bytes if spec.arch == "transformer" else prec.activation_bytes)

@@ -256,8 +256,9 @@ def test_errors_are_one_line_and_name_accepted_values():
 # ----------------------------------------------------------------------------------------------- real model
 
 
-def measure_saved_bytes(spec, batch, seq, attention="naive", mode="fp32", device="cpu"):
-    """Bytes of unique non-parameter storages saved for backward by one forward + loss of our model."""
+def measure_saved_bytes(spec, batch, seq, attention="naive", mode="fp32", device="cpu", compiled=False):
+    """Bytes of unique non-parameter storages saved for backward by one forward + loss of our model (``compiled``:
+    each block compiled, as ``torch_impl.parallelize.apply_compile`` does; compiled once before measuring)."""
     torch = pytest.importorskip("torch")
     from torch_impl.model import TransformerLM, cross_entropy
 
@@ -265,6 +266,12 @@ def measure_saved_bytes(spec, batch, seq, attention="naive", mode="fp32", device
     model = TransformerLM(spec, attention=attention, device=device,
                           dtype=torch.bfloat16 if mode == "bf16" else torch.float32)
     tokens = torch.randint(0, spec.vocab_size, (batch, seq), device=device)
+    if compiled:
+        from torch_impl.parallelize import apply_compile
+
+        apply_compile(model, blocks_per_graph=1)
+        with torch.autocast(device, dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext():
+            cross_entropy(model(tokens), tokens).backward()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -317,6 +324,17 @@ def test_cpu_autocast_weight_copies_and_per_token_terms():
     assert measure_saved_bytes(TINY, 2 * B, T, "sdpa", "autocast") - measured == per_token * B * T
     cast = per_device_memory(TINY, "ddp", 1, B * T, T, "bf16_autocast", attention="flash").cast_weights
     assert measured == per_token * B * T + batch_independent_bytes(TINY, T, "flash") + cast
+
+
+@pytest.mark.parametrize("mode,precision", [("fp32", "fp32"), ("autocast", "bf16_autocast"), ("bf16", "bf16_mixed")])
+def test_compiled_blocks_save_what_the_accounting_says(mode, precision):
+    # Inductor's partitioner recomputes part of what eager saves; activation_bytes_per_token(compiled=True) lists
+    # what it keeps. Doubling the batch adds exactly that per token (the loss stays eager: the same extras).
+    B, T = 2, 32
+    per_token = activation_bytes_per_token(TINY, T, precision, attention="flash", compiled=True).total_bytes
+    one, two = (measure_saved_bytes(TINY, b, T, "sdpa", mode, compiled=True) for b in (B, 2 * B))
+    assert two - one == per_token * B * T
+    assert per_token < activation_bytes_per_token(TINY, T, precision, attention="flash").total_bytes
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ extras are the final norm (4 D + 4 D + 4 + D p), the fp32 log-softmax (4 V) and 
 
 import pytest
 
-from parallelism_calc.memory import PEAK_MODELS, per_device_memory
+from parallelism_calc.memory import PEAK_MODELS, activation_bytes_per_token, per_device_memory
 from parallelism_calc.specs import MODELS, ModelSpec
 
 # D 8, F 16, H 2, 2 layers, V 10. P = 80 (embedding) + 2 x 656 (blocks) + 8 (final norm) + 80 (LM head) = 1,480.
@@ -137,3 +137,24 @@ def test_gradient_buckets_stay_alive_through_the_step():
     for strategy, value, message in (("fsdp", 4, "with strategy ddp or zero1"), ("ddp", -1, "bytes a parameter >= 0")):
         with pytest.raises(ValueError, match=message):
             per_device_memory(TOY, strategy, 2, 4 * 16, 16, gradient_buckets=value)
+
+
+def test_compiled_blocks_save_what_inductor_keeps():
+    """compiled=True: per layer per token w D + 2 x 4 + 2 D p + 5 D p + 4 H + 3 F p (w: the residual stream's bytes,
+    p: the compute dtype's), written out here for the toy spec; the extras and the state are the eager ones."""
+    d, f, h = 8, 16, 2
+    for precision, w, p in (("fp32", 4, 4), ("bf16_autocast", 4, 2), ("bf16_mixed", 2, 2)):
+        got = activation_bytes_per_token(TOY, 16, precision, "none", "flash", compiled=True)
+        eager = activation_bytes_per_token(TOY, 16, precision, "none", "flash")
+        assert got.per_layer_bytes == w * d + 8 + 7 * d * p + 4 * h + 3 * f * p, precision
+        assert got.extra_bytes == eager.extra_bytes and got.per_layer_bytes < eager.per_layer_bytes
+        one = per_device_memory(TOY, "ddp", 1, 4 * 16, 16, precision, attention="flash", peak_model="timeline",
+                                compiled=True)
+        base = per_device_memory(TOY, "ddp", 1, 4 * 16, 16, precision, attention="flash", peak_model="timeline")
+        assert one.params == base.params and one.optimizer == base.optimizer and one.total < base.total
+    for kw in (dict(attention="naive"), dict(checkpointing="selective")):
+        with pytest.raises(ValueError, match="measured for a transformer with flash attention"):
+            activation_bytes_per_token(TOY, 16, "bf16_autocast", **{"attention": "flash", **kw}, compiled=True)
+    with pytest.raises(ValueError, match="measured without checkpointing"):
+        per_device_memory(TOY, "ddp", 1, 64, 16, attention="flash", peak_model="timeline", checkpoint_every=1,
+                          compiled=True)

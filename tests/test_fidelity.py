@@ -40,9 +40,11 @@ def test_floor_and_memory_errors_are_the_calculator_s():
     floor = step_time_floor(SPEC, 4, 512, "train_step", "bf16_autocast", Ceilings(700e12, 3e12))
     assert row.floor_ms == pytest.approx(floor.total_s * 1e3)
     assert row.time_error == pytest.approx(floor.total_s * 1e3 / 100.0 - 1)
-    # Memory: recomputed from the calculator (one torch device: the peak placed in the step), not the stored 2.5 GiB.
-    peak = per_device_memory(SPEC, "ddp", 1, 4 * 512, 512, "bf16_autocast", attention="flash", peak_model="timeline")
-    assert (row.predicted_memory, row.memory_model) == (peak.total, "timeline")
+    # Memory: recomputed from the calculator (one torch device: the peak placed in the step; the record's blocks are
+    # compiled: what Inductor saves), not the stored 2.5 GiB.
+    peak = per_device_memory(SPEC, "ddp", 1, 4 * 512, 512, "bf16_autocast", attention="flash", peak_model="timeline",
+                             compiled=True)
+    assert (row.predicted_memory, row.memory_model) == (peak.total, "timeline, compiled")
     assert row.memory_error == pytest.approx(peak.total / (2 * 2**30) - 1)
     assert row.why == ""
 
@@ -58,6 +60,10 @@ def test_memory_prediction_falls_back_to_the_stored_value_and_says_so():
                            "remat": "full"})
     expected = per_device_memory(SPEC, "ddp", ParallelSpec(dp=1), 4 * 512, 512, "bf16_autocast", "full", "flash")
     assert memory_prediction(jax) == (expected.total, "sum")
+    # Eager blocks keep the eager count; compiled ones (by name, or the DDP benchmark's metric) Inductor's
+    assert memory_prediction(_record(implementation="eager sdpa_cudnn"))[1] == "timeline"
+    assert memory_prediction(_record(implementation="stock compiled sdpa_cudnn"))[1] == "timeline, compiled"
+    assert memory_prediction(_record(implementation="compiled naive"))[1] == "timeline"  # compiled count: flash only
     assert attention_of(_record(implementation="stock compiled sdpa_cudnn, cuda graph")) == "sdpa_cudnn"
     assert attention_of(_record(implementation="eager flash_triton, ckpt 2 nested")) == "flash_triton"
 

@@ -75,7 +75,8 @@ import statistics
 import sys
 from typing import Any
 
-from analysis.harness import DTYPES, StepConfig, StepRun, calculator_terms, fixed_batch, resolve_spec, step_record
+from analysis.harness import (DTYPES, StepConfig, StepRun, calculator_terms, compiled_activations, fixed_batch,
+                              resolve_spec, step_record)
 from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, memory_terms, report,
                                      single_process_baselines)
 from analysis.records import Record, read_records, save_records
@@ -203,14 +204,15 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
 def predicted_memory(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_size: int):
     """``per_device_memory`` of the strategy ``cfg`` implements with ``analysis.data_parallel.memory_terms``: the
     FSDPs with the working set each gathers (see the module docstring), every term at once; the one-process
-    baseline and the DDP family with their peak placed in the step, plus the gradient buckets they keep."""
+    baseline and the DDP family with their peak placed in the step, plus the gradient buckets they keep; compiled
+    blocks with what Inductor saves."""
     from parallelism_calc.memory import get_precision, per_device_memory
 
     precision, attention = calculator_terms(args.dtype, args.attention)
     n = 1 if cfg.impl == "none" else world_size
     terms = memory_terms(cfg.impl, get_precision(precision).grad_bytes, cfg.comm_dtype)
     return per_device_memory(spec, cfg.strategy, n, n * args.batch_size * seq_len, seq_len, precision,
-                             attention=attention, **terms)
+                             attention=attention, compiled=compiled_activations(args.compile, attention), **terms)
 
 
 def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_size: int, device_name: str,

@@ -38,8 +38,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from analysis.harness import (StepConfig, StepRun, calculator_terms, failure_record, fixed_batch, frozen_gc,
-                              resolve_spec, run_benchmark, step_record)
+from analysis.harness import (StepConfig, StepRun, calculator_terms, compiled_activations, failure_record, fixed_batch,
+                              frozen_gc, resolve_spec, run_benchmark, step_record)
 from analysis.records import Record
 from parallelism_calc.checkpointing import checkpointed_activation_bytes
 from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
@@ -235,17 +235,19 @@ def predicted_memory(args: TorchStepConfig, spec, seq_len: int) -> dict[str, int
     if args.mode == "forward":
         return {"predicted_activation_bytes": None, "predicted_peak_bytes": None}
     precision, attention = calculator_terms(args.dtype, args.attention)
+    compiled = compiled_activations(args.compile, attention, args.checkpoint_every)
     tokens = args.batch_size * seq_len
     if args.checkpoint_every:
         activations = checkpointed_activation_bytes(spec, seq_len, precision, args.checkpoint_every,
                                                     args.nested_checkpoint, attention).for_tokens(tokens)
     else:
-        activations = activation_bytes_per_token(spec, seq_len, precision, "none", attention).for_tokens(tokens)
+        activations = activation_bytes_per_token(spec, seq_len, precision, "none", attention,
+                                                 compiled=compiled).for_tokens(tokens)
     peak = None
     if args.mode == "train_step":
         peak = int(per_device_memory(spec, "ddp", 1, tokens, seq_len, precision, attention=attention,
                                      peak_model="timeline", checkpoint_every=args.checkpoint_every,
-                                     nested_checkpoint=args.nested_checkpoint).total)
+                                     nested_checkpoint=args.nested_checkpoint, compiled=compiled).total)
     return {"predicted_activation_bytes": activations, "predicted_peak_bytes": peak}
 
 
