@@ -26,8 +26,7 @@ def memory_terms(impl: str, grad_bytes: int, comm_dtype: str = "grad") -> dict:
     gathered working set (every term at once, ``peak_model="sum"``); the others' peak placed in the step
     (``"timeline"``, as for one process) with their persistent gradient buckets, in the dtype the gradients travel
     in (``grad_bytes``, 2 for our bf16 communication; torch DDP's bf16 hook compresses a copy of its fp32
-    buckets). On 2 H100s, xl fp32 eager 2 x 512 per rank, that is within 2% of every measured peak
-    (notes/data_parallel.md)."""
+    buckets). Against the 2-H100 records: notes/data_parallel.md."""
     if impl in FSDP_GATHERING:
         return dict(FSDP_GATHERING[impl])
     bf16 = comm_dtype == "bf16" and impl != "torch_ddp"
