@@ -80,4 +80,7 @@ def test_answer_pages_follow_the_records(tmp_path):
     _write_sweep(results, times)
     write_answers(results, out)
     changed = (out / "benchmarking.md").read_text()
-    assert changed != page and "777.7 ± 15.6" in changed and f"{eager_fp32:.1f} ± " not in changed
+    # the old step's cell is gone (another cell may show the same digits: a forward, mean and std, is a third of a
+    # step's, so count rather than look for it; the random times made this fail about once in a hundred runs)
+    old = f"{eager_fp32:.1f} ± {eager_fp32 / 50:.1f}"
+    assert changed != page and "777.7 ± 15.6" in changed and changed.count(old) == page.count(old) - 1
