@@ -180,17 +180,17 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
     from torch_impl.optim import adamw_for
 
     bf16 = dtype == "bf16"
+    if comm_sms and mode not in COMM_SMS_MODES:
+        raise ValueError(f"comm_sms={comm_sms} with {mode}; accepted with: {', '.join(COMM_SMS_MODES)}")
+    if comm_dtype not in COMM_DTYPES or comm_dtype != "grad" and mode not in COMM_DTYPE_MODES:
+        raise ValueError(f"comm_dtype={comm_dtype!r} with {mode}; accepted: {', '.join(COMM_DTYPES)}, bf16 with "
+                         f"{', '.join(COMM_DTYPE_MODES)}")
     # zero1, fsdp and fsdp2 shard the weights and build their own optimizer; for the others it is built here,
     # before any wrapper sees the weights: with bf16_mixed it casts them to bf16
     builds_own = mode in UNSUPPORTED["--dtype bf16_mixed"][0]
     optimizer = None if builds_own else adamw_for(dtype, model.parameters(), **adamw)
     if mode == "none":
         return model, SingleProcess(model), optimizer
-    if comm_sms and mode not in COMM_SMS_MODES:
-        raise ValueError(f"comm_sms={comm_sms} with {mode}; accepted with: {', '.join(COMM_SMS_MODES)}")
-    if comm_dtype not in COMM_DTYPES or comm_dtype != "grad" and mode not in COMM_DTYPE_MODES:
-        raise ValueError(f"comm_dtype={comm_dtype!r} with {mode}; accepted: {', '.join(COMM_DTYPES)}, bf16 with "
-                         f"{', '.join(COMM_DTYPE_MODES)}")
     bf16_comm = comm_dtype == "bf16"
     if mode in COMM_SMS_MODES:
         ours = dict(comm_sms=comm_sms, find_unused_parameters=False)
