@@ -14,9 +14,9 @@ hangs, it does not fail), in one process:
   cuDNN SDPA and the Triton forward (``flash_triton.flash_forward``) in the same process, with O's relative error
   against cuDNN's.
 
-With ``--backward``, instead, ``flash_gluon.backward``: dQ, dK, dV against float64 beside the Triton backward's errors
-on the same inputs (dO contiguous where q is the model's layout), and its time beside the Triton backward's and
-cuDNN's forward + backward.
+With ``--backward``, instead, ``flash_gluon.backward`` with each way of adding dQ (``flash_gluon.DQ_ADDS``): dQ, dK,
+dV against float64 beside the Triton backward's errors on the same inputs (dO contiguous where q is the model's
+layout), and its time beside the Triton backward's and cuDNN's forward + backward.
 
 Rows (with provenance) are appended to OUT/flash_gluon_probe.jsonl as they are measured; a configuration that
 fails to compile or run is a row with its error. Not a record: it decides what ``flash_gluon`` runs.
@@ -25,6 +25,7 @@ fails to compile or run is a row with its error. Not a record: it decides what `
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -160,13 +161,19 @@ def check_backward(emit) -> None:
         try:
             want = grads_reference(q, k, v, do, causal)
             o, lse = fg.forward(q, k, v, causal)
-            ours = fg.backward(do, q, k, v, o, lse, causal)
             theirs = ft.flash_backward(do, q, k, v, o, lse, causal)
-            torch.cuda.synchronize()
-            emit({**row, **{f"{name}_rel": rel(x, ref) for name, x, ref in zip(("dq", "dk", "dv"), ours, want)},
-                  **{f"{name}_rel_triton": rel(x, ref) for name, x, ref in zip(("dq", "dk", "dv"), theirs, want)}})
         except Exception as err:  # noqa: BLE001 (a failing shape is a row)
             emit({**row, "error": error(err)})
+            continue
+        for dq_adds in fg.DQ_ADDS:
+            try:
+                ours = fg.backward(do, q, k, v, o, lse, causal, dq_adds=dq_adds)
+                torch.cuda.synchronize()
+                emit({**row, "dq_adds": dq_adds,
+                      **{f"{name}_rel": rel(x, ref) for name, x, ref in zip(("dq", "dk", "dv"), ours, want)},
+                      **{f"{name}_rel_triton": rel(x, ref) for name, x, ref in zip(("dq", "dk", "dv"), theirs, want)}})
+            except Exception as err:  # noqa: BLE001
+                emit({**row, "dq_adds": dq_adds, "error": error(err)})
 
 
 def bench_backward(shape: str, emit) -> None:
@@ -182,10 +189,12 @@ def bench_backward(shape: str, emit) -> None:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             sdpa(*leaves, is_causal=True).backward(do)
 
-    for name, fn, pass_ in (("gluon", lambda: fg.backward(do, q, k, v, o, lse, True), "bwd"),
-                            ("triton", lambda: ft.flash_backward(do, q, k, v, o, lse, True), "bwd"),
-                            ("cudnn", cudnn_fwd_bwd, "fwd+bwd"),
-                            ("gluon", lambda: fg.backward(do, q, k, v, *fg.forward(q, k, v, True), True), "fwd+bwd")):
+    runs = [(f"gluon_{dq_adds}", functools.partial(fg.backward, do, q, k, v, o, lse, True, dq_adds=dq_adds), "bwd")
+            for dq_adds in fg.DQ_ADDS]
+    runs += [("triton", lambda: ft.flash_backward(do, q, k, v, o, lse, True), "bwd"),
+             ("cudnn", cudnn_fwd_bwd, "fwd+bwd"),
+             ("gluon", lambda: fg.backward(do, q, k, v, *fg.forward(q, k, v, True), True), "fwd+bwd")]
+    for name, fn, pass_ in runs:
         row = {"shape": shape, "pass": pass_, "variant": name}
         try:
             ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")

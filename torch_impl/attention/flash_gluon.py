@@ -34,6 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton._C.libtriton import ir
+from triton.experimental.gluon.language._core import builtin
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
@@ -41,6 +43,17 @@ _LN2 = gl.constexpr(0.6931471805599453)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # shared -> global, likewise
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the warps' barrier: 3.6's name, then 3.9's
+
+
+@builtin
+def _tma_add(tensor_desc, coord, src, _semantic=None):
+    """TMA's reduce-add of a shared-memory tile into global memory (``cp.reduce.async.bulk.tensor ... .add``): the
+    op Triton 3.9 calls ``tma.async_atomic_add``, which 3.6's Gluon builds (``create_async_tma_reduce``) but does
+    not expose. Wait for it with ``tma.store_wait`` before the tile is written again."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 HEAD_DIMS = (64, 128)  # head dims the tiles are written for (wgmma's N for O and TMA's box width)
 MIN_KEYS = 4096  # below, the Triton forward is as fast or faster (``preferred``)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -339,6 +352,22 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
 # Right on the H100 (float64 checks, scripts/flash_gluon_probe.py --backward); flash_triton's backward runs it
 # where ``backward_preferred``.
 
+# How a consumer adds its dQ part (fp32, BLOCK_M x d) into the global accumulator, by ``DQ_ADDS`` name:
+DQ_ATOMIC = gl.constexpr(0)  # fp32 atomics from the wgmma accumulator's layout: two adjacent fp32 a thread and row,
+# one scalar ``red`` each, half of every 32-byte sector used (the kernel's L2 traffic: Nsight Compute, session 19)
+DQ_VECTOR = gl.constexpr(1)  # the tile converted (through shared memory) to 4 contiguous fp32 a thread: ``red.v4``
+DQ_TMA = gl.constexpr(2)  # into shared memory, then one TMA reduce-add of the tile (FlashAttention-3's dQ writes),
+# waited for only before the consumer's next tile reuses the buffer
+DQ_ADDS = {"atomic": DQ_ATOMIC.value, "vector": DQ_VECTOR.value, "tma": DQ_TMA.value}
+
+
+@triton.constexpr_function
+def _vector_layout(head_dim):
+    """Rows of head_dim fp32 in a warpgroup, 4 contiguous a thread (a row's 16-byte pieces across a warp's lanes)."""
+    lanes = head_dim // 4
+    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // lanes, lanes], warps_per_cta=[4, 1],
+                            order=[1, 0])
+
 
 @gluon.jit
 def _bwd_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, free, b, h_kv,
@@ -366,18 +395,18 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, 
 
 
 @gluon.jit
-def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
-                 delta_ptr, dq_ptr, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale,
-                 n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, dq_smem, kv_ready, ready, free, ds_ready, ds_free,
+                 lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start,
+                 i_first, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 DQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr):
     """One consumer warpgroup: keys key_start + TILE * BLOCK_K .. + BLOCK_K. Per query tile i (with L_i and
     D_i = rowsum(dO_i O_i)): S^T = K Q_i^T and dP^T = V dO_i^T, P^T = exp(fl(S^T / sqrt(d)) - L) rounded as the
     Triton backward rounds it, dS^T = P^T (dP^T - D); dV += P^T dO_i and dK += dS^T Q_i (register operands).
     dQ_i += dS K over both consumers' keys at once: each writes its dS^T into its half of a shared buffer (two
     buffers, alternating), and the consumers take turns (tile i's s-th of the program: consumer s % 2) to read the
     whole of it transposed, multiply by the program's K and add the fp32 result to dq_ptr element by element, half
-    the additions of a dQ part per consumer. Every product is waited within the iteration (no wgmma in flight
-    across a back edge: see ``_consume``)."""
+    the additions of a dQ part per consumer, as DQ says (``DQ_ADDS``). Every product is waited within the
+    iteration (no wgmma in flight across a back edge: see ``_consume``)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
     st_layout: gl.constexpr = _wgmma_layout(BLOCK_M)  # S^T, dP^T: (keys, queries)
@@ -392,8 +421,7 @@ def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, kv_ready, ready, free
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
     dk = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
-    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     mbarrier.wait(kv_ready, 0)
     s = 0
     for g in range(group):
@@ -440,26 +468,39 @@ def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, kv_ready, ready, free
                 dq = warpgroup_mma(ds.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
                 mbarrier.arrive(ds_free.index(buf), count=1)
-                rows = (bh * n_q + i * BLOCK_M + dq_rows) * HEAD_DIM
-                gl.atomic_add(dq_ptr + gl.expand_dims(rows, 1) + gl.expand_dims(dq_cols, 0), dq * sm_scale,
-                              sem="relaxed")
+                dq = dq * sm_scale
+                if DQ == DQ_TMA:
+                    tma.store_wait(0)  # the reduction of this consumer's last tile has read the buffer
+                    dq_smem.store(dq)
+                    fence_async_shared()
+                    _tma_add(dq_desc, [(b * n_heads + h) * n_q + i * BLOCK_M, 0], dq_smem)
+                else:
+                    if DQ == DQ_VECTOR:
+                        dq = gl.convert_layout(dq, _vector_layout(HEAD_DIM))
+                    rows = (bh * n_q + i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq.type.layout)))
+                    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq.type.layout))
+                    gl.atomic_add(dq_ptr + gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0), dq,
+                                  sem="relaxed")
             s += 1
+    if DQ == DQ_TMA:
+        tma.store_wait(0)  # the last reduction has read the buffer before the program's shared memory goes
     rows = ((b * n_kv_heads + h_kv).to(gl.int64) * n_k + key_start + TILE * BLOCK_K +
             gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))) * HEAD_DIM
-    ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(dq_cols, 0)
+    ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(d_cols, 0)
     gl.store(dk_ptr + ptrs, (dk * sm_scale).to(dtype))
     gl.store(dv_ptr + ptrs, dv.to(dtype))
 
 
 @gluon.jit
-def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, sm_scale, n_heads,
-                n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b,
-                kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                num_warps: gl.constexpr):
+def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, sm_scale,
+                n_heads, n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h,
+                kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, STAGES: gl.constexpr,
+                CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Program (key block of TILES x BLOCK_K keys, batch x k/v head): dK, dV of its keys summed over the query heads
     of the group, and their part of dQ. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
     column h * q_cols_h of its descriptor's 2-D view (dO, K, V likewise, K and V one block of the program's keys);
-    L, D (B, H, n_q) and dQ (B, H, n_q, d, fp32) and dK, dV (B, H_kv, n_k, d) are contiguous."""
+    L, D (B, H, n_q) and dQ (B, H, n_q, d, fp32; ``dq_desc`` its (B H n_q, d) view) and dK, dV (B, H_kv, n_k, d)
+    are contiguous."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -477,6 +518,8 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, dk_
     v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_KEYS, BLOCK_M], q_desc.dtype)
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_KEYS, BLOCK_M], ds_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [TILES if DQ == DQ_TMA else 1] + dq_desc.block_type.shape,
+                                        dq_desc.layout)  # one unused tile unless DQ_TMA
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -491,12 +534,14 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, dk_
         mbarrier.init(ds_free.index(u), count=1)  # the consumer whose turn it was has read them
 
     gl.warp_specialize([
-        (_bwd_consume, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
-                        delta_ptr, dq_ptr, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m,
-                        sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)),
-        (_bwd_consume, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
-                        delta_ptr, dq_ptr, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m,
-                        sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)),
+        (_bwd_consume, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, dq_bufs.index(0 if DQ == DQ_TMA else 0), kv_ready,
+                        ready, free, ds_ready, ds_free, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv,
+                        group, n_heads, n_q, key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, DQ,
+                        BLOCK_M, BLOCK_K, HEAD_DIM)),
+        (_bwd_consume, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, dq_bufs.index(1 if DQ == DQ_TMA else 0), kv_ready,
+                        ready, free, ds_ready, ds_free, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv,
+                        group, n_heads, n_q, key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, DQ,
+                        BLOCK_M, BLOCK_K, HEAD_DIM)),
         (_bwd_load, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, free, b, h_kv,
                      group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h,
                      do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, BLOCK_M)),
@@ -505,14 +550,20 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, dk_
 
 BWD_HEAD_DIMS = (64, )  # at d 128, dK, dV and the dQ part (64 registers each) beside S^T and dP^T exceed 240
 BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer registers)
+BWD_DQ = "atomic"  # how dQ parts are added (DQ_ADDS)
 BWD_MIN_KEYS = 16384  # the shortest measured where it is not slower than the Triton backward
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                              lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None):
+                              lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None,
+                              dq_adds: str | None = None):
     """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
-    given (flash_triton's backward makes both in one pass). Inputs as ``backward_supports`` takes them."""
+    given (flash_triton's backward makes both in one pass). Inputs as ``backward_supports`` takes them; ``dq_adds``
+    one of DQ_ADDS (None: BWD_DQ)."""
+    dq_adds = dq_adds or BWD_DQ
+    if dq_adds not in DQ_ADDS:
+        raise ValueError(f"dq_adds must be one of {sorted(DQ_ADDS)}; got {dq_adds!r}")
     block_m, block_k, stages, regs = config or BWD_CONFIG
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
@@ -529,20 +580,23 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     do_desc, do_where = _descriptor(do, block_m)
     k_desc, kv_where = _descriptor(k, TILES.value * block_k)  # a program's keys, both consumers' in one tile
     v_desc, _ = _descriptor(v, TILES.value * block_k)
+    dq_desc, _ = _descriptor(dq_acc, block_m)
     grid = (n_k // (TILES.value * block_k), batch * kv_heads, 1)
-    args = (q_desc, do_desc, k_desc, v_desc, lse.contiguous(), delta.contiguous(), dq_acc, dk, dv, 1 / math.sqrt(d),
-            heads, kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
+    args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse.contiguous(), delta.contiguous(), dq_acc, dk, dv,
+            1 / math.sqrt(d), heads, kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
-    constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, num_warps=4, enable_fp_fusion=False)
+    constexprs = dict(IS_CAUSAL=is_causal, DQ=DQ_ADDS[dq_adds], STAGES=stages, CONSUMER_REGS=regs, num_warps=4,
+                      enable_fp_fusion=False)
     return grid, args, constexprs, (dq_acc, dk, dv)
 
 
-def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None):
+def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dq_adds: str | None = None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
-    when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous. flash_triton's backward runs it where
-    ``backward_preferred``; scripts/flash_gluon_probe.py --backward checks it against float64 and times it."""
+    when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous; ``dq_adds``: how the dQ parts are added
+    (DQ_ADDS; None: BWD_DQ). flash_triton's backward runs it where ``backward_preferred``; scripts/flash_gluon_probe.py
+    --backward checks it against float64 and times it."""
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(do, q, k, v, o, lse, is_causal, config, delta,
-                                                                     dq_acc)
+                                                                     dq_acc, dq_adds)
     _bwd_kernel[grid](*args, **constexprs)
     return (dq if dq_acc is not None else dq.to(q.dtype)), dk, dv
 
@@ -611,7 +665,7 @@ def preferred(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
 
 @functools.cache
 def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for(list(block), {**DTYPES, torch.float32: gl.float32}[dtype])
 
 
 def _descriptor(t: torch.Tensor, block_rows: int):
