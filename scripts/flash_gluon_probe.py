@@ -191,6 +191,9 @@ def bench_backward(shape: str, emit) -> None:
 
     runs = [(f"gluon_{dq_adds}", functools.partial(fg.backward, do, q, k, v, o, lse, True, dq_adds=dq_adds), "bwd")
             for dq_adds in fg.DQ_ADDS]
+    runs += [(f"gluon_{fg.BWD_DQ}_{'_'.join(map(str, config))}",
+              functools.partial(fg.backward, do, q, k, v, o, lse, True, config), "bwd")
+             for config in fg.BWD_CONFIGS if config != fg.BWD_CONFIG]
     runs += [("triton", lambda: ft.flash_backward(do, q, k, v, o, lse, True), "bwd"),
              ("cudnn", cudnn_fwd_bwd, "fwd+bwd"),
              ("gluon", lambda: fg.backward(do, q, k, v, *fg.forward(q, k, v, True), True), "fwd+bwd")]

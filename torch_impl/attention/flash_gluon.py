@@ -550,17 +550,18 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq
 
 BWD_HEAD_DIMS = (64, )  # at d 128, dK, dV and the dQ part (64 registers each) beside S^T and dP^T exceed 240
 BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer registers)
-BWD_DQ = "atomic"  # how dQ parts are added (DQ_ADDS)
-BWD_MIN_KEYS = 16384  # the shortest measured where it is not slower than the Triton backward
+BWD_CONFIGS = (BWD_CONFIG, (64, 64, 3, 240), (64, 64, 4, 240))  # what scripts/flash_gluon_probe.py times
+BWD_DQ = "tma"  # how dQ parts are added (DQ_ADDS): 1.13x "atomic" at 16,384 keys, 1.08x at 2,048 (ccae3bd)
+BWD_MIN_KEYS = 8192  # the shortest measured where it is not slower than the Triton backward
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None,
-                              dq_adds: str | None = None):
+                              dq_adds: str | None = None, dkdv=None):
     """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
-    given (flash_triton's backward makes both in one pass). Inputs as ``backward_supports`` takes them; ``dq_adds``
-    one of DQ_ADDS (None: BWD_DQ)."""
+    given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (contiguous, k's
+    shape). Inputs as ``backward_supports`` takes them; ``dq_adds`` one of DQ_ADDS (None: BWD_DQ)."""
     dq_adds = dq_adds or BWD_DQ
     if dq_adds not in DQ_ADDS:
         raise ValueError(f"dq_adds must be one of {sorted(DQ_ADDS)}; got {dq_adds!r}")
@@ -574,8 +575,9 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         delta = (do.float() * o.float()).sum(-1)
     if dq_acc is None:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dk, dv = dkdv or (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in "kv")
+    if not (dk.shape == dv.shape == k.shape and dk.is_contiguous() and dv.is_contiguous()):
+        raise ValueError(f"dkdv must be two contiguous tensors of k's shape {tuple(k.shape)}")
     q_desc, q_where = _descriptor(q, block_m)
     do_desc, do_where = _descriptor(do, block_m)
     k_desc, kv_where = _descriptor(k, TILES.value * block_k)  # a program's keys, both consumers' in one tile
@@ -590,13 +592,14 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     return grid, args, constexprs, (dq_acc, dk, dv)
 
 
-def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dq_adds: str | None = None):
+def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dq_adds: str | None = None,
+             dkdv=None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
-    when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous; ``dq_adds``: how the dQ parts are added
+    when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``dq_adds``: how the dQ parts are added
     (DQ_ADDS; None: BWD_DQ). flash_triton's backward runs it where ``backward_preferred``; scripts/flash_gluon_probe.py
     --backward checks it against float64 and times it."""
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(do, q, k, v, o, lse, is_causal, config, delta,
-                                                                     dq_acc, dq_adds)
+                                                                     dq_acc, dq_adds, dkdv)
     _bwd_kernel[grid](*args, **constexprs)
     return (dq if dq_acc is not None else dq.to(q.dtype)), dk, dv
 
@@ -612,9 +615,9 @@ def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
     """Whether flash_triton's backward should run this kernel: ``backward_supports`` and at least BWD_MIN_KEYS keys.
-    On one H100 (results/profiles/flash_gluon_probe_h100_e11edd8.jsonl) it is 0.99x the Triton backward alone at
-    16,384 keys and 0.80x at 2,048; in the op at 16,384 (it shares the D pass) forward + backward went from 0.86x
-    to 0.90x cuDNN's (notes/flash_attention.md, session 19)."""
+    On one H100, with the TMA reduce-add of dQ (results/profiles/flash_gluon_probe_h100_ccae3bd.jsonl), the
+    backward alone is 1.11x the Triton backward at 16,384 keys (1 x 16 heads), 1.04x at 8,192 (2 x 16), 0.95x at
+    4,096 (4 x 16) and 0.83x at 2,048 (4 x 32) (notes/flash_attention.md, session 21)."""
     return k.shape[-2] >= BWD_MIN_KEYS and backward_supports(do, q, k, v, is_causal)
 
 

@@ -639,12 +639,10 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     _launch(None, _bwd_preprocess, "delta", n_q, "BLOCK_M", batch * heads,
             o4, do4, delta, dq_acc, *_strides(o4), *_strides(do4), heads, n_q, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"],
             BLOCK_M=16 if INTERPRET else 128, ZERO_DQ=fused)
-    if gluon is not None:  # the Gluon backward adds dS K into the same zeros, scaled
-        _, dk_heads, dv_heads = gluon.backward(do4, q4, k4, v4, o4, lse.view(q4.shape[:-1]), is_causal,
-                                               delta=delta.view(q4.shape[:-1]), dq_acc=dq_acc)
+    if gluon is not None:  # the Gluon backward adds dS K into the same zeros, scaled, and writes dK, dV in place
+        gluon.backward(do4, q4, k4, v4, o4, lse.view(q4.shape[:-1]), is_causal, delta=delta.view(q4.shape[:-1]),
+                       dq_acc=dq_acc, dkdv=(dk4, dv4))
         dq4.copy_(dq_acc)
-        dk4.copy_(dk_heads)
-        dv4.copy_(dv_heads)
         return dq, dk, dv
     if tma:  # Triton's allocator is a context variable: set in this thread (autograd's backward runs in its own)
         triton.set_allocator(_descriptor_memory)
