@@ -14,9 +14,9 @@ hangs, it does not fail), in one process:
   cuDNN SDPA and the Triton forward (``flash_triton.flash_forward``) in the same process, with O's relative error
   against cuDNN's.
 
-With ``--backward``, instead, ``flash_gluon.backward`` with each way of adding dQ (``flash_gluon.DQ_ADDS``): dQ, dK,
-dV against float64 beside the Triton backward's errors on the same inputs (dO contiguous where q is the model's
-layout), and its time beside the Triton backward's and cuDNN's forward + backward.
+With ``--backward``, instead, ``flash_gluon.backward`` in each of BACKWARD_VARIANTS: dQ, dK, dV against float64
+beside the Triton backward's errors on the same inputs (dO contiguous where q is the model's layout), and its time
+beside the Triton backward's and cuDNN's forward + backward.
 
 Rows (with provenance) are appended to OUT/flash_gluon_probe.jsonl as they are measured; a configuration that
 fails to compile or run is a row with its error. Not a record: it decides what ``flash_gluon`` runs.
@@ -54,6 +54,11 @@ CHECKS = (  # (B, H, H_kv, n, causal, layout); the last three give the persisten
 # forward's options by variant name: flash_gluon.OPTIONS, and the persistent grid instead of one program per work item
 VARIANTS = {"gluon" + ("_" + name if name else ""): options for name, options in fg.OPTIONS.items()}
 VARIANTS["gluon_persistent"] = {"persistent": True}
+# the backward's options by variant name: each way of adding dQ (flash_gluon.DQ_ADDS), L and D brought by TMA, and
+# the other configurations of BWD_CONFIGS
+BACKWARD_VARIANTS = {f"gluon_{dq_adds}": {"dq_adds": dq_adds} for dq_adds in fg.DQ_ADDS}
+BACKWARD_VARIANTS["gluon_stats_tma"] = {"stats_tma": not fg.BWD_STATS_TMA}
+BACKWARD_VARIANTS.update({f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS if c != fg.BWD_CONFIG})
 
 
 def heads(b: int, h: int, n: int, d: int, layout: str, gen: torch.Generator) -> torch.Tensor:
@@ -165,15 +170,15 @@ def check_backward(emit) -> None:
         except Exception as err:  # noqa: BLE001 (a failing shape is a row)
             emit({**row, "error": error(err)})
             continue
-        for dq_adds in fg.DQ_ADDS:
+        for variant, options in BACKWARD_VARIANTS.items():
             try:
-                ours = fg.backward(do, q, k, v, o, lse, causal, dq_adds=dq_adds)
+                ours = fg.backward(do, q, k, v, o, lse, causal, **options)
                 torch.cuda.synchronize()
-                emit({**row, "dq_adds": dq_adds,
+                emit({**row, "variant": variant,
                       **{f"{name}_rel": rel(x, ref) for name, x, ref in zip(("dq", "dk", "dv"), ours, want)},
                       **{f"{name}_rel_triton": rel(x, ref) for name, x, ref in zip(("dq", "dk", "dv"), theirs, want)}})
             except Exception as err:  # noqa: BLE001
-                emit({**row, "dq_adds": dq_adds, "error": error(err)})
+                emit({**row, "variant": variant, "error": error(err)})
 
 
 def bench_backward(shape: str, emit) -> None:
@@ -189,11 +194,8 @@ def bench_backward(shape: str, emit) -> None:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             sdpa(*leaves, is_causal=True).backward(do)
 
-    runs = [(f"gluon_{dq_adds}", functools.partial(fg.backward, do, q, k, v, o, lse, True, dq_adds=dq_adds), "bwd")
-            for dq_adds in fg.DQ_ADDS]
-    runs += [(f"gluon_{fg.BWD_DQ}_{'_'.join(map(str, config))}",
-              functools.partial(fg.backward, do, q, k, v, o, lse, True, config), "bwd")
-             for config in fg.BWD_CONFIGS if config != fg.BWD_CONFIG]
+    runs = [(variant, functools.partial(fg.backward, do, q, k, v, o, lse, True, **options), "bwd")
+            for variant, options in BACKWARD_VARIANTS.items()]
     runs += [("triton", lambda: ft.flash_backward(do, q, k, v, o, lse, True), "bwd"),
              ("cudnn", cudnn_fwd_bwd, "fwd+bwd"),
              ("gluon", lambda: fg.backward(do, q, k, v, *fg.forward(q, k, v, True), True), "fwd+bwd")]
@@ -214,7 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=int, help="only the I-th configuration of each head dim")
     parser.add_argument("--backward", action="store_true",
                         help="instead: check flash_gluon.backward against float64 and time it (d in BWD_HEAD_DIMS)")
+    parser.add_argument("--variants", help=f"with --backward: only these, comma-separated ({', '.join(BACKWARD_VARIANTS)})")
     args = parser.parse_args(argv)
+    if args.variants:
+        unknown = set(args.variants.split(",")) - set(BACKWARD_VARIANTS)
+        if unknown:
+            parser.error(f"unknown --variants {', '.join(sorted(unknown))}; accepted: {', '.join(BACKWARD_VARIANTS)}")
+        for name in set(BACKWARD_VARIANTS) - set(args.variants.split(",")):
+            del BACKWARD_VARIANTS[name]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("flash_gluon_probe: needs an sm_90 GPU (H100, H200)", file=sys.stderr)
         return 2

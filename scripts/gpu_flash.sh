@@ -82,7 +82,7 @@ run_ncu() {
 
 run_ncu_gluon() {  # where the Gluon backward's time goes: Nsight Compute on one launch at 1 x 16 x 16,384 x 64 (the
   # probe's float64 checks launch it 7 times first), stall reasons per SASS instruction
-  local probe=(python3 scripts/flash_gluon_probe.py "$out/ncu_probe" --backward --shapes 1x16x16384x64)
+  local probe=(python3 scripts/flash_gluon_probe.py "$out/ncu_probe" --backward --shapes 1x16x16384x64 --variants gluon_tma)
   timeout 300 ncu --clock-control none --set full --import-source no -k regex:'^_bwd_kernel$' -s 7 -c 1 \
     -f -o /tmp/flash_gluon_bwd_ncu "${probe[@]}" >"$out/flash_gluon_bwd_ncu.log" 2>&1 || status=1
   ncu -i /tmp/flash_gluon_bwd_ncu.ncu-rep --page details >"$out/flash_gluon_bwd_ncu_details.txt" 2>&1 || status=1

@@ -370,11 +370,13 @@ def _vector_layout(head_dim):
 
 
 @gluon.jit
-def _bwd_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, free, b, h_kv,
-              group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h,
-              kv_rows_b, kv_rows_h, kv_cols_h, BLOCK_M: gl.constexpr):
+def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_smem, v_smem,
+              kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h,
+              do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, STATS_TMA: gl.constexpr,
+              BLOCK_M: gl.constexpr):
     """The producer warp: the program's K and V (both consumers' keys, one tile each) once, then Q_i and dO_i of
-    every query tile i >= i_first of every query head of the k/v head's group into stage s % STAGES."""
+    every query tile i >= i_first of every query head of the k/v head's group into stage s % STAGES (and with
+    STATS_TMA, L_i and D_i into stat_bufs 2 s % STAGES and the next)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     row = b * kv_rows_b + h_kv * kv_rows_h + key_start
@@ -386,7 +388,14 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, 
         for i in range(i_first, n_m):
             stage = s % stages
             mbarrier.wait(free.index(stage), ((s // stages) & 1) ^ 1)
-            mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            if STATS_TMA:
+                mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes +
+                                2 * lse_desc.block_type.nbytes)
+                _tma_load(lse_desc, [(b * n_heads + h) * n_m + i, 0], ready.index(stage), stat_bufs.index(2 * stage))
+                _tma_load(delta_desc, [(b * n_heads + h) * n_m + i, 0], ready.index(stage),
+                          stat_bufs.index(2 * stage + 1))
+            else:
+                mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             _tma_load(q_desc, [b * q_rows_b + h * q_rows_h + i * BLOCK_M, h * q_cols_h], ready.index(stage),
                       q_bufs.index(stage))
             _tma_load(do_desc, [b * do_rows_b + h * do_rows_h + i * BLOCK_M, h * do_cols_h], ready.index(stage),
@@ -395,10 +404,11 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, 
 
 
 @gluon.jit
-def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, dq_smem, kv_ready, ready, free, ds_ready, ds_free,
-                 lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start,
-                 i_first, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 DQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, kv_ready, ready, free, ds_ready,
+                 ds_free, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q,
+                 key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 DQ: gl.constexpr, STATS_TMA: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                 HEAD_DIM: gl.constexpr):
     """One consumer warpgroup: keys key_start + TILE * BLOCK_K .. + BLOCK_K. Per query tile i (with L_i and
     D_i = rowsum(dO_i O_i)): S^T = K Q_i^T and dP^T = V dO_i^T, P^T = exp(fl(S^T / sqrt(d)) - L) rounded as the
     Triton backward rounds it, dS^T = P^T (dP^T - D); dV += P^T dO_i and dK += dS^T Q_i (register operands).
@@ -429,12 +439,18 @@ def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, dq_smem, kv_ready, re
         bh = (b * n_heads + h).to(gl.int64)
         for i in range(i_first, n_m):
             # L_i and D_i first: their loads' latency (behind the dQ additions in L2) then runs under the wait for
-            # Q_i, dO_i and the products (they were the first stall of the loop: Nsight Compute, session 19)
+            # Q_i, dO_i and the products (they were the first stall of the loop: Nsight Compute, session 19);
+            # with STATS_TMA the producer brings them with Q_i and dO_i
             offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_cols)
-            lse = gl.load(lse_ptr + bh * n_q + offs_q)
-            delta = gl.load(delta_ptr + bh * n_q + offs_q)
+            if not STATS_TMA:
+                lse = gl.load(lse_ptr + bh * n_q + offs_q)
+                delta = gl.load(delta_ptr + bh * n_q + offs_q)
             stage = s % stages
             mbarrier.wait(ready.index(stage), (s // stages) & 1)
+            if STATS_TMA:
+                flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+                lse = stat_bufs.index(2 * stage)._reinterpret(gl.float32, [BLOCK_M], flat).load(query_cols)
+                delta = stat_bufs.index(2 * stage + 1)._reinterpret(gl.float32, [BLOCK_M], flat).load(query_cols)
             q = q_bufs.index(stage)
             do = do_bufs.index(stage)
             st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
@@ -492,10 +508,10 @@ def _bwd_consume(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, dq_smem, kv_ready, re
 
 
 @gluon.jit
-def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, sm_scale,
-                n_heads, n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h,
-                kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, STAGES: gl.constexpr,
-                CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
+                dv_ptr, sm_scale, n_heads, n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h,
+                do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
+                STATS_TMA: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Program (key block of TILES x BLOCK_K keys, batch x k/v head): dK, dV of its keys summed over the query heads
     of the group, and their part of dQ. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
     column h * q_cols_h of its descriptor's 2-D view (dO, K, V likewise, K and V one block of the program's keys);
@@ -518,6 +534,8 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq
     v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_KEYS, BLOCK_M], q_desc.dtype)
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_KEYS, BLOCK_M], ds_layout)
+    stat_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES if STATS_TMA else 1] + lse_desc.block_type.shape,
+                                          lse_desc.layout)  # L_i, D_i of each stage (one unused row without)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [TILES if DQ == DQ_TMA else 1] + dq_desc.block_type.shape,
                                         dq_desc.layout)  # one unused tile unless DQ_TMA
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -534,34 +552,38 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, dq
         mbarrier.init(ds_free.index(u), count=1)  # the consumer whose turn it was has read them
 
     gl.warp_specialize([
-        (_bwd_consume, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, dq_bufs.index(0 if DQ == DQ_TMA else 0), kv_ready,
-                        ready, free, ds_ready, ds_free, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv,
-                        group, n_heads, n_q, key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, DQ,
-                        BLOCK_M, BLOCK_K, HEAD_DIM)),
-        (_bwd_consume, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, dq_bufs.index(1 if DQ == DQ_TMA else 0), kv_ready,
-                        ready, free, ds_ready, ds_free, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv,
-                        group, n_heads, n_q, key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, DQ,
-                        BLOCK_M, BLOCK_K, HEAD_DIM)),
-        (_bwd_load, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, free, b, h_kv,
-                     group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h,
-                     do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, BLOCK_M)),
+        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs,
+                        dq_bufs.index(0 if DQ == DQ_TMA else 0), kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
+                        delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first,
+                        n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, DQ, STATS_TMA, BLOCK_M, BLOCK_K, HEAD_DIM)),
+        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs,
+                        dq_bufs.index(1 if DQ == DQ_TMA else 0), kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
+                        delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first,
+                        n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, DQ, STATS_TMA, BLOCK_M, BLOCK_K, HEAD_DIM)),
+        (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_smem,
+                     v_smem, kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m, q_rows_b,
+                     q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, STATS_TMA,
+                     BLOCK_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
 BWD_HEAD_DIMS = (64, )  # at d 128, dK, dV and the dQ part (64 registers each) beside S^T and dP^T exceed 240
 BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer registers)
 BWD_CONFIGS = (BWD_CONFIG, (64, 64, 3, 240), (64, 64, 4, 240))  # what scripts/flash_gluon_probe.py times
+BWD_STATS_TMA = False  # L_i, D_i with the producer's TMA loads (``backward_launch_arguments``' stats_tma)
+_STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
 BWD_DQ = "tma"  # how dQ parts are added (DQ_ADDS): 1.13x "atomic" at 16,384 keys, 1.08x at 2,048 (ccae3bd)
 BWD_MIN_KEYS = 8192  # the shortest measured where it is not slower than the Triton backward
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None,
-                              dq_adds: str | None = None, dkdv=None):
+                              dq_adds: str | None = None, dkdv=None, stats_tma: bool | None = None):
     """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
     given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (contiguous, k's
-    shape). Inputs as ``backward_supports`` takes them; ``dq_adds`` one of DQ_ADDS (None: BWD_DQ)."""
+    shape). Inputs as ``backward_supports`` takes them; ``dq_adds`` one of DQ_ADDS (None: BWD_DQ); ``stats_tma``:
+    the producer TMA-loads L_i and D_i with Q_i and dO_i (None: BWD_STATS_TMA)."""
     dq_adds = dq_adds or BWD_DQ
     if dq_adds not in DQ_ADDS:
         raise ValueError(f"dq_adds must be one of {sorted(DQ_ADDS)}; got {dq_adds!r}")
@@ -583,23 +605,27 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     k_desc, kv_where = _descriptor(k, TILES.value * block_k)  # a program's keys, both consumers' in one tile
     v_desc, _ = _descriptor(v, TILES.value * block_k)
     dq_desc, _ = _descriptor(dq_acc, block_m)
+    lse, delta = lse.contiguous(), delta.contiguous()
+    lse_desc, delta_desc = (TensorDescriptor(t, [t.numel() // block_m, block_m], [block_m, 1], [1, block_m],
+                                             _STATS_LAYOUT) for t in (lse, delta))  # row (b H + h) n_q / BLOCK_M + i
     grid = (n_k // (TILES.value * block_k), batch * kv_heads, 1)
-    args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse.contiguous(), delta.contiguous(), dq_acc, dk, dv,
+    args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, lse, delta, dq_acc, dk, dv,
             1 / math.sqrt(d), heads, kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
-    constexprs = dict(IS_CAUSAL=is_causal, DQ=DQ_ADDS[dq_adds], STAGES=stages, CONSUMER_REGS=regs, num_warps=4,
-                      enable_fp_fusion=False)
+    constexprs = dict(IS_CAUSAL=is_causal, DQ=DQ_ADDS[dq_adds],
+                      STATS_TMA=BWD_STATS_TMA if stats_tma is None else stats_tma, STAGES=stages, CONSUMER_REGS=regs,
+                      num_warps=4, enable_fp_fusion=False)
     return grid, args, constexprs, (dq_acc, dk, dv)
 
 
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dq_adds: str | None = None,
-             dkdv=None):
+             dkdv=None, stats_tma: bool | None = None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
     when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``dq_adds``: how the dQ parts are added
-    (DQ_ADDS; None: BWD_DQ). flash_triton's backward runs it where ``backward_preferred``; scripts/flash_gluon_probe.py
+    (DQ_ADDS; None: BWD_DQ); ``stats_tma`` as ``backward_launch_arguments`` takes it. flash_triton's backward runs it where ``backward_preferred``; scripts/flash_gluon_probe.py
     --backward checks it against float64 and times it."""
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(do, q, k, v, o, lse, is_causal, config, delta,
-                                                                     dq_acc, dq_adds, dkdv)
+                                                                     dq_acc, dq_adds, dkdv, stats_tma)
     _bwd_kernel[grid](*args, **constexprs)
     return (dq if dq_acc is not None else dq.to(q.dtype)), dk, dv
 
