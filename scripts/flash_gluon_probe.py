@@ -30,6 +30,7 @@ import json
 import math
 import sys
 import os
+import statistics
 import traceback
 from pathlib import Path
 
@@ -57,7 +58,7 @@ VARIANTS["gluon_persistent"] = {"persistent": True}
 # the backward's options by variant name: each way of adding dQ (flash_gluon.DQ_ADDS), L and D brought by TMA, and
 # the other configurations of BWD_CONFIGS
 BACKWARD_VARIANTS = {f"gluon_{dq_adds}": {"dq_adds": dq_adds} for dq_adds in fg.DQ_ADDS}
-BACKWARD_VARIANTS["gluon_stats_tma"] = {"stats_tma": not fg.BWD_STATS_TMA}
+BACKWARD_VARIANTS["gluon_stats_" + ("loads" if fg.BWD_STATS_TMA else "tma")] = {"stats_tma": not fg.BWD_STATS_TMA}
 BACKWARD_VARIANTS.update({f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS if c != fg.BWD_CONFIG})
 
 
@@ -181,9 +182,11 @@ def check_backward(emit) -> None:
                 emit({**row, "variant": variant, "error": error(err)})
 
 
-def bench_backward(shape: str, emit) -> None:
+def bench_backward(shape: str, emit, repeats: int = 1) -> None:
     """The backward alone (ours in Gluon, ours in Triton, from the same O and L) and forward + backward against
-    cuDNN's (autograd through SDPA), causal bf16."""
+    cuDNN's (autograd through SDPA), causal bf16; ``repeats`` rounds over all of them (each round times every run
+    once, so that a drift of the GPU's clock over the process reaches them alike), the median of the rounds'
+    medians reported."""
     b, h, n, d = (int(x) for x in shape.split("x"))
     gen = torch.Generator(device="cuda").manual_seed(n + d + 1)
     q, k, v, do = (heads(b, h, n, d, "bhnd", gen) for _ in "qkvo")
@@ -199,14 +202,22 @@ def bench_backward(shape: str, emit) -> None:
     runs += [("triton", lambda: ft.flash_backward(do, q, k, v, o, lse, True), "bwd"),
              ("cudnn", cudnn_fwd_bwd, "fwd+bwd"),
              ("gluon", lambda: fg.backward(do, q, k, v, *fg.forward(q, k, v, True), True), "fwd+bwd")]
-    for name, fn, pass_ in runs:
-        row = {"shape": shape, "pass": pass_, "variant": name}
-        try:
-            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-            emit({**row, "ms": ms})
-            print(f"  {shape} {pass_} {name}: {ms:.3f} ms", flush=True)
-        except Exception as err:  # noqa: BLE001
-            emit({**row, "error": error(err)})
+    times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    for _ in range(repeats):
+        for name, fn, pass_ in runs:
+            if times[name] is None:
+                continue
+            try:
+                times[name].append(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+            except Exception as err:  # noqa: BLE001
+                emit({"shape": shape, "pass": pass_, "variant": name, "error": error(err)})
+                times[name] = None
+    for name, _, pass_ in runs:
+        if times[name]:
+            ms = statistics.median(times[name])
+            emit({"shape": shape, "pass": pass_, "variant": name, "ms": ms, "rounds_ms": times[name]})
+            print(f"  {shape} {pass_} {name}: {ms:.3f} ms (rounds {', '.join(f'{t:.3f}' for t in times[name])})",
+                  flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,8 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=int, help="only the I-th configuration of each head dim")
     parser.add_argument("--backward", action="store_true",
                         help="instead: check flash_gluon.backward against float64 and time it (d in BWD_HEAD_DIMS)")
+    parser.add_argument("--repeats", type=int, default=1, help="with --backward: rounds of timings (median reported)")
     parser.add_argument("--variants", help=f"with --backward: only these, comma-separated ({', '.join(BACKWARD_VARIANTS)})")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1; got {args.repeats}")
     if args.variants:
         unknown = set(args.variants.split(",")) - set(BACKWARD_VARIANTS)
         if unknown:
@@ -241,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         check_backward(emit)
         for shape in args.shapes.split(","):
             if int(shape.split("x")[-1]) in fg.BWD_HEAD_DIMS:
-                bench_backward(shape, emit)
+                bench_backward(shape, emit, args.repeats)
         return 0
     for d, cs in configs.items():
         for config in cs:

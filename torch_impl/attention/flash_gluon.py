@@ -570,7 +570,8 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
 BWD_HEAD_DIMS = (64, )  # at d 128, dK, dV and the dQ part (64 registers each) beside S^T and dP^T exceed 240
 BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer registers)
 BWD_CONFIGS = (BWD_CONFIG, (64, 64, 3, 240), (64, 64, 4, 240))  # what scripts/flash_gluon_probe.py times
-BWD_STATS_TMA = False  # L_i, D_i with the producer's TMA loads (``backward_launch_arguments``' stats_tma)
+BWD_STATS_TMA = True  # L_i, D_i with the producer's TMA loads (``backward_launch_arguments``' stats_tma): their global
+# loads were 7% of the stall samples without (Nsight Compute at 4bfa8a2, notes/flash_attention.md session 21)
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
 BWD_DQ = "tma"  # how dQ parts are added (DQ_ADDS): 1.13x "atomic" at 16,384 keys, 1.08x at 2,048 (ccae3bd)
 BWD_MIN_KEYS = 8192  # the shortest measured where it is not slower than the Triton backward
