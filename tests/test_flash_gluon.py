@@ -136,7 +136,8 @@ def test_backward_launch_arguments_match_the_kernel_signature():
 
 class _GluonBackwardStandIn:
     """flash_gluon as flash_triton's backward calls it, with the kernel replaced by float64 autograd: it checks the D
-    and the zeroed fp32 dQ accumulator it is given, adds dQ into the accumulator and returns dK, dV contiguous."""
+    and the zeroed fp32 dQ accumulator it is given, adds dQ into the accumulator and writes dK, dV into the
+    contiguous outputs it is handed (``dkdv``)."""
 
     def __init__(self):
         self.calls = 0
@@ -147,20 +148,23 @@ class _GluonBackwardStandIn:
     def backward_preferred(self, do, q, k, v, is_causal):
         return True
 
-    def backward(self, do, q, k, v, o, lse, is_causal, delta=None, dq_acc=None):
+    def backward(self, do, q, k, v, o, lse, is_causal, delta=None, dq_acc=None, dkdv=None):
         self.calls += 1
         assert torch.allclose(delta, (do.double() * o.double()).sum(-1).float(), atol=1e-5)
         assert dq_acc.dtype == torch.float32 and dq_acc.is_contiguous() and not dq_acc.any()
+        assert all(t.shape == k.shape and t.is_contiguous() for t in dkdv)
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
         out = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=is_causal)
         dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), do.double())
         dq_acc += dq.float()
-        return None, dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+        dkdv[0].copy_(dk)
+        dkdv[1].copy_(dv)
+        return None, *dkdv
 
 
 def test_flash_triton_backward_hands_the_gluon_kernel_its_inputs_and_outputs(monkeypatch):
     """Where ``backward_preferred`` holds, flash_triton's backward runs the preprocess pass (D, dQ zeroed), the Gluon
-    backward into them, and copies dQ, dK, dV into the op's layout: (B, n, H, d) inputs, as the model passes them."""
+    backward into them and into the op's dK, dV, and copies dQ out: (B, n, H, d) inputs, as the model passes them."""
     from torch_impl.attention import flash_triton
 
     stand_in = _GluonBackwardStandIn()

@@ -54,6 +54,13 @@ def _tma_add(tensor_desc, coord, src, _semantic=None):
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
+@builtin
+def _reinterpret(smem, dtype, shape, layout, _semantic=None):
+    """smem seen with another dtype, shape and layout: ``_reinterpret`` in Triton 3.6, ``reinterpret`` from 3.7."""
+    view = getattr(smem, "reinterpret", None) or smem._reinterpret
+    return view(dtype, shape, layout, _semantic=_semantic)
+
+
 HEAD_DIMS = (64, 128)  # head dims the tiles are written for (wgmma's N for O and TMA's box width)
 MIN_KEYS = 4096  # below, the Triton forward is as fast or faster (``preferred``)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -449,8 +456,8 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, k
             mbarrier.wait(ready.index(stage), (s // stages) & 1)
             if STATS_TMA:
                 flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-                lse = stat_bufs.index(2 * stage)._reinterpret(gl.float32, [BLOCK_M], flat).load(query_cols)
-                delta = stat_bufs.index(2 * stage + 1)._reinterpret(gl.float32, [BLOCK_M], flat).load(query_cols)
+                lse = _reinterpret(stat_bufs.index(2 * stage), gl.float32, [BLOCK_M], flat).load(query_cols)
+                delta = _reinterpret(stat_bufs.index(2 * stage + 1), gl.float32, [BLOCK_M], flat).load(query_cols)
             q = q_bufs.index(stage)
             do = do_bufs.index(stage)
             st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
