@@ -359,13 +359,28 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
 # Right on the H100 (float64 checks, scripts/flash_gluon_probe.py --backward); flash_triton's backward runs it
 # where ``backward_preferred``.
 
-# How a consumer adds its dQ part (fp32, BLOCK_M x d) into the global accumulator, by ``DQ_ADDS`` name:
-DQ_ATOMIC = gl.constexpr(0)  # fp32 atomics from the wgmma accumulator's layout: two adjacent fp32 a thread and row,
-# one scalar ``red`` each, half of every 32-byte sector used (the kernel's L2 traffic: Nsight Compute, session 19)
-DQ_VECTOR = gl.constexpr(1)  # the tile converted (through shared memory) to 4 contiguous fp32 a thread: ``red.v4``
-DQ_TMA = gl.constexpr(2)  # into shared memory, then one TMA reduce-add of the tile (FlashAttention-3's dQ writes),
+# How the consumers compute dQ_i = dS K over the program's keys and add it into the global fp32 accumulator, by
+# ``DQ_ADDS`` name. The first three: the consumers take turns, one computing the whole (BLOCK_M, d) tile, and add it
+DQ_ATOMIC = gl.constexpr(0)  # with fp32 atomics from the wgmma accumulator's layout (``red.v2``: two adjacent fp32
+# a thread and row)
+DQ_VECTOR = gl.constexpr(1)  # converted (through shared memory) to 4 contiguous fp32 a thread first: ``red.v4``
+DQ_TMA = gl.constexpr(2)  # through shared memory and one TMA reduce-add of the tile (FlashAttention-3's dQ writes),
 # waited for only before the consumer's next tile reuses the buffer
-DQ_ADDS = {"atomic": DQ_ATOMIC.value, "vector": DQ_VECTOR.value, "tma": DQ_TMA.value}
+DQ_SPLIT = gl.constexpr(3)  # both consumers every tile, each d / 2 of its columns (FlashAttention-3's split of dQ
+# across warpgroups: neither waits for the other's turn), each added by TMA; K read as two (keys, d / 2) tiles
+DQ_ADDS = {"atomic": DQ_ATOMIC.value, "vector": DQ_VECTOR.value, "tma": DQ_TMA.value, "split": DQ_SPLIT.value}
+
+
+@triton.constexpr_function
+def _dq_cols(head_dim, dq):
+    """Columns of dQ a consumer computes: all of them, or half with DQ_SPLIT."""
+    return head_dim // TILES.value if dq == DQ_SPLIT.value else head_dim
+
+
+@triton.constexpr_function
+def _dq_by_tma(dq):
+    """Whether the dQ parts go through shared memory and TMA (each consumer then has a tile of its own there)."""
+    return dq in (DQ_TMA.value, DQ_SPLIT.value)
 
 
 @triton.constexpr_function
@@ -377,16 +392,33 @@ def _vector_layout(head_dim):
 
 
 @gluon.jit
-def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_smem, v_smem,
-              kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h,
-              do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, STATS_TMA: gl.constexpr,
-              BLOCK_M: gl.constexpr):
+def _tma_add_tile(tile, smem, desc, row, col):
+    """Add a register tile into global memory at (row, col) of desc's view: through smem and a TMA reduce-add,
+    once the last one issued from smem has read it."""
+    tma.store_wait(0)
+    smem.store(tile)
+    fence_async_shared()
+    _tma_add(desc, [row, col], smem)
+
+
+@gluon.jit
+def _bwd_load(q_desc, do_desc, k_desc, v_desc, kd_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_smem,
+              v_smem, kd_smem, kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m, q_rows_b,
+              q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, DQ: gl.constexpr,
+              STATS_TMA: gl.constexpr, BLOCK_M: gl.constexpr):
     """The producer warp: the program's K and V (both consumers' keys, one tile each) once, then Q_i and dO_i of
     every query tile i >= i_first of every query head of the k/v head's group into stage s % STAGES (and with
-    STATS_TMA, L_i and D_i into stat_bufs 2 s % STAGES and the next)."""
+    STATS_TMA, L_i and D_i into stat_bufs 2 s % STAGES and the next); with DQ_SPLIT also K's column halves into
+    kd_smem."""
     stages: gl.constexpr = q_bufs.type.shape[0]
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     row = b * kv_rows_b + h_kv * kv_rows_h + key_start
+    if DQ == DQ_SPLIT:
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes +
+                        TILES * kd_desc.block_type.nbytes)
+        for t in gl.static_range(TILES):
+            _tma_load(kd_desc, [row, h_kv * kv_cols_h + t * kd_desc.block_type.shape[1]], kv_ready, kd_smem.index(t))
+    else:
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     _tma_load(k_desc, [row, h_kv * kv_cols_h], kv_ready, k_smem)
     _tma_load(v_desc, [row, h_kv * kv_cols_h], kv_ready, v_smem)
     s = 0
@@ -411,8 +443,8 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_
 
 
 @gluon.jit
-def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, kv_ready, ready, free, ds_ready,
-                 ds_free, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q,
+def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs, dq_smem, kv_ready, ready, free,
+                 ds_ready, ds_free, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q,
                  key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
                  DQ: gl.constexpr, STATS_TMA: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
                  HEAD_DIM: gl.constexpr):
@@ -421,9 +453,10 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, k
     Triton backward rounds it, dS^T = P^T (dP^T - D); dV += P^T dO_i and dK += dS^T Q_i (register operands).
     dQ_i += dS K over both consumers' keys at once: each writes its dS^T into its half of a shared buffer (two
     buffers, alternating), and the consumers take turns (tile i's s-th of the program: consumer s % 2) to read the
-    whole of it transposed, multiply by the program's K and add the fp32 result to dq_ptr element by element, half
-    the additions of a dQ part per consumer, as DQ says (``DQ_ADDS``). Every product is waited within the
-    iteration (no wgmma in flight across a back edge: see ``_consume``)."""
+    whole of it transposed, multiply by the program's K and add the fp32 result into the accumulator, half the
+    additions of a dQ part per consumer; or, with DQ_SPLIT, both do it every tile for half of dQ's columns each
+    (``DQ_ADDS``). Every product is waited within the iteration (no wgmma in flight across a back edge: see
+    ``_consume``)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
     st_layout: gl.constexpr = _wgmma_layout(BLOCK_M)  # S^T, dP^T: (keys, queries)
@@ -435,7 +468,8 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, k
     v = v_smem.slice(TILE * BLOCK_K, BLOCK_K)
     offs_key = key_start + TILE * BLOCK_K + gl.arange(0, BLOCK_K, layout=key_rows)
     zero_st = gl.zeros([BLOCK_K, BLOCK_M], gl.float32, layout=st_layout)
-    zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
+    DQ_COLS: gl.constexpr = _dq_cols(HEAD_DIM, DQ)
+    zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=_wgmma_layout(DQ_COLS))
     dk = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
     d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
@@ -486,17 +520,21 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, k
             dk = warpgroup_mma(dst_a, q, dk, is_async=True)
             dv, dk, pt_a, dst_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_a, dst_a))
             mbarrier.arrive(free.index(stage), count=1)
-            if s % TILES == TILE:  # this consumer's turn: dQ_i over both halves of the keys
+            dq_row = (b * n_heads + h) * n_q + i * BLOCK_M
+            if DQ == DQ_SPLIT:  # dQ_i's columns TILE * d / 2 .. over both halves of the keys, every tile
+                mbarrier.wait(ds_ready.index(buf), (s // 2) & 1)
+                dq = warpgroup_mma(ds.permute((1, 0)), kd_smem.index(TILE), zero_dq, use_acc=False, is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                mbarrier.arrive(ds_free.index(buf), count=1)
+                _tma_add_tile(dq * sm_scale, dq_smem, dq_desc, dq_row, TILE * DQ_COLS)
+            elif s % TILES == TILE:  # this consumer's turn: dQ_i over both halves of the keys
                 mbarrier.wait(ds_ready.index(buf), (s // 2) & 1)
                 dq = warpgroup_mma(ds.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
                 mbarrier.arrive(ds_free.index(buf), count=1)
                 dq = dq * sm_scale
                 if DQ == DQ_TMA:
-                    tma.store_wait(0)  # the reduction of this consumer's last tile has read the buffer
-                    dq_smem.store(dq)
-                    fence_async_shared()
-                    _tma_add(dq_desc, [(b * n_heads + h) * n_q + i * BLOCK_M, 0], dq_smem)
+                    _tma_add_tile(dq, dq_smem, dq_desc, dq_row, 0)
                 else:
                     if DQ == DQ_VECTOR:
                         dq = gl.convert_layout(dq, _vector_layout(HEAD_DIM))
@@ -505,7 +543,7 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, k
                     gl.atomic_add(dq_ptr + gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0), dq,
                                   sem="relaxed")
             s += 1
-    if DQ == DQ_TMA:
+    if _dq_by_tma(DQ):
         tma.store_wait(0)  # the last reduction has read the buffer before the program's shared memory goes
     rows = ((b * n_kv_heads + h_kv).to(gl.int64) * n_k + key_start + TILE * BLOCK_K +
             gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))) * HEAD_DIM
@@ -515,7 +553,7 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, k
 
 
 @gluon.jit
-def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
+def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, delta_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
                 dv_ptr, sm_scale, n_heads, n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h,
                 do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
                 STATS_TMA: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
@@ -523,7 +561,7 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     of the group, and their part of dQ. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
     column h * q_cols_h of its descriptor's 2-D view (dO, K, V likewise, K and V one block of the program's keys);
     L, D (B, H, n_q) and dQ (B, H, n_q, d, fp32; ``dq_desc`` its (B H n_q, d) view) and dK, dV (B, H_kv, n_k, d)
-    are contiguous."""
+    are contiguous; ``kd_desc`` reads K as (keys, d / 2) tiles (DQ_SPLIT's operand)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -543,8 +581,10 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_KEYS, BLOCK_M], ds_layout)
     stat_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES if STATS_TMA else 1] + lse_desc.block_type.shape,
                                           lse_desc.layout)  # L_i, D_i of each stage (one unused row without)
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [TILES if DQ == DQ_TMA else 1] + dq_desc.block_type.shape,
-                                        dq_desc.layout)  # one unused tile unless DQ_TMA
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [TILES if _dq_by_tma(DQ) else 1] + dq_desc.block_type.shape,
+                                        dq_desc.layout)  # one unused tile without TMA
+    kd_smem = gl.allocate_shared_memory(kd_desc.dtype, [TILES if DQ == DQ_SPLIT else 1] + kd_desc.block_type.shape,
+                                        kd_desc.layout)  # K's column halves (one unused tile without DQ_SPLIT)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -556,21 +596,21 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
         mbarrier.init(free.index(u), count=TILES)  # both consumers release a stage
     for u in gl.static_range(2):
         mbarrier.init(ds_ready.index(u), count=TILES)  # both consumers' halves of dS^T written
-        mbarrier.init(ds_free.index(u), count=1)  # the consumer whose turn it was has read them
+        mbarrier.init(ds_free.index(u), count=TILES if DQ == DQ_SPLIT else 1)  # read by the dQ product(s)
 
     gl.warp_specialize([
-        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs,
-                        dq_bufs.index(0 if DQ == DQ_TMA else 0), kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
+        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs,
+                        dq_bufs.index(0 if _dq_by_tma(DQ) else 0), kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
                         delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first,
                         n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, DQ, STATS_TMA, BLOCK_M, BLOCK_K, HEAD_DIM)),
-        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs,
-                        dq_bufs.index(1 if DQ == DQ_TMA else 0), kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
+        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs,
+                        dq_bufs.index(1 if _dq_by_tma(DQ) else 0), kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
                         delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first,
                         n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, DQ, STATS_TMA, BLOCK_M, BLOCK_K, HEAD_DIM)),
-        (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_smem,
-                     v_smem, kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m, q_rows_b,
-                     q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, STATS_TMA,
-                     BLOCK_M)),
+        (_bwd_load, (q_desc, do_desc, k_desc, v_desc, kd_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs,
+                     k_smem, v_smem, kd_smem, kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m,
+                     q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
+                     DQ, STATS_TMA, BLOCK_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -612,12 +652,13 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     do_desc, do_where = _descriptor(do, block_m)
     k_desc, kv_where = _descriptor(k, TILES.value * block_k)  # a program's keys, both consumers' in one tile
     v_desc, _ = _descriptor(v, TILES.value * block_k)
-    dq_desc, _ = _descriptor(dq_acc, block_m)
+    dq_desc, _ = _descriptor(dq_acc, block_m, d // TILES.value if dq_adds == "split" else d)
+    kd_desc, _ = _descriptor(k, TILES.value * block_k, d // TILES.value)  # K's column halves (DQ_SPLIT)
     lse, delta = lse.contiguous(), delta.contiguous()
     lse_desc, delta_desc = (TensorDescriptor(t, [t.numel() // block_m, block_m], [block_m, 1], [1, block_m],
                                              _STATS_LAYOUT) for t in (lse, delta))  # row (b H + h) n_q / BLOCK_M + i
     grid = (n_k // (TILES.value * block_k), batch * kv_heads, 1)
-    args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, lse, delta, dq_acc, dk, dv,
+    args = (q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, delta_desc, lse, delta, dq_acc, dk, dv,
             1 / math.sqrt(d), heads, kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, DQ=DQ_ADDS[dq_adds],
@@ -706,9 +747,9 @@ def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), {**DTYPES, torch.float32: gl.float32}[dtype])
 
 
-def _descriptor(t: torch.Tensor, block_rows: int):
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
     shape, row_stride, where = _rows_and_columns(t)
-    block = (block_rows, t.shape[-1])
+    block = (block_rows, block_cols or t.shape[-1])
     return TensorDescriptor(t, shape, [row_stride, 1], list(block), _smem_layout(block, t.dtype)), where
 
 
