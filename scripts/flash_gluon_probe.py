@@ -59,7 +59,8 @@ VARIANTS["gluon_persistent"] = {"persistent": True}
 # the other configurations of BWD_CONFIGS
 BACKWARD_VARIANTS = {f"gluon_{dq_adds}": {"dq_adds": dq_adds} for dq_adds in fg.DQ_ADDS}
 BACKWARD_VARIANTS["gluon_stats_" + ("loads" if fg.BWD_STATS_TMA else "tma")] = {"stats_tma": not fg.BWD_STATS_TMA}
-BACKWARD_VARIANTS.update({f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS if c != fg.BWD_CONFIG})
+BACKWARD_VARIANTS.update({f"gluon_{'_'.join(map(str, c))}": {"config": c}
+                          for c in fg.BWD_CONFIGS if c != fg.BWD_CONFIG})
 
 
 def heads(b: int, h: int, n: int, d: int, layout: str, gen: torch.Generator) -> torch.Tensor:
@@ -228,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backward", action="store_true",
                         help="instead: check flash_gluon.backward against float64 and time it (d in BWD_HEAD_DIMS)")
     parser.add_argument("--repeats", type=int, default=1, help="with --backward: rounds of timings (median reported)")
-    parser.add_argument("--variants", help=f"with --backward: only these, comma-separated ({', '.join(BACKWARD_VARIANTS)})")
+    parser.add_argument("--variants",
+                        help=f"with --backward: only these, comma-separated ({', '.join(BACKWARD_VARIANTS)})")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1; got {args.repeats}")

@@ -553,9 +553,9 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs, d
 
 
 @gluon.jit
-def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, delta_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr,
-                dv_ptr, sm_scale, n_heads, n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h,
-                do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
+def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, delta_desc, lse_ptr, delta_ptr, dq_ptr,
+                dk_ptr, dv_ptr, sm_scale, n_heads, n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b,
+                do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
                 STATS_TMA: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Program (key block of TILES x BLOCK_K keys, batch x k/v head): dK, dV of its keys summed over the query heads
     of the group, and their part of dQ. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
@@ -670,9 +670,9 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dq_adds: str | None = None,
              dkdv=None, stats_tma: bool | None = None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
-    when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``dq_adds``: how the dQ parts are added
-    (DQ_ADDS; None: BWD_DQ); ``stats_tma`` as ``backward_launch_arguments`` takes it. flash_triton's backward runs it where ``backward_preferred``; scripts/flash_gluon_probe.py
-    --backward checks it against float64 and times it."""
+    when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``dq_adds`` (how the dQ
+    parts are added) and ``stats_tma`` as ``backward_launch_arguments`` takes them. flash_triton's backward runs it
+    where ``backward_preferred``; scripts/flash_gluon_probe.py --backward checks it against float64 and times it."""
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(do, q, k, v, o, lse, is_causal, config, delta,
                                                                      dq_acc, dq_adds, dkdv, stats_tma)
     _bwd_kernel[grid](*args, **constexprs)
