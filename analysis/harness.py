@@ -295,11 +295,18 @@ def run_benchmark(
                                                     is_writer=is_writer, config=config)
 
 
-def _run_benchmark(argv, *, prog, description, measure, on_failure, add_arguments, is_writer, config) -> int:
+def step_parser(prog: str, description: str,
+                add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> ArgumentParser:
+    """A step benchmark's parser: the flags every one accepts and the backend's own (``add_arguments``)."""
     parser = ArgumentParser(prog=prog, description=description)
     add_step_arguments(parser)
-    if add_arguments is not None:  # the backend's own flags
+    if add_arguments is not None:
         add_arguments(parser)
+    return parser
+
+
+def _run_benchmark(argv, *, prog, description, measure, on_failure, add_arguments, is_writer, config) -> int:
+    parser = step_parser(prog, description, add_arguments)
     args = config(**vars(parser.parse_args(argv)))
     runs = [args]
     if args.in_process:  # one model's sequence lengths, one after the other (run_sweep's child)

@@ -7,6 +7,9 @@
   PyTorch side uses, coordinator port ``MASTER_PORT`` + 1 so it never collides with a torch store on the
   same port; with several processes per host (``LOCAL_WORLD_SIZE`` > 1) each one takes only its
   ``LOCAL_RANK``-th device, as torchrun's one-process-per-GPU convention has it;
+* SLURM tasks (``srun``) with ``JAX_COORDINATOR_ADDRESS`` alone: that coordinator (the
+  recipe ``scripts/slurm/jax.sbatch`` names its first node and a port), process ``SLURM_PROCID`` of
+  ``SLURM_NTASKS``, taking its node's ``SLURM_LOCALID``-th device (one task per GPU, every GPU visible to each);
 * SLURM (``SLURM_NTASKS`` > 1) or Open MPI (``OMPI_COMM_WORLD_SIZE`` > 1): JAX's own cluster detection;
 * otherwise nothing: a single process.
 
@@ -31,7 +34,7 @@ DEFAULT_TIMEOUT_S = 300
 class ClusterEnv:
     """Where the coordinator is and who this process is; ``None`` fields: let JAX detect them."""
 
-    source: str  # "jax", "torchrun" or "auto" (SLURM / Open MPI detection)
+    source: str  # "jax", "torchrun", "slurm" or "auto" (JAX's SLURM / Open MPI detection)
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
@@ -50,6 +53,15 @@ def cluster_from_env(env: dict[str, str] | None = None) -> ClusterEnv | None:
     env = dict(os.environ if env is None else env)
     explicit = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
     present = [name for name in explicit if name in env]
+    if present == ["JAX_COORDINATOR_ADDRESS"] and "SLURM_NTASKS" in env:
+        if _int(env, "SLURM_NTASKS") == 1:
+            return None  # a job of one task: one process, nothing to join
+        for name in ("SLURM_PROCID", "SLURM_LOCALID"):
+            if name not in env:
+                raise ValueError(f"JAX_COORDINATOR_ADDRESS and SLURM_NTASKS={env['SLURM_NTASKS']} set but {name} "
+                                 "is not: run each process as a task of srun")
+        return ClusterEnv("slurm", env["JAX_COORDINATOR_ADDRESS"], _int(env, "SLURM_NTASKS"),
+                          _int(env, "SLURM_PROCID"), [_int(env, "SLURM_LOCALID")])
     if present:
         if len(present) != len(explicit):
             missing = sorted(set(explicit) - set(present))

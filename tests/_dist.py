@@ -23,6 +23,11 @@ prints it as a test failure) carrying every failed rank's traceback, or the rank
 fail (e.g. rank 1 raises or ``os._exit``s before a collective, and rank 0 must get an exception from the
 group's timeout instead of hanging; keep ``pg_timeout_s`` well under ``timeout_s`` for those).
 
+``run_launchers(commands, env=..., cwd=..., timeout_s=...)`` starts several command lines side by side (e.g. two
+``torchrun --nnodes 2 --node-rank 0|1`` launchers, two "nodes" on one host), each in its own process group, and
+returns each one's ``(returncode, output)``; at the deadline it kills every group still running and raises
+``RankFailure`` with their output, so a stuck rendezvous ends the test with a message instead of a hang.
+
 Caveats: ``fn`` and ``args`` must be picklable (functions at module level of an importable module: the
 ``tests`` folder is a package, so ``tests.test_x._body`` works). Each spawned child imports torch
 (~1-2 s). A port taken between choosing it and binding it is retried with a fresh port (up to 3 tries).
@@ -32,7 +37,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
+import subprocess
 import tempfile
 import time
 import traceback
@@ -169,3 +176,38 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         parts = [f"rank {o.rank}{' (timed out)' if o.timed_out else ''}:\n{o.error}" for o in failed]
         raise RankFailure(f"{len(failed)} of {world_size} ranks failed in {name}:\n\n" + "\n\n".join(parts))
     return [o.result for o in outcomes]
+
+
+def run_launchers(commands: list[list[str]], *, env: dict[str, str], cwd: str | os.PathLike,
+                  timeout_s: float = DEFAULT_TIMEOUT_S) -> list[tuple[int, str]]:
+    """Run ``commands`` side by side, each in a new process group; ``(returncode, stdout + stderr)`` of each.
+
+    Raises ``RankFailure`` with every command's output so far if any is still running after ``timeout_s``
+    (all their process groups are killed first, the launchers' workers included)."""
+    with tempfile.TemporaryDirectory(prefix="launchers_") as folder:
+        logs = [open(Path(folder, f"launcher{i}.log"), "w+") for i in range(len(commands))]
+        procs = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                 for cmd, log in zip(commands, logs)]
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            stuck = [i for i, p in enumerate(procs) if p.poll() is None]
+            for p in procs:  # a finished launcher's group may still hold orphaned workers
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for p in procs:
+                p.wait(5)
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+            log.close()
+    if stuck:
+        raise RankFailure(f"launchers {stuck} still running after {timeout_s:g}s and killed:\n\n"
+                          + "\n\n".join(f"launcher {i}: {' '.join(commands[i])}\n{outputs[i][-3000:]}"
+                                          for i in range(len(commands))))
+    return [(p.returncode, out) for p, out in zip(procs, outputs)]

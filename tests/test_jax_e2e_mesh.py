@@ -90,6 +90,11 @@ def test_cluster_from_env():
                 "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
     assert cluster_from_env(torchrun) == ClusterEnv("torchrun", "node0:29501", 8, 5, [1])
     assert cluster_from_env({"SLURM_NTASKS": "2"}) == ClusterEnv("auto")
+    srun_task = {"JAX_COORDINATOR_ADDRESS": "gpu001:24242", "SLURM_NTASKS": "16", "SLURM_PROCID": "9",
+                 "SLURM_LOCALID": "1"}  # scripts/slurm/jax.sbatch's tasks (tests/test_slurm.py renders it)
+    assert cluster_from_env(srun_task) == ClusterEnv("slurm", "gpu001:24242", 16, 9, [1])
+    with pytest.raises(ValueError, match="SLURM_LOCALID is not: run each process as a task of srun"):
+        cluster_from_env({k: v for k, v in srun_task.items() if k != "SLURM_LOCALID"})
     with pytest.raises(ValueError, match="JAX_PROCESS_ID missing"):
         cluster_from_env({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"})
     with pytest.raises(ValueError, match="MASTER_ADDR is not set"):

@@ -38,7 +38,8 @@ training seconds, flops_per_step and tflops / mfu per device from ``parallelism_
 one rank's ``batch_size x grad_accum`` sequences, peak_memory_bytes the worst rank's
 ``torch.cuda.max_memory_allocated`` (None on a CPU); metrics: train_loss (the epoch's mean),
 train_losses (per step, averaged over ranks), val_loss, samples_per_epoch, phase totals (s, slowest rank),
-every rank's peak memory, the data set, the learning rate, the gradient norms.
+every rank's peak memory, the data set, the learning rate, the gradient norms, and where each rank ran
+(``placement``, by rank: its host, its node's rank under a multi-node torchrun (GROUP_RANK) and its local rank).
 
 Checkpoints (``--checkpoint-dir``, every ``--checkpoint-every`` epochs and at ``--stop-after-epochs``;
 ``torch_impl.checkpoint``, atomic): rank 0 writes the model, the optimizer (ZeRO-1's consolidated
@@ -304,6 +305,7 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
             save(parts, cfg, step, generator, settings, rank, world_size)
             checkpoint_s = time.perf_counter() - ckpt_start
         mine = {"phase_s": {p: sum(v) / 1e3 for p, v in stats.phase_ms.items()},
+                "placement": {"host": ctx.host, "node_rank": ctx.node_rank, "local_rank": ctx.local_rank},
                 "peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
                 "training_s": training_s, "validation_s": validation_s, "checkpoint_s": checkpoint_s,
                 "epoch_s": time.perf_counter() - epoch_start}
@@ -348,6 +350,7 @@ def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch
         **worst, **times,
         "phase_totals_s": {p: max(g["phase_s"][p] for g in gathered) for p in STEP_PHASES},
         "per_rank_peak_memory_bytes": peaks,
+        "placement": [g["placement"] for g in gathered],
     }
     record = step_record(run, spec, cfg.seq_len, backend="torch", implementation=data_parallel_config(cfg).name,
                          device_name=device_name, step_times_ms=stats.step_ms, phases_ms=stats.phase_ms,

@@ -59,7 +59,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from analysis.harness import (StepConfig, StepRun, calculator_terms, failure_record, fixed_batch, frozen_gc,
-                              resolve_spec, run_benchmark, step_record)
+                              resolve_spec, run_benchmark, step_parser, step_record)
 from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_gpu_idle, trace_kernel_times
 from analysis.records import Record
 from jax_impl.device import device_name, mesh_from_flags, peak_memory_bytes
@@ -304,8 +304,16 @@ def add_jax_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dump-hlo", metavar="FILE", help="write the compiled step's optimized HLO here (text)")
 
 
+PROG = "python -m jax_impl.bench.e2e"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """This CLI's parser (``main`` parses with the same one)."""
+    return step_parser(PROG, __doc__.splitlines()[0], add_jax_arguments)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_benchmark(argv, prog="python -m jax_impl.bench.e2e", description=__doc__.splitlines()[0],
+    return run_benchmark(argv, prog=PROG, description=__doc__.splitlines()[0],
                          measure=measure, on_failure=failed_record, add_arguments=add_jax_arguments,
                          is_writer=lambda: jax.process_index() == 0, config=JaxStepConfig)
 

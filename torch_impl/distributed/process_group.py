@@ -1,7 +1,8 @@
 """Process groups from torchrun's environment: NCCL on GPUs, gloo on CPUs, always with a timeout.
 
 ``with distributed_context() as ctx:`` reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (set by
-``torchrun``, single node or multi-node with the usual rendezvous flags), picks the backend and the device
+``torchrun``, single node or multi-node with the usual rendezvous flags) and GROUP_RANK (torchrun's node rank,
+``ctx.node_rank``; ``ctx.host`` names the host, for the records), picks the backend and the device
 (``cuda:LOCAL_RANK`` when CUDA is available, else CPU), initializes the default group with a timeout, and
 destroys it on exit. A rank that fails or never arrives makes the others' collectives raise after the
 timeout instead of hanging the job; the exception names the rank and the timeout. Asking for CUDA without it
@@ -19,7 +20,7 @@ import contextlib
 import datetime
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -37,6 +38,8 @@ class DistributedContext:
     local_rank: int
     device: torch.device
     backend: str
+    node_rank: int = 0  # torchrun's GROUP_RANK: which node (launcher) of a multi-node job this rank runs on
+    host: str = field(default_factory=socket.gethostname)
 
     @property
     def is_main(self) -> bool:
@@ -97,7 +100,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
             raise ConnectionError(f"cannot start the process group at {address} (MASTER_ADDR:MASTER_PORT): "
                                   f"{str(err).split('message: ')[-1].strip()}; pick a free port with MASTER_PORT "
                                   "or torchrun --master-port") from None
-    return DistributedContext(rank, world_size, local_rank, dev, backend)
+    return DistributedContext(rank, world_size, local_rank, dev, backend, _env_int("GROUP_RANK", 0))
 
 
 def comm_group(sms: int, process_group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
