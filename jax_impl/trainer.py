@@ -44,8 +44,13 @@ References: MaxText ``train.py`` (the loop around a jitted, sharded ``train_step
 ("Checkpointing with CheckpointManager", ``args.Composite`` / ``StandardSave`` / ``JsonSave``); optax's
 ``clip_by_global_norm`` / ``adamw`` with a schedule; CS336 (Stanford, 2025) assignment 1 (the training loop).
 
-Caveats: one host (the multi-host launch of ``jax_impl.distributed`` is not wired in); a short last validation
-batch must still divide by the data-parallel degree.
+Several processes (one per GPU, or several hosts): ``jax_impl.distributed.initialize_from_env()`` runs first, so
+the same command under a launcher (Slurm's ``srun`` with ``JAX_COORDINATOR_ADDRESS``, torchrun-style variables, or
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) trains one program over every process's devices:
+each process draws the same global batches and places its own shards of them, orbax writes each process's shards
+of a checkpoint into the shared ``--checkpoint-dir``, and process 0 alone writes the records and prints.
+
+Caveats: a short last validation batch must still divide by the data-parallel degree.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from analysis.harness import DTYPES, StepRun, step_record  # noqa: E402
 from analysis.records import Record, divergence, save_records  # noqa: E402
 from jax_impl.attention import get_attention  # noqa: E402
 from jax_impl.device import device_name, mesh_from_flags, peak_memory_bytes  # noqa: E402
+from jax_impl.distributed import initialize_from_env  # noqa: E402
 from jax_impl.model import to_numpy_weights  # noqa: E402
 from jax_impl.train import (REMAT_POLICIES, ShardedTrainer, check_remat, dtype_arguments,  # noqa: E402
                             matmul_precision, step_name)
@@ -191,10 +197,12 @@ def _run(cfg: JaxTrainConfig, keep_params: bool) -> TrainResult:
     generator = np.random.default_rng(cfg.seed)
     settings = cfg.resume_settings(data, steps_per_epoch, global_batch)
     manager = checkpoint_manager(cfg) if cfg.checkpoint_dir else None
+    writer = jax.process_index() == 0  # of several processes, the one that writes records and prints
     step = 0
     if cfg.resume:
         step = restore(manager, trainer, cfg, generator, settings)
-        print(f"resumed from step {step} ({cfg.checkpoint_dir})", flush=True)
+        if writer:
+            print(f"resumed from step {step} ({cfg.checkpoint_dir})", flush=True)
     elif manager is not None and manager.latest_step() is not None:
         raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds checkpoints (latest step "
                          f"{manager.latest_step()}): continue them with --resume, or pick an empty folder")
@@ -205,7 +213,7 @@ def _run(cfg: JaxTrainConfig, keep_params: bool) -> TrainResult:
     for epoch in range(step // steps_per_epoch, cfg.stop_epoch):
         epoch_start = time.perf_counter()
         losses, step_ms, data_ms = [], [], []
-        bar = progress_bar(steps_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress)
+        bar = progress_bar(steps_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and writer)
         for _ in range(steps_per_epoch):
             step_start = time.perf_counter()
             starts = global_batch_starts(len(data.train), cfg.grad_accum, 1, cfg.batch_size, cfg.seq_len, generator)
@@ -248,9 +256,10 @@ def _run(cfg: JaxTrainConfig, keep_params: bool) -> TrainResult:
         result.records.append(record)
         result.train_losses += losses
         result.val_losses.append(val_loss)
-        if cfg.out:
-            save_records(cfg.out, record)
-        print(describe_epoch(record), flush=True)
+        if writer:
+            if cfg.out:
+                save_records(cfg.out, record)
+            print(describe_epoch(record), flush=True)
         if diverged:  # its record says "diverged"; a checkpoint of it would only hold NaNs
             print(f"error: epoch {epoch + 1}: {diverged}; training stopped, no checkpoint of this epoch",
                   file=sys.stderr, flush=True)
@@ -299,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = JaxTrainConfig(**vars(args))
         cfg.spec()
+        initialize_from_env()  # several processes under a launcher: one program over all their devices
         mesh_from_flags(cfg.mesh, cfg.device)  # an absent device or a mesh too large: refused before any work
     except ValueError as err:
         parser.error(str(err))
@@ -307,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     except RuntimeError as err:  # out of memory, a failing kernel: a record, not a gap
-        if cfg.out:
+        if cfg.out and jax.process_index() == 0:
             save_records(cfg.out, _failure_record(cfg, err))
         print(f"error: {type(err).__name__}: {one_line(err)}", file=sys.stderr, flush=True)
         return 1

@@ -2,7 +2,8 @@
 step for step; accumulating A micro-batches of b rows takes the steps of one batch of A x b rows (one device and
 a dp=2 mesh, float tolerance); stop-and-resume through orbax checkpoints gives the uninterrupted run's losses and
 weights bit for bit and refuses other settings; epoch records carry the PyTorch trainer's fields; bad input is one
-line and exit status 2. Tiny model with one block, 16-token sequences.
+line and exit status 2; two processes joined by ``jax.distributed`` train one mesh and checkpoint it, and one
+process resumes it, to the single-process run's losses. Tiny model with one block, 16-token sequences.
 """
 
 from __future__ import annotations
@@ -186,3 +187,43 @@ def test_both_trainers_take_the_same_steps_from_the_same_weights(cache, tmp_path
     assert len(jax_run.train_losses) == 2 * STEPS
     np.testing.assert_allclose(jax_run.train_losses, torch_run.train_losses, rtol=2e-5, err_msg=str(seed))
     np.testing.assert_allclose(jax_run.val_losses, torch_run.val_losses, rtol=2e-5, err_msg=str(seed))
+
+
+def test_two_processes_train_and_one_process_resumes(cache, tmp_path):
+    """Two processes of 2 CPU devices each, joined by ``jax.distributed`` (gloo collectives), train one dp=2 x
+    fsdp=2 mesh for an epoch and checkpoint it into a shared folder (orbax, each process its shards); one process
+    of 4 devices resumes it. Both halves give the losses of one uninterrupted single-process run (float tolerance:
+    the collectives' order differs), and process 0 alone writes the record."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from tests._dist import free_port, run_launchers
+
+    from jax_impl.trainer import build_parser
+
+    seed = secrets.randbelow(2**31)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "two.jsonl"
+    argv = _argv(cache, "--batch-size", "4", "--mesh", "dp=2,fsdp=2", "--seed", str(seed), "--checkpoint-dir",
+                 str(ckpt), "--stop-after-epochs", "1", "--out", str(out))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "JAX_PLATFORMS": "cpu",
+           "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2",
+           "JAX_DISTRIBUTED_TIMEOUT_S": "60"}
+    command = [sys.executable, "-m", "jax_impl.trainer", *argv]
+    results = run_launchers([["env", f"JAX_PROCESS_ID={i}", *command] for i in range(2)], env=env, cwd=tmp_path,
+                            timeout_s=240)
+    for i, (code, output) in enumerate(results):
+        assert code == 0, f"process {i} exited {code}:\n{output[-3000:]}"
+    (two,) = read_records(out)  # process 0 alone writes; one epoch before the stop
+    assert (two.world_size, two.mesh, two.metrics["epoch"]) == (4, {"dp": 2, "fsdp": 2, "tp": 1}, 1)
+
+    cfg = JaxTrainConfig(**vars(build_parser().parse_args(argv)))  # the processes' settings, in this process
+    whole = run_training(dataclasses.replace(cfg, checkpoint_dir=str(tmp_path / "whole"), stop_after_epochs=None,
+                                             out=None))
+    rest = run_training(dataclasses.replace(cfg, resume=True, stop_after_epochs=None, out=None))
+    assert rest.start_step == STEPS
+    np.testing.assert_allclose(two.metrics["train_losses"], whole.train_losses[:STEPS], rtol=1e-5,
+                               err_msg=str(seed))
+    np.testing.assert_allclose(rest.train_losses, whole.train_losses[STEPS:], rtol=1e-5, err_msg=str(seed))
+    np.testing.assert_allclose(rest.val_losses, whole.val_losses[1:], rtol=1e-5, err_msg=str(seed))
