@@ -5,7 +5,8 @@ Each recipe runs under bash with a fake ``srun`` and ``scontrol`` first on PATH 
 allocation sets: ``scontrol show hostnames`` prints the job's nodes, ``srun`` writes its arguments and environment to
 a JSON file and exits. The torchrun line is parsed by ``torch.distributed.run.get_args_parser()`` and the trainer's
 flags by ``torch_impl.train.build_parser()`` (then ``TrainConfig``, which refuses incompatible settings); the JAX
-line by ``jax_impl.bench.e2e.build_parser()``, its mesh resolved over the job's GPUs, and every task's environment
+line by ``jax_impl.trainer.build_parser()`` (then ``JaxTrainConfig``), its mesh resolved over the job's GPUs, a
+resume only from a complete orbax checkpoint, and every task's environment
 by ``jax_impl.distributed.cluster_from_env`` (the coordinator, process id and device each task would take). The
 README's ``sbatch`` lines are rendered the same way and its multi-node torchrun line parsed. Bad parameters end the
 recipe with one line and status 2. Hermetic: no network, no real Slurm; about 5 s (the parsers' imports).
@@ -13,6 +14,7 @@ recipe with one line and status 2. Hermetic: no network, no real Slurm; about 5 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -24,7 +26,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser
 
-from jax_impl.bench.e2e import JaxStepConfig, build_parser as jax_e2e_parser
+from jax_impl.trainer import JaxTrainConfig, build_parser as jax_train_parser
 from jax_impl.distributed import ClusterEnv, cluster_from_env
 from parallelism_calc.specs import ParallelSpec
 from torch_impl.train import TrainConfig, build_parser as train_parser
@@ -109,10 +111,10 @@ def _parse_torchrun(command: list[str]):
     return launcher, trainer
 
 
-def _parse_jax(command: list[str]) -> JaxStepConfig:
-    """The JAX benchmark's run, parsed by its own parser."""
-    assert command[:3] == [sys.executable, "-m", "jax_impl.bench.e2e"], command
-    return JaxStepConfig(**vars(_strict(jax_e2e_parser()).parse_args(command[3:])))
+def _parse_jax(command: list[str]) -> JaxTrainConfig:
+    """The JAX trainer's run, parsed by its own parser; its settings must fit together."""
+    assert command[:3] == [sys.executable, "-m", "jax_impl.trainer"], command
+    return JaxTrainConfig(**vars(_strict(jax_train_parser()).parse_args(command[3:])))
 
 
 def _torch_job(fake_bin, run_dir, nodes, gpus, args, env=None):
@@ -152,14 +154,24 @@ def test_jax_recipe_runs_a_process_per_gpu(fake_bin, tmp_path, nodes, gpus):
     options, command, env = _one_srun(*_render(fake_bin, run_dir, "jax.sbatch", nodes, gpus,
                                                ["--model", "xl", "--dtype", "bf16"]))
     assert options == {"nodes": str(nodes), "ntasks-per-node": str(gpus), "kill-on-bad-exit": "1"}
-    bench = _parse_jax(command)
-    assert (bench.model, bench.dtype, bench.out) == ("xl", "bf16", f"{run_dir}/jax_e2e.jsonl")
-    assert ParallelSpec.parse(bench.mesh).resolve(nodes * gpus).fsdp == nodes * gpus  # one mesh over every GPU
+    trainer = _parse_jax(command)
+    assert (trainer.model, trainer.dtype, trainer.out, trainer.checkpoint_dir, trainer.resume) == (
+        "xl", "bf16", f"{run_dir}/train.jsonl", f"{run_dir}/checkpoints", False)
+    assert ParallelSpec.parse(trainer.mesh).resolve(nodes * gpus).fsdp == nodes * gpus  # one mesh over every GPU
     ntasks = nodes * gpus
     for task in sorted({0, gpus - 1, ntasks - 1}):  # what srun's tasks would see
         task_env = {**env, "SLURM_NTASKS": str(ntasks), "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task % gpus)}
         expected = ClusterEnv("slurm", f"gpu001:{PORT}", ntasks, task, [task % gpus]) if ntasks > 1 else None
         assert cluster_from_env(task_env) == expected
+
+
+def test_jax_recipe_resumes_from_a_complete_checkpoint_only(fake_bin, tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "40.orbax-checkpoint-tmp-17").mkdir(parents=True)  # a save that was killed
+    render = functools.partial(_render, fake_bin, run_dir, "jax.sbatch", 2, 8, ["--model", "small"])
+    assert not _parse_jax(_one_srun(*render())[1]).resume
+    (run_dir / "checkpoints" / "20").mkdir()
+    assert _parse_jax(_one_srun(*render())[1]).resume
 
 
 def test_readme_lines_render_and_parse(fake_bin, tmp_path):
@@ -193,6 +205,7 @@ def test_readme_lines_render_and_parse(fake_bin, tmp_path):
     ("torch.sbatch", {}, ["--model", "tiny", "--out=x.jsonl"], "--out is set by the recipe"),
     ("torch.sbatch", {}, ["--checkpoint-dir", "ck"], "--checkpoint-dir is set by the recipe"),
     ("jax.sbatch", {"SLURM_NTASKS_PER_NODE": "1"}, [], "one task per GPU: submit with --ntasks-per-node 8 (now 1)"),
+    ("jax.sbatch", {}, ["--resume"], "--resume is set by the recipe"),
 ])
 def test_bad_parameters_end_the_job_in_one_line(fake_bin, tmp_path, recipe, env, args, message):
     proc, calls = _render(fake_bin, tmp_path / "run", recipe, 2, 8, args, env=env)
