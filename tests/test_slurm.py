@@ -126,6 +126,7 @@ def _torch_job(fake_bin, run_dir, nodes, gpus, args, env=None):
     assert (launcher.nnodes, launcher.nproc_per_node) == (str(nodes), str(gpus))
     assert (launcher.rdzv_backend, launcher.rdzv_endpoint, launcher.rdzv_id) == ("c10d", f"gpu001:{port}", str(JOB_ID))
     assert job_env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+    assert job_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # a fresh store for each restart (pytorch#135712)
     return launcher, trainer
 
 
@@ -134,8 +135,8 @@ def test_torch_recipe_runs_a_torchrun_per_node(fake_bin, tmp_path, nodes):
     run_dir = tmp_path / "run"
     _, trainer = _torch_job(fake_bin, run_dir, nodes, 8, ["--model", "small", "--seq-len", "512"])
     assert (trainer.model, trainer.seq_len, trainer.dist) == ("small", 512, "fsdp")  # the recipe's default mode
-    assert (trainer.out, trainer.checkpoint_dir, trainer.resume) == (f"{run_dir}/train.jsonl",
-                                                                    f"{run_dir}/checkpoints", False)
+    assert (trainer.out, trainer.checkpoint_dir, trainer.resume, trainer.auto_resume) == (
+        f"{run_dir}/train.jsonl", f"{run_dir}/checkpoints", False, True)  # resumes when a checkpoint is there
 
 
 def test_torch_recipe_resumes_and_passes_launcher_flags(fake_bin, tmp_path):
@@ -145,7 +146,7 @@ def test_torch_recipe_resumes_and_passes_launcher_flags(fake_bin, tmp_path):
     launcher, trainer = _torch_job(fake_bin, run_dir, 2, 4, ["--dist", "bucketed", "--bucket-mb", "100"],
                                    env={"TORCHRUN_ARGS": "--max-restarts 3", "PORT": "31000"})
     assert launcher.max_restarts == 3
-    assert trainer.resume and (trainer.dist, trainer.bucket_mb) == ("bucketed", 100.0)  # the user's flags win
+    assert trainer.auto_resume and (trainer.dist, trainer.bucket_mb) == ("bucketed", 100.0)  # the user's flags win
 
 
 @pytest.mark.parametrize("nodes, gpus", [(1, 1), (1, 8), (2, 8), (16, 8)])
@@ -206,6 +207,7 @@ def test_readme_lines_render_and_parse(fake_bin, tmp_path):
     ("torch.sbatch", {}, ["--checkpoint-dir", "ck"], "--checkpoint-dir is set by the recipe"),
     ("jax.sbatch", {"SLURM_NTASKS_PER_NODE": "1"}, [], "one task per GPU: submit with --ntasks-per-node 8 (now 1)"),
     ("jax.sbatch", {}, ["--resume"], "--resume is set by the recipe"),
+    ("torch.sbatch", {}, ["--auto-resume"], "--auto-resume is set by the recipe"),
 ])
 def test_bad_parameters_end_the_job_in_one_line(fake_bin, tmp_path, recipe, env, args, message):
     proc, calls = _render(fake_bin, tmp_path / "run", recipe, 2, 8, args, env=env)

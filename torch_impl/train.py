@@ -51,6 +51,18 @@ with several: two uninterrupted runs on 2 threads already differ by ~1e-5, as CP
 by thread). It refuses a checkpoint whose settings differ, or whose data set's content digest
 (``TokenData.digest``: a hash of the file's bytes) is not the one of ``--data`` now.
 
+Elastic restart (``torchrun --max-restarts N``): the launcher restarts the whole group with the same command line
+when a rank dies, so the trainer must decide by itself whether to continue. ``--auto-resume`` resumes from the
+latest checkpoint in ``--checkpoint-dir`` if there is one and starts fresh otherwise: what torchtitan's checkpointer
+(and MaxText's) does whenever checkpointing is on, so that one command line serves the first start, every restart
+and a requeued job alike. It is a flag, not the default, because a run without it starts fresh in a folder that
+holds checkpoints (tests and users rely on that); nor is it tied to ``TORCHELASTIC_RESTART_COUNT``, which a
+requeued Slurm job resets to 0. A restarted worker without it (or ``--resume``) starts from step 0 with a warning.
+Records carry ``metrics.restarts`` (torchrun's restart count of the group that ran the epoch).
+Fault injection, for tests only: ``TRAIN_FAULT_AT_STEP=RANK:STEP`` makes rank RANK SIGKILL itself in optimizer
+step STEP (1-based) after its first backward, before the gradient synchronization, on the first attempt only
+(restart count 0), so the restarted group runs through (``tests/test_elastic.py``).
+
 A non-finite loss ends the run after its epoch: the epoch's record has status "diverged" (no checkpoint of
 it is saved) and the exit status is 1. ``--stop-after-epochs K`` ends the job after
 epoch K (with a checkpoint), keeping the schedule of ``--epochs``: a preemption, on purpose.
@@ -75,8 +87,10 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -112,6 +126,7 @@ class TrainConfig(TrainSettings):
     dist: str = "none"
     bucket_mb: float = 25.0
     timeout: float = 300.0
+    auto_resume: bool = False
 
     def __post_init__(self) -> None:
         if self.dist not in DIST_MODES:
@@ -123,6 +138,9 @@ class TrainConfig(TrainSettings):
         check_cuda_graph(self.cuda_graph, self.compile, "cuda" if cuda else "cpu", self.grad_accum)
         if not all(0 < v < math.inf for v in (self.bucket_mb, self.timeout)):
             raise ValueError("--bucket-mb and --timeout must be finite and > 0")
+        if self.auto_resume and (self.resume or not self.checkpoint_dir):
+            raise ValueError("--auto-resume needs --checkpoint-dir and no --resume (--resume insists on a checkpoint, "
+                             "--auto-resume starts fresh without one)")
         super().__post_init__()
 
 
@@ -220,6 +238,59 @@ def restore(parts: StepParts, cfg: TrainConfig, generator: np.random.Generator, 
     return state.shared["step"]
 
 
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker group (TORCHELASTIC_RESTART_COUNT; 0 without torchrun)."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if not value.isdigit():
+        raise ValueError(f"TORCHELASTIC_RESTART_COUNT={value!r} is not a count")
+    return int(value)
+
+
+def resume_step(parts: StepParts, cfg: TrainConfig, generator: np.random.Generator, settings: dict, rank: int,
+                world_size: int) -> int:
+    """The step this run starts from: ``restore``'s with --resume, or with --auto-resume when a checkpoint is
+    there; else 0 (a restarted torchrun worker then warns that it starts over)."""
+    restarts = restart_count()
+    attempt = f"; torchrun restart {restarts}" if restarts else ""
+    if cfg.resume or (cfg.auto_resume and ckpt.latest_checkpoint(cfg.checkpoint_dir) is not None):
+        step = restore(parts, cfg, generator, settings, rank, world_size)
+        if rank == 0:
+            print(f"resumed from step {step} ({cfg.checkpoint_dir}{attempt})", flush=True)
+        return step
+    if rank == 0 and cfg.auto_resume:
+        print(f"no checkpoint in {cfg.checkpoint_dir}: starting from step 0{attempt}", flush=True)
+    elif rank == 0 and restarts > 0:
+        print(f"warning: torchrun restart {restarts} starts from step 0; pass --auto-resume (with --checkpoint-dir) "
+              "to continue from the latest checkpoint", file=sys.stderr, flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- fault injection (tests only)
+
+FAULT_ENV = "TRAIN_FAULT_AT_STEP"
+
+
+def fault_at_step() -> tuple[int, int] | None:
+    """(rank, step) of ``TRAIN_FAULT_AT_STEP=RANK:STEP`` on the first attempt (restart count 0); None otherwise."""
+    value = os.environ.get(FAULT_ENV)
+    if value is None or restart_count() > 0:
+        return None
+    rank, _, step = value.partition(":")
+    if not (rank.isdigit() and step.isdigit() and int(step) >= 1):
+        raise ValueError(f"{FAULT_ENV}={value!r}: write RANK:STEP, e.g. 1:5 (rank 1 dies in optimizer step 5)")
+    return int(rank), int(step)
+
+
+def _dying_mark(mark: Callable[[str], None], rank: int, step: int) -> Callable[[str], None]:
+    """``mark`` that SIGKILLs this process at the step's first "backward" mark (before the gradient sync)."""
+    def dying(phase: str) -> None:
+        mark(phase)
+        if phase == "backward":
+            print(f"{FAULT_ENV}: rank {rank} kills itself in step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return dying
+
+
 # ----------------------------------------------------------------------------- the run
 
 
@@ -258,9 +329,10 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
     parts = build(cfg, spec, device, world_size, total_steps)
     generator = np.random.default_rng(cfg.seed)
     settings = cfg.resume_settings(data, steps_per_epoch, global_batch)
-    step = restore(parts, cfg, generator, settings, rank, world_size) if cfg.resume else 0
-    if rank == 0 and cfg.resume:
-        print(f"resumed from step {step} ({cfg.checkpoint_dir})", flush=True)
+    fault = fault_at_step()
+    if fault is not None and fault[0] >= world_size:
+        raise ValueError(f"{FAULT_ENV}: rank {fault[0]} does not exist on {world_size} rank(s)")
+    step = resume_step(parts, cfg, generator, settings, rank, world_size)
     result = TrainResult([], [], [], start_step=step)
     stop_epoch = cfg.stop_epoch
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -278,7 +350,8 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
                                          generator)  # (micro, rank, row)
             micro = [batch_at(data.train, starts[j, rank], cfg.seq_len, device) for j in range(cfg.grad_accum)]
             timer.mark("data")
-            loss, norm = train_step(parts, micro, timer.mark)
+            mark = _dying_mark(timer.mark, rank, step + 1) if fault == (rank, step + 1) else timer.mark
+            loss, norm = train_step(parts, micro, mark)
             stats.losses.append(loss.item())  # waits for the step: the wall clock below is the step's
             stats.step_ms.append((time.perf_counter() - step_start) * 1e3)
             if norm is not None:
@@ -351,6 +424,7 @@ def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch
         "phase_totals_s": {p: max(g["phase_s"][p] for g in gathered) for p in STEP_PHASES},
         "per_rank_peak_memory_bytes": peaks,
         "placement": [g["placement"] for g in gathered],
+        "restarts": restart_count(),
     }
     record = step_record(run, spec, cfg.seq_len, backend="torch", implementation=data_parallel_config(cfg).name,
                          device_name=device_name, step_times_ms=stats.step_ms, phases_ms=stats.phase_ms,
@@ -380,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="bucket size in MiB for bucketed and zero1 (default 25)")
     a("--device", default=d.device, help="auto (CUDA if available), cpu, or cuda")
     a("--timeout", type=positive_float, default=d.timeout, help="process-group timeout in seconds (default 300)")
+    a("--auto-resume", action="store_true",
+      help="resume from the latest checkpoint in --checkpoint-dir if there is one, else start fresh (for torchrun "
+           "--max-restarts and requeued jobs: one command line for every start)")
     return p
 
 
@@ -390,7 +467,7 @@ def _failure_record(cfg: TrainConfig, err: BaseException, world_size: int) -> Re
                     world_size=world_size, status="oom" if oom else "error",
                     error=f"{type(err).__name__}: {err}".splitlines()[0],
                     metrics={"attention": cfg.attention, "compiled": cfg.compile, "dist": cfg.dist, "grad_accum": cfg.grad_accum,
-                             "run": cfg.run_name})
+                             "run": cfg.run_name, "restarts": restart_count()})
     record.provenance["device_name"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return record
 

