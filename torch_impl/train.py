@@ -106,7 +106,8 @@ from parallelism_calc.specs import ModelSpec  # noqa: E402
 from torch_impl import checkpoint as ckpt  # noqa: E402
 from torch_impl.device import pick_device  # noqa: E402
 from torch_impl.data import batch_at  # noqa: E402
-from torch_impl.distributed.process_group import DistributedContext, free_port, init_distributed  # noqa: E402
+from torch_impl.distributed.process_group import (DistributedContext, free_port, init_distributed,  # noqa: E402
+                                                   restart_count)
 from torch_impl.model import TransformerLM, cross_entropy  # noqa: E402
 from torch_impl.parallelize import (CUDA_GRAPHS, WRAPPER_MODES as DIST_MODES, DataParallelConfig,  # noqa: E402
                                     check_cuda_graph, check_supported, data_parallel_configs, parallelize)
@@ -236,14 +237,6 @@ def restore(parts: StepParts, cfg: TrainConfig, generator: np.random.Generator, 
     generator.bit_generator.state = state.shared["data_generator"]
     ckpt.restore_rng((state.local or ckpt.load_checkpoint(cfg.checkpoint_dir, 0).local)["rng"])
     return state.shared["step"]
-
-
-def restart_count() -> int:
-    """How many times torchrun has restarted this worker group (TORCHELASTIC_RESTART_COUNT; 0 without torchrun)."""
-    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if not value.isdigit():
-        raise ValueError(f"TORCHELASTIC_RESTART_COUNT={value!r} is not a count")
-    return int(value)
 
 
 def resume_step(parts: StepParts, cfg: TrainConfig, generator: np.random.Generator, settings: dict, rank: int,

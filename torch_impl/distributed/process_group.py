@@ -60,6 +60,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker group (TORCHELASTIC_RESTART_COUNT; 0 without torchrun)."""
+    count = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    if count < 0:
+        raise ValueError(f"TORCHELASTIC_RESTART_COUNT={count} is not a count")
+    return count
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None:
