@@ -795,7 +795,7 @@ def test_gpu_gluon_in_the_op(case, is_causal, d, dtype, seed, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_adds", ["atomic", "vector", "tma", "split"])
+@pytest.mark.parametrize("dq_adds", ["atomic", "tma", "split"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", [((2, 4), 1024, 1024), ((4, 16), 512, 1024)], ids=["q1024", "b4-h16-q512-k1024"])
 def test_gpu_gluon_backward_dq_adds(case, is_causal, dq_adds, seed, monkeypatch):

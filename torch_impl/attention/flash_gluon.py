@@ -360,15 +360,15 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
 # where ``backward_preferred``.
 
 # How the consumers compute dQ_i = dS K over the program's keys and add it into the global fp32 accumulator, by
-# ``DQ_ADDS`` name. The first three: the consumers take turns, one computing the whole (BLOCK_M, d) tile, and add it
+# ``DQ_ADDS`` name. The first two: the consumers take turns, one computing the whole (BLOCK_M, d) tile, and add it
+# (a third, ``red.v4`` after a layout change, lay between them at every shape measured and went: session 21's notes)
 DQ_ATOMIC = gl.constexpr(0)  # with fp32 atomics from the wgmma accumulator's layout (``red.v2``: two adjacent fp32
 # a thread and row)
-DQ_VECTOR = gl.constexpr(1)  # converted (through shared memory) to 4 contiguous fp32 a thread first: ``red.v4``
-DQ_TMA = gl.constexpr(2)  # through shared memory and one TMA reduce-add of the tile (FlashAttention-3's dQ writes),
+DQ_TMA = gl.constexpr(1)  # through shared memory and one TMA reduce-add of the tile (FlashAttention-3's dQ writes),
 # waited for only before the consumer's next tile reuses the buffer
-DQ_SPLIT = gl.constexpr(3)  # both consumers every tile, each d / 2 of its columns (FlashAttention-3's split of dQ
+DQ_SPLIT = gl.constexpr(2)  # both consumers every tile, each d / 2 of its columns (FlashAttention-3's split of dQ
 # across warpgroups: neither waits for the other's turn), each added by TMA; K read as two (keys, d / 2) tiles
-DQ_ADDS = {"atomic": DQ_ATOMIC.value, "vector": DQ_VECTOR.value, "tma": DQ_TMA.value, "split": DQ_SPLIT.value}
+DQ_ADDS = {"atomic": DQ_ATOMIC.value, "tma": DQ_TMA.value, "split": DQ_SPLIT.value}
 
 
 @triton.constexpr_function
@@ -381,14 +381,6 @@ def _dq_cols(head_dim, dq):
 def _dq_by_tma(dq):
     """Whether the dQ parts go through shared memory and TMA (each consumer then has a tile of its own there)."""
     return dq in (DQ_TMA.value, DQ_SPLIT.value)
-
-
-@triton.constexpr_function
-def _vector_layout(head_dim):
-    """Rows of head_dim fp32 in a warpgroup, 4 contiguous a thread (a row's 16-byte pieces across a warp's lanes)."""
-    lanes = head_dim // 4
-    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // lanes, lanes], warps_per_cta=[4, 1],
-                            order=[1, 0])
 
 
 @gluon.jit
@@ -536,8 +528,6 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs, d
                 if DQ == DQ_TMA:
                     _tma_add_tile(dq, dq_smem, dq_desc, dq_row, 0)
                 else:
-                    if DQ == DQ_VECTOR:
-                        dq = gl.convert_layout(dq, _vector_layout(HEAD_DIM))
                     rows = (bh * n_q + i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq.type.layout)))
                     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq.type.layout))
                     gl.atomic_add(dq_ptr + gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0), dq,
