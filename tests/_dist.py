@@ -38,7 +38,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -48,6 +47,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from torch_impl.distributed.process_group import free_port  # the tests take it from here too
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_PG_TIMEOUT_S = 20.0
@@ -70,13 +71,6 @@ class RankOutcome:
     @property
     def ok(self) -> bool:
         return self.error is None and not self.timed_out
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(rank: int, world_size: int, port: int, out_dir: str, pg_timeout_s: float,

@@ -12,7 +12,6 @@ alone writing the record.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from jax_impl.bench import e2e as jax_e2e  # noqa: E402
 from jax_impl.distributed import ClusterEnv, cluster_from_env  # noqa: E402
 from parallelism_calc.compute import step_flops  # noqa: E402
 from parallelism_calc.specs import MODELS  # noqa: E402
+from tests._dist import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--model", "tiny", "--batch-size", "8", "--seq-len", "16", "--warmup", "1", "--steps", "2",
@@ -101,17 +101,11 @@ def test_cluster_from_env():
         cluster_from_env({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "1"})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_train_one_mesh_like_one_process(tmp_path):
     seed = str(np.random.SeedSequence().entropy % 1000)
     flags = [*FLAGS, "--seed", seed, "--mesh", "fsdp=2,tp=2"]
     out = tmp_path / "two.jsonl"
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
            "JAX_NUM_PROCESSES": "2", "JAX_DISTRIBUTED_TIMEOUT_S": "60"}

@@ -17,7 +17,6 @@ import datetime
 import json
 import os
 import secrets
-import socket
 import sys
 import time
 import traceback
@@ -28,16 +27,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests._dist import free_port
+
 WORLD_SIZE = 2
 SHAPE = (3, 37)
 PG_TIMEOUT_S = 30  # collectives give up after this; the parent's deadline is longer
 JOIN_DEADLINE_S = 90  # generous for a loaded 2-core CI machine; a healthy run takes a few seconds
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_tensor(base_seed: int, rank: int) -> torch.Tensor:
@@ -111,7 +106,7 @@ def _worker(rank: int, world_size: int, port: int, base_seed: int, out_dir: str,
 
 def _run_world(tmp_path: Path, backend: str, world_size: int = WORLD_SIZE) -> list[dict]:
     base_seed = secrets.randbelow(2**20)
-    port = _free_port()
+    port = free_port()
     ctx = mp.start_processes(
         _worker,
         args=(world_size, port, base_seed, str(tmp_path), backend),
