@@ -9,7 +9,10 @@ process resumes it, to the single-process run's losses. Tiny model with one bloc
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +21,7 @@ jax = pytest.importorskip("jax")
 pytest.importorskip("orbax.checkpoint")
 
 from analysis.records import read_records  # noqa: E402
-from jax_impl.trainer import JaxTrainConfig, lr_schedule, main, run_training  # noqa: E402
+from jax_impl.trainer import JaxTrainConfig, build_parser, lr_schedule, main, run_training  # noqa: E402
 from lm_data import prepare_data  # noqa: E402
 from lm_training import TrainSettings, epoch_metrics, lr_at  # noqa: E402
 
@@ -194,13 +197,7 @@ def test_two_processes_train_and_one_process_resumes(cache, tmp_path):
     fsdp=2 mesh for an epoch and checkpoint it into a shared folder (orbax, each process its shards); one process
     of 4 devices resumes it. Both halves give the losses of one uninterrupted single-process run (float tolerance:
     the collectives' order differs), and process 0 alone writes the record."""
-    import os
-    import sys
-    from pathlib import Path
-
-    from tests._dist import free_port, run_launchers
-
-    from jax_impl.trainer import build_parser
+    from tests._dist import free_port, run_launchers  # torch, as the PyTorch pieces here, imported where needed
 
     seed = secrets.randbelow(2**31)
     ckpt, out = tmp_path / "ckpt", tmp_path / "two.jsonl"
