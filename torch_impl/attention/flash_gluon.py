@@ -37,6 +37,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 
+from torch_impl.attention import flash_triton
+
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
 # TMA's global -> shared copy: ``async_copy_global_to_shared`` in Triton 3.6 (the GPU image), ``async_load`` from 3.7.
@@ -661,12 +663,17 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
              dkdv=None, stats_tma: bool | None = None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
     when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``dq_adds`` (how the dQ
-    parts are added) and ``stats_tma`` as ``backward_launch_arguments`` takes them. flash_triton's backward runs it
-    where ``backward_preferred``; scripts/flash_gluon_probe.py --backward checks it against float64 and times it."""
+    parts are added) and ``stats_tma`` as ``backward_launch_arguments`` takes them. Without D and ``dq_acc``, both
+    come from flash_triton's preprocess pass, as in its backward, which runs this one where ``backward_preferred``
+    (so that scripts/flash_gluon_probe.py --backward, which checks it against float64, times what the op runs)."""
+    given = dq_acc is not None
+    if delta is None and not given:
+        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        delta = flash_triton.backward_preprocess(o, do, dq_acc)
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(do, q, k, v, o, lse, is_causal, config, delta,
                                                                      dq_acc, dq_adds, dkdv, stats_tma)
     _bwd_kernel[grid](*args, **constexprs)
-    return (dq if dq_acc is not None else dq.to(q.dtype)), dk, dv
+    return (dq if given else dq.to(q.dtype)), dk, dv
 
 
 def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:

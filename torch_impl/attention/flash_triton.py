@@ -613,6 +613,17 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     return o, lse
 
 
+def backward_preprocess(o: torch.Tensor, do: torch.Tensor, zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """D = rowsum(dO * O) in fp32 (o.shape[:-1]) of O and dO (B, H, n, d), and, given ``zeros`` (fp32, contiguous,
+    o's shape), zeros written into it in the same pass: the accumulator the fused backwards add dQ into."""
+    batch, heads, n_q, d = o.shape
+    delta = torch.empty(o.shape[:-1], dtype=torch.float32, device=o.device)
+    _launch(None, _bwd_preprocess, "delta", n_q, "BLOCK_M", batch * heads,
+            o, do, delta, zeros, *_strides(o), *_strides(do), heads, n_q, HEAD_DIM=d,
+            BLOCK_D=triton.next_power_of_2(d), BLOCK_M=16 if INTERPRET else 128, ZERO_DQ=zeros is not None)
+    return delta
+
+
 def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, is_causal: bool, tf32: bool = False, deterministic: bool = False):
     """dQ, dK, dV (each shaped like its input, contiguous): the D = rowsum(dO * O) pass, then the fused pass
@@ -626,7 +637,6 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     lse = lse.contiguous()
     sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
     batch, heads, n_q, d = q4.shape
-    delta = torch.empty_like(lse)  # (..., n_q) fp32
     sm_scale = 1.0 / math.sqrt(d)
     common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4))
     gluon = None if deterministic else _gluon()
@@ -636,11 +646,9 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     # The fused pass adds dS K into fp32 zeros (the preprocess writes them; scaled and cast into dq at the end); the
     # two-pass one never reads it.
     dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device) if fused else dq4
-    _launch(None, _bwd_preprocess, "delta", n_q, "BLOCK_M", batch * heads,
-            o4, do4, delta, dq_acc, *_strides(o4), *_strides(do4), heads, n_q, HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"],
-            BLOCK_M=16 if INTERPRET else 128, ZERO_DQ=fused)
+    delta = backward_preprocess(o4, do4, dq_acc if fused else None)
     if gluon is not None:  # the Gluon backward adds dS K into the same zeros, scaled, and writes dK, dV in place
-        gluon.backward(do4, q4, k4, v4, o4, lse.view(q4.shape[:-1]), is_causal, delta=delta.view(q4.shape[:-1]),
+        gluon.backward(do4, q4, k4, v4, o4, lse.view(q4.shape[:-1]), is_causal, delta=delta,
                        dq_acc=dq_acc, dkdv=(dk4, dv4))
         dq4.copy_(dq_acc)
         return dq, dk, dv
