@@ -123,12 +123,13 @@ def compile_config(d: int, config, is_causal: bool = True, programs: int | None 
     return flash_gluon._fwd_kernel.warmup(*args, grid=grid, **constexprs)
 
 
-def compile_backward(is_causal: bool = True, dq_adds: str | None = None):
-    """The compiled backward (d 64, two query heads a k/v head), as ``compile_config`` compiles the forward."""
+def compile_backward(is_causal: bool = True, **options):
+    """The compiled backward (d 64, two query heads a k/v head) with ``backward``'s ``options``, as
+    ``compile_config`` compiles the forward."""
     q = torch.empty(1, 4, 1024, 64, dtype=torch.bfloat16)
     k = torch.empty(1, 2, 1024, 64, dtype=torch.bfloat16)
     grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, torch.empty(1, 4, 1024), is_causal,
-                                                                      dq_adds=dq_adds)
+                                                                      **options)
     return flash_gluon._bwd_kernel.warmup(*args, grid=grid, **constexprs)
 
 
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     failures = []
     kernels = [(f"backward_d64_dq_{dq_adds}", functools.partial(compile_backward, dq_adds=dq_adds))
                for dq_adds in flash_gluon.DQ_ADDS]
+    kernels += [("backward_d64_dkdv_tma", functools.partial(compile_backward, dkdv_tma=True)),
+                ("backward_d64_block_major", functools.partial(compile_backward, block_major=True))]
     for d, configs in flash_gluon.CONFIGS.items():
         for config in configs[:1] if args.first else configs:
             for option, options in flash_gluon.OPTIONS.items():

@@ -437,11 +437,11 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, kd_desc, lse_desc, delta_desc, q_
 
 
 @gluon.jit
-def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs, dq_smem, kv_ready, ready, free,
-                 ds_ready, ds_free, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q,
-                 key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 DQ: gl.constexpr, STATS_TMA: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                 HEAD_DIM: gl.constexpr):
+def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready,
+                 ready, free, ds_ready, ds_free, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, dk_desc,
+                 dv_desc, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, STATS_TMA: gl.constexpr, DKDV_TMA: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr):
     """One consumer warpgroup: keys key_start + TILE * BLOCK_K .. + BLOCK_K. Per query tile i (with L_i and
     D_i = rowsum(dO_i O_i)): S^T = K Q_i^T and dP^T = V dO_i^T, P^T = exp(fl(S^T / sqrt(d)) - L) rounded as the
     Triton backward rounds it, dS^T = P^T (dP^T - D); dV += P^T dO_i and dK += dS^T Q_i (register operands).
@@ -450,7 +450,7 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs, d
     whole of it transposed, multiply by the program's K and add the fp32 result into the accumulator, half the
     additions of a dQ part per consumer; or, with DQ_SPLIT, both do it every tile for half of dQ's columns each
     (``DQ_ADDS``). Every product is waited within the iteration (no wgmma in flight across a back edge: see
-    ``_consume``)."""
+    ``_consume``). dK and dV go out by plain stores, or with DKDV_TMA through ``dk_smem``, ``dv_smem`` and TMA."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
     st_layout: gl.constexpr = _wgmma_layout(BLOCK_M)  # S^T, dP^T: (keys, queries)
@@ -535,32 +535,44 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs, d
                     gl.atomic_add(dq_ptr + gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0), dq,
                                   sem="relaxed")
             s += 1
-    if _dq_by_tma(DQ):
-        tma.store_wait(0)  # the last reduction has read the buffer before the program's shared memory goes
-    rows = ((b * n_kv_heads + h_kv).to(gl.int64) * n_k + key_start + TILE * BLOCK_K +
-            gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))) * HEAD_DIM
-    ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(d_cols, 0)
-    gl.store(dk_ptr + ptrs, (dk * sm_scale).to(dtype))
-    gl.store(dv_ptr + ptrs, dv.to(dtype))
+    key_row = (b * n_kv_heads + h_kv) * n_k + key_start + TILE * BLOCK_K  # of dK, dV as (B H_kv n_k, d)
+    if DKDV_TMA:
+        dk_smem.store((dk * sm_scale).to(dtype))
+        dv_smem.store(dv.to(dtype))
+        fence_async_shared()
+        _thread_barrier()  # every thread's part of both tiles is in shared memory before TMA reads them
+        _tma_store(dk_desc, [key_row, 0], dk_smem)
+        _tma_store(dv_desc, [key_row, 0], dv_smem)
+    else:
+        rows = (key_row.to(gl.int64) + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))) * HEAD_DIM
+        ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(d_cols, 0)
+        gl.store(dk_ptr + ptrs, (dk * sm_scale).to(dtype))
+        gl.store(dv_ptr + ptrs, dv.to(dtype))
+    if _dq_by_tma(DQ) or DKDV_TMA:
+        tma.store_wait(0)  # the last TMA reads of shared memory are done before the program's shared memory goes
 
 
 @gluon.jit
-def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, delta_desc, lse_ptr, delta_ptr, dq_ptr,
-                dk_ptr, dv_ptr, sm_scale, n_heads, n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b,
-                do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, DQ: gl.constexpr,
-                STATS_TMA: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, lse_ptr,
+                delta_ptr, dq_ptr, dk_ptr, dv_ptr, sm_scale, n_heads, n_kv_heads, n_q, n_k, q_rows_b, q_rows_h,
+                q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr,
+                DQ: gl.constexpr, STATS_TMA: gl.constexpr, DKDV_TMA: gl.constexpr, BLOCK_MAJOR: gl.constexpr,
+                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Program (key block of TILES x BLOCK_K keys, batch x k/v head): dK, dV of its keys summed over the query heads
     of the group, and their part of dQ. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
     column h * q_cols_h of its descriptor's 2-D view (dO, K, V likewise, K and V one block of the program's keys);
     L, D (B, H, n_q) and dQ (B, H, n_q, d, fp32; ``dq_desc`` its (B H n_q, d) view) and dK, dV (B, H_kv, n_k, d)
-    are contiguous; ``kd_desc`` reads K as (keys, d / 2) tiles (DQ_SPLIT's operand)."""
+    are contiguous; ``kd_desc`` reads K as (keys, d / 2) tiles (DQ_SPLIT's operand), ``dk_desc``, ``dv_desc`` write
+    dK, dV as (B H_kv n_k, d) (DKDV_TMA). Programs run key block by key block with BLOCK_MAJOR (grid (B H_kv,
+    blocks): every head's heaviest block first), else head by head (grid (blocks, B H_kv))."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = BLOCK_KEYS // TILES
-    key_start = gl.program_id(0) * BLOCK_KEYS
-    b = gl.program_id(1) // n_kv_heads
-    h_kv = gl.program_id(1) % n_kv_heads
+    bh_kv = gl.program_id(0) if BLOCK_MAJOR else gl.program_id(1)
+    key_start = (gl.program_id(1) if BLOCK_MAJOR else gl.program_id(0)) * BLOCK_KEYS
+    b = bh_kv // n_kv_heads
+    h_kv = bh_kv % n_kv_heads
     group = n_heads // n_kv_heads
     n_m = n_q // BLOCK_M
     i_first = key_start // BLOCK_M if IS_CAUSAL else 0  # query tiles wholly above the diagonal see none of its keys
@@ -577,6 +589,8 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, del
                                         dq_desc.layout)  # one unused tile without TMA
     kd_smem = gl.allocate_shared_memory(kd_desc.dtype, [TILES if DQ == DQ_SPLIT else 1] + kd_desc.block_type.shape,
                                         kd_desc.layout)  # K's column halves (one unused tile without DQ_SPLIT)
+    dkdv_bufs = gl.allocate_shared_memory(dk_desc.dtype, [2 * TILES if DKDV_TMA else 2] + dk_desc.block_type.shape,
+                                          dk_desc.layout)  # each consumer's dK, dV tiles (two unused without)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -591,14 +605,17 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, del
         mbarrier.init(ds_free.index(u), count=TILES if DQ == DQ_SPLIT else 1)  # read by the dQ product(s)
 
     gl.warp_specialize([
+        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs, dq_bufs.index(0),
+                        dkdv_bufs.index(0), dkdv_bufs.index(1), kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
+                        delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, group, n_heads, n_q,
+                        key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, DQ, STATS_TMA, DKDV_TMA,
+                        BLOCK_M, BLOCK_K, HEAD_DIM)),
         (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs,
-                        dq_bufs.index(0 if _dq_by_tma(DQ) else 0), kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
-                        delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first,
-                        n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, DQ, STATS_TMA, BLOCK_M, BLOCK_K, HEAD_DIM)),
-        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs,
-                        dq_bufs.index(1 if _dq_by_tma(DQ) else 0), kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
-                        delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, b, h_kv, group, n_heads, n_q, key_start, i_first,
-                        n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, DQ, STATS_TMA, BLOCK_M, BLOCK_K, HEAD_DIM)),
+                        dq_bufs.index(1 if _dq_by_tma(DQ) else 0), dkdv_bufs.index(2 if DKDV_TMA else 0),
+                        dkdv_bufs.index(3 if DKDV_TMA else 1), kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
+                        delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, group, n_heads, n_q,
+                        key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, DQ, STATS_TMA, DKDV_TMA,
+                        BLOCK_M, BLOCK_K, HEAD_DIM)),
         (_bwd_load, (q_desc, do_desc, k_desc, v_desc, kd_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs,
                      k_smem, v_smem, kd_smem, kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m,
                      q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
@@ -614,16 +631,20 @@ BWD_STATS_TMA = True  # L_i, D_i with the producer's TMA loads (``backward_launc
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
 BWD_DQ = "tma"  # how dQ parts are added (DQ_ADDS): 1.13x "atomic" at 16,384 keys, 1.08x at 2,048 (ccae3bd)
 BWD_MIN_KEYS = 2048  # the shortest measured where it is not slower than the Triton backward
+BWD_BLOCK_MAJOR = False  # programs key block by key block (every head's heaviest first), not head by head
+BWD_DKDV_TMA = False  # dK, dV written through shared memory and TMA stores, not by plain stores
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None,
-                              dq_adds: str | None = None, dkdv=None, stats_tma: bool | None = None):
+                              dq_adds: str | None = None, dkdv=None, stats_tma: bool | None = None,
+                              block_major: bool | None = None, dkdv_tma: bool | None = None):
     """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
     given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (contiguous, k's
     shape). Inputs as ``backward_supports`` takes them; ``dq_adds`` one of DQ_ADDS (None: BWD_DQ); ``stats_tma``:
-    the producer TMA-loads L_i and D_i with Q_i and dO_i (None: BWD_STATS_TMA)."""
+    the producer TMA-loads L_i and D_i with Q_i and dO_i (None: BWD_STATS_TMA); ``block_major``, ``dkdv_tma`` (None:
+    BWD_BLOCK_MAJOR, BWD_DKDV_TMA) as ``_bwd_kernel``'s BLOCK_MAJOR and DKDV_TMA."""
     dq_adds = dq_adds or BWD_DQ
     if dq_adds not in DQ_ADDS:
         raise ValueError(f"dq_adds must be one of {sorted(DQ_ADDS)}; got {dq_adds!r}")
@@ -649,29 +670,36 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     lse, delta = lse.contiguous(), delta.contiguous()
     lse_desc, delta_desc = (TensorDescriptor(t, [t.numel() // block_m, block_m], [block_m, 1], [1, block_m],
                                              _STATS_LAYOUT) for t in (lse, delta))  # row (b H + h) n_q / BLOCK_M + i
-    grid = (n_k // (TILES.value * block_k), batch * kv_heads, 1)
-    args = (q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, delta_desc, lse, delta, dq_acc, dk, dv,
-            1 / math.sqrt(d), heads, kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
+    dk_desc, dv_desc = (TensorDescriptor(t, [t.numel() // d, d], [d, 1], [block_k, d],
+                                         _smem_layout((block_k, d), t.dtype)) for t in (dk, dv))  # (B H_kv n_k, d)
+    block_major = BWD_BLOCK_MAJOR if block_major is None else block_major
+    n_blocks = n_k // (TILES.value * block_k)
+    grid = (batch * kv_heads, n_blocks, 1) if block_major else (n_blocks, batch * kv_heads, 1)
+    args = (q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, lse, delta,
+            dq_acc, dk, dv, 1 / math.sqrt(d), heads, kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, DQ=DQ_ADDS[dq_adds],
-                      STATS_TMA=BWD_STATS_TMA if stats_tma is None else stats_tma, STAGES=stages, CONSUMER_REGS=regs,
-                      num_warps=4, enable_fp_fusion=False)
+                      STATS_TMA=BWD_STATS_TMA if stats_tma is None else stats_tma,
+                      DKDV_TMA=BWD_DKDV_TMA if dkdv_tma is None else dkdv_tma, BLOCK_MAJOR=block_major,
+                      STAGES=stages, CONSUMER_REGS=regs, num_warps=4, enable_fp_fusion=False)
     return grid, args, constexprs, (dq_acc, dk, dv)
 
 
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dq_adds: str | None = None,
-             dkdv=None, stats_tma: bool | None = None):
+             dkdv=None, stats_tma: bool | None = None, block_major: bool | None = None, dkdv_tma: bool | None = None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
     when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``dq_adds`` (how the dQ
-    parts are added) and ``stats_tma`` as ``backward_launch_arguments`` takes them. Without D and ``dq_acc``, both
-    come from flash_triton's preprocess pass, as in its backward, which runs this one where ``backward_preferred``
-    (so that scripts/flash_gluon_probe.py --backward, which checks it against float64, times what the op runs)."""
+    parts are added), ``stats_tma``, ``block_major`` and ``dkdv_tma`` as ``backward_launch_arguments`` takes them.
+    Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
+    where ``backward_preferred`` (so that scripts/flash_gluon_probe.py --backward, which checks it against float64,
+    times what the op runs)."""
     given = dq_acc is not None
     if delta is None and not given:
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         delta = flash_triton.backward_preprocess(o, do, dq_acc)
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(do, q, k, v, o, lse, is_causal, config, delta,
-                                                                     dq_acc, dq_adds, dkdv, stats_tma)
+                                                                     dq_acc, dq_adds, dkdv, stats_tma, block_major,
+                                                                     dkdv_tma)
     _bwd_kernel[grid](*args, **constexprs)
     return (dq if given else dq.to(q.dtype)), dk, dv
 
