@@ -630,7 +630,7 @@ BWD_STATS_TMA = True  # L_i, D_i with the producer's TMA loads (``backward_launc
 # loads were 7% of the stall samples without (Nsight Compute at 4bfa8a2, notes/flash_attention.md session 21)
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
 BWD_DQ = "tma"  # how dQ parts are added (DQ_ADDS): 1.13x "atomic" at 16,384 keys, 1.08x at 2,048 (ccae3bd)
-BWD_MIN_KEYS = 2048  # the shortest measured where it is not slower than the Triton backward
+BWD_MIN_KEYS = 512  # the shortest measured: faster than the Triton backward from there (02900c9)
 BWD_BLOCK_MAJOR = False  # programs key block by key block (every head's heaviest first), not head by head
 BWD_DKDV_TMA = False  # dK, dV written through shared memory and TMA stores, not by plain stores
 
@@ -716,9 +716,9 @@ def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
     """Whether flash_triton's backward should run this kernel: ``backward_supports`` and at least BWD_MIN_KEYS keys.
     On one H100, both with the op's preprocess pass (results/profiles/flash_gluon_probe_h100_8a5575a.jsonl, medians
-    of three interleaved rounds), the backward alone is 1.38x the Triton backward at 16,384 keys (1 x 16 heads),
-    1.24x at 8,192 (2 x 16), 1.22x at 4,096 (4 x 16) and 1.19x at 2,048 (4 x 32) (notes/flash_attention.md,
-    session 22)."""
+    of three interleaved rounds), the backward alone takes 3.08 ms at 16,384 keys (1 x 16 heads) against 3.83-4.45
+    for the Triton backward, and is 1.24x at 8,192 (2 x 16), 1.22x at 4,096 (4 x 16), 1.19x at 2,048 (4 x 32);
+    at 02900c9 1.16x at 1,024 (8 x 32) and 1.04x at 512 (16 x 32) (notes/flash_attention.md, session 22)."""
     return k.shape[-2] >= BWD_MIN_KEYS and backward_supports(do, q, k, v, is_causal)
 
 
