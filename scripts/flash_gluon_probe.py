@@ -55,16 +55,8 @@ CHECKS = (  # (B, H, H_kv, n, causal, layout); the last three give the persisten
 # forward's options by variant name: flash_gluon.OPTIONS, and the persistent grid instead of one program per work item
 VARIANTS = {"gluon" + ("_" + name if name else ""): options for name, options in fg.OPTIONS.items()}
 VARIANTS["gluon_persistent"] = {"persistent": True}
-# the backward's options by variant name: each way of adding dQ (flash_gluon.DQ_ADDS), each on/off option the other
-# way than its default (option: (default, name on, name off)), and the other configurations of BWD_CONFIGS
-BACKWARD_VARIANTS = {f"gluon_{dq_adds}": {"dq_adds": dq_adds} for dq_adds in fg.DQ_ADDS}
-_SWITCHES = {"stats_tma": (fg.BWD_STATS_TMA, "stats_tma", "stats_loads"),
-             "block_major": (fg.BWD_BLOCK_MAJOR, "block_major", "head_major"),
-             "dkdv_tma": (fg.BWD_DKDV_TMA, "dkdv_tma", "dkdv_stores")}
-BACKWARD_VARIANTS.update({f"gluon_{off if default else on}": {option: not default}
-                          for option, (default, on, off) in _SWITCHES.items()})
-BACKWARD_VARIANTS.update({f"gluon_{'_'.join(map(str, c))}": {"config": c}
-                          for c in fg.BWD_CONFIGS if c != fg.BWD_CONFIG})
+# the backward's configurations by variant name (BWD_CONFIGS, the default first)
+BACKWARD_VARIANTS = {f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS}
 
 
 def heads(b: int, h: int, n: int, d: int, layout: str, gen: torch.Generator) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Compile the Gluon FlashAttention kernels for sm_90 on a machine without a GPU, and read what ptxas says of them.
 
-    python scripts/gluon_compile.py            # the backward (each of DQ_ADDS), every configuration of CONFIGS x OPTIONS
+    python scripts/gluon_compile.py            # the backward, every configuration of CONFIGS x OPTIONS
     python scripts/gluon_compile.py --check    # exit 1 if ptxas serializes a wgmma or spills in an MMA loop
     python scripts/gluon_compile.py --check --first   # the backward, the forward's default configurations (CI)
     python scripts/gluon_compile.py --sass OUT_DIR   # also write each kernel's SASS
@@ -123,13 +123,11 @@ def compile_config(d: int, config, is_causal: bool = True, programs: int | None 
     return flash_gluon._fwd_kernel.warmup(*args, grid=grid, **constexprs)
 
 
-def compile_backward(is_causal: bool = True, **options):
-    """The compiled backward (d 64, two query heads a k/v head) with ``backward``'s ``options``, as
-    ``compile_config`` compiles the forward."""
+def compile_backward(is_causal: bool = True):
+    """The compiled backward (d 64, two query heads a k/v head), as ``compile_config`` compiles the forward."""
     q = torch.empty(1, 4, 1024, 64, dtype=torch.bfloat16)
     k = torch.empty(1, 2, 1024, 64, dtype=torch.bfloat16)
-    grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, torch.empty(1, 4, 1024), is_causal,
-                                                                      **options)
+    grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, torch.empty(1, 4, 1024), is_causal)
     return flash_gluon._bwd_kernel.warmup(*args, grid=grid, **constexprs)
 
 
@@ -143,10 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns while the default is unset
     driver.set_active(_TargetOnly())
     failures = []
-    kernels = [(f"backward_d64_dq_{dq_adds}", functools.partial(compile_backward, dq_adds=dq_adds))
-               for dq_adds in flash_gluon.DQ_ADDS]
-    kernels += [("backward_d64_dkdv_tma", functools.partial(compile_backward, dkdv_tma=True)),
-                ("backward_d64_block_major", functools.partial(compile_backward, block_major=True))]
+    kernels = [("backward_d64", compile_backward)]
     for d, configs in flash_gluon.CONFIGS.items():
         for config in configs[:1] if args.first else configs:
             for option, options in flash_gluon.OPTIONS.items():

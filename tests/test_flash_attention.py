@@ -795,26 +795,6 @@ def test_gpu_gluon_in_the_op(case, is_causal, d, dtype, seed, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option, value", [("BWD_DQ", "atomic"), ("BWD_DQ", "tma"), ("BWD_DQ", "split"),
-                                           ("BWD_STATS_TMA", False), ("BWD_BLOCK_MAJOR", True), ("BWD_DKDV_TMA", True)],
-                         ids=["dq_atomic", "dq_tma", "dq_split", "stats_loads", "block_major", "dkdv_tma"])
-@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("case", [((2, 4), 1024, 1024), ((4, 16), 512, 1024)], ids=["q1024", "b4-h16-q512-k1024"])
-def test_gpu_gluon_backward_options(case, is_causal, option, value, seed, monkeypatch):
-    """The op with the Gluon backward (d 64) under each of its options (each way of ``flash_gluon.DQ_ADDS``, each
-    switch the other way than its default), against float64 with the Triton bounds."""
-    from torch_impl.attention import flash_gluon
-
-    _gluon_everywhere(monkeypatch)
-    monkeypatch.setattr(flash_gluon, option, value)
-    lead, n_q, n_k = case
-    if is_causal and n_q != n_k:
-        pytest.skip("the Gluon forward takes causal attention with n_q == n_k only")
-    q, k, v, grad_out = random_inputs(lead, n_q, n_k, 64, torch.bfloat16, "cuda")
-    _gpu_check(load_impl("triton"), q, k, v, grad_out, is_causal, f"gluon {option}={value} {case}, seed={seed}")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("n", [300, 1024])
 def test_gpu_bf16_x1000_dv_as_good_as_flash_sdpa(n, seed, monkeypatch):
     """bf16 inputs x1000 (ISSUE_NOTES: ours 6.4e-2 on dV, cuDNN 7.0e-2, SDPA's flash backend 1.5e-3): the bar is

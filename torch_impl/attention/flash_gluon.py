@@ -361,58 +361,27 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
 # Right on the H100 (float64 checks, scripts/flash_gluon_probe.py --backward); flash_triton's backward runs it
 # where ``backward_preferred``.
 
-# How the consumers compute dQ_i = dS K over the program's keys and add it into the global fp32 accumulator, by
-# ``DQ_ADDS`` name. The first two: the consumers take turns, one computing the whole (BLOCK_M, d) tile, and add it
-# (a third, ``red.v4`` after a layout change, lay between them at every shape measured and went: session 21's notes)
-DQ_ATOMIC = gl.constexpr(0)  # with fp32 atomics from the wgmma accumulator's layout (``red.v2``: two adjacent fp32
-# a thread and row)
-DQ_TMA = gl.constexpr(1)  # through shared memory and one TMA reduce-add of the tile (FlashAttention-3's dQ writes),
-# waited for only before the consumer's next tile reuses the buffer
-DQ_SPLIT = gl.constexpr(2)  # both consumers every tile, each d / 2 of its columns (FlashAttention-3's split of dQ
-# across warpgroups: neither waits for the other's turn), each added by TMA; K read as two (keys, d / 2) tiles
-DQ_ADDS = {"atomic": DQ_ATOMIC.value, "tma": DQ_TMA.value, "split": DQ_SPLIT.value}
-
-
-@triton.constexpr_function
-def _dq_cols(head_dim, dq):
-    """Columns of dQ a consumer computes: all of them, or half with DQ_SPLIT."""
-    return head_dim // TILES.value if dq == DQ_SPLIT.value else head_dim
-
-
-@triton.constexpr_function
-def _dq_by_tma(dq):
-    """Whether the dQ parts go through shared memory and TMA (each consumer then has a tile of its own there)."""
-    return dq in (DQ_TMA.value, DQ_SPLIT.value)
-
 
 @gluon.jit
-def _tma_add_tile(tile, smem, desc, row, col):
-    """Add a register tile into global memory at (row, col) of desc's view: through smem and a TMA reduce-add,
+def _tma_add_tile(tile, smem, desc, row):
+    """Add a register tile into global memory at row ``row`` of desc's view: through smem and a TMA reduce-add,
     once the last one issued from smem has read it."""
     tma.store_wait(0)
     smem.store(tile)
     fence_async_shared()
-    _tma_add(desc, [row, col], smem)
+    _tma_add(desc, [row, 0], smem)
 
 
 @gluon.jit
-def _bwd_load(q_desc, do_desc, k_desc, v_desc, kd_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_smem,
-              v_smem, kd_smem, kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m, q_rows_b,
-              q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, DQ: gl.constexpr,
-              STATS_TMA: gl.constexpr, BLOCK_M: gl.constexpr):
-    """The producer warp: the program's K and V (both consumers' keys, one tile each) once, then Q_i and dO_i of
-    every query tile i >= i_first of every query head of the k/v head's group into stage s % STAGES (and with
-    STATS_TMA, L_i and D_i into stat_bufs 2 s % STAGES and the next); with DQ_SPLIT also K's column halves into
-    kd_smem."""
+def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_smem, v_smem,
+              kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h,
+              do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, BLOCK_M: gl.constexpr):
+    """The producer warp: the program's K and V (both consumers' keys, one tile each) once, then Q_i, dO_i, L_i and
+    D_i of every query tile i >= i_first of every query head of the k/v head's group into stage s % STAGES (L_i and
+    D_i into stat_bufs 2 s % STAGES and the next)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     row = b * kv_rows_b + h_kv * kv_rows_h + key_start
-    if DQ == DQ_SPLIT:
-        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes +
-                        TILES * kd_desc.block_type.nbytes)
-        for t in gl.static_range(TILES):
-            _tma_load(kd_desc, [row, h_kv * kv_cols_h + t * kd_desc.block_type.shape[1]], kv_ready, kd_smem.index(t))
-    else:
-        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     _tma_load(k_desc, [row, h_kv * kv_cols_h], kv_ready, k_smem)
     _tma_load(v_desc, [row, h_kv * kv_cols_h], kv_ready, v_smem)
     s = 0
@@ -421,14 +390,10 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, kd_desc, lse_desc, delta_desc, q_
         for i in range(i_first, n_m):
             stage = s % stages
             mbarrier.wait(free.index(stage), ((s // stages) & 1) ^ 1)
-            if STATS_TMA:
-                mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes +
-                                2 * lse_desc.block_type.nbytes)
-                _tma_load(lse_desc, [(b * n_heads + h) * n_m + i, 0], ready.index(stage), stat_bufs.index(2 * stage))
-                _tma_load(delta_desc, [(b * n_heads + h) * n_m + i, 0], ready.index(stage),
-                          stat_bufs.index(2 * stage + 1))
-            else:
-                mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes +
+                            2 * lse_desc.block_type.nbytes)
+            _tma_load(lse_desc, [(b * n_heads + h) * n_m + i, 0], ready.index(stage), stat_bufs.index(2 * stage))
+            _tma_load(delta_desc, [(b * n_heads + h) * n_m + i, 0], ready.index(stage), stat_bufs.index(2 * stage + 1))
             _tma_load(q_desc, [b * q_rows_b + h * q_rows_h + i * BLOCK_M, h * q_cols_h], ready.index(stage),
                       q_bufs.index(stage))
             _tma_load(do_desc, [b * do_rows_b + h * do_rows_h + i * BLOCK_M, h * do_cols_h], ready.index(stage),
@@ -437,20 +402,19 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, kd_desc, lse_desc, delta_desc, q_
 
 
 @gluon.jit
-def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready,
-                 ready, free, ds_ready, ds_free, lse_ptr, delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, dk_desc,
-                 dv_desc, b, h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, DQ: gl.constexpr, STATS_TMA: gl.constexpr, DKDV_TMA: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready, ready,
+                 free, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, b, h_kv, group, n_heads, n_q, key_start, i_first,
+                 n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr):
     """One consumer warpgroup: keys key_start + TILE * BLOCK_K .. + BLOCK_K. Per query tile i (with L_i and
     D_i = rowsum(dO_i O_i)): S^T = K Q_i^T and dP^T = V dO_i^T, P^T = exp(fl(S^T / sqrt(d)) - L) rounded as the
     Triton backward rounds it, dS^T = P^T (dP^T - D); dV += P^T dO_i and dK += dS^T Q_i (register operands).
     dQ_i += dS K over both consumers' keys at once: each writes its dS^T into its half of a shared buffer (two
     buffers, alternating), and the consumers take turns (tile i's s-th of the program: consumer s % 2) to read the
-    whole of it transposed, multiply by the program's K and add the fp32 result into the accumulator, half the
-    additions of a dQ part per consumer; or, with DQ_SPLIT, both do it every tile for half of dQ's columns each
-    (``DQ_ADDS``). Every product is waited within the iteration (no wgmma in flight across a back edge: see
-    ``_consume``). dK and dV go out by plain stores, or with DKDV_TMA through ``dk_smem``, ``dv_smem`` and TMA."""
+    whole of it transposed, multiply by the program's K and add the fp32 result into the accumulator through
+    ``dq_smem`` and a TMA reduce-add (FlashAttention-3's dQ writes), half the additions of a dQ part per consumer.
+    Every product is waited within the iteration (no wgmma in flight across a back edge: see ``_consume``). dK and
+    dV go out through ``dk_smem``, ``dv_smem`` and TMA stores."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
     st_layout: gl.constexpr = _wgmma_layout(BLOCK_M)  # S^T, dP^T: (keys, queries)
@@ -458,34 +422,24 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs, d
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     key_rows: gl.constexpr = gl.SliceLayout(1, st_layout)
     query_cols: gl.constexpr = gl.SliceLayout(0, st_layout)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # a row of L or D seen as a vector
     k = k_smem.slice(TILE * BLOCK_K, BLOCK_K)
     v = v_smem.slice(TILE * BLOCK_K, BLOCK_K)
     offs_key = key_start + TILE * BLOCK_K + gl.arange(0, BLOCK_K, layout=key_rows)
     zero_st = gl.zeros([BLOCK_K, BLOCK_M], gl.float32, layout=st_layout)
-    DQ_COLS: gl.constexpr = _dq_cols(HEAD_DIM, DQ)
-    zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=_wgmma_layout(DQ_COLS))
+    zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
     dk = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
-    d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     mbarrier.wait(kv_ready, 0)
     s = 0
     for g in range(group):
         h = h_kv * group + g
-        bh = (b * n_heads + h).to(gl.int64)
         for i in range(i_first, n_m):
-            # L_i and D_i first: their loads' latency (behind the dQ additions in L2) then runs under the wait for
-            # Q_i, dO_i and the products (they were the first stall of the loop: Nsight Compute, session 19);
-            # with STATS_TMA the producer brings them with Q_i and dO_i
             offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_cols)
-            if not STATS_TMA:
-                lse = gl.load(lse_ptr + bh * n_q + offs_q)
-                delta = gl.load(delta_ptr + bh * n_q + offs_q)
             stage = s % stages
             mbarrier.wait(ready.index(stage), (s // stages) & 1)
-            if STATS_TMA:
-                flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-                lse = _reinterpret(stat_bufs.index(2 * stage), gl.float32, [BLOCK_M], flat).load(query_cols)
-                delta = _reinterpret(stat_bufs.index(2 * stage + 1), gl.float32, [BLOCK_M], flat).load(query_cols)
+            lse = _reinterpret(stat_bufs.index(2 * stage), gl.float32, [BLOCK_M], flat).load(query_cols)
+            delta = _reinterpret(stat_bufs.index(2 * stage + 1), gl.float32, [BLOCK_M], flat).load(query_cols)
             q = q_bufs.index(stage)
             do = do_bufs.index(stage)
             st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
@@ -514,65 +468,43 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs, d
             dk = warpgroup_mma(dst_a, q, dk, is_async=True)
             dv, dk, pt_a, dst_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_a, dst_a))
             mbarrier.arrive(free.index(stage), count=1)
-            dq_row = (b * n_heads + h) * n_q + i * BLOCK_M
-            if DQ == DQ_SPLIT:  # dQ_i's columns TILE * d / 2 .. over both halves of the keys, every tile
-                mbarrier.wait(ds_ready.index(buf), (s // 2) & 1)
-                dq = warpgroup_mma(ds.permute((1, 0)), kd_smem.index(TILE), zero_dq, use_acc=False, is_async=True)
-                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-                mbarrier.arrive(ds_free.index(buf), count=1)
-                _tma_add_tile(dq * sm_scale, dq_smem, dq_desc, dq_row, TILE * DQ_COLS)
-            elif s % TILES == TILE:  # this consumer's turn: dQ_i over both halves of the keys
+            if s % TILES == TILE:  # this consumer's turn: dQ_i over both halves of the keys
                 mbarrier.wait(ds_ready.index(buf), (s // 2) & 1)
                 dq = warpgroup_mma(ds.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
                 mbarrier.arrive(ds_free.index(buf), count=1)
-                dq = dq * sm_scale
-                if DQ == DQ_TMA:
-                    _tma_add_tile(dq, dq_smem, dq_desc, dq_row, 0)
-                else:
-                    rows = (bh * n_q + i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq.type.layout)))
-                    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq.type.layout))
-                    gl.atomic_add(dq_ptr + gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0), dq,
-                                  sem="relaxed")
+                _tma_add_tile(dq * sm_scale, dq_smem, dq_desc, (b * n_heads + h) * n_q + i * BLOCK_M)
             s += 1
     key_row = (b * n_kv_heads + h_kv) * n_k + key_start + TILE * BLOCK_K  # of dK, dV as (B H_kv n_k, d)
-    if DKDV_TMA:
-        dk_smem.store((dk * sm_scale).to(dtype))
-        dv_smem.store(dv.to(dtype))
-        fence_async_shared()
-        _thread_barrier()  # every thread's part of both tiles is in shared memory before TMA reads them
-        _tma_store(dk_desc, [key_row, 0], dk_smem)
-        _tma_store(dv_desc, [key_row, 0], dv_smem)
-    else:
-        rows = (key_row.to(gl.int64) + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))) * HEAD_DIM
-        ptrs = gl.expand_dims(rows, 1) + gl.expand_dims(d_cols, 0)
-        gl.store(dk_ptr + ptrs, (dk * sm_scale).to(dtype))
-        gl.store(dv_ptr + ptrs, dv.to(dtype))
-    if _dq_by_tma(DQ) or DKDV_TMA:
-        tma.store_wait(0)  # the last TMA reads of shared memory are done before the program's shared memory goes
+    dk_smem.store((dk * sm_scale).to(dtype))
+    dv_smem.store(dv.to(dtype))
+    fence_async_shared()
+    _thread_barrier()  # every thread's part of both tiles is in shared memory before TMA reads them
+    _tma_store(dk_desc, [key_row, 0], dk_smem)
+    _tma_store(dv_desc, [key_row, 0], dv_smem)
+    tma.store_wait(0)  # TMA has read shared memory (dQ's last tile too) before the program's shared memory goes
 
 
 @gluon.jit
-def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, lse_ptr,
-                delta_ptr, dq_ptr, dk_ptr, dv_ptr, sm_scale, n_heads, n_kv_heads, n_q, n_k, q_rows_b, q_rows_h,
-                q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr,
-                DQ: gl.constexpr, STATS_TMA: gl.constexpr, DKDV_TMA: gl.constexpr, BLOCK_MAJOR: gl.constexpr,
-                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, sm_scale, n_heads,
+                n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b,
+                kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                num_warps: gl.constexpr):
     """Program (key block of TILES x BLOCK_K keys, batch x k/v head): dK, dV of its keys summed over the query heads
     of the group, and their part of dQ. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
     column h * q_cols_h of its descriptor's 2-D view (dO, K, V likewise, K and V one block of the program's keys);
-    L, D (B, H, n_q) and dQ (B, H, n_q, d, fp32; ``dq_desc`` its (B H n_q, d) view) and dK, dV (B, H_kv, n_k, d)
-    are contiguous; ``kd_desc`` reads K as (keys, d / 2) tiles (DQ_SPLIT's operand), ``dk_desc``, ``dv_desc`` write
-    dK, dV as (B H_kv n_k, d) (DKDV_TMA). Programs run key block by key block with BLOCK_MAJOR (grid (B H_kv,
-    blocks): every head's heaviest block first), else head by head (grid (blocks, B H_kv))."""
+    L, D (B, H, n_q; ``lse_desc``, ``delta_desc`` their rows of BLOCK_M) and dQ (B, H, n_q, d, fp32; ``dq_desc`` its
+    (B H n_q, d) view) and dK, dV (B, H_kv, n_k, d; ``dk_desc``, ``dv_desc`` their (B H_kv n_k, d) views) are
+    contiguous. Programs run head by head (the key block is the grid's first axis): key block by key block, every
+    head's heaviest first, was 1.34x slower at 4 x 32 x 2,048 x 64, as the running programs then read every head's
+    Q and dO (0f0351f)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = BLOCK_KEYS // TILES
-    bh_kv = gl.program_id(0) if BLOCK_MAJOR else gl.program_id(1)
-    key_start = (gl.program_id(1) if BLOCK_MAJOR else gl.program_id(0)) * BLOCK_KEYS
-    b = bh_kv // n_kv_heads
-    h_kv = bh_kv % n_kv_heads
+    key_start = gl.program_id(0) * BLOCK_KEYS
+    b = gl.program_id(1) // n_kv_heads
+    h_kv = gl.program_id(1) % n_kv_heads
     group = n_heads // n_kv_heads
     n_m = n_q // BLOCK_M
     i_first = key_start // BLOCK_M if IS_CAUSAL else 0  # query tiles wholly above the diagonal see none of its keys
@@ -583,14 +515,11 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, del
     v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_KEYS, BLOCK_M], q_desc.dtype)
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_KEYS, BLOCK_M], ds_layout)
-    stat_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES if STATS_TMA else 1] + lse_desc.block_type.shape,
-                                          lse_desc.layout)  # L_i, D_i of each stage (one unused row without)
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [TILES if _dq_by_tma(DQ) else 1] + dq_desc.block_type.shape,
-                                        dq_desc.layout)  # one unused tile without TMA
-    kd_smem = gl.allocate_shared_memory(kd_desc.dtype, [TILES if DQ == DQ_SPLIT else 1] + kd_desc.block_type.shape,
-                                        kd_desc.layout)  # K's column halves (one unused tile without DQ_SPLIT)
-    dkdv_bufs = gl.allocate_shared_memory(dk_desc.dtype, [2 * TILES if DKDV_TMA else 2] + dk_desc.block_type.shape,
-                                          dk_desc.layout)  # each consumer's dK, dV tiles (two unused without)
+    stat_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES] + lse_desc.block_type.shape,
+                                          lse_desc.layout)  # L_i, D_i of each stage
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [TILES] + dq_desc.block_type.shape, dq_desc.layout)
+    dkdv_bufs = gl.allocate_shared_memory(dk_desc.dtype, [2 * TILES] + dk_desc.block_type.shape,
+                                          dk_desc.layout)  # each consumer's dK, dV tiles
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -602,52 +531,36 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, del
         mbarrier.init(free.index(u), count=TILES)  # both consumers release a stage
     for u in gl.static_range(2):
         mbarrier.init(ds_ready.index(u), count=TILES)  # both consumers' halves of dS^T written
-        mbarrier.init(ds_free.index(u), count=TILES if DQ == DQ_SPLIT else 1)  # read by the dQ product(s)
+        mbarrier.init(ds_free.index(u), count=1)  # read by the dQ product
 
     gl.warp_specialize([
-        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs, dq_bufs.index(0),
-                        dkdv_bufs.index(0), dkdv_bufs.index(1), kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
-                        delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, group, n_heads, n_q,
-                        key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, DQ, STATS_TMA, DKDV_TMA,
+        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_bufs.index(0), dkdv_bufs.index(0),
+                        dkdv_bufs.index(1), kv_ready, ready, free, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, b,
+                        h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL,
                         BLOCK_M, BLOCK_K, HEAD_DIM)),
-        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, kd_smem, ds_bufs,
-                        dq_bufs.index(1 if _dq_by_tma(DQ) else 0), dkdv_bufs.index(2 if DKDV_TMA else 0),
-                        dkdv_bufs.index(3 if DKDV_TMA else 1), kv_ready, ready, free, ds_ready, ds_free, lse_ptr,
-                        delta_ptr, dq_ptr, dq_desc, dk_ptr, dv_ptr, dk_desc, dv_desc, b, h_kv, group, n_heads, n_q,
-                        key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, DQ, STATS_TMA, DKDV_TMA,
+        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_bufs.index(1), dkdv_bufs.index(2),
+                        dkdv_bufs.index(3), kv_ready, ready, free, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, b,
+                        h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL,
                         BLOCK_M, BLOCK_K, HEAD_DIM)),
-        (_bwd_load, (q_desc, do_desc, k_desc, v_desc, kd_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs,
-                     k_smem, v_smem, kd_smem, kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m,
-                     q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
-                     DQ, STATS_TMA, BLOCK_M)),
+        (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_smem, v_smem,
+                     kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h,
+                     q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, BLOCK_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
 BWD_HEAD_DIMS = (64, )  # at d 128, dK, dV and the dQ part (64 registers each) beside S^T and dP^T exceed 240
 BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer registers)
 BWD_CONFIGS = (BWD_CONFIG, (64, 64, 3, 240), (64, 64, 4, 240))  # what scripts/flash_gluon_probe.py times
-BWD_STATS_TMA = True  # L_i, D_i with the producer's TMA loads (``backward_launch_arguments``' stats_tma): their global
-# loads were 7% of the stall samples without (Nsight Compute at 4bfa8a2, notes/flash_attention.md session 21)
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
-BWD_DQ = "tma"  # how dQ parts are added (DQ_ADDS): 1.13x "atomic" at 16,384 keys, 1.08x at 2,048 (ccae3bd)
 BWD_MIN_KEYS = 512  # the shortest measured: faster than the Triton backward from there (02900c9)
-BWD_BLOCK_MAJOR = False  # programs key block by key block (every head's heaviest first), not head by head
-BWD_DKDV_TMA = False  # dK, dV written through shared memory and TMA stores, not by plain stores
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                              lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None,
-                              dq_adds: str | None = None, dkdv=None, stats_tma: bool | None = None,
-                              block_major: bool | None = None, dkdv_tma: bool | None = None):
+                              lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None):
     """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
     given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (contiguous, k's
-    shape). Inputs as ``backward_supports`` takes them; ``dq_adds`` one of DQ_ADDS (None: BWD_DQ); ``stats_tma``:
-    the producer TMA-loads L_i and D_i with Q_i and dO_i (None: BWD_STATS_TMA); ``block_major``, ``dkdv_tma`` (None:
-    BWD_BLOCK_MAJOR, BWD_DKDV_TMA) as ``_bwd_kernel``'s BLOCK_MAJOR and DKDV_TMA."""
-    dq_adds = dq_adds or BWD_DQ
-    if dq_adds not in DQ_ADDS:
-        raise ValueError(f"dq_adds must be one of {sorted(DQ_ADDS)}; got {dq_adds!r}")
+    shape). Inputs as ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG)."""
     block_m, block_k, stages, regs = config or BWD_CONFIG
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
@@ -665,41 +578,32 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     do_desc, do_where = _descriptor(do, block_m)
     k_desc, kv_where = _descriptor(k, TILES.value * block_k)  # a program's keys, both consumers' in one tile
     v_desc, _ = _descriptor(v, TILES.value * block_k)
-    dq_desc, _ = _descriptor(dq_acc, block_m, d // TILES.value if dq_adds == "split" else d)
-    kd_desc, _ = _descriptor(k, TILES.value * block_k, d // TILES.value)  # K's column halves (DQ_SPLIT)
+    dq_desc, _ = _descriptor(dq_acc, block_m)
     lse, delta = lse.contiguous(), delta.contiguous()
     lse_desc, delta_desc = (TensorDescriptor(t, [t.numel() // block_m, block_m], [block_m, 1], [1, block_m],
                                              _STATS_LAYOUT) for t in (lse, delta))  # row (b H + h) n_q / BLOCK_M + i
     dk_desc, dv_desc = (TensorDescriptor(t, [t.numel() // d, d], [d, 1], [block_k, d],
                                          _smem_layout((block_k, d), t.dtype)) for t in (dk, dv))  # (B H_kv n_k, d)
-    block_major = BWD_BLOCK_MAJOR if block_major is None else block_major
-    n_blocks = n_k // (TILES.value * block_k)
-    grid = (batch * kv_heads, n_blocks, 1) if block_major else (n_blocks, batch * kv_heads, 1)
-    args = (q_desc, do_desc, k_desc, v_desc, kd_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, lse, delta,
-            dq_acc, dk, dv, 1 / math.sqrt(d), heads, kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
+    grid = (n_k // (TILES.value * block_k), batch * kv_heads, 1)
+    args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, 1 / math.sqrt(d), heads,
+            kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
-    constexprs = dict(IS_CAUSAL=is_causal, DQ=DQ_ADDS[dq_adds],
-                      STATS_TMA=BWD_STATS_TMA if stats_tma is None else stats_tma,
-                      DKDV_TMA=BWD_DKDV_TMA if dkdv_tma is None else dkdv_tma, BLOCK_MAJOR=block_major,
-                      STAGES=stages, CONSUMER_REGS=regs, num_warps=4, enable_fp_fusion=False)
+    constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, num_warps=4, enable_fp_fusion=False)
     return grid, args, constexprs, (dq_acc, dk, dv)
 
 
-def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dq_adds: str | None = None,
-             dkdv=None, stats_tma: bool | None = None, block_major: bool | None = None, dkdv_tma: bool | None = None):
+def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
-    when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``dq_adds`` (how the dQ
-    parts are added), ``stats_tma``, ``block_major`` and ``dkdv_tma`` as ``backward_launch_arguments`` takes them.
-    Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
-    where ``backward_preferred`` (so that scripts/flash_gluon_probe.py --backward, which checks it against float64,
-    times what the op runs)."""
+    when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as
+    ``backward_launch_arguments`` takes it. Without D and ``dq_acc``, both come from flash_triton's preprocess pass,
+    as in its backward, which runs this one where ``backward_preferred`` (so that scripts/flash_gluon_probe.py
+    --backward, which checks it against float64, times what the op runs)."""
     given = dq_acc is not None
     if delta is None and not given:
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         delta = flash_triton.backward_preprocess(o, do, dq_acc)
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(do, q, k, v, o, lse, is_causal, config, delta,
-                                                                     dq_acc, dq_adds, dkdv, stats_tma, block_major,
-                                                                     dkdv_tma)
+                                                                     dq_acc, dkdv)
     _bwd_kernel[grid](*args, **constexprs)
     return (dq if given else dq.to(q.dtype)), dk, dv
 
