@@ -55,10 +55,8 @@ CHECKS = (  # (B, H, H_kv, n, causal, layout); the last three give the persisten
 # forward's options by variant name: flash_gluon.OPTIONS, and the persistent grid instead of one program per work item
 VARIANTS = {"gluon" + ("_" + name if name else ""): options for name, options in fg.OPTIONS.items()}
 VARIANTS["gluon_persistent"] = {"persistent": True}
-# the backward's configurations by variant name (BWD_CONFIGS, the default first), then its programs in other orders
-# (``flash_gluon._work_order``'s skew)
+# the backward's configurations by variant name (BWD_CONFIGS, the default first)
 BACKWARD_VARIANTS = {f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS}
-BACKWARD_VARIANTS.update({f"gluon_skew{skew:g}": {"skew": skew} for skew in (0.0, 1.0, 2.0) if skew != fg.BWD_SKEW})
 
 
 def heads(b: int, h: int, n: int, d: int, layout: str, gen: torch.Generator) -> torch.Tensor:

@@ -127,26 +127,11 @@ def test_backward_launch_arguments_match_the_kernel_signature():
     names = flash_gluon._bwd_kernel.arg_names
     constexprs = [name for name in options if name != "enable_fp_fusion"]  # a launch option, not a parameter
     assert len(args) + len(constexprs) == len(names) and constexprs == names[len(args):]
-    assert grid == (1024 // (flash_gluon.TILES.value * flash_gluon.BWD_CONFIG[1]) * 2 * 2, 1, 1)
+    assert grid == (1024 // (flash_gluon.TILES.value * flash_gluon.BWD_CONFIG[1]), 2 * 2, 1)
     assert dq.dtype == torch.float32 and dq.shape == q.shape and dk.shape == dv.shape == k.shape
     with pytest.raises(ValueError, match="Gluon backward takes d in"):
         flash_gluon.backward_launch_arguments(*(torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16),) * 5,
                                               torch.zeros(1, 2, 1024), True)
-
-
-@pytest.mark.parametrize("skew", [0.0, 0.5, 1.0, 2.0])
-def test_work_order_takes_every_item_once_heads_in_turn_and_each_heads_blocks_in_order(skew):
-    """The backward's program order: a permutation of the items; with skew 0 head by head (the grid's order), else
-    sorted by bh + skew j (ties: the lower head first), each head's key blocks still first to last."""
-    n_bh, n_blocks = 6, 5
-    order = flash_gluon._work_order(n_bh, n_blocks, skew, torch.device("cpu")).tolist()
-    assert sorted(order) == list(range(n_bh * n_blocks))
-    keys = [(bh + skew * j, bh) for bh, j in (divmod(item, n_blocks) for item in order)]
-    assert keys == sorted(keys)
-    for bh in range(n_bh):
-        assert [item % n_blocks for item in order if item // n_blocks == bh] == list(range(n_blocks))
-    if skew == 0:
-        assert order == list(range(n_bh * n_blocks))
 
 
 class _GluonBackwardStandIn:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
 import torch
 import triton
 from triton.experimental import gluon
@@ -487,26 +486,25 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, d
 
 
 @gluon.jit
-def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, order_ptr,
-                sm_scale, n_heads, n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h,
-                do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, sm_scale, n_heads,
+                n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b,
+                kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                num_warps: gl.constexpr):
     """Program (key block of TILES x BLOCK_K keys, batch x k/v head): dK, dV of its keys summed over the query heads
     of the group, and their part of dQ. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
     column h * q_cols_h of its descriptor's 2-D view (dO, K, V likewise, K and V one block of the program's keys);
     L, D (B, H, n_q; ``lse_desc``, ``delta_desc`` their rows of BLOCK_M) and dQ (B, H, n_q, d, fp32; ``dq_desc`` its
     (B H n_q, d) view) and dK, dV (B, H_kv, n_k, d; ``dk_desc``, ``dv_desc`` their (B H_kv n_k, d) views) are
-    contiguous. Program p does work item ``order_ptr[p]`` (``_work_order``: (batch x k/v head) x key blocks + key
-    block), as the hardware starts programs in order."""
+    contiguous. Programs run head by head (the key block is the grid's first axis): key block by key block, every
+    head's heaviest first, was 1.34x slower at 4 x 32 x 2,048 x 64, as the running programs then read every head's
+    Q and dO (0f0351f)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = BLOCK_KEYS // TILES
-    n_blocks = n_k // BLOCK_KEYS
-    item = gl.load(order_ptr + gl.program_id(0))
-    key_start = (item % n_blocks) * BLOCK_KEYS
-    b = item // n_blocks // n_kv_heads
-    h_kv = item // n_blocks % n_kv_heads
+    key_start = gl.program_id(0) * BLOCK_KEYS
+    b = gl.program_id(1) // n_kv_heads
+    h_kv = gl.program_id(1) % n_kv_heads
     group = n_heads // n_kv_heads
     n_m = n_q // BLOCK_M
     i_first = key_start // BLOCK_M if IS_CAUSAL else 0  # query tiles wholly above the diagonal see none of its keys
@@ -555,30 +553,14 @@ BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer 
 BWD_CONFIGS = (BWD_CONFIG, (64, 64, 3, 240), (64, 64, 4, 240))  # what scripts/flash_gluon_probe.py times
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
 BWD_MIN_KEYS = 512  # the shortest measured: faster than the Triton backward from there (02900c9)
-BWD_SKEW = 0.0  # the programs' order (``_work_order``): 0 head by head
-
-
-@functools.lru_cache(maxsize=64)
-def _work_order(n_bh: int, n_blocks: int, skew: float, device: torch.device) -> torch.Tensor:
-    """The backward's work items (bh n_blocks + j: key block j of batch x k/v head bh) in the order its programs
-    take them, int32: by bh + skew j, then bh. Skew 0 is head by head, so that the running programs share their
-    heads' Q and dO in L2 (key block by key block, every head's heaviest first, was 1.34x slower at 4 x 32 x 2,048 x
-    64: 0f0351f); a skew moves the later heads' heavy first blocks (causal: block j of n sees n - j of the query
-    blocks) forward, so that the last programs to start are light ones, while the running programs span a few more
-    heads."""
-    bh, j = np.meshgrid(np.arange(n_bh), np.arange(n_blocks), indexing="ij")
-    order = np.lexsort((bh.ravel(), (bh + skew * j).ravel()))  # by the last key first
-    return torch.as_tensor((bh * n_blocks + j).ravel()[order], dtype=torch.int32, device=device)
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                              lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
-                              skew: float | None = None):
+                              lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None):
     """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
     given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (contiguous, k's
-    shape). Inputs as ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG); ``skew``
-    the order of a causal backward's programs (``_work_order``; None: BWD_SKEW)."""
+    shape). Inputs as ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG)."""
     block_m, block_k, stages, regs = config or BWD_CONFIG
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
@@ -602,21 +584,18 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                                              _STATS_LAYOUT) for t in (lse, delta))  # row (b H + h) n_q / BLOCK_M + i
     dk_desc, dv_desc = (TensorDescriptor(t, [t.numel() // d, d], [d, 1], [block_k, d],
                                          _smem_layout((block_k, d), t.dtype)) for t in (dk, dv))  # (B H_kv n_k, d)
-    n_blocks = n_k // (TILES.value * block_k)
-    skew = (BWD_SKEW if skew is None else skew) if is_causal else 0.0  # without a mask every item is as long
-    order = _work_order(batch * kv_heads, n_blocks, float(skew), q.device)
-    args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, order, 1 / math.sqrt(d),
-            heads, kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
+    grid = (n_k // (TILES.value * block_k), batch * kv_heads, 1)
+    args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, 1 / math.sqrt(d), heads,
+            kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, num_warps=4, enable_fp_fusion=False)
-    return (order.numel(), 1, 1), args, constexprs, (dq_acc, dk, dv)
+    return grid, args, constexprs, (dq_acc, dk, dv)
 
 
-def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
-             skew: float | None = None):
+def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
-    when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` and ``skew``
-    as ``backward_launch_arguments`` takes them. Without D and ``dq_acc``, both come from flash_triton's preprocess pass,
+    when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as
+    ``backward_launch_arguments`` takes it. Without D and ``dq_acc``, both come from flash_triton's preprocess pass,
     as in its backward, which runs this one where ``backward_preferred`` (so that scripts/flash_gluon_probe.py
     --backward, which checks it against float64, times what the op runs)."""
     given = dq_acc is not None
@@ -624,7 +603,7 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         delta = flash_triton.backward_preprocess(o, do, dq_acc)
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(do, q, k, v, o, lse, is_causal, config, delta,
-                                                                     dq_acc, dkdv, skew)
+                                                                     dq_acc, dkdv)
     _bwd_kernel[grid](*args, **constexprs)
     return (dq if given else dq.to(q.dtype)), dk, dv
 
