@@ -120,8 +120,10 @@ CASES = [
     Case(TRAIN, f"{TINY_TRAIN} --val-fraction 1.5", "--val-fraction: '1.5': must be > 0 and < 1"),
     Case(TRAIN, f"{TINY_TRAIN} --betas 0.9,nan", "each beta must be in [0, 1)"),
     Case(TRAIN, f"{TINY_TRAIN} --device cuda --dist bucketed", NO_CUDA, skip="cuda"),
-    Case(TRAIN, f"{TINY_TRAIN} --resume --checkpoint-dir {{random_ck}}", "not a readable checkpoint file"),
-    Case(TRAIN, f"{TINY_TRAIN} --resume --checkpoint-dir {{partial_ck}}", "rank-00001.pt missing"),
+    Case(TRAIN, f"{TINY_TRAIN} --resume --checkpoint-dir {{random_ck}}", "not a readable checkpoint index"),
+    Case(TRAIN, f"{TINY_TRAIN} --resume --checkpoint-dir {{partial_ck}}", "__0_0.distcp missing"),
+    Case(TRAIN, f"{TINY_TRAIN} --auto-resume --checkpoint-dir {{old_ck}}",
+         "old format (shared.pt, rank-NNNNN.pt), which it no longer reads; it reads torch.distributed.checkpoint"),
     Case(TRAIN, f"{TINY_TRAIN} --out /dev/full", "cannot write records to /dev/full", check=printed_records),
     Case(TRAIN, f"{TINY_TRAIN} --lr 1e30 --steps-per-epoch 3 --out {{tmp}}/train_diverged.jsonl", "diverged",
          code=1, check=diverged_record("train_diverged.jsonl")),
@@ -172,24 +174,28 @@ def _case_id(case: Case) -> str:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     """The files the cases point at: a good record file, checkpoints that cannot be resumed (random bytes; a
-    rank's file missing), token files of equal size and different content, a file where a folder should be, a
-    read-only folder, record files that break the schema, a busy port."""
+    chunk file missing; the earlier format), token files of equal size and different content, a file where a
+    folder should be, a read-only folder, record files that break the schema, a busy port."""
     import torch
+
+    from torch_impl import checkpoint as ckpt
 
     tmp = tmp_path_factory.mktemp("bad_input")
     good = tmp / "good.jsonl"
     append_records(good, [Record(suite="e2e", backend="torch", implementation="x", timing=timing_stats([1.0, 2.0])),
                           Record(suite="e2e", backend="jax", implementation="y", status="oom", error="out of memory")])
-    random_ck = tmp / "random_ck" / "step-00000001"
+    random_ck = tmp / "random_ck" / "step-00000001"  # DCP's index file of random bytes
     random_ck.mkdir(parents=True)
-    (random_ck / "shared.pt").write_bytes(np.random.default_rng(0).bytes(4096))
-    (random_ck / "rank-00000.pt").write_bytes(np.random.default_rng(1).bytes(4096))
+    (random_ck / ".metadata").write_bytes(np.random.default_rng(0).bytes(4096))
+    (random_ck / "__0_0.distcp").write_bytes(np.random.default_rng(1).bytes(4096))
     (random_ck.parent / "latest").write_text(random_ck.name)
-    partial_ck = tmp / "partial_ck" / "step-00000001"
-    partial_ck.mkdir(parents=True)
-    torch.save({"world_size": 2, "step": 1, "settings": {}}, partial_ck / "shared.pt")
-    torch.save({"rng": None}, partial_ck / "rank-00000.pt")
-    (partial_ck.parent / "latest").write_text(partial_ck.name)
+    partial_ck = tmp / "partial_ck"  # a checkpoint whose chunk file is gone
+    (ckpt.save_checkpoint(partial_ck, 1, trainer={"settings": {}}) / "__0_0.distcp").unlink()
+    old_ck = tmp / "old_ck" / "step-00000001"  # this trainer's earlier format
+    old_ck.mkdir(parents=True)
+    torch.save({"world_size": 2, "step": 1, "settings": {}}, old_ck / "shared.pt")
+    torch.save({"rng": None}, old_ck / "rank-00000.pt")
+    (old_ck.parent / "latest").write_text(old_ck.name)
     rng = np.random.default_rng(2)
     np.save(tmp / "a.npy", rng.integers(0, 200, 4096, dtype=np.uint16))
     np.save(tmp / "b.npy", rng.integers(0, 200, 4096, dtype=np.uint16))  # same size, other tokens
@@ -206,8 +212,8 @@ def world(tmp_path_factory) -> dict:
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
-    yield {"tmp": tmp, "good": good, "random_ck": random_ck.parent, "partial_ck": partial_ck.parent,
-           "file": tmp / "file", "ro": tmp / "ro", "port": busy.getsockname()[1]}
+    yield {"tmp": tmp, "good": good, "random_ck": random_ck.parent, "partial_ck": partial_ck,
+           "old_ck": old_ck.parent, "file": tmp / "file", "ro": tmp / "ro", "port": busy.getsockname()[1]}
     busy.close()
 
 
@@ -226,7 +232,7 @@ def _digest(*paths: Path) -> str:
 @pytest.fixture(scope="module")
 def outcomes(world, tmp_path_factory) -> dict:
     """Every case's {code, stdout, stderr}, keyed by the case: one interpreter per entry point, cases in order."""
-    kept = [world["good"], world["random_ck"], world["partial_ck"]]
+    kept = [world["good"], world["random_ck"], world["partial_ck"], world["old_ck"]]
     before = _digest(*kept)
     results: dict[Case, dict] = {}
     folder = tmp_path_factory.mktemp("runner")

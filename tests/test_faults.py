@@ -112,7 +112,7 @@ def test_sigkill_while_writing_then_resume(kill, tokens, tmp_path):
     assert [r.metrics["epoch"] for r in after_kill] == [1]  # epoch 2's record: cut (record) or not yet (checkpoint)
     latest = (tmp_path / "ck" / "latest").read_text()
     assert latest == ("step-00000004" if kill == "record" else "step-00000002"), latest
-    assert (tmp_path / "ck" / latest / "shared.pt").is_file()
+    assert (tmp_path / "ck" / latest / ".metadata").is_file()  # a whole DCP checkpoint
 
     resumed = _train([*args, "--resume"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]

@@ -5,14 +5,15 @@ Each wrapper must have every method and attribute of the interface, callable; on
 micro-batches driven only through it (``on_train_batch_start``, ``no_sync`` on the first micro-batch,
 ``finish_gradient_synchronization`` as ``sync_every_backward`` says) must give the global batch's gradient norm
 (``grad_norm_squared``, ``clip_grad_norm_``) and parameters (``gather_full_params``) of a plain single-process
-step; ``eval_module`` must run; ``checkpoint_state`` must put the state where ``sharded_state`` says and
-``load_checkpoint_state`` must bring it back. Fresh seed per run, printed in the messages; tiny model, fp32.
+step; ``eval_module`` must run; ``shard_of`` must say where each parameter lies in its full tensor (None for every
+parameter unless ``sharded_state``; else the full weight's flat slice at its offset, as ``gather_full_params``
+gives it: what checkpoints save and load by, ``tests/test_checkpoint.py``). Fresh seed per run, printed in the
+messages; tiny model, fp32.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import secrets
 
 import torch
@@ -28,7 +29,7 @@ SPEC = MODELS["tiny"]
 ROWS, SEQ, ACCUM = 4, 16, 2  # global batch rows, tokens per row, micro-batches per rank
 ADAMW = dict(lr=1e-3, eps=1e-4, weight_decay=0.0, fused=False)
 METHODS = ("on_train_batch_start", "no_sync", "finish_gradient_synchronization", "gather_full_params",
-           "grad_norm_squared", "clip_grad_norm_", "checkpoint_state", "load_checkpoint_state")
+           "grad_norm_squared", "clip_grad_norm_", "shard_of")
 
 
 def _batch(seed: int) -> torch.Tensor:
@@ -56,19 +57,14 @@ def _step(rank: int, world_size: int, seed: int, mode: str) -> dict:
     with torch.no_grad():
         logits = wrapper.eval_module(tokens[0][:, :-1])  # (B, T, V)
     full = {k: v.detach().clone() for k, v in wrapper.gather_full_params().items()}
-    shared, local = wrapper.checkpoint_state(optimizer)  # a collective for zero1
-    buffer = io.BytesIO()  # through bytes, as through the checkpoint files (state_dict() holds live tensors)
-    torch.save((shared, local), buffer)
-    buffer.seek(0)
-    shared, local = torch.load(buffer, weights_only=False)
-    assert (shared["model"] is None) == wrapper.sharded_state == ("model" in local), mode
-    saved = {k: v.detach().clone() for k, v in wrapper.module.state_dict().items()}
-    with torch.no_grad():
-        for p in wrapper.module.parameters():
-            p.zero_()
-    wrapper.load_checkpoint_state(optimizer, shared, local)
-    for k, v in wrapper.module.state_dict().items():
-        assert torch.equal(v, saved[k]), (mode, k)
+    for name, p in wrapper.module.named_parameters():
+        layout = wrapper.shard_of(p)
+        assert (layout is not None) == (wrapper.sharded_state and p.dim() == 1 and full[name].dim() == 2), (mode, name)
+        if layout is not None:  # this rank's slice of the flattened full weight (padding past its end)
+            shape, start = layout
+            assert shape == full[name].shape, (mode, name)
+            piece = full[name].reshape(-1)[start:start + p.numel()]
+            assert torch.equal(p.detach()[:piece.numel()], piece), (mode, name)
     return {"norm_sq": norm_sq, "norm": norm, "params": full, "logits": tuple(logits.shape),
             "mesh_axis": wrapper.mesh_axis, "sync_every_backward": wrapper.sync_every_backward,
             "sharded_state": wrapper.sharded_state}

@@ -42,14 +42,17 @@ every rank's peak memory, the data set, the learning rate, the gradient norms, a
 (``placement``, by rank: its host, its node's rank under a multi-node torchrun (GROUP_RANK) and its local rank).
 
 Checkpoints (``--checkpoint-dir``, every ``--checkpoint-every`` epochs and at ``--stop-after-epochs``;
-``torch_impl.checkpoint``, atomic): rank 0 writes the model, the optimizer (ZeRO-1's consolidated
-``state_dict()``, a collective), the LR scheduler, the data generator's state and the step; every rank
-writes its RNG states, and under FSDP its weight shards and its optimizer's state (so FSDP resumes on the
-same number of ranks only; the others on any). ``--resume`` loads the latest and continues, giving exactly
-the uninterrupted run's losses (same world size and mode; bit for bit with one CPU thread, to float round-off
-with several: two uninterrupted runs on 2 threads already differ by ~1e-5, as CPU kernels split their sums
-by thread). It refuses a checkpoint whose settings differ, or whose data set's content digest
-(``TokenData.digest``: a hash of the file's bytes) is not the one of ``--data`` now.
+``torch_impl.checkpoint``: ``torch.distributed.checkpoint`` folders, written atomically): the model and the
+optimizer state as full tensors by name (each rank writes what it holds: ZeRO-1 its parameters' state, FSDP its
+shards' boxes), the LR scheduler, the data generator's state, the step, the settings and every rank's RNG states.
+So a checkpoint resumes at any world size and in any ``--dist`` mode (same ``--dtype``): saved on 2 ranks, it
+resumes on 1 or 4 with the same global batch (``--batch-size x --grad-accum x ranks``), whose next losses are the
+uninterrupted run's to float32 round-off (different ranks sum in different orders). ``--resume`` loads the latest
+and continues; on as many ranks in the same mode it gives exactly the uninterrupted run's losses (bit for bit with
+one CPU thread, to float round-off with several: two uninterrupted runs on 2 threads already differ by ~1e-5, as
+CPU kernels split their sums by thread). It refuses a checkpoint whose settings differ, or whose data set's content
+digest (``TokenData.digest``: a hash of the file's bytes) is not the one of ``--data`` now, and one of this
+trainer's earlier format (``shared.pt`` / ``rank-NNNNN.pt`` files), with one line each.
 
 Elastic restart (``torchrun --max-restarts N``): the launcher restarts the whole group with the same command line
 when a rank dies, so the trainer must decide by itself whether to continue. ``--auto-resume`` resumes from the
@@ -213,40 +216,33 @@ def evaluate(parts: StepParts, cfg: TrainConfig, data: TokenData, device: torch.
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def save(parts: StepParts, cfg: TrainConfig, step: int, generator: np.random.Generator, settings: dict,
-         rank: int, world_size: int) -> None:
+def save(parts: StepParts, cfg: TrainConfig, step: int, generator: np.random.Generator, settings: dict) -> None:
     """A checkpoint of everything the next step depends on (see the module docstring). Collective."""
-    shared, local = parts.wrapper.checkpoint_state(parts.optimizer)  # a collective (ZeRO-1)
-    shared = {"settings": settings, "dist": cfg.dist, "scheduler": parts.scheduler.state_dict(),
-              "data_generator": generator.bit_generator.state, **shared}
-    ckpt.save_checkpoint(cfg.checkpoint_dir, step, shared, {"rng": ckpt.capture_rng(), **local}, rank=rank,
-                         world_size=world_size)
+    trainer = {"settings": settings, "dist": cfg.dist, "scheduler": parts.scheduler.state_dict(),
+               "data_generator": generator.bit_generator.state}
+    ckpt.save_checkpoint(cfg.checkpoint_dir, step, parts.wrapper, parts.optimizer, trainer=trainer)
 
 
-def restore(parts: StepParts, cfg: TrainConfig, generator: np.random.Generator, settings: dict, rank: int,
-            world_size: int) -> int:
-    """Load the latest checkpoint into ``parts`` and ``generator``; returns its step."""
-    state = ckpt.load_checkpoint(cfg.checkpoint_dir, rank)
-    check_resume_settings(state.shared["settings"], settings, state.path, cfg.data)
-    mode = (state.shared["dist"], state.world_size)  # the model is in the rank files (fsdp's shards) or shared:
-    if (parts.wrapper.sharded_state or state.shared["model"] is None) and mode != (cfg.dist, world_size):
-        raise ValueError(f"--resume: a checkpoint of per-rank shards (fsdp) resumes in its mode on as many ranks "
-                         f"only (saved: {mode[0]} on {mode[1]}; now {cfg.dist} on {world_size})")
-    parts.wrapper.load_checkpoint_state(parts.optimizer, state.shared, state.local)
-    parts.scheduler.load_state_dict(state.shared["scheduler"])
-    generator.bit_generator.state = state.shared["data_generator"]
-    ckpt.restore_rng((state.local or ckpt.load_checkpoint(cfg.checkpoint_dir, 0).local)["rng"])
-    return state.shared["step"]
+def restore(parts: StepParts, cfg: TrainConfig, generator: np.random.Generator, settings: dict) -> int:
+    """Load the latest checkpoint into ``parts`` and ``generator`` (whatever world size and mode saved it); returns
+    its step. Collective."""
+    found = ckpt.read_checkpoint(cfg.checkpoint_dir)
+    check_resume_settings(found.trainer["settings"], settings, found.path, cfg.data)
+    ckpt.load_train_state(found, parts.wrapper, parts.optimizer)
+    parts.scheduler.load_state_dict(found.trainer["scheduler"])
+    generator.bit_generator.state = found.trainer["data_generator"]
+    ckpt.restore_rng(found.rng)
+    return found.step
 
 
-def resume_step(parts: StepParts, cfg: TrainConfig, generator: np.random.Generator, settings: dict, rank: int,
-                world_size: int) -> int:
+def resume_step(parts: StepParts, cfg: TrainConfig, generator: np.random.Generator, settings: dict,
+                rank: int) -> int:
     """The step this run starts from: ``restore``'s with --resume, or with --auto-resume when a checkpoint is
     there; else 0 (a restarted torchrun worker then warns that it starts over)."""
     restarts = restart_count()
     attempt = f"; torchrun restart {restarts}" if restarts else ""
     if cfg.resume or (cfg.auto_resume and ckpt.latest_checkpoint(cfg.checkpoint_dir) is not None):
-        step = restore(parts, cfg, generator, settings, rank, world_size)
+        step = restore(parts, cfg, generator, settings)
         if rank == 0:
             print(f"resumed from step {step} ({cfg.checkpoint_dir}{attempt})", flush=True)
         return step
@@ -325,7 +321,7 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
     fault = fault_at_step()
     if fault is not None and fault[0] >= world_size:
         raise ValueError(f"{FAULT_ENV}: rank {fault[0]} does not exist on {world_size} rank(s)")
-    step = resume_step(parts, cfg, generator, settings, rank, world_size)
+    step = resume_step(parts, cfg, generator, settings, rank)
     result = TrainResult([], [], [], start_step=step)
     stop_epoch = cfg.stop_epoch
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -368,7 +364,7 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
         diverged = divergence(losses + ([] if val_loss is None else [val_loss]))  # the same on every rank
         if cfg.checkpoint_dir and not diverged and ((epoch + 1) % cfg.checkpoint_every == 0 or last):
             ckpt_start = time.perf_counter()
-            save(parts, cfg, step, generator, settings, rank, world_size)
+            save(parts, cfg, step, generator, settings)
             checkpoint_s = time.perf_counter() - ckpt_start
         mine = {"phase_s": {p: sum(v) / 1e3 for p, v in stats.phase_ms.items()},
                 "placement": {"host": ctx.host, "node_rank": ctx.node_rank, "local_rank": ctx.local_rank},

@@ -43,6 +43,9 @@ the gather moves half the bytes) and the layer computes in that dtype: its float
 other direct parameters (an ``nn.Linear`` bias) are cast on the way in (autograd carries their gradients back
 to fp32). Replicated layers (RMSNorm) are not cast. Master weights, optimizer state and ``.grad`` stay fp32.
 
+Checkpoints: ``shard_of(param)`` tells where a shard lies in its full weight, so ``torch_impl.checkpoint`` saves
+full weights (and full AdamW moments) whatever the world size, and loads them into any other.
+
 ``gather_full_params()`` (a collective) returns every parameter as a full fp32 tensor keyed like
 ``fsdp.module.named_parameters()``. ``gathered_bytes()`` / ``peak_gathered_bytes`` report the memory of
 all-gathered weights alive now / at most so far, to check that gathered weights really are freed (a backend
@@ -180,6 +183,7 @@ class FSDP(nn.Module, DataParallelWrapper):
         self._shard_ids: set[int] = set()
         self._shard_params()
         self._replicated = [p for p in module.parameters() if id(p) not in self._shard_ids]
+        self._unit_by_shard = {id(u.shard): u for u in self._units}
 
         self._live: dict[int, _Unit] = {}  # storage pointer -> unit, for weights gathered in a running forward
         self._fwd_order: list[_Unit] = list(self._units)  # prefetch order of the next forward
@@ -448,6 +452,13 @@ class FSDP(nn.Module, DataParallelWrapper):
     @property
     def eval_module(self) -> nn.Module:
         return self  # gathers the weights: a collective, so every rank runs as many forwards
+
+    def shard_of(self, param: torch.Tensor) -> tuple[torch.Size, int] | None:
+        """(full shape, offset of this rank's first element in the flattened weight) for a sharded weight's shard
+        (``param``: one of ``module``'s parameters; its optimizer state is laid out alike); None for a replicated
+        parameter. Checkpoints save the full weights by it (``torch_impl.checkpoint``)."""
+        unit = self._unit_by_shard.get(id(param))
+        return None if unit is None else (unit.shape, self.rank * (unit.padded // self.world_size))
 
     def sharded_param_names(self) -> list[str]:
         """Names (as in ``module.named_parameters()``) of the sharded weights."""

@@ -3,8 +3,9 @@
 ``torch_impl.parallelize.apply_data_parallel`` returns one for every mode but fsdp2: our DDP family (ZeRO-1 is
 ``DDPBucketed`` with a ``ShardedOptimizer``) and ``FSDP`` subclass it; ``SingleProcess`` (``none``) and
 ``TorchDDP`` adapt the rest. The defaults are a replicated model's, whose gradients are full and averaged after
-``finish_gradient_synchronization()``; ``FSDP`` overrides the class attributes, ``eval_module`` and
-``gather_full_params``. The step that calls it: ``torch_impl.step.train_step``.
+``finish_gradient_synchronization()``; ``FSDP`` overrides the class attributes, ``eval_module``,
+``gather_full_params`` and ``shard_of`` (where a parameter lies in its full tensor: what ``torch_impl.checkpoint``
+saves and loads by). The step that calls it: ``torch_impl.step.train_step``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def _squares(grads: list[torch.Tensor]) -> torch.Tensor:
 
 class DataParallelWrapper:
     """``module``: the bare model. ``mesh_axis``: the records' mesh name. ``sync_every_backward``: FSDP lands its
-    reduce-scatters after every backward (it has no ``no_sync``). ``sharded_state``: model and optimizer state
-    differ per rank, so checkpoints keep them in the rank files (resumed in the same mode on as many ranks)."""
+    reduce-scatters after every backward (it has no ``no_sync``). ``sharded_state``: the parameters (and their
+    optimizer state) are per-rank shards; ``shard_of`` says where each lies in its full tensor."""
 
     mesh_axis, sync_every_backward, sharded_state = "dp", False, False
     _shard_ids: set[int] | frozenset[int] = frozenset()  # ids of this rank's parameter shards (FSDP's)
@@ -77,17 +78,12 @@ class DataParallelWrapper:
             torch._foreach_mul_(grads, coef)
         return norm
 
-    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """Collective (ZeRO-1): ({"model", "optimizer"} for the shared file, what goes into this rank's file);
-        with ``sharded_state`` the shared entries are None and each rank's file holds its own."""
-        state = {"model": self.module.state_dict(), "optimizer": optimizer.state_dict()}
-        return ({"model": None, "optimizer": None}, state) if self.sharded_state else (state, {})
-
-    def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, shared: dict, local: dict | None) -> None:
-        """Load ``checkpoint_state``'s two parts, read back from the shared file and this rank's."""
-        state = local if self.sharded_state else shared
-        self.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    def shard_of(self, param: torch.Tensor) -> tuple[torch.Size, int] | None:
+        """Where ``param`` (a tensor of ``module``'s) lies in the full tensor it stands for: None when it is the
+        full tensor (replicated); else (the full shape, the offset of its first element) for a 1-D shard of the
+        flattened full tensor (elements past the full tensor's end are padding). Checkpoints save and load by it,
+        so that any world size reads them (``torch_impl.checkpoint``)."""
+        return None
 
 
 class SingleProcess(DataParallelWrapper):
