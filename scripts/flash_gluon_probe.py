@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import sys
@@ -152,10 +153,9 @@ def grads_reference(q, k, v, do, causal: bool):
 
 
 def check_backward(emit) -> None:
-    """``flash_gluon.backward`` against float64, next to the Triton backward's errors on the same inputs, both from
-    the Gluon forward's O and L."""
-    for b, h, h_kv, n, causal, layout in CHECKS:
-        d = fg.BWD_HEAD_DIMS[0]
+    """``flash_gluon.backward`` (each head dim it takes) against float64, next to the Triton backward's errors on the
+    same inputs, both from the Gluon forward's O and L."""
+    for (b, h, h_kv, n, causal, layout), d in itertools.product(CHECKS, fg.BWD_HEAD_DIMS):
         gen = torch.Generator(device="cuda").manual_seed(b * 1000 + n + d + 1)
         q, do = heads(b, h, n, d, layout, gen), heads(b, h, n, d, "bhnd", gen)  # dO contiguous, as autograd gives it
         k, v = heads(b, h_kv, n, d, layout, gen), heads(b, h_kv, n, d, layout, gen)

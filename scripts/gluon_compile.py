@@ -2,7 +2,7 @@
 
     python scripts/gluon_compile.py            # the backward, every configuration of CONFIGS x OPTIONS
     python scripts/gluon_compile.py --check    # exit 1 if ptxas serializes a wgmma or spills in an MMA loop
-    python scripts/gluon_compile.py --check --first   # the backward, the forward's default configurations (CI)
+    python scripts/gluon_compile.py --check --first   # what the op runs: the defaults of both (CI)
     python scripts/gluon_compile.py --sass OUT_DIR   # also write each kernel's SASS
 
 Triton compiles for a target it is told, not one it finds, so a stand-in driver names an H100 (sm_90, warp 32) and
@@ -123,10 +123,10 @@ def compile_config(d: int, config, is_causal: bool = True, programs: int | None 
     return flash_gluon._fwd_kernel.warmup(*args, grid=grid, **constexprs)
 
 
-def compile_backward(is_causal: bool = True):
-    """The compiled backward (d 64, two query heads a k/v head), as ``compile_config`` compiles the forward."""
-    q = torch.empty(1, 4, 1024, 64, dtype=torch.bfloat16)
-    k = torch.empty(1, 2, 1024, 64, dtype=torch.bfloat16)
+def compile_backward(d: int, is_causal: bool = True):
+    """The compiled backward (two query heads a k/v head), as ``compile_config`` compiles the forward."""
+    q = torch.empty(1, 4, 1024, d, dtype=torch.bfloat16)
+    k = torch.empty(1, 2, 1024, d, dtype=torch.bfloat16)
     grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, torch.empty(1, 4, 1024), is_causal)
     return flash_gluon._bwd_kernel.warmup(*args, grid=grid, **constexprs)
 
@@ -135,13 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if a wgmma is serialized or registers spill inside the MMA loops")
-    parser.add_argument("--first", action="store_true", help="only CONFIGS[d][0], what forward runs by default")
+    parser.add_argument("--first", action="store_true",
+                        help="only what the op runs: the forward's CONFIGS[d][0], the backward at BWD_MIN_KEYS' d")
     parser.add_argument("--sass", type=Path, metavar="DIR", help="write each kernel's SASS into DIR")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns while the default is unset
     driver.set_active(_TargetOnly())
     failures = []
-    kernels = [("backward_d64", compile_backward)]
+    kernels = [(f"backward_d{d}", functools.partial(compile_backward, d))  # --first: the head dims the op runs it at
+               for d in (flash_gluon.BWD_MIN_KEYS if args.first else flash_gluon.BWD_HEAD_DIMS)]
     for d, configs in flash_gluon.CONFIGS.items():
         for config in configs[:1] if args.first else configs:
             for option, options in flash_gluon.OPTIONS.items():

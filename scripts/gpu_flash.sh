@@ -97,9 +97,10 @@ run_ncu_gluon() {  # where the Gluon backward's time goes: Nsight Compute on one
 }
 
 run_gluon_probe() {  # the first configuration of each head dim, under timeout (a deadlock hangs); then the backward
-  # (d 64) in a process of its own
+  # (d 64 and 128) in a process of its own
   timeout 240 python3 scripts/flash_gluon_probe.py "$out" --config 0 2>&1 | grep -E "cuDNN|Error" || status=1
-  timeout 150 python3 scripts/flash_gluon_probe.py "$out" --backward --shapes 1x16x16384x64,4x32x2048x64 2>&1 |
+  timeout 240 python3 scripts/flash_gluon_probe.py "$out" --backward \
+    --shapes 1x16x16384x64,4x32x2048x64,1x16x16384x128,4x32x2048x128 2>&1 |
     grep -E " ms|Error" || status=1
 }
 

@@ -130,7 +130,7 @@ def test_backward_launch_arguments_match_the_kernel_signature():
     assert grid == (1024 // (flash_gluon.TILES.value * flash_gluon.BWD_CONFIG[1]), 2 * 2, 1)
     assert dq.dtype == torch.float32 and dq.shape == q.shape and dk.shape == dv.shape == k.shape
     with pytest.raises(ValueError, match="Gluon backward takes d in"):
-        flash_gluon.backward_launch_arguments(*(torch.zeros(1, 2, 1024, 128, dtype=torch.bfloat16),) * 5,
+        flash_gluon.backward_launch_arguments(*(torch.zeros(1, 2, 1024, 96, dtype=torch.bfloat16),) * 5,
                                               torch.zeros(1, 2, 1024), True)
 
 

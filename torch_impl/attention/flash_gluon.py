@@ -362,14 +362,29 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
 # where ``backward_preferred``.
 
 
+@triton.constexpr_function
+def _dq_split(head_dim):
+    """Whether both consumers compute dQ_i every tile, each half of its columns (FlashAttention-3's split across
+    warpgroups), instead of taking turns at the whole: above d 64, where a whole (64, d) fp32 part beside dK, dV,
+    S^T and dP^T would not fit a consumer's 240 registers. (At d 64 the split was 1.15x slower: 9390f37.)"""
+    return head_dim > 64
+
+
+@triton.constexpr_function
+def _epilogue_in_stages(head_dim):
+    """Whether dK and dV go out through the Q and dO stage buffers (above d 64, where tiles of their own would not
+    fit the shared memory beside the stages, K, V, dS^T and dQ), not tiles of their own."""
+    return head_dim > 64
+
+
 @gluon.jit
-def _tma_add_tile(tile, smem, desc, row):
-    """Add a register tile into global memory at row ``row`` of desc's view: through smem and a TMA reduce-add,
+def _tma_add_tile(tile, smem, desc, row, col):
+    """Add a register tile into global memory at (row, col) of desc's view: through smem and a TMA reduce-add,
     once the last one issued from smem has read it."""
     tma.store_wait(0)
     smem.store(tile)
     fence_async_shared()
-    _tma_add(desc, [row, 0], smem)
+    _tma_add(desc, [row, col], smem)
 
 
 @gluon.jit
@@ -403,18 +418,20 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_
 
 @gluon.jit
 def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready, ready,
-                 free, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, b, h_kv, group, n_heads, n_q, key_start, i_first,
-                 n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr):
+                 free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, b, h_kv, group, n_heads, n_q, key_start,
+                 i_first, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr):
     """One consumer warpgroup: keys key_start + TILE * BLOCK_K .. + BLOCK_K. Per query tile i (with L_i and
     D_i = rowsum(dO_i O_i)): S^T = K Q_i^T and dP^T = V dO_i^T, P^T = exp(fl(S^T / sqrt(d)) - L) rounded as the
     Triton backward rounds it, dS^T = P^T (dP^T - D); dV += P^T dO_i and dK += dS^T Q_i (register operands).
     dQ_i += dS K over both consumers' keys at once: each writes its dS^T into its half of a shared buffer (two
     buffers, alternating), and the consumers take turns (tile i's s-th of the program: consumer s % 2) to read the
     whole of it transposed, multiply by the program's K and add the fp32 result into the accumulator through
-    ``dq_smem`` and a TMA reduce-add (FlashAttention-3's dQ writes), half the additions of a dQ part per consumer.
-    Every product is waited within the iteration (no wgmma in flight across a back edge: see ``_consume``). dK and
-    dV go out through ``dk_smem``, ``dv_smem`` and TMA stores."""
+    ``dq_smem`` and a TMA reduce-add (FlashAttention-3's dQ writes), half the additions of a dQ part per consumer;
+    above d 64 both do it every tile, each for half of dQ's columns (``_dq_split``). Every product is waited within
+    the iteration (no wgmma in flight across a back edge: see ``_consume``). dK and dV go out through ``dk_smem``,
+    ``dv_smem`` and TMA stores; when those are stage buffers (``_epilogue_in_stages``), once both consumers have
+    arrived at ``done`` (the other may still read its last Q_i, dO_i)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
     st_layout: gl.constexpr = _wgmma_layout(BLOCK_M)  # S^T, dP^T: (keys, queries)
@@ -427,7 +444,9 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, d
     v = v_smem.slice(TILE * BLOCK_K, BLOCK_K)
     offs_key = key_start + TILE * BLOCK_K + gl.arange(0, BLOCK_K, layout=key_rows)
     zero_st = gl.zeros([BLOCK_K, BLOCK_M], gl.float32, layout=st_layout)
-    zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
+    SPLIT: gl.constexpr = _dq_split(HEAD_DIM)
+    DQ_COLS: gl.constexpr = HEAD_DIM // TILES if SPLIT else HEAD_DIM  # of dQ_i a consumer computes
+    zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=_wgmma_layout(DQ_COLS))
     dk = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
     mbarrier.wait(kv_ready, 0)
@@ -435,11 +454,9 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, d
     for g in range(group):
         h = h_kv * group + g
         for i in range(i_first, n_m):
-            offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_cols)
             stage = s % stages
             mbarrier.wait(ready.index(stage), (s // stages) & 1)
             lse = _reinterpret(stat_bufs.index(2 * stage), gl.float32, [BLOCK_M], flat).load(query_cols)
-            delta = _reinterpret(stat_bufs.index(2 * stage + 1), gl.float32, [BLOCK_M], flat).load(query_cols)
             q = q_bufs.index(stage)
             do = do_bufs.index(stage)
             st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
@@ -450,11 +467,13 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, d
             st = st * sm_scale
             if IS_CAUSAL:
                 if i * BLOCK_M < key_start + TILES * BLOCK_K:  # a tile the diagonal crosses (the program's first)
+                    offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_cols)
                     st = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_key, 1), st, -float("inf"))
             pt = gl.exp2((st - gl.expand_dims(lse, 0)) * _LOG2E)
             pt_a = gl.convert_layout(pt.to(dtype), a_layout)
             dv = warpgroup_mma(pt_a, do, dv, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))  # dP^T done, dV running
+            delta = _reinterpret(stat_bufs.index(2 * stage + 1), gl.float32, [BLOCK_M], flat).load(query_cols)
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             dst_lo = dst.to(dtype)
             dst_a = gl.convert_layout(dst_lo, a_layout)
@@ -468,14 +487,19 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, d
             dk = warpgroup_mma(dst_a, q, dk, is_async=True)
             dv, dk, pt_a, dst_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_a, dst_a))
             mbarrier.arrive(free.index(stage), count=1)
-            if s % TILES == TILE:  # this consumer's turn: dQ_i over both halves of the keys
+            if SPLIT or s % TILES == TILE:  # dQ_i over both halves of the keys: this consumer's columns, or its turn
                 mbarrier.wait(ds_ready.index(buf), (s // 2) & 1)
-                dq = warpgroup_mma(ds.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+                k_cols = k_smem.slice(TILE * DQ_COLS, DQ_COLS, dim=1) if SPLIT else k_smem
+                dq = warpgroup_mma(ds.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
                 mbarrier.arrive(ds_free.index(buf), count=1)
-                _tma_add_tile(dq * sm_scale, dq_smem, dq_desc, (b * n_heads + h) * n_q + i * BLOCK_M)
+                _tma_add_tile(dq * sm_scale, dq_smem, dq_desc, (b * n_heads + h) * n_q + i * BLOCK_M,
+                              TILE * DQ_COLS if SPLIT else 0)
             s += 1
     key_row = (b * n_kv_heads + h_kv) * n_k + key_start + TILE * BLOCK_K  # of dK, dV as (B H_kv n_k, d)
+    if _epilogue_in_stages(HEAD_DIM):  # both consumers are done with every stage before either overwrites one
+        mbarrier.arrive(done, count=1)
+        mbarrier.wait(done, 0)
     dk_smem.store((dk * sm_scale).to(dtype))
     dv_smem.store(dv.to(dtype))
     fence_async_shared()
@@ -518,41 +542,49 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     stat_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES] + lse_desc.block_type.shape,
                                           lse_desc.layout)  # L_i, D_i of each stage
     dq_bufs = gl.allocate_shared_memory(gl.float32, [TILES] + dq_desc.block_type.shape, dq_desc.layout)
-    dkdv_bufs = gl.allocate_shared_memory(dk_desc.dtype, [2 * TILES] + dk_desc.block_type.shape,
-                                          dk_desc.layout)  # each consumer's dK, dV tiles
+    IN_STAGES: gl.constexpr = _epilogue_in_stages(HEAD_DIM)
+    gl.static_assert(not IN_STAGES or (STAGES >= TILES and BLOCK_M == BLOCK_K), "dK, dV tiles must fit the stages")
+    dkdv_bufs = gl.allocate_shared_memory(dk_desc.dtype, [1 if IN_STAGES else 2 * TILES] + dk_desc.block_type.shape,
+                                          dk_desc.layout)  # each consumer's dK, dV tiles (one unused in the stages)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
+    if IN_STAGES:
+        mbarrier.init(done, count=TILES)  # both consumers past their last tile
     for u in gl.static_range(STAGES):
         mbarrier.init(ready.index(u), count=1)
         mbarrier.init(free.index(u), count=TILES)  # both consumers release a stage
     for u in gl.static_range(2):
         mbarrier.init(ds_ready.index(u), count=TILES)  # both consumers' halves of dS^T written
-        mbarrier.init(ds_free.index(u), count=1)  # read by the dQ product
+        mbarrier.init(ds_free.index(u), count=TILES if _dq_split(HEAD_DIM) else 1)  # read by the dQ product(s)
 
     gl.warp_specialize([
-        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_bufs.index(0), dkdv_bufs.index(0),
-                        dkdv_bufs.index(1), kv_ready, ready, free, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, b,
-                        h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL,
-                        BLOCK_M, BLOCK_K, HEAD_DIM)),
-        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_bufs.index(1), dkdv_bufs.index(2),
-                        dkdv_bufs.index(3), kv_ready, ready, free, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, b,
-                        h_kv, group, n_heads, n_q, key_start, i_first, n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL,
-                        BLOCK_M, BLOCK_K, HEAD_DIM)),
+        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_bufs.index(0),
+                        q_bufs.index(0) if IN_STAGES else dkdv_bufs.index(0),
+                        do_bufs.index(0) if IN_STAGES else dkdv_bufs.index(1), kv_ready, ready, free, ds_ready,
+                        ds_free, done, dq_desc, dk_desc, dv_desc, b, h_kv, group, n_heads, n_q, key_start, i_first,
+                        n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)),
+        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_bufs.index(1),
+                        q_bufs.index(1) if IN_STAGES else dkdv_bufs.index(2),
+                        do_bufs.index(1) if IN_STAGES else dkdv_bufs.index(3), kv_ready, ready, free, ds_ready,
+                        ds_free, done, dq_desc, dk_desc, dv_desc, b, h_kv, group, n_heads, n_q, key_start, i_first,
+                        n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)),
         (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_smem, v_smem,
                      kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h,
                      q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, BLOCK_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-BWD_HEAD_DIMS = (64, )  # at d 128, dK, dV and the dQ part (64 registers each) beside S^T and dP^T exceed 240
+BWD_HEAD_DIMS = (64, 128)  # what the kernel takes (d 128: ``_dq_split``, ``_epilogue_in_stages``)
 BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer registers)
 BWD_CONFIGS = (BWD_CONFIG, (64, 64, 3, 240), (64, 64, 4, 240))  # what scripts/flash_gluon_probe.py times
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
-BWD_MIN_KEYS = 512  # the shortest measured: faster than the Triton backward from there (02900c9)
+BWD_MIN_KEYS = {64: 512}  # by head dim, the fewest keys the op runs it from: faster than the Triton backward there
+# (02900c9); d 128 (built in session 22 and compiled for sm_90 here, not yet run on a GPU) once it is measured
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -578,7 +610,7 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     do_desc, do_where = _descriptor(do, block_m)
     k_desc, kv_where = _descriptor(k, TILES.value * block_k)  # a program's keys, both consumers' in one tile
     v_desc, _ = _descriptor(v, TILES.value * block_k)
-    dq_desc, _ = _descriptor(dq_acc, block_m)
+    dq_desc, _ = _descriptor(dq_acc, block_m, d // TILES.value if _dq_split(d) else d)
     lse, delta = lse.contiguous(), delta.contiguous()
     lse_desc, delta_desc = (TensorDescriptor(t, [t.numel() // block_m, block_m], [block_m, 1], [1, block_m],
                                              _STATS_LAYOUT) for t in (lse, delta))  # row (b H + h) n_q / BLOCK_M + i
@@ -618,12 +650,14 @@ def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
-    """Whether flash_triton's backward should run this kernel: ``backward_supports`` and at least BWD_MIN_KEYS keys.
+    """Whether flash_triton's backward should run this kernel: ``backward_supports`` and at least BWD_MIN_KEYS[d]
+    keys (a head dim missing there: never).
     On one H100, both with the op's preprocess pass (results/profiles/flash_gluon_probe_h100_8a5575a.jsonl, medians
     of three interleaved rounds), the backward alone takes 3.08 ms at 16,384 keys (1 x 16 heads) against 3.83-4.45
     for the Triton backward, and is 1.24x at 8,192 (2 x 16), 1.22x at 4,096 (4 x 16), 1.19x at 2,048 (4 x 32);
     at 02900c9 1.16x at 1,024 (8 x 32) and 1.04x at 512 (16 x 32) (notes/flash_attention.md, session 22)."""
-    return k.shape[-2] >= BWD_MIN_KEYS and backward_supports(do, q, k, v, is_causal)
+    min_keys = BWD_MIN_KEYS.get(q.shape[-1])
+    return min_keys is not None and k.shape[-2] >= min_keys and backward_supports(do, q, k, v, is_causal)
 
 
 # (BLOCK_M a consumer, BLOCK_N, STAGES, consumer registers): what ``forward`` runs by head dim (the first: the fastest
