@@ -1,5 +1,6 @@
 """FlashAttention for Hopper (sm_90) written in Gluon: a forward with FlashAttention-3's structure, and a backward
-(``backward``, d 64; flash_triton runs it where ``backward_preferred``; its design is in its kernels' docstrings).
+(``backward``, d 64 and 128; flash_triton runs it where ``backward_preferred``; its design is in its kernels'
+docstrings).
 
 A work item is two query tiles of one (batch, head) against every key tile they see; by default a program per item,
 head by head and each head's heaviest first (causal), else (``persistent``) a grid of one program per SM taking the
