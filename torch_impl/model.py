@@ -3,6 +3,9 @@
 token embedding -> n_layers x [x + attn(RMSNorm(x)); x + SwiGLU(RMSNorm(x))] -> RMSNorm -> untied LM head.
 Attention is causal multi-head self-attention with rotary position embeddings (RoPE, Su et al. 2021, on
 adjacent pairs of features) and a backend chosen by name from ``torch_impl.attention``. No biases anywhere.
+``model(token_ids)`` gives the logits; ``model(token_ids, targets)`` the mean cross-entropy, by the loss chosen at
+construction (``loss=``, ``torch_impl.linear_cross_entropy.LOSSES``): "plain", ``cross_entropy`` of the logits, or
+"fused", the LM head and the loss fused and chunked over tokens, never the (B, T, V) logits.
 
 Single-device model code (like nanoGPT's model.py): parallelism is applied from outside by wrappers.
 Parameter names are stable (``token_embeddings.weight``, ``layers.{i}.attn.q_proj.weight``, ...): they key
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from parallelism_calc.specs import ModelSpec
 from torch_impl import nvtx
 from torch_impl.attention import get_attention
+from torch_impl.linear_cross_entropy import LOSSES, linear_cross_entropy
 
 
 class Linear(nn.Module):
@@ -39,7 +43,14 @@ class Linear(nn.Module):
         std = math.sqrt(2.0 / (in_features + out_features))
         nn.init.trunc_normal_(self.weight, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                chunk_size: int | None = None) -> torch.Tensor:
+        """x (..., in) -> x W^T (..., out); with ``targets`` (x's leading dims), the mean cross-entropy of those
+        logits instead, computed ``chunk_size`` tokens at a time without them (``linear_cross_entropy``: the LM
+        head's fused loss, called through this module so that hooks on it, as our FSDP's gathering of the
+        weight, see it)."""
+        if targets is not None:
+            return linear_cross_entropy(x, self.weight, targets, chunk_size)
         # F.linear, not x @ W.T: under autocast the transposed view's bf16 copy was written transposed (a
         # slower, uncoalesced kernel in the compiled step; notes/train_step.md).
         return F.linear(x, self.weight)
@@ -216,13 +227,24 @@ class Blocks(nn.ModuleList):
 
 
 class TransformerLM(nn.Module):
-    """Causal Transformer LM: token ids (B, T) -> logits (B, T, vocab)."""
+    """Causal Transformer LM: token ids (B, T) -> logits (B, T, vocab); with targets (B, T), the mean loss.
 
-    def __init__(self, spec: ModelSpec, attention: str = "naive", device=None, dtype=None):
+    ``loss``: how ``forward(token_ids, targets)`` computes it, "plain" (the logits, then ``cross_entropy``) or
+    "fused" (``linear_cross_entropy``, ``loss_chunk`` tokens at a time, None: its default); both equal to fp32
+    round-off, in value and gradients (tests/test_linear_cross_entropy.py)."""
+
+    def __init__(self, spec: ModelSpec, attention: str = "naive", device=None, dtype=None, *, loss: str = "plain",
+                 loss_chunk: int | None = None):
         super().__init__()
         if spec.arch != "transformer":
             raise ValueError(f"TransformerLM needs arch='transformer'; spec {spec.name!r} is {spec.arch!r}")
+        if loss not in LOSSES:
+            raise ValueError(f"TransformerLM: loss {loss!r}; accepted: {', '.join(LOSSES)}")
+        if loss_chunk is not None and (isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int)
+                                       or loss_chunk < 1):
+            raise ValueError(f"TransformerLM: loss_chunk={loss_chunk!r} must be an integer >= 1 (or None)")
         self.spec = spec
+        self.loss, self.loss_chunk = loss, loss_chunk
         get_attention(attention)  # fail early, with the list of backends
         # One RoPE table shared by every block; a buffer, so it follows .to(device) and is never trained.
         rope = RotaryEmbedding(spec.d_head, spec.context_length, spec.rope_theta, device=device, dtype=dtype)
@@ -233,13 +255,25 @@ class TransformerLM(nn.Module):
         self.ln_final = RMSNorm(spec.d_model, spec.norm_eps, device=device, dtype=dtype)
         self.lm_head = Linear(spec.d_model, spec.vocab_size, device=device, dtype=dtype)
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """token_ids (B, T) -> logits (B, T, V); with targets (B, T), the mean cross-entropy (0-dim, fp32) by
+        ``self.loss``: the fused loss never makes the logits."""
         if token_ids.ndim != 2:
             raise ValueError(f"token_ids must be (batch, seq), got shape {tuple(token_ids.shape)}")
+        if targets is not None and targets.shape != token_ids.shape:
+            raise ValueError(f"targets {tuple(targets.shape)} must be shaped as token_ids {tuple(token_ids.shape)}")
         seq = token_ids.shape[1]
         self.spec.check_seq_len(seq)
         x = self.layers(self.token_embeddings(token_ids))  # (B, T, d), positions 0..T-1
-        return self.lm_head(self.ln_final(x))  # (B, T, V)
+        h = self.ln_final(x)  # (B, T, d)
+        if targets is None:
+            return self.lm_head(h)  # (B, T, V)
+        if self.loss == "fused":
+            return self.lm_head(h, targets=targets, chunk_size=self.loss_chunk)
+        return cross_entropy(self.lm_head(h), targets)
+
+    def extra_repr(self) -> str:
+        return f"loss={self.loss!r}" + (f", loss_chunk={self.loss_chunk}" if self.loss_chunk else "")
 
     def to_numpy_weights(self) -> dict[str, np.ndarray]:
         """Every parameter as a float32 numpy copy, keyed by its stable name (PyTorch layout)."""

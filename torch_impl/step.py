@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from parallelism_calc.compute import MODES  # what a step runs: forward, forward_backward, train_step
+from torch_impl.linear_cross_entropy import LOSSES
 from torch_impl.model import cross_entropy
 
 
@@ -33,7 +34,9 @@ class StepParts:
     """What one step calls. ``forward``: the model, or the module its data-parallel wrapper gives;
     ``wrapper``: that ``DataParallelWrapper`` (None: one process, or fsdp2, whose communication sits in the
     backward); ``scheduler`` steps after the optimizer; ``grad_clip`` > 0 clips the global gradient norm (it
-    needs the wrapper, which knows how the gradients are spread over the ranks)."""
+    needs the wrapper, which knows how the gradients are spread over the ranks); ``loss_fn`` (logits, targets)
+    -> the mean loss, or None: ``forward(inputs, targets)`` returns the loss itself (``TransformerLM(loss=
+    "fused")``, whose LM head and loss are fused: no logits; ``for_loss`` picks)."""
 
     forward: Callable[[torch.Tensor], torch.Tensor]
     optimizer: torch.optim.Optimizer
@@ -41,11 +44,25 @@ class StepParts:
     wrapper: Any = None
     scheduler: Any = None
     grad_clip: float = 0.0
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = cross_entropy
 
     def __post_init__(self) -> None:
         if self.grad_clip > 0 and self.wrapper is None:
             raise ValueError("StepParts: grad_clip needs the data-parallel wrapper (it computes the global norm)")
+
+
+def for_loss(loss: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``StepParts.loss_fn`` for a model built with ``TransformerLM(loss=loss)``: ``cross_entropy`` of the logits
+    for "plain", None for "fused" (the model's forward takes the targets)."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r}; accepted: {', '.join(LOSSES)}")
+    return None if loss == "fused" else cross_entropy
+
+
+def _loss(parts: StepParts, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if parts.loss_fn is None:
+        return parts.forward(inputs, targets)
+    return parts.loss_fn(parts.forward(inputs), targets)
 
 
 def _no_mark(phase: str) -> None:
@@ -70,7 +87,7 @@ def train_step(parts: StepParts, micro_batches: list[tuple[torch.Tensor, torch.T
         last = j == k - 1
         with contextlib.nullcontext() if last or wrapper is None else wrapper.no_sync():
             with autocast(parts.dtype, inputs.device), torch.set_grad_enabled(mode != "forward"):
-                loss = parts.loss_fn(parts.forward(inputs), targets) / k
+                loss = _loss(parts, inputs, targets) / k
             mark("forward")
             if mode != "forward":
                 loss.backward()

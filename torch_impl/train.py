@@ -4,7 +4,9 @@ Trains ``TransformerLM`` on a token dataset (``lm_data``: the built-in standard-
 a text file or a ``.npy`` token file) for ``--epochs`` epochs of ``--steps-per-epoch`` optimizer steps, with
 AdamW, linear warm-up then cosine decay of the learning rate (``lm_training.lr_at``), gradient clipping, gradient
 accumulation over ``--grad-accum`` micro-batches of ``--batch-size`` sequences per rank, optional bf16
-autocast, any attention backend, and one of the data-parallel modes ``--dist``:
+autocast, any attention backend, the plain or the fused loss (``--loss fused``: the LM head and the cross-entropy
+fused and chunked over tokens, ``torch_impl.linear_cross_entropy``, in training and validation), and one of the
+data-parallel modes ``--dist``:
 ``none`` (one process), our ``naive`` / ``flat`` / ``individual`` / ``bucketed`` DDP, ``torch_ddp``
 (``DistributedDataParallel``), ``zero1`` (``ShardedOptimizer(AdamW)`` over bucketed DDP) and ``fsdp``, applied
 by ``torch_impl.parallelize.parallelize`` as in the benchmarks. The loop knows each mode only through
@@ -114,7 +116,8 @@ from torch_impl.distributed.process_group import (DistributedContext, free_port,
 from torch_impl.model import TransformerLM, cross_entropy  # noqa: E402
 from torch_impl.parallelize import (CUDA_GRAPHS, WRAPPER_MODES as DIST_MODES, DataParallelConfig,  # noqa: E402
                                     check_cuda_graph, check_supported, data_parallel_configs, parallelize)
-from torch_impl.step import StepParts, autocast, train_step  # noqa: E402
+from torch_impl.linear_cross_entropy import LOSSES  # noqa: E402
+from torch_impl.step import StepParts, autocast, for_loss, train_step  # noqa: E402
 from torch_impl.timing import PhaseTimer  # noqa: E402
 
 SUITE = "train"
@@ -131,10 +134,13 @@ class TrainConfig(TrainSettings):
     bucket_mb: float = 25.0
     timeout: float = 300.0
     auto_resume: bool = False
+    loss: str = "plain"  # torch_impl.linear_cross_entropy.LOSSES
 
     def __post_init__(self) -> None:
         if self.dist not in DIST_MODES:
             raise ValueError(f"--dist {self.dist!r}; accepted: {', '.join(DIST_MODES)}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss {self.loss!r}; accepted: {', '.join(LOSSES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}; accepted: {', '.join(DTYPES)}")
         check_supported([self.dist], self.compile, self.dtype, flag="--dist ")
@@ -155,7 +161,7 @@ def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: i
     """The model, compiled with --compile (its CUDA graphs with --cuda-graph blocks), in its data-parallel wrapper
     with AdamW and the LR schedule (``torch_impl.parallelize.parallelize``): what ``train_step`` calls."""
     torch.manual_seed(cfg.seed)
-    model = TransformerLM(spec, attention=cfg.attention, device=device)
+    model = TransformerLM(spec, attention=cfg.attention, device=device, loss=cfg.loss)
     if cfg.init_weights:
         model.load_numpy_weights(dict(np.load(cfg.init_weights)))
     adamw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps, betas=cfg.betas,
@@ -167,7 +173,7 @@ def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: i
     schedule = cfg.schedule(total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, **schedule) / cfg.lr)
     return StepParts(forward, optimizer, dtype=cfg.dtype, wrapper=wrapper, scheduler=scheduler,
-                     grad_clip=cfg.grad_clip)
+                     grad_clip=cfg.grad_clip, loss_fn=for_loss(cfg.loss))
 
 
 def data_parallel_config(cfg: TrainConfig) -> DataParallelConfig:
@@ -204,9 +210,11 @@ def evaluate(parts: StepParts, cfg: TrainConfig, data: TokenData, device: torch.
     for i in range(forwards):  # only this rank's batches are built (the padding one: batch 0 again)
         x, y = batch_at(data.val, mine[i] if i < len(mine) else every[0], cfg.seq_len, device)
         with autocast(cfg.dtype, device), eager:
-            logits = parts.wrapper.eval_module(x)
+            # the fused loss takes the targets (no logits); the plain one's logits go to cross_entropy
+            loss = (parts.wrapper.eval_module(x, y) if cfg.loss == "fused"
+                    else cross_entropy(parts.wrapper.eval_module(x), y))
         if i < len(mine):
-            loss_sum += cross_entropy(logits, y).item() * len(x)
+            loss_sum += loss.item() * len(x)
             windows += len(x)
     parts.wrapper.module.train()
     loss_sum, windows = _all_reduce_sum([loss_sum, windows], device, world_size)
@@ -408,7 +416,8 @@ def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch
     metrics = {
         **epoch_metrics(cfg, epoch=epoch, step=step, steps_per_epoch=steps_per_epoch, global_batch=global_batch,
                         losses=losses, val_loss=val_loss, data=data),
-        "compiled": cfg.compile, "cuda_graph": cfg.cuda_graph, "dist": cfg.dist, "grad_norms": stats.grad_norms,
+        "compiled": cfg.compile, "cuda_graph": cfg.cuda_graph, "dist": cfg.dist, "loss": cfg.loss,
+        "grad_norms": stats.grad_norms,
         **worst, **times,
         "phase_totals_s": {p: max(g["phase_s"][p] for g in gathered) for p in STEP_PHASES},
         "per_rank_peak_memory_bytes": peaks,
@@ -439,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cuda-graph", choices=CUDA_GRAPHS, default=d.cuda_graph,
       help="blocks: replay each compiled block as CUDA graphs (needs --compile, CUDA, --grad-accum 1; default off)")
     a("--dist", choices=DIST_MODES, default=d.dist, help=f"data-parallel mode (default {d.dist})")
+    a("--loss", choices=LOSSES, default=d.loss,
+      help="plain: the LM head's logits, then the cross-entropy (default); fused: the two fused, chunked over "
+           "tokens, never the logits")
     a("--bucket-mb", type=positive_float, default=d.bucket_mb,
       help="bucket size in MiB for bucketed and zero1 (default 25)")
     a("--device", default=d.device, help="auto (CUDA if available), cpu, or cuda")
@@ -455,7 +467,8 @@ def _failure_record(cfg: TrainConfig, err: BaseException, world_size: int) -> Re
                     batch_size=cfg.batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype, mode="train_step",
                     world_size=world_size, status="oom" if oom else "error",
                     error=f"{type(err).__name__}: {err}".splitlines()[0],
-                    metrics={"attention": cfg.attention, "compiled": cfg.compile, "dist": cfg.dist, "grad_accum": cfg.grad_accum,
+                    metrics={"attention": cfg.attention, "compiled": cfg.compile, "dist": cfg.dist, "loss": cfg.loss,
+                             "grad_accum": cfg.grad_accum,
                              "run": cfg.run_name, "restarts": restart_count()})
     record.provenance["device_name"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return record

@@ -17,7 +17,9 @@ stall the step it times.
 and moments, one Triton kernel) instead of autocast and torch's AdamW; the stock reference beside it trains
 bf16 the stock way (autocast, fused AdamW) and its record says ``bf16``.
 ``--compile`` compiles ours a span of blocks at a time (``torch_impl.parallelize.parallelize``; the record's
-``metrics.blocks_per_graph``) and its loss. ``--cuda-graph`` names how ours replays CUDA graphs, one record each,
+``metrics.blocks_per_graph``) and its loss. ``--loss fused`` fuses ours' LM head with its cross-entropy, chunked
+over tokens (``torch_impl.linear_cross_entropy``: never the batch x seq x vocab logits; custom ops that
+``--compile`` leaves as they are); the record's ``metrics.loss`` and implementation (", fused loss") say which. ``--cuda-graph`` names how ours replays CUDA graphs, one record each,
 in the given order: ``off`` (none), ``blocks`` (each compiled span's graph, Inductor's CUDA graph trees: needs
 ``--compile``; the records keep the name "cuda graph per block"), ``step`` (the whole step, forward,
 backward and AdamW, as one graph: ``torch_impl.timing.capture_step``); e.g. ``--cuda-graph off,blocks,step``.
@@ -45,10 +47,11 @@ from parallelism_calc.checkpointing import checkpointed_activation_bytes
 from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
 from torch_impl import nvtx
 from torch_impl.device import device_name, pick_device
+from torch_impl.linear_cross_entropy import LOSSES
 from torch_impl.model import TransformerLM, cross_entropy
 from torch_impl.parallelize import BLOCKS_PER_GRAPH, check_cuda_graph, parallelize
 from torch_impl.profiling import profile_steps
-from torch_impl.step import StepParts, train_step
+from torch_impl.step import StepParts, for_loss, train_step
 from torch_impl.stock import SDPA_BACKENDS, StockTransformerLM
 from torch_impl.timing import PhaseTimer, capture_step
 
@@ -66,7 +69,7 @@ def build_model(args: TorchStepConfig, spec, device: torch.device, stock: bool) 
     """Our TransformerLM, or the stock reference with the same weights (``torch_impl.stock``). Same seed, same
     weights, whichever is built."""
     torch.manual_seed(args.seed)
-    model = TransformerLM(spec, attention=args.attention, device=device)
+    model = TransformerLM(spec, attention=args.attention, device=device, loss="plain" if stock else args.loss)
     if args.load_weights:
         model.load_numpy_weights(dict(np.load(args.load_weights)))
     if args.save_weights and not stock:
@@ -146,10 +149,11 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
     forward, _, optimizer = parallelize(model, dtype=args.dtype, adamw=adamw, compile=args.compile and not stock,
                                         cuda_graphs=graph == "blocks", ac_every=args.checkpoint_every,
                                         nested_ac=args.nested_checkpoint)
-    parts = StepParts(forward, optimizer, dtype=args.dtype)
+    loss = "plain" if stock else args.loss  # the stock reference computes its loss the plain way
+    parts = StepParts(forward, optimizer, dtype=args.dtype, loss_fn=for_loss(loss))
     if args.compile and stock:
         parts.forward = torch.compile(model)
-    elif args.compile:
+    elif args.compile and loss == "plain":
         parts.loss_fn = torch.compile(cross_entropy)
     timer = PhaseTimer(device)
 
@@ -202,7 +206,7 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
         peak = getattr(torch.cuda, f"max_memory_{peak_kind}")(device)
     losses = [float(loss) for loss in losses]
     metrics = {"loss_first": losses[0], "loss_last": losses[-1], "losses": losses, "fused_adamw": fused,
-               "optimizer": type(optimizer).__name__,
+               "optimizer": type(optimizer).__name__, "loss": loss,
                "peak_memory_kind": peak_kind,
                "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
                "blocks_per_graph": BLOCKS_PER_GRAPH if args.compile and not stock else None,
@@ -231,7 +235,9 @@ def predicted_memory(args: TorchStepConfig, spec, seq_len: int) -> dict[str, int
     ``memory.activation_bytes_per_token``) and, for a train step, the device's peak placed in the step
     (``memory.per_device_memory(..., peak_model="timeline")``, one device: weights and AdamW state plus the
     largest of the forward's end, each block's backward with its checkpointing, and the backward's end; see
-    notes/fidelity.md). Forward-only runs save nothing for backward: None."""
+    notes/fidelity.md). Forward-only runs save nothing for backward: None. With ``--loss fused`` both still count the
+    plain loss's fp32 log-softmax (4 V bytes per token), which the fused loss never makes: the calculator has no
+    term for it yet (issue 19 item 4; notes/train_step.md has the formula)."""
     if args.mode == "forward":
         return {"predicted_activation_bytes": None, "predicted_peak_bytes": None}
     precision, attention = calculator_terms(args.dtype, args.attention)
@@ -253,7 +259,7 @@ def predicted_memory(args: TorchStepConfig, spec, seq_len: int) -> dict[str, int
 
 def implementation_name(args: TorchStepConfig, stock: bool = False, graph: str = "off") -> str:
     """e.g. 'compiled sdpa, ckpt 2 nested', 'compiled sdpa_cudnn, cuda graph' (the whole step),
-    'compiled sdpa_cudnn, cuda graph per block', 'stock compiled sdpa_cudnn'."""
+    'compiled sdpa_cudnn, cuda graph per block', 'stock compiled sdpa_cudnn', 'compiled sdpa, fused loss'."""
     name = f"{'compiled' if args.compile else 'eager'} {args.stock if stock else args.attention}"
     if stock:
         name = "stock " + name
@@ -261,6 +267,8 @@ def implementation_name(args: TorchStepConfig, stock: bool = False, graph: str =
         name += CUDA_GRAPH_MODES[graph]
     if args.checkpoint_every:
         name += f", ckpt {args.checkpoint_every}" + (" nested" if args.nested_checkpoint else "")
+    if args.loss == "fused" and not stock:
+        name += ", fused loss"
     return name
 
 
@@ -282,6 +290,7 @@ class TorchStepConfig(StepConfig):
     checkpoint_every: int | None = None  # --ac-every
     nested_checkpoint: bool = False
     fused_adamw: str = "auto"
+    loss: str = "plain"  # torch_impl.linear_cross_entropy.LOSSES
     profile: str | None = None
     memory_snapshot: str | None = None
 
@@ -306,6 +315,9 @@ def add_torch_arguments(parser: argparse.ArgumentParser) -> None:
                              help="also checkpoint each block inside a segment (with --ac-every)")
     torch_flags.add_argument("--fused-adamw", choices=("auto", "on", "off"), default="auto",
                              help="fused AdamW kernel (auto: on CUDA)")
+    torch_flags.add_argument("--loss", choices=LOSSES, default="plain",
+                             help="plain: the LM head's logits, then the cross-entropy (default); fused: the two "
+                                  "fused, chunked over tokens, never the logits (not the stock reference)")
     torch_flags.add_argument("--profile", metavar="DIR",
                              help="after timing, profile 3 steps: Chrome trace and kernel table in DIR")
     torch_flags.add_argument("--memory-snapshot", metavar="PICKLE",
