@@ -11,26 +11,38 @@ from __future__ import annotations
 from analysis.records import STEP_PHASES as PHASES, Record, read_records
 
 SUITE = "ddp"
-# The working set each FSDP implementation of the benchmark gathers, as ``parallelism_calc.memory.per_device_memory``
-# takes it: ours each weight matrix with torch_impl.distributed.fsdp's default prefetch of MAX_PREFETCH_LAYERS = 2
-# (tests/test_ddp_bench.py ties the two), FSDP2 a block at a time with its root kept. The benchmark records its
-# prediction with it (torch_impl.bench.ddp.predicted_memory) and analysis.fidelity recomputes it.
-FSDP_GATHERING = {"fsdp": dict(gather_unit="layer", prefetch_layers=2),
-                  "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False)}
+# The working set each FSDP implementation of the benchmark gathers and reduce-scatters, as
+# ``parallelism_calc.memory.per_device_memory`` takes it: ours each weight matrix with torch_impl.distributed.fsdp's
+# default prefetch of MAX_PREFETCH_LAYERS = 2 and MAX_PENDING_REDUCE_SCATTERS = 2 in flight (tests/test_ddp_bench.py
+# ties them), FSDP2 a block at a time with its root kept and one reduce-scatter in flight; both gather the embedding
+# in the compute dtype (the residual stream runs in it). The peak placed in the step, as for one process. The
+# benchmark records its prediction with it (torch_impl.bench.ddp.predicted_memory) and analysis.fidelity recomputes it.
+FSDP_GATHERING = {"fsdp": dict(gather_unit="layer", prefetch_layers=2, pending_reduce_scatters=2,
+                               compute_dtype_stream=True, peak_model="timeline"),
+                  "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False, pending_reduce_scatters=1,
+                                compute_dtype_stream=True, peak_model="timeline")}
+# torch DDP's bf16_compress_hook: the bf16 copy of every bucket beside its fp32 buckets (per_device_memory's
+# gradient_buckets; torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook).
+BF16_HOOK_COPY_BYTES = 2
 # The implementations that keep flat gradient buckets from step to step (the others reduce in place or shard).
 BUCKETED_IMPLS = ("bucketed", "zero1", "torch_ddp")
 
 
 def memory_terms(impl: str, grad_bytes: int, comm_dtype: str = "grad") -> dict:
-    """What ``per_device_memory`` takes for an implementation of the benchmark, beside its strategy: the FSDPs'
-    gathered working set (every term at once, ``peak_model="sum"``); the others' peak placed in the step
-    (``"timeline"``, as for one process) with their persistent gradient buckets, in the dtype the gradients travel
-    in (``grad_bytes``, 2 for our bf16 communication; torch DDP's bf16 hook compresses a copy of its fp32
-    buckets). Against the 2-H100 records: notes/data_parallel.md."""
+    """What ``per_device_memory`` takes for an implementation of the benchmark, beside its strategy, all with the
+    peak placed in the step (``"timeline"``, as for one process): the FSDPs' gathered working set, reduce-scatter
+    buffers and compute-dtype residual stream (``FSDP_GATHERING``); the others' persistent gradient buckets, in
+    the dtype the gradients travel in (``grad_bytes``, 2 for our bf16 communication); torch DDP's bf16 hook keeps
+    its fp32 buckets and compresses each into a bf16 copy (``grad_bytes + BF16_HOOK_COPY_BYTES``). Against the
+    2-GPU records: notes/data_parallel.md, notes/fidelity.md."""
     if impl in FSDP_GATHERING:
         return dict(FSDP_GATHERING[impl])
-    bf16 = comm_dtype == "bf16" and impl != "torch_ddp"
-    return {"peak_model": "timeline", "gradient_buckets": (2 if bf16 else grad_bytes) if impl in BUCKETED_IMPLS else 0}
+    if impl not in BUCKETED_IMPLS:
+        return {"peak_model": "timeline", "gradient_buckets": 0}
+    if comm_dtype != "bf16":
+        return {"peak_model": "timeline", "gradient_buckets": grad_bytes}
+    return {"peak_model": "timeline",
+            "gradient_buckets": grad_bytes + BF16_HOOK_COPY_BYTES if impl == "torch_ddp" else 2}
 
 
 def baseline_key(record: Record) -> tuple:

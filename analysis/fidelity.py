@@ -13,8 +13,10 @@ device name); a step record without them is listed, with the reason. Per row:
   (``peak_memory_bytes``), for every record whose benchmark made a prediction at run time
   (``metrics.predicted_peak_bytes`` or ``predicted_memory_bytes``). One PyTorch device: the peak placed in the step
   (``peak_model="timeline"``: forward's end, each block's backward with its checkpointing, backward's end); several
-  PyTorch ranks: the benchmark's own call (the DDP family: timeline with its gradient buckets; the FSDPs: every term
-  at once, ``peak_model="sum"``); every JAX run: its benchmark's call ("sum"). A record whose
+  PyTorch ranks: the benchmark's own call (the DDP family: timeline with its gradient buckets; the FSDPs: timeline
+  with their gathered window and reduce-scatter buffers); every JAX run: its benchmark's call ("sum"); where an
+  earlier configuration of the DDP benchmark's launch left memory allocated (``leftover_bytes``: measured, or the
+  weights and buckets of a wrapper that leaked before fc529ad), that is added and named. A record whose
   configuration the calculator cannot rebuild keeps the stored value, and the row's "memory model" says which;
   a peak the benchmark read as the allocator's reserved bytes (CUDA graph pools) says so there too;
 * communication: the floor's exposed communication against the record's ``comm`` phase, where it has one.
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.allreduce import ALLREDUCE_SUITE
-from analysis.data_parallel import memory_terms
+from analysis.data_parallel import SUITE as DDP_SUITE, memory_terms
 from analysis.harness import DTYPES, calculator_terms, compiled_activations
 from analysis.records import Record
 from parallelism_calc.cli import ArgumentParser, error_boundary
@@ -45,6 +47,12 @@ from parallelism_calc.specs import ModelSpec
 MEMORY_BOUND, TIME_BOUND = 0.05, 0.25  # the bounds the summary counts rows within
 CEILINGS_SUITE = "ceilings"
 PREDICTED_MEMORY = ("predicted_peak_bytes", "predicted_memory_bytes")  # what the benchmarks call their prediction
+# The DDP benchmark's wrappers whose gradient hooks kept their model alive after their configuration, until fc529ad
+# (notes/data_parallel.md, finding 2; tests/test_ddp.py::test_a_dropped_wrapper_frees_its_model_and_buckets): the
+# later configurations of the same launch ran beside their weights and their buckets (individual: the last step's
+# gradients it held). Records before 5a320bd have no per_rank_allocated_before_bytes to say how much.
+LEAKING_WRAPPERS = ("individual", "bucketed", "zero1")
+LEFTOVER_MIN_BYTES = 2**30  # a leftover smaller than this (NCCL's and cuBLAS's workspaces, 64 MiB) is not added
 
 
 @dataclass
@@ -131,8 +139,8 @@ def memory_prediction(record: Record) -> tuple[float | None, str]:
       "timeline"`` with the record's precision, attention and checkpointing (``metrics.checkpoint_every``,
       ``nested_checkpoint``) -> "timeline";
     * PyTorch over several ranks (``torch_impl.bench.ddp``): that benchmark's call
-      (``analysis.data_parallel.memory_terms``): the FSDPs' gathered sets -> "sum", the DDP family's peak in the
-      step with its gradient buckets -> "timeline";
+      (``analysis.data_parallel.memory_terms``): the peak in the step with the DDP family's gradient buckets or the
+      FSDPs' gathered window and reduce-scatter buffers -> "timeline";
     * JAX (``jax_impl.bench.e2e``): that benchmark's call, the mesh strategy and the remat policy -> "sum";
 
     otherwise (or when the calculator refuses the configuration) the stored prediction -> "stored at run time";
@@ -171,8 +179,53 @@ def memory_prediction(record: Record) -> tuple[float | None, str]:
     return stored, "stored at run time"
 
 
-def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[tuple[str, int], float]) -> Row:
+def leftover_bytes(records: list[Record]) -> dict[int, tuple[float, str]]:
+    """{id(record): (bytes, why)} for the DDP benchmark's records that ran beside memory an earlier configuration
+    of the same launch left allocated: read from ``per_rank_allocated_before_bytes`` (the worst rank) where the
+    record has it, else estimated for records of a launch (same commit, command and host, in the order written)
+    that ran after a ``LEAKING_WRAPPERS`` configuration: its weights (P x param bytes) and its buckets (P x the
+    bytes ``memory_terms`` gives it) or, for ``individual``, its last gradients (P x grad bytes), each such
+    configuration's. Leftovers under ``LEFTOVER_MIN_BYTES`` are left out."""
+    out: dict[int, tuple[float, str]] = {}
+    leaked: dict[tuple, list[tuple[str, float]]] = {}
+    for r in records:
+        if r.suite != DDP_SUITE or r.backend != "torch" or not r.model_dims:
+            continue
+        m, prov = r.metrics, r.provenance
+        launch = (prov.get("git_commit"), prov.get("command"), prov.get("hostname"), prov.get("device_name"))
+        before = [b for b in m.get("per_rank_allocated_before_bytes") or [] if b is not None]
+        if before:
+            if max(before) >= LEFTOVER_MIN_BYTES:
+                out[id(r)] = (float(max(before)), "measured before the configuration (per_rank_allocated_before_bytes)")
+            continue
+        if "per_rank_allocated_before_bytes" in m:
+            continue
+        earlier = leaked.get(launch, [])
+        total = sum(b for _, b in earlier)
+        if r.status == "ok" and total >= LEFTOVER_MIN_BYTES:
+            names = ", ".join(name for name, _ in earlier)
+            out[id(r)] = (total, f"estimated: {names} earlier in the launch, before the leak fix (fc529ad), kept "
+                                 "its weights and buckets")
+        if m.get("impl") in LEAKING_WRAPPERS and r.world_size > 1:
+            try:
+                n = ModelSpec(**r.model_dims).n_params()
+                prec = get_precision(calculator_terms(r.dtype, "flash")[0])
+            except (ValueError, KeyError, TypeError):
+                continue
+            held = (prec.grad_bytes if m["impl"] == "individual" else
+                    memory_terms(m["impl"], prec.grad_bytes, m.get("comm_dtype", "grad"))["gradient_buckets"])
+            leaked.setdefault(launch, []).append((m["impl"], float(n * (prec.param_bytes + held))))
+    return out
+
+
+def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[tuple[str, int], float],
+            leftover: tuple[float, str] | None = None) -> Row:
+    """One row; ``leftover`` (``leftover_bytes``): memory an earlier configuration of the launch left allocated,
+    added to the prediction and named in the row's memory model."""
     predicted, model = memory_prediction(record)
+    if predicted is not None and leftover is not None:
+        predicted += leftover[0]
+        model += f"; + {leftover[0] / 2**30:.2f} GiB left allocated ({leftover[1]})"
     graph_blocks = record.metrics.get("cuda_graph") == "blocks" or "cuda graph per block" in record.implementation
     if predicted is not None and record.metrics.get("peak_memory_kind") == "reserved":
         model += "; measured: reserved (CUDA graph pool), not allocated"
@@ -207,8 +260,8 @@ def is_step(record: Record) -> bool:
 
 
 def fidelity_rows(records: list[Record]) -> list[Row]:
-    ceilings, buses = device_ceilings(records), bus_bandwidths(records)
-    return [predict(r, ceilings, buses) for r in records if is_step(r)]
+    ceilings, buses, leftovers = device_ceilings(records), bus_bandwidths(records), leftover_bytes(records)
+    return [predict(r, ceilings, buses, leftovers.get(id(r))) for r in records if is_step(r)]
 
 
 def _frame(rows: list[Row]):

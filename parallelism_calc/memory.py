@@ -156,12 +156,13 @@ def _check_choice(what: str, value: str, accepted: tuple[str, ...]) -> None:
 
 
 def _transformer_block_terms(spec: ModelSpec, seq_len: int, precision: Precision, attention: str,
-                             selective: bool, tp: int) -> dict[str, int]:
+                             selective: bool, tp: int, compute_dtype_stream: bool = False) -> dict[str, int]:
     """Bytes per token one ``TransformerBlock`` saves for backward (see ``activation_bytes_per_token``)."""
     d, f, h, p = spec.d_model, spec.d_ff, spec.n_heads, precision.activation_bytes
     # Consumers of each norm's output: q, k, v read RMSNorm1's; w1, w3 read RMSNorm2's. In the model dtype
     # they share one saved tensor; under autocast each consuming linear keeps its own cast copy.
-    norm_output_copies = 5 if precision.autocast else 2
+    # A residual stream already in the compute dtype (compute_dtype_stream) gives norm outputs in it: shared too.
+    norm_output_copies = 5 if precision.autocast and not compute_dtype_stream else 2
     terms = {
         # RMSNorm1 and RMSNorm2 inputs, in fp32 (the norm upcasts; replicated under TP).
         "layer.norm_inputs": 2 * d * FP32,
@@ -225,7 +226,8 @@ def _transformer_extra_terms(spec: ModelSpec, precision: Precision) -> dict[str,
 
 def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | Precision = "fp32",
                                checkpointing: str = "none", attention: str = "naive",
-                               tp: int = 1, compiled: bool = False) -> ActivationBreakdown:
+                               tp: int = 1, compiled: bool = False,
+                               compute_dtype_stream: bool = False) -> ActivationBreakdown:
     """Bytes saved for backward per token of a forward over sequences of ``seq_len`` tokens.
 
     Transformer (``spec.arch == "transformer"``), per layer per token, p = precision.activation_bytes,
@@ -262,6 +264,10 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
     (``_compiled_block_terms``; 0.64x the eager count for xl under bf16 autocast). Measured for flash attention
     without checkpointing only; the extras outside the blocks stay as above.
 
+    ``compute_dtype_stream``: the residual stream in the compute dtype under autocast (stage-3 wrappers that gather
+    the embedding in it, ``per_device_memory``): each norm's output is one shared tensor, 2 D p, not 5 D p (eager
+    count; the rest, autocast's fp32 softmax included, unchanged).
+
     Not counted: batch-independent tensors (RoPE cos/sin rows, the (T, T) causal mask, scalars).
     """
     prec = get_precision(precision)
@@ -282,7 +288,8 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
         if spec.n_heads % tp or f % tp:
             raise ValueError(f"tp={tp} must divide n_heads={spec.n_heads} and d_ff={f} of {spec.name!r}")
         block = (_compiled_block_terms(spec, prec, tp) if compiled else
-                 _transformer_block_terms(spec, seq_len, prec, attention, checkpointing == "selective", tp))
+                 _transformer_block_terms(spec, seq_len, prec, attention, checkpointing == "selective", tp,
+                                          compute_dtype_stream))
         extra = _transformer_extra_terms(spec, prec)
     block_bytes = sum(block.values())
     if checkpointing == "full":
@@ -320,6 +327,9 @@ class MemoryBreakdown:
     # ("forward's end", "backward, block i" (0 = the first block), "backward's end"; see step_peak_memory).
     peak_at: str = "sum"
     buckets: float = 0.0  # DDP's persistent flat gradient buffers (gradient_buckets bytes a parameter)
+    # Stage 3: a unit's unsharded gradient and the reduce-scatter buffers in flight, alive during the backward
+    # (pending_reduce_scatters; see per_device_memory)
+    reduce_scatter: float = 0.0
 
 
 def _mesh(strategy: str, n_devices: int | ParallelSpec) -> ParallelSpec:
@@ -388,7 +398,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                       attention: str = "naive", prefetch_layers: int = 1, gather_unit: str = "block",
                       reshard_root: bool = True, peak_model: str = "sum", checkpoint_every: int | None = None,
                       nested_checkpoint: bool = False, gradient_buckets: int = 0,
-                      compiled: bool = False) -> MemoryBreakdown:
+                      compiled: bool = False, pending_reduce_scatters: int | None = None,
+                      compute_dtype_stream: bool = False) -> MemoryBreakdown:
     """Bytes per device of a training step with AdamW (ZeRO paper, Rajbhandari et al. 2020).
 
     P = spec.n_params(); per-parameter bytes from ``precision``; N_shard = the sharding degree.
@@ -438,6 +449,37 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     (4 for fp32 gradients, 2 sent in bf16); DDP that reduces each gradient in place holds none (0, the default).
     ``buckets`` = P x gradient_buckets, alive throughout the step.
 
+    Communication buffers of the data-parallel wrappers (tests/test_calc_memory.py holds small cases by hand):
+
+    * ``gradient_buckets`` G_b (above) is also where torch DDP's ``bf16_compress_hook`` goes: its fp32 buckets (4)
+      plus the bf16 copy it compresses each bucket into (2; ``torch.distributed.algorithms.ddp_comm_hooks.
+      default_hooks.bf16_compress_hook``: ``bucket.buffer().to(torch.bfloat16)``, freed only once its all-reduce
+      has run on NCCL's stream, the allocator's ``record_stream``), counted from step to step: G_b = 6
+      (``analysis.data_parallel.memory_terms``). Checked against one reserved-peak record (the copies come from
+      segments the CUDA graph pool's freed activations cannot give), where it brings 0.86 to 0.93, as the same
+      run without the hook (notes/fidelity.md, session 23).
+    * ``pending_reduce_scatters`` k (stage 3; None: not modelled, 0 and up: k reduce-scatters in flight): during
+      the backward a unit's full-size gradient exists unsharded (u p: autograd's gradient of the gathered weight)
+      and is copied into a reduce-scatter input (u p) with an output piece (u p / N_shard), and up to k earlier
+      reduce-scatters still hold theirs:
+
+          reduce_scatter = u p (1 + (k + 1) (1 + 1 / N_shard)) / tp
+
+      with u the largest unit of the window above (``gather_unit``), p = activation_bytes (the gradients are
+      reduced in the compute dtype). Our ``FSDP``: k = ``MAX_PENDING_REDUCE_SCATTERS`` = 2
+      (torch_impl/distributed/fsdp.py, ``_reduce_scatter_grad``: ``flat = grad_full.reshape(-1).to(dtype) / N``,
+      ``piece``, ``_pending_grads``); FSDP2: k = 1 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
+      ``foreach_reduce``: ``reduce_scatter_input``, copied from the unsharded gradients, and the previous group's
+      ``reduce_scatter_state``, dropped at the next group's post-backward). ``peak_model="timeline"`` adds it to
+      every backward moment (and the backward's end: our FSDP lands the last two in
+      ``finish_gradient_synchronization``), not to the forward's end; "sum" adds it to the total.
+    * ``compute_dtype_stream``: the stage-3 wrappers gather the embedding in the compute dtype too (our
+      ``FSDP(compute_dtype=bfloat16)``, FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16)``), so under autocast
+      the residual stream, hence each RMSNorm's output (``.to(x.dtype)``), is already bf16: the q, k, v and w1, w3
+      linears share it instead of casting a copy each, 2 D p a layer per token instead of 5 D p
+      (``activation_bytes_per_token(compute_dtype_stream=True)``; the norms' fp32 internals and autocast's fp32
+      softmax are unchanged). Off for the JAX meshes, whose FSDP rows this was not checked against.
+
     ``peak_model``: "sum" (the default) adds every term above as if all were alive at once, an upper bound;
     "timeline" places the peak in the step (``step_peak_memory``: weights, masters, AdamW state and the
     gathered set always; the saved activations and autocast copies at the forward's end; the gradients written
@@ -460,6 +502,10 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     if gradient_buckets < 0 or gradient_buckets and strategy not in ("ddp", "zero1"):
         raise ValueError(f"gradient_buckets={gradient_buckets}: bytes a parameter >= 0, with strategy ddp or zero1 "
                          f"(replicated gradients); got {strategy!r}")
+    if pending_reduce_scatters is not None and (pending_reduce_scatters < 0 or strategy not in ("zero3", "fsdp",
+                                                                                                 "fsdp_tp")):
+        raise ValueError(f"pending_reduce_scatters={pending_reduce_scatters}: reduce-scatters in flight >= 0, with "
+                         f"a stage-3 strategy (zero3, fsdp, fsdp_tp); got {strategy!r}")
     if batch_tokens < 1 or seq_len < 1 or prefetch_layers < 0:
         raise ValueError(f"batch_tokens={batch_tokens}, seq_len={seq_len} must be >= 1, "
                          f"prefetch_layers={prefetch_layers} >= 0")
@@ -485,7 +531,10 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     master = shard(prec.master_bytes, 1)
     optimizer = shard(prec.optimizer_bytes, 1)
     tokens = batch_tokens // ranks
-    act = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled)
+    # The residual stream in the compute dtype (stage-3 wrappers gathering the embedding in it): activations as with
+    # weights in that dtype (one shared norm output, no autocast copy per consuming linear).
+    stream = compute_dtype_stream and stage == 3 and prec.autocast
+    act = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled, stream)
     activations = float(act.total_bytes * tokens)
     resident, unit = _gather_working_set(spec, gather_unit, reshard_root)
     # Stage 3: the resident root + the unit in use + prefetch_layers units ahead, gathered in the compute
@@ -494,7 +543,10 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     # Autocast's bf16 weight copies, saved for backward: only where the forward reads fp32 weights (not stage 3).
     cast_weights = _cast_params(spec) * prec.activation_bytes / tp if prec.autocast and stage < 3 else 0.0
     buckets = float(n * gradient_buckets)
-    total = params + grads + master + optimizer + activations + gathered + cast_weights + buckets
+    k_rs = pending_reduce_scatters
+    reduce_scatter = (unit * prec.activation_bytes * (1 + (k_rs + 1) * (1 + 1 / n_shard)) / tp
+                      if k_rs is not None and stage == 3 else 0.0)
+    total = params + grads + master + optimizer + activations + gathered + cast_weights + buckets + reduce_scatter
     s = "N_shard" if n_shard > 1 else "1"
     if gains:
         s = f"N_shard [norm gains G = {gains:,}: (P - G) / N_shard + G / fsdp]"
@@ -509,13 +561,17 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                      f"{prec.activation_bytes} / tp" if stage == 3 else "0"),
         "cast_weights": f"P_matmul * {prec.activation_bytes} / tp" if prec.autocast and stage < 3 else "0",
         "buckets": f"P * {gradient_buckets}",
+        "reduce_scatter": (f"largest unit [{gather_unit}] * {prec.activation_bytes} * (1 + ({k_rs} + 1) * "
+                           f"(1 + 1 / {n_shard})) / tp" if reduce_scatter else "0"),
         "N_shard": str(n_shard),
     }
+    if stream:
+        formulas["activations"] += " (residual stream in the compute dtype)"
     breakdown = MemoryBreakdown(strategy, params, grads, master, optimizer, activations, gathered, cast_weights,
-                                total, formulas, buckets=buckets)
+                                total, formulas, buckets=buckets, reduce_scatter=reduce_scatter)
     if peak_model == "timeline":
         return step_peak_memory(spec, breakdown, tokens, seq_len, prec, checkpointing, attention, tp,
-                                checkpoint_every, nested_checkpoint, compiled)
+                                checkpoint_every, nested_checkpoint, compiled, stream)
     return breakdown
 
 
@@ -526,7 +582,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
 def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_len: int,
                      precision: str | Precision = "bf16_autocast", checkpointing: str = "none",
                      attention: str = "naive", tp: int = 1, checkpoint_every: int | None = None,
-                     nested_checkpoint: bool = False, compiled: bool = False) -> MemoryBreakdown:
+                     nested_checkpoint: bool = False, compiled: bool = False,
+                     compute_dtype_stream: bool = False) -> MemoryBreakdown:
     """The peak of one training step over its moments, from the terms of ``state`` (a "sum" breakdown of
     ``per_device_memory``, whose sharding of gradients and optimizer state it keeps) for ``tokens`` tokens per
     device. ``per_device_memory(..., peak_model="timeline")`` calls it; notes/fidelity.md has the evidence.
@@ -534,7 +591,8 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     The step frees gradients before its forward (``zero_grad(set_to_none=True)``, torch_impl/step.py), so no
     gradient exists while activations accumulate, and its backward frees each block's saved activations (and
     the autocast weight copies saved with them) as it writes that block's gradients. With S = params + master
-    + optimizer + gathered + buckets (alive throughout), per token b = one block's saved activations, a = one block
+    + optimizer + gathered + buckets (alive throughout), R = state.reduce_scatter (stage 3's unsharded gradient and
+    reduce-scatter buffers, during the backward only), per token b = one block's saved activations, a = one block
     input (the residual stream: a checkpoint), e = the extras outside the blocks (final norm, fp32 log-softmax, token
     ids), c = one block's autocast weight copies, c_head = the LM head's, g = one block's gradients, g_top = the
     LM head's and final norm's (written before any block's), G = all gradients, L blocks, T = tokens:
@@ -542,8 +600,8 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
         peak = S + max(forward's end, backward at block i for i = L-1 .. 0, backward's end)
         forward's end      = T (L b + e) + L c + c_head           no checkpointing
                            = T (ceil(L / K) a + e) + c_head        checkpointing every K blocks
-        backward, block i  = g_top + (L - 1 - i) g + T live_i + copies_i       (gradients written so far + live)
-        backward's end     = G
+        backward, block i  = g_top + (L - 1 - i) g + R + T live_i + copies_i   (gradients written so far + live)
+        backward's end     = G + R
 
     with block i in segment s = floor(i / K) and, at the moment block i's backward starts:
 
@@ -575,7 +633,8 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     if checkpointing == "full":  # each block recomputed from its input: K = 1, flat
         checkpointing, checkpoint_every, nested_checkpoint = "none", 1, False
     n_layers, d = spec.n_layers, spec.d_model
-    saved = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled)
+    saved = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled,
+                                       compute_dtype_stream)
     b, e = saved.per_layer_bytes, saved.extra_bytes  # one block's saved activations; the extras, per token
     # One checkpoint: a block's input, the residual stream in the model dtype (FFN-only: the compute dtype).
     a = d * (prec.param_bytes if spec.arch == "transformer" else prec.activation_bytes)
@@ -591,12 +650,13 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     g_top = 0.0 if spec.arch == "ffn_only" else (spec.vocab_size * d + d) * per_param
     persistent = state.params + state.master + state.optimizer + state.gathered + state.buckets  # S
 
-    # Each moment: (where, gradients, activations, autocast copies) alive beside S.
+    # Each moment: (where, gradients, activations, autocast copies, reduce-scatter buffers) alive beside S.
     k = checkpoint_every
+    rs = state.reduce_scatter  # R: during the backward only
     if k is None:
-        forward_end = ("forward's end", 0.0, tokens * (n_layers * b + e), n_layers * c + c_head)
+        forward_end = ("forward's end", 0.0, tokens * (n_layers * b + e), n_layers * c + c_head, 0.0)
     else:
-        forward_end = ("forward's end", 0.0, tokens * (math.ceil(n_layers / k) * a + e), c_head)
+        forward_end = ("forward's end", 0.0, tokens * (math.ceil(n_layers / k) * a + e), c_head, 0.0)
     moments = [forward_end]
     for i in reversed(range(n_layers)):  # the backward runs from the last block to the first
         if k is None:
@@ -607,18 +667,20 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
                 live, copies = (s + 1) * a + (i - s * k) * a + b, c
             else:
                 live, copies = (s + 1) * a + (i - s * k + 1) * b, (i - s * k + 1) * c
-        moments.append((f"backward, block {i}", g_top + (n_layers - 1 - i) * g, tokens * live, copies))
-    moments.append(("backward's end", state.grads, 0.0, 0.0))
-    where, grads, activations, copies = max(moments, key=lambda m: m[1] + m[2] + m[3])
-    total = persistent + grads + activations + copies
+        moments.append((f"backward, block {i}", g_top + (n_layers - 1 - i) * g, tokens * live, copies, rs))
+    moments.append(("backward's end", state.grads, 0.0, 0.0, rs))
+    where, grads, activations, copies, rs_then = max(moments, key=lambda m: m[1] + m[2] + m[3] + m[4])
+    total = persistent + grads + activations + copies + rs_then
     policy = ("none" if k is None else f"every {k}" + (" nested" if nested_checkpoint else ""))
     formulas = {**state.formulas,
                 "peak": f"S + max(forward's end, backward at each block, backward's end) [checkpointing {policy}]",
                 "grads": f"gradients written by then ({where})",
                 "activations": f"saved activations alive then ({where})",
                 "cast_weights": f"autocast copies alive then ({where})"}
+    if rs:
+        formulas["reduce_scatter"] += " (during the backward only)"
     return dataclasses.replace(state, grads=grads, activations=float(activations), cast_weights=float(copies),
-                               total=total, formulas=formulas, peak_at=where)
+                               total=total, formulas=formulas, peak_at=where, reduce_scatter=float(rs_then))
 
 
 # --------------------------------------------------------------------------------------------------------

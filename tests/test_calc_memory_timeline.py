@@ -158,3 +158,57 @@ def test_compiled_blocks_save_what_inductor_keeps():
     with pytest.raises(ValueError, match="measured without checkpointing"):
         per_device_memory(TOY, "ddp", 1, 64, 16, attention="flash", peak_model="timeline", checkpoint_every=1,
                           compiled=True)
+
+
+# Stage 3 on the toy spec, 2 ranks, bf16 autocast: our FSDP (each weight matrix a unit, 2 prefetched, 2
+# reduce-scatters in flight), its residual stream in bf16 (the embedding is gathered in bf16).
+FSDP_KW = dict(precision="bf16_autocast", attention="naive", gather_unit="layer", prefetch_layers=2,
+               pending_reduce_scatters=2, compute_dtype_stream=True, peak_model="timeline")
+S_FSDP = P * 4 / 2 + P * 8 / 2  # fp32 weight shards + AdamW m and v, sharded over 2
+UNIT = 8 * 16  # the largest weight matrix (D x F = 128 > V x D = 80)
+GATHERED = 3 * UNIT * 2  # the unit in use + 2 prefetched, bf16: 768
+RS = UNIT * 2 * (1 + 3 * (1 + 1 / 2))  # unsharded gradient + 3 reduce-scatter inputs and outputs in flight: 1,408
+
+
+def test_fsdp_buffers_at_the_forward_s_end_by_hand():
+    """T 16, 64 tokens a rank: one shared bf16 norm output a norm (2 x 8 x 2, not five copies: 600 - 48 = 552 a
+    block); no autocast weight copies; the reduce-scatter buffers exist in the backward only."""
+    pred = per_device_memory(TOY, "fsdp", 2, 2 * 4 * 16, 16, **FSDP_KW)
+    b = B_AUTO - 3 * 8 * 2
+    forward_end = 64 * (2 * b + E_AUTO)  # 79,104
+    block1 = G_TOP / 2 + 64 * 2 * b + RS  # 72,240
+    assert forward_end > block1
+    assert (pred.peak_at, pred.total) == ("forward's end", S_FSDP + GATHERED + forward_end)
+    assert pred.reduce_scatter == 0 and pred.cast_weights == 0
+    # Without the compute-dtype stream the norm outputs are five autocast copies again (the JAX meshes' count)
+    plain = per_device_memory(TOY, "fsdp", 2, 2 * 4 * 16, 16, **{**FSDP_KW, "compute_dtype_stream": False})
+    assert plain.total - pred.total == 64 * 2 * 3 * 8 * 2
+
+
+def test_fsdp_buffers_in_the_backward_by_hand():
+    """T 2, 2 tokens a rank: the gradients win; at the backward's end the sharded gradients and the buffers R."""
+    pred = per_device_memory(TOY, "fsdp", 2, 2 * 2, 2, **FSDP_KW)
+    b = 136 + 2 * 8 * 2 + 64 + 128 + 2 * 2 * 6  # 384: naive probabilities over 2 keys
+    moments = {"forward's end": 2 * (2 * b + E_AUTO), "backward, block 1": G_TOP / 2 + 2 * 2 * b + RS,
+               "backward, block 0": G_TOP / 2 + G_BLOCK / 2 + 2 * b + RS, "backward's end": G_ALL / 2 + RS}
+    assert pred.peak_at == max(moments, key=moments.get) == "backward's end"
+    assert pred.total == pytest.approx(S_FSDP + GATHERED + moments["backward's end"])
+    assert pred.reduce_scatter == pytest.approx(RS) and pred.grads == G_ALL / 2
+    # The sum model adds R to every other term; FSDP2's block unit with one reduce-scatter in flight
+    total = per_device_memory(TOY, "fsdp", 2, 2 * 2, 2, **{**FSDP_KW, "peak_model": "sum"})
+    assert total.reduce_scatter == pytest.approx(RS)
+    assert total.total == pytest.approx(S_FSDP + G_ALL / 2 + 2 * (2 * b + E_AUTO) + GATHERED + RS)
+    fsdp2 = per_device_memory(TOY, "fsdp", 2, 2 * 2, 2, **{**FSDP_KW, "gather_unit": "block", "prefetch_layers": 1,
+                                                          "reshard_root": False, "pending_reduce_scatters": 1})
+    assert fsdp2.reduce_scatter == pytest.approx(BLOCK * 2 * (1 + 2 * 1.5))
+
+
+def test_reduce_scatter_buffers_need_stage_3():
+    with pytest.raises(ValueError, match="stage-3 strategy"):
+        per_device_memory(TOY, "ddp", 2, 4 * 16, 16, pending_reduce_scatters=2)
+    with pytest.raises(ValueError, match="in flight >= 0"):
+        per_device_memory(TOY, "fsdp", 2, 4 * 16, 16, pending_reduce_scatters=-1)
+    # Not stage 3: the compute-dtype stream changes nothing (the weights are read in their own dtype)
+    kw = dict(precision="bf16_autocast", attention="naive", peak_model="timeline")
+    assert per_device_memory(TOY, "ddp", 2, 4 * 16, 16, compute_dtype_stream=True, **kw) == \
+        per_device_memory(TOY, "ddp", 2, 4 * 16, 16, **kw)
