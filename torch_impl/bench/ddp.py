@@ -45,9 +45,9 @@ every weight matrix on its own, ``FSDP``'s default 2 prefetched (``gather_unit="
 head), which FSDP2 does not reshard after forward (``gather_unit="block"``, ``prefetch_layers=1``,
 ``reshard_root=False``); and ``comm_blocked_share`` = median comm / median step. Caveats: our FSDP
 shards the Linear / Embedding weights and replicates the norm gains (the calculator's "fsdp" shards all, a
-negligible difference); up to two layers' full-size gradients (``MAX_PENDING_REDUCE_SCATTERS``, in the
-reduce dtype) wait for their reduce-scatter at a time, which the calculator does not count (at most 2 x the
-largest layer, the size of its "layer" gather unit).
+negligible difference); the reduce-scatters in flight (``MAX_PENDING_REDUCE_SCATTERS`` full-size gradients of
+the largest layer for ours, one block for FSDP2) are counted as ``pending_reduce_scatters``
+(``analysis.data_parallel.FSDP_GATHERING``).
 
 Scaling efficiency: when ``--out`` already holds an ok ``none`` record (world size 1) with the same model,
 batch, seq, dtype, attention and device name, each new record gets ``metrics.scaling_efficiency`` =
@@ -202,10 +202,10 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
 
 
 def predicted_memory(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_size: int):
-    """``per_device_memory`` of the strategy ``cfg`` implements with ``analysis.data_parallel.memory_terms``: the
-    FSDPs with the working set each gathers (see the module docstring), every term at once; the one-process
-    baseline and the DDP family with their peak placed in the step, plus the gradient buckets they keep; compiled
-    blocks with what Inductor saves."""
+    """``per_device_memory`` of the strategy ``cfg`` implements with ``analysis.data_parallel.memory_terms``, the
+    peak placed in the step: the FSDPs with the working set each gathers (see the module docstring) and their
+    reduce-scatter buffers in flight; the one-process baseline and the DDP family with the gradient buckets they
+    keep; compiled blocks with what Inductor saves."""
     from parallelism_calc.memory import get_precision, per_device_memory
 
     precision, attention = calculator_terms(args.dtype, args.attention)
