@@ -17,7 +17,8 @@ hangs, it does not fail), in one process:
 
 With ``--backward``, instead, ``flash_gluon.backward`` in each of BACKWARD_VARIANTS: dQ, dK, dV against float64
 beside the Triton backward's errors on the same inputs (dO contiguous where q is the model's layout), and its time
-beside the Triton backward's and cuDNN's forward + backward.
+beside the Triton backward's and cuDNN's forward + backward, and the times of the passes around the kernel (D and
+dQ's zeros; dQ's cast from fp32). ``--no-checks`` times only.
 
 Rows (with provenance) are appended to OUT/flash_gluon_probe.jsonl as they are measured; a configuration that
 fails to compile or run is a row with its error. Not a record: it decides what ``flash_gluon`` runs.
@@ -198,7 +199,10 @@ def bench_backward(shape: str, emit, repeats: int = 1) -> None:
 
     runs = [(variant, functools.partial(fg.backward, do, q, k, v, o, lse, True, **options), "bwd")
             for variant, options in BACKWARD_VARIANTS.items()]
-    runs += [("triton", lambda: ft.flash_backward(do, q, k, v, o, lse, True), "bwd"),
+    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    runs += [("preprocess", lambda: ft.backward_preprocess(o, do, dq_acc), "bwd_part"),  # D, dQ's zeros
+             ("dq_cast", lambda: q.new_empty(q.shape).copy_(dq_acc), "bwd_part"),  # dQ fp32 -> bf16
+             ("triton", lambda: ft.flash_backward(do, q, k, v, o, lse, True), "bwd"),
              ("cudnn", cudnn_fwd_bwd, "fwd+bwd"),
              ("gluon", lambda: fg.backward(do, q, k, v, *fg.forward(q, k, v, True), True), "fwd+bwd")]
     times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
@@ -224,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="BxHxNxd, comma-separated (causal, bf16)")
     parser.add_argument("--config", type=int, help="only the I-th configuration of each head dim")
+    parser.add_argument("--no-checks", action="store_true", help="time only (no float64 checks)")
     parser.add_argument("--backward", action="store_true",
                         help="instead: check flash_gluon.backward against float64 and time it (d in BWD_HEAD_DIMS)")
     parser.add_argument("--repeats", type=int, default=1, help="with --backward: rounds of timings (median reported)")
@@ -252,13 +257,14 @@ def main(argv: list[str] | None = None) -> int:
 
     configs = {d: cs if args.config is None else cs[args.config:args.config + 1] for d, cs in fg.CONFIGS.items()}
     if args.backward:
-        check_backward(emit)
+        if not args.no_checks:
+            check_backward(emit)
         for shape in args.shapes.split(","):
             if int(shape.split("x")[-1]) in fg.BWD_HEAD_DIMS:
                 bench_backward(shape, emit, args.repeats)
         return 0
     for d, cs in configs.items():
-        for config in cs:
+        for config in cs if not args.no_checks else ():
             check(config, d, emit)
     for shape in args.shapes.split(","):
         bench(shape, configs[int(shape.split("x")[-1])], emit)

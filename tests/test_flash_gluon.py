@@ -105,9 +105,9 @@ def test_spills_counted_only_inside_the_mma_loops():
                  "EXIT",
                  "@!P0 BRA 0x90",  # the retry of an mbarrier wait, out of line ...
                  "BRA 0x20")  # ... jumping back across the EXIT: not a loop
-    assert spills_in_mma_loops(code) == (1, 1)
+    assert spills_in_mma_loops(code) == (1, 1, 4)
     no_mma = code.replace("HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24", "NOP")
-    assert spills_in_mma_loops(no_mma) == (1, 2)  # the inner loop without wgmma: the outer one is the MMA loop
+    assert spills_in_mma_loops(no_mma) == (1, 2, 7)  # the inner loop without wgmma: the outer one is the MMA loop
 
 
 def test_pingpong_needs_consumers_with_the_same_key_tiles():

@@ -584,8 +584,8 @@ BWD_HEAD_DIMS = (64, 128)  # what the kernel takes (d 128: ``_dq_split``, ``_epi
 BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer registers)
 BWD_CONFIGS = (BWD_CONFIG, (64, 64, 3, 240), (64, 64, 4, 240))  # what scripts/flash_gluon_probe.py times
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
-BWD_MIN_KEYS = {64: 512}  # by head dim, the fewest keys the op runs it from: faster than the Triton backward there
-# (02900c9); d 128 (built in session 22 and compiled for sm_90 here, not yet run on a GPU) once it is measured
+BWD_MIN_KEYS = {64: 512, 128: 512}  # by head dim, the fewest keys the op runs it from: faster than the Triton
+# backward there (d 64: 02900c9; d 128: bcf08a2; ``backward_preferred``)
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -656,7 +656,9 @@ def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     On one H100, both with the op's preprocess pass (results/profiles/flash_gluon_probe_h100_8a5575a.jsonl, medians
     of three interleaved rounds), the backward alone takes 3.08 ms at 16,384 keys (1 x 16 heads) against 3.83-4.45
     for the Triton backward, and is 1.24x at 8,192 (2 x 16), 1.22x at 4,096 (4 x 16), 1.19x at 2,048 (4 x 32);
-    at 02900c9 1.16x at 1,024 (8 x 32) and 1.04x at 512 (16 x 32) (notes/flash_attention.md, session 22)."""
+    at 02900c9 1.16x at 1,024 (8 x 32) and 1.04x at 512 (16 x 32) (notes/flash_attention.md, session 22).
+    d 128 (753ebf0, bcf08a2): 5.04 against 6.67 ms at 16,384 keys, 1.31x at 8,192, 1.33x at 4,096, 1.38x at 2,048,
+    1.80x at 1,024, 1.20x at 512 (session 23)."""
     min_keys = BWD_MIN_KEYS.get(q.shape[-1])
     return min_keys is not None and k.shape[-2] >= min_keys and backward_supports(do, q, k, v, is_causal)
 
