@@ -119,7 +119,9 @@ def check(config, d: int, emit) -> None:
             emit({**row, "error": error(err)})
 
 
-def bench(shape: str, configs, emit) -> None:
+def bench(shape: str, configs, emit, once: bool = False) -> None:
+    """The forward's times at ``shape`` (``once``: each kernel launched twice, untimed: the driver under Nsight
+    Compute)."""
     b, h, n, d = (int(x) for x in shape.split("x"))
     gen = torch.Generator(device="cuda").manual_seed(n + d)
     q, k, v = (heads(b, h, n, d, "bhnd", gen) for _ in "qkv")
@@ -127,6 +129,10 @@ def bench(shape: str, configs, emit) -> None:
     want = cudnn(q, k, v, True)
 
     def timed(name, fn, **extra):
+        if once:
+            fn(), fn()
+            torch.cuda.synchronize()
+            return None
         try:
             out = fn()
             ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
@@ -232,17 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backward", action="store_true",
                         help="instead: check flash_gluon.backward against float64 and time it (d in BWD_HEAD_DIMS)")
     parser.add_argument("--repeats", type=int, default=1, help="with --backward: rounds of timings (median reported)")
-    parser.add_argument("--variants",
-                        help=f"with --backward: only these, comma-separated ({', '.join(BACKWARD_VARIANTS)})")
+    parser.add_argument("--variants", help=f"only these, comma-separated: the forward's ({', '.join(VARIANTS)}) or "
+                                           f"with --backward the backward's ({', '.join(BACKWARD_VARIANTS)})")
+    parser.add_argument("--once", action="store_true",
+                        help="the forward's kernels launched twice each, untimed, unchecked (under Nsight Compute)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1; got {args.repeats}")
     if args.variants:
-        unknown = set(args.variants.split(",")) - set(BACKWARD_VARIANTS)
+        known = BACKWARD_VARIANTS if args.backward else VARIANTS
+        unknown = set(args.variants.split(",")) - set(known)
         if unknown:
-            parser.error(f"unknown --variants {', '.join(sorted(unknown))}; accepted: {', '.join(BACKWARD_VARIANTS)}")
-        for name in set(BACKWARD_VARIANTS) - set(args.variants.split(",")):
-            del BACKWARD_VARIANTS[name]
+            parser.error(f"unknown --variants {', '.join(sorted(unknown))}; accepted: {', '.join(known)}")
+        for name in set(known) - set(args.variants.split(",")):
+            del known[name]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("flash_gluon_probe: needs an sm_90 GPU (H100, H200)", file=sys.stderr)
         return 2
@@ -264,10 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                 bench_backward(shape, emit, args.repeats)
         return 0
     for d, cs in configs.items():
-        for config in cs if not args.no_checks else ():
+        for config in cs if not (args.no_checks or args.once) else ():
             check(config, d, emit)
     for shape in args.shapes.split(","):
-        bench(shape, configs[int(shape.split("x")[-1])], emit)
+        bench(shape, configs[int(shape.split("x")[-1])], emit, args.once)
     return 0
 
 

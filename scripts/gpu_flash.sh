@@ -28,12 +28,16 @@
 #          gluon_64_64_2_240, the first of BWD_CONFIGS) at NCU_SHAPE (default 1x16x16384x64): stall reasons by SASS
 #          instruction
 #          -> OUT/flash_gluon_bwd_ncu_{details.txt,source.csv} (the report itself stays there: 16 MiB)
+#   ncu_forward  Nsight Compute on the forwards at NCU_SHAPE (default 4x32x2048x64, where cuDNN's is 1.2x ours): the
+#          Gluon forward (a program per item; persistent with O's TMA store), the Triton forward and cuDNN's, each
+#          launched twice (the probe's --once; Triton's tuning cached by a first run)
+#          -> OUT/flash_fwd_ncu_details.txt, OUT/flash_fwd_ncu_source.csv.gz (per SASS instruction)
 #   all    tests then bench (default). e2e is separate: autotuning plus compiling 2.7B may not fit the same call.
 #   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu|gluon|gluon_bench|
-#                                                                ncu_gluon]
+#                                                                ncu_gluon|ncu_forward]
 # Records are appended as they are measured, so a call cut short keeps what it finished.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu|gluon|gluon_bench|ncu_gluon]}
+out=${1:?usage: scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu|gluon|gluon_bench|ncu_gluon|ncu_forward]}
 mode=${2:-all}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -96,6 +100,18 @@ run_ncu_gluon() {  # where the Gluon backward's time goes: Nsight Compute on one
   tail -n 3 "$out/flash_gluon_bwd_ncu.log"
 }
 
+run_ncu_forward() {
+  local probe=(python3 scripts/flash_gluon_probe.py "$out/ncu_probe" --once --config 0 --shapes "${NCU_SHAPE:-4x32x2048x64}"
+               --variants gluon,gluon_persistent_tma_store)
+  TRITON_CACHE_AUTOTUNING=1 "${probe[@]}" >/dev/null 2>&1 || status=1
+  TRITON_CACHE_AUTOTUNING=1 timeout 400 ncu --clock-control none --set full --import-source no \
+    -k regex:'_fwd_kernel|fprop' -f -o /tmp/flash_fwd_ncu "${probe[@]}" >"$out/flash_fwd_ncu.log" 2>&1 || status=1
+  ncu -i /tmp/flash_fwd_ncu.ncu-rep --page details >"$out/flash_fwd_ncu_details.txt" 2>&1 || status=1
+  ncu -i /tmp/flash_fwd_ncu.ncu-rep --page source --csv --print-source sass 2>&1 | gzip >"$out/flash_fwd_ncu_source.csv.gz"
+  rm -rf "$out/ncu_probe"
+  tail -n 3 "$out/flash_fwd_ncu.log"
+}
+
 run_gluon_probe() {  # the first configuration of each head dim, under timeout (a deadlock hangs); then the backward
   # (d 64 and 128) in a process of its own
   timeout 240 python3 scripts/flash_gluon_probe.py "$out" --config 0 2>&1 | grep -E "cuDNN|Error" || status=1
@@ -131,8 +147,10 @@ case "$mode" in
   gluon) run_gluon ;;
   gluon_bench) run_gluon_probe; run_gluon_bench ;;
   ncu_gluon) run_ncu_gluon ;;
+  ncu_forward) run_ncu_forward ;;
   all) run_tests; run_bench ;;
-  *) echo "unknown mode $mode; accepted: all, tests, tests_small, bench, e2e, ncu, gluon, gluon_bench, ncu_gluon" >&2
+  *) echo "unknown mode $mode; accepted: all, tests, tests_small, bench, e2e, ncu, gluon, gluon_bench, ncu_gluon," \
+       "ncu_forward" >&2
      exit 2 ;;
 esac
 exit $status
