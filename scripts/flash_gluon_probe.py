@@ -7,7 +7,7 @@ hangs, it does not fail), in one process:
 
 * checks each of VARIANTS (the defaults; the scale folded into the exponent; O written through shared memory and
   TMA; the consumers taking turns to issue their products; a persistent grid instead of one program per work item,
-  alone and with the TMA store of O)
+  alone and with the TMA store of O, the items block by block or head by head)
   against float64 on fresh random inputs (O and the logsumexp; causal and not; GQA with two query heads a k/v head;
   q, k, v as the model passes them, (B, H, n, d) views of (B, n, H, d)), next to cuDNN's O error on the same inputs:
   the bf16 output's rounding is the floor both share;
@@ -59,6 +59,8 @@ CHECKS = (  # (B, H, H_kv, n, causal, layout); the last three give the persisten
 VARIANTS = {"gluon" + ("_" + name if name else ""): options for name, options in fg.OPTIONS.items()}
 VARIANTS["gluon_persistent"] = {"persistent": True}
 VARIANTS["gluon_persistent_tma_store"] = {"persistent": True, "tma_store": True}  # O's store under the next item
+VARIANTS["gluon_persistent_heads"] = {"persistent": True, "order": "heads"}  # the items head by head
+VARIANTS["gluon_persistent_heads_tma_store"] = {"persistent": True, "order": "heads", "tma_store": True}
 # the backward's configurations by variant name (BWD_CONFIGS, the default first)
 BACKWARD_VARIANTS = {f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS}
 

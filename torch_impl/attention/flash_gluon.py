@@ -78,14 +78,16 @@ def _wgmma_layout(block_n):
 
 @gluon.jit
 def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr):
+          BLOCK_N: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
     """Work item ``tile`` -> (its first query, batch, head, k/v head, key tiles it reads). The heaviest query blocks
-    (causal: those that see the most keys) come first. One program per item (the hardware hands out programs as
-    SMs free up): head by head, so that the programs running at once read one or two heads' K and V, which stay in
-    L2. PERSISTENT: block by block, every head's heaviest block first, so that taking them in the order
-    ``_position`` deals them gives every program an even share (head by head, a program's share depends on which
-    blocks its stride lands on: 1.43x the per-item grid's time at 1 x 16 x 16,384 x 64, call 1 of session 19)."""
-    if PERSISTENT:
+    (causal: those that see the most keys) come first. Head by head, so that the programs running at once read a few
+    heads' K and V, which stay in L2: one program per item (the hardware hands out programs as SMs free up), or a
+    persistent grid (``order="heads"``). BLOCK_MAJOR (a persistent grid's default ``order="blocks"``): block by
+    block, every head's heaviest block first, so that taking them in the order ``_position`` deals them gives every
+    program an even share at any length (head by head, a program's share depends on which blocks its stride lands
+    on: 1.43x the per-item grid's time at 1 x 16 x 16,384 x 64, call 1 of session 19), but the running programs
+    read every head's K and V (DRAM 68% busy against 16% at 4 x 32 x 2,048 x 64, 392a011)."""
+    if BLOCK_MAJOR:
         m_block = tile // n_bh
         bh = tile % n_bh
     else:
@@ -115,7 +117,7 @@ def _position(k):
 @gluon.jit
 def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, n_tiles,
           n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
-          IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr):
+          IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
     """The producer warp, for each work item of the program: both Q tiles once both consumers are done with the
     last item's (their last S is computed), then K_j and V_j into stage i % STAGES (i counts the program's key
     tiles over all its items), each once both consumers freed it. K and V are freed apart: K_j as soon as S_j is
@@ -128,7 +130,7 @@ def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_rea
         tile = _position(k)
         if tile < n_tiles:  # the last round's items run out
             m_start, b, h, h_kv, n_blocks = _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
-                                                  BLOCK_N, PERSISTENT)
+                                                  BLOCK_N, BLOCK_MAJOR)
             q_row = b * q_rows_b + h * q_rows_h + m_start
             kv_row = b * kv_rows_b + h_kv * kv_rows_h
             mbarrier.wait(q_free, (t & 1) ^ 1)  # a new barrier passes the parity-1 wait
@@ -193,7 +195,7 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
              lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob,
              stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
              TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr):
+             HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
     """One consumer warpgroup: query tile TILE of each of the program's work items, its O and L written at the end.
     Key tile i of the program (over all its items) sits in stage i % STAGES, filled for the (i // STAGES)-th time.
     TMA_STORE: O goes through shared memory and a TMA store that runs on while the next item starts (else each
@@ -217,7 +219,7 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
         tile = _position(k)
         if tile < n_tiles:  # the last round's items run out
             m_start, b, h, h_kv, n_blocks_program = _tile(tile, n_bh, n_heads, 1, n_m_blocks, n_k, IS_CAUSAL,
-                                                          BLOCK_M, BLOCK_N, PERSISTENT)
+                                                          BLOCK_M, BLOCK_N, BLOCK_MAJOR)
             start_m = m_start + TILE * BLOCK_M  # this tile's first query
             if IS_CAUSAL:
                 n_blocks = gl.cdiv(start_m + BLOCK_M, BLOCK_N)  # key tiles up to the diagonal
@@ -310,9 +312,9 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
                 q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, o_rows_b, o_rows_h, o_cols_h,
                 stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
                 TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
-    """A program takes work items (two query tiles of one batch x head, ``_tile``) in the order ``_position``
-    deals them: one item without PERSISTENT (a program per item).
+                BLOCK_MAJOR: gl.constexpr, num_warps: gl.constexpr):
+    """A program takes work items (two query tiles of one batch x head, ``_tile``, in BLOCK_MAJOR's order) in the
+    order ``_position`` deals them: one item in a grid of a program per item.
     Element (b, h, n, :) of Q sits at row b * q_rows_b + h * q_rows_h + n, column h * q_cols_h of q_desc's 2-D view
     (and so for K, V with the k/v head h // group)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -347,14 +349,14 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(0), q_ready, q_free, k_ready, v_ready,
                     k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
                     o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED,
-                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT)),
+                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR)),
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(1 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
                     k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
                     o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1, IS_CAUSAL, FOLDED,
-                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, PERSISTENT)),
+                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR)),
         (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                  n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
-                 kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, PERSISTENT)),
+                 kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_MAJOR)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -728,6 +730,7 @@ _COMPILED: dict[tuple, object] = {}
 # The forward's kernel options by name (``launch_arguments``' keywords): what scripts/gluon_compile.py compiles and
 # scripts/flash_gluon_probe.py checks and times, beside the defaults.
 OPTIONS = {"": {}, "folded": {"folded": True}, "tma_store": {"tma_store": True}, "pingpong": {"pingpong": True}}
+ORDERS = ("blocks", "heads")  # a persistent grid's order of the work items (``_tile``)
 
 
 def can_take_turns(config, is_causal: bool) -> bool:
@@ -745,13 +748,15 @@ def _programs(device: torch.device) -> int:
 
 def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None,
                      folded: bool = False, programs: int | None = None, out=None, tma_store: bool = False,
-                     pingpong: bool = False):
+                     pingpong: bool = False, order: str = "blocks"):
     """What ``forward`` launches: (grid, positional arguments, constexprs, (O, L)), O and L allocated here unless
     ``out`` gives them (O contiguous like q, L (B, H, n_q) fp32 contiguous). ``programs``: the persistent grid's
-    size (None: one program per work item). Also used to compile the kernel on a machine without a GPU
-    (scripts/gluon_compile.py)."""
+    size (None: one program per work item), taking the items in ``order`` (one of ORDERS: ``_tile``). Also used to
+    compile the kernel on a machine without a GPU (scripts/gluon_compile.py)."""
     block_m, block_n, stages, regs = config or CONFIGS[q.shape[-1]][0]
     batch, heads, n_q, d = q.shape
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
     if pingpong and not can_take_turns((block_m, block_n), is_causal):
         raise ValueError(f"pingpong needs both consumers to see the same key tiles: causal with BLOCK_N {block_n} "
                          f"not a multiple of {TILES.value} x BLOCK_M {block_m}")
@@ -768,22 +773,23 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     args = (q_desc, k_desc, v_desc, o_desc, o, lse, 1 / math.sqrt(d), heads, heads // k.shape[1], batch * heads,
             n_q, k.shape[2], *q_where, *kv_where, *o_where, o.stride(0), o.stride(1), o.stride(2))
     constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, TMA_STORE=tma_store, PINGPONG=pingpong, STAGES=stages,
-                      CONSUMER_REGS=regs, PERSISTENT=programs is not None, num_warps=4)
+                      CONSUMER_REGS=regs, BLOCK_MAJOR=programs is not None and order == "blocks", num_warps=4)
     return grid, args, constexprs, (o, lse)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, folded: bool = False,
-            persistent: bool = False, out=None, tma_store: bool = False, pingpong: bool = False):
+            persistent: bool = False, out=None, tma_store: bool = False, pingpong: bool = False,
+            order: str = "blocks"):
     """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
     (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``folded`` folds the
     scale into the exponent's multiply-add (its L is not rounded as the Triton backward needs at extreme
     magnitudes: ``_softmax_tile``); ``persistent`` launches one program per SM, each taking work items in turn
-    (else one program per item: as fast or faster where measured); ``out``: (O, L) to write
+    in ``order`` (``_tile``; else one program per item: as fast or faster where measured); ``out``: (O, L) to write
     (``launch_arguments``); ``tma_store`` writes O through shared memory and TMA, ``pingpong`` has the consumers
     take turns (``_consume``)."""
     grid, args, constexprs, outputs = launch_arguments(q, k, v, is_causal, config, folded,
                                                        _programs(q.device) if persistent else None, out, tma_store,
-                                                       pingpong)
+                                                       pingpong, order)
     key = (q.device.index, q.dtype, q.shape, q.stride(), k.shape, k.stride(), outputs[0].stride(), config, grid,
            *constexprs.values(), *(t.data_ptr() % 16 for t in (q, k, v, *outputs)))
     compiled = _COMPILED.get(key)
