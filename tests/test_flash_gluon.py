@@ -181,3 +181,38 @@ def test_flash_triton_backward_hands_the_gluon_kernel_its_inputs_and_outputs(mon
         assert torch.allclose(got.double(), ref, atol=1e-4, rtol=1e-4)
     flash_triton.flash_backward(do, q, k, v, o, lse, True, deterministic=True)  # the two-pass backward: not Gluon
     assert stand_in.calls == 1
+
+
+def _dealt_shares(costs: list[int], programs: int) -> list[int]:
+    """Each program's work when it takes item k * P + p in even rounds k, k * P + P - 1 - p in odd ones (the kernel's
+    ``_position``), written out item by item."""
+    totals = [0] * programs
+    for p in range(programs):
+        for k in range(-(-len(costs) // programs)):
+            item = k * programs + (p if k % 2 == 0 else programs - 1 - p)
+            totals[p] += costs[item] if item < len(costs) else 0
+    return totals
+
+
+@pytest.mark.parametrize("n_bh,n_m,is_causal,programs", [(128, 16, True, 132), (16, 128, True, 132),
+                                                          (3, 5, True, 4), (7, 3, False, 5), (2, 2, False, 132)])
+def test_persistent_share_is_the_dealt_maximum(n_bh, n_m, is_causal, programs):
+    """``_share`` against the dealing written out: causal items of 128 queries over key tiles of 128 cost their tiles
+    (the head's j-th heaviest: n_m - j) plus one."""
+    costs = [(n_m - j if is_causal else 8) + 1 for j in range(n_m)] * n_bh
+    totals = _dealt_shares(costs, min(programs, len(costs)))
+    want = max(totals) * len(totals) / sum(costs)
+    assert flash_gluon._share(n_bh, n_m, 8, is_causal, 128, 128, programs) == pytest.approx(want)
+
+
+def test_op_schedule_takes_the_persistent_grid_where_shares_are_even(monkeypatch):
+    """Short sequences over many heads: the persistent grid head by head; 1 x 16 x 16,384 (shares up to ~1.5x the
+    mean on 132 SMs): a program per item."""
+    monkeypatch.setattr(flash_gluon, "_programs", lambda device: 132)
+    short = torch.empty(4, 32, 2048, 64, dtype=torch.bfloat16)
+    long = torch.empty(1, 16, 16384, 64, dtype=torch.bfloat16)
+    assert flash_gluon.schedule(short, short, True) == {"persistent": True, "order": "heads", "tma_store": True}
+    assert flash_gluon.schedule(long, long, True) == {}
+    flash_gluon.launch_arguments(short, short, short, True, programs=132, order="heads")
+    with pytest.raises(ValueError, match="order must be one of"):
+        flash_gluon.launch_arguments(short, short, short, True, programs=132, order="diagonal")

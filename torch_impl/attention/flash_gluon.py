@@ -4,7 +4,7 @@ docstrings).
 
 A work item is two query tiles of one (batch, head) against every key tile they see; by default a program per item,
 head by head and each head's heaviest first (causal), else (``persistent``) a grid of one program per SM taking the
-items in turn (``_tile``, ``_position``). A program's warps are split (``gl.warp_specialize``) into a one-warp
+items in turn (``_tile``, ``_position``), which the op takes where every program's share is even (``schedule``). A program's warps are split (``gl.warp_specialize``) into a one-warp
 producer that TMA-loads Q and then K, V tile by tile into a ring of shared-memory stages (mbarriers say when a stage
 is full and when both consumers are done with it, so a persistent program's next item's loads run under the end of
 the last), and two consumer warpgroups, one per query tile, that share every K and V tile. Each consumer overlaps
@@ -65,7 +65,7 @@ def _reinterpret(smem, dtype, shape, layout, _semantic=None):
 
 
 HEAD_DIMS = (64, 128)  # head dims the tiles are written for (wgmma's N for O and TMA's box width)
-MIN_KEYS = 4096  # below, the Triton forward is as fast or faster (``preferred``)
+MIN_KEYS = 1024  # below, the Triton forward is as fast or faster (``preferred``)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 TILES = gl.constexpr(2)  # query tiles a program computes: one per consumer warpgroup
 
@@ -703,11 +703,48 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
 
 
 def preferred(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
-    """Whether flash_triton's forward should run this kernel: it ``supports`` the inputs and they have at least
-    MIN_KEYS keys. Measured on one H100 (results/profiles/attention_gluon_{on,off}_h100_a097623.jsonl, bf16, causal):
-    at 16,384 keys the op's forward is 1.24x (d 64) and 1.29x (d 128) the Triton forward's, 1.04x and 1.00x cuDNN's;
-    at 2,048 (a175155, 9a7c20b) 1.00x (d 64) and 0.94x (d 128) the Triton forward's."""
+    """Whether flash_triton's forward should run this kernel (with ``schedule``'s options): it ``supports`` the
+    inputs and they have at least MIN_KEYS keys. Measured on one H100 (results/profiles/attention_gluon_{on,off}_h100_
+    a097623.jsonl, bf16, causal): at 16,384 keys the op's forward is 1.24x (d 64) and 1.29x (d 128) the Triton
+    forward's, 1.04x and 1.00x cuDNN's. With the persistent grid head by head (flash_gluon_probe_h100_4c1d4d5.jsonl)
+    0.198 against 0.226 ms at 4 x 32 x 2,048 x 64, 0.294 against 0.388 at d 128, 0.126 against 0.137 at
+    8 x 32 x 1,024 x 64, and 0.092 against 0.091 at 16 x 32 x 512 x 64."""
     return k.shape[-2] >= MIN_KEYS and supports(q, k, v, is_causal)
+
+
+EVEN_SHARE = 1.05  # ``schedule``: the largest program's share of a persistent grid's work over the mean, at most
+
+
+@functools.cache
+def _share(n_bh: int, n_m: int, n_k_blocks: int, is_causal: bool, rows: int, block_n: int, programs: int) -> float:
+    """The largest program's share of the work over the mean when ``programs`` take n_bh x n_m items (``rows``
+    queries each) head by head, each head's heaviest first, in the order ``_position`` deals them; an item costs
+    its key tiles of ``block_n`` (``_tile``; n_k_blocks without the causal mask) and one more for its start and
+    end."""
+    costs = [(-(-(n_m - j) * rows // block_n) if is_causal else n_k_blocks) + 1 for j in range(n_m)] * n_bh
+    programs = min(programs, len(costs))  # the grid's size (``launch_arguments``)
+    totals = [0] * programs
+    for first in range(0, len(costs), programs):
+        dealt = costs[first:first + programs]
+        if (first // programs) % 2:  # the rounds go forward and backward
+            dealt = [0] * (programs - len(dealt)) + dealt[::-1]
+        for p, cost in enumerate(dealt):
+            totals[p] += cost
+    return max(totals) * programs / sum(costs)
+
+
+def schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> dict:
+    """``forward``'s options for the op: the persistent grid taking the items head by head, O written by TMA,
+    where that gives every program an even share (``_share`` at most EVEN_SHARE: the short sequences, many heads),
+    else a program per item. On one H100 (4c1d4d5) the former 0.198 ms at 4 x 32 x 2,048 x 64 against 0.236 for a
+    program per item (whose programs' starts and ends do not overlap) and 0.225 for the persistent grid block by
+    block (whose running programs read every head's K and V); at 1 x 16 x 16,384 x 64 (shares up to 1.54x the mean)
+    1.77 against 1.29 ms. Predicted, not measured: 2 x 16 x 8,192 (1.03x) takes the persistent grid."""
+    block_m, block_n = (config or CONFIGS[q.shape[-1]][0])[:2]
+    batch, heads, n_q, _ = q.shape
+    share = _share(batch * heads, n_q // (TILES.value * block_m), k.shape[2] // block_n, is_causal,
+                   TILES.value * block_m, block_n, _programs(q.device))
+    return {"persistent": True, "order": "heads", "tma_store": True} if share <= EVEN_SHARE else {}
 
 
 @functools.cache

@@ -581,7 +581,7 @@ def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool)
 def _gluon():
     """``flash_gluon`` (FlashAttention-3's structure on sm_90, in Gluon) where it can run: a GPU, not the interpreter,
     ``FLASH_GLUON`` not "0", and a Triton with Gluon's Hopper API; else None. Its forward takes the inputs where it
-    is ``preferred`` (bf16/fp16, head dim 64 or 128, whole tiles, long sequences), its backward where it is
+    is ``preferred`` (bf16/fp16, head dim 64 or 128, whole tiles, 1,024 keys or more), its backward where it is
     ``backward_preferred`` (d 64, 128), the Triton kernels the rest; its O and L are what the Triton backward reads (L
     exact for one-hot rows, as the Triton forward's), and the reverse."""
     if INTERPRET or os.environ.get("FLASH_GLUON", "1") == "0" or not torch.cuda.is_available():
@@ -603,7 +603,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     q4, k4, v4, o4 = (_as_heads(t) for t in (q, k, v, o))
     gluon = _gluon()
     if gluon is not None and gluon.preferred(q4, k4, v4, is_causal):  # it writes O and L in place
-        gluon.forward(q4, k4, v4, is_causal, out=(o4, lse.view(q4.shape[:-1])))
+        gluon.forward(q4, k4, v4, is_causal, out=(o4, lse.view(q4.shape[:-1])), **gluon.schedule(q4, k4, is_causal))
         return o, lse
     sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
     batch, heads, n_q, d = q4.shape
