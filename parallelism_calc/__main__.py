@@ -18,7 +18,7 @@ import sys
 from parallelism_calc.collectives import (ring_all_gather_time, ring_all_reduce_time, ring_reduce_scatter_time,
                                           whole_buffer_ring_all_reduce_time)
 from parallelism_calc.ffn_analysis import xxl_report
-from parallelism_calc.memory import ATTENTION, CHECKPOINTING, PRECISIONS
+from parallelism_calc.memory import ATTENTION, CHECKPOINTING, LOSSES, PRECISIONS
 from parallelism_calc.report import Quantity, Report, Section
 from parallelism_calc.scaling import CS336_V5P, Roofline
 from parallelism_calc.specs import HARDWARE, MODELS, ModelSpec, ParallelSpec, get_hardware, get_model
@@ -129,6 +129,9 @@ def report_main(argv: list[str]) -> int:
     lm.add_argument("--attention", choices=ATTENTION, default="naive", help="attention kernel (naive or flash)")
     lm.add_argument("--prefetch-layers", type=nonnegative_int, default=1,
                     help="FSDP layers gathered ahead (default 1)")
+    lm.add_argument("--loss", choices=LOSSES, default="plain",
+                    help="plain: the logits, then the cross-entropy (keeps an fp32 log-softmax); fused: the LM head "
+                         "and the loss chunked over tokens, never the logits (default plain)")
     _add_roofline(parser)
     _add_output(parser)
     args = parser.parse_args(argv)
@@ -148,7 +151,8 @@ def report_main(argv: list[str]) -> int:
         report = transformer_report(spec, mesh=mesh, batch_tokens=batch, seq_len=seq_len,
                                     precision=args.precision, checkpointing=args.checkpointing,
                                     attention=args.attention, device_bytes=device_bytes,
-                                    prefetch_layers=args.prefetch_layers)
+                                    prefetch_layers=args.prefetch_layers, loss=args.loss,
+                                    hardware=get_hardware(args.hardware) if args.hardware else None)
     return _emit(report, args)
 
 

@@ -47,6 +47,11 @@ INT64 = 8  # bytes of an int64: the token ids the embedding's backward keeps
 
 CHECKPOINTING = ("none", "selective", "full")
 ATTENTION = ("naive", "flash")
+# How the loss is computed (torch_impl.linear_cross_entropy.LOSSES, the CLIs' --loss): "plain", the LM head's logits
+# then the cross-entropy of their fp32 copy; "fused", the head and the loss chunked over tokens, never the logits.
+LOSSES = ("plain", "fused")
+# The fused loss's chunk: the largest power of two of tokens whose fp32 logits fit this (default_loss_chunk)
+DEFAULT_LOSS_CHUNK_BYTES = 512 * 2**20
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp_tp")
 # A mesh's sharding strategies (``parallelism_calc.scaling.STRATEGIES``, jax_impl.sharding's rules) as the strategies
 # above, with their meshes: the batch goes over dp x fsdp; "tp" is DP x TP (the model's state split over tp only).
@@ -211,23 +216,77 @@ def _compiled_block_terms(spec: ModelSpec, precision: Precision, tp: int) -> dic
     }
 
 
-def _transformer_extra_terms(spec: ModelSpec, precision: Precision) -> dict[str, int]:
+def _transformer_extra_terms(spec: ModelSpec, precision: Precision, loss: str = "plain") -> dict[str, int]:
     """Bytes per token saved once outside the blocks (no vocabulary-parallel loss: replicated under TP)."""
     d, p = spec.d_model, precision.activation_bytes
+    # plain: cross_entropy on logits.float() keeps the log-softmax of the logits in fp32, V per token;
+    # fused (torch_impl.linear_cross_entropy): only the fp32 log-sum-exp, one per token.
+    loss_term = {"extra.loss_log_softmax": spec.vocab_size * FP32} if loss == "plain" else {"extra.loss_lse": FP32}
     return {
-        # Final RMSNorm: fp32 input, fp32 normalized value, fp32 rsqrt, and its output (lm_head's input) in p.
+        # Final RMSNorm: fp32 input, fp32 normalized value, fp32 rsqrt, and its output (lm_head's input) in p
+        # (under autocast the LM head's bf16 copy of it, made by F.linear or by the fused loss alike).
         "extra.final_norm": 2 * d * FP32 + FP32 + d * p,
-        # cross_entropy on logits.float(): log-softmax of the logits in fp32, V per token.
-        "extra.loss_log_softmax": spec.vocab_size * FP32,
+        **loss_term,
         # The embedding's backward keeps the int64 token ids.
         "extra.token_ids": INT64,
     }
 
 
+def default_loss_chunk(vocab_size: int, chunk_bytes: int = DEFAULT_LOSS_CHUNK_BYTES) -> int:
+    """Tokens per chunk of the fused loss: the largest power of two c with c x V x 4 bytes (one chunk's fp32
+    logits) <= ``chunk_bytes``, at least 1 (lm8b, V = 151,936: 512 tokens, 311 MB). ``torch_impl.
+    linear_cross_entropy`` chunks by it."""
+    if vocab_size < 1 or chunk_bytes < 1:
+        raise ValueError(f"default_loss_chunk: vocab_size={vocab_size} and chunk_bytes={chunk_bytes} must be >= 1")
+    fits = max(1, chunk_bytes // (FP32 * vocab_size))
+    return 1 << (fits.bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class LossBuffers:
+    """Bytes the loss holds for a moment beyond what it saves for backward (``activation_bytes_per_token``'s
+    extras), for ``tokens`` tokens on one device: at its forward and at its backward."""
+
+    forward: float
+    backward: float
+
+    @property
+    def peak(self) -> float:
+        return max(self.forward, self.backward)
+
+
+def loss_buffer_bytes(spec: ModelSpec, tokens: int, precision: str | Precision = "bf16_autocast",
+                      loss: str = "plain", chunk: int | None = None) -> LossBuffers:
+    """The loss's working buffers (notes/train_step.md, "The fused LM head + cross-entropy"), N = ``tokens``,
+    V = vocab, d = d_model, p = precision.activation_bytes (the logits' dtype), w = 4 if p < 4 else 0 (the fp32
+    copy the loss makes of narrower logits):
+
+    * plain, eager: forward the logits and their fp32 copy beside the saved log-softmax, N V (p + w); backward
+      nll's dense gradient and log-softmax's input gradient beside it, N V (4 + 4);
+    * fused, chunk c = min(``chunk`` or ``default_loss_chunk(V)``, N): forward a chunk's fp32 logits and
+      logsumexp's fp32 temporary, c V (4 + 4) (c V (p + 4) while widening, no more); backward a chunk's fp32 logits
+      (softmax minus one-hot formed in place) and G in p, c V (4 + w p / 4), plus dW's fp32 accumulator V d 4, alive
+      for the whole loop (CUDA: cuBLAS writes the fp32 product; a CPU widens G too, c V 4 more, not counted).
+
+    Not under TP (no vocabulary-parallel loss). ``spec`` must be a transformer."""
+    _check_choice("loss", loss, LOSSES)
+    if spec.arch != "transformer":
+        raise ValueError(f"loss buffers: {spec.name!r} is {spec.arch!r}, it has no LM head")
+    if tokens < 1 or chunk is not None and chunk < 1:
+        raise ValueError(f"tokens={tokens} and chunk={chunk} must be >= 1")
+    p, v, d = get_precision(precision).activation_bytes, spec.vocab_size, spec.d_model
+    wide = FP32 if p < FP32 else 0  # the fp32 copy of narrower logits (none when they are fp32 already)
+    if loss == "plain":
+        return LossBuffers(forward=float(tokens * v * (p + wide)), backward=float(tokens * v * (FP32 + FP32)))
+    c = min(chunk or default_loss_chunk(v), tokens)
+    return LossBuffers(forward=float(c * v * (FP32 + FP32)),
+                       backward=float(c * v * (FP32 + (p if wide else 0)) + v * d * FP32))
+
+
 def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | Precision = "fp32",
                                checkpointing: str = "none", attention: str = "naive",
                                tp: int = 1, compiled: bool = False,
-                               compute_dtype_stream: bool = False) -> ActivationBreakdown:
+                               compute_dtype_stream: bool = False, loss: str = "plain") -> ActivationBreakdown:
     """Bytes saved for backward per token of a forward over sequences of ``seq_len`` tokens.
 
     Transformer (``spec.arch == "transformer"``), per layer per token, p = precision.activation_bytes,
@@ -243,7 +302,8 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
       (B, T, H, d_head) and O follows it, so merging heads is a view).
 
     Once per token outside the blocks: the final RMSNorm (4 D + 4 D + 4, output D p), the fp32
-    log-softmax of the logits for the loss (4 V) and the int64 token ids (8).
+    log-softmax of the logits for the loss (4 V; ``loss="fused"``: only its fp32 log-sum-exp, 4) and the int64
+    token ids (8). What the loss holds for a moment on top of that: ``loss_buffer_bytes``.
 
     Checkpointing: "none"; "selective" (Korthikanti et al. 2022: the attention core is recomputed, so
     the probabilities, or flash's O and LSE, are not kept); "full" (each block recomputed from its input:
@@ -273,6 +333,7 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
     prec = get_precision(precision)
     _check_choice("checkpointing", checkpointing, CHECKPOINTING)
     _check_choice("attention", attention, ATTENTION)
+    _check_choice("loss", loss, LOSSES)
     if seq_len < 1 or tp < 1:
         raise ValueError(f"seq_len={seq_len} and tp={tp} must be >= 1")
     if compiled and (spec.arch != "transformer" or attention != "flash" or checkpointing != "none"):
@@ -290,7 +351,7 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
         block = (_compiled_block_terms(spec, prec, tp) if compiled else
                  _transformer_block_terms(spec, seq_len, prec, attention, checkpointing == "selective", tp,
                                           compute_dtype_stream))
-        extra = _transformer_extra_terms(spec, prec)
+        extra = _transformer_extra_terms(spec, prec, loss)
     block_bytes = sum(block.values())
     if checkpointing == "full":
         # Only each block's input (the residual stream, model dtype; FFN-only: p) survives the forward.
@@ -330,6 +391,8 @@ class MemoryBreakdown:
     # Stage 3: a unit's unsharded gradient and the reduce-scatter buffers in flight, alive during the backward
     # (pending_reduce_scatters; see per_device_memory)
     reduce_scatter: float = 0.0
+    # The fused loss's working buffers (loss_buffer_bytes; loss="fused" only, see per_device_memory)
+    loss_buffers: float = 0.0
 
 
 def _mesh(strategy: str, n_devices: int | ParallelSpec) -> ParallelSpec:
@@ -399,7 +462,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                       reshard_root: bool = True, peak_model: str = "sum", checkpoint_every: int | None = None,
                       nested_checkpoint: bool = False, gradient_buckets: int = 0,
                       compiled: bool = False, pending_reduce_scatters: int | None = None,
-                      compute_dtype_stream: bool = False) -> MemoryBreakdown:
+                      compute_dtype_stream: bool = False, loss: str = "plain",
+                      loss_chunk: int | None = None) -> MemoryBreakdown:
     """Bytes per device of a training step with AdamW (ZeRO paper, Rajbhandari et al. 2020).
 
     P = spec.n_params(); per-parameter bytes from ``precision``; N_shard = the sharding degree.
@@ -480,6 +544,13 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
       (``activation_bytes_per_token(compute_dtype_stream=True)``; the norms' fp32 internals and autocast's fp32
       softmax are unchanged). Off for the JAX meshes, whose FSDP rows this was not checked against.
 
+    ``loss``: "plain" (the default) counts the fp32 log-softmax the loss saves (in the activations) and, as the
+    records the timeline was checked against were measured with it, not its logits' working buffers (N V (p + 4)
+    forward, N V 8 backward: ``loss_buffer_bytes``; lm8b at 32,768 tokens a device, 50 and 40 GB); "fused" (``
+    torch_impl.linear_cross_entropy``, chunk ``loss_chunk``) saves an fp32 log-sum-exp a token and holds a chunk of
+    logits and dW's fp32 accumulator (``loss_buffers`` = ``loss_buffer_bytes(...).peak`` in the "sum" model; in the
+    timeline, its forward buffers at the forward's end and its backward buffers at the loss's backward).
+
     ``peak_model``: "sum" (the default) adds every term above as if all were alive at once, an upper bound;
     "timeline" places the peak in the step (``step_peak_memory``: weights, masters, AdamW state and the
     gathered set always; the saved activations and autocast copies at the forward's end; the gradients written
@@ -534,7 +605,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     # The residual stream in the compute dtype (stage-3 wrappers gathering the embedding in it): activations as with
     # weights in that dtype (one shared norm output, no autocast copy per consuming linear).
     stream = compute_dtype_stream and stage == 3 and prec.autocast
-    act = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled, stream)
+    act = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled, stream, loss)
     activations = float(act.total_bytes * tokens)
     resident, unit = _gather_working_set(spec, gather_unit, reshard_root)
     # Stage 3: the resident root + the unit in use + prefetch_layers units ahead, gathered in the compute
@@ -546,7 +617,10 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     k_rs = pending_reduce_scatters
     reduce_scatter = (unit * prec.activation_bytes * (1 + (k_rs + 1) * (1 + 1 / n_shard)) / tp
                       if k_rs is not None and stage == 3 else 0.0)
-    total = params + grads + master + optimizer + activations + gathered + cast_weights + buckets + reduce_scatter
+    loss_buffers = (loss_buffer_bytes(spec, tokens, prec, loss, loss_chunk)
+                    if loss == "fused" and spec.arch == "transformer" else LossBuffers(0.0, 0.0))
+    total = (params + grads + master + optimizer + activations + gathered + cast_weights + buckets + reduce_scatter
+             + loss_buffers.peak)
     s = "N_shard" if n_shard > 1 else "1"
     if gains:
         s = f"N_shard [norm gains G = {gains:,}: (P - G) / N_shard + G / fsdp]"
@@ -564,14 +638,16 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
         "reduce_scatter": (f"largest unit [{gather_unit}] * {prec.activation_bytes} * (1 + ({k_rs} + 1) * "
                            f"(1 + 1 / {n_shard})) / tp" if reduce_scatter else "0"),
         "N_shard": str(n_shard),
+        "loss_buffers": ("fused loss: max(c V (4 + 4), c V (4 + p) + V d 4)" if loss_buffers.peak else "0"),
     }
     if stream:
         formulas["activations"] += " (residual stream in the compute dtype)"
     breakdown = MemoryBreakdown(strategy, params, grads, master, optimizer, activations, gathered, cast_weights,
-                                total, formulas, buckets=buckets, reduce_scatter=reduce_scatter)
+                                total, formulas, buckets=buckets, reduce_scatter=reduce_scatter,
+                                loss_buffers=loss_buffers.peak)
     if peak_model == "timeline":
         return step_peak_memory(spec, breakdown, tokens, seq_len, prec, checkpointing, attention, tp,
-                                checkpoint_every, nested_checkpoint, compiled, stream)
+                                checkpoint_every, nested_checkpoint, compiled, stream, loss, loss_buffers)
     return breakdown
 
 
@@ -583,7 +659,8 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
                      precision: str | Precision = "bf16_autocast", checkpointing: str = "none",
                      attention: str = "naive", tp: int = 1, checkpoint_every: int | None = None,
                      nested_checkpoint: bool = False, compiled: bool = False,
-                     compute_dtype_stream: bool = False) -> MemoryBreakdown:
+                     compute_dtype_stream: bool = False, loss: str = "plain",
+                     loss_buffers: LossBuffers | None = None) -> MemoryBreakdown:
     """The peak of one training step over its moments, from the terms of ``state`` (a "sum" breakdown of
     ``per_device_memory``, whose sharding of gradients and optimizer state it keeps) for ``tokens`` tokens per
     device. ``per_device_memory(..., peak_model="timeline")`` calls it; notes/fidelity.md has the evidence.
@@ -616,6 +693,10 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     ``max(activations + autocast copies, gradients)`` of notes/fidelity.md. ``checkpointing="full"`` is K = 1
     flat; "selective" uses its smaller b. FFN-only models have no extras, head or g_top.
 
+    ``loss_buffers`` (the fused loss's, ``loss_buffer_bytes``): its forward buffers are added to the forward's end,
+    and one more moment, the loss's backward (before any block's), holds the forward's end activations with its
+    backward buffers (dW's fp32 accumulator and a chunk) and no gradient yet.
+
     Simplifications: the extras are counted at the forward's end only (the loss's tensors and the final norm's
     are freed before the blocks' backward; the int64 token ids, 8 bytes a token, are not counted there); the
     embedding's gradient is written last (in G only); gradients are spread over the parameters evenly
@@ -634,7 +715,7 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
         checkpointing, checkpoint_every, nested_checkpoint = "none", 1, False
     n_layers, d = spec.n_layers, spec.d_model
     saved = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled,
-                                       compute_dtype_stream)
+                                       compute_dtype_stream, loss)
     b, e = saved.per_layer_bytes, saved.extra_bytes  # one block's saved activations; the extras, per token
     # One checkpoint: a block's input, the residual stream in the model dtype (FFN-only: the compute dtype).
     a = d * (prec.param_bytes if spec.arch == "transformer" else prec.activation_bytes)
@@ -650,14 +731,18 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     g_top = 0.0 if spec.arch == "ffn_only" else (spec.vocab_size * d + d) * per_param
     persistent = state.params + state.master + state.optimizer + state.gathered + state.buckets  # S
 
-    # Each moment: (where, gradients, activations, autocast copies, reduce-scatter buffers) alive beside S.
+    # Each moment: (where, gradients, activations, autocast copies, reduce-scatter buffers, loss buffers) alive
+    # beside S.
     k = checkpoint_every
     rs = state.reduce_scatter  # R: during the backward only
+    lb = loss_buffers or LossBuffers(0.0, 0.0)
     if k is None:
-        forward_end = ("forward's end", 0.0, tokens * (n_layers * b + e), n_layers * c + c_head, 0.0)
+        forward_end = ("forward's end", 0.0, tokens * (n_layers * b + e), n_layers * c + c_head, 0.0, lb.forward)
     else:
-        forward_end = ("forward's end", 0.0, tokens * (math.ceil(n_layers / k) * a + e), c_head, 0.0)
+        forward_end = ("forward's end", 0.0, tokens * (math.ceil(n_layers / k) * a + e), c_head, 0.0, lb.forward)
     moments = [forward_end]
+    if lb.backward:
+        moments.append(("loss backward", *forward_end[1:5], lb.backward))
     for i in reversed(range(n_layers)):  # the backward runs from the last block to the first
         if k is None:
             live, copies = (i + 1) * b, (i + 1) * c
@@ -667,10 +752,10 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
                 live, copies = (s + 1) * a + (i - s * k) * a + b, c
             else:
                 live, copies = (s + 1) * a + (i - s * k + 1) * b, (i - s * k + 1) * c
-        moments.append((f"backward, block {i}", g_top + (n_layers - 1 - i) * g, tokens * live, copies, rs))
-    moments.append(("backward's end", state.grads, 0.0, 0.0, rs))
-    where, grads, activations, copies, rs_then = max(moments, key=lambda m: m[1] + m[2] + m[3] + m[4])
-    total = persistent + grads + activations + copies + rs_then
+        moments.append((f"backward, block {i}", g_top + (n_layers - 1 - i) * g, tokens * live, copies, rs, 0.0))
+    moments.append(("backward's end", state.grads, 0.0, 0.0, rs, 0.0))
+    where, grads, activations, copies, rs_then, lb_then = max(moments, key=lambda m: sum(m[1:]))
+    total = persistent + grads + activations + copies + rs_then + lb_then
     policy = ("none" if k is None else f"every {k}" + (" nested" if nested_checkpoint else ""))
     formulas = {**state.formulas,
                 "peak": f"S + max(forward's end, backward at each block, backward's end) [checkpointing {policy}]",
@@ -680,7 +765,8 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     if rs:
         formulas["reduce_scatter"] += " (during the backward only)"
     return dataclasses.replace(state, grads=grads, activations=float(activations), cast_weights=float(copies),
-                               total=total, formulas=formulas, peak_at=where, reduce_scatter=float(rs_then))
+                               total=total, formulas=formulas, peak_at=where, reduce_scatter=float(rs_then),
+                               loss_buffers=float(lb_then))
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -7,8 +7,10 @@ records them; datasheet peaks are never reached). The parts, for a ``transformer
 
 * F_matmul: ``compute.forward_flops`` (x 3 for a train or forward-backward step: the backward is two products per
   forward product), except that causal attention's score and value products count half: a fused kernel skips the
-  masked tiles (``compute`` counts them in full, as MFU conventionally does).
-* B_optimizer: AdamW's traffic per parameter, train steps only: it reads the gradient, the fp32 weight (or master),
+  masked tiles (``compute`` counts them in full, as MFU conventionally does); plus what the backward recomputes
+  (``recompute_flops``: checkpointed blocks, the fused loss's logits).
+* B_optimizer: AdamW's traffic per parameter (per parameter of the device's shard under ``fsdp``, as B_casts), train
+  steps only: it reads the gradient, the fp32 weight (or master),
   both fp32 moments and writes weight (or master) and moments; with ``bf16_mixed`` it also writes the bf16 weight:
   fp32 4 + 4 + 8 + 4 + 8 = 28 bytes; bf16_mixed 2 + 4 + 8 + (4 + 2) + 8 = 28 bytes.
 * B_casts: under autocast (``Precision.autocast``) every weight is read in fp32 and written in bf16 each forward
@@ -86,6 +88,24 @@ def matmul_flops(spec: ModelSpec, batch_size: int, seq_len: int, mode: str) -> f
     return forward * (1 if mode == "forward" else 3)
 
 
+def recompute_flops(spec: ModelSpec, batch_size: float, seq_len: int, recompute_blocks: int = 0,
+                    selective: bool = False, loss: str = "plain") -> float:
+    """Product FLOPs a train step's backward recomputes, causal attention's masked half not counted:
+    ``recompute_blocks`` forwards of every block (1: full checkpointing or checkpoints every K blocks, each block
+    recomputed once; 2: nested, the segment and then each block again); ``selective``: the attention core's score
+    and value products once (Korthikanti et al.); ``loss="fused"``: the LM head's logits, 2 N d V
+    (``torch_impl.linear_cross_entropy``'s backward)."""
+    if recompute_blocks < 0:
+        raise ValueError(f"recompute_blocks={recompute_blocks} must be >= 0")
+    if spec.arch != "transformer":
+        return recompute_blocks * matmul_flops(spec, batch_size, seq_len, "forward")
+    tokens = batch_size * seq_len
+    head = 2 * tokens * spec.d_model * spec.vocab_size
+    blocks = matmul_flops(spec, batch_size, seq_len, "forward") - head
+    core = spec.n_layers * 2 * batch_size * seq_len * seq_len * spec.d_model  # scores + values, the causal half
+    return recompute_blocks * blocks + (core if selective else 0.0) + (head if loss == "fused" else 0.0)
+
+
 def elementwise_bytes(spec: ModelSpec, tokens: int, mode: str, precision: str | Precision) -> float:
     """B_elementwise (see the module's doc): (12 d + 3 d_ff) forward and (15 d + 5 d_ff) backward elements a token
     and block, in the activation dtype; 0 for the FFN-only model, whose blocks have no norms or RoPE."""
@@ -119,17 +139,21 @@ def comm_seconds(spec: ModelSpec, strategy: str, n_devices: int, precision: str 
             + ring_reduce_scatter_time(params * p.grad_bytes, n_devices, bus_bw))
 
 
-def step_time_floor(spec: ModelSpec, batch_size: int, seq_len: int, mode: str, precision: str | Precision,
-                    ceilings: Ceilings, strategy: str = "none", n_devices: int = 1) -> StepFloor:
+def step_time_floor(spec: ModelSpec, batch_size: float, seq_len: int, mode: str, precision: str | Precision,
+                    ceilings: Ceilings, strategy: str = "none", n_devices: int = 1, recompute_blocks: int = 0,
+                    selective: bool = False, loss: str = "plain") -> StepFloor:
     """The floor of one step (see the module's doc); ``batch_size`` sequences per device, ``n_devices`` ranks of
-    ``strategy`` (``STRATEGY_COMMS``)."""
+    ``strategy`` (``STRATEGY_COMMS``); ``recompute_blocks``, ``selective``, ``loss``: what the backward
+    recomputes (``recompute_flops``; a forward-only step recomputes nothing)."""
     p = get_precision(precision)
     train = mode == "train_step"
     tokens = batch_size * seq_len
-    params = spec.n_params()
+    # fsdp: each device updates, and casts, its own 1 / N of the parameters (the gathers are in T_comm)
+    params = spec.n_params() / (n_devices if strategy == "fsdp" else 1)
     casts = (6 if mode == "forward" else 12) * params if p.autocast else 0
     return StepFloor(
-        matmul_s=matmul_flops(spec, batch_size, seq_len, mode) / ceilings.matmul_flops,
+        matmul_s=(matmul_flops(spec, batch_size, seq_len, mode) + (0.0 if mode == "forward" else recompute_flops(
+            spec, batch_size, seq_len, recompute_blocks, selective, loss))) / ceilings.matmul_flops,
         optimizer_s=ADAMW_BYTES * params / ceilings.memory_bw if train else 0.0,
         casts_s=casts / ceilings.memory_bw,
         elementwise_s=elementwise_bytes(spec, tokens, mode, p) / ceilings.memory_bw,

@@ -16,10 +16,12 @@
 # sharded: ZeRO-1, our FSDP and FSDP2 (memory against parallelism_calc's prediction) and bucketed DDP at 1, 10
 #   and 100 MB buckets; matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed /
 #   torch DDP, small, 5 epochs); accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
-#   128 tokens).
+#   128 tokens); leaderboard: the CS336 leaderboard's step (torch_impl.bench.leaderboard: lm8b, 2 x 32,768 global,
+#   bf16, fused loss, checkpointing every block, our FSDP; DIST=fsdp2 for FSDP2, ATTENTION (default flash_triton),
+#   LAYERS to profile a shallower model's memory) on 2 GPUs, or NPROC of them.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
-phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|seed|overlap|graphs|sharded|matrix|accum}
+phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|seed|overlap|graphs|sharded|matrix|accum|leaderboard}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 n=$(nvidia-smi -L | wc -l)
@@ -72,6 +74,11 @@ matrix)
 accum)
   python3 -m torch_impl.bench.accum_study --nproc "$n" --model small --seq-len 128 --epochs 2 --steps-per-epoch 5 \
     --dist bucketed --out "$out/accum_study.jsonl" --report-dir "$out/accum_study" ;;
-*) echo "unknown phase $phase; accepted: allreduce, ddp, seed, overlap, graphs, sharded, matrix, accum" >&2; exit 2 ;;
+leaderboard)
+  "${run[@]}" "${NPROC:-2}" -m torch_impl.bench.leaderboard --model lm8b --batch-size 2 --seq-len 32768 --dtype bf16 \
+    --loss fused --ac-every 1 --dist "${DIST:-fsdp}" --attention "${ATTENTION:-flash_triton}" \
+    ${LAYERS:+--layers "$LAYERS"} --out "$out/leaderboard.jsonl" ;;
+*) echo "unknown phase $phase; accepted: allreduce, ddp, seed, overlap, graphs, sharded, matrix, accum, leaderboard" >&2
+   exit 2 ;;
 esac
 python3 -m analysis.reports "$out" --out "$out/reports"

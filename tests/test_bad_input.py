@@ -80,6 +80,7 @@ class Case:
 
 CALC, E2E, JAX_E2E, TRAIN = "parallelism_calc", "torch_impl.bench.e2e", "jax_impl.bench.e2e", "torch_impl.train"
 PRECISION, ALLREDUCE, DDP = "torch_impl.bench.precision", "torch_impl.bench.allreduce", "torch_impl.bench.ddp"
+LEADERBOARD = "torch_impl.bench.leaderboard"
 ATTENTION, MATRIX = "torch_impl.bench.attention", "torch_impl.bench.train_matrix"
 COLLECTIVES, JAX_TRAIN = "jax_impl.bench.collectives", "jax_impl.trainer"
 TABLE, REPORTS = "analysis.table", "analysis.reports"  # TABLE: the old name of `REPORTS table`
@@ -147,6 +148,15 @@ CASES = [
     Case(DDP, "--bucket-mb nan --dist bucketed --out {good}", "every size must be finite and > 0"),
     Case(DDP, "--timeout 0 --out {good}", "--timeout: '0': must be > 0"),
     Case(DDP, "--device cuda --dist none --model tiny --out {good}", NO_CUDA, skip="cuda"),
+    Case(LEADERBOARD, "--device cpu --model lm9b --out {good}", "unknown model preset 'lm9b'"),
+    Case(LEADERBOARD, "--device cpu --model tiny --batch-size 3 --out {good}", "--batch-size 3 (global) is not "
+         "divisible by the 2 ranks", env={"WORLD_SIZE": "2", "RANK": "0"}),
+    Case(LEADERBOARD, "--device cpu --model tiny --compile --out {good}", "--compile with --dist fsdp"),
+    Case(LEADERBOARD, "--device cpu --model tiny --nested-checkpoint --out {good}", "needs --ac-every K"),
+    Case(LEADERBOARD, "--device cpu --model tiny --layers 0", "--layers: '0': must be > 0"),
+    Case(LEADERBOARD, "--device cpu --model tiny --dtype bf16_mixed --out {good}", "--dtype bf16_mixed with"),
+    Case(LEADERBOARD, "--device cuda --model tiny --out {good}", "no CUDA device here", skip="cuda"),
+    Case(CALC, "lm8b --loss cut", "--loss: invalid choice: 'cut'"),
     Case(ATTENTION, "--heads 0 --dry-run", "--heads: '0': must be > 0"),
     Case(ATTENTION, "--seq-lens 0,16 --dry-run", "--seq-lens: '0,16'"),
     Case(ATTENTION, "--report-only {tmp}/missing.jsonl", "missing.jsonl"),

@@ -94,18 +94,21 @@ def test_fp64_inputs_are_computed_in_fp64(chunk):
 @pytest.mark.parametrize("chunk", [1, 7, 32, None])
 def test_bf16_is_no_further_from_float64_than_the_unfused_bf16_loss(chunk):
     """bf16 h and W: the fused loss rounds its logits as the plain path does and never rounds dW's per-chunk
-    products, so each of loss, dh, dW is within the plain bf16 path's own error of the float64 reference (x1.05
-    for fp32 summation order), and that error is a bf16 one (< 1e-2 here)."""
+    products, so each of loss, dh, dW is within the plain bf16 path's own error of the float64 reference (x1.05,
+    and for the loss, a mean of n fp32 terms summed in another order, sqrt(n) fp32 ulps of it more: without that
+    term 1% of seeds failed on the loss), and that error is a bf16 one (< 1e-2 here)."""
+    n = 96
     for seed in (torch.seed() % 2**31 for _ in range(2)):
-        h, w, t = _inputs(seed, n=96, d=32, v=200)
+        h, w, t = _inputs(seed, n=n, d=32, v=200)
         ref = _reference(h, w, t)
         hb, wb = h.bfloat16(), w.bfloat16()
         plain = _max_err(_run(lambda a, b, c: F.cross_entropy(F.linear(a, b).float(), c), hb, wb, t), ref)
         got = _run(_fused(chunk), hb, wb, t)
         assert [x.dtype for x in got] == [torch.float32, torch.bfloat16, torch.bfloat16]
         fused = _max_err(got, ref)
-        for name, f, p in zip(("loss", "dh", "dW"), fused, plain):
-            assert f <= 1.05 * p + 1e-7, f"{name}: fused error {f:.3g} > plain bf16 error {p:.3g} (seed {seed})"
+        order = math.sqrt(n) * torch.finfo(torch.float32).eps * ref[0].abs().item()  # the loss's summation order
+        for name, f, p, slack in zip(("loss", "dh", "dW"), fused, plain, (order, 0, 0)):
+            assert f <= 1.05 * p + slack + 1e-7, f"{name}: fused error {f:.3g} > plain bf16 error {p:.3g} (seed {seed})"
             assert p < 1e-2, f"{name}: plain bf16 error {p:.3g} (seed {seed})"
 
 

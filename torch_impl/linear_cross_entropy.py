@@ -46,23 +46,23 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from parallelism_calc.memory import DEFAULT_LOSS_CHUNK_BYTES, LOSSES, default_loss_chunk
+
 __all__ = ["DEFAULT_CHUNK_BYTES", "IGNORE_INDEX", "LOSSES", "LinearCrossEntropy", "default_chunk_size",
            "linear_cross_entropy"]
 
 # The model's losses (``TransformerLM(loss=...)``, the CLIs' ``--loss``): plain = the LM head's logits, then
-# ``torch_impl.model.cross_entropy``; fused = ``linear_cross_entropy``, no logits.
-LOSSES = ("plain", "fused")
+# ``torch_impl.model.cross_entropy``; fused = ``linear_cross_entropy``, no logits (``LOSSES``, imported above: the
+# calculator's vocabulary, which predicts their memory).
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it count for nothing, in the loss or its mean
-DEFAULT_CHUNK_BYTES = 512 * 2**20  # one chunk's fp32 logits at most this (see default_chunk_size)
+DEFAULT_CHUNK_BYTES = DEFAULT_LOSS_CHUNK_BYTES  # one chunk's fp32 logits at most this (see default_chunk_size)
 
 
 def default_chunk_size(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     """Tokens per chunk: the largest power of two whose fp32 logits (chunk x V x 4 bytes) fit ``chunk_bytes``,
-    at least 1. lm8b (V = 151,936): 512 tokens, 311 MB."""
-    if vocab_size < 1 or chunk_bytes < 1:
-        raise ValueError(f"default_chunk_size: vocab_size={vocab_size} and chunk_bytes={chunk_bytes} must be >= 1")
-    fits = max(1, chunk_bytes // (4 * vocab_size))
-    return 1 << (fits.bit_length() - 1)
+    at least 1. lm8b (V = 151,936): 512 tokens, 311 MB. The formula lives in ``parallelism_calc.memory``
+    (``default_loss_chunk``), whose memory prediction of this loss uses it too."""
+    return default_loss_chunk(vocab_size, chunk_bytes)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

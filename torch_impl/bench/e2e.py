@@ -211,7 +211,7 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
                "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
                "blocks_per_graph": BLOCKS_PER_GRAPH if args.compile and not stock else None,
                "compile_s": compile_s, "warmup_step_ms": warmup_ms, "warmup_phases_ms": warmup_phases_ms,
-               **predicted_memory(args, spec, seq_len)}
+               **predicted_memory(dataclasses.replace(args, loss=loss), spec, seq_len)}
     if args.profile:
         variant = "_stock" if stock else "" if graph == "off" else f"_graph_{graph}"
         tag = f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}_{args.dtype}{variant}"
@@ -235,9 +235,9 @@ def predicted_memory(args: TorchStepConfig, spec, seq_len: int) -> dict[str, int
     ``memory.activation_bytes_per_token``) and, for a train step, the device's peak placed in the step
     (``memory.per_device_memory(..., peak_model="timeline")``, one device: weights and AdamW state plus the
     largest of the forward's end, each block's backward with its checkpointing, and the backward's end; see
-    notes/fidelity.md). Forward-only runs save nothing for backward: None. With ``--loss fused`` both still count the
-    plain loss's fp32 log-softmax (4 V bytes per token), which the fused loss never makes: the calculator has no
-    term for it yet (issue 19 item 4; notes/train_step.md has the formula)."""
+    notes/fidelity.md). Forward-only runs save nothing for backward: None. ``--loss fused``: the calculator's fused
+    loss (an fp32 log-sum-exp a token, a chunk of logits and dW's accumulator, ``memory.loss_buffer_bytes``), except
+    under ``--ac-every``, whose count (``checkpointing.checkpointed_activation_bytes``) keeps the plain loss's."""
     if args.mode == "forward":
         return {"predicted_activation_bytes": None, "predicted_peak_bytes": None}
     precision, attention = calculator_terms(args.dtype, args.attention)
@@ -248,12 +248,13 @@ def predicted_memory(args: TorchStepConfig, spec, seq_len: int) -> dict[str, int
                                                     args.nested_checkpoint, attention).for_tokens(tokens)
     else:
         activations = activation_bytes_per_token(spec, seq_len, precision, "none", attention,
-                                                 compiled=compiled).for_tokens(tokens)
+                                                 compiled=compiled, loss=args.loss).for_tokens(tokens)
     peak = None
     if args.mode == "train_step":
         peak = int(per_device_memory(spec, "ddp", 1, tokens, seq_len, precision, attention=attention,
                                      peak_model="timeline", checkpoint_every=args.checkpoint_every,
-                                     nested_checkpoint=args.nested_checkpoint, compiled=compiled).total)
+                                     nested_checkpoint=args.nested_checkpoint, compiled=compiled,
+                                     loss=args.loss).total)
     return {"predicted_activation_bytes": activations, "predicted_peak_bytes": peak}
 
 
