@@ -4,10 +4,11 @@ docstrings).
 
 A work item is two query tiles of one (batch, head) against every key tile they see; by default a program per item,
 head by head and each head's heaviest first (causal), else (``persistent``) a grid of one program per SM taking the
-items in turn (``_tile``, ``_position``), which the op takes where every program's share is even (``schedule``). A program's warps are split (``gl.warp_specialize``) into a one-warp
-producer that TMA-loads Q and then K, V tile by tile into a ring of shared-memory stages (mbarriers say when a stage
-is full and when both consumers are done with it, so a persistent program's next item's loads run under the end of
-the last), and two consumer warpgroups, one per query tile, that share every K and V tile. Each consumer overlaps
+items in turn (``_tile``, ``_position``), which the op takes where every program's share is even (``schedule``). A
+program's warps are split (``gl.warp_specialize``) into a one-warp producer that TMA-loads Q and then K, V tile by
+tile into a ring of shared-memory stages (mbarriers say when a stage is full and when both consumers are done with it,
+so a persistent program's next item's loads run under the end of the last), and two consumer warpgroups, one per
+query tile, that share every K and V tile. Each consumer overlaps
 within its warpgroup as FlashAttention-3 does: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued together and the
 softmax of S_j runs under the latter.
 Softmax in base 2; by default each exponent is taken from the raw score's difference to its row maximum, so that the
@@ -391,18 +392,42 @@ def _tma_add_tile(tile, smem, desc, row, col):
 
 
 @gluon.jit
-def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_smem, v_smem,
-              kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h, q_cols_h,
-              do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, BLOCK_M: gl.constexpr):
-    """The producer warp: the program's K and V (both consumers' keys, one tile each) once, then Q_i, dO_i, L_i and
-    D_i of every query tile i >= i_first of every query head of the k/v head's group into stage s % STAGES (L_i and
-    D_i into stat_bufs 2 s % STAGES and the next)."""
+def _bwd_item(item, n_kv_heads, n_kb, BLOCK_KEYS: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              PERSISTENT: gl.constexpr):
+    """Work item ``item`` of the backward -> (batch, k/v head, first key, first query tile that sees its keys): head
+    by head, each head's key blocks in order (causal: the heaviest first); without PERSISTENT, the program's own
+    (key block, batch x k/v head) from its 2-D grid index. A key block block-major order, every head's heaviest
+    first, was 1.34x slower at 4 x 32 x 2,048 x 64: the running programs then read every head's Q and dO (0f0351f)."""
+    if PERSISTENT:
+        bh = item // n_kb
+        key_start = (item % n_kb) * BLOCK_KEYS
+    else:
+        bh = gl.program_id(1)
+        key_start = gl.program_id(0) * BLOCK_KEYS
+    i_first = key_start // BLOCK_M if IS_CAUSAL else 0  # query tiles wholly above the diagonal see none of its keys
+    return bh // n_kv_heads, bh % n_kv_heads, key_start, i_first
+
+
+@gluon.jit
+def _bwd_load_item(item, t, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs,
+                   k_bufs, v_bufs, kv_ready, kv_free, ready, free, n_kb, n_kv_heads, group, n_heads, n_m, q_rows_b,
+                   q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
+                   IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The producer's part of work item ``item`` (``_bwd_item``), the program's t-th (its tiles counted from s;
+    returned: s past them): its K and V (both consumers' keys, one tile each) into K/V buffer t % KV_BUFS once both
+    consumers are done with that buffer's last item, then Q_i, dO_i, L_i and D_i of every query tile i >= i_first of
+    every query head of the k/v head's group into stage s % STAGES (L_i and D_i into stat_bufs 2 s % STAGES and the
+    next)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
+    kv_bufs: gl.constexpr = k_bufs.type.shape[0]
+    BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    b, h_kv, key_start, i_first = _bwd_item(item, n_kv_heads, n_kb, BLOCK_KEYS, BLOCK_M, IS_CAUSAL, PERSISTENT)
+    kv = t % kv_bufs
     row = b * kv_rows_b + h_kv * kv_rows_h + key_start
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    _tma_load(k_desc, [row, h_kv * kv_cols_h], kv_ready, k_smem)
-    _tma_load(v_desc, [row, h_kv * kv_cols_h], kv_ready, v_smem)
-    s = 0
+    mbarrier.wait(kv_free.index(kv), ((t // kv_bufs) & 1) ^ 1)  # a new barrier passes the parity-1 wait
+    mbarrier.expect(kv_ready.index(kv), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [row, h_kv * kv_cols_h], kv_ready.index(kv), k_bufs.index(kv))
+    _tma_load(v_desc, [row, h_kv * kv_cols_h], kv_ready.index(kv), v_bufs.index(kv))
     for g in range(group):
         h = h_kv * group + g
         for i in range(i_first, n_m):
@@ -417,25 +442,58 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_
             _tma_load(do_desc, [b * do_rows_b + h * do_rows_h + i * BLOCK_M, h * do_cols_h], ready.index(stage),
                       do_bufs.index(stage))
             s += 1
+    return s
 
 
 @gluon.jit
-def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready, ready,
-                 free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, b, h_kv, group, n_heads, n_q, key_start,
-                 i_first, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """One consumer warpgroup: keys key_start + TILE * BLOCK_K .. + BLOCK_K. Per query tile i (with L_i and
-    D_i = rowsum(dO_i O_i)): S^T = K Q_i^T and dP^T = V dO_i^T, P^T = exp(fl(S^T / sqrt(d)) - L) rounded as the
-    Triton backward rounds it, dS^T = P^T (dP^T - D); dV += P^T dO_i and dK += dS^T Q_i (register operands).
+def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs,
+              kv_ready, kv_free, ready, free, n_items, n_kb, n_kv_heads, group, n_heads, n_m, q_rows_b, q_rows_h,
+              q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr,
+              BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The producer warp (``_bwd_load_item``): the program's item, or (PERSISTENT) each of its items in the order
+    ``_position`` deals them, its tiles counted on over the items (so a persistent program's next item's loads run
+    under the last one's end)."""
+    s = gl.to_tensor(0)
+    if PERSISTENT:
+        t = 0
+        for k in range(gl.cdiv(n_items, gl.num_programs(0))):
+            item = _position(k)
+            if item < n_items:  # the last round's items run out
+                s = _bwd_load_item(item, t, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs,
+                                   do_bufs, stat_bufs, k_bufs, v_bufs, kv_ready, kv_free, ready, free, n_kb,
+                                   n_kv_heads, group, n_heads, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b,
+                                   do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M,
+                                   PERSISTENT)
+                t += 1
+    else:
+        _bwd_load_item(gl.program_id(0), 0, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs,
+                       stat_bufs, k_bufs, v_bufs, kv_ready, kv_free, ready, free, n_kb, n_kv_heads, group, n_heads,
+                       n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h,
+                       kv_cols_h, IS_CAUSAL, BLOCK_M, PERSISTENT)
+
+
+@gluon.jit
+def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem,
+                      kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_kb, group,
+                      n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """One consumer warpgroup's part of work item ``item`` (``_bwd_item``), the program's t-th (its tiles counted
+    from s; returned: s past them): keys key_start + TILE * BLOCK_K .. + BLOCK_K, in K/V buffer t % KV_BUFS
+    (released once its last product is done).
+    Per query tile i (with L_i and D_i = rowsum(dO_i O_i)): S^T = K Q_i^T and dP^T = V dO_i^T,
+    P^T = exp(fl(S^T / sqrt(d)) - L) rounded as the Triton backward rounds it, dS^T = P^T (dP^T - D);
+    dV += P^T dO_i and dK += dS^T Q_i (register operands).
     dQ_i += dS K over both consumers' keys at once: each writes its dS^T into its half of a shared buffer (two
     buffers, alternating), and the consumers take turns (tile i's s-th of the program: consumer s % 2) to read the
     whole of it transposed, multiply by the program's K and add the fp32 result into the accumulator through
     ``dq_smem`` and a TMA reduce-add (FlashAttention-3's dQ writes), half the additions of a dQ part per consumer;
     above d 64 both do it every tile, each for half of dQ's columns (``_dq_split``). Every product is waited within
     the iteration (no wgmma in flight across a back edge: see ``_consume``). dK and dV go out through ``dk_smem``,
-    ``dv_smem`` and TMA stores; when those are stage buffers (``_epilogue_in_stages``), once both consumers have
-    arrived at ``done`` (the other may still read its last Q_i, dO_i)."""
+    ``dv_smem`` and TMA stores that run on under the next item; when those are stage buffers (``_epilogue_in_stages``,
+    a program of one item), once both consumers have arrived at ``done`` (the other may still read its last Q_i,
+    dO_i)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
+    kv_bufs: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
     st_layout: gl.constexpr = _wgmma_layout(BLOCK_M)  # S^T, dP^T: (keys, queries)
     acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # dK, dV (keys, d) and the dQ part (queries, d)
@@ -443,17 +501,20 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, d
     key_rows: gl.constexpr = gl.SliceLayout(1, st_layout)
     query_cols: gl.constexpr = gl.SliceLayout(0, st_layout)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # a row of L or D seen as a vector
-    k = k_smem.slice(TILE * BLOCK_K, BLOCK_K)
-    v = v_smem.slice(TILE * BLOCK_K, BLOCK_K)
-    offs_key = key_start + TILE * BLOCK_K + gl.arange(0, BLOCK_K, layout=key_rows)
     zero_st = gl.zeros([BLOCK_K, BLOCK_M], gl.float32, layout=st_layout)
     SPLIT: gl.constexpr = _dq_split(HEAD_DIM)
     DQ_COLS: gl.constexpr = HEAD_DIM // TILES if SPLIT else HEAD_DIM  # of dQ_i a consumer computes
     zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=_wgmma_layout(DQ_COLS))
+    b, h_kv, key_start, i_first = _bwd_item(item, n_kv_heads, n_kb, TILES * BLOCK_K, BLOCK_M, IS_CAUSAL,
+                                            kv_bufs > 1)
+    kv = t % kv_bufs
+    k_smem = k_bufs.index(kv)
+    k = k_smem.slice(TILE * BLOCK_K, BLOCK_K)
+    v = v_bufs.index(kv).slice(TILE * BLOCK_K, BLOCK_K)
+    offs_key = key_start + TILE * BLOCK_K + gl.arange(0, BLOCK_K, layout=key_rows)
     dk = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
-    mbarrier.wait(kv_ready, 0)
-    s = 0
+    mbarrier.wait(kv_ready.index(kv), (t // kv_bufs) & 1)
     for g in range(group):
         h = h_kv * group + g
         for i in range(i_first, n_m):
@@ -469,7 +530,7 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, d
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))  # S^T done, dP^T running
             st = st * sm_scale
             if IS_CAUSAL:
-                if i * BLOCK_M < key_start + TILES * BLOCK_K:  # a tile the diagonal crosses (the program's first)
+                if i * BLOCK_M < key_start + TILES * BLOCK_K:  # a tile the diagonal crosses (the item's first)
                     offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_cols)
                     st = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_key, 1), st, -float("inf"))
             pt = gl.exp2((st - gl.expand_dims(lse, 0)) * _LOG2E)
@@ -482,15 +543,15 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, d
             dst_a = gl.convert_layout(dst_lo, a_layout)
             buf = s % 2
             ds = ds_bufs.index(buf)
-            mbarrier.wait(ds_free.index(buf), ((s // 2) & 1) ^ 1)  # the dQ of tile s - 2 has read the buffer
+            mbarrier.wait(ds_free.index(buf), ((s // 2) & 1) ^ 1)  # tile s - 2's dQ has read the buffer
             ds.slice(TILE * BLOCK_K, BLOCK_K).store(dst_lo)
             fence_async_shared()
-            _thread_barrier()  # every thread's part of dS^T is in shared memory before the tensor cores read it
+            _thread_barrier()  # every thread's part of dS^T is in shared memory before the MMAs read it
             mbarrier.arrive(ds_ready.index(buf), count=1)
             dk = warpgroup_mma(dst_a, q, dk, is_async=True)
             dv, dk, pt_a, dst_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_a, dst_a))
             mbarrier.arrive(free.index(stage), count=1)
-            if SPLIT or s % TILES == TILE:  # dQ_i over both halves of the keys: this consumer's columns, or its turn
+            if SPLIT or s % TILES == TILE:  # dQ_i over both halves of the keys: this one's columns, or turn
                 mbarrier.wait(ds_ready.index(buf), (s // 2) & 1)
                 k_cols = k_smem.slice(TILE * DQ_COLS, DQ_COLS, dim=1) if SPLIT else k_smem
                 dq = warpgroup_mma(ds.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
@@ -499,47 +560,76 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_smem, d
                 _tma_add_tile(dq * sm_scale, dq_smem, dq_desc, (b * n_heads + h) * n_q + i * BLOCK_M,
                               TILE * DQ_COLS if SPLIT else 0)
             s += 1
+    mbarrier.arrive(kv_free.index(kv), count=1)  # every product reading this item's K and V is done
     key_row = (b * n_kv_heads + h_kv) * n_k + key_start + TILE * BLOCK_K  # of dK, dV as (B H_kv n_k, d)
     if _epilogue_in_stages(HEAD_DIM):  # both consumers are done with every stage before either overwrites one
         mbarrier.arrive(done, count=1)
         mbarrier.wait(done, 0)
+    if kv_bufs > 1:  # a persistent program: the last item's dK, dV stores (and dQ's additions) have read them
+        tma.store_wait(0)
     dk_smem.store((dk * sm_scale).to(dtype))
     dv_smem.store(dv.to(dtype))
     fence_async_shared()
     _thread_barrier()  # every thread's part of both tiles is in shared memory before TMA reads them
     _tma_store(dk_desc, [key_row, 0], dk_smem)
     _tma_store(dv_desc, [key_row, 0], dv_smem)
+    return s
+
+
+@gluon.jit
+def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready, kv_free,
+                 ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q,
+                 n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One consumer warpgroup (``_bwd_consume_item``): the program's item, or (PERSISTENT) each of its items in the
+    order ``_position`` deals them, as ``_bwd_load`` takes them. (A program of one item runs no loop around it: the
+    loop's values cost the d 128 backward spills in its MMA loop.)"""
+    s = gl.to_tensor(0)  # tiles so far (a loop-carried value in the item's loops)
+    if PERSISTENT:
+        t = 0
+        for k in range(gl.cdiv(n_items, gl.num_programs(0))):
+            item = _position(k)
+            if item < n_items:  # the last round's items run out
+                s = _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
+                                      dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done,
+                                      dq_desc, dk_desc, dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads,
+                                      n_k, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)
+                t += 1
+    else:
+        _bwd_consume_item(gl.program_id(0), 0, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
+                          dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc,
+                          dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE, IS_CAUSAL, BLOCK_M,
+                          BLOCK_K, HEAD_DIM)
     tma.store_wait(0)  # TMA has read shared memory (dQ's last tile too) before the program's shared memory goes
 
 
 @gluon.jit
 def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, sm_scale, n_heads,
-                n_kv_heads, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b,
-                kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                num_warps: gl.constexpr):
-    """Program (key block of TILES x BLOCK_K keys, batch x k/v head): dK, dV of its keys summed over the query heads
-    of the group, and their part of dQ. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
-    column h * q_cols_h of its descriptor's 2-D view (dO, K, V likewise, K and V one block of the program's keys);
-    L, D (B, H, n_q; ``lse_desc``, ``delta_desc`` their rows of BLOCK_M) and dQ (B, H, n_q, d, fp32; ``dq_desc`` its
+                n_kv_heads, n_bkv, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h,
+                kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
+    """Work item (key block of TILES x BLOCK_K keys, one of n_bkv batch x k/v heads; ``_bwd_item``): dK, dV of its
+    keys summed over the query heads of the group, and their part of dQ. A program per item, or (PERSISTENT, d 64)
+    a program per SM taking items in the order ``_position`` deals them, its K and V in two buffers so that the next
+    item's load runs under the last one's end. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
+    column h * q_cols_h of its descriptor's 2-D view (dO, K, V likewise, K and V one block of the item's keys); L, D
+    (B, H, n_q; ``lse_desc``, ``delta_desc`` their rows of BLOCK_M) and dQ (B, H, n_q, d, fp32; ``dq_desc`` its
     (B H n_q, d) view) and dK, dV (B, H_kv, n_k, d; ``dk_desc``, ``dv_desc`` their (B H_kv n_k, d) views) are
-    contiguous. Programs run head by head (the key block is the grid's first axis): key block by key block, every
-    head's heaviest first, was 1.34x slower at 4 x 32 x 2,048 x 64, as the running programs then read every head's
-    Q and dO (0f0351f)."""
+    contiguous."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = BLOCK_KEYS // TILES
-    key_start = gl.program_id(0) * BLOCK_KEYS
-    b = gl.program_id(1) // n_kv_heads
-    h_kv = gl.program_id(1) % n_kv_heads
+    KV_BUFS: gl.constexpr = 2 if PERSISTENT else 1
     group = n_heads // n_kv_heads
     n_m = n_q // BLOCK_M
-    i_first = key_start // BLOCK_M if IS_CAUSAL else 0  # query tiles wholly above the diagonal see none of its keys
+    n_kb = n_k // BLOCK_KEYS
+    n_items = n_kb * n_bkv
 
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [KV_BUFS] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [KV_BUFS] + v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_KEYS, BLOCK_M], q_desc.dtype)
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_KEYS, BLOCK_M], ds_layout)
     stat_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES] + lse_desc.block_type.shape,
@@ -547,15 +637,19 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     dq_bufs = gl.allocate_shared_memory(gl.float32, [TILES] + dq_desc.block_type.shape, dq_desc.layout)
     IN_STAGES: gl.constexpr = _epilogue_in_stages(HEAD_DIM)
     gl.static_assert(not IN_STAGES or (STAGES >= TILES and BLOCK_M == BLOCK_K), "dK, dV tiles must fit the stages")
+    gl.static_assert(not (IN_STAGES and PERSISTENT), "dK, dV through the stages: a program of one item")
     dkdv_bufs = gl.allocate_shared_memory(dk_desc.dtype, [1 if IN_STAGES else 2 * TILES] + dk_desc.block_type.shape,
                                           dk_desc.layout)  # each consumer's dK, dV tiles (one unused in the stages)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
+    for u in gl.static_range(KV_BUFS):
+        mbarrier.init(kv_ready.index(u), count=1)
+        mbarrier.init(kv_free.index(u), count=TILES)  # both consumers done with the item's K and V
     if IN_STAGES:
         mbarrier.init(done, count=TILES)  # both consumers past their last tile
     for u in gl.static_range(STAGES):
@@ -566,19 +660,20 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
         mbarrier.init(ds_free.index(u), count=TILES if _dq_split(HEAD_DIM) else 1)  # read by the dQ product(s)
 
     gl.warp_specialize([
-        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_bufs.index(0),
+        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs.index(0),
                         q_bufs.index(0) if IN_STAGES else dkdv_bufs.index(0),
-                        do_bufs.index(0) if IN_STAGES else dkdv_bufs.index(1), kv_ready, ready, free, ds_ready,
-                        ds_free, done, dq_desc, dk_desc, dv_desc, b, h_kv, group, n_heads, n_q, key_start, i_first,
-                        n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)),
-        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_smem, v_smem, ds_bufs, dq_bufs.index(1),
+                        do_bufs.index(0) if IN_STAGES else dkdv_bufs.index(1), kv_ready, kv_free, ready, free,
+                        ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
+                        sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT)),
+        (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs.index(1),
                         q_bufs.index(1) if IN_STAGES else dkdv_bufs.index(2),
-                        do_bufs.index(1) if IN_STAGES else dkdv_bufs.index(3), kv_ready, ready, free, ds_ready,
-                        ds_free, done, dq_desc, dk_desc, dv_desc, b, h_kv, group, n_heads, n_q, key_start, i_first,
-                        n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)),
-        (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_smem, v_smem,
-                     kv_ready, ready, free, b, h_kv, group, n_heads, key_start, i_first, n_m, q_rows_b, q_rows_h,
-                     q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, BLOCK_M)),
+                        do_bufs.index(1) if IN_STAGES else dkdv_bufs.index(3), kv_ready, kv_free, ready, free,
+                        ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
+                        sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT)),
+        (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs,
+                     kv_ready, kv_free, ready, free, n_items, n_kb, n_kv_heads, group, n_heads, n_m, q_rows_b,
+                     q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL,
+                     BLOCK_M, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -591,17 +686,22 @@ BWD_MIN_KEYS = {64: 512, 128: 512}  # by head dim, the fewest keys the op runs i
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                              lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None):
+                              lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
+                              programs: int | None = None):
     """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
     given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (contiguous, k's
-    shape). Inputs as ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG)."""
+    shape). Inputs as ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG);
+    ``programs``: a persistent grid of that many (d 64; None: a program per work item)."""
     block_m, block_k, stages, regs = config or BWD_CONFIG
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     if d not in BWD_HEAD_DIMS or n_q % block_m or n_k % (TILES.value * block_k):
         raise ValueError(f"the Gluon backward takes d in {BWD_HEAD_DIMS}, n_q a multiple of {block_m} and n_k of "
                          f"{TILES.value * block_k}; got d {d}, n_q {n_q}, n_k {n_k}")
+    if programs is not None and _epilogue_in_stages(d):
+        raise ValueError(f"the Gluon backward's persistent grid takes d 64 only (above, dK and dV go out through the "
+                         f"stages: a program of one item); got d {d}")
     if delta is None:
         delta = (do.float() * o.float()).sum(-1)
     if dq_acc is None:
@@ -619,26 +719,30 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                                              _STATS_LAYOUT) for t in (lse, delta))  # row (b H + h) n_q / BLOCK_M + i
     dk_desc, dv_desc = (TensorDescriptor(t, [t.numel() // d, d], [d, 1], [block_k, d],
                                          _smem_layout((block_k, d), t.dtype)) for t in (dk, dv))  # (B H_kv n_k, d)
-    grid = (n_k // (TILES.value * block_k), batch * kv_heads, 1)
+    n_kb = n_k // (TILES.value * block_k)
+    grid = (n_kb, batch * kv_heads, 1) if programs is None else (min(n_kb * batch * kv_heads, programs), 1, 1)
     args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, 1 / math.sqrt(d), heads,
-            kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
+            kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
-    constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, num_warps=4, enable_fp_fusion=False)
+    constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, PERSISTENT=programs is not None,
+                      num_warps=4, enable_fp_fusion=False)
     return grid, args, constexprs, (dq_acc, dk, dv)
 
 
-def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None):
+def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
+             persistent: bool = False):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
     when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as
-    ``backward_launch_arguments`` takes it. Without D and ``dq_acc``, both come from flash_triton's preprocess pass,
-    as in its backward, which runs this one where ``backward_preferred`` (so that scripts/flash_gluon_probe.py
-    --backward, which checks it against float64, times what the op runs)."""
+    ``backward_launch_arguments`` takes it; ``persistent``: a program per SM (d 64), else a program per item.
+    Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
+    where ``backward_preferred`` (so that scripts/flash_gluon_probe.py --backward, which checks it against float64,
+    times what the op runs)."""
     given = dq_acc is not None
     if delta is None and not given:
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         delta = flash_triton.backward_preprocess(o, do, dq_acc)
-    grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(do, q, k, v, o, lse, is_causal, config, delta,
-                                                                     dq_acc, dkdv)
+    grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(
+        do, q, k, v, o, lse, is_causal, config, delta, dq_acc, dkdv, _programs(q.device) if persistent else None)
     _bwd_kernel[grid](*args, **constexprs)
     return (dq if given else dq.to(q.dtype)), dk, dv
 
@@ -650,6 +754,19 @@ def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if q.shape[-1] not in BWD_HEAD_DIMS or q.shape[2] % block_m or k.shape[2] % (TILES.value * block_k):
         return False
     return do.shape == q.shape and supports(q, k, v, is_causal) and _rows_and_columns(do) is not None
+
+
+def backward_schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> dict:
+    """``backward``'s options for the op: the persistent grid (d 64) where it gives every program an even share
+    (``_share`` at most EVEN_SHARE, as ``schedule``), else a program per item."""
+    block_m, block_k = (config or BWD_CONFIG)[:2]
+    batch, kv_heads, n_k, d = k.shape
+    if _epilogue_in_stages(d):
+        return {}
+    keys = TILES.value * block_k
+    share = _share(batch * kv_heads, n_k // keys, q.shape[2] // block_m, is_causal, keys, block_m,
+                   _programs(q.device))
+    return {"persistent": True} if share <= EVEN_SHARE else {}
 
 
 def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
@@ -717,10 +834,10 @@ EVEN_SHARE = 1.05  # ``schedule``: the largest program's share of a persistent g
 
 @functools.cache
 def _share(n_bh: int, n_m: int, n_k_blocks: int, is_causal: bool, rows: int, block_n: int, programs: int) -> float:
-    """The largest program's share of the work over the mean when ``programs`` take n_bh x n_m items (``rows``
-    queries each) head by head, each head's heaviest first, in the order ``_position`` deals them; an item costs
-    its key tiles of ``block_n`` (``_tile``; n_k_blocks without the causal mask) and one more for its start and
-    end."""
+    """The largest program's share of the work over the mean when ``programs`` take n_bh x n_m items head by head,
+    each head's heaviest first, in the order ``_position`` deals them; an item costs its tiles and one more for its
+    start and end. The forward's items (``_tile``): ``rows`` queries against key tiles of ``block_n`` (n_k_blocks
+    without the causal mask); the backward's (``_bwd_item``): ``rows`` keys against query tiles of ``block_n``."""
     costs = [(-(-(n_m - j) * rows // block_n) if is_causal else n_k_blocks) + 1 for j in range(n_m)] * n_bh
     programs = min(programs, len(costs))  # the grid's size (``launch_arguments``)
     totals = [0] * programs
