@@ -7,7 +7,7 @@ hangs, it does not fail), in one process:
 
 * checks each of VARIANTS (the defaults; the scale folded into the exponent; O written through shared memory and
   TMA; the consumers taking turns to issue their products; a persistent grid instead of one program per work item,
-  alone and with the TMA store of O, the items block by block or head by head)
+  alone and with the TMA store of O, the items dealt block by block or head by head or handed out by a counter)
   against float64 on fresh random inputs (O and the logsumexp; causal and not; GQA with two query heads a k/v head;
   q, k, v as the model passes them, (B, H, n, d) views of (B, n, H, d)), next to cuDNN's O error on the same inputs:
   the bf16 output's rounding is the floor both share;
@@ -61,6 +61,7 @@ VARIANTS["gluon_persistent"] = {"persistent": True}
 VARIANTS["gluon_persistent_tma_store"] = {"persistent": True, "tma_store": True}  # O's store under the next item
 VARIANTS["gluon_persistent_heads"] = {"persistent": True, "order": "heads"}  # the items head by head
 VARIANTS["gluon_persistent_heads_tma_store"] = {"persistent": True, "order": "heads", "tma_store": True}
+VARIANTS["gluon_dynamic"] = {"persistent": True, "order": "dynamic", "tma_store": True}  # items from a counter
 # the backward's configurations by variant name (BWD_CONFIGS, the default first)
 BACKWARD_VARIANTS = {f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS}
 BACKWARD_VARIANTS["gluon_persistent"] = {"persistent": True}  # a program per SM (d 64), the default configuration

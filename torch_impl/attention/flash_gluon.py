@@ -116,41 +116,103 @@ def _position(k):
 
 
 @gluon.jit
-def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, n_tiles,
-          n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
-          IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
+def _fetch_add(counter_ptr):
+    """The counter's value before adding 1 to it (``atom.global.add``, one lane of the calling warp), every lane's."""
+    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    old = gl.inline_asm_elementwise(
+        "{ .reg .pred first; .reg .u32 lane; mov.u32 lane, %laneid; setp.eq.u32 first, lane, 0; "
+        "@first atom.global.add.u32 $0, [$1], 1; shfl.sync.idx.b32 $0, $0, 0, 0x1f, 0xffffffff; }",
+        "=r,l", [counter_ptr + gl.zeros([32], gl.int32, lanes)], dtype=gl.int32, is_pure=False, pack=1)
+    return gl.max(old, 0)
+
+
+@gluon.jit
+def _publish(ids, id_ready, id_free, t, item):
+    """The producer: the program's t-th work item into slot t % 2 of ``ids``, once both consumers took the item
+    that slot held last."""
+    slot = t % 2
+    mbarrier.wait(id_free.index(slot), ((t // 2) & 1) ^ 1)  # a new barrier passes the parity-1 wait
+    ids.index(slot).store(gl.full([1], item, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
+    _thread_barrier()
+    mbarrier.arrive(id_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _take(ids, id_ready, id_free, t):
+    """A consumer warpgroup: the program's t-th work item from ``ids`` (``_publish``)."""
+    slot = t % 2
+    mbarrier.wait(id_ready.index(slot), (t // 2) & 1)
+    item = gl.max(ids.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+    _thread_barrier()  # every thread has read the slot before it is released
+    mbarrier.arrive(id_free.index(slot), count=1)
+    return item
+
+
+@gluon.jit
+def _load_item(tile, i, t, q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free,
+               v_free, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
+               kv_cols_h, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               BLOCK_MAJOR: gl.constexpr):
+    """The producer's part of work item ``tile``, the program's t-th, its key tiles counted from i (returned: i past
+    them): ``_load``."""
+    stages: gl.constexpr = k_bufs.type.shape[0]
+    m_start, b, h, h_kv, n_blocks = _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
+                                          BLOCK_N, BLOCK_MAJOR)
+    q_row = b * q_rows_b + h * q_rows_h + m_start
+    kv_row = b * kv_rows_b + h_kv * kv_rows_h
+    mbarrier.wait(q_free, (t & 1) ^ 1)  # a new barrier passes the parity-1 wait
+    mbarrier.expect(q_ready, TILES * q_desc.block_type.nbytes)
+    for u in gl.static_range(TILES):
+        _tma_load(q_desc, [q_row + u * BLOCK_M, h * q_cols_h], q_ready, q_smem.index(u))
+    for j in range(n_blocks):
+        stage = i % stages
+        free_phase = ((i // stages) & 1) ^ 1
+        mbarrier.wait(k_free.index(stage), free_phase)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], k_ready.index(stage),
+                  k_bufs.index(stage))
+        mbarrier.wait(v_free.index(stage), free_phase)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], v_ready.index(stage),
+                  v_bufs.index(stage))
+        i += 1
+    return i
+
+
+@gluon.jit
+def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, ids,
+          id_ready, id_free, counter_ptr, n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h,
+          q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr):
     """The producer warp, for each work item of the program: both Q tiles once both consumers are done with the
     last item's (their last S is computed), then K_j and V_j into stage i % STAGES (i counts the program's key
     tiles over all its items), each once both consumers freed it. K and V are freed apart: K_j as soon as S_j is
     done, V_j once O += P_j V_j is, so that a consumer waiting for K_{j+1} never waits on its own release of
-    V_{j-1} (with two stages, that wait would deadlock). So the next item's loads run under the last one's end."""
-    stages: gl.constexpr = k_bufs.type.shape[0]
+    V_{j-1} (with two stages, that wait would deadlock). So the next item's loads run under the last one's end.
+    DYNAMIC: the program's first item is its index, each next one the persistent grid's size plus a global counter's
+    count (fetched as the last one's loads start), handed to the consumers through ``ids`` (``_publish``); n_tiles
+    ends them."""
     i = 0
     t = 0
-    for k in range(gl.cdiv(n_tiles, gl.num_programs(0))):
-        tile = _position(k)
-        if tile < n_tiles:  # the last round's items run out
-            m_start, b, h, h_kv, n_blocks = _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
-                                                  BLOCK_N, BLOCK_MAJOR)
-            q_row = b * q_rows_b + h * q_rows_h + m_start
-            kv_row = b * kv_rows_b + h_kv * kv_rows_h
-            mbarrier.wait(q_free, (t & 1) ^ 1)  # a new barrier passes the parity-1 wait
-            mbarrier.expect(q_ready, TILES * q_desc.block_type.nbytes)
-            for u in gl.static_range(TILES):
-                _tma_load(q_desc, [q_row + u * BLOCK_M, h * q_cols_h], q_ready, q_smem.index(u))
-            for j in range(n_blocks):
-                stage = i % stages
-                free_phase = ((i // stages) & 1) ^ 1
-                mbarrier.wait(k_free.index(stage), free_phase)
-                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-                _tma_load(k_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], k_ready.index(stage),
-                          k_bufs.index(stage))
-                mbarrier.wait(v_free.index(stage), free_phase)
-                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                _tma_load(v_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], v_ready.index(stage),
-                          v_bufs.index(stage))
-                i += 1
+    if DYNAMIC:
+        tile = gl.program_id(0)
+        while tile < n_tiles:
+            _publish(ids, id_ready, id_free, t, tile)
+            following = gl.num_programs(0) + _fetch_add(counter_ptr)
+            i = _load_item(tile, i, t, q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready,
+                           v_ready, k_free, v_free, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h,
+                           q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_MAJOR)
+            tile = following
             t += 1
+        _publish(ids, id_ready, id_free, t, n_tiles)
+    else:
+        for k in range(gl.cdiv(n_tiles, gl.num_programs(0))):
+            tile = _position(k)
+            if tile < n_tiles:  # the last round's items run out
+                i = _load_item(tile, i, t, q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready,
+                               v_ready, k_free, v_free, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h,
+                               q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_MAJOR)
+                t += 1
 
 
 @gluon.jit
@@ -192,17 +254,13 @@ def _their_turn(turn, TILE: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, o_desc, o_ptr,
-             lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob,
-             stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
-             TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
-    """One consumer warpgroup: query tile TILE of each of the program's work items, its O and L written at the end.
-    Key tile i of the program (over all its items) sits in stage i % STAGES, filled for the (i // STAGES)-th time.
-    TMA_STORE: O goes through shared memory and a TMA store that runs on while the next item starts (else each
-    thread stores its accumulator registers). PINGPONG: the two consumers take turns to issue each round's products
-    (FlashAttention-3's section 3.1), so that one's softmax runs under the other's products; both must run the same
-    number of rounds per item (``launch_arguments`` checks the tiles)."""
+def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                  turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h,
+                  stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  FOLDED: gl.constexpr, TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
+    """One consumer warpgroup's query tile of work item ``tile``, the program's t-th, its key tiles counted from i
+    and its rounds of products from r (returned: i and r past them): ``_consume``."""
     stages: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -213,109 +271,140 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
     scale2 = sm_scale * _LOG2E
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.index(TILE)
+    m_start, b, h, h_kv, n_blocks_program = _tile(tile, n_bh, n_heads, 1, n_m_blocks, n_k, IS_CAUSAL,
+                                                  BLOCK_M, BLOCK_N, BLOCK_MAJOR)
+    start_m = m_start + TILE * BLOCK_M  # this tile's first query
+    if IS_CAUSAL:
+        n_blocks = gl.cdiv(start_m + BLOCK_M, BLOCK_N)  # key tiles up to the diagonal
+        n_full = (start_m + 1) // BLOCK_N  # key tiles wholly below it: no mask
+    else:
+        n_blocks = n_blocks_program
+        n_full = n_blocks_program
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=rows)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows)
+    o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    mbarrier.wait(q_ready, t & 1)
+
+    stage = i % stages
+    mbarrier.wait(k_ready.index(stage), (i // stages) & 1)
+    _my_turn(turn, r, TILE, PINGPONG)
+    s = warpgroup_mma(q, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    _their_turn(turn, TILE, PINGPONG)
+    r += 1
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    mbarrier.arrive(k_free.index(stage), count=1)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, offs_n, n_full == 0, scale2, dtype, p_layout,
+                                       IS_CAUSAL, FOLDED)
+    # Key tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} on the tensor cores, the softmax of S_j under the
+    # latter. Nothing is in flight across the loop's back edge: a loop-carried value of an unfinished wgmma is
+    # copied at the edge, and ptxas then serializes every wgmma of the kernel (its warning C7514).
+    for j in range(1, n_blocks):
+        cur = i + j
+        stage = cur % stages
+        mbarrier.wait(k_ready.index(stage), (cur // stages) & 1)
+        _my_turn(turn, r, TILE, PINGPONG)
+        s = warpgroup_mma(q, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        prev = (cur - 1) % stages
+        mbarrier.wait(v_ready.index(prev), ((cur - 1) // stages) & 1)
+        o = warpgroup_mma(p, v_bufs.index(prev), o, is_async=True)
+        _their_turn(turn, TILE, PINGPONG)
+        r += 1
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j is done; O += P_{j-1} V_{j-1} runs on
+        mbarrier.arrive(k_free.index(stage), count=1)
+        p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N + offs_n, j >= n_full, scale2,
+                                                dtype, p_layout, IS_CAUSAL, FOLDED)
+        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # p: the operand stays alive until then
+        mbarrier.arrive(v_free.index(prev), count=1)
+        p = p_next
+    mbarrier.arrive(q_free, count=1)  # every S of this item is done: the next item's Q may land
+    last = i + n_blocks - 1
+    o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+    mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
+    _my_turn(turn, r, TILE, PINGPONG)
+    o = warpgroup_mma(p, v_bufs.index(last % stages), o, is_async=True)
+    _their_turn(turn, TILE, PINGPONG)
+    r += 1
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+    mbarrier.arrive(v_free.index(last % stages), count=1)
+    # Key tiles only the other query tile sees (causal): free them once they have landed (an early release
+    # would count towards the stage's previous phase).
+    for j in range(n_blocks, n_blocks_program):
+        cur = i + j
+        mbarrier.wait(k_ready.index(cur % stages), (cur // stages) & 1)
+        mbarrier.arrive(k_free.index(cur % stages), count=1)
+        mbarrier.wait(v_ready.index(cur % stages), (cur // stages) & 1)
+        mbarrier.arrive(v_free.index(cur % stages), count=1)
+
+    o = o / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+    bh = b * n_heads + h
+    if FOLDED:
+        gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, (m_i + gl.log2(l_i)) * _LN2)
+    else:
+        gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, m_i * sm_scale + gl.log(l_i))
+    if TMA_STORE:
+        tma.store_wait(0)  # the last item's store has read the buffer
+        o_smem.store(o.to(dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [b * o_rows_b + h * o_rows_h + start_m, h * o_cols_h], o_smem)
+    else:
+        offs_mo = start_m + gl.arange(0, BLOCK_M, layout=o_rows)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_tile = o_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+        gl.store(o_tile + gl.expand_dims(offs_mo, 1) * stride_on + gl.expand_dims(offs_d, 0), o.to(dtype))
+    return i + n_blocks_program, r
+
+
+@gluon.jit
+def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, ids, id_ready,
+             id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h,
+             o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+             FOLDED: gl.constexpr, TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr):
+    """One consumer warpgroup: query tile TILE of each of the program's work items, its O and L written at the end.
+    Key tile i of the program (over all its items) sits in stage i % STAGES, filled for the (i // STAGES)-th time.
+    TMA_STORE: O goes through shared memory and a TMA store that runs on while the next item starts (else each
+    thread stores its accumulator registers). PINGPONG: the two consumers take turns to issue each round's products
+    (FlashAttention-3's section 3.1), so that one's softmax runs under the other's products; both must run the same
+    number of rounds per item (``launch_arguments`` checks the tiles).
+    DYNAMIC: the items the producer hands over (``_take``) until n_tiles."""
     i = 0
     t = 0
     r = 0  # rounds of products issued (PINGPONG)
-    for k in range(gl.cdiv(n_tiles, gl.num_programs(0))):
-        tile = _position(k)
-        if tile < n_tiles:  # the last round's items run out
-            m_start, b, h, h_kv, n_blocks_program = _tile(tile, n_bh, n_heads, 1, n_m_blocks, n_k, IS_CAUSAL,
-                                                          BLOCK_M, BLOCK_N, BLOCK_MAJOR)
-            start_m = m_start + TILE * BLOCK_M  # this tile's first query
-            if IS_CAUSAL:
-                n_blocks = gl.cdiv(start_m + BLOCK_M, BLOCK_N)  # key tiles up to the diagonal
-                n_full = (start_m + 1) // BLOCK_N  # key tiles wholly below it: no mask
-            else:
-                n_blocks = n_blocks_program
-                n_full = n_blocks_program
-            offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows)
-            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=rows)
-            l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows)
-            o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-            mbarrier.wait(q_ready, t & 1)
-
-            stage = i % stages
-            mbarrier.wait(k_ready.index(stage), (i // stages) & 1)
-            _my_turn(turn, r, TILE, PINGPONG)
-            s = warpgroup_mma(q, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            _their_turn(turn, TILE, PINGPONG)
-            r += 1
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            mbarrier.arrive(k_free.index(stage), count=1)
-            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, offs_n, n_full == 0, scale2, dtype, p_layout,
-                                               IS_CAUSAL, FOLDED)
-            # Key tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} on the tensor cores, the softmax of S_j under the
-            # latter. Nothing is in flight across the loop's back edge: a loop-carried value of an unfinished wgmma is
-            # copied at the edge, and ptxas then serializes every wgmma of the kernel (its warning C7514).
-            for j in range(1, n_blocks):
-                cur = i + j
-                stage = cur % stages
-                mbarrier.wait(k_ready.index(stage), (cur // stages) & 1)
-                _my_turn(turn, r, TILE, PINGPONG)
-                s = warpgroup_mma(q, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-                prev = (cur - 1) % stages
-                mbarrier.wait(v_ready.index(prev), ((cur - 1) // stages) & 1)
-                o = warpgroup_mma(p, v_bufs.index(prev), o, is_async=True)
-                _their_turn(turn, TILE, PINGPONG)
-                r += 1
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j is done; O += P_{j-1} V_{j-1} runs on
-                mbarrier.arrive(k_free.index(stage), count=1)
-                p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N + offs_n, j >= n_full, scale2,
-                                                        dtype, p_layout, IS_CAUSAL, FOLDED)
-                o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # p: the operand stays alive until then
-                mbarrier.arrive(v_free.index(prev), count=1)
-                p = p_next
-            mbarrier.arrive(q_free, count=1)  # every S of this item is done: the next item's Q may land
-            last = i + n_blocks - 1
-            o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
-            _my_turn(turn, r, TILE, PINGPONG)
-            o = warpgroup_mma(p, v_bufs.index(last % stages), o, is_async=True)
-            _their_turn(turn, TILE, PINGPONG)
-            r += 1
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
-            mbarrier.arrive(v_free.index(last % stages), count=1)
-            # Key tiles only the other query tile sees (causal): free them once they have landed (an early release
-            # would count towards the stage's previous phase).
-            for j in range(n_blocks, n_blocks_program):
-                cur = i + j
-                mbarrier.wait(k_ready.index(cur % stages), (cur // stages) & 1)
-                mbarrier.arrive(k_free.index(cur % stages), count=1)
-                mbarrier.wait(v_ready.index(cur % stages), (cur // stages) & 1)
-                mbarrier.arrive(v_free.index(cur % stages), count=1)
-
-            o = o / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-            bh = b * n_heads + h
-            if FOLDED:
-                gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, (m_i + gl.log2(l_i)) * _LN2)
-            else:
-                gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, m_i * sm_scale + gl.log(l_i))
-            if TMA_STORE:
-                tma.store_wait(0)  # the last item's store has read the buffer
-                o_smem.store(o.to(dtype))
-                fence_async_shared()
-                _tma_store(o_desc, [b * o_rows_b + h * o_rows_h + start_m, h * o_cols_h], o_smem)
-            else:
-                offs_mo = start_m + gl.arange(0, BLOCK_M, layout=o_rows)
-                offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-                o_tile = o_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-                gl.store(o_tile + gl.expand_dims(offs_mo, 1) * stride_on + gl.expand_dims(offs_d, 0), o.to(dtype))
-            i += n_blocks_program
+    if DYNAMIC:
+        tile = _take(ids, id_ready, id_free, t)
+        while tile < n_tiles:
+            i, r = _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready,
+                                 k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks, n_q, n_k,
+                                 o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, TILE,
+                                 IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR)
             t += 1
+            tile = _take(ids, id_ready, id_free, t)
+    else:
+        for k in range(gl.cdiv(n_tiles, gl.num_programs(0))):
+            tile = _position(k)
+            if tile < n_tiles:  # the last round's items run out
+                i, r = _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready,
+                                     v_ready, k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks,
+                                     n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on,
+                                     sm_scale, TILE, IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N,
+                                     HEAD_DIM, BLOCK_MAJOR)
+                t += 1
     if TMA_STORE:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_heads, group, n_bh, n_q, n_k,
-                q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, o_rows_b, o_rows_h, o_cols_h,
+def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_scale, n_heads, group, n_bh, n_q,
+                n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, o_rows_b, o_rows_h, o_cols_h,
                 stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
                 TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                BLOCK_MAJOR: gl.constexpr, num_warps: gl.constexpr):
+                BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr, num_warps: gl.constexpr):
     """A program takes work items (two query tiles of one batch x head, ``_tile``, in BLOCK_MAJOR's order) in the
-    order ``_position`` deals them: one item in a grid of a program per item.
+    order ``_position`` deals them (one item in a grid of a program per item), or (DYNAMIC) as they come from a
+    counter (``counter_ptr``, an int32 zero: ``_load``).
     Element (b, h, n, :) of Q sits at row b * q_rows_b + h * q_rows_h + n, column h * q_cols_h of q_desc's 2-D view
     (and so for K, V with the k/v head h // group)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -336,8 +425,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: whose round it is
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
+    ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # DYNAMIC
+    id_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    id_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for u in gl.static_range(2):
+        mbarrier.init(turn.index(u), count=1)
+        mbarrier.init(id_ready.index(u), count=1)
+        mbarrier.init(id_free.index(u), count=TILES)  # both consumers took the item
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_free, count=TILES)  # both consumers release Q
     for u in gl.static_range(STAGES):
@@ -347,17 +441,18 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, sm_scale, n_head
         mbarrier.init(v_free.index(u), count=TILES)
 
     gl.warp_specialize([
-        (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(0), q_ready, q_free, k_ready, v_ready,
-                    k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
+        (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(0), q_ready, q_free, k_ready, v_ready, k_free, v_free, turn,
+                    ids, id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
                     o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED,
-                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR)),
+                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(1 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
-                    k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
-                    o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1, IS_CAUSAL, FOLDED,
-                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR)),
+                    k_free, v_free, turn, ids, id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads,
+                    n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1,
+                    IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
         (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                 n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
-                 kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_MAJOR)),
+                 ids, id_ready, id_free, counter_ptr, n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b,
+                 q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_MAJOR,
+                 DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -884,7 +979,9 @@ _COMPILED: dict[tuple, object] = {}
 # The forward's kernel options by name (``launch_arguments``' keywords): what scripts/gluon_compile.py compiles and
 # scripts/flash_gluon_probe.py checks and times, beside the defaults.
 OPTIONS = {"": {}, "folded": {"folded": True}, "tma_store": {"tma_store": True}, "pingpong": {"pingpong": True}}
-ORDERS = ("blocks", "heads")  # a persistent grid's order of the work items (``_tile``)
+# A persistent grid's order of the work items (``_tile``): dealt in turn block by block or head by head
+# (``_position``), or head by head as a counter hands them out (``dynamic``, ``_load``).
+ORDERS = ("blocks", "heads", "dynamic")
 
 
 def can_take_turns(config, is_causal: bool) -> bool:
@@ -924,10 +1021,14 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     o_desc, o_where = _descriptor(o, block_m)
     n_tiles = n_q // (TILES.value * block_m) * batch * heads
     grid = (n_tiles if programs is None else min(n_tiles, programs), 1, 1)  # 3-D: the compiled kernel's launcher
-    args = (q_desc, k_desc, v_desc, o_desc, o, lse, 1 / math.sqrt(d), heads, heads // k.shape[1], batch * heads,
-            n_q, k.shape[2], *q_where, *kv_where, *o_where, o.stride(0), o.stride(1), o.stride(2))
+    dynamic = programs is not None and order == "dynamic"
+    # the items handed out past the grid's first (unread without ``dynamic``: L stands in)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
+    args = (q_desc, k_desc, v_desc, o_desc, o, lse, counter, 1 / math.sqrt(d), heads, heads // k.shape[1],
+            batch * heads, n_q, k.shape[2], *q_where, *kv_where, *o_where, o.stride(0), o.stride(1), o.stride(2))
     constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, TMA_STORE=tma_store, PINGPONG=pingpong, STAGES=stages,
-                      CONSUMER_REGS=regs, BLOCK_MAJOR=programs is not None and order == "blocks", num_warps=4)
+                      CONSUMER_REGS=regs, BLOCK_MAJOR=programs is not None and order == "blocks", DYNAMIC=dynamic,
+                      num_warps=4)
     return grid, args, constexprs, (o, lse)
 
 
