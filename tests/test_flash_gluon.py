@@ -208,14 +208,18 @@ def test_persistent_share_is_the_dealt_maximum(n_bh, n_m, is_causal, programs):
     assert flash_gluon._share(n_bh, n_m, 8, is_causal, 128, 128, programs) == pytest.approx(want)
 
 
-def test_op_schedule_takes_the_persistent_grid_where_shares_are_even(monkeypatch):
-    """Short sequences over many heads: the persistent grid head by head; 1 x 16 x 16,384 (shares up to ~1.5x the
-    mean on 132 SMs): a program per item."""
+def test_op_schedule_deals_the_items_where_shares_are_even(monkeypatch):
+    """Short sequences over many heads: the persistent grid's items dealt head by head; 1 x 16 x 16,384 (dealt
+    shares up to ~1.5x the mean on 132 SMs): handed out by a counter."""
     monkeypatch.setattr(flash_gluon, "_programs", lambda device: 132)
     short = torch.empty(4, 32, 2048, 64, dtype=torch.bfloat16)
     long = torch.empty(1, 16, 16384, 64, dtype=torch.bfloat16)
     assert flash_gluon.schedule(short, short, True) == {"persistent": True, "order": "heads", "tma_store": True}
-    assert flash_gluon.schedule(long, long, True) == {}
+    assert flash_gluon.schedule(long, long, True) == {"persistent": True, "order": "dynamic", "tma_store": True}
+    grid, args, options, _ = flash_gluon.launch_arguments(long, long, long, True, programs=132, order="dynamic")
+    assert grid == (132, 1, 1) and options["DYNAMIC"] and not options["BLOCK_MAJOR"]
+    counter = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32)
+    assert counter.shape == (1,) and counter.item() == 0  # a fresh zero each launch
     flash_gluon.launch_arguments(short, short, short, True, programs=132, order="heads")
     with pytest.raises(ValueError, match="order must be one of"):
         flash_gluon.launch_arguments(short, short, short, True, programs=132, order="diagonal")

@@ -946,17 +946,18 @@ def _share(n_bh: int, n_m: int, n_k_blocks: int, is_causal: bool, rows: int, blo
 
 
 def schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> dict:
-    """``forward``'s options for the op: the persistent grid taking the items head by head, O written by TMA,
-    where that gives every program an even share (``_share`` at most EVEN_SHARE: the short sequences, many heads),
-    else a program per item. On one H100 (4c1d4d5) the former 0.198 ms at 4 x 32 x 2,048 x 64 against 0.236 for a
-    program per item (whose programs' starts and ends do not overlap) and 0.225 for the persistent grid block by
-    block (whose running programs read every head's K and V); at 1 x 16 x 16,384 x 64 (shares up to 1.54x the mean)
-    1.77 against 1.29 ms. Predicted, not measured: 2 x 16 x 8,192 (1.03x) takes the persistent grid."""
+    """``forward``'s options for the op: a persistent grid, O written by TMA, its items head by head, dealt in turn
+    where that gives every program an even share (``_share`` at most EVEN_SHARE: short sequences over many heads),
+    else handed out by a counter (``order="dynamic"``). On one H100 (4c1d4d5, 52acdb8): dealt, 0.198 ms at
+    4 x 32 x 2,048 x 64 against 0.236 for a program per item (whose programs' starts and ends do not overlap) and
+    0.225 dealt block by block (whose running programs read every head's K and V); at 1 x 16 x 16,384 x 64, where
+    the dealt shares reach 1.54x the mean (1.77 ms), from the counter 1.217-1.225 against 1.252-1.254 for a program
+    per item (d 128: 1.78-1.80 against 1.80-1.85)."""
     block_m, block_n = (config or CONFIGS[q.shape[-1]][0])[:2]
     batch, heads, n_q, _ = q.shape
     share = _share(batch * heads, n_q // (TILES.value * block_m), k.shape[2] // block_n, is_causal,
                    TILES.value * block_m, block_n, _programs(q.device))
-    return {"persistent": True, "order": "heads", "tma_store": True} if share <= EVEN_SHARE else {}
+    return {"persistent": True, "order": "heads" if share <= EVEN_SHARE else "dynamic", "tma_store": True}
 
 
 @functools.cache
