@@ -828,7 +828,9 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
              persistent: bool = False):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
     when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as
-    ``backward_launch_arguments`` takes it; ``persistent``: a program per SM (d 64), else a program per item.
+    ``backward_launch_arguments`` takes it; ``persistent``: a program per SM (d 64), else a program per item (what
+    the op runs: persistent, the op's forward + backward measured 0.68 against 0.73 ms alone at 4 x 32 x 2,048 x 64
+    but 0.95-1.25 ms, spread 0.8-1.4, in the attention benchmark, notes/flash_attention.md, session 23).
     Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
     where ``backward_preferred`` (so that scripts/flash_gluon_probe.py --backward, which checks it against float64,
     times what the op runs)."""
@@ -849,19 +851,6 @@ def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if q.shape[-1] not in BWD_HEAD_DIMS or q.shape[2] % block_m or k.shape[2] % (TILES.value * block_k):
         return False
     return do.shape == q.shape and supports(q, k, v, is_causal) and _rows_and_columns(do) is not None
-
-
-def backward_schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> dict:
-    """``backward``'s options for the op: the persistent grid (d 64) where it gives every program an even share
-    (``_share`` at most EVEN_SHARE, as ``schedule``), else a program per item."""
-    block_m, block_k = (config or BWD_CONFIG)[:2]
-    batch, kv_heads, n_k, d = k.shape
-    if _epilogue_in_stages(d):
-        return {}
-    keys = TILES.value * block_k
-    share = _share(batch * kv_heads, n_k // keys, q.shape[2] // block_m, is_causal, keys, block_m,
-                   _programs(q.device))
-    return {"persistent": True} if share <= EVEN_SHARE else {}
 
 
 def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:

@@ -1,0 +1,71 @@
+"""The op's forward + backward (autograd, as ``torch_impl.bench.attention`` times it: ``.backward(dO)``, gradients
+reset between runs) at one shape with the Gluon backward as the op runs it (a program per item) and on its
+persistent grid (``flash_gluon.backward(..., persistent=True)``), in alternating rounds: do_bench's spread, the
+host's time to enqueue one step (the GPU idle: is the step host-bound?) and each kernel's GPU time
+(torch.profiler). Issue 14, session 23: the persistent grid was faster alone but slower, and spread, in the
+attention benchmark. ``PYTHONPATH=. python3 scripts/flash_op_ab.py OUT [--shape 4x32x2048x64] [--rounds 2]``;
+rows to OUT/flash_op_ab.jsonl (with provenance)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import triton.testing
+
+from analysis.records import provenance
+from torch_impl.attention import flash_gluon as fg
+from torch_impl.attention.registry import get_attention
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--shape", default="4x32x2048x64", help="BxHxNxd (bf16, causal)")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    b, h, n, d = (int(x) for x in args.shape.split("x"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    d_out = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    attn = get_attention("flash_triton")
+    as_run = fg.backward
+    variants = {"per_item": as_run, "persistent": functools.partial(as_run, persistent=True)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = provenance(torch.cuda.get_device_name())
+
+    def step():
+        attn(q, k, v, True).backward(d_out)
+
+    for _ in range(args.rounds):
+        for name, backward in variants.items():
+            fg.backward = backward  # flash_triton calls flash_gluon.backward
+            step()
+            times = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v], return_mode="all")
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()  # enqueued on an idle GPU: the host's time alone
+            host_ms = (time.perf_counter() - start) * 1e3
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            kernels = {e.key: e.device_time_total / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+            row = {"shape": args.shape, "variant": name, "median_ms": statistics.median(times),
+                   "min_ms": min(times), "max_ms": max(times), "host_ms": host_ms, "kernels_ms": kernels, **meta}
+            with (args.out / "flash_op_ab.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{args.shape} {name}: median {row['median_ms']:.3f} (min {row['min_ms']:.3f}, max "
+                  f"{row['max_ms']:.3f}) ms, host {host_ms:.3f} ms", flush=True)
+    fg.backward = as_run
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
