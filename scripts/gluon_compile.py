@@ -158,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 kernels.append((f"d{d}_{'_'.join(map(str, config))}{'_' + option if option else ''}",
                                 functools.partial(compile_config, d, config, **options)))
-            kernels.append((f"d{d}_{'_'.join(map(str, config))}_persistent",
-                            functools.partial(compile_config, d, config, programs=132)))
+            for order in flash_gluon.ORDERS:  # the persistent grid in each order (the op's: O's TMA store)
+                kernels.append((f"d{d}_{'_'.join(map(str, config))}_persistent_{order}",
+                                functools.partial(compile_config, d, config, programs=132, order=order,
+                                                  tma_store=order != "blocks")))
     for name, build in kernels:
         kernel = build()
         report = ptxas_report(kernel.asm["ptx"])
