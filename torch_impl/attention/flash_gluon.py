@@ -571,7 +571,8 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_
 def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem,
                       kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_kb, group,
                       n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr):
+                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
     """One consumer warpgroup's part of work item ``item`` (``_bwd_item``), the program's t-th (its tiles counted
     from s; returned: s past them): keys key_start + TILE * BLOCK_K .. + BLOCK_K, in K/V buffer t % KV_BUFS
     (released once its last product is done).
@@ -601,7 +602,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     DQ_COLS: gl.constexpr = HEAD_DIM // TILES if SPLIT else HEAD_DIM  # of dQ_i a consumer computes
     zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=_wgmma_layout(DQ_COLS))
     b, h_kv, key_start, i_first = _bwd_item(item, n_kv_heads, n_kb, TILES * BLOCK_K, BLOCK_M, IS_CAUSAL,
-                                            kv_bufs > 1)
+                                            PERSISTENT)
     kv = t % kv_bufs
     k_smem = k_bufs.index(kv)
     k = k_smem.slice(TILE * BLOCK_K, BLOCK_K)
@@ -660,7 +661,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     if _epilogue_in_stages(HEAD_DIM):  # both consumers are done with every stage before either overwrites one
         mbarrier.arrive(done, count=1)
         mbarrier.wait(done, 0)
-    if kv_bufs > 1:  # a persistent program: the last item's dK, dV stores (and dQ's additions) have read them
+    if PERSISTENT:  # the last item's dK, dV stores (and dQ's additions) have read them
         tma.store_wait(0)
     dk_smem.store((dk * sm_scale).to(dtype))
     dv_smem.store(dv.to(dtype))
@@ -688,13 +689,13 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, d
                 s = _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                                       dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done,
                                       dq_desc, dk_desc, dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads,
-                                      n_k, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM)
+                                      n_k, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT)
                 t += 1
     else:
         _bwd_consume_item(gl.program_id(0), 0, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                           dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc,
                           dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE, IS_CAUSAL, BLOCK_M,
-                          BLOCK_K, HEAD_DIM)
+                          BLOCK_K, HEAD_DIM, PERSISTENT)
     tma.store_wait(0)  # TMA has read shared memory (dQ's last tile too) before the program's shared memory goes
 
 
@@ -828,9 +829,10 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
              persistent: bool = False):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
     when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as
-    ``backward_launch_arguments`` takes it; ``persistent``: a program per SM (d 64), else a program per item (what
-    the op runs: persistent, the op's forward + backward measured 0.68 against 0.73 ms alone at 4 x 32 x 2,048 x 64
-    but 0.95-1.25 ms, spread 0.8-1.4, in the attention benchmark, notes/flash_attention.md, session 23).
+    ``backward_launch_arguments`` takes it; ``persistent``: a program per SM (d 64), else a program per item, what
+    the op runs (persistent, this backward alone took 0.497 against 0.533 ms at 4 x 32 x 2,048 x 64, 6c4dedd, but
+    the attention benchmark's forward + backward there 0.95-1.25 ms, spread 0.8-1.7, against 0.735: dfc1850 and
+    38537ad; notes/flash_attention.md, session 23).
     Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
     where ``backward_preferred`` (so that scripts/flash_gluon_probe.py --backward, which checks it against float64,
     times what the op runs)."""
