@@ -29,7 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="4x32x2048x64", help="BxHxNxd (bf16, causal)")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
-    b, h, n, d = (int(x) for x in args.shape.split("x"))
+    dims = args.shape.split("x")
+    if len(dims) != 4 or not all(x.isdigit() and int(x) > 0 for x in dims):
+        parser.error(f"--shape must be BxHxNxd of positive integers; got {args.shape!r}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1; got {args.rounds}")
+    b, h, n, d = (int(x) for x in dims)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
                for _ in range(3))
