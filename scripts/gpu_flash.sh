@@ -29,7 +29,8 @@
 #          instruction
 #          -> OUT/flash_gluon_bwd_ncu_{details.txt,source.csv} (the report itself stays there: 16 MiB)
 #   ncu_forward  Nsight Compute on the forwards at NCU_SHAPE (default 4x32x2048x64, where cuDNN's is 1.2x ours): the
-#          Gluon forward (a program per item; persistent with O's TMA store), the Triton forward and cuDNN's, each
+#          Gluon forward (the probe's NCU_VARIANTS, default a program per item and persistent with O's TMA store), the
+#          Triton forward and cuDNN's, each
 #          launched twice (the probe's --once; Triton's tuning cached by a first run)
 #          -> OUT/flash_fwd_ncu_details.txt, OUT/flash_fwd_ncu_source.csv.gz (per SASS instruction)
 #   all    tests then bench (default). e2e is separate: autotuning plus compiling 2.7B may not fit the same call.
@@ -102,7 +103,7 @@ run_ncu_gluon() {  # where the Gluon backward's time goes: Nsight Compute on one
 
 run_ncu_forward() {
   local probe=(python3 scripts/flash_gluon_probe.py "$out/ncu_probe" --once --config 0 --shapes "${NCU_SHAPE:-4x32x2048x64}"
-               --variants gluon,gluon_persistent_tma_store)
+               --variants "${NCU_VARIANTS:-gluon,gluon_persistent_tma_store}")
   TRITON_CACHE_AUTOTUNING=1 "${probe[@]}" >/dev/null 2>&1 || status=1
   TRITON_CACHE_AUTOTUNING=1 timeout 400 ncu --clock-control none --set full --import-source no \
     -k regex:'_fwd_kernel|fprop' -f -o /tmp/flash_fwd_ncu "${probe[@]}" >"$out/flash_fwd_ncu.log" 2>&1 || status=1
