@@ -62,6 +62,7 @@ VARIANTS["gluon_persistent_tma_store"] = {"persistent": True, "tma_store": True}
 VARIANTS["gluon_persistent_heads"] = {"persistent": True, "order": "heads"}  # the items head by head
 VARIANTS["gluon_persistent_heads_tma_store"] = {"persistent": True, "order": "heads", "tma_store": True}
 VARIANTS["gluon_dynamic"] = {"persistent": True, "order": "dynamic", "tma_store": True}  # items from a counter
+VARIANTS["gluon_dynamic_folded"] = {**VARIANTS["gluon_dynamic"], "folded": True}  # and the scale in the exponent's FMA
 # the backward's configurations by variant name (BWD_CONFIGS, the default first)
 BACKWARD_VARIANTS = {f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS}
 BACKWARD_VARIANTS["gluon_persistent"] = {"persistent": True}  # a program per SM (d 64), the default configuration

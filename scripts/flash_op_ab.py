@@ -1,22 +1,26 @@
 """The op's forward + backward (autograd, as ``torch_impl.bench.attention`` times it: ``.backward(dO)``, gradients
 reset between runs) at one shape with the Gluon backward as the op runs it (a program per item) and on its
 persistent grid (``flash_gluon.backward(..., persistent=True)``), in alternating rounds: do_bench's spread, the
-host's time to enqueue one step (the GPU idle: is the step host-bound?) and each kernel's GPU time
-(torch.profiler). Issue 14, session 23: the persistent grid was faster alone but slower, and spread, in the
-attention benchmark. ``PYTHONPATH=. python3 scripts/flash_op_ab.py OUT [--shape 4x32x2048x64] [--rounds 2]``;
-rows to OUT/flash_op_ab.jsonl (with provenance)."""
+host's time to enqueue one step (the GPU idle, median of 11: is the step host-bound?), each kernel's GPU time
+(torch.profiler) and the gradients' largest error relative to cuDNN's; then where the host's time goes (cProfile of
+50 steps, by function). Issue 14, session 23: the persistent grid was faster alone but slower, and spread, in the
+attention benchmark. ``PYTHONPATH=. python3 scripts/flash_op_ab.py OUT [--shape 4x32x2048x64] [--rounds 2]``; rows
+to OUT/flash_op_ab.jsonl (with provenance), the host's profile to OUT/flash_op_ab_host.txt."""
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import json
+import pstats
 import statistics
 import time
 from pathlib import Path
 
 import torch
 import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from analysis.records import provenance
 from torch_impl.attention import flash_gluon as fg
@@ -48,27 +52,48 @@ def main(argv: list[str] | None = None) -> int:
     def step():
         attn(q, k, v, True).backward(d_out)
 
+    def fresh_step():  # as do_bench runs it: no gradient to accumulate into
+        q.grad = k.grad = v.grad = None
+        step()
+
+    def host_ms() -> float:  # one step enqueued on an idle GPU: the host's time alone
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fresh_step()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return elapsed * 1e3
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        reference = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                        (q, k, v), d_out)
+    reference = [t.float() for t in reference]
     for _ in range(args.rounds):
         for name, backward in variants.items():
             fg.backward = backward  # flash_triton calls flash_gluon.backward
             step()
             times = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v], return_mode="all")
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            step()  # enqueued on an idle GPU: the host's time alone
-            host_ms = (time.perf_counter() - start) * 1e3
-            torch.cuda.synchronize()
+            host = statistics.median(host_ms() for _ in range(11))
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                step()
+                fresh_step()
                 torch.cuda.synchronize()
             kernels = {e.key: e.device_time_total / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+            errors = {name: ((t.grad.float() - ref).abs().max() / ref.abs().max()).item()
+                      for name, t, ref in zip("qkv", (q, k, v), reference)}  # the cached launches' results
             row = {"shape": args.shape, "variant": name, "median_ms": statistics.median(times),
-                   "min_ms": min(times), "max_ms": max(times), "host_ms": host_ms, "kernels_ms": kernels, **meta}
+                   "min_ms": min(times), "max_ms": max(times), "host_ms": host, "kernels_ms": kernels,
+                   "max_error_vs_cudnn": errors, **meta}
             with (args.out / "flash_op_ab.jsonl").open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"{args.shape} {name}: median {row['median_ms']:.3f} (min {row['min_ms']:.3f}, max "
-                  f"{row['max_ms']:.3f}) ms, host {host_ms:.3f} ms", flush=True)
+                  f"{row['max_ms']:.3f}) ms, host {host:.3f} ms", flush=True)
+    profile = cProfile.Profile()  # where the host's time goes, the op as it runs (a program per item)
     fg.backward = as_run
+    profile.runcall(lambda: [fresh_step() for _ in range(50)])
+    torch.cuda.synchronize()
+    with (args.out / "flash_op_ab_host.txt").open("w") as f:
+        f.write(f"{args.shape}: 50 forward + backward steps under cProfile (a program per item)\n")
+        pstats.Stats(profile, stream=f).sort_stats("tottime").print_stats(40)
     return 0
 
 

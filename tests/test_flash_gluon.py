@@ -57,8 +57,8 @@ def test_not_chosen_without_an_sm90_gpu():
 
 @pytest.mark.parametrize("programs", [None, 132, 10_000])
 def test_launch_arguments_match_the_kernel_signature(programs):
-    """The cached launch passes ``*args, *constexprs.values()`` positionally to the compiled kernel, whose
-    launcher reads a 3-D grid: the order must be the kernel's and the grid three numbers."""
+    """The arguments in the kernel's order and the grid three numbers (the compiled kernel's launcher reads a 3-D
+    grid: ``_run``)."""
     q = torch.zeros(2, 4, 1024, 64, dtype=torch.bfloat16)
     k = torch.zeros(2, 2, 1024, 64, dtype=torch.bfloat16)
     grid, args, constexprs, (o, lse) = flash_gluon.launch_arguments(q, k, k, True, programs=programs)
@@ -132,6 +132,55 @@ def test_backward_launch_arguments_match_the_kernel_signature():
     with pytest.raises(ValueError, match="Gluon backward takes d in"):
         flash_gluon.backward_launch_arguments(*(torch.zeros(1, 2, 1024, 96, dtype=torch.bfloat16),) * 5,
                                               torch.zeros(1, 2, 1024), True)
+
+
+class _Kernel:
+    """A Gluon kernel as ``_run`` calls it: ``kernel[grid](*args, **constexprs)`` compiles (recorded) and returns the
+    compiled kernel, whose ``[grid](*args)`` launches (recorded)."""
+
+    def __init__(self, kernel):
+        self.fn, self.arg_names = kernel.fn, kernel.arg_names
+        self.compiles, self.launches = [], []
+
+    def __getitem__(self, grid):
+        def compile_and_launch(*args, **constexprs):
+            self.compiles.append((grid, args, constexprs))
+            return _Compiled(self)
+
+        return compile_and_launch
+
+
+class _Compiled:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args: self.kernel.launches.append((grid, args))
+
+
+def test_cached_launch_compiles_once_per_specialization_and_passes_parameters_in_order(monkeypatch):
+    """``_run``: the first launch of a specialization goes through the JIT (keywords, the compile option included),
+    the next ones call the compiled kernel with the kernel's parameters in its order; another shape compiles again."""
+    monkeypatch.setattr(flash_gluon, "_COMPILED", {})
+    kernel = _Kernel(flash_gluon._bwd_kernel)
+
+    def launch(n):
+        q = torch.zeros(2, 4, n, 64, dtype=torch.bfloat16)
+        k = torch.zeros(2, 2, n, 64, dtype=torch.bfloat16)
+        grid, args, options, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, torch.zeros(2, 4, n), True)
+        flash_gluon._run(kernel, grid, args, options)
+        return grid, args, options
+
+    grid, args, options = launch(1024)
+    assert len(kernel.compiles) == 1 and kernel.compiles[0][2] == options and options["enable_fp_fusion"] is False
+    launch(1024)
+    params = tuple(options[name] for name in flash_gluon._bwd_kernel.arg_names[len(args):])
+    assert len(kernel.compiles) == 1 and len(kernel.launches) == 1
+    (launch_grid, launched), = kernel.launches
+    assert launch_grid == grid and len(launched) == len(args) + len(params) and launched[len(args):] == params
+    assert "enable_fp_fusion" in options and "enable_fp_fusion" not in flash_gluon._bwd_kernel.arg_names
+    launch(2048)
+    assert len(kernel.compiles) == 2 and len(kernel.launches) == 1
 
 
 class _GluonBackwardStandIn:

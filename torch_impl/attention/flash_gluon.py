@@ -842,7 +842,7 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
         delta = flash_triton.backward_preprocess(o, do, dq_acc)
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(
         do, q, k, v, o, lse, is_causal, config, delta, dq_acc, dkdv, _programs(q.device) if persistent else None)
-    _bwd_kernel[grid](*args, **constexprs)
+    _run(_bwd_kernel, grid, args, constexprs)
     return (dq if given else dq.to(q.dtype)), dk, dv
 
 
@@ -968,6 +968,31 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int | None = None)
 _COMPILED: dict[tuple, object] = {}
 
 
+def _specialization(arg) -> tuple | object:
+    """What of a launch argument the compiled kernel depends on: a descriptor's device, dtype, base alignment, sizes,
+    strides and block; a tensor's dtype and alignment; any other argument's value (integers are specialized)."""
+    if isinstance(arg, TensorDescriptor):
+        base = arg.base
+        return (base.device, base.dtype, base.data_ptr() % 16, *arg.shape, *arg.strides, *arg.block_shape)
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16
+    return arg
+
+
+def _run(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
+    """``kernel[grid](*args, **constexprs)``, through ``_COMPILED`` after the first launch of its specialization
+    (which takes the kernel's remaining parameters in order; compile options such as ``enable_fp_fusion`` are
+    compiled in)."""
+    key = (kernel.fn.__name__, grid, *constexprs.items(), *map(_specialization, args))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        if len(_COMPILED) >= 1024:
+            _COMPILED.clear()
+        _COMPILED[key] = kernel[grid](*args, **constexprs)
+    else:
+        compiled[grid](*args, *(constexprs[name] for name in kernel.arg_names[len(args):]))
+
+
 # The forward's kernel options by name (``launch_arguments``' keywords): what scripts/gluon_compile.py compiles and
 # scripts/flash_gluon_probe.py checks and times, beside the defaults.
 OPTIONS = {"": {}, "folded": {"folded": True}, "tma_store": {"tma_store": True}, "pingpong": {"pingpong": True}}
@@ -1037,13 +1062,5 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
     grid, args, constexprs, outputs = launch_arguments(q, k, v, is_causal, config, folded,
                                                        _programs(q.device) if persistent else None, out, tma_store,
                                                        pingpong, order)
-    key = (q.device.index, q.dtype, q.shape, q.stride(), k.shape, k.stride(), outputs[0].stride(), config, grid,
-           *constexprs.values(), *(t.data_ptr() % 16 for t in (q, k, v, *outputs)))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        if len(_COMPILED) >= 1024:
-            _COMPILED.clear()
-        _COMPILED[key] = _fwd_kernel[grid](*args, **constexprs)
-    else:
-        compiled[grid](*args, *constexprs.values())
+    _run(_fwd_kernel, grid, args, constexprs)
     return outputs
