@@ -783,9 +783,9 @@ def _gluon_everywhere(monkeypatch) -> None:
 @pytest.mark.parametrize("case", [((2, 4), 1024, 1024), ((2, 4), 512, 1024), ((4, 16), 1024, 1024)],
                          ids=["q1024", "q512-k1024", "b4-h16-q1024"])
 def test_gpu_gluon_in_the_op(case, is_causal, d, dtype, seed, monkeypatch):
-    """The op with the Gluon forward (a program per work item, as the op runs it; the persistent grid, whose
-    programs take several items, is checked by scripts/flash_gluon_probe.py) and the Gluon backward (d 64 and 128),
-    against float64 with the Triton bounds."""
+    """The op with the Gluon forward and backward (d 64 and 128) as it runs them (``schedule``,
+    ``backward_schedule``: persistent grids where they deal the items evenly, as at b4-h16-q1024 d 64, else a
+    program per item or items from a counter), against float64 with the Triton bounds."""
     _gluon_everywhere(monkeypatch)
     lead, n_q, n_k = case
     if is_causal and n_q != n_k:

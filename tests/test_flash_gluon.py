@@ -197,7 +197,10 @@ class _GluonBackwardStandIn:
     def backward_preferred(self, do, q, k, v, is_causal):
         return True
 
-    def backward(self, do, q, k, v, o, lse, is_causal, delta=None, dq_acc=None, dkdv=None):
+    def backward_schedule(self, q, k, is_causal):
+        return {"persistent": True}
+
+    def backward(self, do, q, k, v, o, lse, is_causal, delta=None, dq_acc=None, dkdv=None, persistent=False):
         self.calls += 1
         assert torch.allclose(delta, (do.double() * o.double()).sum(-1).float(), atol=1e-5)
         assert dq_acc.dtype == torch.float32 and dq_acc.is_contiguous() and not dq_acc.any()
@@ -271,7 +274,15 @@ def test_op_schedule_deals_the_items_where_shares_are_even(monkeypatch):
         flash_gluon.launch_arguments(short, short, short, True, programs=132, order="diagonal")
 
 
-def test_backward_persistent_grid_is_d64_and_one_program_per_sm_at_most():
+def test_backward_schedule_and_its_persistent_grid(monkeypatch):
+    """The backward's persistent grid (d 64 only) where its programs' shares are even; its grid of one program per SM
+    at most."""
+    monkeypatch.setattr(flash_gluon, "_programs", lambda device: 132)
+    short, long = torch.empty(4, 32, 2048, 64), torch.empty(1, 16, 16384, 64)
+    assert flash_gluon.backward_schedule(short, short, True) == {"persistent": True}
+    assert flash_gluon.backward_schedule(long, long, True) == {}
+    wide = torch.empty(4, 32, 2048, 128)
+    assert flash_gluon.backward_schedule(wide, wide, True) == {}  # dK, dV through the stages: a program per item
     q = torch.zeros(2, 4, 1024, 64, dtype=torch.bfloat16)
     lse = torch.zeros(2, 4, 1024)
     grid, _, options, _ = flash_gluon.backward_launch_arguments(q, q, q, q, q, lse, True, programs=132)

@@ -649,7 +649,7 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     delta = backward_preprocess(o4, do4, dq_acc if fused else None)
     if gluon is not None:  # the Gluon backward adds dS K into the same zeros, scaled, and writes dK, dV in place
         gluon.backward(do4, q4, k4, v4, o4, lse.view(q4.shape[:-1]), is_causal, delta=delta,
-                       dq_acc=dq_acc, dkdv=(dk4, dv4))
+                       dq_acc=dq_acc, dkdv=(dk4, dv4), **gluon.backward_schedule(q4, k4, is_causal))
         dq4.copy_(dq_acc)
         return dq, dk, dv
     if tma:  # Triton's allocator is a context variable: set in this thread (autograd's backward runs in its own)
