@@ -1,10 +1,10 @@
 """The op's forward + backward (autograd, as ``torch_impl.bench.attention`` times it: ``.backward(dO)``, gradients
 reset between runs) at one shape with the Gluon backward a program per item and on its persistent grid
-(``flash_gluon.backward(..., persistent=True)``, its items dealt or from a counter), in alternating rounds:
-do_bench's spread, the host's time to enqueue one step (the GPU idle, median of 11: is the step host-bound?), each
-kernel's GPU time (torch.profiler) and the gradients' largest error relative to cuDNN's; then where the host's time
-goes (cProfile of 50 steps, by function, the op as it runs). Issue 14, session 23: the persistent grid was faster
-alone but slower, and spread, in the attention benchmark (session 24: the host's JIT launch, now cached).
+(``flash_gluon.backward(..., persistent=True)``), in alternating rounds: do_bench's spread, the host's time to
+enqueue one step (the GPU idle, median of 11: is the step host-bound?), each kernel's GPU time (torch.profiler) and
+the gradients' largest error relative to cuDNN's; then where the host's time goes (cProfile of 50 steps, by
+function, the op as it runs). Issue 14, session 23: the persistent grid was faster alone but slower, and spread, in
+the attention benchmark (session 24: the host's JIT launch, now cached).
 ``PYTHONPATH=. python3 scripts/flash_op_ab.py OUT [--shape 4x32x2048x64] [--rounds 2]``; rows to
 OUT/flash_op_ab.jsonl (with provenance), the host's profile to OUT/flash_op_ab_host.txt."""
 
@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     d_out = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     attn = get_attention("flash_triton")
     as_run = fg.backward
-    variants = {"per_item": as_run, "persistent": functools.partial(as_run, persistent=True),
-                "dynamic": functools.partial(as_run, persistent=True, order="dynamic")}
+    variants = {"per_item": as_run, "persistent": functools.partial(as_run, persistent=True)}
     args.out.mkdir(parents=True, exist_ok=True)
     meta = provenance(torch.cuda.get_device_name())
 

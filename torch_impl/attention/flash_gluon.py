@@ -542,28 +542,14 @@ def _bwd_load_item(item, t, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_
 
 @gluon.jit
 def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs,
-              kv_ready, kv_free, ready, free, ids, id_ready, id_free, counter_ptr, n_items, n_kb, n_kv_heads, group,
-              n_heads, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h,
-              kv_cols_h, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr,
-              DYNAMIC: gl.constexpr):
+              kv_ready, kv_free, ready, free, n_items, n_kb, n_kv_heads, group, n_heads, n_m, q_rows_b, q_rows_h,
+              q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr,
+              BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr):
     """The producer warp (``_bwd_load_item``): the program's item, or (PERSISTENT) each of its items in the order
     ``_position`` deals them, its tiles counted on over the items (so a persistent program's next item's loads run
-    under the last one's end); DYNAMIC: as they come from the counter, handed to the consumers as the forward's
-    ``_load`` does."""
+    under the last one's end)."""
     s = gl.to_tensor(0)
-    if DYNAMIC:
-        t = 0
-        item = gl.program_id(0)
-        while item < n_items:
-            _publish(ids, id_ready, id_free, t, item)
-            s = _bwd_load_item(item, t, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs,
-                               stat_bufs, k_bufs, v_bufs, kv_ready, kv_free, ready, free, n_kb, n_kv_heads, group,
-                               n_heads, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b,
-                               kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, PERSISTENT)
-            item = gl.num_programs(0) + _fetch_add(counter_ptr)  # under the item's last tiles
-            t += 1
-        _publish(ids, id_ready, id_free, t, n_items)
-    elif PERSISTENT:
+    if PERSISTENT:
         t = 0
         for k in range(gl.cdiv(n_items, gl.num_programs(0))):
             item = _position(k)
@@ -688,26 +674,14 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
 
 @gluon.jit
 def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready, kv_free,
-                 ready, free, ds_ready, ds_free, done, ids, id_ready, id_free, dq_desc, dk_desc, dv_desc, n_items,
-                 n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+                 ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q,
+                 n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr):
     """One consumer warpgroup (``_bwd_consume_item``): the program's item, or (PERSISTENT) each of its items in the
-    order ``_position`` deals them, or (DYNAMIC) as the producer hands them over (``_take``) until n_items, as
-    ``_bwd_load`` takes them. (A program of one item runs no loop around it: the loop's values cost the d 128
-    backward spills in its MMA loop.)"""
+    order ``_position`` deals them, as ``_bwd_load`` takes them. (A program of one item runs no loop around it: the
+    loop's values cost the d 128 backward spills in its MMA loop.)"""
     s = gl.to_tensor(0)  # tiles so far (a loop-carried value in the item's loops)
-    if DYNAMIC:
-        t = 0
-        item = _take(ids, id_ready, id_free, t)
-        while item < n_items:
-            s = _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem,
-                                  dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc,
-                                  dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE, IS_CAUSAL,
-                                  BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT)
-            t += 1
-            item = _take(ids, id_ready, id_free, t)
-    elif PERSISTENT:
+    if PERSISTENT:
         t = 0
         for k in range(gl.cdiv(n_items, gl.num_programs(0))):
             item = _position(k)
@@ -726,16 +700,14 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, d
 
 
 @gluon.jit
-def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, counter_ptr,
-                sm_scale, n_heads, n_kv_heads, n_bkv, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h,
-                do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr,
-                num_warps: gl.constexpr):
+def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, sm_scale, n_heads,
+                n_kv_heads, n_bkv, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h,
+                kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
     """Work item (key block of TILES x BLOCK_K keys, one of n_bkv batch x k/v heads; ``_bwd_item``): dK, dV of its
     keys summed over the query heads of the group, and their part of dQ. A program per item, or (PERSISTENT, d 64)
-    a program per SM taking items in the order ``_position`` deals them, or (DYNAMIC, with PERSISTENT) from a counter
-    (``counter_ptr``, an int32 zero) as the forward's do, its K and V in two buffers so that the next item's load
-    runs under the last one's end. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
+    a program per SM taking items in the order ``_position`` deals them, its K and V in two buffers so that the next
+    item's load runs under the last one's end. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
     column h * q_cols_h of its descriptor's 2-D view (dO, K, V likewise, K and V one block of the item's keys); L, D
     (B, H, n_q; ``lse_desc``, ``delta_desc`` their rows of BLOCK_M) and dQ (B, H, n_q, d, fp32; ``dq_desc`` its
     (B H n_q, d) view) and dK, dV (B, H_kv, n_k, d; ``dk_desc``, ``dv_desc`` their (B H_kv n_k, d) views) are
@@ -771,13 +743,6 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    gl.static_assert(PERSISTENT or not DYNAMIC, "items from the counter: a persistent grid")
-    ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # DYNAMIC
-    id_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    id_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for u in gl.static_range(2):
-        mbarrier.init(id_ready.index(u), count=1)
-        mbarrier.init(id_free.index(u), count=TILES)  # both consumers took the item
     for u in gl.static_range(KV_BUFS):
         mbarrier.init(kv_ready.index(u), count=1)
         mbarrier.init(kv_free.index(u), count=TILES)  # both consumers done with the item's K and V
@@ -794,19 +759,17 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
         (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs.index(0),
                         q_bufs.index(0) if IN_STAGES else dkdv_bufs.index(0),
                         do_bufs.index(0) if IN_STAGES else dkdv_bufs.index(1), kv_ready, kv_free, ready, free,
-                        ds_ready, ds_free, done, ids, id_ready, id_free, dq_desc, dk_desc, dv_desc, n_items, n_kb,
-                        group, n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM,
-                        PERSISTENT, DYNAMIC)),
+                        ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
+                        sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT)),
         (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs.index(1),
                         q_bufs.index(1) if IN_STAGES else dkdv_bufs.index(2),
                         do_bufs.index(1) if IN_STAGES else dkdv_bufs.index(3), kv_ready, kv_free, ready, free,
-                        ds_ready, ds_free, done, ids, id_ready, id_free, dq_desc, dk_desc, dv_desc, n_items, n_kb,
-                        group, n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM,
-                        PERSISTENT, DYNAMIC)),
+                        ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
+                        sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT)),
         (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs,
-                     kv_ready, kv_free, ready, free, ids, id_ready, id_free, counter_ptr, n_items, n_kb, n_kv_heads,
-                     group, n_heads, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b,
-                     kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, PERSISTENT, DYNAMIC)),
+                     kv_ready, kv_free, ready, free, n_items, n_kb, n_kv_heads, group, n_heads, n_m, q_rows_b,
+                     q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL,
+                     BLOCK_M, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -814,28 +777,24 @@ BWD_HEAD_DIMS = (64, 128)  # what the kernel takes (d 128: ``_dq_split``, ``_epi
 BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer registers)
 BWD_CONFIGS = (BWD_CONFIG, (64, 64, 3, 240), (64, 64, 4, 240))  # what scripts/flash_gluon_probe.py times
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
-BWD_ORDERS = ("heads", "dynamic")  # a persistent backward's order of its items (``_bwd_load``)
 BWD_MIN_KEYS = {64: 512, 128: 512}  # by head dim, the fewest keys the op runs it from: faster than the Triton
 # backward there (d 64: 02900c9; d 128: bcf08a2; ``backward_preferred``)
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
-                              programs: int | None = None, order: str = "heads"):
+                              programs: int | None = None):
     """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
     given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (contiguous, k's
     shape). Inputs as ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG);
-    ``programs``: a persistent grid of that many (d 64; None: a program per work item), taking the items in ``order``
-    (one of BWD_ORDERS: dealt head by head, or from a counter)."""
+    ``programs``: a persistent grid of that many (d 64; None: a program per work item)."""
     block_m, block_k, stages, regs = config or BWD_CONFIG
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     if d not in BWD_HEAD_DIMS or n_q % block_m or n_k % (TILES.value * block_k):
         raise ValueError(f"the Gluon backward takes d in {BWD_HEAD_DIMS}, n_q a multiple of {block_m} and n_k of "
                          f"{TILES.value * block_k}; got d {d}, n_q {n_q}, n_k {n_k}")
-    if order not in BWD_ORDERS:
-        raise ValueError(f"the Gluon backward's order must be one of {BWD_ORDERS}; got {order!r}")
     if programs is not None and _epilogue_in_stages(d):
         raise ValueError(f"the Gluon backward's persistent grid takes d 64 only (above, dK and dV go out through the "
                          f"stages: a program of one item); got d {d}")
@@ -858,23 +817,20 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                                          _smem_layout((block_k, d), t.dtype)) for t in (dk, dv))  # (B H_kv n_k, d)
     n_kb = n_k // (TILES.value * block_k)
     grid = (n_kb, batch * kv_heads, 1) if programs is None else (min(n_kb * batch * kv_heads, programs), 1, 1)
-    dynamic = programs is not None and order == "dynamic"
-    # the items handed out past the grid's first (unread without ``dynamic``: D stands in)
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else delta
-    args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, counter,
-            1 / math.sqrt(d), heads, kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
+    args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, 1 / math.sqrt(d), heads,
+            kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, PERSISTENT=programs is not None,
-                      DYNAMIC=dynamic, num_warps=4, enable_fp_fusion=False)
+                      num_warps=4, enable_fp_fusion=False)
     return grid, args, constexprs, (dq_acc, dk, dv)
 
 
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
-             persistent: bool = False, order: str = "heads"):
+             persistent: bool = False):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
     when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as
-    ``backward_launch_arguments`` takes it; ``persistent``: a program per SM (d 64) taking the items in ``order``
-    (BWD_ORDERS), else a program per item (the op's choice: ``backward_schedule``).
+    ``backward_launch_arguments`` takes it; ``persistent``: a program per SM (d 64), else a program per item (the
+    op's choice: ``backward_schedule``).
     Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
     where ``backward_preferred`` (so that scripts/flash_gluon_probe.py --backward, which checks it against float64,
     times what the op runs)."""
@@ -883,8 +839,7 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         delta = flash_triton.backward_preprocess(o, do, dq_acc)
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(
-        do, q, k, v, o, lse, is_causal, config, delta, dq_acc, dkdv, _programs(q.device) if persistent else None,
-        order)
+        do, q, k, v, o, lse, is_causal, config, delta, dq_acc, dkdv, _programs(q.device) if persistent else None)
     _run(_bwd_kernel, grid, args, constexprs)
     return (dq if given else dq.to(q.dtype)), dk, dv
 
@@ -901,7 +856,9 @@ def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 def backward_schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> dict:
     """``backward``'s options for the op: the persistent grid (d 64) where it gives every program an even share
     (``_share`` at most EVEN_SHARE, as ``schedule``), else a program per item. The op's forward + backward at
-    4 x 32 x 2,048 x 64 on one H100 (3e99f6b, the launch cached: ``_run``): 0.681-0.701 ms against 0.729-0.741."""
+    4 x 32 x 2,048 x 64 on one H100 (3e99f6b, the launch cached: ``_run``): 0.681-0.701 ms against 0.729-0.741.
+    Taking the items from a counter as the forward does where the shares are uneven was no faster (f4fe35c: 3.031
+    against 3.038 ms at 1 x 16 x 16,384 x 64; notes/flash_attention.md, session 24)."""
     block_m, block_k = (config or BWD_CONFIG)[:2]
     batch, kv_heads, n_k, d = k.shape
     if _epilogue_in_stages(d):
