@@ -63,6 +63,7 @@ VARIANTS["gluon_persistent_heads"] = {"persistent": True, "order": "heads"}  # t
 VARIANTS["gluon_persistent_heads_tma_store"] = {"persistent": True, "order": "heads", "tma_store": True}
 VARIANTS["gluon_dynamic"] = {"persistent": True, "order": "dynamic", "tma_store": True}  # items from a counter
 VARIANTS["gluon_dynamic_folded"] = {**VARIANTS["gluon_dynamic"], "folded": True}  # and the scale in the exponent's FMA
+VARIANTS["gluon_heads_folded"] = {**VARIANTS["gluon_persistent_heads_tma_store"], "folded": True}
 # the backward's configurations by variant name (BWD_CONFIGS, the default first)
 BACKWARD_VARIANTS = {f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS}
 BACKWARD_VARIANTS["gluon_persistent"] = {"persistent": True}  # a program per SM (d 64), the default configuration
@@ -215,7 +216,7 @@ def bench_backward(shape: str, emit, repeats: int = 1) -> None:
             if not (options.get("persistent") and fg._epilogue_in_stages(d))]
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     runs += [("preprocess", lambda: ft.backward_preprocess(o, do, dq_acc), "bwd_part"),  # D, dQ's zeros
-             ("dq_cast", lambda: q.new_empty(q.shape).copy_(dq_acc), "bwd_part"),  # dQ fp32 -> bf16
+             ("dq_cast", lambda: torch.mul(dq_acc, 0.125, out=q.new_empty(q.shape)), "bwd_part"),  # dQ, bf16
              ("triton", lambda: ft.flash_backward(do, q, k, v, o, lse, True), "bwd"),
              ("cudnn", cudnn_fwd_bwd, "fwd+bwd"),
              ("gluon", lambda: fg.backward(do, q, k, v, *fg.forward(q, k, v, True), True), "fwd+bwd")]

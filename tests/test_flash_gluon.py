@@ -9,6 +9,7 @@ report (no serialized wgmma, no spills in the MMA loops), and what flash_triton'
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -61,9 +62,11 @@ def test_launch_arguments_match_the_kernel_signature(programs):
     grid: ``_run``)."""
     q = torch.zeros(2, 4, 1024, 64, dtype=torch.bfloat16)
     k = torch.zeros(2, 2, 1024, 64, dtype=torch.bfloat16)
-    grid, args, constexprs, (o, lse) = flash_gluon.launch_arguments(q, k, k, True, programs=programs)
+    grid, args, options, (o, lse) = flash_gluon.launch_arguments(q, k, k, True, programs=programs)
     names = flash_gluon._fwd_kernel.arg_names
-    assert len(args) + len(constexprs) == len(names) and list(constexprs) == names[len(args):]
+    constexprs = [name for name in options if name != "enable_fp_fusion"]  # a launch option, not a parameter
+    assert len(args) + len(constexprs) == len(names) and constexprs == names[len(args):]
+    assert options["enable_fp_fusion"] is False  # each rounding as written: L exact for one-hot rows
     block_m = flash_gluon.CONFIGS[64][0][0]
     items = 1024 // (flash_gluon.TILES.value * block_m) * 2 * 4
     assert grid == (items if programs is None else min(items, programs), 1, 1)
@@ -185,8 +188,8 @@ def test_cached_launch_compiles_once_per_specialization_and_passes_parameters_in
 
 class _GluonBackwardStandIn:
     """flash_gluon as flash_triton's backward calls it, with the kernel replaced by float64 autograd: it checks the D
-    and the zeroed fp32 dQ accumulator it is given, adds dQ into the accumulator and writes dK, dV into the
-    contiguous outputs it is handed (``dkdv``)."""
+    and the zeroed fp32 dQ accumulator it is given, adds dS K (dQ times sqrt(d)) into the accumulator and writes dK,
+    dV into the contiguous outputs it is handed (``dkdv``)."""
 
     def __init__(self):
         self.calls = 0
@@ -208,7 +211,7 @@ class _GluonBackwardStandIn:
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
         out = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=is_causal)
         dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), do.double())
-        dq_acc += dq.float()
+        dq_acc += dq.float() * math.sqrt(q.shape[-1])  # dS K: the caller scales it
         dkdv[0].copy_(dk)
         dkdv[1].copy_(dv)
         return None, *dkdv
@@ -263,8 +266,9 @@ def test_op_schedule_deals_the_items_where_shares_are_even(monkeypatch):
     monkeypatch.setattr(flash_gluon, "_programs", lambda device: 132)
     short = torch.empty(4, 32, 2048, 64, dtype=torch.bfloat16)
     long = torch.empty(1, 16, 16384, 64, dtype=torch.bfloat16)
-    assert flash_gluon.schedule(short, short, True) == {"persistent": True, "order": "heads", "tma_store": True}
-    assert flash_gluon.schedule(long, long, True) == {"persistent": True, "order": "dynamic", "tma_store": True}
+    options = {"persistent": True, "tma_store": True, "folded": True}
+    assert flash_gluon.schedule(short, short, True) == {**options, "order": "heads"}
+    assert flash_gluon.schedule(long, long, True) == {**options, "order": "dynamic"}
     grid, args, options, _ = flash_gluon.launch_arguments(long, long, long, True, programs=132, order="dynamic")
     assert grid == (132, 1, 1) and options["DYNAMIC"] and not options["BLOCK_MAJOR"]
     counter = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32)

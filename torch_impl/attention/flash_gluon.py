@@ -11,9 +11,9 @@ so a persistent program's next item's loads run under the end of the last), and 
 query tile, that share every K and V tile. Each consumer overlaps
 within its warpgroup as FlashAttention-3 does: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued together and the
 softmax of S_j runs under the latter.
-Softmax in base 2; by default each exponent is taken from the raw score's difference to its row maximum, so that the
-logsumexp L (natural units, as the Triton backward reads it) is exact for one-hot rows; ``folded`` folds the scale
-into one multiply-add instead (``_softmax_tile``; 2-5% faster). Options measured and not faster on one H100
+Softmax in base 2; each exponent is one multiply-add of the raw score with the scale folded in (``folded``, the op's
+choice), or taken from the raw score's difference to its row maximum; either way the logsumexp L (natural units, as
+the Triton backward reads it) is exact for one-hot rows (``_softmax_tile``). Options measured and not faster on one H100
 (notes/flash_attention.md, session 19): ``persistent``, ``tma_store`` (O written through shared memory and TMA) and
 ``pingpong`` (the consumers take turns to issue their products).
 ``scripts/gluon_compile.py`` compiles every variant without a GPU and reads ptxas's report of it;
@@ -219,20 +219,22 @@ def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_rea
 def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, scale2, dtype: gl.constexpr, p_layout: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr):
     """Online softmax of one tile of raw scores S = Q K^T: P in wgmma's register-operand layout, the rescale
-    alpha, the row max m and the row sum l; scale2 = log2(e) / sqrt(d).
-    FOLDED: m in base-2 scaled units and P = exp2(S * scale2 - m), one multiply-add a score (FlashAttention-3).
-    Else m is a raw score and P = exp2((S - m) * scale2), one instruction more: S - m is exact, so the row's
-    maximum gets P = 1 exactly and L = m / sqrt(d) + log(l) is the Triton backward's own rounding of that score:
-    with one-hot rows (inputs x1000, |S| ~ 1e6) the backward's P = exp(S - L) stays exact."""
+    alpha, the row's raw maximum score m and the row sum l; scale2 = log2(e) / sqrt(d) (FP fusion off: each
+    operation rounds as written).
+    FOLDED: P = exp2(S * scale2 - fl(m * scale2)), one multiply-add a score (FlashAttention-3); the row's
+    maximum gets P = exp2(e) with e = m * scale2 - fl(m * scale2) (exact), which ``_consume_item`` takes out of L.
+    Else P = exp2((S - m) * scale2), one instruction more: S - m is exact, so the row's maximum gets P = 1 exactly.
+    Either way L = m / sqrt(d) + log(l) is the Triton backward's own rounding of that score: with one-hot rows
+    (inputs x1000, |S| ~ 1e6) the backward's P = exp(S / sqrt(d) - L) stays exact."""
     if IS_CAUSAL:
         if masked:
             s = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))  # finite: key 0 is in the first tile, every row sees it
     if FOLDED:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * scale2)  # finite: key 0 is in the first tile, every row sees it
-        p = gl.exp2(s * scale2 - gl.expand_dims(m_new, 1))
-        alpha = gl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
+        base = m_new * scale2
+        p = gl.exp2(gl.fma(s, scale2, gl.expand_dims(-base, 1)))
+        alpha = gl.exp2(m_i * scale2 - base)  # the last tile's base, rounded as it was; 0 on the first (m_i = -inf)
     else:
-        m_new = gl.maximum(m_i, gl.max(s, 1))
         p = gl.exp2((s - gl.expand_dims(m_new, 1)) * scale2)
         alpha = gl.exp2((m_i - m_new) * scale2)
     l_i = l_i * alpha + gl.sum(p, 1)
@@ -340,10 +342,10 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
 
     o = o / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
     bh = b * n_heads + h
-    if FOLDED:
-        gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, (m_i + gl.log2(l_i)) * _LN2)
-    else:
-        gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, m_i * sm_scale + gl.log(l_i))
+    log_l = gl.log(l_i)
+    if FOLDED:  # l carries exp2(e) from the row's maximum (``_softmax_tile``): out of L, as the Triton forward's
+        log_l = log_l - gl.fma(m_i, scale2, -(m_i * scale2)) * _LN2
+    gl.store(lse_ptr + bh.to(gl.int64) * n_q + offs_m, m_i * sm_scale + log_l)
     if TMA_STORE:
         tma.store_wait(0)  # the last item's store has read the buffer
         o_smem.store(o.to(dtype))
@@ -470,6 +472,13 @@ def _dq_split(head_dim):
 
 
 @triton.constexpr_function
+def _exact_scale(head_dim):
+    """Whether 1 / sqrt(d) is a power of two (d 16, 64, 256): then S * scale is exact, and S * scale - L as one
+    multiply-add rounds as the forward's and the Triton backward's two operations do (fl(S * scale), then - L)."""
+    return 4 ** round(math.log(head_dim, 4)) == head_dim
+
+
+@triton.constexpr_function
 def _epilogue_in_stages(head_dim):
     """Whether dK and dV go out through the Q and dO stage buffers (above d 64, where tiles of their own would not
     fit the shared memory beside the stages, K, V, dS^T and dQ), not tiles of their own."""
@@ -581,7 +590,8 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     dV += P^T dO_i and dK += dS^T Q_i (register operands).
     dQ_i += dS K over both consumers' keys at once: each writes its dS^T into its half of a shared buffer (two
     buffers, alternating), and the consumers take turns (tile i's s-th of the program: consumer s % 2) to read the
-    whole of it transposed, multiply by the program's K and add the fp32 result into the accumulator through
+    whole of it transposed, multiply by the program's K and add the fp32 result (dS K: the caller scales the sum by
+    1 / sqrt(d), once, as the Triton fused backward's does) into the accumulator through
     ``dq_smem`` and a TMA reduce-add (FlashAttention-3's dQ writes), half the additions of a dQ part per consumer;
     above d 64 both do it every tile, each for half of dQ's columns (``_dq_split``). Every product is waited within
     the iteration (no wgmma in flight across a back edge: see ``_consume``). dK and dV go out through ``dk_smem``,
@@ -599,6 +609,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # a row of L or D seen as a vector
     zero_st = gl.zeros([BLOCK_K, BLOCK_M], gl.float32, layout=st_layout)
     SPLIT: gl.constexpr = _dq_split(HEAD_DIM)
+    EXACT_SCALE: gl.constexpr = _exact_scale(HEAD_DIM)
     DQ_COLS: gl.constexpr = HEAD_DIM // TILES if SPLIT else HEAD_DIM  # of dQ_i a consumer computes
     zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=_wgmma_layout(DQ_COLS))
     b, h_kv, key_start, i_first = _bwd_item(item, n_kv_heads, n_kb, TILES * BLOCK_K, BLOCK_M, IS_CAUSAL,
@@ -624,12 +635,16 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
             # The products in the order their operands are ready, each under the arithmetic that follows it
             # (FlashAttention-3's order): P^T under dP^T, dV under dS^T.
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))  # S^T done, dP^T running
-            st = st * sm_scale
+            if not EXACT_SCALE:
+                st = st * sm_scale
             if IS_CAUSAL:
                 if i * BLOCK_M < key_start + TILES * BLOCK_K:  # a tile the diagonal crosses (the item's first)
                     offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_cols)
                     st = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_key, 1), st, -float("inf"))
-            pt = gl.exp2((st - gl.expand_dims(lse, 0)) * _LOG2E)
+            if EXACT_SCALE:  # one multiply-add, rounded once as fl(S^T * scale) - L is (``_exact_scale``); negated
+                pt = gl.exp2(gl.fma(st, -sm_scale, gl.expand_dims(lse, 0)) * -_LOG2E)  # (L - S^T scale): L as it is
+            else:
+                pt = gl.exp2((st - gl.expand_dims(lse, 0)) * _LOG2E)
             pt_a = gl.convert_layout(pt.to(dtype), a_layout)
             dv = warpgroup_mma(pt_a, do, dv, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))  # dP^T done, dV running
@@ -653,7 +668,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
                 dq = warpgroup_mma(ds.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
                 mbarrier.arrive(ds_free.index(buf), count=1)
-                _tma_add_tile(dq * sm_scale, dq_smem, dq_desc, (b * n_heads + h) * n_q + i * BLOCK_M,
+                _tma_add_tile(dq, dq_smem, dq_desc, (b * n_heads + h) * n_q + i * BLOCK_M,
                               TILE * DQ_COLS if SPLIT else 0)
             s += 1
     mbarrier.arrive(kv_free.index(kv), count=1)  # every product reading this item's K and V is done
@@ -827,8 +842,8 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
              persistent: bool = False):
-    """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ in ``dq_acc`` (fp32)
-    when given, else like q; dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as
+    """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ like q, or, with
+    ``dq_acc`` (fp32) given, dS K added into it (dQ times sqrt(d), as flash_triton's fused backward leaves it); dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as
     ``backward_launch_arguments`` takes it; ``persistent``: a program per SM (d 64), else a program per item (the
     op's choice: ``backward_schedule``).
     Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
@@ -841,7 +856,7 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(
         do, q, k, v, o, lse, is_causal, config, delta, dq_acc, dkdv, _programs(q.device) if persistent else None)
     _run(_bwd_kernel, grid, args, constexprs)
-    return (dq if given else dq.to(q.dtype)), dk, dv
+    return (dq if given else torch.mul(dq, 1 / math.sqrt(q.shape[-1]), out=torch.empty_like(q))), dk, dv
 
 
 def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
@@ -957,12 +972,14 @@ def schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> 
     4 x 32 x 2,048 x 64 against 0.236 for a program per item (whose programs' starts and ends do not overlap) and
     0.225 dealt block by block (whose running programs read every head's K and V); at 1 x 16 x 16,384 x 64, where
     the dealt shares reach 1.54x the mean (1.77 ms), from the counter 1.217-1.225 against 1.252-1.254 for a program
-    per item (d 128: 1.78-1.80 against 1.80-1.85)."""
+    per item (d 128: 1.78-1.80 against 1.80-1.85). The scale folded into the exponent (``_softmax_tile``): 1.179 and
+    1.227 against 1.224 and 1.260 ms at 1 x 16 x 16,384 x 64 (3e99f6b, L not yet exact then)."""
     block_m, block_n = (config or CONFIGS[q.shape[-1]][0])[:2]
     batch, heads, n_q, _ = q.shape
     share = _share(batch * heads, n_q // (TILES.value * block_m), k.shape[2] // block_n, is_causal,
                    TILES.value * block_m, block_n, _programs(q.device))
-    return {"persistent": True, "order": "heads" if share <= EVEN_SHARE else "dynamic", "tma_store": True}
+    return {"persistent": True, "order": "heads" if share <= EVEN_SHARE else "dynamic", "tma_store": True,
+            "folded": True}
 
 
 @functools.cache
@@ -1059,7 +1076,7 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
             batch * heads, n_q, k.shape[2], *q_where, *kv_where, *o_where, o.stride(0), o.stride(1), o.stride(2))
     constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, TMA_STORE=tma_store, PINGPONG=pingpong, STAGES=stages,
                       CONSUMER_REGS=regs, BLOCK_MAJOR=programs is not None and order == "blocks", DYNAMIC=dynamic,
-                      num_warps=4)
+                      num_warps=4, enable_fp_fusion=False)  # each rounding as written (``_softmax_tile``)
     return grid, args, constexprs, (o, lse)
 
 
@@ -1068,8 +1085,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
             order: str = "blocks"):
     """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
     (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``folded`` folds the
-    scale into the exponent's multiply-add (its L is not rounded as the Triton backward needs at extreme
-    magnitudes: ``_softmax_tile``); ``persistent`` launches one program per SM, each taking work items in turn
+    scale into the exponent's multiply-add (``_softmax_tile``); ``persistent`` launches one program per SM, each taking work items in turn
     in ``order`` (``_tile``; else one program per item: as fast or faster where measured); ``out``: (O, L) to write
     (``launch_arguments``); ``tma_store`` writes O through shared memory and TMA, ``pingpong`` has the consumers
     take turns (``_consume``)."""

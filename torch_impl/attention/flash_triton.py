@@ -647,21 +647,20 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     # two-pass one never reads it.
     dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device) if fused else dq4
     delta = backward_preprocess(o4, do4, dq_acc if fused else None)
-    if gluon is not None:  # the Gluon backward adds dS K into the same zeros, scaled, and writes dK, dV in place
+    if gluon is not None:  # the Gluon backward adds dS K into the same zeros and writes dK, dV in place
         gluon.backward(do4, q4, k4, v4, o4, lse.view(q4.shape[:-1]), is_causal, delta=delta,
                        dq_acc=dq_acc, dkdv=(dk4, dv4), **gluon.backward_schedule(q4, k4, is_causal))
-        dq4.copy_(dq_acc)
-        return dq, dk, dv
-    if tma:  # Triton's allocator is a context variable: set in this thread (autograd's backward runs in its own)
-        triton.set_allocator(_descriptor_memory)
-    _launch(_dkdv_tuned, _bwd_dkdv_kernel, "dkdv", k4.shape[2], "BLOCK_N", batch * k4.shape[1],
-            q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, sm_scale, *common, *_strides(dk4), *_strides(dv4),
-            *_strides(dq_acc), *sizes, ATOMIC_DQ=fused, DQ_TMA=tma, **meta)
-    if not fused:
-        _launch(_dq_tuned, _bwd_dq_kernel, "dq", n_q, "BLOCK_M", batch * heads,
-                q4, k4, v4, do4, lse, delta, dq4, sm_scale, *common, *_strides(dq4), *sizes, **meta)
     else:
-        torch.mul(dq_acc, sm_scale, out=dq4)
+        if tma:  # Triton's allocator is a context variable: set in this thread (autograd's backward runs in its own)
+            triton.set_allocator(_descriptor_memory)
+        _launch(_dkdv_tuned, _bwd_dkdv_kernel, "dkdv", k4.shape[2], "BLOCK_N", batch * k4.shape[1],
+                q4, k4, v4, do4, lse, delta, dk4, dv4, dq_acc, sm_scale, *common, *_strides(dk4), *_strides(dv4),
+                *_strides(dq_acc), *sizes, ATOMIC_DQ=fused, DQ_TMA=tma, **meta)
+        if not fused:
+            _launch(_dq_tuned, _bwd_dq_kernel, "dq", n_q, "BLOCK_M", batch * heads,
+                    q4, k4, v4, do4, lse, delta, dq4, sm_scale, *common, *_strides(dq4), *sizes, **meta)
+            return dq, dk, dv
+    torch.mul(dq_acc, sm_scale, out=dq4)  # the fused passes add dS K: dQ is that over sqrt(d), cast
     return dq, dk, dv
 
 
