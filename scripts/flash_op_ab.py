@@ -28,6 +28,11 @@ from torch_impl.attention import flash_gluon as fg
 from torch_impl.attention.registry import get_attention
 
 
+def _forced(backward, persistent: bool, *args, **options):
+    """``backward`` as the op calls it, its grid forced (the op's ``backward_schedule`` chooses otherwise)."""
+    return backward(*args, **{**options, "persistent": persistent})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -46,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     d_out = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     attn = get_attention("flash_triton")
     as_run = fg.backward
-    variants = {"per_item": as_run, "persistent": functools.partial(as_run, persistent=True)}
+    variants = {name: functools.partial(_forced, as_run, persistent) for name, persistent in
+                (("per_item", False), ("persistent", True))}
     args.out.mkdir(parents=True, exist_ok=True)
     meta = provenance(torch.cuda.get_device_name())
 

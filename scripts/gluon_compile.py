@@ -158,10 +158,11 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 kernels.append((f"d{d}_{'_'.join(map(str, config))}{'_' + option if option else ''}",
                                 functools.partial(compile_config, d, config, **options)))
-            for order in flash_gluon.ORDERS:  # the persistent grid in each order (the op's: folded, O by TMA)
+            for order in flash_gluon.ORDERS:  # the persistent grid in each order (the op's: O by TMA, folded)
                 kernels.append((f"d{d}_{'_'.join(map(str, config))}_persistent_{order}",
                                 functools.partial(compile_config, d, config, programs=132, order=order,
-                                                  tma_store=order != "blocks", folded=order != "blocks")))
+                                                  tma_store=order != "blocks",
+                                                  folded=order != "blocks" and d in flash_gluon.FOLDED_HEAD_DIMS)))
     for name, build in kernels:
         kernel = build()
         report = ptxas_report(kernel.asm["ptx"])

@@ -944,6 +944,10 @@ def preferred(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     return k.shape[-2] >= MIN_KEYS and supports(q, k, v, is_causal)
 
 
+# The head dims whose op forward folds the scale into the exponent (``schedule``). One H100, 1 x 16 x 16,384, items from
+# the counter: d 64 1.179 / 1.227 / 1.206 ms folded against 1.224 / 1.260 / 1.230 (3e99f6b twice, 488dba1), 0.190 vs
+# 0.194 at 4 x 32 x 2,048 x 64 (488dba1); d 128 1.737 / 1.886 against 1.834 / 1.804: not settled.
+FOLDED_HEAD_DIMS = (64,)
 EVEN_SHARE = 1.05  # ``schedule``: the largest program's share of a persistent grid's work over the mean, at most
 
 
@@ -972,14 +976,14 @@ def schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> 
     4 x 32 x 2,048 x 64 against 0.236 for a program per item (whose programs' starts and ends do not overlap) and
     0.225 dealt block by block (whose running programs read every head's K and V); at 1 x 16 x 16,384 x 64, where
     the dealt shares reach 1.54x the mean (1.77 ms), from the counter 1.217-1.225 against 1.252-1.254 for a program
-    per item (d 128: 1.78-1.80 against 1.80-1.85). The scale folded into the exponent (``_softmax_tile``): 1.179 and
-    1.227 against 1.224 and 1.260 ms at 1 x 16 x 16,384 x 64 (3e99f6b, L not yet exact then)."""
+    per item (d 128: 1.78-1.80 against 1.80-1.85). The scale folded into the exponent (``_softmax_tile``) at the head
+    dims of FOLDED_HEAD_DIMS."""
     block_m, block_n = (config or CONFIGS[q.shape[-1]][0])[:2]
     batch, heads, n_q, _ = q.shape
     share = _share(batch * heads, n_q // (TILES.value * block_m), k.shape[2] // block_n, is_causal,
                    TILES.value * block_m, block_n, _programs(q.device))
     return {"persistent": True, "order": "heads" if share <= EVEN_SHARE else "dynamic", "tma_store": True,
-            "folded": True}
+            "folded": q.shape[-1] in FOLDED_HEAD_DIMS}
 
 
 @functools.cache
