@@ -2,15 +2,17 @@
 reset between runs) at one shape with the Gluon backward a program per item and on its persistent grid
 (``flash_gluon.backward(..., persistent=True)``), in alternating rounds: do_bench's spread, the host's time to
 enqueue one step (the GPU idle, median of 11: is the step host-bound?), each kernel's GPU time (torch.profiler) and
-the gradients' largest error relative to cuDNN's; then where the host's time goes (cProfile of 50 steps, by
-function, the op as it runs). Issue 14, session 23: the persistent grid was faster alone but slower, and spread, in
-the attention benchmark (session 24: the host's JIT launch, now cached).
+the gradients' largest error relative to cuDNN's; then the host's time of each part of the op's step beside
+cuDNN's step, and where it goes (cProfile of 50 steps, by function, the op as it runs). Issue 14, session 23: the
+persistent grid was faster alone but slower, and spread, in the attention benchmark (session 24: the host's JIT
+launch, now cached; at 4 x 32 x 2,048 the step's host time is about its GPU time).
 ``PYTHONPATH=. python3 scripts/flash_op_ab.py OUT [--shape 4x32x2048x64] [--rounds 2]``; rows to
 OUT/flash_op_ab.jsonl (with provenance), the host's profile to OUT/flash_op_ab_host.txt."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import functools
 import json
@@ -25,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from analysis.records import provenance
 from torch_impl.attention import flash_gluon as fg
+from torch_impl.attention import flash_triton as ft
 from torch_impl.attention.registry import get_attention
 
 
@@ -63,13 +66,19 @@ def main(argv: list[str] | None = None) -> int:
         q.grad = k.grad = v.grad = None
         step()
 
-    def host_ms() -> float:  # one step enqueued on an idle GPU: the host's time alone
+    def host_ms(fn=fresh_step, calls: int = 1) -> float:  # enqueued on an idle GPU: the host's time alone, a call
         torch.cuda.synchronize()
         start = time.perf_counter()
-        fresh_step()
+        for _ in range(calls):
+            fn()
         elapsed = time.perf_counter() - start
         torch.cuda.synchronize()
-        return elapsed * 1e3
+        return elapsed * 1e3 / calls
+
+    def cudnn_step():
+        q.grad = k.grad = v.grad = None
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(d_out)
 
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         reference = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -94,8 +103,28 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(row) + "\n")
             print(f"{args.shape} {name}: median {row['median_ms']:.3f} (min {row['min_ms']:.3f}, max "
                   f"{row['max_ms']:.3f}) ms, host {host:.3f} ms", flush=True)
-    profile = cProfile.Profile()  # where the host's time goes, the op as it runs
     fg.backward = as_run
+    with torch.no_grad():  # the host's time of each part of the op's step, and of cuDNN's step (medians of 11)
+        o, lse = ft.flash_forward(q, k, v, True)
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        delta = ft.backward_preprocess(o, d_out, dq_acc)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        parts = {"op forward + backward": fresh_step, "cudnn forward + backward": cudnn_step,
+                 "flash_forward": lambda: ft.flash_forward(q, k, v, True),
+                 "flash_backward": lambda: ft.flash_backward(d_out, q, k, v, o, lse, True),
+                 "gluon forward launch": lambda: fg.forward(q, k, v, True, **fg.schedule(q, k, True)),
+                 "gluon backward launch": lambda: fg.backward(d_out, q, k, v, o, lse, True, delta=delta,
+                                                              dq_acc=dq_acc, dkdv=(dk, dv),
+                                                              **fg.backward_schedule(q, k, True)),
+                 "preprocess launch": lambda: ft.backward_preprocess(o, d_out, dq_acc),
+                 "torch.empty": lambda: torch.empty(q.shape, dtype=torch.float32, device=q.device)}
+        for name, fn in parts.items():
+            with torch.enable_grad() if name.startswith(("op", "cudnn")) else contextlib.nullcontext():
+                part_ms = statistics.median(host_ms(fn, 10) for _ in range(11))
+            with (args.out / "flash_op_ab.jsonl").open("a") as f:
+                f.write(json.dumps({"shape": args.shape, "host_part": name, "host_ms": part_ms, **meta}) + "\n")
+            print(f"{args.shape} host, {name}: {part_ms:.3f} ms", flush=True)
+    profile = cProfile.Profile()  # where the host's time goes, the op as it runs
     profile.runcall(lambda: [fresh_step() for _ in range(50)])
     torch.cuda.synchronize()
     with (args.out / "flash_op_ab_host.txt").open("w") as f:

@@ -826,9 +826,9 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     v_desc, _ = _descriptor(v, TILES.value * block_k)
     dq_desc, _ = _descriptor(dq_acc, block_m, d // TILES.value if _dq_split(d) else d)
     lse, delta = lse.contiguous(), delta.contiguous()
-    lse_desc, delta_desc = (TensorDescriptor(t, [t.numel() // block_m, block_m], [block_m, 1], [1, block_m],
+    lse_desc, delta_desc = (_tensor_descriptor(t, [t.numel() // block_m, block_m], [block_m, 1], [1, block_m],
                                              _STATS_LAYOUT) for t in (lse, delta))  # row (b H + h) n_q / BLOCK_M + i
-    dk_desc, dv_desc = (TensorDescriptor(t, [t.numel() // d, d], [d, 1], [block_k, d],
+    dk_desc, dv_desc = (_tensor_descriptor(t, [t.numel() // d, d], [d, 1], [block_k, d],
                                          _smem_layout((block_k, d), t.dtype)) for t in (dk, dv))  # (B H_kv n_k, d)
     n_kb = n_k // (TILES.value * block_k)
     grid = (n_kb, batch * kv_heads, 1) if programs is None else (min(n_kb * batch * kv_heads, programs), 1, 1)
@@ -994,7 +994,29 @@ def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
 def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
     shape, row_stride, where = _rows_and_columns(t)
     block = (block_rows, block_cols or t.shape[-1])
-    return TensorDescriptor(t, shape, [row_stride, 1], list(block), _smem_layout(block, t.dtype)), where
+    return _tensor_descriptor(t, shape, [row_stride, 1], list(block), _smem_layout(block, t.dtype)), where
+
+
+# A validated descriptor's fields but its base, by everything its checks read (dtype, alignment, sizes, strides,
+# block, layout): ``_tensor_descriptor``.
+_DESCRIPTOR_FIELDS: dict[tuple, dict] = {}
+
+
+def _tensor_descriptor(t: torch.Tensor, shape: list, strides: list, block: list, layout) -> TensorDescriptor:
+    """``TensorDescriptor(t, shape, strides, block, layout)``, its checks run once per (dtype, alignment, shape,
+    strides, block, layout) and their fields copied after that (~5 us of host time each, and a forward + backward
+    makes 13: at 4 x 32 x 2,048 the step's host time is about its GPU time, notes/flash_attention.md session 24)."""
+    key = (t.dtype, t.data_ptr() % 16, *shape, *strides, *block, layout)
+    fields = _DESCRIPTOR_FIELDS.get(key)
+    if fields is None:
+        if len(_DESCRIPTOR_FIELDS) >= 1024:
+            _DESCRIPTOR_FIELDS.clear()
+        fields = dict(vars(TensorDescriptor(t, shape, strides, block, layout)))
+        del fields["base"]  # the template keeps no tensor alive
+        _DESCRIPTOR_FIELDS[key] = fields
+    descriptor = object.__new__(TensorDescriptor)
+    vars(descriptor).update(fields, base=t)
+    return descriptor
 
 
 # The compiled kernel of each launch seen (sizes, strides, dtype, alignment, options): later launches call it
