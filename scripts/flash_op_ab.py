@@ -31,7 +31,7 @@ from torch_impl.attention import flash_triton as ft
 from torch_impl.attention.registry import get_attention
 
 
-def _forced(backward, persistent: bool, *args, **options):
+def _forced(backward, persistent: bool, /, *args, **options):
     """``backward`` as the op calls it, its grid forced (the op's ``backward_schedule`` chooses otherwise)."""
     return backward(*args, **{**options, "persistent": persistent})
 
