@@ -635,10 +635,8 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         return dq, dk.zero_(), dv.zero_()
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_heads(t) for t in (q, k, v, o, do, dq, dk, dv))
     lse = lse.contiguous()
-    sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
     batch, heads, n_q, d = q4.shape
     sm_scale = 1.0 / math.sqrt(d)
-    common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4))
     gluon = None if deterministic else _gluon()
     gluon = gluon if gluon is not None and gluon.backward_preferred(do4, q4, k4, v4, is_causal) else None
     fused = gluon is not None or (not deterministic and (INTERPRET or _has_tma(q.device)))
@@ -650,7 +648,9 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if gluon is not None:  # the Gluon backward adds dS K into the same zeros and writes dK, dV in place
         gluon.backward(do4, q4, k4, v4, o4, lse.view(q4.shape[:-1]), is_causal, delta=delta,
                        dq_acc=dq_acc, dkdv=(dk4, dv4), **gluon.backward_schedule(q4, k4, is_causal))
-    else:
+    else:  # the Triton kernels (their arguments made only here: the Gluon path's host time matters at short lengths)
+        sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
+        common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4))
         if tma:  # Triton's allocator is a context variable: set in this thread (autograd's backward runs in its own)
             triton.set_allocator(_descriptor_memory)
         _launch(_dkdv_tuned, _bwd_dkdv_kernel, "dkdv", k4.shape[2], "BLOCK_N", batch * k4.shape[1],
