@@ -64,8 +64,6 @@ VARIANTS["gluon_persistent_heads_tma_store"] = {"persistent": True, "order": "he
 VARIANTS["gluon_dynamic"] = {"persistent": True, "order": "dynamic", "tma_store": True}  # items from a counter
 VARIANTS["gluon_dynamic_folded"] = {**VARIANTS["gluon_dynamic"], "folded": True}  # and the scale in the exponent's FMA
 VARIANTS["gluon_heads_folded"] = {**VARIANTS["gluon_persistent_heads_tma_store"], "folded": True}
-VARIANTS["gluon_dynamic_poly"] = {**VARIANTS["gluon_dynamic_folded"], "poly_exp2": True}  # a quarter of exp2 on FMA
-VARIANTS["gluon_heads_poly"] = {**VARIANTS["gluon_heads_folded"], "poly_exp2": True}
 # the backward's configurations by variant name (BWD_CONFIGS, the default first)
 BACKWARD_VARIANTS = {f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS}
 BACKWARD_VARIANTS["gluon_persistent"] = {"persistent": True}  # a program per SM (d 64), the default configuration

@@ -215,30 +215,9 @@ def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_rea
                 t += 1
 
 
-# 2^x for four values a thread holds: three by MUFU.EX2, the fourth on the FMA and integer units (FlashAttention-4's
-# software exponential, so that the MUFU unit, 16 results a clock an SM and busy half of the d 64 forward's time, is
-# not the limit): x >= -126 (so that -inf gives 2^-126, not 0), 2^x = 2^round(x) * 2^f with f in [-0.5, 0.5],
-# round(x) from the low bits of x + 1.5 * 2^23 and added into the exponent, 2^f = 1 + f (c1 + f (c2 + f c3)) (fitted
-# for relative error: at most 1.0e-4, 1 at f = 0; bf16's rounding of P is 3.9e-3).
-_EXP2_QUARTER_POLYNOMIAL = gl.constexpr(
-    "{ .reg .f32 x, t, f, p; .reg .b32 tb, pb; "
-    "ex2.approx.ftz.f32 $0, $4; ex2.approx.ftz.f32 $1, $5; ex2.approx.ftz.f32 $2, $6; "
-    "max.ftz.f32 x, $7, 0fC2FC0000; add.rn.f32 t, x, 0f4B400000; sub.rn.f32 f, t, 0f4B400000; "
-    "sub.rn.f32 f, x, f; fma.rn.f32 p, f, 0f3D61510B, 0f3E780627; fma.rn.f32 p, p, f, 0f3F317AFD; "
-    "fma.rn.f32 p, p, f, 0f3F800000; mov.b32 tb, t; mov.b32 pb, p; shl.b32 tb, tb, 23; add.s32 pb, pb, tb; "
-    "mov.b32 $3, pb; }")
-
-
-@gluon.jit
-def _exp2_quarter_polynomial(x):
-    """exp2(x) (x <= ~0, fp32), a quarter of it by polynomial: ``_EXP2_QUARTER_POLYNOMIAL``."""
-    return gl.inline_asm_elementwise(_EXP2_QUARTER_POLYNOMIAL, "=f,=f,=f,=f,f,f,f,f", [x], dtype=gl.float32,
-                                     is_pure=True, pack=4)
-
-
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, scale2, dtype: gl.constexpr, p_layout: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr, POLY_EXP2: gl.constexpr):
+                  IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr):
     """Online softmax of one tile of raw scores S = Q K^T: P in wgmma's register-operand layout, the rescale
     alpha, the row's raw maximum score m and the row sum l; scale2 = log2(e) / sqrt(d) (FP fusion off: each
     operation rounds as written).
@@ -246,23 +225,18 @@ def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, scale2, dtype: gl.constex
     maximum gets P = exp2(e) with e = m * scale2 - fl(m * scale2) (exact), which ``_consume_item`` takes out of L.
     Else P = exp2((S - m) * scale2), one instruction more: S - m is exact, so the row's maximum gets P = 1 exactly.
     Either way L = m / sqrt(d) + log(l) is the Triton backward's own rounding of that score: with one-hot rows
-    (inputs x1000, |S| ~ 1e6) the backward's P = exp(S / sqrt(d) - L) stays exact. POLY_EXP2: a quarter of the
-    exponentials by ``_exp2_quarter_polynomial``."""
+    (inputs x1000, |S| ~ 1e6) the backward's P = exp(S / sqrt(d) - L) stays exact."""
     if IS_CAUSAL:
         if masked:
             s = gl.where(gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0), s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))  # finite: key 0 is in the first tile, every row sees it
     if FOLDED:
         base = m_new * scale2
-        x = gl.fma(s, scale2, gl.expand_dims(-base, 1))
+        p = gl.exp2(gl.fma(s, scale2, gl.expand_dims(-base, 1)))
         alpha = gl.exp2(m_i * scale2 - base)  # the last tile's base, rounded as it was; 0 on the first (m_i = -inf)
     else:
-        x = (s - gl.expand_dims(m_new, 1)) * scale2
+        p = gl.exp2((s - gl.expand_dims(m_new, 1)) * scale2)
         alpha = gl.exp2((m_i - m_new) * scale2)
-    if POLY_EXP2:
-        p = _exp2_quarter_polynomial(x)
-    else:
-        p = gl.exp2(x)
     l_i = l_i * alpha + gl.sum(p, 1)
     return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
 
@@ -285,8 +259,8 @@ def _their_turn(turn, TILE: gl.constexpr, PINGPONG: gl.constexpr):
 def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                   turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h,
                   stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  FOLDED: gl.constexpr, POLY_EXP2: gl.constexpr, TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
+                  FOLDED: gl.constexpr, TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
     """One consumer warpgroup's query tile of work item ``tile``, the program's t-th, its key tiles counted from i
     and its rounds of products from r (returned: i and r past them): ``_consume``."""
     stages: gl.constexpr = k_bufs.type.shape[0]
@@ -324,7 +298,7 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     mbarrier.arrive(k_free.index(stage), count=1)
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, offs_n, n_full == 0, scale2, dtype, p_layout,
-                                       IS_CAUSAL, FOLDED, POLY_EXP2)
+                                       IS_CAUSAL, FOLDED)
     # Key tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} on the tensor cores, the softmax of S_j under the
     # latter. Nothing is in flight across the loop's back edge: a loop-carried value of an unfinished wgmma is
     # copied at the edge, and ptxas then serializes every wgmma of the kernel (its warning C7514).
@@ -343,7 +317,7 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j is done; O += P_{j-1} V_{j-1} runs on
         mbarrier.arrive(k_free.index(stage), count=1)
         p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N + offs_n, j >= n_full, scale2,
-                                                dtype, p_layout, IS_CAUSAL, FOLDED, POLY_EXP2)
+                                                dtype, p_layout, IS_CAUSAL, FOLDED)
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # p: the operand stays alive until then
         mbarrier.arrive(v_free.index(prev), count=1)
         p = p_next
@@ -389,9 +363,8 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
 def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, ids, id_ready,
              id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h,
              o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
-             FOLDED: gl.constexpr, POLY_EXP2: gl.constexpr, TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr,
-             DYNAMIC: gl.constexpr):
+             FOLDED: gl.constexpr, TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr):
     """One consumer warpgroup: query tile TILE of each of the program's work items, its O and L written at the end.
     Key tile i of the program (over all its items) sits in stage i % STAGES, filled for the (i // STAGES)-th time.
     TMA_STORE: O goes through shared memory and a TMA store that runs on while the next item starts (else each
@@ -408,8 +381,7 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
             i, r = _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready,
                                  k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks, n_q, n_k,
                                  o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, TILE,
-                                 IS_CAUSAL, FOLDED, POLY_EXP2, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                 BLOCK_MAJOR)
+                                 IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR)
             t += 1
             tile = _take(ids, id_ready, id_free, t)
     else:
@@ -419,8 +391,8 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
                 i, r = _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready,
                                      v_ready, k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks,
                                      n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on,
-                                     sm_scale, TILE, IS_CAUSAL, FOLDED, POLY_EXP2, TMA_STORE, PINGPONG, BLOCK_M,
-                                     BLOCK_N, HEAD_DIM, BLOCK_MAJOR)
+                                     sm_scale, TILE, IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N,
+                                     HEAD_DIM, BLOCK_MAJOR)
                 t += 1
     if TMA_STORE:
         tma.store_wait(0)
@@ -430,9 +402,8 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
 def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_scale, n_heads, group, n_bh, n_q,
                 n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, o_rows_b, o_rows_h, o_cols_h,
                 stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
-                POLY_EXP2: gl.constexpr, TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr,
-                CONSUMER_REGS: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr,
-                num_warps: gl.constexpr):
+                TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr, num_warps: gl.constexpr):
     """A program takes work items (two query tiles of one batch x head, ``_tile``, in BLOCK_MAJOR's order) in the
     order ``_position`` deals them (one item in a grid of a program per item), or (DYNAMIC) as they come from a
     counter (``counter_ptr``, an int32 zero: ``_load``).
@@ -475,12 +446,11 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(0), q_ready, q_free, k_ready, v_ready, k_free, v_free, turn,
                     ids, id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
                     o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED,
-                    POLY_EXP2, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
+                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(1 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
                     k_free, v_free, turn, ids, id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads,
                     n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1,
-                    IS_CAUSAL, FOLDED, POLY_EXP2, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR,
-                    DYNAMIC)),
+                    IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
         (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                  ids, id_ready, id_free, counter_ptr, n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b,
                  q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_MAJOR,
@@ -873,9 +843,9 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
              persistent: bool = False):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ like q, or, with
-    ``dq_acc`` (fp32) given, dS K added into it (dQ times sqrt(d), as flash_triton's fused backward leaves it); dK,
-    dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as ``backward_launch_arguments`` takes it;
-    ``persistent``: a program per SM (d 64), else a program per item (the op's choice: ``backward_schedule``).
+    ``dq_acc`` (fp32) given, dS K added into it (dQ times sqrt(d), as flash_triton's fused backward leaves it); dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as
+    ``backward_launch_arguments`` takes it; ``persistent``: a program per SM (d 64), else a program per item (the
+    op's choice: ``backward_schedule``).
     Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
     where ``backward_preferred`` (so that scripts/flash_gluon_probe.py --backward, which checks it against float64,
     times what the op runs)."""
@@ -1082,8 +1052,7 @@ def _run(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
 
 # The forward's kernel options by name (``launch_arguments``' keywords): what scripts/gluon_compile.py compiles and
 # scripts/flash_gluon_probe.py checks and times, beside the defaults.
-OPTIONS = {"": {}, "folded": {"folded": True}, "tma_store": {"tma_store": True}, "pingpong": {"pingpong": True},
-           "poly_exp2": {"folded": True, "poly_exp2": True}}
+OPTIONS = {"": {}, "folded": {"folded": True}, "tma_store": {"tma_store": True}, "pingpong": {"pingpong": True}}
 # A persistent grid's order of the work items (``_tile``): dealt in turn block by block or head by head
 # (``_position``), or head by head as a counter hands them out (``dynamic``, ``_load``).
 ORDERS = ("blocks", "heads", "dynamic")
@@ -1104,7 +1073,7 @@ def _programs(device: torch.device) -> int:
 
 def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None,
                      folded: bool = False, programs: int | None = None, out=None, tma_store: bool = False,
-                     pingpong: bool = False, order: str = "blocks", poly_exp2: bool = False):
+                     pingpong: bool = False, order: str = "blocks"):
     """What ``forward`` launches: (grid, positional arguments, constexprs, (O, L)), O and L allocated here unless
     ``out`` gives them (O contiguous like q, L (B, H, n_q) fp32 contiguous). ``programs``: the persistent grid's
     size (None: one program per work item), taking the items in ``order`` (one of ORDERS: ``_tile``). Also used to
@@ -1131,25 +1100,23 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
     args = (q_desc, k_desc, v_desc, o_desc, o, lse, counter, 1 / math.sqrt(d), heads, heads // k.shape[1],
             batch * heads, n_q, k.shape[2], *q_where, *kv_where, *o_where, o.stride(0), o.stride(1), o.stride(2))
-    constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, POLY_EXP2=poly_exp2, TMA_STORE=tma_store,
-                      PINGPONG=pingpong, STAGES=stages, CONSUMER_REGS=regs,
-                      BLOCK_MAJOR=programs is not None and order == "blocks", DYNAMIC=dynamic,
+    constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, TMA_STORE=tma_store, PINGPONG=pingpong, STAGES=stages,
+                      CONSUMER_REGS=regs, BLOCK_MAJOR=programs is not None and order == "blocks", DYNAMIC=dynamic,
                       num_warps=4, enable_fp_fusion=False)  # each rounding as written (``_softmax_tile``)
     return grid, args, constexprs, (o, lse)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, folded: bool = False,
             persistent: bool = False, out=None, tma_store: bool = False, pingpong: bool = False,
-            order: str = "blocks", poly_exp2: bool = False):
+            order: str = "blocks"):
     """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
     (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``folded`` folds the
-    scale into the exponent's multiply-add and ``poly_exp2`` takes a quarter of the exponentials on the FMA units
-    (``_softmax_tile``); ``persistent`` launches one program per SM, each taking work items in turn in ``order``
-    (``_tile``; else one program per item: as fast or faster where measured); ``out``: (O, L) to write
+    scale into the exponent's multiply-add (``_softmax_tile``); ``persistent`` launches one program per SM, each taking work items in turn
+    in ``order`` (``_tile``; else one program per item: as fast or faster where measured); ``out``: (O, L) to write
     (``launch_arguments``); ``tma_store`` writes O through shared memory and TMA, ``pingpong`` has the consumers
     take turns (``_consume``)."""
     grid, args, constexprs, outputs = launch_arguments(q, k, v, is_causal, config, folded,
                                                        _programs(q.device) if persistent else None, out, tma_store,
-                                                       pingpong, order, poly_exp2)
+                                                       pingpong, order)
     _run(_fwd_kernel, grid, args, constexprs)
     return outputs
