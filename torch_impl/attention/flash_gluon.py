@@ -13,9 +13,10 @@ within its warpgroup as FlashAttention-3 does: S_j = Q K_j^T and O += P_{j-1} V_
 softmax of S_j runs under the latter.
 Softmax in base 2; each exponent is one multiply-add of the raw score with the scale folded in (``folded``, the op's
 choice), or taken from the raw score's difference to its row maximum; either way the logsumexp L (natural units, as
-the Triton backward reads it) is exact for one-hot rows (``_softmax_tile``). Options measured and not faster on one H100
-(notes/flash_attention.md, session 19): ``persistent``, ``tma_store`` (O written through shared memory and TMA) and
-``pingpong`` (the consumers take turns to issue their products).
+the Triton backward reads it) is exact for one-hot rows (``_softmax_tile``). Options measured and not faster on one
+H100 (notes/flash_attention.md, session 19): ``pingpong`` (the consumers take turns to issue their products); the
+op's persistent grids (the forward's with O written through shared memory and TMA, ``tma_store``) are ``schedule``'s
+and ``backward_schedule``'s.
 ``scripts/gluon_compile.py`` compiles every variant without a GPU and reads ptxas's report of it;
 ``scripts/flash_gluon_probe.py`` checks and times them on one.
 
@@ -843,9 +844,9 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
              persistent: bool = False):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ like q, or, with
-    ``dq_acc`` (fp32) given, dS K added into it (dQ times sqrt(d), as flash_triton's fused backward leaves it); dK, dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as
-    ``backward_launch_arguments`` takes it; ``persistent``: a program per SM (d 64), else a program per item (the
-    op's choice: ``backward_schedule``).
+    ``dq_acc`` (fp32) given, dS K added into it (dQ times sqrt(d), as flash_triton's fused backward leaves it); dK,
+    dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as ``backward_launch_arguments`` takes it;
+    ``persistent``: a program per SM (d 64), else a program per item (the op's choice: ``backward_schedule``).
     Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
     where ``backward_preferred`` (so that scripts/flash_gluon_probe.py --backward, which checks it against float64,
     times what the op runs)."""
@@ -1111,10 +1112,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
             order: str = "blocks"):
     """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
     (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``folded`` folds the
-    scale into the exponent's multiply-add (``_softmax_tile``); ``persistent`` launches one program per SM, each taking work items in turn
-    in ``order`` (``_tile``; else one program per item: as fast or faster where measured); ``out``: (O, L) to write
-    (``launch_arguments``); ``tma_store`` writes O through shared memory and TMA, ``pingpong`` has the consumers
-    take turns (``_consume``)."""
+    scale into the exponent's multiply-add (``_softmax_tile``); ``persistent`` launches one program per SM, each
+    taking work items in turn in ``order`` (``_tile``; else one program per item: as fast or faster where measured);
+    ``out``: (O, L) to write (``launch_arguments``); ``tma_store`` writes O through shared memory and TMA,
+    ``pingpong`` has the consumers take turns (``_consume``)."""
     grid, args, constexprs, outputs = launch_arguments(q, k, v, is_causal, config, folded,
                                                        _programs(q.device) if persistent else None, out, tma_store,
                                                        pingpong, order)
