@@ -216,7 +216,7 @@ def bench_backward(shape: str, emit, repeats: int = 1) -> None:
             if not (options.get("persistent") and fg._epilogue_in_stages(d))]
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     runs += [("preprocess", lambda: ft.backward_preprocess(o, do, dq_acc), "bwd_part"),  # D, dQ's zeros
-             ("dq_cast", lambda: torch.mul(dq_acc, 0.125, out=q.new_empty(q.shape)), "bwd_part"),  # dQ, bf16
+             ("dq_cast", lambda: torch.mul(dq_acc, 1 / math.sqrt(d), out=q.new_empty(q.shape)), "bwd_part"),  # dQ
              ("triton", lambda: ft.flash_backward(do, q, k, v, o, lse, True), "bwd"),
              ("cudnn", cudnn_fwd_bwd, "fwd+bwd"),
              ("gluon", lambda: fg.backward(do, q, k, v, *fg.forward(q, k, v, True), True), "fwd+bwd")]

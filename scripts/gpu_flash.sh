@@ -88,8 +88,8 @@ run_ncu() {
   tail -n 5 "$out/flash_ncu.log"
 }
 
-run_ncu_gluon() {  # where the Gluon backward's time goes: Nsight Compute on one launch of one variant at one shape
-  # (the probe's float64 checks launch it 7 times first), stall reasons per SASS instruction
+run_ncu_gluon() {  # where the Gluon backward's time goes: Nsight Compute on the first launch of one variant at one
+  # shape (the probe's timing runs, its float64 checks skipped), stall reasons per SASS instruction
   local probe=(python3 scripts/flash_gluon_probe.py "$out/ncu_probe" --backward --no-checks
                --shapes "${NCU_SHAPE:-1x16x16384x64}" --variants "${NCU_VARIANT:-gluon_64_64_2_240}")
   timeout 300 ncu --clock-control none --set full --import-source no -k regex:'^_bwd_kernel$' -c 1 \

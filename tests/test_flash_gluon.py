@@ -186,6 +186,28 @@ def test_cached_launch_compiles_once_per_specialization_and_passes_parameters_in
     assert len(kernel.compiles) == 2 and len(kernel.launches) == 1
 
 
+def test_descriptor_copies_are_validated_descriptors_and_keep_no_tensor(monkeypatch):
+    """``_tensor_descriptor``: the same fields as a TensorDescriptor made (and checked) afresh, the given base; the
+    template it copies holds no tensor (it would keep the tensor's memory alive)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    monkeypatch.setattr(flash_gluon, "_DESCRIPTOR_FIELDS", {})
+    for n in (1024, 1024, 2048):
+        t = torch.zeros(2, 4, n, 64, dtype=torch.bfloat16)
+        descriptor, where = flash_gluon._descriptor(t, 64)
+        shape, row_stride, _ = flash_gluon._rows_and_columns(t)
+        fresh = TensorDescriptor(t, shape, [row_stride, 1], [64, 64], flash_gluon._smem_layout((64, 64), t.dtype))
+        assert descriptor.base is t and vars(descriptor).keys() == vars(fresh).keys()
+        assert all(getattr(descriptor, f) == getattr(fresh, f) for f in vars(fresh) if f != "base")
+    assert len(flash_gluon._DESCRIPTOR_FIELDS) == 2 and not any(
+        isinstance(v, torch.Tensor) for fields in flash_gluon._DESCRIPTOR_FIELDS.values() for v in fields.values())
+
+
+def test_exact_scale_is_the_power_of_two_head_dims():
+    """The backward's one multiply-add for fl(S^T scale) - L only where 1 / sqrt(d) is a power of two."""
+    assert [d for d in range(8, 264, 8) if flash_gluon._exact_scale.fn(d)] == [16, 64, 256]
+
+
 class _GluonBackwardStandIn:
     """flash_gluon as flash_triton's backward calls it, with the kernel replaced by float64 autograd: it checks the D
     and the zeroed fp32 dQ accumulator it is given, adds dS K (dQ times sqrt(d)) into the accumulator and writes dK,
