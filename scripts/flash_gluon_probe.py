@@ -67,8 +67,6 @@ VARIANTS["gluon_heads_folded"] = {**VARIANTS["gluon_persistent_heads_tma_store"]
 # the backward's configurations by variant name (BWD_CONFIGS, the default first)
 BACKWARD_VARIANTS = {f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS}
 BACKWARD_VARIANTS["gluon_persistent"] = {"persistent": True}  # a program per SM (d 64), the default configuration
-BACKWARD_VARIANTS["gluon_dq_own"] = {"dq_own": True}  # each consumer adds its own keys' part of dQ (d 64)
-BACKWARD_VARIANTS["gluon_persistent_dq_own"] = {"persistent": True, "dq_own": True}
 
 
 def heads(b: int, h: int, n: int, d: int, layout: str, gen: torch.Generator) -> torch.Tensor:
@@ -186,7 +184,7 @@ def check_backward(emit) -> None:
             emit({**row, "error": error(err)})
             continue
         for variant, options in BACKWARD_VARIANTS.items():
-            if (options.get("persistent") or options.get("dq_own")) and fg._epilogue_in_stages(d):
+            if options.get("persistent") and fg._epilogue_in_stages(d):
                 continue
             try:
                 ours = fg.backward(do, q, k, v, o, lse, causal, **options)
@@ -215,7 +213,7 @@ def bench_backward(shape: str, emit, repeats: int = 1) -> None:
 
     runs = [(variant, functools.partial(fg.backward, do, q, k, v, o, lse, True, **options), "bwd")
             for variant, options in BACKWARD_VARIANTS.items()
-            if not ((options.get("persistent") or options.get("dq_own")) and fg._epilogue_in_stages(d))]
+            if not (options.get("persistent") and fg._epilogue_in_stages(d))]
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     runs += [("preprocess", lambda: ft.backward_preprocess(o, do, dq_acc), "bwd_part"),  # D, dQ's zeros
              ("dq_cast", lambda: torch.mul(dq_acc, 1 / math.sqrt(d), out=q.new_empty(q.shape)), "bwd_part"),  # dQ

@@ -582,7 +582,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
                       kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_kb, group,
                       n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      PERSISTENT: gl.constexpr, DQ_OWN: gl.constexpr):
+                      PERSISTENT: gl.constexpr):
     """One consumer warpgroup's part of work item ``item`` (``_bwd_item``), the program's t-th (its tiles counted
     from s; returned: s past them): keys key_start + TILE * BLOCK_K .. + BLOCK_K, in K/V buffer t % KV_BUFS
     (released once its last product is done).
@@ -594,9 +594,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     whole of it transposed, multiply by the program's K and add the fp32 result (dS K: the caller scales the sum by
     1 / sqrt(d), once, as the Triton fused backward's does) into the accumulator through
     ``dq_smem`` and a TMA reduce-add (FlashAttention-3's dQ writes), half the additions of a dQ part per consumer;
-    above d 64 both do it every tile, each for half of dQ's columns (``_dq_split``). DQ_OWN (d 64): instead each
-    consumer multiplies its own dS^T by its own keys every tile and adds that part (twice the reduce-adds, no wait
-    on the other consumer's half: 6% of the stall samples, 7e0001b). Every product is waited within
+    above d 64 both do it every tile, each for half of dQ's columns (``_dq_split``). Every product is waited within
     the iteration (no wgmma in flight across a back edge: see ``_consume``). dK and dV go out through ``dk_smem``,
     ``dv_smem`` and TMA stores that run on under the next item; when those are stage buffers (``_epilogue_in_stages``,
     a program of one item), once both consumers have arrived at ``done`` (the other may still read its last Q_i,
@@ -617,7 +615,6 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=_wgmma_layout(DQ_COLS))
     b, h_kv, key_start, i_first = _bwd_item(item, n_kv_heads, n_kb, TILES * BLOCK_K, BLOCK_M, IS_CAUSAL,
                                             PERSISTENT)
-    gl.static_assert(not (DQ_OWN and SPLIT), "dQ over the consumer's own keys: d 64")
     kv = t % kv_bufs
     k_smem = k_bufs.index(kv)
     k = k_smem.slice(TILE * BLOCK_K, BLOCK_K)
@@ -656,35 +653,24 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             dst_lo = dst.to(dtype)
             dst_a = gl.convert_layout(dst_lo, a_layout)
-            if DQ_OWN:  # dQ_i's part of this consumer's keys, from its own dS^T: no wait on the other consumer
-                own = ds_bufs.index(0).slice(TILE * BLOCK_K, BLOCK_K)  # read by the last tile's dQ product: waited
-                own.store(dst_lo)
-                fence_async_shared()
-                _thread_barrier()  # every thread's part of dS^T is in shared memory before the MMA reads it
-                dk = warpgroup_mma(dst_a, q, dk, is_async=True)
-                dq = warpgroup_mma(own.permute((1, 0)), k, zero_dq, use_acc=False, is_async=True)
-                dv, dk, dq, pt_a, dst_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_a, dst_a))
-                mbarrier.arrive(free.index(stage), count=1)
-                _tma_add_tile(dq, dq_smem, dq_desc, (b * n_heads + h) * n_q + i * BLOCK_M, 0)
-            else:
-                buf = s % 2
-                ds = ds_bufs.index(buf)
-                mbarrier.wait(ds_free.index(buf), ((s // 2) & 1) ^ 1)  # tile s - 2's dQ has read the buffer
-                ds.slice(TILE * BLOCK_K, BLOCK_K).store(dst_lo)
-                fence_async_shared()
-                _thread_barrier()  # every thread's part of dS^T is in shared memory before the MMAs read it
-                mbarrier.arrive(ds_ready.index(buf), count=1)
-                dk = warpgroup_mma(dst_a, q, dk, is_async=True)
-                dv, dk, pt_a, dst_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_a, dst_a))
-                mbarrier.arrive(free.index(stage), count=1)
-                if SPLIT or s % TILES == TILE:  # dQ_i over both halves of the keys: this one's columns, or turn
-                    mbarrier.wait(ds_ready.index(buf), (s // 2) & 1)
-                    k_cols = k_smem.slice(TILE * DQ_COLS, DQ_COLS, dim=1) if SPLIT else k_smem
-                    dq = warpgroup_mma(ds.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
-                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-                    mbarrier.arrive(ds_free.index(buf), count=1)
-                    _tma_add_tile(dq, dq_smem, dq_desc, (b * n_heads + h) * n_q + i * BLOCK_M,
-                                  TILE * DQ_COLS if SPLIT else 0)
+            buf = s % 2
+            ds = ds_bufs.index(buf)
+            mbarrier.wait(ds_free.index(buf), ((s // 2) & 1) ^ 1)  # tile s - 2's dQ has read the buffer
+            ds.slice(TILE * BLOCK_K, BLOCK_K).store(dst_lo)
+            fence_async_shared()
+            _thread_barrier()  # every thread's part of dS^T is in shared memory before the MMAs read it
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            dk = warpgroup_mma(dst_a, q, dk, is_async=True)
+            dv, dk, pt_a, dst_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_a, dst_a))
+            mbarrier.arrive(free.index(stage), count=1)
+            if SPLIT or s % TILES == TILE:  # dQ_i over both halves of the keys: this one's columns, or turn
+                mbarrier.wait(ds_ready.index(buf), (s // 2) & 1)
+                k_cols = k_smem.slice(TILE * DQ_COLS, DQ_COLS, dim=1) if SPLIT else k_smem
+                dq = warpgroup_mma(ds.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+                mbarrier.arrive(ds_free.index(buf), count=1)
+                _tma_add_tile(dq, dq_smem, dq_desc, (b * n_heads + h) * n_q + i * BLOCK_M,
+                              TILE * DQ_COLS if SPLIT else 0)
             s += 1
     mbarrier.arrive(kv_free.index(kv), count=1)  # every product reading this item's K and V is done
     key_row = (b * n_kv_heads + h_kv) * n_k + key_start + TILE * BLOCK_K  # of dK, dV as (B H_kv n_k, d)
@@ -706,7 +692,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
 def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready, kv_free,
                  ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q,
                  n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DQ_OWN: gl.constexpr):
+                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr):
     """One consumer warpgroup (``_bwd_consume_item``): the program's item, or (PERSISTENT) each of its items in the
     order ``_position`` deals them, as ``_bwd_load`` takes them. (A program of one item runs no loop around it: the
     loop's values cost the d 128 backward spills in its MMA loop.)"""
@@ -719,13 +705,13 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, d
                 s = _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                                       dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done,
                                       dq_desc, dk_desc, dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads,
-                                      n_k, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_OWN)
+                                      n_k, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT)
                 t += 1
     else:
         _bwd_consume_item(gl.program_id(0), 0, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                           dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc,
                           dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE, IS_CAUSAL, BLOCK_M,
-                          BLOCK_K, HEAD_DIM, PERSISTENT, DQ_OWN)
+                          BLOCK_K, HEAD_DIM, PERSISTENT)
     tma.store_wait(0)  # TMA has read shared memory (dQ's last tile too) before the program's shared memory goes
 
 
@@ -733,8 +719,7 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, d
 def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, sm_scale, n_heads,
                 n_kv_heads, n_bkv, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h,
                 kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, DQ_OWN: gl.constexpr,
-                num_warps: gl.constexpr):
+                CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
     """Work item (key block of TILES x BLOCK_K keys, one of n_bkv batch x k/v heads; ``_bwd_item``): dK, dV of its
     keys summed over the query heads of the group, and their part of dQ. A program per item, or (PERSISTENT, d 64)
     a program per SM taking items in the order ``_position`` deals them, its K and V in two buffers so that the next
@@ -791,12 +776,12 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
                         q_bufs.index(0) if IN_STAGES else dkdv_bufs.index(0),
                         do_bufs.index(0) if IN_STAGES else dkdv_bufs.index(1), kv_ready, kv_free, ready, free,
                         ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
-                        sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_OWN)),
+                        sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT)),
         (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs.index(1),
                         q_bufs.index(1) if IN_STAGES else dkdv_bufs.index(2),
                         do_bufs.index(1) if IN_STAGES else dkdv_bufs.index(3), kv_ready, kv_free, ready, free,
                         ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
-                        sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_OWN)),
+                        sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT)),
         (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs,
                      kv_ready, kv_free, ready, free, n_items, n_kb, n_kv_heads, group, n_heads, n_m, q_rows_b,
                      q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL,
@@ -814,21 +799,18 @@ BWD_MIN_KEYS = {64: 512, 128: 512}  # by head dim, the fewest keys the op runs i
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
-                              programs: int | None = None, dq_own: bool = False):
+                              programs: int | None = None):
     """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
     given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (contiguous, k's
     shape). Inputs as ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG);
-    ``programs``: a persistent grid of that many (d 64; None: a program per work item); ``dq_own``: each consumer
-    adds its own keys' part of dQ (d 64; ``_bwd_consume_item``)."""
+    ``programs``: a persistent grid of that many (d 64; None: a program per work item)."""
     block_m, block_k, stages, regs = config or BWD_CONFIG
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     if d not in BWD_HEAD_DIMS or n_q % block_m or n_k % (TILES.value * block_k):
         raise ValueError(f"the Gluon backward takes d in {BWD_HEAD_DIMS}, n_q a multiple of {block_m} and n_k of "
                          f"{TILES.value * block_k}; got d {d}, n_q {n_q}, n_k {n_k}")
-    if dq_own and _dq_split(d):
-        raise ValueError(f"the Gluon backward's dQ over each consumer's own keys takes d 64 only; got d {d}")
     if programs is not None and _epilogue_in_stages(d):
         raise ValueError(f"the Gluon backward's persistent grid takes d 64 only (above, dK and dV go out through the "
                          f"stages: a program of one item); got d {d}")
@@ -855,18 +837,16 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
             kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, PERSISTENT=programs is not None,
-                      DQ_OWN=dq_own,
                       num_warps=4, enable_fp_fusion=False)
     return grid, args, constexprs, (dq_acc, dk, dv)
 
 
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
-             persistent: bool = False, dq_own: bool = False):
+             persistent: bool = False):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ like q, or, with
     ``dq_acc`` (fp32) given, dS K added into it (dQ times sqrt(d), as flash_triton's fused backward leaves it); dK,
     dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as ``backward_launch_arguments`` takes it;
-    ``persistent``: a program per SM (d 64), else a program per item (the op's choice: ``backward_schedule``);
-    ``dq_own``: as ``backward_launch_arguments`` takes it.
+    ``persistent``: a program per SM (d 64), else a program per item (the op's choice: ``backward_schedule``).
     Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
     where ``backward_preferred`` (so that scripts/flash_gluon_probe.py --backward, which checks it against float64,
     times what the op runs)."""
@@ -875,8 +855,7 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         delta = flash_triton.backward_preprocess(o, do, dq_acc)
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(
-        do, q, k, v, o, lse, is_causal, config, delta, dq_acc, dkdv, _programs(q.device) if persistent else None,
-        dq_own)
+        do, q, k, v, o, lse, is_causal, config, delta, dq_acc, dkdv, _programs(q.device) if persistent else None)
     _run(_bwd_kernel, grid, args, constexprs)
     return (dq if given else torch.mul(dq, 1 / math.sqrt(q.shape[-1]), out=torch.empty_like(q))), dk, dv
 
