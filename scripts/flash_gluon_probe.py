@@ -69,6 +69,11 @@ BACKWARD_VARIANTS = {f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg
 BACKWARD_VARIANTS["gluon_persistent"] = {"persistent": True}  # a program per SM (d 64), the default configuration
 
 
+def backward_takes(options: dict, d: int) -> bool:
+    """Whether the Gluon backward runs a BACKWARD_VARIANTS entry at head dim d (its persistent grid: d 64 only)."""
+    return not (options.get("persistent") and fg._epilogue_in_stages(d))
+
+
 def heads(b: int, h: int, n: int, d: int, layout: str, gen: torch.Generator) -> torch.Tensor:
     """(B, H, n, d): contiguous, or the (B, H, n, d) view of a (B, n, H, d) tensor the model passes."""
     if layout == "bnhd":
@@ -184,7 +189,7 @@ def check_backward(emit) -> None:
             emit({**row, "error": error(err)})
             continue
         for variant, options in BACKWARD_VARIANTS.items():
-            if options.get("persistent") and fg._epilogue_in_stages(d):
+            if not backward_takes(options, d):
                 continue
             try:
                 ours = fg.backward(do, q, k, v, o, lse, causal, **options)
@@ -213,7 +218,7 @@ def bench_backward(shape: str, emit, repeats: int = 1) -> None:
 
     runs = [(variant, functools.partial(fg.backward, do, q, k, v, o, lse, True, **options), "bwd")
             for variant, options in BACKWARD_VARIANTS.items()
-            if not (options.get("persistent") and fg._epilogue_in_stages(d))]
+            if backward_takes(options, d)]
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     runs += [("preprocess", lambda: ft.backward_preprocess(o, do, dq_acc), "bwd_part"),  # D, dQ's zeros
              ("dq_cast", lambda: torch.mul(dq_acc, 1 / math.sqrt(d), out=q.new_empty(q.shape)), "bwd_part"),  # dQ

@@ -80,10 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(d_out)
 
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        reference = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                                        (q, k, v), d_out)
-    reference = [t.float() for t in reference]
+    def emit(row: dict) -> None:
+        with (args.out / "flash_op_ab.jsonl").open("a") as f:
+            f.write(json.dumps({"shape": args.shape, **row, **meta}) + "\n")
+
+    cudnn_step()
+    reference = [t.grad.float() for t in (q, k, v)]
     for _ in range(args.rounds):
         for name, backward in variants.items():
             fg.backward = backward  # flash_triton calls flash_gluon.backward
@@ -96,11 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             kernels = {e.key: e.device_time_total / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
             errors = {name: ((t.grad.float() - ref).abs().max() / ref.abs().max()).item()
                       for name, t, ref in zip("qkv", (q, k, v), reference)}  # the cached launches' results
-            row = {"shape": args.shape, "variant": name, "median_ms": statistics.median(times),
-                   "min_ms": min(times), "max_ms": max(times), "host_ms": host, "kernels_ms": kernels,
-                   "max_error_vs_cudnn": errors, **meta}
-            with (args.out / "flash_op_ab.jsonl").open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            row = {"variant": name, "median_ms": statistics.median(times), "min_ms": min(times),
+                   "max_ms": max(times), "host_ms": host, "kernels_ms": kernels, "max_error_vs_cudnn": errors}
+            emit(row)
             print(f"{args.shape} {name}: median {row['median_ms']:.3f} (min {row['min_ms']:.3f}, max "
                   f"{row['max_ms']:.3f}) ms, host {host:.3f} ms", flush=True)
     fg.backward = as_run
@@ -121,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in parts.items():
             with torch.enable_grad() if name.startswith(("op", "cudnn")) else contextlib.nullcontext():
                 part_ms = statistics.median(host_ms(fn, 10) for _ in range(11))
-            with (args.out / "flash_op_ab.jsonl").open("a") as f:
-                f.write(json.dumps({"shape": args.shape, "host_part": name, "host_ms": part_ms, **meta}) + "\n")
+            emit({"host_part": name, "host_ms": part_ms})
             print(f"{args.shape} host, {name}: {part_ms:.3f} ms", flush=True)
     profile = cProfile.Profile()  # where the host's time goes, the op as it runs
     profile.runcall(lambda: [fresh_step() for _ in range(50)])
