@@ -6,7 +6,7 @@ the gradients' largest error relative to cuDNN's; then the host's time of each p
 cuDNN's step, and where it goes (cProfile of 50 steps, by function, the op as it runs). Issue 14, session 23: the
 persistent grid was faster alone but slower, and spread, in the attention benchmark (session 24: the host's JIT
 launch, now cached; at 4 x 32 x 2,048 the step's host time is about its GPU time).
-``PYTHONPATH=. python3 scripts/flash_op_ab.py OUT [--shape 4x32x2048x64] [--rounds 2]``; rows to
+``PYTHONPATH=. python3 scripts/flash_op_ab.py OUT [--shape 4x32x2048x64] [--rounds 2] [--variants per_item,...]``; rows to
 OUT/flash_op_ab.jsonl (with provenance), the host's profile to OUT/flash_op_ab_host.txt."""
 
 from __future__ import annotations
@@ -31,9 +31,15 @@ from torch_impl.attention import flash_triton as ft
 from torch_impl.attention.registry import get_attention
 
 
-def _forced(backward, persistent: bool, /, *args, **options):
-    """``backward`` as the op calls it, its grid forced (the op's ``backward_schedule`` chooses otherwise)."""
-    return backward(*args, **{**options, "persistent": persistent})
+def _forced(backward, forced: dict, /, *args, **options):
+    """``backward`` as the op calls it, with ``forced`` options (its grid: the op's ``backward_schedule`` chooses)."""
+    return backward(*args, **{**options, **forced})
+
+
+# the Gluon backward's options the op's step is timed with, by name
+VARIANTS = {"per_item": {"persistent": False}, "persistent": {"persistent": True},
+            "per_item_dq_lag": {"persistent": False, "dq_lag": True},
+            "persistent_dq_lag": {"persistent": True, "dq_lag": True}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,12 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--shape", default="4x32x2048x64", help="BxHxNxd (bf16, causal)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of: {', '.join(VARIANTS)}")
     args = parser.parse_args(argv)
     dims = args.shape.split("x")
     if len(dims) != 4 or not all(x.isdigit() and int(x) > 0 for x in dims):
         parser.error(f"--shape must be BxHxNxd of positive integers; got {args.shape!r}")
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1; got {args.rounds}")
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown --variants {', '.join(sorted(unknown))}; accepted: {', '.join(VARIANTS)}")
     b, h, n, d = (int(x) for x in dims)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -54,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     d_out = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     attn = get_attention("flash_triton")
     as_run = fg.backward
-    variants = {name: functools.partial(_forced, as_run, persistent) for name, persistent in
-                (("per_item", False), ("persistent", True))}
+    variants = {name: functools.partial(_forced, as_run, forced) for name, forced in VARIANTS.items()
+                if name in args.variants.split(",")}
     args.out.mkdir(parents=True, exist_ok=True)
     meta = provenance(torch.cuda.get_device_name())
 

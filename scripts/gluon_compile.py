@@ -126,12 +126,12 @@ def compile_config(d: int, config, is_causal: bool = True, programs: int | None 
     return flash_gluon._fwd_kernel.warmup(*args, grid=grid, **constexprs)
 
 
-def compile_backward(d: int, is_causal: bool = True, programs: int | None = None):
+def compile_backward(d: int, is_causal: bool = True, programs: int | None = None, dq_lag: bool = False):
     """The compiled backward (two query heads a k/v head), as ``compile_config`` compiles the forward."""
     q = torch.empty(1, 4, 1024, d, dtype=torch.bfloat16)
     k = torch.empty(1, 2, 1024, d, dtype=torch.bfloat16)
     grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, torch.empty(1, 4, 1024), is_causal,
-                                                                      programs=programs)
+                                                                      programs=programs, dq_lag=dq_lag)
     return flash_gluon._bwd_kernel.warmup(*args, grid=grid, **constexprs)
 
 
@@ -148,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     failures = []
     kernels = []
     for d in flash_gluon.BWD_MIN_KEYS if args.first else flash_gluon.BWD_HEAD_DIMS:  # --first: those the op runs
-        kernels.append((f"backward_d{d}", functools.partial(compile_backward, d)))
-        if not flash_gluon._epilogue_in_stages(d):  # the persistent grid
-            kernels.append((f"backward_d{d}_persistent", functools.partial(compile_backward, d, programs=132)))
+        for lag in (False, True):
+            name = f"backward_d{d}{'_dq_lag' if lag else ''}"
+            kernels.append((name, functools.partial(compile_backward, d, dq_lag=lag)))
+            if not flash_gluon._epilogue_in_stages(d):  # the persistent grid
+                kernels.append((f"{name}_persistent", functools.partial(compile_backward, d, programs=132, dq_lag=lag)))
     for d, configs in flash_gluon.CONFIGS.items():
         for config in configs[:1] if args.first else configs:
             for option, options in flash_gluon.OPTIONS.items():

@@ -497,6 +497,14 @@ def _tma_add_tile(tile, smem, desc, row, col):
 
 
 @gluon.jit
+def _dq_part(ds, k_cols, zero_dq):
+    """A consumer's part of dQ_i (unscaled): dS (the transpose of ``ds``'s dS^T, both consumers' keys) times its
+    columns of K, waited (with every product issued before it)."""
+    dq = warpgroup_mma(ds.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+
+
+@gluon.jit
 def _bwd_item(item, n_kv_heads, n_kb, BLOCK_KEYS: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr,
               PERSISTENT: gl.constexpr):
     """Work item ``item`` of the backward -> (batch, k/v head, first key, first query tile that sees its keys): head
@@ -582,7 +590,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
                       kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_kb, group,
                       n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      PERSISTENT: gl.constexpr):
+                      PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr):
     """One consumer warpgroup's part of work item ``item`` (``_bwd_item``), the program's t-th (its tiles counted
     from s; returned: s past them): keys key_start + TILE * BLOCK_K .. + BLOCK_K, in K/V buffer t % KV_BUFS
     (released once its last product is done).
@@ -622,6 +630,10 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     offs_key = key_start + TILE * BLOCK_K + gl.arange(0, BLOCK_K, layout=key_rows)
     dk = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, layout=acc_layout)
+    k_cols = k_smem.slice(TILE * DQ_COLS, DQ_COLS, dim=1) if SPLIT else k_smem  # K's columns for this one's dQ
+    dq_col = TILE * DQ_COLS if SPLIT else 0
+    s_item = s
+    dq_row = 0  # DQ_LAG: the last tile's row of dQ
     mbarrier.wait(kv_ready.index(kv), (t // kv_bufs) & 1)
     for g in range(group):
         h = h_kv * group + g
@@ -661,17 +673,26 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
             _thread_barrier()  # every thread's part of dS^T is in shared memory before the MMAs read it
             mbarrier.arrive(ds_ready.index(buf), count=1)
             dk = warpgroup_mma(dst_a, q, dk, is_async=True)
+            row = (b * n_heads + h) * n_q + i * BLOCK_M  # of dQ_i in dq_desc's (B H n_q, d) view
+            t_dq = s - DQ_LAG  # the tile whose dQ part is taken now, queued behind dK
+            take = t_dq >= s_item and (SPLIT or t_dq % TILES == TILE)
+            if take:  # dQ over both halves of the keys: this one's columns, or its turn
+                mbarrier.wait(ds_ready.index(t_dq % 2), (t_dq // 2) & 1)
+                dq = _dq_part(ds_bufs.index(t_dq % 2), k_cols, zero_dq)  # its wait retires dV's and dK's products
+                mbarrier.arrive(free.index(stage), count=1)
+                mbarrier.arrive(ds_free.index(t_dq % 2), count=1)
+                _tma_add_tile(dq, dq_smem, dq_desc, dq_row if DQ_LAG else row, dq_col)
             dv, dk, pt_a, dst_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_a, dst_a))
-            mbarrier.arrive(free.index(stage), count=1)
-            if SPLIT or s % TILES == TILE:  # dQ_i over both halves of the keys: this one's columns, or turn
-                mbarrier.wait(ds_ready.index(buf), (s // 2) & 1)
-                k_cols = k_smem.slice(TILE * DQ_COLS, DQ_COLS, dim=1) if SPLIT else k_smem
-                dq = warpgroup_mma(ds.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
-                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-                mbarrier.arrive(ds_free.index(buf), count=1)
-                _tma_add_tile(dq, dq_smem, dq_desc, (b * n_heads + h) * n_q + i * BLOCK_M,
-                              TILE * DQ_COLS if SPLIT else 0)
+            if not take:
+                mbarrier.arrive(free.index(stage), count=1)
+            dq_row = row
             s += 1
+    t_dq = s - 1  # DQ_LAG: the item's last tile's dQ part, if it is this one's
+    if DQ_LAG and t_dq >= s_item and (SPLIT or t_dq % TILES == TILE):  # (not taken in the loop)
+        mbarrier.wait(ds_ready.index(t_dq % 2), (t_dq // 2) & 1)
+        dq = _dq_part(ds_bufs.index(t_dq % 2), k_cols, zero_dq)
+        mbarrier.arrive(ds_free.index(t_dq % 2), count=1)
+        _tma_add_tile(dq, dq_smem, dq_desc, dq_row, dq_col)
     mbarrier.arrive(kv_free.index(kv), count=1)  # every product reading this item's K and V is done
     key_row = (b * n_kv_heads + h_kv) * n_k + key_start + TILE * BLOCK_K  # of dK, dV as (B H_kv n_k, d)
     if _epilogue_in_stages(HEAD_DIM):  # both consumers are done with every stage before either overwrites one
@@ -692,7 +713,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
 def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready, kv_free,
                  ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q,
                  n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr):
+                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr):
     """One consumer warpgroup (``_bwd_consume_item``): the program's item, or (PERSISTENT) each of its items in the
     order ``_position`` deals them, as ``_bwd_load`` takes them. (A program of one item runs no loop around it: the
     loop's values cost the d 128 backward spills in its MMA loop.)"""
@@ -705,13 +726,13 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, d
                 s = _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                                       dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done,
                                       dq_desc, dk_desc, dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads,
-                                      n_k, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT)
+                                      n_k, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG)
                 t += 1
     else:
         _bwd_consume_item(gl.program_id(0), 0, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                           dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc,
                           dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE, IS_CAUSAL, BLOCK_M,
-                          BLOCK_K, HEAD_DIM, PERSISTENT)
+                          BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG)
     tma.store_wait(0)  # TMA has read shared memory (dQ's last tile too) before the program's shared memory goes
 
 
@@ -719,7 +740,8 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, d
 def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, sm_scale, n_heads,
                 n_kv_heads, n_bkv, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h,
                 kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
+                CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr,
+                num_warps: gl.constexpr):
     """Work item (key block of TILES x BLOCK_K keys, one of n_bkv batch x k/v heads; ``_bwd_item``): dK, dV of its
     keys summed over the query heads of the group, and their part of dQ. A program per item, or (PERSISTENT, d 64)
     a program per SM taking items in the order ``_position`` deals them, its K and V in two buffers so that the next
@@ -776,12 +798,12 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
                         q_bufs.index(0) if IN_STAGES else dkdv_bufs.index(0),
                         do_bufs.index(0) if IN_STAGES else dkdv_bufs.index(1), kv_ready, kv_free, ready, free,
                         ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
-                        sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT)),
+                        sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG)),
         (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs.index(1),
                         q_bufs.index(1) if IN_STAGES else dkdv_bufs.index(2),
                         do_bufs.index(1) if IN_STAGES else dkdv_bufs.index(3), kv_ready, kv_free, ready, free,
                         ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
-                        sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT)),
+                        sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG)),
         (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs,
                      kv_ready, kv_free, ready, free, n_items, n_kb, n_kv_heads, group, n_heads, n_m, q_rows_b,
                      q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL,
@@ -799,7 +821,7 @@ BWD_MIN_KEYS = {64: 512, 128: 512}  # by head dim, the fewest keys the op runs i
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
-                              programs: int | None = None):
+                              programs: int | None = None, dq_lag: bool = False):
     """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
     given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (contiguous, k's
@@ -837,12 +859,12 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
             kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, PERSISTENT=programs is not None,
-                      num_warps=4, enable_fp_fusion=False)
+                      DQ_LAG=int(dq_lag), num_warps=4, enable_fp_fusion=False)
     return grid, args, constexprs, (dq_acc, dk, dv)
 
 
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
-             persistent: bool = False):
+             persistent: bool = False, dq_lag: bool = False):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ like q, or, with
     ``dq_acc`` (fp32) given, dS K added into it (dQ times sqrt(d), as flash_triton's fused backward leaves it); dK,
     dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as ``backward_launch_arguments`` takes it;
@@ -855,7 +877,8 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         delta = flash_triton.backward_preprocess(o, do, dq_acc)
     grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(
-        do, q, k, v, o, lse, is_causal, config, delta, dq_acc, dkdv, _programs(q.device) if persistent else None)
+        do, q, k, v, o, lse, is_causal, config, delta, dq_acc, dkdv, _programs(q.device) if persistent else None,
+        dq_lag)
     _run(_bwd_kernel, grid, args, constexprs)
     return (dq if given else torch.mul(dq, 1 / math.sqrt(q.shape[-1]), out=torch.empty_like(q))), dk, dv
 
