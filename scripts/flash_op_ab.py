@@ -36,6 +36,28 @@ def _forced(backward, forced: dict, /, *args, **options):
     return backward(*args, **{**options, **forced})
 
 
+def timeline(step, steps: int = 7) -> list[dict]:
+    """The GPU's kernels of one ``step`` in order (torch.profiler, ``steps`` steps back to back, the first dropped):
+    each kernel's name, median time (ms) and the median idle time before it (us; the first kernel's: since the
+    last step's end)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    per_step = len(kernels) // steps
+    if per_step == 0 or len(kernels) % steps:
+        return [{"error": f"{len(kernels)} kernels in {steps} steps"}]
+    rows = []
+    for j in range(per_step):
+        runs = [kernels[k * per_step + j] for k in range(1, steps)]
+        gaps = [start - kernels[k * per_step + j - 1][1] for k, (start, _, _) in zip(range(1, steps), runs)]
+        rows.append({"kernel": runs[0][2][:60], "ms": statistics.median((end - start) / 1e3 for start, end, _ in runs),
+                     "gap_before_us": statistics.median(gaps)})
+    return rows
+
+
 # the Gluon backward's options the op's step is timed with, by name
 VARIANTS = {"per_item": {"persistent": False}, "persistent": {"persistent": True},
             "per_item_dq_lag": {"persistent": False, "dq_lag": True},
@@ -103,17 +125,18 @@ def main(argv: list[str] | None = None) -> int:
             step()
             times = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v], return_mode="all")
             host = statistics.median(host_ms() for _ in range(11))
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                fresh_step()
-                torch.cuda.synchronize()
-            kernels = {e.key: e.device_time_total / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+            kernels = timeline(fresh_step)
             errors = {name: ((t.grad.float() - ref).abs().max() / ref.abs().max()).item()
                       for name, t, ref in zip("qkv", (q, k, v), reference)}  # the cached launches' results
             row = {"variant": name, "median_ms": statistics.median(times), "min_ms": min(times),
-                   "max_ms": max(times), "host_ms": host, "kernels_ms": kernels, "max_error_vs_cudnn": errors}
+                   "max_ms": max(times), "host_ms": host, "timeline": kernels, "max_error_vs_cudnn": errors}
             emit(row)
             print(f"{args.shape} {name}: median {row['median_ms']:.3f} (min {row['min_ms']:.3f}, max "
                   f"{row['max_ms']:.3f}) ms, host {host:.3f} ms", flush=True)
+        times = triton.testing.do_bench(cudnn_step, warmup=25, rep=100, return_mode="all")
+        emit({"variant": "cudnn", "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+              "timeline": timeline(cudnn_step)})
+        print(f"{args.shape} cudnn: median {statistics.median(times):.3f} ms", flush=True)
     fg.backward = as_run
     with torch.no_grad():  # the host's time of each part of the op's step, and of cuDNN's step (medians of 11)
         o, lse = ft.flash_forward(q, k, v, True)

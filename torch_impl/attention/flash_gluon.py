@@ -665,6 +665,8 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             dst_lo = dst.to(dtype)
             dst_a = gl.convert_layout(dst_lo, a_layout)
+            if DQ_LAG:  # dK's product first: dS^T's store and fences run under it (no one reads it this tile)
+                dk = warpgroup_mma(dst_a, q, dk, is_async=True)
             buf = s % 2
             ds = ds_bufs.index(buf)
             mbarrier.wait(ds_free.index(buf), ((s // 2) & 1) ^ 1)  # tile s - 2's dQ has read the buffer
@@ -672,7 +674,8 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
             fence_async_shared()
             _thread_barrier()  # every thread's part of dS^T is in shared memory before the MMAs read it
             mbarrier.arrive(ds_ready.index(buf), count=1)
-            dk = warpgroup_mma(dst_a, q, dk, is_async=True)
+            if not DQ_LAG:
+                dk = warpgroup_mma(dst_a, q, dk, is_async=True)
             row = (b * n_heads + h) * n_q + i * BLOCK_M  # of dQ_i in dq_desc's (B H n_q, d) view
             t_dq = s - DQ_LAG  # the tile whose dQ part is taken now, queued behind dK
             take = t_dq >= s_item and (SPLIT or t_dq % TILES == TILE)
