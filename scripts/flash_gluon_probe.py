@@ -203,11 +203,13 @@ def check_backward(emit) -> None:
                 emit({**row, "variant": variant, "error": error(err)})
 
 
-def bench_backward(shape: str, emit, repeats: int = 1) -> None:
+def bench_backward(shape: str, emit, repeats: int = 1, rep_ms: int = 200) -> None:
     """The backward alone (ours in Gluon, ours in Triton, from the same O and L) and forward + backward against
     cuDNN's (autograd through SDPA), causal bf16; ``repeats`` rounds over all of them (each round times every run
     once, so that a drift of the GPU's clock over the process reaches them alike), the median of the rounds'
-    medians reported."""
+    medians reported, and each run's median over the rounds of its time over the first run's in the same round (the
+    GPU's power cap moves its clock by up to ~20% within a process: short rounds, ``rep_ms`` each, compare runs at
+    the same clock)."""
     b, h, n, d = (int(x) for x in shape.split("x"))
     gen = torch.Generator(device="cuda").manual_seed(n + d + 1)
     q, k, v, do = (heads(b, h, n, d, "bhnd", gen) for _ in "qkvo")
@@ -233,15 +235,19 @@ def bench_backward(shape: str, emit, repeats: int = 1) -> None:
             if times[name] is None:
                 continue
             try:
-                times[name].append(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+                times[name].append(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
             except Exception as err:  # noqa: BLE001
                 emit({"shape": shape, "pass": pass_, "variant": name, "error": error(err)})
                 times[name] = None
+    first = times[runs[0][0]]
     for name, _, pass_ in runs:
         if times[name]:
             ms = statistics.median(times[name])
-            emit({"shape": shape, "pass": pass_, "variant": name, "ms": ms, "rounds_ms": times[name]})
-            print(f"  {shape} {pass_} {name}: {ms:.3f} ms (rounds {', '.join(f'{t:.3f}' for t in times[name])})",
+            ratio = statistics.median(t / f for t, f in zip(times[name], first)) if first else None
+            emit({"shape": shape, "pass": pass_, "variant": name, "ms": ms, "rounds_ms": times[name],
+                  "vs_first": ratio})
+            print(f"  {shape} {pass_} {name}: {ms:.3f} ms, x{ratio:.3f} the first (rounds "
+                  f"{', '.join(f'{t:.3f}' for t in times[name])})" if ratio else f"  {shape} {pass_} {name}: {ms:.3f} ms",
                   flush=True)
 
 
@@ -254,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backward", action="store_true",
                         help="instead: check flash_gluon.backward against float64 and time it (d in BWD_HEAD_DIMS)")
     parser.add_argument("--repeats", type=int, default=1, help="with --backward: rounds of timings (median reported)")
+    parser.add_argument("--rep-ms", type=int, default=200, help="with --backward: each timing's length (ms)")
     parser.add_argument("--variants", help=f"only these, comma-separated: the forward's ({', '.join(VARIANTS)}) or "
                                            f"with --backward the backward's ({', '.join(BACKWARD_VARIANTS)})")
     parser.add_argument("--once", action="store_true",
@@ -261,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1; got {args.repeats}")
+    if args.rep_ms < 1:
+        parser.error(f"--rep-ms must be at least 1; got {args.rep_ms}")
     if args.variants:
         known = BACKWARD_VARIANTS if args.backward else VARIANTS
         unknown = set(args.variants.split(",")) - set(known)
@@ -286,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             check_backward(emit)
         for shape in args.shapes.split(","):
             if int(shape.split("x")[-1]) in fg.BWD_HEAD_DIMS:
-                bench_backward(shape, emit, args.repeats)
+                bench_backward(shape, emit, args.repeats, args.rep_ms)
         return 0
     for d, cs in configs.items():
         for config in cs if not (args.no_checks or args.once) else ():
