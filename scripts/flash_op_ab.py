@@ -60,7 +60,7 @@ def timeline(step, steps: int = 7) -> list[dict]:
 
 # the Gluon backward's options the op's step is timed with, by name
 VARIANTS = {"per_item": {"persistent": False}, "persistent": {"persistent": True},
-            "per_item_dq_lag": {"persistent": False, "dq_lag": True},
+            "per_item_no_dq_lag": {"persistent": False, "dq_lag": False},
             "persistent_dq_lag": {"persistent": True, "dq_lag": True}}
 
 

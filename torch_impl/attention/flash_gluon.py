@@ -602,8 +602,12 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     whole of it transposed, multiply by the program's K and add the fp32 result (dS K: the caller scales the sum by
     1 / sqrt(d), once, as the Triton fused backward's does) into the accumulator through
     ``dq_smem`` and a TMA reduce-add (FlashAttention-3's dQ writes), half the additions of a dQ part per consumer;
-    above d 64 both do it every tile, each for half of dQ's columns (``_dq_split``). Every product is waited within
-    the iteration (no wgmma in flight across a back edge: see ``_consume``). dK and dV go out through ``dk_smem``,
+    above d 64 both do it every tile, each for half of dQ's columns (``_dq_split``). The dQ product is queued behind
+    dK's. DQ_LAG: tile s's dQ product is taken at tile s + 1 (the item's last after its loop), when both halves of
+    dS^T have long been written, instead of waiting for the other consumer's half at once; dK's product is then
+    issued before dS^T's store and fences, which run under it (3% faster a program per item at 1 x 16 x 16,384 x 64,
+    5% slower on the persistent grid at 4 x 32 x 2,048: notes/flash_attention.md, session 25). Every product is
+    waited within the iteration (no wgmma in flight across a back edge: see ``_consume``). dK and dV go out through ``dk_smem``,
     ``dv_smem`` and TMA stores that run on under the next item; when those are stage buffers (``_epilogue_in_stages``,
     a program of one item), once both consumers have arrived at ``done`` (the other may still read its last Q_i,
     dO_i)."""
@@ -824,12 +828,13 @@ BWD_MIN_KEYS = {64: 512, 128: 512}  # by head dim, the fewest keys the op runs i
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
-                              programs: int | None = None, dq_lag: bool = False):
+                              programs: int | None = None, dq_lag: bool | None = None):
     """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
     given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (contiguous, k's
     shape). Inputs as ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG);
-    ``programs``: a persistent grid of that many (d 64; None: a program per work item)."""
+    ``programs``: a persistent grid of that many (d 64; None: a program per work item); ``dq_lag``: each tile's dQ
+    product a tile later (``_bwd_consume_item``; None: on a program per item, where it is faster)."""
     block_m, block_k, stages, regs = config or BWD_CONFIG
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
@@ -862,16 +867,17 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
             kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, PERSISTENT=programs is not None,
-                      DQ_LAG=int(dq_lag), num_warps=4, enable_fp_fusion=False)
+                      DQ_LAG=int(programs is None if dq_lag is None else dq_lag), num_warps=4, enable_fp_fusion=False)
     return grid, args, constexprs, (dq_acc, dk, dv)
 
 
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
-             persistent: bool = False, dq_lag: bool = False):
+             persistent: bool = False, dq_lag: bool | None = None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ like q, or, with
     ``dq_acc`` (fp32) given, dS K added into it (dQ times sqrt(d), as flash_triton's fused backward leaves it); dK,
     dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as ``backward_launch_arguments`` takes it;
-    ``persistent``: a program per SM (d 64), else a program per item (the op's choice: ``backward_schedule``).
+    ``persistent``: a program per SM (d 64), else a program per item (the op's choice: ``backward_schedule``);
+    ``dq_lag`` as ``backward_launch_arguments`` takes it.
     Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
     where ``backward_preferred`` (so that scripts/flash_gluon_probe.py --backward, which checks it against float64,
     times what the op runs)."""
