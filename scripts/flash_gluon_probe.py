@@ -67,6 +67,7 @@ VARIANTS["gluon_heads_folded"] = {**VARIANTS["gluon_persistent_heads_tma_store"]
 # the backward's configurations by variant name (BWD_CONFIGS, the default first)
 BACKWARD_VARIANTS = {f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS}
 BACKWARD_VARIANTS["gluon_persistent"] = {"persistent": True}  # a program per SM (d 64), the default configuration
+BACKWARD_VARIANTS["gluon_persistent_64_64_2_240"] = {"persistent": True, "config": (64, 64, 2, 240)}  # two stages
 # each tile's dQ product a tile later (``_bwd_consume_item``) or not: the defaults' other choice
 BACKWARD_VARIANTS["gluon_no_dq_lag"] = {"dq_lag": False}
 BACKWARD_VARIANTS["gluon_persistent_dq_lag"] = {"persistent": True, "dq_lag": True}

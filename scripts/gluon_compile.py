@@ -91,10 +91,10 @@ _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-
 
 
 # Spill loads the MMA loops may hold, as a share of their instructions (``spills_in_mma_loops``): each is an issue
-# slot and an L1 hit. The d 128 backward, 1.2-1.8x the Triton backward on the H100 (Triton 3.6: 5 reloads in 1,158
-# instructions; with DQ_LAG, 2.8% faster there, 8 in 1,135), has 29 in 1,246 with Triton 3.9 (scalars spilled at the
-# program's start: ids, strides, the last tile's dQ row).
-RELOAD_SHARE = 0.025
+# slot and an L1 hit. The d 128 backward, 1.2-1.8x the Triton backward on the H100 (Triton 3.6: 1 reload in 1,127
+# instructions with DQ_LAG and three stages), has 22 in 1,244 with Triton 3.9 (scalars spilled at the program's
+# start: ids, strides).
+RELOAD_SHARE = 0.02
 
 
 def spills_in_mma_loops(code: str) -> tuple[int, int, int]:

@@ -25,7 +25,7 @@
 #          -> OUT/attention_gluon_{on,off}_<gpu>.jsonl
 #   gluon_bench  the same without the tests
 #   ncu_gluon  Nsight Compute on the first launch of the Gluon backward (the probe's variant NCU_VARIANT, default
-#          gluon_64_64_2_240, the first of BWD_CONFIGS) at NCU_SHAPE (default 1x16x16384x64; the probe's float64
+#          gluon_64_64_3_240, the first of BWD_CONFIGS) at NCU_SHAPE (default 1x16x16384x64; the probe's float64
 #          checks skipped: their launches came first), stall reasons by SASS instruction
 #          -> OUT/flash_gluon_bwd_ncu_{details.txt,source.csv} (the report itself stays there: 16 MiB)
 #   ncu_forward  Nsight Compute on the forwards at NCU_SHAPE (default 4x32x2048x64, where cuDNN's is 1.2x ours): the
@@ -91,7 +91,7 @@ run_ncu() {
 run_ncu_gluon() {  # where the Gluon backward's time goes: Nsight Compute on the first launch of one variant at one
   # shape (the probe's timing runs, its float64 checks skipped), stall reasons per SASS instruction
   local probe=(python3 scripts/flash_gluon_probe.py "$out/ncu_probe" --backward --no-checks
-               --shapes "${NCU_SHAPE:-1x16x16384x64}" --variants "${NCU_VARIANT:-gluon_64_64_2_240}")
+               --shapes "${NCU_SHAPE:-1x16x16384x64}" --variants "${NCU_VARIANT:-gluon_64_64_3_240}")
   timeout 300 ncu --clock-control none --set full --import-source no -k regex:'^_bwd_kernel$' -c 1 \
     -f -o /tmp/flash_gluon_bwd_ncu "${probe[@]}" >"$out/flash_gluon_bwd_ncu.log" 2>&1 || status=1
   ncu -i /tmp/flash_gluon_bwd_ncu.ncu-rep --page details >"$out/flash_gluon_bwd_ncu_details.txt" 2>&1 || status=1

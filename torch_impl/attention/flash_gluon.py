@@ -819,8 +819,11 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
 
 
 BWD_HEAD_DIMS = (64, 128)  # what the kernel takes (d 128: ``_dq_split``, ``_epilogue_in_stages``)
-BWD_CONFIG = (64, 64, 2, 240)  # (query tile, keys a consumer, stages, consumer registers)
-BWD_CONFIGS = (BWD_CONFIG, (64, 64, 3, 240), (64, 64, 4, 240))  # what scripts/flash_gluon_probe.py times
+# (query tile, keys a consumer, stages, consumer registers): three stages, as DQ_LAG holds a stage longer on the
+# tiles a consumer takes dQ's product (interleaved rounds on one H100, 27101ab: x0.979 two stages' time at
+# 1 x 16 x 16,384 x 64, x0.954 at d 128, x0.998 at 4 x 32 x 2,048 x 64)
+BWD_CONFIG = (64, 64, 3, 240)
+BWD_CONFIGS = (BWD_CONFIG, (64, 64, 2, 240), (64, 64, 4, 240))  # what scripts/flash_gluon_probe.py times
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
 BWD_MIN_KEYS = {64: 512, 128: 512}  # by head dim, the fewest keys the op runs it from: faster than the Triton
 # backward there (d 64: 02900c9; d 128: bcf08a2; ``backward_preferred``)
