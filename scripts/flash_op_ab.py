@@ -1,18 +1,20 @@
 """The op's forward + backward (autograd, as ``torch_impl.bench.attention`` times it: ``.backward(dO)``, gradients
-reset between runs) at one shape with the Gluon backward's options forced (VARIANTS: its grid, DQ_LAG), in
-alternating rounds, cuDNN's step after each: do_bench's spread, the host's time to enqueue one step (the GPU idle,
-median of 11: is the step host-bound?), the step's kernels in order with each one's GPU time and the idle time before
-it (torch.profiler) and the gradients' largest error relative to cuDNN's; then the host's time of each part of the
-op's step beside cuDNN's step, and where it goes (cProfile of 50 steps, by function, the op as it runs). Issue 14,
-sessions 23-25: at 4 x 32 x 2,048 the step's host time is about its GPU time.
-``PYTHONPATH=. python3 scripts/flash_op_ab.py OUT [--shape 4x32x2048x64] [--rounds 2] [--variants per_item,...]``;
-rows to OUT/flash_op_ab.jsonl (with provenance), the host's profile to OUT/flash_op_ab_host.txt."""
+reset between runs) at one shape with the Gluon backward a program per item and on its persistent grid
+(``flash_gluon.backward(..., persistent=True)``), in alternating rounds: do_bench's spread, the host's time to
+enqueue one step (the GPU idle, median of 11: is the step host-bound?), each kernel's GPU time (torch.profiler) and
+the gradients' largest error relative to cuDNN's; then the host's time of each part of the op's step beside
+cuDNN's step, and where it goes (cProfile of 50 steps, by function, the op as it runs). Issue 14, session 23: the
+persistent grid was faster alone but slower, and spread, in the attention benchmark (session 24: the host's JIT
+launch, now cached; at 4 x 32 x 2,048 the step's host time is about its GPU time).
+``PYTHONPATH=. python3 scripts/flash_op_ab.py OUT [--shape 4x32x2048x64] [--rounds 2] [--variants per_item,...]``; rows to
+OUT/flash_op_ab.jsonl (with provenance), the host's profile to OUT/flash_op_ab_host.txt."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import cProfile
+import functools
 import json
 import pstats
 import statistics
@@ -29,10 +31,9 @@ from torch_impl.attention import flash_triton as ft
 from torch_impl.attention.registry import get_attention
 
 
-def _forced(forced: dict):
-    """``flash_gluon.backward_schedule`` answering ``forced`` (the Gluon backward's options; the op's own choice is
-    its grid's)."""
-    return lambda q, k, is_causal, config=None: dict(forced)
+def _forced(backward, forced: dict, /, *args, **options):
+    """``backward`` as the op calls it, with ``forced`` options (its grid: the op's ``backward_schedule`` chooses)."""
+    return backward(*args, **{**options, **forced})
 
 
 def timeline(step, steps: int = 7) -> list[dict]:
@@ -85,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(3))
     d_out = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     attn = get_attention("flash_triton")
-    as_run = fg.backward_schedule
-    variants = {name: _forced(forced) for name, forced in VARIANTS.items() if name in args.variants.split(",")}
+    as_run = fg.backward
+    variants = {name: functools.partial(_forced, as_run, forced) for name, forced in VARIANTS.items()
+                if name in args.variants.split(",")}
     args.out.mkdir(parents=True, exist_ok=True)
     meta = provenance(torch.cuda.get_device_name())
 
@@ -118,9 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     cudnn_step()
     reference = [t.grad.float() for t in (q, k, v)]
     for _ in range(args.rounds):
-        for name, schedule in variants.items():
-            fg.backward_schedule = schedule  # as the op's backward takes it (``flash_gluon.op_backward``), planned anew
-            fg._PLANS.clear()
+        for name, backward in variants.items():
+            fg.backward = backward  # flash_triton calls flash_gluon.backward
             step()
             times = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v], return_mode="all")
             host = statistics.median(host_ms() for _ in range(11))
@@ -136,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         emit({"variant": "cudnn", "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
               "timeline": timeline(cudnn_step)})
         print(f"{args.shape} cudnn: median {statistics.median(times):.3f} ms", flush=True)
-    fg.backward_schedule = as_run
-    fg._PLANS.clear()
+    fg.backward = as_run
     with torch.no_grad():  # the host's time of each part of the op's step, and of cuDNN's step (medians of 11)
         o, lse = ft.flash_forward(q, k, v, True)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -146,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         parts = {"op forward + backward": fresh_step, "cudnn forward + backward": cudnn_step,
                  "flash_forward": lambda: ft.flash_forward(q, k, v, True),
                  "flash_backward": lambda: ft.flash_backward(d_out, q, k, v, o, lse, True),
-                 "gluon forward launch": lambda: fg.op_forward(q, k, v, True, (o, lse)),
-                 "gluon backward launch": lambda: fg.op_backward(d_out, q, k, v, lse, True, delta, dq_acc, (dk, dv)),
+                 "gluon forward launch": lambda: fg.forward(q, k, v, True, **fg.schedule(q, k, True)),
+                 "gluon backward launch": lambda: fg.backward(d_out, q, k, v, o, lse, True, delta=delta,
+                                                              dq_acc=dq_acc, dkdv=(dk, dv),
+                                                              **fg.backward_schedule(q, k, True)),
                  "preprocess launch": lambda: ft.backward_preprocess(o, d_out, dq_acc),
                  "torch.empty": lambda: torch.empty(q.shape, dtype=torch.float32, device=q.device)}
         for name, fn in parts.items():

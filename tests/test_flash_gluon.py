@@ -186,69 +186,6 @@ def test_cached_launch_compiles_once_per_specialization_and_passes_parameters_in
     assert len(kernel.compiles) == 2 and len(kernel.launches) == 1
 
 
-def test_planned_launch_puts_each_calls_tensors_into_the_plan(monkeypatch):
-    """``_planned``: the first call of a key launches what its plan function makes (through ``_run``); the next ones
-    launch the compiled kernel with their own tensors in the same places (descriptors with the same fields, the new
-    bases) and the kernel's parameters in order. Tensors given twice, or an argument that is none of them: planned
-    again each call."""
-    monkeypatch.setattr(flash_gluon, "_COMPILED", {})
-    monkeypatch.setattr(flash_gluon, "_PLANS", {})
-    kernel = _Kernel(flash_gluon._bwd_kernel)
-
-    def call(key, q, do, k, v, lse, delta, dq_acc, dk, dv, made=None):
-        def plan():
-            grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(
-                do, q, k, v, None, lse if made is None else made, True, delta=delta, dq_acc=dq_acc, dkdv=(dk, dv))
-            plan.made = grid, args, constexprs
-            return kernel, grid, args, constexprs
-
-        plan.made = None
-        flash_gluon._planned(key, (q, do, k, v, lse, delta, dq_acc, dk, dv), plan)
-        return plan.made
-
-    def tensors():
-        q, do = (torch.zeros(2, 4, 1024, 64, dtype=torch.bfloat16) for _ in "qo")
-        k, v, dk, dv = (torch.zeros(2, 2, 1024, 64, dtype=torch.bfloat16) for _ in "kvKV")
-        return q, do, k, v, torch.zeros(2, 4, 1024), torch.zeros(2, 4, 1024), torch.zeros(q.shape), dk, dv
-
-    first = tensors()
-    grid, args, constexprs = call("a", *first)
-    assert len(kernel.compiles) == 1 and not kernel.launches
-    second = tensors()
-    assert call("a", *second) is None  # planned: no plan function called
-    (launch_grid, launched), = kernel.launches
-    params = tuple(constexprs[name] for name in flash_gluon._bwd_kernel.arg_names[len(args):])
-    assert launch_grid == grid and launched[len(args):] == params
-    for old, new in zip(args, launched):
-        if isinstance(old, torch.Tensor):
-            assert new is second[next(i for i, t in enumerate(first) if t is old)]
-        elif hasattr(old, "base"):
-            assert new.base is second[next(i for i, t in enumerate(first) if t is old.base)]
-            assert {f: v for f, v in vars(new).items() if f != "base"} == {
-                f: v for f, v in vars(old).items() if f != "base"}
-        else:
-            assert new == old
-    twice = list(tensors())
-    twice[5] = twice[4]  # D given as L: not planned
-    assert call("b", *twice) is not None and call("b", *twice) is not None
-    own = tensors()
-    assert call("c", *own, made=torch.zeros(2, 4, 1024)) is not None  # L made in the plan: not planned
-    assert call("c", *own, made=torch.zeros(2, 4, 1024)) is not None
-    assert set(flash_gluon._PLANS) == {"a"} and len(kernel.compiles) == 1  # (the others launched through ``_run``)
-
-
-def test_op_options_are_chosen_once_per_signature(monkeypatch):
-    """``op_forward`` and ``op_backward`` decide whether the Gluon kernel runs (and with which options) once per
-    signature of their tensors: declined here (no sm_90 GPU), decided once, and again for another shape."""
-    monkeypatch.setattr(flash_gluon, "_PLANS", {})
-    calls = []
-    monkeypatch.setattr(flash_gluon, "preferred", lambda *args: calls.append(args) or False)
-    for n in (1024, 1024, 2048):
-        q = torch.zeros(1, 2, n, 64, dtype=torch.bfloat16)
-        assert not flash_gluon.op_forward(q, q.clone(), q.clone(), True, (q.clone(), torch.zeros(1, 2, n)))
-    assert len(calls) == 2
-
-
 def test_descriptor_copies_are_validated_descriptors_and_keep_no_tensor(monkeypatch):
     """``_tensor_descriptor``: the same fields as a TensorDescriptor made (and checked) afresh, the given base; the
     template it copies holds no tensor (it would keep the tensor's memory alive)."""
@@ -272,28 +209,34 @@ def test_exact_scale_is_the_power_of_two_head_dims():
 
 
 class _GluonBackwardStandIn:
-    """flash_gluon as flash_triton calls it, with the kernel replaced by float64 autograd: the forward declines (the
-    Triton one runs); the backward checks the D and the zeroed fp32 dQ accumulator it is given, adds dS K (dQ times
-    sqrt(d)) into the accumulator and writes dK, dV into the contiguous outputs it is handed (``dkdv``)."""
+    """flash_gluon as flash_triton's backward calls it, with the kernel replaced by float64 autograd: it checks the D
+    and the zeroed fp32 dQ accumulator it is given, adds dS K (dQ times sqrt(d)) into the accumulator and writes dK,
+    dV into the contiguous outputs it is handed (``dkdv``)."""
 
     def __init__(self):
         self.calls = 0
 
-    def op_forward(self, q, k, v, is_causal, out):
+    def preferred(self, q, k, v, is_causal):  # the forward: the Triton one
         return False
 
-    def op_backward(self, do, q, k, v, lse, is_causal, delta, dq_acc, dkdv):
+    def backward_preferred(self, do, q, k, v, is_causal):
+        return True
+
+    def backward_schedule(self, q, k, is_causal):
+        return {"persistent": True}
+
+    def backward(self, do, q, k, v, o, lse, is_causal, delta=None, dq_acc=None, dkdv=None, persistent=False):
         self.calls += 1
+        assert torch.allclose(delta, (do.double() * o.double()).sum(-1).float(), atol=1e-5)
         assert dq_acc.dtype == torch.float32 and dq_acc.is_contiguous() and not dq_acc.any()
         assert all(t.shape == k.shape and t.is_contiguous() for t in dkdv)
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
         out = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=is_causal)
-        assert torch.allclose(delta, (do.double() * out).sum(-1).float(), atol=1e-4)
         dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), do.double())
         dq_acc += dq.float() * math.sqrt(q.shape[-1])  # dS K: the caller scales it
         dkdv[0].copy_(dk)
         dkdv[1].copy_(dv)
-        return True
+        return None, *dkdv
 
 
 def test_flash_triton_backward_hands_the_gluon_kernel_its_inputs_and_outputs(monkeypatch):

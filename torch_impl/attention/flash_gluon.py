@@ -895,29 +895,6 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
     return (dq if given else torch.mul(dq, 1 / math.sqrt(q.shape[-1]), out=torch.empty_like(q))), dk, dv
 
 
-def op_backward(do, q, k, v, lse, is_causal: bool, delta, dq_acc, dkdv) -> bool:
-    """flash_triton's backward: dS K added into ``dq_acc`` and dK, dV written into ``dkdv`` by this kernel where
-    ``backward_preferred``, with ``backward_schedule``'s grid (True), else nothing (False); D and the zeroed
-    accumulator from the op's preprocess pass. The choice and the launch worked out once per signature of the
-    tensors (``_planned``)."""
-    tensors = (do, q, k, v, lse, delta, dq_acc, *dkdv)
-    signature = (q.device, is_causal, *map(_signature, tensors))
-    options = _op_options(("backward options", *signature), lambda: backward_schedule(q, k, is_causal)
-                          if backward_preferred(do, q, k, v, is_causal) else None)
-    if options is None:
-        return False
-
-    def plan():
-        launch = dict(options)
-        programs = _programs(q.device) if launch.pop("persistent", False) else None
-        grid, args, constexprs, _ = backward_launch_arguments(do, q, k, v, None, lse, is_causal, delta=delta,
-                                                              dq_acc=dq_acc, dkdv=dkdv, programs=programs, **launch)
-        return _bwd_kernel, grid, args, constexprs
-
-    _planned(("backward", *signature), tensors, plan)
-    return True
-
-
 def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
     """Whether ``backward`` takes these (B, H, n, d) inputs: those ``supports`` takes with d in BWD_HEAD_DIMS, n_k a
     multiple of a program's keys, and a dO of q's shape that TMA can read (its strides may differ from q's)."""
@@ -1095,91 +1072,18 @@ def _specialization(arg) -> tuple | object:
     return arg
 
 
-def _run(kernel, grid: tuple, args: tuple, constexprs: dict):
+def _run(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
     """``kernel[grid](*args, **constexprs)``, through ``_COMPILED`` after the first launch of its specialization
     (which takes the kernel's remaining parameters in order; compile options such as ``enable_fp_fusion`` are
-    compiled in); returns the compiled kernel."""
+    compiled in)."""
     key = (kernel.fn.__name__, grid, *constexprs.items(), *map(_specialization, args))
     compiled = _COMPILED.get(key)
     if compiled is None:
         if len(_COMPILED) >= 1024:
             _COMPILED.clear()
-        compiled = _COMPILED[key] = kernel[grid](*args, **constexprs)
+        _COMPILED[key] = kernel[grid](*args, **constexprs)
     else:
-        compiled[grid](*args, *_parameters(kernel, args, constexprs))
-    return compiled
-
-
-def _parameters(kernel, args: tuple, constexprs: dict) -> tuple:
-    """The kernel's parameters after ``args`` (its constexprs), in its order: what a compiled kernel takes."""
-    return tuple(constexprs[name] for name in kernel.arg_names[len(args):])
-
-
-# The op's launches (``op_forward``, ``op_backward``) planned once per signature of their tensors (shapes, strides,
-# dtypes, alignments: all the choice of kernel, its options and its arguments read of them but their addresses):
-# (compiled kernel, grid, argument slots, parameters), or None where the op runs the Triton kernels instead. A call
-# with a planned signature only puts its tensors into the plan's slots: at 4 x 32 x 2,048 x 64 the op's host time,
-# not its GPU time, set its forward + backward (notes/flash_attention.md, sessions 24-25).
-_PLANS: dict[tuple, tuple | None] = {}
-
-
-def _signature(t: torch.Tensor) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
-
-
-def _slot(arg, tensors: tuple) -> tuple:
-    """A launch argument as a plan keeps it: (0, i, fields) a descriptor of tensors[i] (its fields but the base),
-    (1, i, None) tensors[i], (2, value, None) anything else. KeyError if its tensor is not one of ``tensors``."""
-    if isinstance(arg, (TensorDescriptor, torch.Tensor)):
-        base = arg.base if isinstance(arg, TensorDescriptor) else arg
-        i = next((i for i, t in enumerate(tensors) if t is base), None)
-        if i is None:
-            raise KeyError("an argument's tensor is not one of the plan's")
-        if isinstance(arg, torch.Tensor):
-            return 1, i, None
-        return 0, i, {name: value for name, value in vars(arg).items() if name != "base"}
-    return 2, arg, None
-
-
-def _filled(slots: tuple, tensors: tuple) -> list:
-    """``_slot``'s inverse: the launch arguments of ``tensors``."""
-    args = []
-    for kind, x, fields in slots:
-        if kind == 0:
-            descriptor = object.__new__(TensorDescriptor)
-            vars(descriptor).update(fields, base=tensors[x])
-            args.append(descriptor)
-        else:
-            args.append(tensors[x] if kind == 1 else x)
-    return args
-
-
-def _planned(key: tuple, tensors: tuple, plan) -> None:
-    """Launch the plan of ``key`` with ``tensors``, or, the first time, what ``plan()`` makes of them (kernel, grid,
-    args, constexprs), kept as the key's plan where every argument is one of ``tensors`` (distinct objects)."""
-    known = _PLANS.get(key)
-    if known is None:
-        kernel, grid, args, constexprs = plan()
-        compiled = _run(kernel, grid, args, constexprs)
-        if len(_PLANS) >= 1024:
-            _PLANS.clear()
-        if len({id(t) for t in tensors}) == len(tensors):
-            try:
-                slots = tuple(_slot(a, tensors) for a in args)
-            except KeyError:  # an argument made in ``plan``: planned again next time
-                return
-            _PLANS[key] = compiled, grid, slots, _parameters(kernel, args, constexprs)
-        return
-    compiled, grid, slots, parameters = known
-    compiled[grid](*_filled(slots, tensors), *parameters)
-
-
-def _op_options(key: tuple, choose) -> dict | None:
-    """The op's options for the kernel at ``key`` (``choose()``: None where the op runs the Triton kernels), once."""
-    options = _PLANS.get(key, False)
-    if options is False:
-        options = _PLANS[key] = choose()
-    return options
+        compiled[grid](*args, *(constexprs[name] for name in kernel.arg_names[len(args):]))
 
 
 # The forward's kernel options by name (``launch_arguments``' keywords): what scripts/gluon_compile.py compiles and
@@ -1205,10 +1109,9 @@ def _programs(device: torch.device) -> int:
 
 def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None,
                      folded: bool = False, programs: int | None = None, out=None, tma_store: bool = False,
-                     pingpong: bool = False, order: str = "blocks", counter=None):
+                     pingpong: bool = False, order: str = "blocks"):
     """What ``forward`` launches: (grid, positional arguments, constexprs, (O, L)), O and L allocated here unless
-    ``out`` gives them (O contiguous like q, L (B, H, n_q) fp32 contiguous), and ``dynamic``'s counter (an int32
-    zero) unless ``counter`` is given. ``programs``: the persistent grid's
+    ``out`` gives them (O contiguous like q, L (B, H, n_q) fp32 contiguous). ``programs``: the persistent grid's
     size (None: one program per work item), taking the items in ``order`` (one of ORDERS: ``_tile``). Also used to
     compile the kernel on a machine without a GPU (scripts/gluon_compile.py)."""
     block_m, block_n, stages, regs = config or CONFIGS[q.shape[-1]][0]
@@ -1230,8 +1133,7 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     grid = (n_tiles if programs is None else min(n_tiles, programs), 1, 1)  # 3-D: the compiled kernel's launcher
     dynamic = programs is not None and order == "dynamic"
     # the items handed out past the grid's first (unread without ``dynamic``: L stands in)
-    if counter is None:
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
     args = (q_desc, k_desc, v_desc, o_desc, o, lse, counter, 1 / math.sqrt(d), heads, heads // k.shape[1],
             batch * heads, n_q, k.shape[2], *q_where, *kv_where, *o_where, o.stride(0), o.stride(1), o.stride(2))
     constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, TMA_STORE=tma_store, PINGPONG=pingpong, STAGES=stages,
@@ -1254,27 +1156,3 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
                                                        pingpong, order)
     _run(_fwd_kernel, grid, args, constexprs)
     return outputs
-
-
-def op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, out) -> bool:
-    """flash_triton's forward: O and L written into ``out`` by this kernel where it is ``preferred``, with
-    ``schedule``'s options (True), else nothing (False); the choice and the launch worked out once per signature of
-    the tensors (``_planned``)."""
-    signature = (q.device, is_causal, *map(_signature, (q, k, v, *out)))
-    options = _op_options(("forward options", *signature),
-                          lambda: schedule(q, k, is_causal) if preferred(q, k, v, is_causal) else None)
-    if options is None:
-        return False
-    dynamic = options["order"] == "dynamic"
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else None  # a fresh zero (``_load``)
-    tensors = (q, k, v, *out, counter) if dynamic else (q, k, v, *out)
-
-    def plan():
-        launch = dict(options)
-        programs = _programs(q.device) if launch.pop("persistent", False) else None
-        grid, args, constexprs, _ = launch_arguments(q, k, v, is_causal, programs=programs, out=out, counter=counter,
-                                                     **launch)
-        return _fwd_kernel, grid, args, constexprs
-
-    _planned(("forward", *signature), tensors, plan)
-    return True

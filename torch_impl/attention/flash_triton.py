@@ -602,8 +602,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
         return o, lse
     q4, k4, v4, o4 = (_as_heads(t) for t in (q, k, v, o))
     gluon = _gluon()
-    if gluon is not None and gluon.op_forward(q4, k4, v4, is_causal, out=(o4, lse.view(q4.shape[:-1]))):
-        return o, lse  # written in place by the Gluon forward
+    if gluon is not None and gluon.preferred(q4, k4, v4, is_causal):  # it writes O and L in place
+        gluon.forward(q4, k4, v4, is_causal, out=(o4, lse.view(q4.shape[:-1])), **gluon.schedule(q4, k4, is_causal))
+        return o, lse
     sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
     batch, heads, n_q, d = q4.shape
     _launch(_fwd_tuned, _fwd_kernel, "fwd", n_q, "BLOCK_M", batch * heads,
@@ -637,16 +638,17 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     batch, heads, n_q, d = q4.shape
     sm_scale = 1.0 / math.sqrt(d)
     gluon = None if deterministic else _gluon()
-    fused = not deterministic and (INTERPRET or _has_tma(q.device))  # the Gluon backward's GPUs (sm_90) included
+    gluon = gluon if gluon is not None and gluon.backward_preferred(do4, q4, k4, v4, is_causal) else None
+    fused = gluon is not None or (not deterministic and (INTERPRET or _has_tma(q.device)))
     tma = fused and not INTERPRET
     # The fused pass adds dS K into fp32 zeros (the preprocess writes them; scaled and cast into dq at the end); the
     # two-pass one never reads it.
     dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device) if fused else dq4
     delta = backward_preprocess(o4, do4, dq_acc if fused else None)
-    # The Gluon backward adds dS K into the same zeros and writes dK, dV in place where ``backward_preferred``; else
-    # the Triton kernels (their arguments made only there: the Gluon path's host time matters at short lengths).
-    if gluon is None or not gluon.op_backward(do4, q4, k4, v4, lse.view(q4.shape[:-1]), is_causal, delta, dq_acc,
-                                              (dk4, dv4)):
+    if gluon is not None:  # the Gluon backward adds dS K into the same zeros and writes dK, dV in place
+        gluon.backward(do4, q4, k4, v4, o4, lse.view(q4.shape[:-1]), is_causal, delta=delta,
+                       dq_acc=dq_acc, dkdv=(dk4, dv4), **gluon.backward_schedule(q4, k4, is_causal))
+    else:  # the Triton kernels (their arguments made only here: the Gluon path's host time matters at short lengths)
         sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
         common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4))
         if tma:  # Triton's allocator is a context variable: set in this thread (autograd's backward runs in its own)
