@@ -1,13 +1,12 @@
 """The op's forward + backward (autograd, as ``torch_impl.bench.attention`` times it: ``.backward(dO)``, gradients
-reset between runs) at one shape with the Gluon backward a program per item and on its persistent grid
-(``flash_gluon.backward(..., persistent=True)``), in alternating rounds: do_bench's spread, the host's time to
-enqueue one step (the GPU idle, median of 11: is the step host-bound?), each kernel's GPU time (torch.profiler) and
-the gradients' largest error relative to cuDNN's; then the host's time of each part of the op's step beside
-cuDNN's step, and where it goes (cProfile of 50 steps, by function, the op as it runs). Issue 14, session 23: the
-persistent grid was faster alone but slower, and spread, in the attention benchmark (session 24: the host's JIT
-launch, now cached; at 4 x 32 x 2,048 the step's host time is about its GPU time).
-``PYTHONPATH=. python3 scripts/flash_op_ab.py OUT [--shape 4x32x2048x64] [--rounds 2] [--variants per_item,...]``; rows to
-OUT/flash_op_ab.jsonl (with provenance), the host's profile to OUT/flash_op_ab_host.txt."""
+reset between runs) at one shape with the Gluon backward's options forced (VARIANTS: its grid, DQ_LAG), in
+alternating rounds, cuDNN's step after each: do_bench's spread, the host's time to enqueue one step (the GPU idle,
+median of 11: is the step host-bound?), the step's kernels in order with each one's GPU time and the idle time before
+it (torch.profiler) and the gradients' largest error relative to cuDNN's; then the host's time of each part of the
+op's step beside cuDNN's step, and where it goes (cProfile of 50 steps, by function, the op as it runs). Issue 14,
+sessions 23-25: at 4 x 32 x 2,048 the step's host time is about its GPU time.
+``PYTHONPATH=. python3 scripts/flash_op_ab.py OUT [--shape 4x32x2048x64] [--rounds 2] [--variants per_item,...]``;
+rows to OUT/flash_op_ab.jsonl (with provenance), the host's profile to OUT/flash_op_ab_host.txt."""
 
 from __future__ import annotations
 
