@@ -245,12 +245,11 @@ def bench_backward(shape: str, emit, repeats: int = 1, rep_ms: int = 200) -> Non
     for name, _, pass_ in runs:
         if times[name]:
             ms = statistics.median(times[name])
-            ratio = statistics.median(t / f for t, f in zip(times[name], first)) if first else None
+            ratio = statistics.median(t / f for t, f in zip(times[name], first)) if first else float("nan")
             emit({"shape": shape, "pass": pass_, "variant": name, "ms": ms, "rounds_ms": times[name],
                   "vs_first": ratio})
             print(f"  {shape} {pass_} {name}: {ms:.3f} ms, x{ratio:.3f} the first (rounds "
-                  f"{', '.join(f'{t:.3f}' for t in times[name])})" if ratio else f"  {shape} {pass_} {name}: {ms:.3f} ms",
-                  flush=True)
+                  f"{', '.join(f'{t:.3f}' for t in times[name])})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

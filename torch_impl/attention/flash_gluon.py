@@ -605,12 +605,12 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     above d 64 both do it every tile, each for half of dQ's columns (``_dq_split``). The dQ product is queued behind
     dK's. DQ_LAG: tile s's dQ product is taken at tile s + 1 (the item's last after its loop), when both halves of
     dS^T have long been written, instead of waiting for the other consumer's half at once; dK's product is then
-    issued before dS^T's store and fences, which run under it (3% faster a program per item at 1 x 16 x 16,384 x 64,
-    5% slower on the persistent grid at 4 x 32 x 2,048: notes/flash_attention.md, session 25). Every product is
-    waited within the iteration (no wgmma in flight across a back edge: see ``_consume``). dK and dV go out through ``dk_smem``,
-    ``dv_smem`` and TMA stores that run on under the next item; when those are stage buffers (``_epilogue_in_stages``,
-    a program of one item), once both consumers have arrived at ``done`` (the other may still read its last Q_i,
-    dO_i)."""
+    issued before dS^T's store and fences, which run under it (2-3% faster a program per item at
+    1 x 16 x 16,384 x 64, 4% slower on the persistent grid at 4 x 32 x 2,048: notes/flash_attention.md, session 25).
+    Every product is waited within the iteration (no wgmma in flight across a back edge: see ``_consume``). dK and dV
+    go out through ``dk_smem``, ``dv_smem`` and TMA stores that run on under the next item; when those are stage
+    buffers (``_epilogue_in_stages``, a program of one item), once both consumers have arrived at ``done`` (the other
+    may still read its last Q_i, dO_i)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     kv_bufs: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
