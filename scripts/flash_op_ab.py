@@ -43,17 +43,21 @@ def timeline(step, steps: int = 7) -> list[dict]:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    return kernel_rows(sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                              if e.device_type == torch.autograd.DeviceType.CUDA), steps)
+
+
+def kernel_rows(kernels: list[tuple[float, float, str]], steps: int) -> list[dict]:
+    """``timeline``'s rows from the kernels of ``steps`` equal steps, (start us, end us, name) in order."""
     per_step = len(kernels) // steps
     if per_step == 0 or len(kernels) % steps:
         return [{"error": f"{len(kernels)} kernels in {steps} steps"}]
     rows = []
     for j in range(per_step):
-        runs = [kernels[k * per_step + j] for k in range(1, steps)]
-        gaps = [start - kernels[k * per_step + j - 1][1] for k, (start, _, _) in zip(range(1, steps), runs)]
-        rows.append({"kernel": runs[0][2][:60], "ms": statistics.median((end - start) / 1e3 for start, end, _ in runs),
-                     "gap_before_us": statistics.median(gaps)})
+        runs = range(per_step + j, len(kernels), per_step)  # this kernel in each step but the first
+        rows.append({"kernel": kernels[j][2][:60],
+                     "ms": statistics.median((kernels[i][1] - kernels[i][0]) / 1e3 for i in runs),
+                     "gap_before_us": statistics.median(kernels[i][0] - kernels[i - 1][1] for i in runs)})
     return rows
 
 

@@ -320,3 +320,24 @@ def test_backward_schedule_and_its_persistent_grid(monkeypatch):
     with pytest.raises(ValueError, match="persistent grid takes d 64 only"):
         wide = torch.zeros(2, 4, 1024, 128, dtype=torch.bfloat16)
         flash_gluon.backward_launch_arguments(wide, wide, wide, wide, wide, lse, True, programs=132)
+
+
+def test_op_ab_timeline_rows_are_each_kernels_median_time_and_gap():
+    """scripts/flash_op_ab.py's timeline: per kernel of a step, the median over the steps after the first of its
+    time (ms) and of the idle time before it (us: from the last kernel's end, the last step's for the first)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from flash_op_ab import kernel_rows
+    finally:
+        sys.path.pop(0)
+    steps, kernels, clock = 4, [], 0.0
+    for step in range(steps):
+        for name, length, gap in (("fwd", 1000.0, 5.0), ("bwd", 3000.0 + step, 2.0 + step)):
+            clock += gap
+            kernels.append((clock, clock + length, name))
+            clock += length
+    rows = kernel_rows(kernels, steps)
+    assert [r["kernel"] for r in rows] == ["fwd", "bwd"]
+    assert rows[0]["ms"] == 1.0 and rows[0]["gap_before_us"] == 5.0
+    assert rows[1]["ms"] == pytest.approx(3.002) and rows[1]["gap_before_us"] == 4.0  # steps 1-3: 3, 4, 5
+    assert kernel_rows(kernels[:-1], steps) == [{"error": "7 kernels in 4 steps"}]
