@@ -9,6 +9,7 @@ report (no serialized wgmma, no spills in the MMA loops), and what flash_triton'
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import subprocess
@@ -21,6 +22,15 @@ import torch
 from torch_impl.attention import flash_gluon
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script(name: str):
+    """The module of scripts/NAME.py, imported as a top-level module (scripts/ is not a package)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 def _view_of(t: torch.Tensor):
@@ -92,11 +102,7 @@ def _sass(*lines: str) -> str:
 
 
 def test_spills_counted_only_inside_the_mma_loops():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from gluon_compile import spills_in_mma_loops
-    finally:
-        sys.path.pop(0)
+    spills_in_mma_loops = _script("gluon_compile").spills_in_mma_loops
     code = _sass("STL [R1], R0",  # spilled once at the start: not counted
                  "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ",  # outer loop (0x10-0x70) around the inner one
                  "LDL R2, [R1]",  # a reload in the inner loop (0x20-0x50)
@@ -325,11 +331,7 @@ def test_backward_schedule_and_its_persistent_grid(monkeypatch):
 def test_op_ab_timeline_rows_are_each_kernels_median_time_and_gap():
     """scripts/flash_op_ab.py's timeline: per kernel of a step, the median over the steps after the first of its
     time (ms) and of the idle time before it (us: from the last kernel's end, the last step's for the first)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from flash_op_ab import kernel_rows
-    finally:
-        sys.path.pop(0)
+    kernel_rows = _script("flash_op_ab").kernel_rows
     steps, kernels, clock = 4, [], 0.0
     for step in range(steps):
         for name, length, gap in (("fwd", 1000.0, 5.0), ("bwd", 3000.0 + step, 2.0 + step)):

@@ -505,6 +505,13 @@ def _dq_part(ds, k_cols, zero_dq):
 
 
 @gluon.jit
+def _takes_dq(t, s_item, TILE: gl.constexpr, SPLIT: gl.constexpr):
+    """Whether this consumer takes tile t's dQ product: a tile of its item (counted from s_item), and, unless both
+    take a part every tile (``_dq_split``), its turn."""
+    return t >= s_item and (SPLIT or t % TILES == TILE)
+
+
+@gluon.jit
 def _bwd_item(item, n_kv_heads, n_kb, BLOCK_KEYS: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr,
               PERSISTENT: gl.constexpr):
     """Work item ``item`` of the backward -> (batch, k/v head, first key, first query tile that sees its keys): head
@@ -682,7 +689,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
                 dk = warpgroup_mma(dst_a, q, dk, is_async=True)
             row = (b * n_heads + h) * n_q + i * BLOCK_M  # of dQ_i in dq_desc's (B H n_q, d) view
             t_dq = s - DQ_LAG  # the tile whose dQ part is taken now, queued behind dK
-            take = t_dq >= s_item and (SPLIT or t_dq % TILES == TILE)
+            take = _takes_dq(t_dq, s_item, TILE, SPLIT)
             if take:  # dQ over both halves of the keys: this one's columns, or its turn
                 mbarrier.wait(ds_ready.index(t_dq % 2), (t_dq // 2) & 1)
                 dq = _dq_part(ds_bufs.index(t_dq % 2), k_cols, zero_dq)  # its wait retires dV's and dK's products
@@ -695,7 +702,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
             dq_row = row
             s += 1
     t_dq = s - 1  # DQ_LAG: the item's last tile's dQ part, if it is this one's
-    if DQ_LAG and t_dq >= s_item and (SPLIT or t_dq % TILES == TILE):  # (not taken in the loop)
+    if DQ_LAG and _takes_dq(t_dq, s_item, TILE, SPLIT):  # (not taken in the loop)
         mbarrier.wait(ds_ready.index(t_dq % 2), (t_dq // 2) & 1)
         dq = _dq_part(ds_bufs.index(t_dq % 2), k_cols, zero_dq)
         mbarrier.arrive(ds_free.index(t_dq % 2), count=1)
