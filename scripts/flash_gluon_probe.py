@@ -176,15 +176,18 @@ def grads_reference(q, k, v, do, causal: bool):
     return q64.grad, k64.grad, v64.grad
 
 
-def check_backward(emit) -> None:
-    """``flash_gluon.backward`` (each head dim it takes) against float64, next to the Triton backward's errors on the
+def check_backward(head_dims, emit) -> None:
+    """``flash_gluon.backward`` at each of ``head_dims`` against float64, next to the Triton backward's errors on the
     same inputs, both from the Gluon forward's O and L."""
-    for (b, h, h_kv, n, causal, layout), d in itertools.product(CHECKS, fg.BWD_HEAD_DIMS):
+    for (b, h, h_kv, n, causal, layout), d in itertools.product(CHECKS, head_dims):
         gen = torch.Generator(device="cuda").manual_seed(b * 1000 + n + d + 1)
         q, do = heads(b, h, n, d, layout, gen), heads(b, h, n, d, "bhnd", gen)  # dO contiguous, as autograd gives it
         k, v = heads(b, h_kv, n, d, layout, gen), heads(b, h_kv, n, d, layout, gen)
         row = {"check": "backward_float64", "d": d, "shape": f"{b}x{h}x{h_kv}x{n}", "causal": causal,
                "layout": layout}
+        if not fg.backward_supports(do, q, k, v, causal):
+            emit({**row, "error": "not supported"})
+            continue
         try:
             want = grads_reference(q, k, v, do, causal)
             o, lse = fg.forward(q, k, v, causal)
@@ -256,10 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="BxHxNxd, comma-separated (causal, bf16)")
-    parser.add_argument("--config", type=int, help="only the I-th configuration of each head dim")
+    parser.add_argument("--config", type=int, help="only the I-th configuration of each tile width")
+    parser.add_argument("--head-dims", default=",".join(map(str, fg.TILE_DIMS)),
+                        help="the head dims the float64 checks run at (comma-separated; each with a tile_dim)")
     parser.add_argument("--no-checks", action="store_true", help="time only (no float64 checks)")
     parser.add_argument("--backward", action="store_true",
-                        help="instead: check flash_gluon.backward against float64 and time it (d in BWD_HEAD_DIMS)")
+                        help="instead: check flash_gluon.backward against float64 and time it")
     parser.add_argument("--repeats", type=int, default=1, help="with --backward: rounds of timings (median reported)")
     parser.add_argument("--rep-ms", type=int, default=200, help="with --backward: each timing's length (ms)")
     parser.add_argument("--variants", help=f"only these, comma-separated: the forward's ({', '.join(VARIANTS)}) or "
@@ -271,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats must be at least 1; got {args.repeats}")
     if args.rep_ms < 1:
         parser.error(f"--rep-ms must be at least 1; got {args.rep_ms}")
+    dims = [s.split("x")[-1] for s in args.shapes.split(",")] + args.head_dims.split(",")
+    if not all(d.isdigit() and fg.tile_dim(int(d)) for d in dims):
+        parser.error(f"head dims (--head-dims, the shapes' last) must be multiples of 8 from 40 to 128; got "
+                     f"{', '.join(dims)}")
+    head_dims = [int(d) for d in args.head_dims.split(",")]
     if args.variants:
         known = BACKWARD_VARIANTS if args.backward else VARIANTS
         unknown = set(args.variants.split(",")) - set(known)
@@ -290,19 +300,18 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps({**row, **meta}) + "\n")
         print(json.dumps({k: v for k, v in row.items() if k != "error"}), row.get("error", "")[:300], flush=True)
 
-    configs = {d: cs if args.config is None else cs[args.config:args.config + 1] for d, cs in fg.CONFIGS.items()}
+    configs = {w: cs if args.config is None else cs[args.config:args.config + 1] for w, cs in fg.CONFIGS.items()}
     if args.backward:
         if not args.no_checks:
-            check_backward(emit)
+            check_backward(head_dims, emit)
         for shape in args.shapes.split(","):
-            if int(shape.split("x")[-1]) in fg.BWD_HEAD_DIMS:
-                bench_backward(shape, emit, args.repeats, args.rep_ms)
+            bench_backward(shape, emit, args.repeats, args.rep_ms)
         return 0
-    for d, cs in configs.items():
-        for config in cs if not (args.no_checks or args.once) else ():
+    for d in head_dims:
+        for config in configs[fg.tile_dim(d)] if not (args.no_checks or args.once) else ():
             check(config, d, emit)
     for shape in args.shapes.split(","):
-        bench(shape, configs[int(shape.split("x")[-1])], emit, args.once)
+        bench(shape, configs[fg.tile_dim(int(shape.split("x")[-1]))], emit, args.once)
     return 0
 
 

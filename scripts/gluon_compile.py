@@ -33,6 +33,7 @@ from triton.runtime import driver
 from torch_impl.attention import flash_gluon
 
 TARGET = GPUTarget("cuda", 90, 32)
+PADDED_HEAD_DIM = 80  # a head dim below its tile (the 2.7B preset's), compiled beside the tiles' own without --first
 WATCHED = ("HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP")  # the MMAs and the softmax's arithmetic
 
 
@@ -148,14 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     driver.set_active(_TargetOnly())
     failures = []
     kernels = []
-    for d in flash_gluon.BWD_MIN_KEYS if args.first else flash_gluon.BWD_HEAD_DIMS:  # --first: those the op runs
+    for d in flash_gluon.BWD_MIN_KEYS if args.first else (*flash_gluon.TILE_DIMS, PADDED_HEAD_DIM):  # --first: the op's
         for lag in (None,) if args.first else (False, True):  # the grid's default (``backward_launch_arguments``)
             name = f"backward_d{d}{'' if lag is None else '_dq_lag' if lag else '_no_dq_lag'}"
             kernels.append((name, functools.partial(compile_backward, d, dq_lag=lag)))
             if not flash_gluon._epilogue_in_stages(d):  # the persistent grid
                 kernels.append((f"{name}_persistent", functools.partial(compile_backward, d, programs=132, dq_lag=lag)))
-    for d, configs in flash_gluon.CONFIGS.items():
-        for config in configs[:1] if args.first else configs:
+    for d in flash_gluon.CONFIGS if args.first else (*flash_gluon.CONFIGS, PADDED_HEAD_DIM):
+        for config in flash_gluon.CONFIGS[flash_gluon.tile_dim(d)][:1 if args.first else None]:
             for option, options in flash_gluon.OPTIONS.items():
                 if options.get("pingpong") and not flash_gluon.can_take_turns(config, True):
                     continue

@@ -34,8 +34,9 @@ def _script(name: str):
 
 
 def _view_of(t: torch.Tensor):
-    """t's 2-D TMA view as flash_gluon describes it, and the (rows_b, rows_h, cols_h) map of (b, h, i)."""
-    shape, row_stride, where = flash_gluon._rows_and_columns(t)
+    """t's 2-D TMA view as flash_gluon describes it (tiles as wide as its head dim), and the (rows_b, rows_h, cols_h)
+    map of (b, h, i)."""
+    shape, row_stride, where = flash_gluon._rows_and_columns(t, t.shape[-1])
     return torch.as_strided(t, shape, (row_stride, 1), t.storage_offset()), where
 
 
@@ -56,9 +57,32 @@ def test_tma_view_addresses_every_element(layout, batch, heads):
 
 def test_tma_view_refuses_strides_it_cannot_read():
     t = torch.zeros(2, 4, 8, 32)
-    assert flash_gluon._rows_and_columns(t[..., ::2]) is None  # the head dim not contiguous
-    assert flash_gluon._rows_and_columns(t.transpose(0, 2)) is None  # sequence before heads before batch
-    assert flash_gluon._rows_and_columns(torch.zeros(2, 4, 8, 17)[..., :16]) is None  # rows not 16-byte aligned
+    assert flash_gluon._rows_and_columns(t[..., ::2], 16) is None  # the head dim not contiguous
+    assert flash_gluon._rows_and_columns(t.transpose(0, 2), 32) is None  # sequence before heads before batch
+    assert flash_gluon._rows_and_columns(torch.zeros(2, 4, 8, 17)[..., :16], 16) is None  # rows not 16-byte aligned
+
+
+def test_tile_dim_is_the_next_tile_width_for_multiples_of_eight():
+    assert {d: flash_gluon.tile_dim(d) for d in range(8, 257, 8) if flash_gluon.tile_dim(d)} == {
+        **dict.fromkeys(range(40, 65, 8), 64), **dict.fromkeys(range(72, 129, 8), 128)}
+    assert flash_gluon.tile_dim(84) is None and flash_gluon.tile_dim(127) is None
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("heads", [1, 3])
+def test_padded_view_ends_each_row_at_the_head_dim(layout, heads):
+    """Below the tile's width a row of the view must end at d, so that TMA fills the tile's other columns with
+    zeros: each head's rows one after another, or the heads side by side only where there is one head (the next
+    head's columns would be read)."""
+    n, d = 8, 80
+    base = torch.arange(2 * heads * n * d, dtype=torch.bfloat16)
+    t = base.reshape(2, n, heads, d).transpose(1, 2) if layout == "bnhd" else base.reshape(2, heads, n, d)
+    found = flash_gluon._rows_and_columns(t, flash_gluon.tile_dim(d))
+    if layout == "bnhd" and heads > 1:
+        assert found is None and flash_gluon._rows_and_columns(t, d) is not None  # tiles of d columns read it
+        return
+    (rows, cols), row_stride, (rows_b, rows_h, cols_h) = found
+    assert rows == 2 * heads * n and cols == d and row_stride == d and (heads == 1 or cols_h == 0)
 
 
 def test_not_chosen_without_an_sm90_gpu():
@@ -138,9 +162,30 @@ def test_backward_launch_arguments_match_the_kernel_signature():
     assert len(args) + len(constexprs) == len(names) and constexprs == names[len(args):]
     assert grid == (1024 // (flash_gluon.TILES.value * flash_gluon.BWD_CONFIG[1]), 2 * 2, 1)
     assert dq.dtype == torch.float32 and dq.shape == q.shape and dk.shape == dv.shape == k.shape
-    with pytest.raises(ValueError, match="Gluon backward takes d in"):
-        flash_gluon.backward_launch_arguments(*(torch.zeros(1, 2, 1024, 96, dtype=torch.bfloat16),) * 5,
-                                              torch.zeros(1, 2, 1024), True)
+    for d in (32, 136):
+        with pytest.raises(ValueError, match="Gluon backward takes d a multiple of 8 from 40 to 128"):
+            flash_gluon.backward_launch_arguments(*(torch.zeros(1, 2, 1024, d, dtype=torch.bfloat16),) * 5,
+                                                  torch.zeros(1, 2, 1024), True)
+
+
+@pytest.mark.parametrize("d", [48, 64, 80, 128])
+def test_padded_head_dims_launch_tiles_of_their_tile_width(d):
+    """A head dim below its tile runs the tile's kernel: every descriptor's block as wide as the tile (dQ's half of
+    it where both consumers split its columns), its view d columns wide (TMA's zero fill past them), and the exact
+    multiply-add of the scale only where 1 / sqrt(d) is a power of two (d 64), not where the tile's would be."""
+    width = flash_gluon.tile_dim(d)
+    q = torch.zeros(2, 4, 1024, d, dtype=torch.bfloat16)
+    k = torch.zeros(2, 2, 1024, d, dtype=torch.bfloat16)
+    _, args, options, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, torch.zeros(2, 4, 1024), True)
+    descriptors = dict(zip(flash_gluon._bwd_kernel.arg_names, args))
+    for name in ("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "dq_desc"):
+        split = name == "dq_desc" and flash_gluon._dq_split.fn(width)
+        assert descriptors[name].block_shape[1] == (width // 2 if split else width), name
+        assert descriptors[name].shape[-1] == d, name
+    assert options["EXACT_SCALE"] == (d == 64)
+    _, args, _, _ = flash_gluon.launch_arguments(q, k, k, True)
+    for name, desc in zip(flash_gluon._fwd_kernel.arg_names, args[:4]):
+        assert desc.block_shape[1] == width and desc.shape[-1] == d, name
 
 
 class _Kernel:
@@ -201,7 +246,7 @@ def test_descriptor_copies_are_validated_descriptors_and_keep_no_tensor(monkeypa
     for n in (1024, 1024, 2048):
         t = torch.zeros(2, 4, n, 64, dtype=torch.bfloat16)
         descriptor, where = flash_gluon._descriptor(t, 64)
-        shape, row_stride, _ = flash_gluon._rows_and_columns(t)
+        shape, row_stride, _ = flash_gluon._rows_and_columns(t, 64)
         fresh = TensorDescriptor(t, shape, [row_stride, 1], [64, 64], flash_gluon._smem_layout((64, 64), t.dtype))
         assert descriptor.base is t and vars(descriptor).keys() == vars(fresh).keys()
         assert all(getattr(descriptor, f) == getattr(fresh, f) for f in vars(fresh) if f != "base")

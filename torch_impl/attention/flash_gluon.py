@@ -1,6 +1,6 @@
 """FlashAttention for Hopper (sm_90) written in Gluon: a forward with FlashAttention-3's structure, and a backward
-(``backward``, d 64 and 128; flash_triton runs it where ``backward_preferred``; its design is in its kernels'
-docstrings).
+(``backward``; flash_triton runs it where ``backward_preferred``; its design is in its kernels' docstrings), both
+written for tiles of head dim 64 and 128 and running any head dim from 40 to 128 in the next (``tile_dim``).
 
 A work item is two query tiles of one (batch, head) against every key tile they see; by default a program per item,
 head by head and each head's heaviest first (causal), else (``persistent``) a grid of one program per SM taking the
@@ -66,10 +66,19 @@ def _reinterpret(smem, dtype, shape, layout, _semantic=None):
     return view(dtype, shape, layout, _semantic=_semantic)
 
 
-HEAD_DIMS = (64, 128)  # head dims the tiles are written for (wgmma's N for O and TMA's box width)
+TILE_DIMS = (64, 128)  # head dims the tiles are written for (wgmma's N for O and TMA's box width): ``tile_dim``
 MIN_KEYS = 1024  # below, the Triton forward is as fast or faster (``preferred``)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 TILES = gl.constexpr(2)  # query tiles a program computes: one per consumer warpgroup
+
+
+def tile_dim(d: int) -> int | None:
+    """The tile width head dim d runs at: its next power of two (as the Triton kernels pad it) where that is one of
+    TILE_DIMS and d a multiple of 8 (a row of TMA's box: 16 bytes), else None. Below the tile, the columns past d are
+    TMA's zero fill on every load (the views must end each row there: ``_rows_and_columns``) and are never stored
+    (TMA's stores stop at the view's edge), so S, dP and O's first d columns are exact."""
+    width = triton.next_power_of_2(d)
+    return width if width in TILE_DIMS and d % 8 == 0 else None
 
 
 @triton.constexpr_function
@@ -356,7 +365,9 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
         offs_mo = start_m + gl.arange(0, BLOCK_M, layout=o_rows)
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         o_tile = o_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-        gl.store(o_tile + gl.expand_dims(offs_mo, 1) * stride_on + gl.expand_dims(offs_d, 0), o.to(dtype))
+        in_view = (gl.expand_dims(offs_mo, 1) >= 0) & gl.expand_dims(h * o_cols_h + offs_d < o_desc.shape[1], 0)
+        gl.store(o_tile + gl.expand_dims(offs_mo, 1) * stride_on + gl.expand_dims(offs_d, 0), o.to(dtype),
+                 mask=in_view)  # a head dim below the tile: its first d columns
     return i + n_blocks_program, r
 
 
@@ -597,7 +608,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
                       kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_kb, group,
                       n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr):
+                      PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr, EXACT_SCALE: gl.constexpr):
     """One consumer warpgroup's part of work item ``item`` (``_bwd_item``), the program's t-th (its tiles counted
     from s; returned: s past them): keys key_start + TILE * BLOCK_K .. + BLOCK_K, in K/V buffer t % KV_BUFS
     (released once its last product is done).
@@ -629,7 +640,6 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # a row of L or D seen as a vector
     zero_st = gl.zeros([BLOCK_K, BLOCK_M], gl.float32, layout=st_layout)
     SPLIT: gl.constexpr = _dq_split(HEAD_DIM)
-    EXACT_SCALE: gl.constexpr = _exact_scale(HEAD_DIM)
     DQ_COLS: gl.constexpr = HEAD_DIM // TILES if SPLIT else HEAD_DIM  # of dQ_i a consumer computes
     zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=_wgmma_layout(DQ_COLS))
     b, h_kv, key_start, i_first = _bwd_item(item, n_kv_heads, n_kb, TILES * BLOCK_K, BLOCK_M, IS_CAUSAL,
@@ -727,7 +737,8 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
 def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready, kv_free,
                  ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q,
                  n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr):
+                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr,
+                 EXACT_SCALE: gl.constexpr):
     """One consumer warpgroup (``_bwd_consume_item``): the program's item, or (PERSISTENT) each of its items in the
     order ``_position`` deals them, as ``_bwd_load`` takes them. (A program of one item runs no loop around it: the
     loop's values cost the d 128 backward spills in its MMA loop.)"""
@@ -740,13 +751,14 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, d
                 s = _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                                       dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done,
                                       dq_desc, dk_desc, dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads,
-                                      n_k, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG)
+                                      n_k, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG,
+                                      EXACT_SCALE)
                 t += 1
     else:
         _bwd_consume_item(gl.program_id(0), 0, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                           dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc,
                           dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE, IS_CAUSAL, BLOCK_M,
-                          BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG)
+                          BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)
     tma.store_wait(0)  # TMA has read shared memory (dQ's last tile too) before the program's shared memory goes
 
 
@@ -755,7 +767,7 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
                 n_kv_heads, n_bkv, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h,
                 kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                 CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr,
-                num_warps: gl.constexpr):
+                EXACT_SCALE: gl.constexpr, num_warps: gl.constexpr):
     """Work item (key block of TILES x BLOCK_K keys, one of n_bkv batch x k/v heads; ``_bwd_item``): dK, dV of its
     keys summed over the query heads of the group, and their part of dQ. A program per item, or (PERSISTENT, d 64)
     a program per SM taking items in the order ``_position`` deals them, its K and V in two buffers so that the next
@@ -763,7 +775,7 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     column h * q_cols_h of its descriptor's 2-D view (dO, K, V likewise, K and V one block of the item's keys); L, D
     (B, H, n_q; ``lse_desc``, ``delta_desc`` their rows of BLOCK_M) and dQ (B, H, n_q, d, fp32; ``dq_desc`` its
     (B H n_q, d) view) and dK, dV (B, H_kv, n_k, d; ``dk_desc``, ``dv_desc`` their (B H_kv n_k, d) views) are
-    contiguous."""
+    contiguous. EXACT_SCALE: ``_exact_scale`` of the head dim (not of the tile it is padded to)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -812,12 +824,14 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
                         q_bufs.index(0) if IN_STAGES else dkdv_bufs.index(0),
                         do_bufs.index(0) if IN_STAGES else dkdv_bufs.index(1), kv_ready, kv_free, ready, free,
                         ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
-                        sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG)),
+                        sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG,
+                        EXACT_SCALE)),
         (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs.index(1),
                         q_bufs.index(1) if IN_STAGES else dkdv_bufs.index(2),
                         do_bufs.index(1) if IN_STAGES else dkdv_bufs.index(3), kv_ready, kv_free, ready, free,
                         ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
-                        sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG)),
+                        sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG,
+                        EXACT_SCALE)),
         (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs,
                      kv_ready, kv_free, ready, free, n_items, n_kb, n_kv_heads, group, n_heads, n_m, q_rows_b,
                      q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL,
@@ -825,15 +839,14 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-BWD_HEAD_DIMS = (64, 128)  # what the kernel takes (d 128: ``_dq_split``, ``_epilogue_in_stages``)
 # (query tile, keys a consumer, stages, consumer registers): three stages, as DQ_LAG holds a stage longer on the
 # tiles a consumer takes dQ's product (interleaved rounds on one H100, 27101ab: x0.979 two stages' time at
 # 1 x 16 x 16,384 x 64, x0.954 at d 128, x0.998 at 4 x 32 x 2,048 x 64)
 BWD_CONFIG = (64, 64, 3, 240)
 BWD_CONFIGS = (BWD_CONFIG, (64, 64, 2, 240), (64, 64, 4, 240))  # what scripts/flash_gluon_probe.py times
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
-BWD_MIN_KEYS = {64: 512, 128: 512}  # by head dim, the fewest keys the op runs it from: faster than the Triton
-# backward there (d 64: 02900c9; d 128: bcf08a2; ``backward_preferred``)
+BWD_MIN_KEYS = {64: 512, 128: 512}  # by tile width (``tile_dim``), the fewest keys the op runs it from: faster
+# than the Triton backward there (d 64: 02900c9; d 128: bcf08a2; ``backward_preferred``)
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -848,10 +861,11 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     block_m, block_k, stages, regs = config or BWD_CONFIG
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
-    if d not in BWD_HEAD_DIMS or n_q % block_m or n_k % (TILES.value * block_k):
-        raise ValueError(f"the Gluon backward takes d in {BWD_HEAD_DIMS}, n_q a multiple of {block_m} and n_k of "
-                         f"{TILES.value * block_k}; got d {d}, n_q {n_q}, n_k {n_k}")
-    if programs is not None and _epilogue_in_stages(d):
+    width = tile_dim(d)
+    if width is None or n_q % block_m or n_k % (TILES.value * block_k):
+        raise ValueError(f"the Gluon backward takes d a multiple of 8 from 40 to 128 (``tile_dim``), n_q a multiple "
+                         f"of {block_m} and n_k of {TILES.value * block_k}; got d {d}, n_q {n_q}, n_k {n_k}")
+    if programs is not None and _epilogue_in_stages(width):
         raise ValueError(f"the Gluon backward's persistent grid takes d 64 only (above, dK and dV go out through the "
                          f"stages: a program of one item); got d {d}")
     if delta is None:
@@ -865,19 +879,20 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     do_desc, do_where = _descriptor(do, block_m)
     k_desc, kv_where = _descriptor(k, TILES.value * block_k)  # a program's keys, both consumers' in one tile
     v_desc, _ = _descriptor(v, TILES.value * block_k)
-    dq_desc, _ = _descriptor(dq_acc, block_m, d // TILES.value if _dq_split(d) else d)
+    dq_desc, _ = _descriptor(dq_acc, block_m, width // TILES.value if _dq_split(width) else width)
     lse, delta = lse.contiguous(), delta.contiguous()
     lse_desc, delta_desc = (_tensor_descriptor(t, [t.numel() // block_m, block_m], [block_m, 1], [1, block_m],
                                              _STATS_LAYOUT) for t in (lse, delta))  # row (b H + h) n_q / BLOCK_M + i
-    dk_desc, dv_desc = (_tensor_descriptor(t, [t.numel() // d, d], [d, 1], [block_k, d],
-                                         _smem_layout((block_k, d), t.dtype)) for t in (dk, dv))  # (B H_kv n_k, d)
+    dk_desc, dv_desc = (_tensor_descriptor(t, [t.numel() // d, d], [d, 1], [block_k, width],
+                                         _smem_layout((block_k, width), t.dtype)) for t in (dk, dv))  # (B H_kv n_k, d)
     n_kb = n_k // (TILES.value * block_k)
     grid = (n_kb, batch * kv_heads, 1) if programs is None else (min(n_kb * batch * kv_heads, programs), 1, 1)
     args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, 1 / math.sqrt(d), heads,
             kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, PERSISTENT=programs is not None,
-                      DQ_LAG=int(programs is None if dq_lag is None else dq_lag), num_warps=4, enable_fp_fusion=False)
+                      DQ_LAG=int(programs is None if dq_lag is None else dq_lag), EXACT_SCALE=_exact_scale(d),
+                      num_warps=4, enable_fp_fusion=False)
     return grid, args, constexprs, (dq_acc, dk, dv)
 
 
@@ -903,12 +918,13 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
 
 
 def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
-    """Whether ``backward`` takes these (B, H, n, d) inputs: those ``supports`` takes with d in BWD_HEAD_DIMS, n_k a
-    multiple of a program's keys, and a dO of q's shape that TMA can read (its strides may differ from q's)."""
+    """Whether ``backward`` takes these (B, H, n, d) inputs: those ``supports`` takes with n_k a multiple of a
+    program's keys, and a dO of q's shape that TMA can read (its strides may differ from q's)."""
     block_m, block_k = BWD_CONFIG[:2]
-    if q.shape[-1] not in BWD_HEAD_DIMS or q.shape[2] % block_m or k.shape[2] % (TILES.value * block_k):
+    if q.shape[2] % block_m or k.shape[2] % (TILES.value * block_k):
         return False
-    return do.shape == q.shape and supports(q, k, v, is_causal) and _rows_and_columns(do) is not None
+    return (do.shape == q.shape and supports(q, k, v, is_causal)
+            and _rows_and_columns(do, tile_dim(q.shape[-1])) is not None)
 
 
 def backward_schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> dict:
@@ -918,9 +934,9 @@ def backward_schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=
     Taking the items from a counter as the forward does where the shares are uneven was no faster (f4fe35c: 3.031
     against 3.038 ms at 1 x 16 x 16,384 x 64; notes/flash_attention.md, session 24)."""
     block_m, block_k = (config or BWD_CONFIG)[:2]
-    batch, kv_heads, n_k, d = k.shape
-    if _epilogue_in_stages(d):
+    if _epilogue_in_stages(tile_dim(k.shape[-1])):
         return {}
+    batch, kv_heads, n_k, _ = k.shape
     keys = TILES.value * block_k
     share = _share(batch * kv_heads, n_k // keys, q.shape[2] // block_m, is_causal, keys, block_m,
                    _programs(q.device))
@@ -928,34 +944,36 @@ def backward_schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=
 
 
 def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
-    """Whether flash_triton's backward should run this kernel: ``backward_supports`` and at least BWD_MIN_KEYS[d]
-    keys (a head dim missing there: never).
+    """Whether flash_triton's backward should run this kernel: ``backward_supports`` and at least BWD_MIN_KEYS of
+    the head dim's tile width keys.
     On one H100, both with the op's preprocess pass (results/profiles/flash_gluon_probe_h100_8a5575a.jsonl, medians
     of three interleaved rounds), the backward alone takes 3.08 ms at 16,384 keys (1 x 16 heads) against 3.83-4.45
     for the Triton backward, and is 1.24x at 8,192 (2 x 16), 1.22x at 4,096 (4 x 16), 1.19x at 2,048 (4 x 32);
     at 02900c9 1.16x at 1,024 (8 x 32) and 1.04x at 512 (16 x 32) (notes/flash_attention.md, session 22).
     d 128 (753ebf0, bcf08a2): 5.04 against 6.67 ms at 16,384 keys, 1.31x at 8,192, 1.33x at 4,096, 1.38x at 2,048,
     1.80x at 1,024, 1.20x at 512 (session 23)."""
-    min_keys = BWD_MIN_KEYS.get(q.shape[-1])
+    min_keys = BWD_MIN_KEYS.get(tile_dim(q.shape[-1]))
     return min_keys is not None and k.shape[-2] >= min_keys and backward_supports(do, q, k, v, is_causal)
 
 
-# (BLOCK_M a consumer, BLOCK_N, STAGES, consumer registers): what ``forward`` runs by head dim (the first: the fastest
+# (BLOCK_M a consumer, BLOCK_N, STAGES, consumer registers): what ``forward`` runs by tile width (the first: the fastest
 # at b17a373, BLOCK_N 64 8-14% slower, 128-row consumers spill), and what scripts/flash_gluon_probe.py times.
 CONFIGS = {64: ((64, 128, 3, 240), (64, 128, 2, 240), (64, 128, 4, 240), (64, 64, 3, 240)),
            128: ((64, 128, 2, 240), (64, 64, 3, 240), (64, 64, 4, 240))}
 
 
-def _rows_and_columns(t: torch.Tensor) -> tuple[list[int], int, tuple[int, int, int]] | None:
-    """A 2-D (rows, columns) view of t (B, H, n, d) for TMA, and where (b, h, i, :) sits in it: row
-    b * rows_b + h * rows_h + i, column h * cols_h. Covers (B, H, n, d) contiguous and the (B, n, H, d) layout
-    the model's heads are views of; None for other strides (or misaligned ones)."""
+def _rows_and_columns(t: torch.Tensor, width: int) -> tuple[list[int], int, tuple[int, int, int]] | None:
+    """A 2-D (rows, columns) view of t (B, H, n, d) for TMA tiles ``width`` columns wide, and where (b, h, i, :) sits
+    in it: row b * rows_b + h * rows_h + i, column h * cols_h. Covers (B, H, n, d) contiguous and the (B, n, H, d)
+    layout the model's heads are views of; None for other strides (or misaligned ones), and for the heads side by
+    side below the tile's width (a tile would read the next head's columns, not TMA's zero fill: ``tile_dim``)."""
     batch, heads, n, d = t.shape
     sb, sh, sn, sd = t.stride()
     elem = t.element_size()
     if sd != 1 or (sn * elem) % 16 or t.data_ptr() % 16:
         return None
-    if (batch == 1 or sb == n * sn) and (heads == 1 or ((sh * elem) % 16 == 0 and (heads - 1) * sh + d <= sn)):
+    side_by_side = heads == 1 or (d == width and (sh * elem) % 16 == 0 and (heads - 1) * sh + d <= sn)
+    if (batch == 1 or sb == n * sn) and side_by_side:
         return [batch * n, (heads - 1) * sh + d], sn, (n, 0, sh)  # the heads side by side in a row
     if (heads == 1 or sh == n * sn) and (batch == 1 or sb == heads * n * sn) and d <= sn:
         return [batch * heads * n, d], sn, (heads * n, n, 0)  # each head's rows one after another
@@ -963,18 +981,19 @@ def _rows_and_columns(t: torch.Tensor) -> tuple[list[int], int, tuple[int, int, 
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None) -> bool:
-    """Whether ``forward`` takes these (B, H, n, d) inputs: an sm_90 GPU, bf16/fp16, a head dim of HEAD_DIMS,
-    whole tiles (n_q a multiple of two query tiles, n_k of a key tile; causal: n_q == n_k), and strides TMA
-    can read (``_rows_and_columns``)."""
+    """Whether ``forward`` takes these (B, H, n, d) inputs: an sm_90 GPU, bf16/fp16, a head dim with a tile
+    (``tile_dim``), whole tiles (n_q a multiple of two query tiles, n_k of a key tile; causal: n_q == n_k), and
+    strides TMA can read (``_rows_and_columns``)."""
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return False
-    if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype) or q.shape[-1] not in HEAD_DIMS:
+    width = tile_dim(q.shape[-1])
+    if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype) or width is None:
         return False
-    block_m, block_n, _, _ = config or CONFIGS[q.shape[-1]][0]
+    block_m, block_n, _, _ = config or CONFIGS[width][0]
     n_q, n_k = q.shape[2], k.shape[2]
     if n_q % (TILES.value * block_m) or n_k % block_n or (is_causal and n_q != n_k) or k.stride() != v.stride():
         return False
-    return all(_rows_and_columns(t) is not None for t in (q, k, v))
+    return all(_rows_and_columns(t, width) is not None for t in (q, k, v))
 
 
 def preferred(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
@@ -1021,7 +1040,7 @@ def schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> 
     the dealt shares reach 1.54x the mean (1.77 ms), from the counter 1.217-1.225 against 1.252-1.254 for a program
     per item (d 128: 1.78-1.80 against 1.80-1.85). The scale folded into the exponent (``_softmax_tile``) at the head
     dims of FOLDED_HEAD_DIMS."""
-    block_m, block_n = (config or CONFIGS[q.shape[-1]][0])[:2]
+    block_m, block_n = (config or CONFIGS[tile_dim(q.shape[-1])][0])[:2]
     batch, heads, n_q, _ = q.shape
     share = _share(batch * heads, n_q // (TILES.value * block_m), k.shape[2] // block_n, is_causal,
                    TILES.value * block_m, block_n, _programs(q.device))
@@ -1035,8 +1054,11 @@ def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
 
 
 def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
-    shape, row_stride, where = _rows_and_columns(t)
-    block = (block_rows, block_cols or t.shape[-1])
+    """A TMA descriptor of t (B, H, n, d) in its 2-D view (``_rows_and_columns``), its tiles ``block_cols`` wide
+    (None: the head dim's tile width), and where its heads sit in that view."""
+    width = tile_dim(t.shape[-1])
+    shape, row_stride, where = _rows_and_columns(t, width)
+    block = (block_rows, block_cols or width)
     return _tensor_descriptor(t, shape, [row_stride, 1], list(block), _smem_layout(block, t.dtype)), where
 
 
@@ -1121,7 +1143,7 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     ``out`` gives them (O contiguous like q, L (B, H, n_q) fp32 contiguous). ``programs``: the persistent grid's
     size (None: one program per work item), taking the items in ``order`` (one of ORDERS: ``_tile``). Also used to
     compile the kernel on a machine without a GPU (scripts/gluon_compile.py)."""
-    block_m, block_n, stages, regs = config or CONFIGS[q.shape[-1]][0]
+    block_m, block_n, stages, regs = config or CONFIGS[tile_dim(q.shape[-1])][0]
     batch, heads, n_q, d = q.shape
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
@@ -1153,9 +1175,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, 
             persistent: bool = False, out=None, tma_store: bool = False, pingpong: bool = False,
             order: str = "blocks"):
     """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
-    (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[d][0]; ``folded`` folds the
-    scale into the exponent's multiply-add (``_softmax_tile``); ``persistent`` launches one program per SM, each
-    taking work items in turn in ``order`` (``_tile``; else one program per item: as fast or faster where measured);
+    (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[tile_dim(d)][0]; ``folded``
+    folds the scale into the exponent's multiply-add (``_softmax_tile``); ``persistent`` launches one program per SM,
+    each taking work items in turn in ``order`` (``_tile``; else one program per item: as fast or faster where
+    measured);
     ``out``: (O, L) to write (``launch_arguments``); ``tma_store`` writes O through shared memory and TMA,
     ``pingpong`` has the consumers take turns (``_consume``)."""
     grid, args, constexprs, outputs = launch_arguments(q, k, v, is_causal, config, folded,
