@@ -6,6 +6,10 @@
 #          every measured error printed. (All the test files in one go did not fit a 10-minute call on a cold
 #          machine: Triton compiles every case's kernels.)
 #   tests_small  the CPU-size cases natively (every head dim, n = 1.., GQA, strides) -> OUT/gpu_tests_small.log
+#   tests_parallel  every attention test, gpu-marked and CPU-size alike, in SHARDS (default 10) pytest processes at
+#          once, the test ids dealt round-robin (what takes the time is Triton compiling each case's kernels, one CPU
+#          core a process; each under SHARD_TIMEOUT, default 480 s) -> OUT/gpu_tests_parallel.log (each shard's log
+#          in turn, then the summary lines)
 #   bench  (BENCH_SHAPES=... for a subset) the flash_shapes preset in one process: the issue's 1x16x16384 (d 64, 128) and 4x32x2048x64, the head-dim
 #          sweep d = 64, 80, 128, 256, ISSUE_NOTES' 4x32x2048x80, 1x16x16384x80, 2x16x4096x96, 1x8x8192x256; bf16
 #          causal, forward and forward+backward, ours (autotuned) vs cuDNN SDPA, flash SDPA and FlexAttention
@@ -34,11 +38,11 @@
 #          launched twice (the probe's --once; Triton's tuning cached by a first run)
 #          -> OUT/flash_fwd_ncu_details.txt, OUT/flash_fwd_ncu_source.csv.gz (per SASS instruction)
 #   all    tests then bench (default). e2e is separate: autotuning plus compiling 2.7B may not fit the same call.
-#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu|gluon|gluon_bench|
+#   RESULTS_GIT_COMMIT=<commit> bash scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|tests_parallel|bench|e2e|ncu|gluon|gluon_bench|
 #                                                                ncu_gluon|ncu_forward]
 # Records are appended as they are measured, so a call cut short keeps what it finished.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|bench|e2e|ncu|gluon|gluon_bench|ncu_gluon|ncu_forward]}
+out=${1:?usage: scripts/gpu_flash.sh OUT_DIR [all|tests|tests_small|tests_parallel|bench|e2e|ncu|gluon|gluon_bench|ncu_gluon|ncu_forward]}
 mode=${2:-all}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -61,6 +65,27 @@ run_tests() {  # first what a cold machine's call must reach: large magnitudes (
 run_tests_small() {  # the CPU-size cases natively: every head dim, n = 1.., GQA, strides (Triton compiles per case)
   run_pytest gpu_tests_small.log -m "not gpu" tests/test_flash_attention.py -k "not large_magnitudes" \
     tests/test_bench_attention.py
+}
+
+run_tests_parallel() {
+  local shards=${SHARDS:-10} ids dir
+  dir=$(mktemp -d)
+  ids=$(python3 -m pytest --collect-only -q tests/test_flash_attention.py tests/test_flash_triton_op.py \
+    tests/test_bench_attention.py | grep '::')
+  echo "$ids" | wc -l | xargs echo "tests:"
+  for i in $(seq 0 $((shards - 1))); do
+    # shellcheck disable=SC2046  # one argument a test id
+    FLASH_TRITON_AUTOTUNE=0 FLASH_ATTN_PRINT_ERRORS=1 timeout "${SHARD_TIMEOUT:-480}" \
+      python3 -m pytest -q -rs -s -p no:cacheprovider \
+      $(echo "$ids" | awk -v n="$shards" -v i="$i" 'NR % n == i') >"$dir/shard_$i.log" 2>&1 &
+  done
+  wait || true
+  for i in $(seq 0 $((shards - 1))); do
+    echo "== shard $i"; cat "$dir/shard_$i.log"
+  done >"$out/gpu_tests_parallel.log"
+  grep -hE "^(FAILED|ERROR)" "$dir"/shard_*.log | head -n 20
+  grep -hE "[0-9]+ (passed|failed)" "$dir"/shard_*.log | tee -a "$out/gpu_tests_parallel.log"
+  ! grep -qE "^(FAILED|ERROR)" "$dir"/shard_*.log || status=1
 }
 
 run_bench() {  # BENCH_SHAPES=BxHxNxd,...: only those of the preset's shapes (a call that ran out of time goes on)
@@ -142,6 +167,7 @@ run_gluon() {
 case "$mode" in
   tests) run_tests ;;
   tests_small) run_tests_small ;;
+  tests_parallel) run_tests_parallel ;;
   bench) run_bench ;;
   e2e) run_e2e ;;
   ncu) run_ncu ;;
@@ -150,8 +176,8 @@ case "$mode" in
   ncu_gluon) run_ncu_gluon ;;
   ncu_forward) run_ncu_forward ;;
   all) run_tests; run_bench ;;
-  *) echo "unknown mode $mode; accepted: all, tests, tests_small, bench, e2e, ncu, gluon, gluon_bench, ncu_gluon," \
-       "ncu_forward" >&2
+  *) echo "unknown mode $mode; accepted: all, tests, tests_small, tests_parallel, bench, e2e, ncu, gluon, gluon_bench," \
+       "ncu_gluon, ncu_forward" >&2
      exit 2 ;;
 esac
 exit $status
