@@ -8,8 +8,8 @@
 #   tests_small  the CPU-size cases natively (every head dim, n = 1.., GQA, strides) -> OUT/gpu_tests_small.log
 #   tests_parallel  every attention test, gpu-marked and CPU-size alike, in SHARDS (default 10) pytest processes at
 #          once, the test ids dealt round-robin (what takes the time is Triton compiling each case's kernels, one CPU
-#          core a process; each under SHARD_TIMEOUT, default 480 s) -> OUT/gpu_tests_parallel.log (each shard's log
-#          in turn, then the summary lines)
+#          core a process; each under SHARD_TIMEOUT, default 480 s; TEST_IDS=FILE: only the ids in FILE, one a line)
+#          -> OUT/gpu_tests_parallel.log (each shard's log in turn, then the summary lines)
 #   bench  (BENCH_SHAPES=... for a subset) the flash_shapes preset in one process: the issue's 1x16x16384 (d 64, 128) and 4x32x2048x64, the head-dim
 #          sweep d = 64, 80, 128, 256, ISSUE_NOTES' 4x32x2048x80, 1x16x16384x80, 2x16x4096x96, 1x8x8192x256; bf16
 #          causal, forward and forward+backward, ours (autotuned) vs cuDNN SDPA, flash SDPA and FlexAttention
@@ -70,14 +70,17 @@ run_tests_small() {  # the CPU-size cases natively: every head dim, n = 1.., GQA
 run_tests_parallel() {
   local shards=${SHARDS:-10} ids dir
   dir=$(mktemp -d)
-  ids=$(python3 -m pytest --collect-only -q tests/test_flash_attention.py tests/test_flash_triton_op.py \
-    tests/test_bench_attention.py | grep '::')
+  if [ -n "${TEST_IDS:-}" ]; then  # a file of test ids, one a line (those a cut-short call left)
+    ids=$(cat "$TEST_IDS")
+  else
+    ids=$(python3 -m pytest --collect-only -q tests/test_flash_attention.py tests/test_flash_triton_op.py \
+      tests/test_bench_attention.py | grep '::')
+  fi
   echo "$ids" | wc -l | xargs echo "tests:"
   for i in $(seq 0 $((shards - 1))); do
-    # shellcheck disable=SC2046  # one argument a test id
+    mapfile -t shard < <(echo "$ids" | awk -v n="$shards" -v i="$i" 'NR % n == i')  # an id may hold spaces
     FLASH_TRITON_AUTOTUNE=0 FLASH_ATTN_PRINT_ERRORS=1 timeout "${SHARD_TIMEOUT:-480}" \
-      python3 -m pytest -q -rs -s -p no:cacheprovider \
-      $(echo "$ids" | awk -v n="$shards" -v i="$i" 'NR % n == i') >"$dir/shard_$i.log" 2>&1 &
+      python3 -m pytest -q -rfs -s -p no:cacheprovider "${shard[@]}" >"$dir/shard_$i.log" 2>&1 &
   done
   wait || true
   for i in $(seq 0 $((shards - 1))); do
