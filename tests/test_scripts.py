@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "scripts").glob("*.sh"))
 OTHER_TOOLS_FLAGS = {"--standalone", "--nproc_per_node", "--query-gpu", "--format", "--no-bench",
                      "--clock-control", "--set", "--import-source", "--page", "--csv", "--print-source",  # ncu's
-                     "--null"}  # tar's
+                     "--null",  # tar's
+                     "--collect-only"}  # pytest's
 NOT_OURS = ("pytest",)
 
 
