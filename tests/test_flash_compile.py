@@ -27,3 +27,23 @@ def test_every_kernel_path_compiles_for_sm90():
     assert not failures, failures
     for case, r in results.items():
         assert 0 < r["shared"] <= H100_SHARED_BYTES, (case, r)
+
+
+def test_ieee_fp32_tiles_stay_within_the_fma_budget_at_every_head_dim():
+    """IEEE fp32 dots unroll into FMAs (no tensor cores): every kernel keeps, at every head dim, configurations
+    whose unrolled products stay within ``IEEE_FMAS_PER_THREAD`` a thread (64 x 64 tiles at d 160-256 compiled for
+    minutes a kernel on the H100's host), never falling back to the whole list; tensor-core dots keep more."""
+    import triton
+
+    import torch_impl.attention.flash_triton as ft
+
+    for tuned in (ft._fwd_tuned, ft._dkdv_tuned, ft._dq_tuned):
+        for d in range(8, 257, 8):
+            block_d = triton.next_power_of_2(d)
+            kept = ft._kept_configs(tuned, {"BLOCK_D": block_d, "DOT_PRECISION": "ieee"})
+            assert kept, (tuned.fn.__name__, d)
+            for c in kept:
+                threads = 32 * c["num_warps"]
+                assert c["BLOCK_M"] * c["BLOCK_N"] * block_d <= ft.IEEE_FMAS_PER_THREAD * threads, (d, c)
+            tensor_cores = ft._kept_configs(tuned, {"BLOCK_D": block_d, "DOT_PRECISION": "tf32"})
+            assert len(tensor_cores) > len(kept), (tuned.fn.__name__, d)

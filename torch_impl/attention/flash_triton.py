@@ -374,16 +374,25 @@ def _configs(*configs: tuple[int, int, int, int]) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in configs]
 
 
+# IEEE fp32 dots run on FMAs, not tensor cores, and Triton unrolls each tile product into BLOCK_M x BLOCK_N x BLOCK_D
+# / threads FMAs a thread: the configurations IEEE keeps are those within this many a thread. Compile time grows with
+# it: at d 256 the forward's and dQ's first kept tiles (64 x 64, 4 warps: 8,192) took 44 and 86 s to compile on a
+# CPU core, did not fit in shared memory, and the next ones compiled in turn (minutes a kernel on the H100's host);
+# within 2,048 they take 7, 12 and 26-34 s (dK/dV) (notes/flash_attention.md, session 26).
+IEEE_FMAS_PER_THREAD = 2048
+
+
 def _prune_wide_tiles(axis: str):
     """early_config_prune for the autotuner: at BLOCK_D = 256 drop the configurations whose ``axis`` tile (the
     one kept in registers for the whole program) exceeds 64 rows, as they spill or overflow shared memory; IEEE
-    fp32 dots (FMA, not tensor cores) keep tiles of at most 64 x 64."""
+    fp32 dots keep tiles of at most 64 x 64 within IEEE_FMAS_PER_THREAD."""
 
     def prune(configs, named_args, **kwargs):
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
         ieee = kwargs.get("DOT_PRECISION", named_args.get("DOT_PRECISION")) == "ieee"
-        kept = [c for c in configs if (block_d < 256 or c.kwargs[axis] <= 64)
-                and (not ieee or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64)]
+        kept = [c for c in configs if (block_d < 256 or c.kwargs[axis] <= 64) and (not ieee or (
+            c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64
+            and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * block_d <= IEEE_FMAS_PER_THREAD * 32 * c.num_warps))]
         return kept or configs
 
     return prune
@@ -396,7 +405,7 @@ _TUNE_KEY = ["n_q_bucket", "n_k_bucket", "BLOCK_D", "IS_CAUSAL", "DOT_PRECISION"
 # diagonal stage covers exactly the key tile's rows).
 _fwd_tuned = triton.autotune(_configs((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
                                       (128, 64, 4, 4), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4),
-                                      (64, 64, 8, 2), (64, 32, 4, 2)),
+                                      (64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2)),
                              key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_wide_tiles("BLOCK_M")}
                              )(_fwd_kernel)
 _dkdv_tuned = triton.autotune(_configs((32, 128, 4, 3), (32, 128, 4, 5), (32, 128, 8, 3), (64, 128, 8, 2),
