@@ -134,13 +134,13 @@ def check(config, d: int, emit) -> None:
             emit({**row, "error": error(err)})
 
 
-def bench(shape: str, configs, emit, once: bool = False) -> None:
-    """The forward's times at ``shape`` (``once``: each kernel launched twice, untimed: the driver under Nsight
-    Compute)."""
+def bench(shape: str, configs, emit, once: bool = False, layout: str = "bhnd") -> None:
+    """The forward's times at ``shape``, q, k, v in ``layout`` (``heads``; ``once``: each kernel launched twice,
+    untimed: the driver under Nsight Compute)."""
     b, h, n, d = (int(x) for x in shape.split("x"))
     gen = torch.Generator(device="cuda").manual_seed(n + d)
-    q, k, v = (heads(b, h, n, d, "bhnd", gen) for _ in "qkv")
-    row = {"shape": shape, "pass": "fwd", "flops": 4 * b * h * n * n * d / 2}
+    q, k, v = (heads(b, h, n, d, layout, gen) for _ in "qkv")
+    row = {"shape": shape, "layout": layout, "pass": "fwd", "flops": 4 * b * h * n * n * d / 2}
     want = cudnn(q, k, v, True)
 
     def timed(name, fn, **extra):
@@ -208,7 +208,7 @@ def check_backward(head_dims, emit) -> None:
                 emit({**row, "variant": variant, "error": error(err)})
 
 
-def bench_backward(shape: str, emit, repeats: int = 1, rep_ms: int = 200) -> None:
+def bench_backward(shape: str, emit, repeats: int = 1, rep_ms: int = 200, layout: str = "bhnd") -> None:
     """The backward alone (ours in Gluon, ours in Triton, from the same O and L) and forward + backward against
     cuDNN's (autograd through SDPA), causal bf16; ``repeats`` rounds over all of them (each round times every run
     once, so that a drift of the GPU's clock over the process reaches them alike), the median of the rounds'
@@ -217,7 +217,8 @@ def bench_backward(shape: str, emit, repeats: int = 1, rep_ms: int = 200) -> Non
     the same clock)."""
     b, h, n, d = (int(x) for x in shape.split("x"))
     gen = torch.Generator(device="cuda").manual_seed(n + d + 1)
-    q, k, v, do = (heads(b, h, n, d, "bhnd", gen) for _ in "qkvo")
+    q, k, v = (heads(b, h, n, d, layout, gen) for _ in "qkv")  # dO contiguous, as autograd gives it
+    do = heads(b, h, n, d, "bhnd", gen)
     o, lse = fg.forward(q, k, v, True)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
 
@@ -242,15 +243,15 @@ def bench_backward(shape: str, emit, repeats: int = 1, rep_ms: int = 200) -> Non
             try:
                 times[name].append(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
             except Exception as err:  # noqa: BLE001
-                emit({"shape": shape, "pass": pass_, "variant": name, "error": error(err)})
+                emit({"shape": shape, "layout": layout, "pass": pass_, "variant": name, "error": error(err)})
                 times[name] = None
     first = times[runs[0][0]]
     for name, _, pass_ in runs:
         if times[name]:
             ms = statistics.median(times[name])
             ratio = statistics.median(t / f for t, f in zip(times[name], first)) if first else float("nan")
-            emit({"shape": shape, "pass": pass_, "variant": name, "ms": ms, "rounds_ms": times[name],
-                  "vs_first": ratio})
+            emit({"shape": shape, "layout": layout, "pass": pass_, "variant": name, "ms": ms,
+                  "rounds_ms": times[name], "vs_first": ratio})
             print(f"  {shape} {pass_} {name}: {ms:.3f} ms, x{ratio:.3f} the first (rounds "
                   f"{', '.join(f'{t:.3f}' for t in times[name])})", flush=True)
 
@@ -262,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=int, help="only the I-th configuration of each tile width")
     parser.add_argument("--head-dims", default=",".join(map(str, fg.TILE_DIMS)),
                         help="the head dims the float64 checks run at (comma-separated; each with a tile_dim)")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="take the (B, n, H, d) heads below the tile's width as 3-D views (SIDE_BY_SIDE_3D): "
+                             "the checks' bnhd rows run, and the shapes are timed in that layout")
     parser.add_argument("--no-checks", action="store_true", help="time only (no float64 checks)")
     parser.add_argument("--backward", action="store_true",
                         help="instead: check flash_gluon.backward against float64 and time it")
@@ -281,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"head dims (--head-dims, the shapes' last) must be multiples of 8 from 40 to 128; got "
                      f"{', '.join(dims)}")
     head_dims = [int(d) for d in args.head_dims.split(",")]
+    fg.SIDE_BY_SIDE_3D = args.side_by_side
+    layout = "bnhd" if args.side_by_side else "bhnd"
     if args.variants:
         known = BACKWARD_VARIANTS if args.backward else VARIANTS
         unknown = set(args.variants.split(",")) - set(known)
@@ -305,13 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_checks:
             check_backward(head_dims, emit)
         for shape in args.shapes.split(","):
-            bench_backward(shape, emit, args.repeats, args.rep_ms)
+            bench_backward(shape, emit, args.repeats, args.rep_ms, layout)
         return 0
     for d in head_dims:
         for config in configs[fg.tile_dim(d)] if not (args.no_checks or args.once) else ():
             check(config, d, emit)
     for shape in args.shapes.split(","):
-        bench(shape, configs[fg.tile_dim(int(shape.split("x")[-1]))], emit, args.once)
+        bench(shape, configs[fg.tile_dim(int(shape.split("x")[-1]))], emit, args.once, layout)
     return 0
 
 

@@ -120,20 +120,39 @@ def spills_in_mma_loops(code: str) -> tuple[int, int, int]:
     return inside.count("STL"), inside.count("LDL"), len(inside)
 
 
-def compile_config(d: int, config, is_causal: bool = True, programs: int | None = None, **options):
+def _heads(batch: int, heads: int, d: int, side_by_side: bool) -> torch.Tensor:
+    """(B, H, 1024, d) bf16 on the CPU: contiguous, or (side_by_side) the model's (B, n, H, d) layout."""
+    if side_by_side:
+        return torch.empty(batch, 1024, heads, d, dtype=torch.bfloat16).transpose(1, 2)
+    return torch.empty(batch, heads, 1024, d, dtype=torch.bfloat16)
+
+
+def compile_config(d: int, config, is_causal: bool = True, programs: int | None = None, side_by_side: bool = False,
+                   **options):
     """The compiled kernel of one configuration (CPU tensors stand in for the inputs; nothing is launched);
-    ``programs``: a persistent grid of that many (None: a program per work item, the default)."""
-    q = torch.empty(1, 2, 1024, d, dtype=torch.bfloat16)
-    grid, args, constexprs, _ = flash_gluon.launch_arguments(q, q, q, is_causal, config, programs=programs, **options)
+    ``programs``: a persistent grid of that many (None: a program per work item, the default); ``side_by_side``:
+    q, k, v in the model's layout, 3-D views below the tile (``flash_gluon.SIDE_BY_SIDE_3D``)."""
+    q = _heads(1, 2, d, side_by_side)
+    flash_gluon.SIDE_BY_SIDE_3D = side_by_side
+    try:
+        grid, args, constexprs, _ = flash_gluon.launch_arguments(q, q, q, is_causal, config, programs=programs,
+                                                                 **options)
+    finally:
+        flash_gluon.SIDE_BY_SIDE_3D = False
     return flash_gluon._fwd_kernel.warmup(*args, grid=grid, **constexprs)
 
 
-def compile_backward(d: int, is_causal: bool = True, programs: int | None = None, dq_lag: bool | None = None):
-    """The compiled backward (two query heads a k/v head), as ``compile_config`` compiles the forward."""
-    q = torch.empty(1, 4, 1024, d, dtype=torch.bfloat16)
-    k = torch.empty(1, 2, 1024, d, dtype=torch.bfloat16)
-    grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, torch.empty(1, 4, 1024), is_causal,
-                                                                      programs=programs, dq_lag=dq_lag)
+def compile_backward(d: int, is_causal: bool = True, programs: int | None = None, dq_lag: bool | None = None,
+                     side_by_side: bool = False):
+    """The compiled backward (two query heads a k/v head; dO and O contiguous), as ``compile_config`` compiles the
+    forward."""
+    q, k, do = _heads(1, 4, d, side_by_side), _heads(1, 2, d, side_by_side), _heads(1, 4, d, False)
+    flash_gluon.SIDE_BY_SIDE_3D = side_by_side
+    try:
+        grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(
+            do, q, k, k, do, torch.empty(1, 4, 1024), is_causal, programs=programs, dq_lag=dq_lag)
+    finally:
+        flash_gluon.SIDE_BY_SIDE_3D = False
     return flash_gluon._bwd_kernel.warmup(*args, grid=grid, **constexprs)
 
 
@@ -155,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
             kernels.append((name, functools.partial(compile_backward, d, dq_lag=lag)))
             if not flash_gluon._epilogue_in_stages(d):  # the persistent grid
                 kernels.append((f"{name}_persistent", functools.partial(compile_backward, d, programs=132, dq_lag=lag)))
+    if not args.first:  # the model's (B, n, H, d) heads below the tile: 3-D views (flash_gluon.SIDE_BY_SIDE_3D)
+        kernels.append((f"backward_d{PADDED_HEAD_DIM}_side_by_side",
+                        functools.partial(compile_backward, PADDED_HEAD_DIM, side_by_side=True)))
+        kernels.append((f"d{PADDED_HEAD_DIM}_side_by_side_persistent_dynamic",
+                        functools.partial(compile_config, PADDED_HEAD_DIM, flash_gluon.CONFIGS[128][0], programs=132,
+                                          order="dynamic", tma_store=True, side_by_side=True)))
     for d in flash_gluon.CONFIGS if args.first else (*flash_gluon.CONFIGS, PADDED_HEAD_DIM):
         for config in flash_gluon.CONFIGS[flash_gluon.tile_dim(d)][:1 if args.first else None]:
             for option, options in flash_gluon.OPTIONS.items():

@@ -36,8 +36,8 @@ def _script(name: str):
 def _view_of(t: torch.Tensor):
     """t's 2-D TMA view as flash_gluon describes it (tiles as wide as its head dim), and the (rows_b, rows_h, cols_h)
     map of (b, h, i)."""
-    shape, row_stride, where = flash_gluon._rows_and_columns(t, t.shape[-1])
-    return torch.as_strided(t, shape, (row_stride, 1), t.storage_offset()), where
+    shape, strides, where = flash_gluon._rows_and_columns(t, t.shape[-1])
+    return torch.as_strided(t, shape, strides, t.storage_offset()), where
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
@@ -81,8 +81,8 @@ def test_padded_view_ends_each_row_at_the_head_dim(layout, heads):
     if layout == "bnhd" and heads > 1:
         assert found is None and flash_gluon._rows_and_columns(t, d) is not None  # tiles of d columns read it
         return
-    (rows, cols), row_stride, (rows_b, rows_h, cols_h) = found
-    assert rows == 2 * heads * n and cols == d and row_stride == d and (heads == 1 or cols_h == 0)
+    (rows, cols), strides, (rows_b, rows_h, cols_h) = found
+    assert rows == 2 * heads * n and cols == d and strides == [d, 1] and (heads == 1 or cols_h == 0)
 
 
 def test_not_chosen_without_an_sm90_gpu():
@@ -168,6 +168,25 @@ def test_backward_launch_arguments_match_the_kernel_signature():
                                                   torch.zeros(1, 2, 1024), True)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_side_by_side_heads_below_the_tile_are_a_3d_view_of_one_head_a_block(batch, monkeypatch):
+    """With SIDE_BY_SIDE_3D, the model's (B, n, H, d) heads below the tile's width are the 3-D view (B n, H, d):
+    element (b, h, i, :) at (b rows_b + i, h cols_h, :), and a descriptor's block is one head's rows, [rows, 1,
+    width] (TMA's zero fill past d, as in a 2-D view that ends at d)."""
+    monkeypatch.setattr(flash_gluon, "SIDE_BY_SIDE_3D", True)
+    n, heads, d = 8, 3, 80
+    t = torch.arange(batch * n * heads * d, dtype=torch.bfloat16).reshape(batch, n, heads, d).transpose(1, 2)
+    shape, strides, (rows_b, rows_h, cols_h) = flash_gluon._rows_and_columns(t, flash_gluon.tile_dim(d))
+    view = torch.as_strided(t, shape, strides, t.storage_offset())
+    b, h, i = torch.meshgrid(torch.arange(batch), torch.arange(heads), torch.arange(n), indexing="ij")
+    rows, cols = (b * rows_b + h * rows_h + i).reshape(-1), (h * cols_h).reshape(-1)
+    assert shape[-1] == d and torch.equal(view[rows, cols], t.reshape(-1, d))
+    descriptor, _ = flash_gluon._descriptor(t, 64)
+    assert descriptor.block_shape == [64, 1, 128] and descriptor.layout.rank == 3
+    at_width = torch.zeros(batch, n, heads, 128, dtype=torch.bfloat16).transpose(1, 2)
+    assert flash_gluon._rows_and_columns(at_width, 128)[:2] == ([batch * n, 3 * 128], [3 * 128, 1])  # 2-D there
+
+
 @pytest.mark.parametrize("d", [48, 64, 80, 128])
 def test_padded_head_dims_launch_tiles_of_their_tile_width(d):
     """A head dim below its tile runs the tile's kernel: every descriptor's block as wide as the tile (dQ's half of
@@ -246,8 +265,8 @@ def test_descriptor_copies_are_validated_descriptors_and_keep_no_tensor(monkeypa
     for n in (1024, 1024, 2048):
         t = torch.zeros(2, 4, n, 64, dtype=torch.bfloat16)
         descriptor, where = flash_gluon._descriptor(t, 64)
-        shape, row_stride, _ = flash_gluon._rows_and_columns(t, 64)
-        fresh = TensorDescriptor(t, shape, [row_stride, 1], [64, 64], flash_gluon._smem_layout((64, 64), t.dtype))
+        shape, strides, _ = flash_gluon._rows_and_columns(t, 64)
+        fresh = TensorDescriptor(t, shape, strides, [64, 64], flash_gluon._smem_layout((64, 64), t.dtype))
         assert descriptor.base is t and vars(descriptor).keys() == vars(fresh).keys()
         assert all(getattr(descriptor, f) == getattr(fresh, f) for f in vars(fresh) if f != "base")
     assert len(flash_gluon._DESCRIPTOR_FIELDS) == 2 and not any(

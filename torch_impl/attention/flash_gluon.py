@@ -27,6 +27,7 @@ References: Shah et al., "FlashAttention-3" (2024), sections 3.1-3.2; Triton's G
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -85,6 +86,38 @@ def tile_dim(d: int) -> int | None:
 def _wgmma_layout(block_n):
     """The accumulator layout of one warpgroup's wgmma: 4 warps stacked along M, one instruction as wide as N."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16])
+
+
+@triton.constexpr_function
+def _tile_shape(block_shape):
+    """A descriptor's block as the 2-D tile the MMAs read: [rows, width], or [rows, 1, width] (one head of a 3-D
+    view: ``_rows_and_columns``) without its 1."""
+    return [block_shape[0], block_shape[-1]]
+
+
+@triton.constexpr_function
+def _tile_layout(layout):
+    """A descriptor's shared-memory layout at rank 2 (the same swizzle: a block of one head lands as its 2-D tile);
+    a 2-D one as it is."""
+    if layout.rank == 2:
+        return layout
+    return gl.NVMMASharedLayout(layout.swizzle_byte_width, layout.element_bitwidth, 2, layout.transposed,
+                                layout.fp4_padded)
+
+
+@triton.constexpr_function
+def _is_3d(block_shape):
+    return len(block_shape) == 3
+
+
+@gluon.jit
+def _load_tile(desc, row, col, bar, smem):
+    """TMA-load desc's block at (row, col) into the 2-D tile ``smem``, arriving at ``bar``; in a 3-D view
+    (``_rows_and_columns``) col is the head, and the block lands as the tile."""
+    if _is_3d(desc.block_type.shape):
+        _tma_load(desc, [row, col, 0], bar, _reinterpret(smem, smem.dtype, desc.block_type.shape, desc.layout))
+    else:
+        _tma_load(desc, [row, col], bar, smem)
 
 
 @gluon.jit
@@ -173,18 +206,16 @@ def _load_item(tile, i, t, q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_rea
     mbarrier.wait(q_free, (t & 1) ^ 1)  # a new barrier passes the parity-1 wait
     mbarrier.expect(q_ready, TILES * q_desc.block_type.nbytes)
     for u in gl.static_range(TILES):
-        _tma_load(q_desc, [q_row + u * BLOCK_M, h * q_cols_h], q_ready, q_smem.index(u))
+        _load_tile(q_desc, q_row + u * BLOCK_M, h * q_cols_h, q_ready, q_smem.index(u))
     for j in range(n_blocks):
         stage = i % stages
         free_phase = ((i // stages) & 1) ^ 1
         mbarrier.wait(k_free.index(stage), free_phase)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], k_ready.index(stage),
-                  k_bufs.index(stage))
+        _load_tile(k_desc, kv_row + j * BLOCK_N, h_kv * kv_cols_h, k_ready.index(stage), k_bufs.index(stage))
         mbarrier.wait(v_free.index(stage), free_phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [kv_row + j * BLOCK_N, h_kv * kv_cols_h], v_ready.index(stage),
-                  v_bufs.index(stage))
+        _load_tile(v_desc, kv_row + j * BLOCK_N, h_kv * kv_cols_h, v_ready.index(stage), v_bufs.index(stage))
         i += 1
     return i
 
@@ -420,16 +451,19 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_
     order ``_position`` deals them (one item in a grid of a program per item), or (DYNAMIC) as they come from a
     counter (``counter_ptr``, an int32 zero: ``_load``).
     Element (b, h, n, :) of Q sits at row b * q_rows_b + h * q_rows_h + n, column h * q_cols_h of q_desc's 2-D view
-    (and so for K, V with the k/v head h // group)."""
+    (of a 3-D view: head h * q_cols_h; and so for K, V with the k/v head h // group)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     n_m_blocks = n_q // (TILES * BLOCK_M)
     n_tiles = n_m_blocks * n_bh
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [TILES] + q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [TILES] + _tile_shape(q_desc.block_type.shape),
+                                       _tile_layout(q_desc.layout))
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + _tile_shape(k_desc.block_type.shape),
+                                       _tile_layout(k_desc.layout))
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + _tile_shape(v_desc.block_type.shape),
+                                       _tile_layout(v_desc.layout))
     o_bufs = gl.allocate_shared_memory(o_desc.dtype, [TILES if TMA_STORE else 1] + o_desc.block_type.shape,
                                        o_desc.layout)  # one unused tile without TMA_STORE
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -557,8 +591,8 @@ def _bwd_load_item(item, t, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_
     row = b * kv_rows_b + h_kv * kv_rows_h + key_start
     mbarrier.wait(kv_free.index(kv), ((t // kv_bufs) & 1) ^ 1)  # a new barrier passes the parity-1 wait
     mbarrier.expect(kv_ready.index(kv), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    _tma_load(k_desc, [row, h_kv * kv_cols_h], kv_ready.index(kv), k_bufs.index(kv))
-    _tma_load(v_desc, [row, h_kv * kv_cols_h], kv_ready.index(kv), v_bufs.index(kv))
+    _load_tile(k_desc, row, h_kv * kv_cols_h, kv_ready.index(kv), k_bufs.index(kv))
+    _load_tile(v_desc, row, h_kv * kv_cols_h, kv_ready.index(kv), v_bufs.index(kv))
     for g in range(group):
         h = h_kv * group + g
         for i in range(i_first, n_m):
@@ -568,10 +602,10 @@ def _bwd_load_item(item, t, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_
                             2 * lse_desc.block_type.nbytes)
             _tma_load(lse_desc, [(b * n_heads + h) * n_m + i, 0], ready.index(stage), stat_bufs.index(2 * stage))
             _tma_load(delta_desc, [(b * n_heads + h) * n_m + i, 0], ready.index(stage), stat_bufs.index(2 * stage + 1))
-            _tma_load(q_desc, [b * q_rows_b + h * q_rows_h + i * BLOCK_M, h * q_cols_h], ready.index(stage),
-                      q_bufs.index(stage))
-            _tma_load(do_desc, [b * do_rows_b + h * do_rows_h + i * BLOCK_M, h * do_cols_h], ready.index(stage),
-                      do_bufs.index(stage))
+            _load_tile(q_desc, b * q_rows_b + h * q_rows_h + i * BLOCK_M, h * q_cols_h, ready.index(stage),
+                       q_bufs.index(stage))
+            _load_tile(do_desc, b * do_rows_b + h * do_rows_h + i * BLOCK_M, h * do_cols_h, ready.index(stage),
+                       do_bufs.index(stage))
             s += 1
     return s
 
@@ -777,7 +811,7 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     (B H n_q, d) view) and dK, dV (B, H_kv, n_k, d; ``dk_desc``, ``dv_desc`` their (B H_kv n_k, d) views) are
     contiguous. EXACT_SCALE: ``_exact_scale`` of the head dim (not of the tile it is padded to)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = BLOCK_KEYS // TILES
     KV_BUFS: gl.constexpr = 2 if PERSISTENT else 1
@@ -786,10 +820,14 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     n_kb = n_k // BLOCK_KEYS
     n_items = n_kb * n_bkv
 
-    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [KV_BUFS] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [KV_BUFS] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + _tile_shape(q_desc.block_type.shape),
+                                       _tile_layout(q_desc.layout))
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + _tile_shape(do_desc.block_type.shape),
+                                        _tile_layout(do_desc.layout))
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [KV_BUFS] + _tile_shape(k_desc.block_type.shape),
+                                       _tile_layout(k_desc.layout))
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [KV_BUFS] + _tile_shape(v_desc.block_type.shape),
+                                       _tile_layout(v_desc.layout))
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_KEYS, BLOCK_M], q_desc.dtype)
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_KEYS, BLOCK_M], ds_layout)
     stat_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES] + lse_desc.block_type.shape,
@@ -962,21 +1000,31 @@ CONFIGS = {64: ((64, 128, 3, 240), (64, 128, 2, 240), (64, 128, 4, 240), (64, 64
            128: ((64, 128, 2, 240), (64, 64, 3, 240), (64, 64, 4, 240))}
 
 
-def _rows_and_columns(t: torch.Tensor, width: int) -> tuple[list[int], int, tuple[int, int, int]] | None:
-    """A 2-D (rows, columns) view of t (B, H, n, d) for TMA tiles ``width`` columns wide, and where (b, h, i, :) sits
-    in it: row b * rows_b + h * rows_h + i, column h * cols_h. Covers (B, H, n, d) contiguous and the (B, n, H, d)
-    layout the model's heads are views of; None for other strides (or misaligned ones), and for the heads side by
-    side below the tile's width (a tile would read the next head's columns, not TMA's zero fill: ``tile_dim``)."""
+# The heads side by side ((B, n, H, d), the model's layout) below the tile's width as a 3-D view, a block of one
+# head (``_rows_and_columns``): compiled for sm_90, not yet checked on a GPU, so off (scripts/flash_gluon_probe.py
+# --side-by-side checks and times it).
+SIDE_BY_SIDE_3D = False
+
+
+def _rows_and_columns(t: torch.Tensor, width: int) -> tuple[list[int], list[int], tuple[int, int, int]] | None:
+    """A view of t (B, H, n, d) for TMA tiles ``width`` columns wide, (sizes, strides), and where (b, h, i, :) sits
+    in it: row b * rows_b + h * rows_h + i, column h * cols_h of a 2-D view; or, for the heads side by side below
+    the tile's width (a 2-D tile would read the next head's columns, not TMA's zero fill: ``tile_dim``), with
+    SIDE_BY_SIDE_3D, the 3-D view (B n, H, d) whose element (row, h * cols_h, :) it is (cols_h 1; its blocks one
+    head: ``_load_tile``). Covers (B, H, n, d) contiguous and the (B, n, H, d) layout the model's heads are views
+    of; None for other strides (or misaligned ones)."""
     batch, heads, n, d = t.shape
     sb, sh, sn, sd = t.stride()
     elem = t.element_size()
     if sd != 1 or (sn * elem) % 16 or t.data_ptr() % 16:
         return None
-    side_by_side = heads == 1 or (d == width and (sh * elem) % 16 == 0 and (heads - 1) * sh + d <= sn)
-    if (batch == 1 or sb == n * sn) and side_by_side:
-        return [batch * n, (heads - 1) * sh + d], sn, (n, 0, sh)  # the heads side by side in a row
+    if (batch == 1 or sb == n * sn) and (heads == 1 or ((sh * elem) % 16 == 0 and (heads - 1) * sh + d <= sn)):
+        if heads == 1 or d == width:
+            return [batch * n, (heads - 1) * sh + d], [sn, 1], (n, 0, sh)  # the heads side by side in a row
+        if SIDE_BY_SIDE_3D and d <= sh:
+            return [batch * n, heads, d], [sn, sh, 1], (n, 0, 1)  # the same, a block of one head
     if (heads == 1 or sh == n * sn) and (batch == 1 or sb == heads * n * sn) and d <= sn:
-        return [batch * heads * n, d], sn, (heads * n, n, 0)  # each head's rows one after another
+        return [batch * heads * n, d], [sn, 1], (heads * n, n, 0)  # each head's rows one after another
     return None
 
 
@@ -1049,17 +1097,21 @@ def schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> 
 
 
 @functools.cache
-def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), {**DTYPES, torch.float32: gl.float32}[dtype])
+def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The shared-memory layout of a TMA block: the default for its 2-D tile, at the block's rank (a 3-D block of
+    one head, [rows, 1, width], lands as that tile: ``_tile_layout``)."""
+    tile = [block[0], block[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(tile, {**DTYPES, torch.float32: gl.float32}[dtype])
+    return dataclasses.replace(layout, rank=len(block))
 
 
 def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
-    """A TMA descriptor of t (B, H, n, d) in its 2-D view (``_rows_and_columns``), its tiles ``block_cols`` wide
-    (None: the head dim's tile width), and where its heads sit in that view."""
+    """A TMA descriptor of t (B, H, n, d) in its view (``_rows_and_columns``), its tiles ``block_cols`` wide (None:
+    the head dim's tile width), and where its heads sit in that view."""
     width = tile_dim(t.shape[-1])
-    shape, row_stride, where = _rows_and_columns(t, width)
-    block = (block_rows, block_cols or width)
-    return _tensor_descriptor(t, shape, [row_stride, 1], list(block), _smem_layout(block, t.dtype)), where
+    shape, strides, where = _rows_and_columns(t, width)
+    block = (block_rows, *[1] * (len(shape) - 2), block_cols or width)
+    return _tensor_descriptor(t, shape, strides, list(block), _smem_layout(block, t.dtype)), where
 
 
 # A validated descriptor's fields but its base, by everything its checks read (dtype, alignment, sizes, strides,
