@@ -407,3 +407,13 @@ def test_op_ab_timeline_rows_are_each_kernels_median_time_and_gap():
     assert rows[0]["ms"] == 1.0 and rows[0]["gap_before_us"] == 5.0
     assert rows[1]["ms"] == pytest.approx(3.002) and rows[1]["gap_before_us"] == 4.0  # steps 1-3: 3, 4, 5
     assert kernel_rows(kernels[:-1], steps) == [{"error": "7 kernels in 4 steps"}]
+
+
+@pytest.mark.parametrize("argv", [["--head-dims", "32"], ["--head-dims", "80,x"], ["--shapes", "1x16x1024x136"]])
+def test_probe_refuses_head_dims_without_a_tile_in_one_line(argv, tmp_path, capsys, monkeypatch):
+    """scripts/flash_gluon_probe.py: a head dim the kernels have no tile for is a usage error naming what is
+    accepted, before anything needs a GPU."""
+    monkeypatch.delenv("FLASH_GLUON", raising=False)  # the probe's import sets it: unset again afterwards
+    with pytest.raises(SystemExit) as exit_:
+        _script("flash_gluon_probe").main([str(tmp_path), *argv])
+    assert exit_.value.code == 2 and "multiples of 8 from 40 to 128" in capsys.readouterr().err
