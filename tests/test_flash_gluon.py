@@ -62,6 +62,14 @@ def test_tma_view_refuses_strides_it_cannot_read():
     assert flash_gluon._rows_and_columns(torch.zeros(2, 4, 8, 17)[..., :16], 16) is None  # rows not 16-byte aligned
 
 
+def test_host_next_power_of_two_is_tritons():
+    import triton
+
+    from torch_impl.attention import flash_triton
+
+    assert all(flash_triton.next_power_of_2(n) == triton.next_power_of_2(n) for n in range(1, 5000))
+
+
 def test_tile_dim_is_the_next_tile_width_for_multiples_of_eight():
     assert {d: flash_gluon.tile_dim(d) for d in range(8, 257, 8) if flash_gluon.tile_dim(d)} == {
         **dict.fromkeys(range(40, 65, 8), 64), **dict.fromkeys(range(72, 129, 8), 128)}

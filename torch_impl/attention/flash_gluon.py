@@ -73,13 +73,12 @@ DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 TILES = gl.constexpr(2)  # query tiles a program computes: one per consumer warpgroup
 
 
-@functools.cache  # on every launch's host path (several times): a dict lookup
 def tile_dim(d: int) -> int | None:
     """The tile width head dim d runs at: its next power of two (as the Triton kernels pad it) where that is one of
     TILE_DIMS and d a multiple of 8 (a row of TMA's box: 16 bytes), else None. Below the tile, the columns past d are
     TMA's zero fill on every load (the views must end each row there: ``_rows_and_columns``) and are never stored
     (TMA's stores stop at the view's edge), so S, dP and O's first d columns are exact."""
-    width = 1 << max(d - 1, 0).bit_length()  # the next power of two (triton.next_power_of_2, without its JIT wrapper)
+    width = flash_triton.next_power_of_2(d)
     return width if width in TILE_DIMS and d % 8 == 0 else None
 
 
