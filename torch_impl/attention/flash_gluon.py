@@ -903,7 +903,7 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     if width is None or n_q % block_m or n_k % (TILES.value * block_k):
         raise ValueError(f"the Gluon backward takes d a multiple of 8 from 40 to 128 (``tile_dim``), n_q a multiple "
                          f"of {block_m} and n_k of {TILES.value * block_k}; got d {d}, n_q {n_q}, n_k {n_k}")
-    if programs is not None and _epilogue_in_stages(width):
+    if programs is not None and _epilogue_in_stages.fn(width):  # .fn: without the constexpr wrapper (~4 us a call)
         raise ValueError(f"the Gluon backward's persistent grid takes d 64 only (above, dK and dV go out through the "
                          f"stages: a program of one item); got d {d}")
     if delta is None:
@@ -917,7 +917,7 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     do_desc, do_where = _descriptor(do, block_m)
     k_desc, kv_where = _descriptor(k, TILES.value * block_k)  # a program's keys, both consumers' in one tile
     v_desc, _ = _descriptor(v, TILES.value * block_k)
-    dq_desc, _ = _descriptor(dq_acc, block_m, width // TILES.value if _dq_split(width) else width)
+    dq_desc, _ = _descriptor(dq_acc, block_m, width // TILES.value if _dq_split.fn(width) else width)
     lse, delta = lse.contiguous(), delta.contiguous()
     lse_desc, delta_desc = (_tensor_descriptor(t, [t.numel() // block_m, block_m], [block_m, 1], [1, block_m],
                                              _STATS_LAYOUT) for t in (lse, delta))  # row (b H + h) n_q / BLOCK_M + i
@@ -929,7 +929,7 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
             kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, PERSISTENT=programs is not None,
-                      DQ_LAG=int(programs is None if dq_lag is None else dq_lag), EXACT_SCALE=_exact_scale(d),
+                      DQ_LAG=int(programs is None if dq_lag is None else dq_lag), EXACT_SCALE=_exact_scale.fn(d),
                       num_warps=4, enable_fp_fusion=False)
     return grid, args, constexprs, (dq_acc, dk, dv)
 
@@ -972,7 +972,7 @@ def backward_schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=
     Taking the items from a counter as the forward does where the shares are uneven was no faster (f4fe35c: 3.031
     against 3.038 ms at 1 x 16 x 16,384 x 64; notes/flash_attention.md, session 24)."""
     block_m, block_k = (config or BWD_CONFIG)[:2]
-    if _epilogue_in_stages(tile_dim(k.shape[-1])):
+    if _epilogue_in_stages.fn(tile_dim(k.shape[-1])):
         return {}
     batch, kv_heads, n_k, _ = k.shape
     keys = TILES.value * block_k
