@@ -89,10 +89,10 @@ def _wgmma_layout(block_n):
 
 
 @triton.constexpr_function
-def _tile_shape(block_shape):
-    """A descriptor's block as the 2-D tile the MMAs read: [rows, width], or [rows, 1, width] (one head of a 3-D
-    view: ``_rows_and_columns``) without its 1."""
-    return [block_shape[0], block_shape[-1]]
+def _tile_shape(count, block_shape):
+    """``count`` of a descriptor's blocks as the 2-D tiles the MMAs read: [count, rows, width], from a block of
+    [rows, width] or [rows, 1, width] (one head of a 3-D view: ``_rows_and_columns``)."""
+    return [count, block_shape[0], block_shape[-1]]
 
 
 @triton.constexpr_function
@@ -108,6 +108,12 @@ def _tile_layout(layout):
 @triton.constexpr_function
 def _is_3d(block_shape):
     return len(block_shape) == 3
+
+
+@gluon.jit
+def _tile_buffers(desc, count: gl.constexpr):
+    """Shared memory for ``count`` 2-D tiles of desc's block (``_load_tile`` fills one)."""
+    return gl.allocate_shared_memory(desc.dtype, _tile_shape(count, desc.block_type.shape), _tile_layout(desc.layout))
 
 
 @gluon.jit
@@ -458,12 +464,9 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_
     n_m_blocks = n_q // (TILES * BLOCK_M)
     n_tiles = n_m_blocks * n_bh
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [TILES] + _tile_shape(q_desc.block_type.shape),
-                                       _tile_layout(q_desc.layout))
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + _tile_shape(k_desc.block_type.shape),
-                                       _tile_layout(k_desc.layout))
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + _tile_shape(v_desc.block_type.shape),
-                                       _tile_layout(v_desc.layout))
+    q_smem = _tile_buffers(q_desc, TILES)
+    k_bufs = _tile_buffers(k_desc, STAGES)
+    v_bufs = _tile_buffers(v_desc, STAGES)
     o_bufs = gl.allocate_shared_memory(o_desc.dtype, [TILES if TMA_STORE else 1] + o_desc.block_type.shape,
                                        o_desc.layout)  # one unused tile without TMA_STORE
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -820,14 +823,10 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     n_kb = n_k // BLOCK_KEYS
     n_items = n_kb * n_bkv
 
-    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + _tile_shape(q_desc.block_type.shape),
-                                       _tile_layout(q_desc.layout))
-    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + _tile_shape(do_desc.block_type.shape),
-                                        _tile_layout(do_desc.layout))
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [KV_BUFS] + _tile_shape(k_desc.block_type.shape),
-                                       _tile_layout(k_desc.layout))
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [KV_BUFS] + _tile_shape(v_desc.block_type.shape),
-                                       _tile_layout(v_desc.layout))
+    q_bufs = _tile_buffers(q_desc, STAGES)
+    do_bufs = _tile_buffers(do_desc, STAGES)
+    k_bufs = _tile_buffers(k_desc, KV_BUFS)
+    v_bufs = _tile_buffers(v_desc, KV_BUFS)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_KEYS, BLOCK_M], q_desc.dtype)
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_KEYS, BLOCK_M], ds_layout)
     stat_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES] + lse_desc.block_type.shape,
