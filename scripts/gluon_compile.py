@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import os
 import re
@@ -120,6 +121,16 @@ def spills_in_mma_loops(code: str) -> tuple[int, int, int]:
     return inside.count("STL"), inside.count("LDL"), len(inside)
 
 
+@contextlib.contextmanager
+def _side_by_side(on: bool):
+    """``flash_gluon.SIDE_BY_SIDE_3D`` set to ``on`` while launch arguments are made, as it was afterwards."""
+    before, flash_gluon.SIDE_BY_SIDE_3D = flash_gluon.SIDE_BY_SIDE_3D, on
+    try:
+        yield
+    finally:
+        flash_gluon.SIDE_BY_SIDE_3D = before
+
+
 def _heads(batch: int, heads: int, d: int, side_by_side: bool) -> torch.Tensor:
     """(B, H, 1024, d) bf16 on the CPU: contiguous, or (side_by_side) the model's (B, n, H, d) layout."""
     if side_by_side:
@@ -133,12 +144,9 @@ def compile_config(d: int, config, is_causal: bool = True, programs: int | None 
     ``programs``: a persistent grid of that many (None: a program per work item, the default); ``side_by_side``:
     q, k, v in the model's layout, 3-D views below the tile (``flash_gluon.SIDE_BY_SIDE_3D``)."""
     q = _heads(1, 2, d, side_by_side)
-    flash_gluon.SIDE_BY_SIDE_3D = side_by_side
-    try:
+    with _side_by_side(side_by_side):
         grid, args, constexprs, _ = flash_gluon.launch_arguments(q, q, q, is_causal, config, programs=programs,
                                                                  **options)
-    finally:
-        flash_gluon.SIDE_BY_SIDE_3D = False
     return flash_gluon._fwd_kernel.warmup(*args, grid=grid, **constexprs)
 
 
@@ -147,12 +155,9 @@ def compile_backward(d: int, is_causal: bool = True, programs: int | None = None
     """The compiled backward (two query heads a k/v head; dO and O contiguous), as ``compile_config`` compiles the
     forward."""
     q, k, do = _heads(1, 4, d, side_by_side), _heads(1, 2, d, side_by_side), _heads(1, 4, d, False)
-    flash_gluon.SIDE_BY_SIDE_3D = side_by_side
-    try:
+    with _side_by_side(side_by_side):
         grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(
             do, q, k, k, do, torch.empty(1, 4, 1024), is_causal, programs=programs, dq_lag=dq_lag)
-    finally:
-        flash_gluon.SIDE_BY_SIDE_3D = False
     return flash_gluon._bwd_kernel.warmup(*args, grid=grid, **constexprs)
 
 
