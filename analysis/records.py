@@ -70,8 +70,14 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
+# Environment variables that choose what code runs (our kernels' switches, Triton's, Inductor's, XLA's, NCCL's):
+# a record keeps the ones set (``provenance``' "settings"), since the same command measures different code with them.
+SETTINGS_PREFIXES = ("FLASH_", "TRITON_", "TORCHINDUCTOR_", "XLA_", "NCCL_")
+
+
 def provenance(device_name: str = "cpu") -> dict[str, Any]:
-    """Where and when a measurement was made, with what code and libraries.
+    """Where and when a measurement was made, with what code and libraries, and the environment variables of
+    SETTINGS_PREFIXES that were set.
 
     The commit comes from git, or from ``$RESULTS_GIT_COMMIT`` where the tree was copied without its history
     (the GPU machines); whether the tree differed from it is then unknown (None).
@@ -87,6 +93,7 @@ def provenance(device_name: str = "cpu") -> dict[str, Any]:
         "versions": library_versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([os.path.basename(sys.executable), *sys.argv]),
+        "settings": {name: value for name, value in sorted(os.environ.items()) if name.startswith(SETTINGS_PREFIXES)},
     }
 
 

@@ -78,10 +78,11 @@ def test_tile_dim_is_the_next_tile_width_for_multiples_of_eight():
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("heads", [1, 3])
-def test_padded_view_ends_each_row_at_the_head_dim(layout, heads):
-    """Below the tile's width a row of the view must end at d, so that TMA fills the tile's other columns with
+def test_padded_view_ends_each_row_at_the_head_dim(layout, heads, monkeypatch):
+    """Below the tile's width a row of the 2-D view must end at d, so that TMA fills the tile's other columns with
     zeros: each head's rows one after another, or the heads side by side only where there is one head (the next
-    head's columns would be read)."""
+    head's columns would be read; with SIDE_BY_SIDE_3D, the default, a 3-D view takes them: the test below)."""
+    monkeypatch.setattr(flash_gluon, "SIDE_BY_SIDE_3D", False)
     n, d = 8, 80
     base = torch.arange(2 * heads * n * d, dtype=torch.bfloat16)
     t = base.reshape(2, n, heads, d).transpose(1, 2) if layout == "bnhd" else base.reshape(2, heads, n, d)

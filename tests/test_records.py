@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.records import Record, append_records, provenance, read_records, timing_stats
+from analysis.records import SETTINGS_PREFIXES, Record, append_records, provenance, read_records, timing_stats
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -185,6 +185,16 @@ def test_provenance_filled_in() -> None:
     assert prov["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
     assert provenance("NVIDIA H100")["device_name"] == "NVIDIA H100"
     json.dumps(prov)  # provenance must be JSON-serialisable as it is
+
+
+def test_provenance_keeps_the_settings_that_choose_kernels(monkeypatch) -> None:
+    """The same command measures other code with FLASH_GLUON=0 or TRITON_INTERPRET=1: a record keeps them."""
+    for name in [n for n in os.environ if n.startswith(SETTINGS_PREFIXES)]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("FLASH_GLUON_SIDE_BY_SIDE_3D", "0")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("HOME_FLASH_", "x")  # a prefix elsewhere in the name is not one
+    assert provenance()["settings"] == {"FLASH_GLUON_SIDE_BY_SIDE_3D": "0", "TRITON_INTERPRET": "1"}
 
 
 def test_provenance_commit_from_environment(monkeypatch) -> None:

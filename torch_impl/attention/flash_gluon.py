@@ -1001,9 +1001,10 @@ CONFIGS = {64: ((64, 128, 3, 240), (64, 128, 2, 240), (64, 128, 4, 240), (64, 64
 
 
 # The heads side by side ((B, n, H, d), the model's layout) below the tile's width as a 3-D view, a block of one
-# head (``_rows_and_columns``): compiled for sm_90, not yet checked on a GPU, so off unless
-# FLASH_GLUON_SIDE_BY_SIDE_3D=1 (scripts/flash_gluon_probe.py --side-by-side checks and times it).
-SIDE_BY_SIDE_3D = os.environ.get("FLASH_GLUON_SIDE_BY_SIDE_3D", "0") == "1"
+# head (``_rows_and_columns``): right on the H100 (float64 checks at d 48, 80, 96; the 2.7B step 1.03x faster than
+# with the Triton kernels, notes/flash_attention.md session 27). FLASH_GLUON_SIDE_BY_SIDE_3D=0: those heads go to the
+# Triton kernels (scripts/flash_gluon_probe.py --side-by-side checks and times the 3-D views).
+SIDE_BY_SIDE_3D = os.environ.get("FLASH_GLUON_SIDE_BY_SIDE_3D", "1") != "0"
 
 
 def _rows_and_columns(t: torch.Tensor, width: int) -> tuple[list[int], list[int], tuple[int, int, int]] | None:
