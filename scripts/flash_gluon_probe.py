@@ -68,10 +68,6 @@ VARIANTS["gluon_persistent_heads_tma_store"] = {"persistent": True, "order": "he
 VARIANTS["gluon_dynamic"] = {"persistent": True, "order": "dynamic", "tma_store": True}  # items from a counter
 VARIANTS["gluon_dynamic_folded"] = {**VARIANTS["gluon_dynamic"], "folded": True}  # and the scale in the exponent's FMA
 VARIANTS["gluon_heads_folded"] = {**VARIANTS["gluon_persistent_heads_tma_store"], "folded": True}
-# three consumer warpgroups a program (FlashAttention-3's 192-query items at d 64), alone and as the op's grids
-VARIANTS["gluon_three"] = {"consumers": 3}
-VARIANTS["gluon_three_dynamic_folded"] = {**VARIANTS["gluon_dynamic_folded"], "consumers": 3}
-VARIANTS["gluon_three_heads_folded"] = {**VARIANTS["gluon_heads_folded"], "consumers": 3}
 # the backward's configurations by variant name (BWD_CONFIGS, the default first)
 BACKWARD_VARIANTS = {f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS}
 BACKWARD_VARIANTS["gluon_persistent"] = {"persistent": True}  # a program per SM (d 64), the default configuration
@@ -79,13 +75,6 @@ BACKWARD_VARIANTS["gluon_persistent_64_64_2_240"] = {"persistent": True, "config
 # each tile's dQ product a tile later (``_bwd_consume_item``) or not: the defaults' other choice
 BACKWARD_VARIANTS["gluon_no_dq_lag"] = {"dq_lag": False}
 BACKWARD_VARIANTS["gluon_persistent_dq_lag"] = {"persistent": True, "dq_lag": True}
-
-
-def forward_takes(options: dict, config, d: int, causal: bool) -> bool:
-    """Whether the Gluon forward runs a VARIANTS entry with ``config`` at head dim d: taking turns needs the same key
-    tiles for both consumers (``can_take_turns``), three consumers a tile width that has them (``CONSUMERS``)."""
-    return ((not options.get("pingpong") or fg.can_take_turns(config, causal))
-            and options.get("consumers", 2) in fg.CONSUMERS[fg.tile_dim(d)])
 
 
 def backward_takes(options: dict, d: int) -> bool:
@@ -138,7 +127,7 @@ def check(config, d: int, emit) -> None:
                 continue
             o_ref, lse_ref = reference(q, k, v, causal)
             for variant, options in VARIANTS.items():
-                if not forward_takes(options, config, d, causal):
+                if options.get("pingpong") and not fg.can_take_turns(config, causal):
                     continue
                 o, lse = fg.forward(q, k, v, causal, config, **options)
                 torch.cuda.synchronize()
@@ -178,7 +167,7 @@ def bench(shape: str, configs, emit, once: bool = False, layout: str = "bhnd") -
     for config in configs:
         if fg.supports(q, k, v, True, config):
             for variant, options in VARIANTS.items():
-                if not forward_takes(options, config, d, True):
+                if options.get("pingpong") and not fg.can_take_turns(config, True):
                     continue
                 ms = timed(variant, lambda: fg.forward(q, k, v, True, config, **options)[0], config=config)
                 if ms and cudnn_ms:

@@ -185,10 +185,6 @@ def main(argv: list[str] | None = None) -> int:
         kernels.append((f"d{PADDED_HEAD_DIM}_side_by_side_persistent_dynamic",
                         functools.partial(compile_config, PADDED_HEAD_DIM, flash_gluon.CONFIGS[128][0], programs=132,
                                           order="dynamic", tma_store=True, side_by_side=True)))
-        config = flash_gluon.CONFIGS[64][0]  # three consumer warpgroups (tile width 64 only), as the op's grid
-        kernels.append((f"d64_{'_'.join(map(str, config))}_three_persistent_dynamic",
-                        functools.partial(compile_config, 64, config, programs=132, order="dynamic", tma_store=True,
-                                          folded=True, consumers=3)))
     for d in flash_gluon.CONFIGS if args.first else (*flash_gluon.CONFIGS, PADDED_HEAD_DIM):
         for config in flash_gluon.CONFIGS[flash_gluon.tile_dim(d)][:1 if args.first else None]:
             for option, options in flash_gluon.OPTIONS.items():

@@ -99,41 +99,21 @@ def test_not_chosen_without_an_sm90_gpu():
     assert not flash_gluon.supports(q, q, q, True) and not flash_gluon.preferred(q, q, q, True)
 
 
-@pytest.mark.parametrize("consumers", [2, 3])
 @pytest.mark.parametrize("programs", [None, 132, 10_000])
-def test_launch_arguments_match_the_kernel_signature(programs, consumers):
+def test_launch_arguments_match_the_kernel_signature(programs):
     """The arguments in the kernel's order and the grid three numbers (the compiled kernel's launcher reads a 3-D
-    grid: ``_run``); a work item is a query tile a consumer, the last of a head cut short (1,024 queries: 5 items of
-    192 and one of 64 with three consumers), and the consumers' registers fit the register file."""
+    grid: ``_run``)."""
     q = torch.zeros(2, 4, 1024, 64, dtype=torch.bfloat16)
     k = torch.zeros(2, 2, 1024, 64, dtype=torch.bfloat16)
-    grid, args, options, (o, lse) = flash_gluon.launch_arguments(q, k, k, True, programs=programs,
-                                                                 consumers=consumers)
+    grid, args, options, (o, lse) = flash_gluon.launch_arguments(q, k, k, True, programs=programs)
     names = flash_gluon._fwd_kernel.arg_names
     constexprs = [name for name in options if name != "enable_fp_fusion"]  # a launch option, not a parameter
     assert len(args) + len(constexprs) == len(names) and constexprs == names[len(args):]
     assert options["enable_fp_fusion"] is False  # each rounding as written: L exact for one-hot rows
     block_m = flash_gluon.CONFIGS[64][0][0]
-    items = math.ceil(1024 / (consumers * block_m)) * 2 * 4
+    items = 1024 // (flash_gluon.TILES.value * block_m) * 2 * 4
     assert grid == (items if programs is None else min(items, programs), 1, 1)
     assert o.shape == q.shape and lse.shape == q.shape[:-1] and lse.dtype == torch.float32
-    assert options["CONSUMERS"] == consumers
-    assert consumers * 128 * options["CONSUMER_REGS"] + 128 * 24 <= 65536  # the producer's warpgroup at 24
-
-
-def test_consumers_are_two_or_three_and_only_two_take_turns():
-    """Three consumers at tile width 64 only (at 128 their registers spill and ptxas serializes every wgmma)."""
-    q = torch.zeros(1, 2, 1024, 64, dtype=torch.bfloat16)
-    for consumers in (1, 4, "3"):
-        with pytest.raises(ValueError, match="consumers must be one of"):
-            flash_gluon.launch_arguments(q, q, q, True, consumers=consumers)
-    wide = torch.zeros(1, 2, 1024, 80, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"consumers must be one of \(2,\) at head dim 80; got 3"):
-        flash_gluon.launch_arguments(wide, wide, wide, True, consumers=3)
-    flash_gluon.launch_arguments(q[..., :48].contiguous(), q[..., :48].contiguous(), q[..., :48].contiguous(), True,
-                                 consumers=3)  # d 48 runs in the 64 tile
-    with pytest.raises(ValueError, match="pingpong is written for two consumers"):
-        flash_gluon.launch_arguments(q, q, q, False, pingpong=True, consumers=3)
 
 
 def test_kernel_compiles_for_sm90_without_serialized_wgmma():

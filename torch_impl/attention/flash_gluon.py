@@ -71,13 +71,7 @@ def _reinterpret(smem, dtype, shape, layout, _semantic=None):
 TILE_DIMS = (64, 128)  # head dims the tiles are written for (wgmma's N for O and TMA's box width): ``tile_dim``
 MIN_KEYS = 1024  # below, the Triton forward is as fast or faster (``preferred``)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-TILES = gl.constexpr(2)  # the backward's consumer warpgroups (the forward's: ``launch_arguments``' consumers)
-# The forward's consumer warpgroups a program -> the registers a consumer thread may take at most (setmaxnreg): the
-# 64 K register file less the producer warp's warpgroup at 24 a thread, shared by the consumers' 128 threads each.
-CONSUMER_REGS = {2: 240, 3: 160}
-# The consumer counts each tile width compiles to without spills (three at 128: 880 bytes spilled and every wgmma
-# serialized, Triton 3.6; FlashAttention-3 runs three at d 64 only, as 192-query items).
-CONSUMERS = {64: (2, 3), 128: (2,)}
+TILES = gl.constexpr(2)  # query tiles a program computes: one per consumer warpgroup
 
 
 def tile_dim(d: int) -> int | None:
@@ -135,9 +129,8 @@ def _load_tile(desc, row, col, bar, smem):
 
 @gluon.jit
 def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr, BLOCK_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Work item ``tile`` (CONSUMERS query tiles of BLOCK_M; the last of a head may reach past its queries) -> (its
-    first query, batch, head, k/v head, key tiles it reads). The heaviest query blocks
+          BLOCK_N: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
+    """Work item ``tile`` -> (its first query, batch, head, k/v head, key tiles it reads). The heaviest query blocks
     (causal: those that see the most keys) come first. Head by head, so that the programs running at once read a few
     heads' K and V, which stay in L2: one program per item (the hardware hands out programs as SMs free up), or a
     persistent grid (``order="heads"``). BLOCK_MAJOR (a persistent grid's default ``order="blocks"``): block by
@@ -154,9 +147,9 @@ def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, 
     if IS_CAUSAL:
         m_block = n_m_blocks - 1 - m_block
     h = bh % n_heads
-    m_start = m_block * (CONSUMERS * BLOCK_M)
-    if IS_CAUSAL:  # up to the item's last query (n_q = n_k)
-        n_blocks = gl.cdiv(gl.minimum(m_start + CONSUMERS * BLOCK_M, n_k), BLOCK_N)
+    m_start = m_block * (TILES * BLOCK_M)
+    if IS_CAUSAL:
+        n_blocks = gl.cdiv(m_start + TILES * BLOCK_M, BLOCK_N)
     else:
         n_blocks = n_k // BLOCK_N
     return m_start, bh // n_heads, h, h // group, n_blocks
@@ -213,14 +206,13 @@ def _load_item(tile, i, t, q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_rea
     """The producer's part of work item ``tile``, the program's t-th, its key tiles counted from i (returned: i past
     them): ``_load``."""
     stages: gl.constexpr = k_bufs.type.shape[0]
-    consumers: gl.constexpr = q_smem.type.shape[0]
     m_start, b, h, h_kv, n_blocks = _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
-                                          BLOCK_N, BLOCK_MAJOR, consumers)
+                                          BLOCK_N, BLOCK_MAJOR)
     q_row = b * q_rows_b + h * q_rows_h + m_start
     kv_row = b * kv_rows_b + h_kv * kv_rows_h
     mbarrier.wait(q_free, (t & 1) ^ 1)  # a new barrier passes the parity-1 wait
-    mbarrier.expect(q_ready, consumers * q_desc.block_type.nbytes)
-    for u in gl.static_range(consumers):  # rows past the head's queries: the next head's, or TMA's zero fill
+    mbarrier.expect(q_ready, TILES * q_desc.block_type.nbytes)
+    for u in gl.static_range(TILES):
         _load_tile(q_desc, q_row + u * BLOCK_M, h * q_cols_h, q_ready, q_smem.index(u))
     for j in range(n_blocks):
         stage = i % stages
@@ -320,7 +312,6 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
     """One consumer warpgroup's query tile of work item ``tile``, the program's t-th, its key tiles counted from i
     and its rounds of products from r (returned: i and r past them): ``_consume``."""
     stages: gl.constexpr = k_bufs.type.shape[0]
-    consumers: gl.constexpr = q_smem.type.shape[0]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
@@ -331,10 +322,10 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.index(TILE)
     m_start, b, h, h_kv, n_blocks_program = _tile(tile, n_bh, n_heads, 1, n_m_blocks, n_k, IS_CAUSAL,
-                                                  BLOCK_M, BLOCK_N, BLOCK_MAJOR, consumers)
-    start_m = m_start + TILE * BLOCK_M  # this tile's first query; past n_q: computed beside the others, not stored
-    if IS_CAUSAL:  # key tiles up to the diagonal (past n_q: all)
-        n_blocks = gl.minimum(gl.cdiv(start_m + BLOCK_M, BLOCK_N), n_blocks_program)
+                                                  BLOCK_M, BLOCK_N, BLOCK_MAJOR)
+    start_m = m_start + TILE * BLOCK_M  # this tile's first query
+    if IS_CAUSAL:
+        n_blocks = gl.cdiv(start_m + BLOCK_M, BLOCK_N)  # key tiles up to the diagonal
         n_full = (start_m + 1) // BLOCK_N  # key tiles wholly below it: no mask
     else:
         n_blocks = n_blocks_program
@@ -397,23 +388,6 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
         mbarrier.wait(v_ready.index(cur % stages), (cur // stages) & 1)
         mbarrier.arrive(v_free.index(cur % stages), count=1)
 
-    if start_m < n_q:
-        _store_tile(o, m_i, l_i, o_smem, o_desc, o_ptr, lse_ptr, b, h, start_m, n_heads, n_q, o_rows_b, o_rows_h,
-                    o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, FOLDED, TMA_STORE, BLOCK_M, HEAD_DIM)
-    return i + n_blocks_program, r
-
-
-@gluon.jit
-def _store_tile(o, m_i, l_i, o_smem, o_desc, o_ptr, lse_ptr, b, h, start_m, n_heads, n_q, o_rows_b, o_rows_h,
-                o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, FOLDED: gl.constexpr, TMA_STORE: gl.constexpr,
-                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """A consumer's query tile done: O / l into O (through ``o_smem`` and TMA with TMA_STORE, else from the
-    registers) and L = m / sqrt(d) + log(l) into L."""
-    dtype: gl.constexpr = o_smem.dtype
-    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    scale2 = sm_scale * _LOG2E
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
     o = o / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
     bh = b * n_heads + h
     log_l = gl.log(l_i)
@@ -432,14 +406,15 @@ def _store_tile(o, m_i, l_i, o_smem, o_desc, o_ptr, lse_ptr, b, h, start_m, n_he
         in_view = (gl.expand_dims(offs_mo, 1) >= 0) & gl.expand_dims(h * o_cols_h + offs_d < o_desc.shape[1], 0)
         gl.store(o_tile + gl.expand_dims(offs_mo, 1) * stride_on + gl.expand_dims(offs_d, 0), o.to(dtype),
                  mask=in_view)  # a head dim below the tile: its first d columns
+    return i + n_blocks_program, r
 
 
 @gluon.jit
-def _consume(q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, ids, id_ready, id_free,
-             o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h,
-             stride_ob, stride_oh, stride_on, sm_scale, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
-             TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr, o_smem, TILE: gl.constexpr):
+def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, ids, id_ready,
+             id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h,
+             o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+             FOLDED: gl.constexpr, TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr):
     """One consumer warpgroup: query tile TILE of each of the program's work items, its O and L written at the end.
     Key tile i of the program (over all its items) sits in stage i % STAGES, filled for the (i // STAGES)-th time.
     TMA_STORE: O goes through shared memory and a TMA store that runs on while the next item starts (else each
@@ -477,11 +452,9 @@ def _consume(q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, 
 def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_scale, n_heads, group, n_bh, n_q,
                 n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, o_rows_b, o_rows_h, o_cols_h,
                 stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
-                TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                CONSUMER_REGS: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr,
-                num_warps: gl.constexpr):
-    """A program takes work items (CONSUMERS query tiles of one batch x head, one a consumer warpgroup (2 or 3),
-    ``_tile``, in BLOCK_MAJOR's order) in the
+                TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr, num_warps: gl.constexpr):
+    """A program takes work items (two query tiles of one batch x head, ``_tile``, in BLOCK_MAJOR's order) in the
     order ``_position`` deals them (one item in a grid of a program per item), or (DYNAMIC) as they come from a
     counter (``counter_ptr``, an int32 zero: ``_load``).
     Element (b, h, n, :) of Q sits at row b * q_rows_b + h * q_rows_h + n, column h * q_cols_h of q_desc's 2-D view
@@ -489,13 +462,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    n_m_blocks = gl.cdiv(n_q, CONSUMERS * BLOCK_M)
+    n_m_blocks = n_q // (TILES * BLOCK_M)
     n_tiles = n_m_blocks * n_bh
 
-    q_smem = _tile_buffers(q_desc, CONSUMERS)
+    q_smem = _tile_buffers(q_desc, TILES)
     k_bufs = _tile_buffers(k_desc, STAGES)
     v_bufs = _tile_buffers(v_desc, STAGES)
-    o_bufs = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS if TMA_STORE else 1] + o_desc.block_type.shape,
+    o_bufs = gl.allocate_shared_memory(o_desc.dtype, [TILES if TMA_STORE else 1] + o_desc.block_type.shape,
                                        o_desc.layout)  # one unused tile without TMA_STORE
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -510,53 +483,29 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_
     for u in gl.static_range(2):
         mbarrier.init(turn.index(u), count=1)
         mbarrier.init(id_ready.index(u), count=1)
-        mbarrier.init(id_free.index(u), count=CONSUMERS)  # every consumer took the item
+        mbarrier.init(id_free.index(u), count=TILES)  # both consumers took the item
     mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_free, count=CONSUMERS)  # every consumer releases Q
+    mbarrier.init(q_free, count=TILES)  # both consumers release Q
     for u in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(u), count=1)
         mbarrier.init(v_ready.index(u), count=1)
-        mbarrier.init(k_free.index(u), count=CONSUMERS)  # every consumer releases a stage
-        mbarrier.init(v_free.index(u), count=CONSUMERS)
+        mbarrier.init(k_free.index(u), count=TILES)  # both consumers release a stage
+        mbarrier.init(v_free.index(u), count=TILES)
 
-    # (The partitions' arguments are written out in each call: a tuple kept in a variable loses its constexprs.)
-    if CONSUMERS == 3:
-        gl.warp_specialize([
-            (_consume, (q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, ids,
-                        id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
-                        o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, IS_CAUSAL, FOLDED,
-                        TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC, o_bufs.index(0), 0)),
-            (_consume, (q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, ids,
-                        id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
-                        o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, IS_CAUSAL, FOLDED,
-                        TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC,
-                        o_bufs.index(1 if TMA_STORE else 0), 1)),
-            (_consume, (q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, ids,
-                        id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
-                        o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, IS_CAUSAL, FOLDED,
-                        TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC,
-                        o_bufs.index(2 if TMA_STORE else 0), 2)),
-            (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free,
-                     v_free, ids, id_ready, id_free, counter_ptr, n_tiles, n_bh, n_heads, group, n_m_blocks, n_k,
-                     q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N,
-                     BLOCK_MAJOR, DYNAMIC)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
-    else:
-        gl.warp_specialize([
-            (_consume, (q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, ids,
-                        id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
-                        o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, IS_CAUSAL, FOLDED,
-                        TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC, o_bufs.index(0), 0)),
-            (_consume, (q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, ids,
-                        id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
-                        o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, IS_CAUSAL, FOLDED,
-                        TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC,
-                        o_bufs.index(1 if TMA_STORE else 0), 1)),
-            (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free,
-                     v_free, ids, id_ready, id_free, counter_ptr, n_tiles, n_bh, n_heads, group, n_m_blocks, n_k,
-                     q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N,
-                     BLOCK_MAJOR, DYNAMIC)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+    gl.warp_specialize([
+        (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(0), q_ready, q_free, k_ready, v_ready, k_free, v_free, turn,
+                    ids, id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
+                    o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED,
+                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
+        (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(1 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
+                    k_free, v_free, turn, ids, id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads,
+                    n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1,
+                    IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
+        (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                 ids, id_ready, id_free, counter_ptr, n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b,
+                 q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_MAJOR,
+                 DYNAMIC)),
+    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # ----------------------------------------------------------------------------------------------------- backward
@@ -1242,21 +1191,18 @@ def _programs(device: torch.device) -> int:
 
 def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None,
                      folded: bool = False, programs: int | None = None, out=None, tma_store: bool = False,
-                     pingpong: bool = False, order: str = "blocks", consumers: int = 2):
+                     pingpong: bool = False, order: str = "blocks"):
     """What ``forward`` launches: (grid, positional arguments, constexprs, (O, L)), O and L allocated here unless
     ``out`` gives them (O contiguous like q, L (B, H, n_q) fp32 contiguous). ``programs``: the persistent grid's
-    size (None: one program per work item), taking the items in ``order`` (one of ORDERS: ``_tile``); ``consumers``
-    (one of CONSUMERS at d's tile width): the consumer warpgroups a program, each a query tile of the item. Also used to compile
-    the kernel on a machine without a GPU (scripts/gluon_compile.py)."""
+    size (None: one program per work item), taking the items in ``order`` (one of ORDERS: ``_tile``). Also used to
+    compile the kernel on a machine without a GPU (scripts/gluon_compile.py)."""
     block_m, block_n, stages, regs = config or CONFIGS[tile_dim(q.shape[-1])][0]
     batch, heads, n_q, d = q.shape
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
-    if consumers not in CONSUMERS[tile_dim(d)]:
-        raise ValueError(f"consumers must be one of {CONSUMERS[tile_dim(d)]} at head dim {d}; got {consumers!r}")
-    if pingpong and (consumers != 2 or not can_take_turns((block_m, block_n), is_causal)):
-        raise ValueError(f"pingpong is written for two consumers ({consumers} asked), both seeing the same key tiles: "
-                         f"causal with BLOCK_N a multiple of {TILES.value} x BLOCK_M")
+    if pingpong and not can_take_turns((block_m, block_n), is_causal):
+        raise ValueError(f"pingpong needs both consumers to see the same key tiles: causal with BLOCK_N {block_n} "
+                         f"not a multiple of {TILES.value} x BLOCK_M {block_m}")
     if out is None:
         out = (torch.empty(q.shape, dtype=q.dtype, device=q.device),
                torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
@@ -1265,7 +1211,7 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     k_desc, kv_where = _descriptor(k, block_n)
     v_desc, _ = _descriptor(v, block_n)
     o_desc, o_where = _descriptor(o, block_m)
-    n_tiles = -(-n_q // (consumers * block_m)) * batch * heads
+    n_tiles = n_q // (TILES.value * block_m) * batch * heads
     grid = (n_tiles if programs is None else min(n_tiles, programs), 1, 1)  # 3-D: the compiled kernel's launcher
     dynamic = programs is not None and order == "dynamic"
     # the items handed out past the grid's first (unread without ``dynamic``: L stands in)
@@ -1273,24 +1219,23 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     args = (q_desc, k_desc, v_desc, o_desc, o, lse, counter, 1 / math.sqrt(d), heads, heads // k.shape[1],
             batch * heads, n_q, k.shape[2], *q_where, *kv_where, *o_where, o.stride(0), o.stride(1), o.stride(2))
     constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, TMA_STORE=tma_store, PINGPONG=pingpong, STAGES=stages,
-                      CONSUMERS=consumers, CONSUMER_REGS=min(regs, CONSUMER_REGS[consumers]),
-                      BLOCK_MAJOR=programs is not None and order == "blocks", DYNAMIC=dynamic,
+                      CONSUMER_REGS=regs, BLOCK_MAJOR=programs is not None and order == "blocks", DYNAMIC=dynamic,
                       num_warps=4, enable_fp_fusion=False)  # each rounding as written (``_softmax_tile``)
     return grid, args, constexprs, (o, lse)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, folded: bool = False,
             persistent: bool = False, out=None, tma_store: bool = False, pingpong: bool = False,
-            order: str = "blocks", consumers: int = 2):
+            order: str = "blocks"):
     """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
     (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[tile_dim(d)][0]; ``folded``
     folds the scale into the exponent's multiply-add (``_softmax_tile``); ``persistent`` launches one program per SM,
     each taking work items in turn in ``order`` (``_tile``; else one program per item: as fast or faster where
     measured);
     ``out``: (O, L) to write (``launch_arguments``); ``tma_store`` writes O through shared memory and TMA,
-    ``pingpong`` has the consumers take turns (``_consume``); ``consumers``: 2 or 3 consumer warpgroups a program."""
+    ``pingpong`` has the consumers take turns (``_consume``)."""
     grid, args, constexprs, outputs = launch_arguments(q, k, v, is_causal, config, folded,
                                                        _programs(q.device) if persistent else None, out, tma_store,
-                                                       pingpong, order, consumers)
+                                                       pingpong, order)
     _run(_fwd_kernel, grid, args, constexprs)
     return outputs
