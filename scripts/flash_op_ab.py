@@ -67,6 +67,30 @@ VARIANTS = {"per_item": {"persistent": False}, "persistent": {"persistent": True
             "persistent_dq_lag": {"persistent": True, "dq_lag": True}}
 
 
+class _Floor(torch.autograd.Function):
+    """The op's step without its kernels: what autograd and the op's seven allocations cost the host."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(lse, q, k, v, o)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        lse, q, k, v, o = ctx.saved_tensors
+        torch.empty(q.shape, dtype=torch.float32, device=q.device), torch.empty_like(lse)  # dQ's sum, D
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _launcher(kernel, grid, args, constexprs):
+    """A launch of ``kernel`` compiled once: what Triton's launcher costs the host (descriptors encoded, arguments
+    parsed, the launch), as ``flash_gluon._run`` calls it after the first launch."""
+    compiled = kernel[grid](*args, **constexprs)
+    rest = [constexprs[name] for name in kernel.arg_names[len(args):]]
+    return lambda: compiled[grid](*args, *rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -146,7 +170,18 @@ def main(argv: list[str] | None = None) -> int:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         delta = ft.backward_preprocess(o, d_out, dq_acc)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
+        options = fg.schedule(q, k, True)  # the op's forward, its launch made once: Triton's launcher alone
+        fwd_launch = fg.launch_arguments(q, k, v, True, None, options["folded"], fg._programs(q.device), None,
+                                         options["tma_store"], False, options["order"])
+        bwd_launch = fg.backward_launch_arguments(d_out, q, k, v, o, lse, True, None, delta, dq_acc, (dk, dv),
+                                                  fg._programs(q.device) if fg.backward_schedule(q, k, True) else None)
         parts = {"op forward + backward": fresh_step, "cudnn forward + backward": cudnn_step,
+                 "autograd floor (the op's allocations, no launches)": lambda: _Floor.apply(q, k, v).backward(d_out),
+                 "gluon forward launch arguments": lambda: fg.launch_arguments(
+                     q, k, v, True, None, options["folded"], fg._programs(q.device), None, options["tma_store"], False,
+                     options["order"]),
+                 "gluon forward, Triton's launcher alone": _launcher(fg._fwd_kernel, *fwd_launch[:3]),
+                 "gluon backward, Triton's launcher alone": _launcher(fg._bwd_kernel, *bwd_launch[:3]),
                  "flash_forward": lambda: ft.flash_forward(q, k, v, True),
                  "flash_backward": lambda: ft.flash_backward(d_out, q, k, v, o, lse, True),
                  "gluon forward launch": lambda: fg.forward(q, k, v, True, **fg.schedule(q, k, True)),
