@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                  "preprocess launch": lambda: ft.backward_preprocess(o, d_out, dq_acc),
                  "torch.empty": lambda: torch.empty(q.shape, dtype=torch.float32, device=q.device)}
         for name, fn in parts.items():
-            with torch.enable_grad() if name.startswith(("op", "cudnn")) else contextlib.nullcontext():
+            with torch.enable_grad() if name.startswith(("op", "cudnn", "autograd")) else contextlib.nullcontext():
                 part_ms = statistics.median(host_ms(fn, 10) for _ in range(11))
             emit({"host_part": name, "host_ms": part_ms})
             print(f"{args.shape} host, {name}: {part_ms:.3f} ms", flush=True)
