@@ -20,8 +20,8 @@ beside the Triton backward's errors on the same inputs (dO contiguous where q is
 beside the Triton backward's and cuDNN's forward + backward, and the times of the passes around the kernel (D and
 dQ's zeros; dQ's cast from fp32). ``--no-checks`` times only.
 
-The checks run at ``--head-dims`` (default the tile widths, 64 and 128; any multiple of 8 from 40 to 128 runs in
-the tile of its next power of two), the shapes may have any of those; ``--side-by-side`` takes the model's
+The checks run at ``--head-dims`` (default the tile widths: the forward's 64, 128 and 256, the backward's 64 and 128;
+any multiple of 8 from 40 up runs in the tile of its next power of two), the shapes may have any of those; ``--side-by-side`` takes the model's
 (B, n, H, d) heads below the tile's width as 3-D views (``flash_gluon.SIDE_BY_SIDE_3D``) and times in that layout.
 
 Rows (with provenance) are appended to OUT/flash_gluon_probe.jsonl as they are measured; a configuration that
@@ -65,7 +65,8 @@ VARIANTS["gluon_persistent"] = {"persistent": True}
 VARIANTS["gluon_persistent_tma_store"] = {"persistent": True, "tma_store": True}  # O's store under the next item
 VARIANTS["gluon_persistent_heads"] = {"persistent": True, "order": "heads"}  # the items head by head
 VARIANTS["gluon_persistent_heads_tma_store"] = {"persistent": True, "order": "heads", "tma_store": True}
-VARIANTS["gluon_dynamic"] = {"persistent": True, "order": "dynamic", "tma_store": True}  # items from a counter
+VARIANTS["gluon_persistent_dynamic"] = {"persistent": True, "order": "dynamic"}  # items from a counter
+VARIANTS["gluon_dynamic"] = {**VARIANTS["gluon_persistent_dynamic"], "tma_store": True}  # and O's TMA store
 VARIANTS["gluon_dynamic_folded"] = {**VARIANTS["gluon_dynamic"], "folded": True}  # and the scale in the exponent's FMA
 VARIANTS["gluon_heads_folded"] = {**VARIANTS["gluon_persistent_heads_tma_store"], "folded": True}
 # the backward's configurations by variant name (BWD_CONFIGS, the default first)
@@ -75,6 +76,13 @@ BACKWARD_VARIANTS["gluon_persistent_64_64_2_240"] = {"persistent": True, "config
 # each tile's dQ product a tile later (``_bwd_consume_item``) or not: the defaults' other choice
 BACKWARD_VARIANTS["gluon_no_dq_lag"] = {"dq_lag": False}
 BACKWARD_VARIANTS["gluon_persistent_dq_lag"] = {"persistent": True, "dq_lag": True}
+
+
+def forward_takes(options: dict, config, d: int, causal: bool) -> bool:
+    """Whether the Gluon forward runs a VARIANTS entry with ``config`` at head dim d: taking turns needs the same key
+    tiles for both consumers (``can_take_turns``), O's TMA store a tile width with room for it (TMA_STORE_TILE_DIMS)."""
+    return ((not options.get("pingpong") or fg.can_take_turns(config, causal))
+            and (not options.get("tma_store") or fg.tile_dim(d) in fg.TMA_STORE_TILE_DIMS))
 
 
 def backward_takes(options: dict, d: int) -> bool:
@@ -127,7 +135,7 @@ def check(config, d: int, emit) -> None:
                 continue
             o_ref, lse_ref = reference(q, k, v, causal)
             for variant, options in VARIANTS.items():
-                if options.get("pingpong") and not fg.can_take_turns(config, causal):
+                if not forward_takes(options, config, d, causal):
                     continue
                 o, lse = fg.forward(q, k, v, causal, config, **options)
                 torch.cuda.synchronize()
@@ -167,7 +175,7 @@ def bench(shape: str, configs, emit, once: bool = False, layout: str = "bhnd") -
     for config in configs:
         if fg.supports(q, k, v, True, config):
             for variant, options in VARIANTS.items():
-                if options.get("pingpong") and not fg.can_take_turns(config, True):
+                if not forward_takes(options, config, d, True):
                     continue
                 ms = timed(variant, lambda: fg.forward(q, k, v, True, config, **options)[0], config=config)
                 if ms and cudnn_ms:
@@ -265,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="BxHxNxd, comma-separated (causal, bf16)")
     parser.add_argument("--config", type=int, help="only the I-th configuration of each tile width")
-    parser.add_argument("--head-dims", default=",".join(map(str, fg.TILE_DIMS)),
-                        help="the head dims the float64 checks run at (comma-separated; each with a tile_dim)")
+    parser.add_argument("--head-dims", help="the head dims the float64 checks run at (comma-separated; each with a "
+                                            "tile_dim; default the tile widths: the forward's, or the backward's)")
     parser.add_argument("--side-by-side", action="store_true",
                         help="take the (B, n, H, d) heads below the tile's width as 3-D views (SIDE_BY_SIDE_3D): "
                              "the checks' bnhd rows run, and the shapes are timed in that layout")
@@ -284,9 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats must be at least 1; got {args.repeats}")
     if args.rep_ms < 1:
         parser.error(f"--rep-ms must be at least 1; got {args.rep_ms}")
+    args.head_dims = args.head_dims or ",".join(map(str, fg.BWD_MIN_KEYS if args.backward else fg.TILE_DIMS))
     dims = [s.split("x")[-1] for s in args.shapes.split(",")] + args.head_dims.split(",")
-    if not all(d.isdigit() and fg.tile_dim(int(d)) for d in dims):
-        parser.error(f"head dims (--head-dims, the shapes' last) must be multiples of 8 from 40 to 128; got "
+    widths = fg.BWD_MIN_KEYS if args.backward else fg.TILE_DIMS
+    if not all(d.isdigit() and fg.tile_dim(int(d)) in widths for d in dims):
+        parser.error(f"head dims (--head-dims, the shapes' last) must be multiples of 8 from 40 to {max(widths)}; got "
                      f"{', '.join(dims)}")
     head_dims = [int(d) for d in args.head_dims.split(",")]
     fg.SIDE_BY_SIDE_3D = args.side_by_side

@@ -72,8 +72,9 @@ def test_host_next_power_of_two_is_tritons():
 
 def test_tile_dim_is_the_next_tile_width_for_multiples_of_eight():
     assert {d: flash_gluon.tile_dim(d) for d in range(8, 257, 8) if flash_gluon.tile_dim(d)} == {
-        **dict.fromkeys(range(40, 65, 8), 64), **dict.fromkeys(range(72, 129, 8), 128)}
-    assert flash_gluon.tile_dim(84) is None and flash_gluon.tile_dim(127) is None
+        **dict.fromkeys(range(40, 65, 8), 64), **dict.fromkeys(range(72, 129, 8), 128),
+        **dict.fromkeys(range(136, 257, 8), 256)}
+    assert flash_gluon.tile_dim(84) is None and flash_gluon.tile_dim(127) is None and flash_gluon.tile_dim(264) is None
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
@@ -418,11 +419,13 @@ def test_op_ab_timeline_rows_are_each_kernels_median_time_and_gap():
     assert kernel_rows(kernels[:-1], steps) == [{"error": "7 kernels in 4 steps"}]
 
 
-@pytest.mark.parametrize("argv", [["--head-dims", "32"], ["--head-dims", "80,x"], ["--shapes", "1x16x1024x136"]])
-def test_probe_refuses_head_dims_without_a_tile_in_one_line(argv, tmp_path, capsys, monkeypatch):
-    """scripts/flash_gluon_probe.py: a head dim the kernels have no tile for is a usage error naming what is
-    accepted, before anything needs a GPU."""
+@pytest.mark.parametrize("argv,most", [(["--head-dims", "32"], 256), (["--head-dims", "80,x"], 256),
+                                       (["--shapes", "1x16x1024x260"], 256), (["--shapes", "1x16x1024x132"], 256),
+                                       (["--backward", "--shapes", "1x16x1024x136"], 128)])
+def test_probe_refuses_head_dims_without_a_tile_in_one_line(argv, most, tmp_path, capsys, monkeypatch):
+    """scripts/flash_gluon_probe.py: a head dim the kernels have no tile for (the forward's up to 256, the backward's
+    up to 128) is a usage error naming what is accepted, before anything needs a GPU."""
     monkeypatch.delenv("FLASH_GLUON", raising=False)  # the probe's import sets it: unset again afterwards
     with pytest.raises(SystemExit) as exit_:
         _script("flash_gluon_probe").main([str(tmp_path), *argv])
-    assert exit_.value.code == 2 and "multiples of 8 from 40 to 128" in capsys.readouterr().err
+    assert exit_.value.code == 2 and f"multiples of 8 from 40 to {most}" in capsys.readouterr().err

@@ -68,7 +68,10 @@ def _reinterpret(smem, dtype, shape, layout, _semantic=None):
     return view(dtype, shape, layout, _semantic=_semantic)
 
 
-TILE_DIMS = (64, 128)  # head dims the tiles are written for (wgmma's N for O and TMA's box width): ``tile_dim``
+TILE_DIMS = (64, 128, 256)  # head dims the tiles are written for (wgmma's N for O, TMA's box width): ``tile_dim``
+# The forward's only at 256 (the backward's accumulators dK, dV would not fit a consumer's registers: ``BWD_MIN_KEYS``),
+# and O's TMA store, a tile a consumer, only at 64 and 128 (at 256 those 64 KB do not fit beside Q and the stages).
+TMA_STORE_TILE_DIMS = (64, 128)
 MIN_KEYS = 1024  # below, the Triton forward is as fast or faster (``preferred``)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 TILES = gl.constexpr(2)  # query tiles a program computes: one per consumer warpgroup
@@ -900,7 +903,7 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     width = tile_dim(d)
-    if width is None or n_q % block_m or n_k % (TILES.value * block_k):
+    if width not in BWD_MIN_KEYS or n_q % block_m or n_k % (TILES.value * block_k):
         raise ValueError(f"the Gluon backward takes d a multiple of 8 from 40 to 128 (``tile_dim``), n_q a multiple "
                          f"of {block_m} and n_k of {TILES.value * block_k}; got d {d}, n_q {n_q}, n_k {n_k}")
     if programs is not None and _epilogue_in_stages.fn(width):  # .fn: without the constexpr wrapper (~4 us a call)
@@ -959,7 +962,7 @@ def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     """Whether ``backward`` takes these (B, H, n, d) inputs: those ``supports`` takes with n_k a multiple of a
     program's keys, and a dO of q's shape that TMA can read (its strides may differ from q's)."""
     block_m, block_k = BWD_CONFIG[:2]
-    if q.shape[2] % block_m or k.shape[2] % (TILES.value * block_k):
+    if tile_dim(q.shape[-1]) not in BWD_MIN_KEYS or q.shape[2] % block_m or k.shape[2] % (TILES.value * block_k):
         return False
     return (do.shape == q.shape and supports(q, k, v, is_causal)
             and _rows_and_columns(do, tile_dim(q.shape[-1])) is not None)
@@ -997,7 +1000,8 @@ def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 # (BLOCK_M a consumer, BLOCK_N, STAGES, consumer registers): what ``forward`` runs by tile width (the first: the fastest
 # at b17a373, BLOCK_N 64 8-14% slower, 128-row consumers spill), and what scripts/flash_gluon_probe.py times.
 CONFIGS = {64: ((64, 128, 3, 240), (64, 128, 2, 240), (64, 128, 4, 240), (64, 64, 3, 240)),
-           128: ((64, 128, 2, 240), (64, 64, 3, 240), (64, 64, 4, 240))}
+           128: ((64, 128, 2, 240), (64, 64, 3, 240), (64, 64, 4, 240)),
+           256: ((64, 64, 2, 240), (64, 32, 2, 240))}  # 197 and 131 KB of shared memory; O 128 registers a thread
 
 
 # The heads side by side ((B, n, H, d), the model's layout) below the tile's width as a 3-D view, a block of one
@@ -1093,7 +1097,8 @@ def schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> 
     batch, heads, n_q, _ = q.shape
     share = _share(batch * heads, n_q // (TILES.value * block_m), k.shape[2] // block_n, is_causal,
                    TILES.value * block_m, block_n, _programs(q.device))
-    return {"persistent": True, "order": "heads" if share <= EVEN_SHARE else "dynamic", "tma_store": True,
+    return {"persistent": True, "order": "heads" if share <= EVEN_SHARE else "dynamic",
+            "tma_store": tile_dim(q.shape[-1]) in TMA_STORE_TILE_DIMS,
             "folded": q.shape[-1] in FOLDED_HEAD_DIMS}
 
 
@@ -1200,6 +1205,9 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     batch, heads, n_q, d = q.shape
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
+    if tma_store and tile_dim(d) not in TMA_STORE_TILE_DIMS:
+        raise ValueError(f"tma_store takes tile widths {TMA_STORE_TILE_DIMS} (O's tiles must fit the shared memory); "
+                         f"got d {d}")
     if pingpong and not can_take_turns((block_m, block_n), is_causal):
         raise ValueError(f"pingpong needs both consumers to see the same key tiles: causal with BLOCK_N {block_n} "
                          f"not a multiple of {TILES.value} x BLOCK_M {block_m}")
