@@ -773,18 +773,18 @@ def _gluon_everywhere(monkeypatch) -> None:
     from torch_impl.attention import flash_gluon
 
     monkeypatch.setattr(flash_gluon, "MIN_KEYS", 0)
-    monkeypatch.setattr(flash_gluon, "BWD_MIN_KEYS", dict.fromkeys(flash_gluon.TILE_DIMS, 0))
+    monkeypatch.setattr(flash_gluon, "BWD_MIN_KEYS", dict.fromkeys(flash_gluon.BWD_MIN_KEYS, 0))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [48, 64, 80, 128])
+@pytest.mark.parametrize("d", [48, 64, 80, 128, 192, 256])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", [((2, 4), 1024, 1024), ((2, 4), 512, 1024), ((4, 16), 1024, 1024)],
                          ids=["q1024", "q512-k1024", "b4-h16-q1024"])
 def test_gpu_gluon_in_the_op(case, is_causal, d, dtype, seed, monkeypatch):
-    """The op with the Gluon forward and backward (tiles of d 64 and 128; d 48 and 80 padded to them) as it runs
-    them (``schedule``, ``backward_schedule``: persistent grids where they deal the items evenly, as at b4-h16-q1024
+    """The op with the Gluon forward and backward (tiles of d 64 and 128, the forward's also 256; d 48, 80 and 192
+    padded to them; above 128 the Triton backward) as it runs them (``schedule``, ``backward_schedule``: persistent grids where they deal the items evenly, as at b4-h16-q1024
     d 64, else a program per item or items from a counter), against float64 with the Triton bounds."""
     _gluon_everywhere(monkeypatch)
     lead, n_q, n_k = case

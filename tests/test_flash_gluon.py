@@ -378,6 +378,10 @@ def test_op_schedule_deals_the_items_where_shares_are_even(monkeypatch):
     flash_gluon.launch_arguments(short, short, short, True, programs=132, order="heads")
     with pytest.raises(ValueError, match="order must be one of"):
         flash_gluon.launch_arguments(short, short, short, True, programs=132, order="diagonal")
+    wide = torch.empty(1, 8, 8192, 256, dtype=torch.bfloat16)
+    assert flash_gluon.schedule(wide, wide, True) == {}  # d 256: a program per item, O stored from registers
+    with pytest.raises(ValueError, match=r"tma_store takes tile widths \(64, 128\).*got d 256"):
+        flash_gluon.launch_arguments(wide, wide, wide, True, tma_store=True)
 
 
 def test_backward_schedule_and_its_persistent_grid(monkeypatch):

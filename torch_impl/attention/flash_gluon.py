@@ -1092,14 +1092,17 @@ def schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> 
     0.225 dealt block by block (whose running programs read every head's K and V); at 1 x 16 x 16,384 x 64, where
     the dealt shares reach 1.54x the mean (1.77 ms), from the counter 1.217-1.225 against 1.252-1.254 for a program
     per item (d 128: 1.78-1.80 against 1.80-1.85). The scale folded into the exponent (``_softmax_tile``) at the head
-    dims of FOLDED_HEAD_DIMS."""
+    dims of FOLDED_HEAD_DIMS. Where O's TMA store does not fit (TMA_STORE_TILE_DIMS: d above 128), a program per
+    item, as fast or faster than the persistent grids without it (e92e164, d 256: 0.544 ms at 1 x 8 x 8,192 against
+    0.565 from the counter and 0.713 dealt head by head; 3.652 against 3.959 and 5.112 at 1 x 16 x 16,384)."""
+    if tile_dim(q.shape[-1]) not in TMA_STORE_TILE_DIMS:
+        return {}
     block_m, block_n = (config or CONFIGS[tile_dim(q.shape[-1])][0])[:2]
     batch, heads, n_q, _ = q.shape
     share = _share(batch * heads, n_q // (TILES.value * block_m), k.shape[2] // block_n, is_causal,
                    TILES.value * block_m, block_n, _programs(q.device))
     return {"persistent": True, "order": "heads" if share <= EVEN_SHARE else "dynamic",
-            "tma_store": tile_dim(q.shape[-1]) in TMA_STORE_TILE_DIMS,
-            "folded": q.shape[-1] in FOLDED_HEAD_DIMS}
+            "tma_store": True, "folded": q.shape[-1] in FOLDED_HEAD_DIMS}
 
 
 @functools.cache
