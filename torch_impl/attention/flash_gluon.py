@@ -1,6 +1,7 @@
 """FlashAttention for Hopper (sm_90) written in Gluon: a forward with FlashAttention-3's structure, and a backward
 (``backward``; flash_triton runs it where ``backward_preferred``; its design is in its kernels' docstrings), both
-written for tiles of head dim 64 and 128 and running any head dim from 40 to 128 in the next (``tile_dim``).
+written for tiles of head dim 64 and 128 (the forward also 256) and running any head dim from 40 up in the next
+(``tile_dim``: the forward to 256, the backward to 128).
 
 A work item is two query tiles of one (batch, head) against every key tile they see; by default a program per item,
 head by head and each head's heaviest first (causal), else (``persistent``) a grid of one program per SM taking the

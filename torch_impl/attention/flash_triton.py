@@ -596,7 +596,7 @@ def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool)
 def _gluon():
     """``flash_gluon`` (FlashAttention-3's structure on sm_90, in Gluon) where it can run: a GPU, not the interpreter,
     ``FLASH_GLUON`` not "0", and a Triton with Gluon's Hopper API; else None. Its forward takes the inputs where it
-    is ``preferred`` (bf16/fp16, head dim 40 to 128 in tiles of 64 or 128, whole tiles, 1,024 keys or more), its
+    is ``preferred`` (bf16/fp16, head dim 40 to 256 in tiles of 64, 128 or 256, whole tiles, 1,024 keys or more), its
     backward where it is ``backward_preferred``, the Triton kernels the rest; its O and L are what the Triton
     backward reads (L exact for one-hot rows, as the Triton forward's), and the reverse."""
     if INTERPRET or os.environ.get("FLASH_GLUON", "1") == "0" or not torch.cuda.is_available():
