@@ -21,8 +21,9 @@ beside the Triton backward's and cuDNN's forward + backward, and the times of th
 dQ's zeros; dQ's cast from fp32). ``--no-checks`` times only.
 
 The checks run at ``--head-dims`` (default the tile widths: the forward's 64, 128 and 256, the backward's 64 and 128;
-any multiple of 8 from 40 up runs in the tile of its next power of two), the shapes may have any of those; ``--side-by-side`` takes the model's
-(B, n, H, d) heads below the tile's width as 3-D views (``flash_gluon.SIDE_BY_SIDE_3D``) and times in that layout.
+any multiple of 8 from 40 up runs in the tile of its next power of two), the shapes may have any of those;
+``--side-by-side`` takes the model's (B, n, H, d) heads below the tile's width as 3-D views
+(``flash_gluon.SIDE_BY_SIDE_3D``) and times in that layout.
 
 Rows (with provenance) are appended to OUT/flash_gluon_probe.jsonl as they are measured; a configuration that
 fails to compile or run is a row with its error. Not a record: it decides what ``flash_gluon`` runs.

@@ -784,8 +784,9 @@ def _gluon_everywhere(monkeypatch) -> None:
                          ids=["q1024", "q512-k1024", "b4-h16-q1024"])
 def test_gpu_gluon_in_the_op(case, is_causal, d, dtype, seed, monkeypatch):
     """The op with the Gluon forward and backward (tiles of d 64 and 128, the forward's also 256; d 48, 80 and 192
-    padded to them; above 128 the Triton backward) as it runs them (``schedule``, ``backward_schedule``: persistent grids where they deal the items evenly, as at b4-h16-q1024
-    d 64, else a program per item or items from a counter), against float64 with the Triton bounds."""
+    padded to them; above 128 the Triton backward) as it runs them (``schedule``, ``backward_schedule``: persistent
+    grids where they deal the items evenly, as at b4-h16-q1024 d 64, else a program per item or items from a
+    counter), against float64 with the Triton bounds."""
     _gluon_everywhere(monkeypatch)
     lead, n_q, n_k = case
     if is_causal and n_q != n_k:
