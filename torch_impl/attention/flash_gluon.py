@@ -1003,6 +1003,7 @@ def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 CONFIGS = {64: ((64, 128, 3, 240), (64, 128, 2, 240), (64, 128, 4, 240), (64, 64, 3, 240)),
            128: ((64, 128, 2, 240), (64, 64, 3, 240), (64, 64, 4, 240)),
            256: ((64, 64, 2, 240), (64, 32, 2, 240))}  # 197 and 131 KB of shared memory; O 128 registers a thread
+# (at 256, BLOCK_N 32 0.71-0.79x cuDNN against 0.86-1.01x for 64: results/profiles/flash_gluon_probe_d256_configs_*)
 
 
 # The heads side by side ((B, n, H, d), the model's layout) below the tile's width as a 3-D view, a block of one
