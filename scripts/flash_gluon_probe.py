@@ -79,13 +79,6 @@ BACKWARD_VARIANTS["gluon_no_dq_lag"] = {"dq_lag": False}
 BACKWARD_VARIANTS["gluon_persistent_dq_lag"] = {"persistent": True, "dq_lag": True}
 
 
-def forward_takes(options: dict, config, d: int, causal: bool) -> bool:
-    """Whether the Gluon forward runs a VARIANTS entry with ``config`` at head dim d: taking turns needs the same key
-    tiles for both consumers (``can_take_turns``), O's TMA store a tile width with room for it (TMA_STORE_TILE_DIMS)."""
-    return ((not options.get("pingpong") or fg.can_take_turns(config, causal))
-            and (not options.get("tma_store") or fg.tile_dim(d) in fg.TMA_STORE_TILE_DIMS))
-
-
 def backward_takes(options: dict, d: int) -> bool:
     """Whether the Gluon backward runs a BACKWARD_VARIANTS entry at head dim d (its persistent grid: d 64 only)."""
     return not (options.get("persistent") and fg._epilogue_in_stages(d))
@@ -136,7 +129,7 @@ def check(config, d: int, emit) -> None:
                 continue
             o_ref, lse_ref = reference(q, k, v, causal)
             for variant, options in VARIANTS.items():
-                if not forward_takes(options, config, d, causal):
+                if not fg.runs_with(options, config, d, causal):
                     continue
                 o, lse = fg.forward(q, k, v, causal, config, **options)
                 torch.cuda.synchronize()
@@ -176,7 +169,7 @@ def bench(shape: str, configs, emit, once: bool = False, layout: str = "bhnd") -
     for config in configs:
         if fg.supports(q, k, v, True, config):
             for variant, options in VARIANTS.items():
-                if not forward_takes(options, config, d, True):
+                if not fg.runs_with(options, config, d, True):
                     continue
                 ms = timed(variant, lambda: fg.forward(q, k, v, True, config, **options)[0], config=config)
                 if ms and cudnn_ms:
@@ -293,9 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats must be at least 1; got {args.repeats}")
     if args.rep_ms < 1:
         parser.error(f"--rep-ms must be at least 1; got {args.rep_ms}")
-    args.head_dims = args.head_dims or ",".join(map(str, fg.BWD_MIN_KEYS if args.backward else fg.TILE_DIMS))
-    dims = [s.split("x")[-1] for s in args.shapes.split(",")] + args.head_dims.split(",")
     widths = fg.BWD_MIN_KEYS if args.backward else fg.TILE_DIMS
+    args.head_dims = args.head_dims or ",".join(map(str, widths))
+    dims = [s.split("x")[-1] for s in args.shapes.split(",")] + args.head_dims.split(",")
     if not all(d.isdigit() and fg.tile_dim(int(d)) in widths for d in dims):
         parser.error(f"head dims (--head-dims, the shapes' last) must be multiples of 8 from 40 to {max(widths)}; got "
                      f"{', '.join(dims)}")

@@ -170,16 +170,19 @@ def main(argv: list[str] | None = None) -> int:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         delta = ft.backward_preprocess(o, d_out, dq_acc)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        options = fg.schedule(q, k, True)  # the op's forward, its launch made once: Triton's launcher alone
-        fwd_launch = fg.launch_arguments(q, k, v, True, None, options["folded"], fg._programs(q.device), None,
-                                         options["tma_store"], False, options["order"])
+        options = fg.schedule(q, k, True)
+
+        def fwd_arguments():  # the op's forward launch as ``flash_gluon.forward`` makes it
+            return fg.launch_arguments(q, k, v, True, None, options.get("folded", False),
+                                       fg._programs(q.device) if options.get("persistent") else None, None,
+                                       options.get("tma_store", False), False, options.get("order", "blocks"))
+
+        fwd_launch = fwd_arguments()  # made once: Triton's launcher alone
         bwd_launch = fg.backward_launch_arguments(d_out, q, k, v, o, lse, True, None, delta, dq_acc, (dk, dv),
                                                   fg._programs(q.device) if fg.backward_schedule(q, k, True) else None)
         parts = {"op forward + backward": fresh_step, "cudnn forward + backward": cudnn_step,
                  "autograd floor (the op's allocations, no launches)": lambda: _Floor.apply(q, k, v).backward(d_out),
-                 "gluon forward launch arguments": lambda: fg.launch_arguments(
-                     q, k, v, True, None, options["folded"], fg._programs(q.device), None, options["tma_store"], False,
-                     options["order"]),
+                 "gluon forward launch arguments": fwd_arguments,
                  "gluon forward, Triton's launcher alone": _launcher(fg._fwd_kernel, *fwd_launch[:3]),
                  "gluon backward, Triton's launcher alone": _launcher(fg._bwd_kernel, *bwd_launch[:3]),
                  "flash_forward": lambda: ft.flash_forward(q, k, v, True),

@@ -187,17 +187,16 @@ def main(argv: list[str] | None = None) -> int:
                                           order="dynamic", tma_store=True, side_by_side=True)))
     for d in flash_gluon.CONFIGS if args.first else (*flash_gluon.CONFIGS, PADDED_HEAD_DIM):
         for config in flash_gluon.CONFIGS[flash_gluon.tile_dim(d)][:1 if args.first else None]:
-            tma_store = flash_gluon.tile_dim(d) in flash_gluon.TMA_STORE_TILE_DIMS  # O's tiles fit beside the stages
             for option, options in flash_gluon.OPTIONS.items():
-                if (options.get("pingpong") and not flash_gluon.can_take_turns(config, True)
-                        or options.get("tma_store") and not tma_store):
+                if not flash_gluon.runs_with(options, config, d, True):
                     continue
                 kernels.append((f"d{d}_{'_'.join(map(str, config))}{'_' + option if option else ''}",
                                 functools.partial(compile_config, d, config, **options)))
             for order in flash_gluon.ORDERS:  # the persistent grid in each order (the op's: O by TMA, folded)
                 kernels.append((f"d{d}_{'_'.join(map(str, config))}_persistent_{order}",
                                 functools.partial(compile_config, d, config, programs=132, order=order,
-                                                  tma_store=order != "blocks" and tma_store,
+                                                  tma_store=order != "blocks"  # where O's tiles fit
+                                                  and flash_gluon.tile_dim(d) in flash_gluon.TMA_STORE_TILE_DIMS,
                                                   folded=order != "blocks" and d in flash_gluon.FOLDED_HEAD_DIMS)))
     for name, build in kernels:
         kernel = build()

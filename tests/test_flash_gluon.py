@@ -162,6 +162,21 @@ def test_pingpong_needs_consumers_with_the_same_key_tiles():
     flash_gluon.launch_arguments(q, q, q, True, (64, 128, 3, 240), pingpong=True)
 
 
+def test_runs_with_is_what_launch_arguments_accepts():
+    """The scripts skip the option sets ``runs_with`` refuses: exactly those ``launch_arguments`` raises for."""
+    for d in (64, 80, 256):
+        q = torch.zeros(1, 2, 1024, d, dtype=torch.bfloat16)
+        for config in flash_gluon.CONFIGS[flash_gluon.tile_dim(d)]:
+            for options in flash_gluon.OPTIONS.values():
+                for is_causal in (False, True):
+                    try:
+                        flash_gluon.launch_arguments(q, q, q, is_causal, config, **options)
+                        accepted = True
+                    except ValueError:
+                        accepted = False
+                    assert flash_gluon.runs_with(options, config, d, is_causal) == accepted, (d, config, options)
+
+
 def test_backward_launch_arguments_match_the_kernel_signature():
     q = torch.zeros(2, 4, 1024, 64, dtype=torch.bfloat16)
     k = torch.zeros(2, 2, 1024, 64, dtype=torch.bfloat16)

@@ -963,10 +963,10 @@ def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     """Whether ``backward`` takes these (B, H, n, d) inputs: those ``supports`` takes with n_k a multiple of a
     program's keys, and a dO of q's shape that TMA can read (its strides may differ from q's)."""
     block_m, block_k = BWD_CONFIG[:2]
-    if tile_dim(q.shape[-1]) not in BWD_MIN_KEYS or q.shape[2] % block_m or k.shape[2] % (TILES.value * block_k):
+    width = tile_dim(q.shape[-1])
+    if width not in BWD_MIN_KEYS or q.shape[2] % block_m or k.shape[2] % (TILES.value * block_k):
         return False
-    return (do.shape == q.shape and supports(q, k, v, is_causal)
-            and _rows_and_columns(do, tile_dim(q.shape[-1])) is not None)
+    return do.shape == q.shape and supports(q, k, v, is_causal) and _rows_and_columns(do, width) is not None
 
 
 def backward_schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> dict:
@@ -1097,9 +1097,10 @@ def schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> 
     dims of FOLDED_HEAD_DIMS. Where O's TMA store does not fit (TMA_STORE_TILE_DIMS: d above 128), a program per
     item, as fast or faster than the persistent grids without it (e92e164, d 256: 0.544 ms at 1 x 8 x 8,192 against
     0.565 from the counter and 0.713 dealt head by head; 3.652 against 3.959 and 5.112 at 1 x 16 x 16,384)."""
-    if tile_dim(q.shape[-1]) not in TMA_STORE_TILE_DIMS:
+    width = tile_dim(q.shape[-1])
+    if width not in TMA_STORE_TILE_DIMS:
         return {}
-    block_m, block_n = (config or CONFIGS[tile_dim(q.shape[-1])][0])[:2]
+    block_m, block_n = (config or CONFIGS[width][0])[:2]
     batch, heads, n_q, _ = q.shape
     share = _share(batch * heads, n_q // (TILES.value * block_m), k.shape[2] // block_n, is_causal,
                    TILES.value * block_m, block_n, _programs(q.device))
@@ -1191,6 +1192,14 @@ def can_take_turns(config, is_causal: bool) -> bool:
     the same key tiles (always without the causal mask; with it, when BLOCK_N is a multiple of TILES x BLOCK_M)."""
     block_m, block_n = config[0], config[1]
     return not is_causal or block_n % (TILES.value * block_m) == 0
+
+
+def runs_with(options: dict, config, d: int, is_causal: bool) -> bool:
+    """Whether ``forward`` runs ``options`` (an OPTIONS entry or the persistent grid's) with ``config`` at head dim
+    d: ``pingpong`` where the consumers can take turns (``can_take_turns``), ``tma_store`` where O's tiles fit
+    (TMA_STORE_TILE_DIMS); ``launch_arguments`` refuses the rest."""
+    return ((not options.get("pingpong") or can_take_turns(config, is_causal))
+            and (not options.get("tma_store") or tile_dim(d) in TMA_STORE_TILE_DIMS))
 
 
 @functools.cache
