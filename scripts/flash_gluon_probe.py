@@ -20,7 +20,7 @@ beside the Triton backward's errors on the same inputs (dO contiguous where q is
 beside the Triton backward's and cuDNN's forward + backward, and the times of the passes around the kernel (D and
 dQ's zeros; dQ's cast from fp32). ``--no-checks`` times only.
 
-The checks run at ``--head-dims`` (default the tile widths: the forward's 64, 128 and 256, the backward's 64 and 128;
+The checks run at ``--head-dims`` (default the tile widths: the forward's and the backward's 64, 128 and 256;
 any multiple of 8 from 40 up runs in the tile of its next power of two), the shapes may have any of those;
 ``--side-by-side`` takes the model's (B, n, H, d) heads below the tile's width as 3-D views
 (``flash_gluon.SIDE_BY_SIDE_3D``) and times in that layout.
@@ -77,11 +77,17 @@ BACKWARD_VARIANTS["gluon_persistent_64_64_2_240"] = {"persistent": True, "config
 # each tile's dQ product a tile later (``_bwd_consume_item``) or not: the defaults' other choice
 BACKWARD_VARIANTS["gluon_no_dq_lag"] = {"dq_lag": False}
 BACKWARD_VARIANTS["gluon_persistent_dq_lag"] = {"persistent": True, "dq_lag": True}
+# at tile width 256 (``_bwd_wide_kernel``)
+BACKWARD_VARIANTS.update({f"gluon_wide_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_WIDE_CONFIGS})
 
 
 def backward_takes(options: dict, d: int) -> bool:
-    """Whether the Gluon backward runs a BACKWARD_VARIANTS entry at head dim d (its persistent grid: d 64 only)."""
-    return not (options.get("persistent") and fg._epilogue_in_stages(d))
+    """Whether the Gluon backward runs a BACKWARD_VARIANTS entry at head dim d: at tile width 256 the wide
+    configurations only, below it the others (the persistent grid at d 64 only)."""
+    if fg._bwd_wide(fg.tile_dim(d)):
+        return options.get("config") in fg.BWD_WIDE_CONFIGS
+    return options.get("config") not in fg.BWD_WIDE_CONFIGS and not (options.get("persistent")
+                                                                     and fg._epilogue_in_stages(d))
 
 
 def heads(b: int, h: int, n: int, d: int, layout: str, gen: torch.Generator) -> torch.Tensor:

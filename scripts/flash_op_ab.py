@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                  "autograd floor (the op's allocations, no launches)": lambda: _Floor.apply(q, k, v).backward(d_out),
                  "gluon forward launch arguments": fwd_arguments,
                  "gluon forward, Triton's launcher alone": _launcher(fg._fwd_kernel, *fwd_launch[:3]),
-                 "gluon backward, Triton's launcher alone": _launcher(fg._bwd_kernel, *bwd_launch[:3]),
+                 "gluon backward, Triton's launcher alone": _launcher(*bwd_launch[:4]),
                  "flash_forward": lambda: ft.flash_forward(q, k, v, True),
                  "flash_backward": lambda: ft.flash_backward(d_out, q, k, v, o, lse, True),
                  "gluon forward launch": lambda: fg.forward(q, k, v, True, **fg.schedule(q, k, True)),

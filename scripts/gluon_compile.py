@@ -156,9 +156,9 @@ def compile_backward(d: int, is_causal: bool = True, programs: int | None = None
     forward."""
     q, k, do = _heads(1, 4, d, side_by_side), _heads(1, 2, d, side_by_side), _heads(1, 4, d, False)
     with _side_by_side(side_by_side):
-        grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(
+        kernel, grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(
             do, q, k, k, do, torch.empty(1, 4, 1024), is_causal, programs=programs, dq_lag=dq_lag)
-    return flash_gluon._bwd_kernel.warmup(*args, grid=grid, **constexprs)
+    return kernel.warmup(*args, grid=grid, **constexprs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     failures = []
     kernels = []
     for d in (*flash_gluon.BWD_MIN_KEYS, *([] if args.first else [PADDED_HEAD_DIM])):  # the backward's tile widths
-        for lag in (None,) if args.first else (False, True):  # the grid's default (``backward_launch_arguments``)
+        # the grid's default (``backward_launch_arguments``), and each choice of DQ_LAG where the kernel has it
+        for lag in (None,) if args.first or flash_gluon._bwd_wide(d) else (False, True):
             name = f"backward_d{d}{'' if lag is None else '_dq_lag' if lag else '_no_dq_lag'}"
             kernels.append((name, functools.partial(compile_backward, d, dq_lag=lag)))
             if not flash_gluon._epilogue_in_stages(d):  # the persistent grid

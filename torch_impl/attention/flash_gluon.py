@@ -540,6 +540,21 @@ def _epilogue_in_stages(head_dim):
 
 
 @gluon.jit
+def _probabilities_t(st, lse, offs_key, offs_q, masked, sm_scale, IS_CAUSAL: gl.constexpr,
+                     EXACT_SCALE: gl.constexpr):
+    """P^T = exp(fl(S^T / sqrt(d)) - L) of a tile of raw scores S^T (keys, queries) and the queries' L, rounded as the
+    Triton backward rounds it; ``masked``: a tile the causal diagonal crosses (keys after their query get 0)."""
+    if not EXACT_SCALE:
+        st = st * sm_scale
+    if IS_CAUSAL:
+        if masked:
+            st = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_key, 1), st, -float("inf"))
+    if EXACT_SCALE:  # one multiply-add, rounded once as fl(S^T * scale) - L is (``_exact_scale``); negated
+        return gl.exp2(gl.fma(st, -sm_scale, gl.expand_dims(lse, 0)) * -_LOG2E)  # (L - S^T scale): L as it is
+    return gl.exp2((st - gl.expand_dims(lse, 0)) * _LOG2E)
+
+
+@gluon.jit
 def _tma_add_tile(tile, smem, desc, row, col):
     """Add a register tile into global memory at (row, col) of desc's view: through smem and a TMA reduce-add,
     once the last one issued from smem has read it."""
@@ -711,16 +726,9 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
             # The products in the order their operands are ready, each under the arithmetic that follows it
             # (FlashAttention-3's order): P^T under dP^T, dV under dS^T.
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))  # S^T done, dP^T running
-            if not EXACT_SCALE:
-                st = st * sm_scale
-            if IS_CAUSAL:
-                if i * BLOCK_M < key_start + TILES * BLOCK_K:  # a tile the diagonal crosses (the item's first)
-                    offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_cols)
-                    st = gl.where(gl.expand_dims(offs_q, 0) >= gl.expand_dims(offs_key, 1), st, -float("inf"))
-            if EXACT_SCALE:  # one multiply-add, rounded once as fl(S^T * scale) - L is (``_exact_scale``); negated
-                pt = gl.exp2(gl.fma(st, -sm_scale, gl.expand_dims(lse, 0)) * -_LOG2E)  # (L - S^T scale): L as it is
-            else:
-                pt = gl.exp2((st - gl.expand_dims(lse, 0)) * _LOG2E)
+            offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_cols)
+            pt = _probabilities_t(st, lse, offs_key, offs_q, i * BLOCK_M < key_start + TILES * BLOCK_K, sm_scale,
+                                  IS_CAUSAL, EXACT_SCALE)
             pt_a = gl.convert_layout(pt.to(dtype), a_layout)
             dv = warpgroup_mma(pt_a, do, dv, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))  # dP^T done, dV running
@@ -881,32 +889,236 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
+# ----------------------------------------------------------------------------------------- backward at tile width 256
+# One consumer's dK and dV for 64 keys (wgmma's least M) at d 256 are 256 fp32 registers a thread: there the two
+# consumers share a program's keys and split the work as FlashAttention-3 does at that head dim (its sm90
+# configuration, hopper/flash_bwd_launch_template.h: one stage of dO, S and dP split by queries, dK, dV and dQ by
+# head-dim columns), exchanging P^T and dS^T through shared memory.
+
+
+@gluon.jit
+def _bwd_wide_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_smem, stat_bufs, k_smem, v_smem,
+                   kv_ready, q_ready, q_free, do_ready, do_free, n_kv_heads, group, n_heads, n_m, q_rows_b, q_rows_h,
+                   q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr,
+                   BLOCK_M: gl.constexpr):
+    """The producer warp of ``_bwd_wide_kernel``: the program's K and V, then per query tile i >= i_first of each
+    query head of the group Q_i, L_i and D_i into stage s % STAGES and dO_i into its one buffer, each once both
+    consumers are done with its last."""
+    stages: gl.constexpr = q_bufs.type.shape[0]
+    BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    b, h_kv, key_start, i_first = _bwd_item(0, n_kv_heads, 0, BLOCK_KEYS, BLOCK_M, IS_CAUSAL, False)
+    row = b * kv_rows_b + h_kv * kv_rows_h + key_start
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _load_tile(k_desc, row, h_kv * kv_cols_h, kv_ready, k_smem)
+    _load_tile(v_desc, row, h_kv * kv_cols_h, kv_ready, v_smem)
+    s = 0
+    for g in range(group):
+        h = h_kv * group + g
+        for i in range(i_first, n_m):
+            stage = s % stages
+            mbarrier.wait(q_free.index(stage), ((s // stages) & 1) ^ 1)  # a new barrier passes the parity-1 wait
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+            _tma_load(lse_desc, [(b * n_heads + h) * n_m + i, 0], q_ready.index(stage), stat_bufs.index(2 * stage))
+            _tma_load(delta_desc, [(b * n_heads + h) * n_m + i, 0], q_ready.index(stage),
+                      stat_bufs.index(2 * stage + 1))
+            _load_tile(q_desc, b * q_rows_b + h * q_rows_h + i * BLOCK_M, h * q_cols_h, q_ready.index(stage),
+                       q_bufs.index(stage))
+            mbarrier.wait(do_free, (s & 1) ^ 1)
+            mbarrier.expect(do_ready, do_desc.block_type.nbytes)
+            _load_tile(do_desc, b * do_rows_b + h * do_rows_h + i * BLOCK_M, h * do_cols_h, do_ready, do_smem)
+            s += 1
+
+
+@gluon.jit
+def _bwd_wide_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, pds_bufs, dq_smem, kv_ready, q_ready, q_free,
+                      do_ready, do_free, exchanged, done, dq_desc, dk_desc, dv_desc, group, n_heads, n_q, n_m,
+                      sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                      EXACT_SCALE: gl.constexpr):
+    """One consumer warpgroup of ``_bwd_wide_kernel``, TILE its half: of each query tile i, S^T = K Q_i^T and
+    dP^T = V dO_i^T for its half of the queries (P^T and dS^T as ``_bwd_consume_item`` makes them), written into
+    its half of the tile's shared P^T and dS^T (two tiles' worth, alternating); once both halves are in
+    (``exchanged``), dV += P^T dO_i, dK += dS^T Q_i and dQ_i += dS K for its half of the head dim's columns (dQ in
+    parts of ``dq_smem``'s width, each added by a TMA reduce-add). dO_i is released after dV's product, Q_i after
+    dK's. Then dK (scaled by 1 / sqrt(d)) and dV go out by TMA through its Q stage (both consumers done with the
+    stages: ``done``)."""
+    stages: gl.constexpr = q_bufs.type.shape[0]
+    dtype: gl.constexpr = q_bufs.dtype
+    BLOCK_KEYS: gl.constexpr = k_bufs.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+    ROWS: gl.constexpr = BLOCK_M // TILES  # queries of S^T and dP^T this one computes
+    COLS: gl.constexpr = HEAD_DIM // TILES  # columns of dK, dV and dQ this one computes
+    DQ_COLS: gl.constexpr = dq_smem.type.shape[1]
+    gl.static_assert(COLS == 2 * DQ_COLS, "a consumer's dQ columns in two parts")
+    st_layout: gl.constexpr = _wgmma_layout(ROWS)  # S^T, dP^T: (keys, queries)
+    acc_layout: gl.constexpr = _wgmma_layout(COLS)  # dK, dV: (keys, columns)
+    key_rows: gl.constexpr = gl.SliceLayout(1, st_layout)
+    query_cols: gl.constexpr = gl.SliceLayout(0, st_layout)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # a row of L or D seen as a vector
+    zero_st = gl.zeros([BLOCK_KEYS, ROWS], gl.float32, layout=st_layout)
+    zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=_wgmma_layout(DQ_COLS))
+    b, h_kv, key_start, i_first = _bwd_item(0, n_kv_heads, 0, BLOCK_KEYS, BLOCK_M, IS_CAUSAL, False)
+    offs_key = key_start + gl.arange(0, BLOCK_KEYS, layout=key_rows)
+    dk = gl.zeros([BLOCK_KEYS, COLS], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_KEYS, COLS], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_ready, 0)
+    s = 0
+    for g in range(group):
+        h = h_kv * group + g
+        for i in range(i_first, n_m):
+            stage = s % stages
+            mbarrier.wait(q_ready.index(stage), (s // stages) & 1)
+            mbarrier.wait(do_ready, s & 1)
+            q = q_bufs.index(stage)
+            # K, V and dO's buffers indexed by s >> 30 (0, unknown to the compiler): their wgmma descriptors are made
+            # where the products read them instead of kept across the loop (ptxas spilled them there)
+            k_smem = k_bufs.index(s >> 30)
+            v_smem = v_bufs.index(s >> 30)
+            do_smem = do_bufs.index(s >> 30)
+            st = warpgroup_mma(k_smem, q.slice(TILE * ROWS, ROWS).permute((1, 0)), zero_st, use_acc=False,
+                               is_async=True)
+            dpt = warpgroup_mma(v_smem, do_smem.slice(TILE * ROWS, ROWS).permute((1, 0)), zero_st, use_acc=False,
+                                is_async=True)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))  # S^T done, dP^T running
+            lse = _reinterpret(stat_bufs.index(2 * stage), gl.float32, [BLOCK_M], flat).slice(TILE * ROWS, ROWS)
+            offs_q = i * BLOCK_M + TILE * ROWS + gl.arange(0, ROWS, layout=query_cols)
+            pt = _probabilities_t(st, lse.load(query_cols), offs_key, offs_q, i * BLOCK_M < key_start + BLOCK_KEYS,
+                                  sm_scale, IS_CAUSAL, EXACT_SCALE)
+            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+            delta = _reinterpret(stat_bufs.index(2 * stage + 1), gl.float32, [BLOCK_M], flat).slice(TILE * ROWS, ROWS)
+            dst = pt * (dpt - gl.expand_dims(delta.load(query_cols), 0))
+            buf = s % 2  # both halves of tile s - 2 are read: this one's wait for tile s - 1 saw the other arrive
+            pt_smem = pds_bufs.index(2 * buf)
+            dst_smem = pds_bufs.index(2 * buf + 1)
+            pt_smem.slice(TILE * ROWS, ROWS, dim=1).store(pt.to(dtype))
+            dst_smem.slice(TILE * ROWS, ROWS, dim=1).store(dst.to(dtype))
+            fence_async_shared()
+            _thread_barrier()  # every thread's part is in shared memory before the MMAs read it
+            mbarrier.arrive(exchanged.index(buf), count=1)
+            mbarrier.wait(exchanged.index(buf), (s // 2) & 1)  # and the other's half
+            dv = warpgroup_mma(pt_smem, do_smem.slice(TILE * COLS, COLS, dim=1), dv, is_async=True)
+            dk = warpgroup_mma(dst_smem, q.slice(TILE * COLS, COLS, dim=1), dk, is_async=True)
+            dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))
+            mbarrier.arrive(do_free, count=1)
+            row = (b * n_heads + h) * n_q + i * BLOCK_M  # of dQ_i in dq_desc's (B H n_q, d) view
+            ds = dst_smem.permute((1, 0))
+            dq = warpgroup_mma(ds, k_smem.slice(TILE * COLS, DQ_COLS, dim=1), zero_dq, use_acc=False, is_async=True)
+            dq_next = warpgroup_mma(ds, k_smem.slice(TILE * COLS + DQ_COLS, DQ_COLS, dim=1), zero_dq, use_acc=False,
+                                    is_async=True)
+            dq, dk = warpgroup_mma_wait(num_outstanding=1, deps=(dq, dk))  # dK's product retired too: Q_i is free
+            mbarrier.arrive(q_free.index(stage), count=1)
+            _tma_add_tile(dq, dq_smem, dq_desc, row, TILE * COLS)
+            dq_next = warpgroup_mma_wait(num_outstanding=0, deps=(dq_next, ))
+            _tma_add_tile(dq_next, dq_smem, dq_desc, row, TILE * COLS + DQ_COLS)
+            s += 1
+    mbarrier.arrive(done, count=1)
+    mbarrier.wait(done, 0)  # both consumers are done with every stage before either overwrites one
+    out = _reinterpret(q_bufs.index(TILE), dtype, [2, BLOCK_KEYS, COLS], dk_desc.layout)  # this one's dK, dV tiles
+    out.index(0).store((dk * sm_scale).to(dtype))
+    out.index(1).store(dv.to(dtype))
+    fence_async_shared()
+    _thread_barrier()  # every thread's part of both tiles is in shared memory before TMA reads them
+    key_row = (b * n_kv_heads + h_kv) * n_k + key_start  # of dK, dV as (B H_kv n_k, d)
+    _tma_store(dk_desc, [key_row, TILE * COLS], out.index(0))
+    _tma_store(dv_desc, [key_row, TILE * COLS], out.index(1))
+    tma.store_wait(0)  # TMA has read shared memory (dQ's last part too) before the program's shared memory goes
+
+
+@gluon.jit
+def _bwd_wide_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, sm_scale,
+                     n_heads, n_kv_heads, n_bkv, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h,
+                     do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, EXACT_SCALE: gl.constexpr, num_warps: gl.constexpr):
+    """``_bwd_kernel``'s work for one program per item (its arguments; n_bkv unused) with both consumers on the
+    item's keys (``_bwd_wide_consume``): shared memory for STAGES tiles of Q, one of dO, K and V, two tiles' P^T and
+    dS^T and a dQ part a consumer (at d 256 and two stages 225 KB of the H100's 227)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    group = n_heads // n_kv_heads
+    n_m = n_q // BLOCK_M
+    q_bufs = _tile_buffers(q_desc, STAGES)
+    do_bufs = _tile_buffers(do_desc, 1)
+    k_bufs = _tile_buffers(k_desc, 1)
+    v_bufs = _tile_buffers(v_desc, 1)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_KEYS, BLOCK_M], q_desc.dtype)
+    pds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, BLOCK_KEYS, BLOCK_M], pds_layout)  # P^T, dS^T; two tiles
+    stat_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES] + lse_desc.block_type.shape,
+                                          lse_desc.layout)  # L_i, D_i of each stage
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [TILES] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    do_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    exchanged = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    mbarrier.init(do_ready, count=1)
+    mbarrier.init(do_free, count=TILES)
+    mbarrier.init(done, count=TILES)
+    for u in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(u), count=1)
+        mbarrier.init(q_free.index(u), count=TILES)
+    for u in gl.static_range(2):
+        mbarrier.init(exchanged.index(u), count=TILES)  # both consumers' halves of P^T and dS^T written
+
+    gl.warp_specialize([
+        (_bwd_wide_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, pds_bufs, dq_bufs.index(0), kv_ready,
+                             q_ready, q_free, do_ready, do_free, exchanged, done, dq_desc, dk_desc, dv_desc, group,
+                             n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, EXACT_SCALE)),
+        (_bwd_wide_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, pds_bufs, dq_bufs.index(1), kv_ready,
+                             q_ready, q_free, do_ready, do_free, exchanged, done, dq_desc, dk_desc, dv_desc, group,
+                             n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, EXACT_SCALE)),
+        (_bwd_wide_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs.index(0), stat_bufs,
+                          k_bufs.index(0), v_bufs.index(0), kv_ready, q_ready, q_free, do_ready, do_free, n_kv_heads, group, n_heads, n_m,
+                          q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h,
+                          kv_cols_h, IS_CAUSAL, BLOCK_M)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
 # (query tile, keys a consumer, stages, consumer registers): three stages, as DQ_LAG holds a stage longer on the
 # tiles a consumer takes dQ's product (interleaved rounds on one H100, 27101ab: x0.979 two stages' time at
 # 1 x 16 x 16,384 x 64, x0.954 at d 128, x0.998 at 4 x 32 x 2,048 x 64)
 BWD_CONFIG = (64, 64, 3, 240)
 BWD_CONFIGS = (BWD_CONFIG, (64, 64, 2, 240), (64, 64, 4, 240))  # what scripts/flash_gluon_probe.py times
+# At tile width 256 (``_bwd_wide_kernel``): (query tile, keys a program, stages of Q, consumer registers)
+BWD_WIDE_CONFIG = (64, 64, 2, 240)
+BWD_WIDE_CONFIGS = (BWD_WIDE_CONFIG, )
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
-BWD_MIN_KEYS = {64: 512, 128: 512}  # by tile width (``tile_dim``), the fewest keys the op runs it from: faster
+BWD_MIN_KEYS = {64: 512, 128: 512, 256: 512}  # by tile width (``tile_dim``), the fewest keys the op runs it from: faster
 # than the Triton backward there (d 64: 02900c9; d 128: bcf08a2; ``backward_preferred``)
+
+
+def _bwd_wide(width: int) -> bool:
+    """Whether the backward at this tile width is ``_bwd_wide_kernel`` (both consumers on a program's keys)."""
+    return width == 256
+
+
+def _bwd_keys(width: int, config) -> int:
+    """The keys a backward program takes: both consumers' (``_bwd_kernel``), or the ones they share (wide)."""
+    return config[1] if _bwd_wide(width) else TILES.value * config[1]
 
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
                               programs: int | None = None, dq_lag: bool | None = None):
-    """What ``backward`` launches: (grid, positional arguments, constexprs and launch options, (dQ fp32, dK, dV)).
+    """What ``backward`` launches: (kernel, grid, positional arguments, constexprs and launch options, (dQ fp32, dK,
+    dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
     given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (contiguous, k's
-    shape). Inputs as ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG);
+    shape). Inputs as ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG; at tile
+    width 256 BWD_WIDE_CONFIG's form, and its default);
     ``programs``: a persistent grid of that many (d 64; None: a program per work item); ``dq_lag``: each tile's dQ
     product a tile later (``_bwd_consume_item``; None: on a program per item, where it is faster)."""
-    block_m, block_k, stages, regs = config or BWD_CONFIG
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     width = tile_dim(d)
-    if width not in BWD_MIN_KEYS or n_q % block_m or n_k % (TILES.value * block_k):
-        raise ValueError(f"the Gluon backward takes d a multiple of 8 from 40 to 128 (``tile_dim``), n_q a multiple "
-                         f"of {block_m} and n_k of {TILES.value * block_k}; got d {d}, n_q {n_q}, n_k {n_k}")
+    wide = _bwd_wide(width)
+    config = config or (BWD_WIDE_CONFIG if wide else BWD_CONFIG)
+    block_m, block_k, stages, regs = config
+    keys = _bwd_keys(width, config)
+    if width not in BWD_MIN_KEYS or n_q % block_m or n_k % keys:
+        raise ValueError(f"the Gluon backward takes d a multiple of 8 from 40 to 256 (``tile_dim``), n_q a multiple "
+                         f"of {block_m} and n_k of {keys}; got d {d}, n_q {n_q}, n_k {n_k}")
     if programs is not None and _epilogue_in_stages.fn(width):  # .fn: without the constexpr wrapper (~4 us a call)
         raise ValueError(f"the Gluon backward's persistent grid takes d 64 only (above, dK and dV go out through the "
                          f"stages: a program of one item); got d {d}")
@@ -919,23 +1131,28 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         raise ValueError(f"dkdv must be two contiguous tensors of k's shape {tuple(k.shape)}")
     q_desc, q_where = _descriptor(q, block_m)
     do_desc, do_where = _descriptor(do, block_m)
-    k_desc, kv_where = _descriptor(k, TILES.value * block_k)  # a program's keys, both consumers' in one tile
-    v_desc, _ = _descriptor(v, TILES.value * block_k)
-    dq_desc, _ = _descriptor(dq_acc, block_m, width // TILES.value if _dq_split.fn(width) else width)
+    k_desc, kv_where = _descriptor(k, keys)  # a program's keys in one tile
+    v_desc, _ = _descriptor(v, keys)
+    # the columns of a dQ part: a consumer's half (``_dq_split``), or at 256 a quarter (two parts a consumer)
+    dq_cols = width // 4 if wide else width // TILES.value if _dq_split.fn(width) else width
+    dq_desc, _ = _descriptor(dq_acc, block_m, dq_cols)
     lse, delta = lse.contiguous(), delta.contiguous()
     lse_desc, delta_desc = (_tensor_descriptor(t, [t.numel() // block_m, block_m], [block_m, 1], [1, block_m],
                                              _STATS_LAYOUT) for t in (lse, delta))  # row (b H + h) n_q / BLOCK_M + i
-    dk_desc, dv_desc = (_tensor_descriptor(t, [t.numel() // d, d], [d, 1], [block_k, width],
-                                         _smem_layout((block_k, width), t.dtype)) for t in (dk, dv))  # (B H_kv n_k, d)
-    n_kb = n_k // (TILES.value * block_k)
+    out_block = (block_k, width // TILES.value if wide else width)  # a consumer's dK, dV tile
+    dk_desc, dv_desc = (_tensor_descriptor(t, [t.numel() // d, d], [d, 1], list(out_block),
+                                         _smem_layout(out_block, t.dtype)) for t in (dk, dv))  # (B H_kv n_k, d)
+    n_kb = n_k // keys
     grid = (n_kb, batch * kv_heads, 1) if programs is None else (min(n_kb * batch * kv_heads, programs), 1, 1)
     args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, 1 / math.sqrt(d), heads,
             kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
-    constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, PERSISTENT=programs is not None,
-                      DQ_LAG=int(programs is None if dq_lag is None else dq_lag), EXACT_SCALE=_exact_scale.fn(d),
+    constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, EXACT_SCALE=_exact_scale.fn(d),
                       num_warps=4, enable_fp_fusion=False)
-    return grid, args, constexprs, (dq_acc, dk, dv)
+    if wide:
+        return _bwd_wide_kernel, grid, args, constexprs, (dq_acc, dk, dv)
+    constexprs.update(PERSISTENT=programs is not None, DQ_LAG=int(programs is None if dq_lag is None else dq_lag))
+    return _bwd_kernel, grid, args, constexprs, (dq_acc, dk, dv)
 
 
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
@@ -952,19 +1169,21 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
     if delta is None and not given:
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         delta = flash_triton.backward_preprocess(o, do, dq_acc)
-    grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(
+    kernel, grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(
         do, q, k, v, o, lse, is_causal, config, delta, dq_acc, dkdv, _programs(q.device) if persistent else None,
         dq_lag)
-    _run(_bwd_kernel, grid, args, constexprs)
+    _run(kernel, grid, args, constexprs)
     return (dq if given else torch.mul(dq, 1 / math.sqrt(q.shape[-1]), out=torch.empty_like(q))), dk, dv
 
 
 def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
     """Whether ``backward`` takes these (B, H, n, d) inputs: those ``supports`` takes with n_k a multiple of a
     program's keys, and a dO of q's shape that TMA can read (its strides may differ from q's)."""
-    block_m, block_k = BWD_CONFIG[:2]
     width = tile_dim(q.shape[-1])
-    if width not in BWD_MIN_KEYS or q.shape[2] % block_m or k.shape[2] % (TILES.value * block_k):
+    if width not in BWD_MIN_KEYS:
+        return False
+    config = BWD_WIDE_CONFIG if _bwd_wide(width) else BWD_CONFIG
+    if q.shape[2] % config[0] or k.shape[2] % _bwd_keys(width, config):
         return False
     return do.shape == q.shape and supports(q, k, v, is_causal) and _rows_and_columns(do, width) is not None
 
