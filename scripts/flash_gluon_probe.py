@@ -77,17 +77,17 @@ BACKWARD_VARIANTS["gluon_persistent_64_64_2_240"] = {"persistent": True, "config
 # each tile's dQ product a tile later (``_bwd_consume_item``) or not: the defaults' other choice
 BACKWARD_VARIANTS["gluon_no_dq_lag"] = {"dq_lag": False}
 BACKWARD_VARIANTS["gluon_persistent_dq_lag"] = {"persistent": True, "dq_lag": True}
-# at tile width 256 (``_bwd_wide_kernel``)
+# at tile width 256 (``_bwd_wide_kernel``): BWD_WIDE_CONFIGS
 BACKWARD_VARIANTS.update({f"gluon_wide_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_WIDE_CONFIGS})
 
 
-def backward_takes(options: dict, d: int) -> bool:
-    """Whether the Gluon backward runs a BACKWARD_VARIANTS entry at head dim d: at tile width 256 the wide
-    configurations only, below it the others (the persistent grid at d 64 only)."""
+def backward_takes(variant: str, options: dict, d: int) -> bool:
+    """Whether the Gluon backward runs a BACKWARD_VARIANTS entry at head dim d: at tile width 256 the wide ones,
+    below it the others (the persistent grid at d 64 only)."""
+    wide = variant.startswith("gluon_wide_")
     if fg._bwd_wide(fg.tile_dim(d)):
-        return options.get("config") in fg.BWD_WIDE_CONFIGS
-    return options.get("config") not in fg.BWD_WIDE_CONFIGS and not (options.get("persistent")
-                                                                     and fg._epilogue_in_stages(d))
+        return wide
+    return not wide and not (options.get("persistent") and fg._epilogue_in_stages(d))
 
 
 def heads(b: int, h: int, n: int, d: int, layout: str, gen: torch.Generator) -> torch.Tensor:
@@ -208,7 +208,7 @@ def check_backward(head_dims, emit) -> None:
             emit({**row, "error": error(err)})
             continue
         for variant, options in BACKWARD_VARIANTS.items():
-            if not backward_takes(options, d):
+            if not backward_takes(variant, options, d):
                 continue
             try:
                 ours = fg.backward(do, q, k, v, o, lse, causal, **options)
@@ -240,7 +240,7 @@ def bench_backward(shape: str, emit, repeats: int = 1, rep_ms: int = 200, layout
 
     runs = [(variant, functools.partial(fg.backward, do, q, k, v, o, lse, True, **options), "bwd")
             for variant, options in BACKWARD_VARIANTS.items()
-            if backward_takes(options, d)]
+            if backward_takes(variant, options, d)]
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     runs += [("preprocess", lambda: ft.backward_preprocess(o, do, dq_acc), "bwd_part"),  # D, dQ's zeros
              ("dq_cast", lambda: torch.mul(dq_acc, 1 / math.sqrt(d), out=q.new_empty(q.shape)), "bwd_part"),  # dQ
