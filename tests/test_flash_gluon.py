@@ -177,18 +177,22 @@ def test_runs_with_is_what_launch_arguments_accepts():
                     assert flash_gluon.runs_with(options, config, d, is_causal) == accepted, (d, config, options)
 
 
-def test_backward_launch_arguments_match_the_kernel_signature():
-    q = torch.zeros(2, 4, 1024, 64, dtype=torch.bfloat16)
-    k = torch.zeros(2, 2, 1024, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("d", [64, 256])
+def test_backward_launch_arguments_match_the_kernel_signature(d):
+    """Both backward kernels: a program per 128 keys (two consumers' 64) below tile width 256, per 64 keys (shared by
+    the consumers, ``_bwd_wide_kernel``) at it; what is not a tile width is a usage error."""
+    q = torch.zeros(2, 4, 1024, d, dtype=torch.bfloat16)
+    k = torch.zeros(2, 2, 1024, d, dtype=torch.bfloat16)
     lse = torch.zeros(2, 4, 1024)
-    grid, args, options, (dq, dk, dv) = flash_gluon.backward_launch_arguments(q, q, k, k, q, lse, True)
-    names = flash_gluon._bwd_kernel.arg_names
+    kernel, grid, args, options, (dq, dk, dv) = flash_gluon.backward_launch_arguments(q, q, k, k, q, lse, True)
+    assert kernel is (flash_gluon._bwd_wide_kernel if d == 256 else flash_gluon._bwd_kernel)
+    names = kernel.arg_names
     constexprs = [name for name in options if name != "enable_fp_fusion"]  # a launch option, not a parameter
     assert len(args) + len(constexprs) == len(names) and constexprs == names[len(args):]
-    assert grid == (1024 // (flash_gluon.TILES.value * flash_gluon.BWD_CONFIG[1]), 2 * 2, 1)
+    assert grid == (1024 // (64 if d == 256 else flash_gluon.TILES.value * flash_gluon.BWD_CONFIG[1]), 2 * 2, 1)
     assert dq.dtype == torch.float32 and dq.shape == q.shape and dk.shape == dv.shape == k.shape
-    for d in (32, 136):
-        with pytest.raises(ValueError, match="Gluon backward takes d a multiple of 8 from 40 to 128"):
+    for d in (32, 264):
+        with pytest.raises(ValueError, match="Gluon backward takes d a multiple of 8 from 40 to 256"):
             flash_gluon.backward_launch_arguments(*(torch.zeros(1, 2, 1024, d, dtype=torch.bfloat16),) * 5,
                                                   torch.zeros(1, 2, 1024), True)
 
@@ -212,21 +216,23 @@ def test_side_by_side_heads_below_the_tile_are_a_3d_view_of_one_head_a_block(bat
     assert flash_gluon._rows_and_columns(at_width, 128)[:2] == ([batch * n, 3 * 128], [3 * 128, 1])  # 2-D there
 
 
-@pytest.mark.parametrize("d", [48, 64, 80, 128])
+@pytest.mark.parametrize("d", [48, 64, 80, 128, 192, 256])
 def test_padded_head_dims_launch_tiles_of_their_tile_width(d):
     """A head dim below its tile runs the tile's kernel: every descriptor's block as wide as the tile (dQ's half of
-    it where both consumers split its columns), its view d columns wide (TMA's zero fill past them), and the exact
-    multiply-add of the scale only where 1 / sqrt(d) is a power of two (d 64), not where the tile's would be."""
+    it where both consumers split its columns, a quarter at 256, where dK and dV are a consumer's half too), its view
+    d columns wide (TMA's zero fill past them), and the exact multiply-add of the scale only where 1 / sqrt(d) is a
+    power of two (d 64 and 256), not where the tile's would be."""
     width = flash_gluon.tile_dim(d)
     q = torch.zeros(2, 4, 1024, d, dtype=torch.bfloat16)
     k = torch.zeros(2, 2, 1024, d, dtype=torch.bfloat16)
-    _, args, options, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, torch.zeros(2, 4, 1024), True)
-    descriptors = dict(zip(flash_gluon._bwd_kernel.arg_names, args))
+    kernel, _, args, options, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, torch.zeros(2, 4, 1024), True)
+    descriptors = dict(zip(kernel.arg_names, args))
+    parts = {"dq_desc": 4 if width == 256 else 2 if flash_gluon._dq_split.fn(width) else 1,
+             **dict.fromkeys(("dk_desc", "dv_desc"), 2 if width == 256 else 1)}
     for name in ("q_desc", "do_desc", "k_desc", "v_desc", "dk_desc", "dv_desc", "dq_desc"):
-        split = name == "dq_desc" and flash_gluon._dq_split.fn(width)
-        assert descriptors[name].block_shape[1] == (width // 2 if split else width), name
+        assert descriptors[name].block_shape[1] == width // parts.get(name, 1), name
         assert descriptors[name].shape[-1] == d, name
-    assert options["EXACT_SCALE"] == (d == 64)
+    assert options["EXACT_SCALE"] == (d in (64, 256))
     _, args, _, _ = flash_gluon.launch_arguments(q, k, k, True)
     for name, desc in zip(flash_gluon._fwd_kernel.arg_names, args[:4]):
         assert desc.block_shape[1] == width and desc.shape[-1] == d, name
@@ -265,7 +271,7 @@ def test_cached_launch_compiles_once_per_specialization_and_passes_parameters_in
     def launch(n):
         q = torch.zeros(2, 4, n, 64, dtype=torch.bfloat16)
         k = torch.zeros(2, 2, n, 64, dtype=torch.bfloat16)
-        grid, args, options, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, torch.zeros(2, 4, n), True)
+        _, grid, args, options, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, torch.zeros(2, 4, n), True)
         flash_gluon._run(kernel, grid, args, options)
         return grid, args, options
 
@@ -406,19 +412,19 @@ def test_backward_schedule_and_its_persistent_grid(monkeypatch):
     short, long = torch.empty(4, 32, 2048, 64), torch.empty(1, 16, 16384, 64)
     assert flash_gluon.backward_schedule(short, short, True) == {"persistent": True}
     assert flash_gluon.backward_schedule(long, long, True) == {}
-    wide = torch.empty(4, 32, 2048, 128)
-    assert flash_gluon.backward_schedule(wide, wide, True) == {}  # dK, dV through the stages: a program per item
     q = torch.zeros(2, 4, 1024, 64, dtype=torch.bfloat16)
     lse = torch.zeros(2, 4, 1024)
-    grid, _, options, _ = flash_gluon.backward_launch_arguments(q, q, q, q, q, lse, True, programs=132)
+    _, grid, _, options, _ = flash_gluon.backward_launch_arguments(q, q, q, q, q, lse, True, programs=132)
     assert grid == (64, 1, 1) and options["PERSISTENT"]  # 8 key blocks x 8 heads: fewer items than programs
     big = torch.zeros(4, 32, 2048, 64, dtype=torch.bfloat16)
-    grid, _, _, _ = flash_gluon.backward_launch_arguments(big, big, big, big, big, torch.zeros(4, 32, 2048), True,
-                                                          programs=132)
+    _, grid, _, _, _ = flash_gluon.backward_launch_arguments(big, big, big, big, big, torch.zeros(4, 32, 2048), True,
+                                                             programs=132)
     assert grid == (132, 1, 1)
-    with pytest.raises(ValueError, match="persistent grid takes d 64 only"):
-        wide = torch.zeros(2, 4, 1024, 128, dtype=torch.bfloat16)
-        flash_gluon.backward_launch_arguments(wide, wide, wide, wide, wide, lse, True, programs=132)
+    for d in (128, 256):  # dK, dV through the stages: a program per item
+        wide = torch.zeros(2, 4, 1024, d, dtype=torch.bfloat16)
+        assert flash_gluon.backward_schedule(wide, wide, True) == {}
+        with pytest.raises(ValueError, match="persistent grid takes d 64 only"):
+            flash_gluon.backward_launch_arguments(wide, wide, wide, wide, wide, lse, True, programs=132)
 
 
 def test_op_ab_timeline_rows_are_each_kernels_median_time_and_gap():
@@ -440,10 +446,10 @@ def test_op_ab_timeline_rows_are_each_kernels_median_time_and_gap():
 
 @pytest.mark.parametrize("argv,most", [(["--head-dims", "32"], 256), (["--head-dims", "80,x"], 256),
                                        (["--shapes", "1x16x1024x260"], 256), (["--shapes", "1x16x1024x132"], 256),
-                                       (["--backward", "--shapes", "1x16x1024x136"], 128)])
+                                       (["--backward", "--shapes", "1x16x1024x264"], 256)])
 def test_probe_refuses_head_dims_without_a_tile_in_one_line(argv, most, tmp_path, capsys, monkeypatch):
-    """scripts/flash_gluon_probe.py: a head dim the kernels have no tile for (the forward's up to 256, the backward's
-    up to 128) is a usage error naming what is accepted, before anything needs a GPU."""
+    """scripts/flash_gluon_probe.py: a head dim the kernels have no tile for (up to 256, forward and backward) is a
+    usage error naming what is accepted, before anything needs a GPU."""
     monkeypatch.delenv("FLASH_GLUON", raising=False)  # the probe's import sets it: unset again afterwards
     with pytest.raises(SystemExit) as exit_:
         _script("flash_gluon_probe").main([str(tmp_path), *argv])

@@ -1147,12 +1147,11 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, 1 / math.sqrt(d), heads,
             kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
-    constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs, EXACT_SCALE=_exact_scale.fn(d),
-                      num_warps=4, enable_fp_fusion=False)
-    if wide:
-        return _bwd_wide_kernel, grid, args, constexprs, (dq_acc, dk, dv)
-    constexprs.update(PERSISTENT=programs is not None, DQ_LAG=int(programs is None if dq_lag is None else dq_lag))
-    return _bwd_kernel, grid, args, constexprs, (dq_acc, dk, dv)
+    constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs)  # in the kernel's order
+    if not wide:
+        constexprs.update(PERSISTENT=programs is not None, DQ_LAG=int(programs is None if dq_lag is None else dq_lag))
+    constexprs.update(EXACT_SCALE=_exact_scale.fn(d), num_warps=4, enable_fp_fusion=False)
+    return (_bwd_wide_kernel if wide else _bwd_kernel), grid, args, constexprs, (dq_acc, dk, dv)
 
 
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
