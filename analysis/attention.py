@@ -33,7 +33,7 @@ PASS_ORDER = tuple(ATTENTION_PASSES)  # display order, as ATTENTION_PROVIDERS'; 
 # One row of the pivot: the configuration a provider's time is compared at.
 ATTENTION_KEYS = ("device_name", "dtype", "causal", "batch_size", "heads", "mode", "head_dim", "seq_len")
 _GROUP_KEYS = ("device_name", "dtype", "causal", "batch_size", "heads")  # one figure per group
-REPORT_METRICS = ("heads", "head_dim", "causal")  # what the report reads from a successful record's metrics
+REPORT_METRICS = ("heads", "head_dim", "causal", "host_ms")  # what the report reads from a record's metrics
 
 
 def attention_frame(records_or_frame: RecordSource | Iterable[RecordSource] | pd.DataFrame,
@@ -145,6 +145,12 @@ def attention_markdown(records_or_frame: RecordSource | Iterable[RecordSource] |
         speedup_text = (f"## Speed-up of {baseline} (other provider's median time / {baseline}'s; "
                         f"> 1: {baseline} is faster)\n\n" + _markdown(ratio, list(constant)))  # fmt: skip
         lines += [speedup_text, ""]
+    host = attention_pivot(frame, "host_ms")
+    if host[providers_of(frame)].notna().any().any():  # CUDA runs (records before host_ms have none)
+        lines += ["## Host time a run (ms)", "",
+                  "The host's time to enqueue one run on an idle GPU: where it is near the median time, the run is "
+                  "bound by the host (its Python and launches), not by its kernels.", "",
+                  _markdown(_cells(frame, host, ".3f"), list(constant)), ""]
     failed = frame[frame["status"] != "ok"]
     if not failed.empty:
         columns = [c for c in ("implementation", "mode", "dtype", "head_dim", "seq_len", "status", "error")

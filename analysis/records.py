@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import json
 import math
@@ -75,6 +76,18 @@ def library_versions() -> dict[str, str]:
 SETTINGS_PREFIXES = ("FLASH_", "TRITON_", "TORCHINDUCTOR_", "XLA_", "NCCL_")
 
 
+@functools.cache
+def host_cpu() -> str:
+    """The host's CPU model and logical CPU count (``/proc/cpuinfo``; the platform's processor elsewhere): a
+    host-bound measurement (a short kernel behind Python) depends on it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return f"{model or platform.processor() or 'unknown'} x {os.cpu_count()}"
+
+
 def provenance(device_name: str = "cpu") -> dict[str, Any]:
     """Where and when a measurement was made, with what code and libraries, and the environment variables of
     SETTINGS_PREFIXES that were set.
@@ -89,6 +102,7 @@ def provenance(device_name: str = "cpu") -> dict[str, Any]:
         "git_dirty": bool(status) if status is not None and commit else None,
         "device_name": device_name,
         "hostname": platform.node(),
+        "cpu": host_cpu(),
         "platform": platform.platform(),
         "versions": library_versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -1,5 +1,7 @@
 """The attention benchmark CLI: FLOP counts by hand, records (failures kept as rows), the report from records."""
 
+import time
+
 import matplotlib.image
 import pytest
 import torch
@@ -49,6 +51,7 @@ def test_cpu_sweep_writes_one_record_per_configuration(cpu_run):
             assert r.tflops == pytest.approx(r.flops_per_step / (r.timing["median_ms"] / 1e3) / 1e12)
             assert r.tokens_per_s == pytest.approx(r.seq_len / (r.timing["median_ms"] / 1e3))
             assert r.mfu is None and r.peak_memory_bytes is None  # no HardwareSpec, no CUDA allocator on a CPU
+            assert r.metrics["host_ms"] is None  # the host's share is measured against a GPU only
         elif r.implementation == "sdpa_cudnn":
             assert r.status == "error" and r.timing is None and r.tflops is None
             assert r.error.startswith("RuntimeError: ") and "\n" not in r.error
@@ -61,6 +64,7 @@ def test_cpu_sweep_writes_table_and_plots_next_to_the_records(cpu_run):
     columns = ["mode", "seq_len", "flash_torch", "naive", "sdpa_flash", "sdpa_cudnn"]  # ours first, as in --help
     assert [c.strip() for c in header.strip("|").split("|")] == columns
     assert "| error " in table  # sdpa_cudnn's cells show the failure, not a blank
+    assert "## Host time" not in table  # no CUDA run, no host time
     for name in ("latency", "tflops"):
         png = cpu_run.parent / f"attention_{name}_fp32.png"
         assert png.stat().st_size > 10_000
@@ -77,6 +81,36 @@ def test_report_only_regenerates_from_records(cpu_run, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no such file"):
         bench.main(["--report-only", str(tmp_path / "missing.jsonl")])
+
+
+def test_host_time_is_the_enqueue_time_of_a_run_with_gradients_reset(monkeypatch):
+    """``_host_ms`` on CUDA: the median over rounds of the time a call takes to return (the GPU synchronized around
+    each round, not after each call), the inputs' gradients reset before each call as do_bench resets them."""
+    synchronized, calls = [], []
+    monkeypatch.setattr(bench, "_synchronize", synchronized.append)
+    leaf = torch.zeros(2, requires_grad=True)
+
+    def run():
+        calls.append(leaf.grad)
+        leaf.grad = torch.ones(2)
+        time.sleep(0.002)
+
+    host = bench._host_ms(run, torch.device("cuda"), [leaf], calls=3, rounds=4)
+    assert 2.0 <= host < 20 and len(calls) == 12 and all(g is None for g in calls) and len(synchronized) == 5
+    assert bench._host_ms(run, torch.device("cpu"), [leaf]) is None
+
+
+def test_report_shows_the_host_time_where_records_have_it(cpu_run):
+    """CUDA records keep ``metrics.host_ms``: the report gets a table of it, providers as columns."""
+    from analysis.attention import attention_markdown
+
+    records = read_records(cpu_run)
+    for i, r in enumerate(records):
+        r.metrics["host_ms"] = 0.125 * (i + 1) if r.status == "ok" else None
+    table, _ = attention_markdown(records)
+    section = table.split("## Host time a run (ms)")[1].split("##")[0]
+    ok = [r for r in records if r.status == "ok"]
+    assert ok and all(f"| {r.metrics['host_ms']:.3f} " in section for r in ok)  # each value distinct
 
 
 def test_missing_module_and_oom_are_rows_not_gaps(tmp_path, monkeypatch):

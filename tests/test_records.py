@@ -184,6 +184,7 @@ def test_provenance_filled_in() -> None:
     assert prov["device_name"] == "cpu"
     assert prov["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
     assert provenance("NVIDIA H100")["device_name"] == "NVIDIA H100"
+    assert prov["cpu"].endswith(f" x {os.cpu_count()}") and len(prov["cpu"]) > len(f" x {os.cpu_count()}")
     json.dumps(prov)  # provenance must be JSON-serialisable as it is
 
 

@@ -40,7 +40,9 @@ Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each run; ``
 warm-up and measurement budgets in ms); every per-run time is kept (``return_mode="all"``) for
 ``timing_stats``, falling back to the median alone where a Triton lacks it. On the CPU (tests only) a
 ``perf_counter`` loop with the same budgets replaces it. Inputs are fresh ``torch.randn`` (seeded, the same for
-every provider of a shape), never zeros.
+every provider of a shape), never zeros. On CUDA each record also keeps the host's time to enqueue one run on an
+idle GPU (``metrics.host_ms``): where it is near the median, the run is bound by the host's Python and launches,
+which differ from machine to machine, not by its kernels.
 
 FLOPs (``parallelism_calc.compute.attention_flops``): forward 4·B·H·N²·d (two N x N x d matrix products, 2 FLOPs per multiply-add),
 halved when causal; backward 2.5 x forward (five products instead of two); forward_backward 3.5 x forward.
@@ -57,7 +59,7 @@ backward, the kept forward graph) alive.
 
 At the end (or with ``--report-only FILE``) ``analysis.attention.write_attention_report`` writes, next to the
 records file, ``<stem>.md`` (median ms and TFLOP/s with providers as columns, flash_triton's speed-up over each
-other provider, failures) and PNG plots (latency and TFLOP/s against sequence length). The report step is the
+other provider, the host's time a run on CUDA, failures) and PNG plots (latency and TFLOP/s against sequence length). The report step is the
 only part that imports pandas/matplotlib, and only then.
 
 Caveats: fp32 means fp32 for PyTorch's matmuls and for ``flash_triton`` (IEEE dots), unless TF32 is allowed
@@ -72,6 +74,7 @@ import datetime
 import gc
 import importlib
 import inspect
+import statistics
 import sys
 import time
 import warnings
@@ -254,6 +257,26 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _host_ms(fn: Callable[[], Any], device: torch.device, grad_to_none: list[torch.Tensor], calls: int = 5,
+             rounds: int = 5) -> float | None:
+    """The host's time to enqueue one call of ``fn`` on an idle GPU (ms; median of ``rounds`` rounds of ``calls``
+    calls, the GPU synchronized around each round); None off CUDA. Where it is near the median time, the run is
+    bound by the host (its Python and launches), not by its kernels."""
+    if device.type != "cuda":
+        return None
+    times = []
+    for _ in range(rounds):
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            for t in grad_to_none:
+                t.grad = None
+            fn()
+        times.append((time.perf_counter() - start) * 1e3 / calls)
+    _synchronize(device)
+    return statistics.median(times)
+
+
 def _peak_memory(fn: Callable[[], Any], device: torch.device, grad_to_none: list[torch.Tensor]) -> int | None:
     """Peak bytes allocated during one untimed call of ``fn`` (live inputs included); None off CUDA."""
     if device.type != "cuda":
@@ -287,6 +310,7 @@ class Outcome:
     times_ms: list[float] | None = None
     peak_memory_bytes: int | None = None
     memory_before_backward_bytes: int | None = None  # allocated after the forward, before its backward (CUDA)
+    host_ms: float | None = None  # the host's time to enqueue one run (CUDA: ``_host_ms``)
     status: str = "ok"
     error: str | None = None
 
@@ -312,7 +336,7 @@ def _measure(call: AttentionCall, shape: Shape, pass_: str, device: torch.device
     _synchronize(device)
     peak = _peak_memory(fn, device, [q, k, v])
     times = bench(fn, device, warmup_ms, rep_ms, [q, k, v])
-    return Outcome(times_ms=times, peak_memory_bytes=peak,
+    return Outcome(times_ms=times, peak_memory_bytes=peak, host_ms=_host_ms(fn, device, [q, k, v]),
                    memory_before_backward_bytes=before_backward if pass_ == "backward" else None)
 
 
@@ -356,7 +380,8 @@ def make_record(provider: str, shape: Shape, pass_: str, outcome: Outcome, *, de
                  "warmup_ms": warmup_ms, "rep_ms": rep_ms,
                  "timer": timer,
                  "tf32_allowed": _tf32_allowed(),
-                 "memory_before_backward_bytes": outcome.memory_before_backward_bytes},
+                 "memory_before_backward_bytes": outcome.memory_before_backward_bytes,
+                 "host_ms": outcome.host_ms},
     )  # fmt: skip
     if outcome.times_ms:
         record.timing = timing_stats(outcome.times_ms)
