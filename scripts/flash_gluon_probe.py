@@ -70,9 +70,6 @@ VARIANTS["gluon_persistent_dynamic"] = {"persistent": True, "order": "dynamic"} 
 VARIANTS["gluon_dynamic"] = {**VARIANTS["gluon_persistent_dynamic"], "tma_store": True}  # and O's TMA store
 VARIANTS["gluon_dynamic_folded"] = {**VARIANTS["gluon_dynamic"], "folded": True}  # and the scale in the exponent's FMA
 VARIANTS["gluon_heads_folded"] = {**VARIANTS["gluon_persistent_heads_tma_store"], "folded": True}
-for _n in (2, 4):  # 1 / n of the softmax's exponentials on the FMA pipe (``flash_gluon._exp2``)
-    VARIANTS[f"gluon_dynamic_folded_fma{_n}"] = {**VARIANTS["gluon_dynamic_folded"], "emulated": _n}
-    VARIANTS[f"gluon_heads_folded_fma{_n}"] = {**VARIANTS["gluon_heads_folded"], "emulated": _n}
 # the backward's configurations by variant name (BWD_CONFIGS, the default first)
 BACKWARD_VARIANTS = {f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS}
 BACKWARD_VARIANTS["gluon_persistent"] = {"persistent": True}  # a program per SM (d 64), the default configuration

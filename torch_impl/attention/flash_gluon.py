@@ -268,43 +268,8 @@ def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_rea
 
 
 @gluon.jit
-def _exp2_fma(x):
-    """2^x for x <= 0 on the FMA and integer pipes instead of the MUFU unit (FlashAttention-4's exp2 emulation):
-    x = j + f with j = round(x) (in t's low mantissa bits after adding 1.5 * 2^23), f in [-0.5, 0.5]; 2^f by a
-    degree-3 polynomial (relative error below 1.2e-4, under bf16's 3.9e-3; exact 1 at f = 0), and j added to its
-    exponent. Below 2^-125 (x clamped) the result stays 2^-125, not 0: nothing a sum of it rounds differently."""
-    x = gl.maximum(x, -125.0)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    p = gl.fma(gl.fma(gl.fma(f, 0.05459817, 0.24221788), f, 0.69336748), f, 1.0)
-    return (p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _exp2(x, EMULATED: gl.constexpr):
-    """2^x of a wgmma accumulator tile (rows, columns), 1 / EMULATED of its columns sent to ``_exp2_fma`` and the rest
-    to the MUFU unit's exp2 (16 a clock an SM), so that two pipes share the softmax's exponentials (EMULATED 0: all
-    on the MUFU unit). A thread holds column pairs (bit 0 of the column in its registers, bits 1-2 in the lane, the
-    rest in registers again): EMULATED 2 takes every odd column, 4 every odd column of every second group of 8;
-    each split is along register bits, so no value moves between threads."""
-    if EMULATED == 0:
-        return gl.exp2(x)
-    rows: gl.constexpr = x.shape[0]
-    groups: gl.constexpr = x.shape[1] // 8
-    even, odd = gl.split(gl.reshape(x, [rows, groups, 4, 2]))  # column 8 g + 2 l + b
-    if EMULATED == 2:
-        odd = gl.convert_layout(_exp2_fma(odd), even.type.layout)
-    else:
-        mu, em = gl.split(gl.permute(gl.reshape(odd, [rows, groups // 2, 2, 4]), (0, 1, 3, 2)))  # g = 2 h + c
-        em = gl.convert_layout(_exp2_fma(em), mu.type.layout)
-        odd = gl.reshape(gl.permute(gl.join(gl.exp2(mu), em), (0, 1, 3, 2)), [rows, groups, 4])
-        odd = gl.convert_layout(odd, even.type.layout)
-    return gl.convert_layout(gl.reshape(gl.join(gl.exp2(even), odd), [rows, x.shape[1]]), x.type.layout)
-
-
-@gluon.jit
 def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, scale2, dtype: gl.constexpr, p_layout: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr, EMULATED: gl.constexpr = 0):
+                  IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr):
     """Online softmax of one tile of raw scores S = Q K^T: P in wgmma's register-operand layout, the rescale
     alpha, the row's raw maximum score m and the row sum l; scale2 = log2(e) / sqrt(d) (FP fusion off: each
     operation rounds as written).
@@ -319,10 +284,10 @@ def _softmax_tile(s, m_i, l_i, offs_m, offs_n, masked, scale2, dtype: gl.constex
     m_new = gl.maximum(m_i, gl.max(s, 1))  # finite: key 0 is in the first tile, every row sees it
     if FOLDED:
         base = m_new * scale2
-        p = _exp2(gl.fma(s, scale2, gl.expand_dims(-base, 1)), EMULATED)
+        p = gl.exp2(gl.fma(s, scale2, gl.expand_dims(-base, 1)))
         alpha = gl.exp2(m_i * scale2 - base)  # the last tile's base, rounded as it was; 0 on the first (m_i = -inf)
     else:
-        p = _exp2((s - gl.expand_dims(m_new, 1)) * scale2, EMULATED)
+        p = gl.exp2((s - gl.expand_dims(m_new, 1)) * scale2)
         alpha = gl.exp2((m_i - m_new) * scale2)
     l_i = l_i * alpha + gl.sum(p, 1)
     return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
@@ -347,7 +312,7 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
                   turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h,
                   stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   FOLDED: gl.constexpr, TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr, EMULATED: gl.constexpr):
+                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
     """One consumer warpgroup's query tile of work item ``tile``, the program's t-th, its key tiles counted from i
     and its rounds of products from r (returned: i and r past them): ``_consume``."""
     stages: gl.constexpr = k_bufs.type.shape[0]
@@ -385,7 +350,7 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     mbarrier.arrive(k_free.index(stage), count=1)
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, offs_n, n_full == 0, scale2, dtype, p_layout,
-                                       IS_CAUSAL, FOLDED, EMULATED)
+                                       IS_CAUSAL, FOLDED)
     # Key tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} on the tensor cores, the softmax of S_j under the
     # latter. Nothing is in flight across the loop's back edge: a loop-carried value of an unfinished wgmma is
     # copied at the edge, and ptxas then serializes every wgmma of the kernel (its warning C7514).
@@ -404,7 +369,7 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j is done; O += P_{j-1} V_{j-1} runs on
         mbarrier.arrive(k_free.index(stage), count=1)
         p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, offs_m, j * BLOCK_N + offs_n, j >= n_full, scale2,
-                                                dtype, p_layout, IS_CAUSAL, FOLDED, EMULATED)
+                                                dtype, p_layout, IS_CAUSAL, FOLDED)
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))  # p: the operand stays alive until then
         mbarrier.arrive(v_free.index(prev), count=1)
         p = p_next
@@ -453,8 +418,7 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
              id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h,
              o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
              FOLDED: gl.constexpr, TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr,
-             EMULATED: gl.constexpr):
+             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr):
     """One consumer warpgroup: query tile TILE of each of the program's work items, its O and L written at the end.
     Key tile i of the program (over all its items) sits in stage i % STAGES, filled for the (i // STAGES)-th time.
     TMA_STORE: O goes through shared memory and a TMA store that runs on while the next item starts (else each
@@ -471,8 +435,7 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
             i, r = _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready,
                                  k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks, n_q, n_k,
                                  o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, TILE,
-                                 IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR,
-                                 EMULATED)
+                                 IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR)
             t += 1
             tile = _take(ids, id_ready, id_free, t)
     else:
@@ -483,7 +446,7 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
                                      v_ready, k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks,
                                      n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on,
                                      sm_scale, TILE, IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N,
-                                     HEAD_DIM, BLOCK_MAJOR, EMULATED)
+                                     HEAD_DIM, BLOCK_MAJOR)
                 t += 1
     if TMA_STORE:
         tma.store_wait(0)
@@ -494,7 +457,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_
                 n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, o_rows_b, o_rows_h, o_cols_h,
                 stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
                 TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr, EMULATED: gl.constexpr, num_warps: gl.constexpr):
+                BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr, num_warps: gl.constexpr):
     """A program takes work items (two query tiles of one batch x head, ``_tile``, in BLOCK_MAJOR's order) in the
     order ``_position`` deals them (one item in a grid of a program per item), or (DYNAMIC) as they come from a
     counter (``counter_ptr``, an int32 zero: ``_load``).
@@ -537,12 +500,11 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(0), q_ready, q_free, k_ready, v_ready, k_free, v_free, turn,
                     ids, id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
                     o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED,
-                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC, EMULATED)),
+                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(1 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
                     k_free, v_free, turn, ids, id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads,
                     n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1,
-                    IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC,
-                    EMULATED)),
+                    IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
         (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                  ids, id_ready, id_free, counter_ptr, n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b,
                  q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_MAJOR,
@@ -1466,7 +1428,7 @@ def _programs(device: torch.device) -> int:
 
 def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None,
                      folded: bool = False, programs: int | None = None, out=None, tma_store: bool = False,
-                     pingpong: bool = False, order: str = "blocks", emulated: int = 0):
+                     pingpong: bool = False, order: str = "blocks"):
     """What ``forward`` launches: (grid, positional arguments, constexprs, (O, L)), O and L allocated here unless
     ``out`` gives them (O contiguous like q, L (B, H, n_q) fp32 contiguous). ``programs``: the persistent grid's
     size (None: one program per work item), taking the items in ``order`` (one of ORDERS: ``_tile``). Also used to
@@ -1498,24 +1460,22 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
             batch * heads, n_q, k.shape[2], *q_where, *kv_where, *o_where, o.stride(0), o.stride(1), o.stride(2))
     constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, TMA_STORE=tma_store, PINGPONG=pingpong, STAGES=stages,
                       CONSUMER_REGS=regs, BLOCK_MAJOR=programs is not None and order == "blocks", DYNAMIC=dynamic,
-                      EMULATED=emulated, num_warps=4,
-                      enable_fp_fusion=False)  # each rounding as written (``_softmax_tile``)
+                      num_warps=4, enable_fp_fusion=False)  # each rounding as written (``_softmax_tile``)
     return grid, args, constexprs, (o, lse)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, folded: bool = False,
             persistent: bool = False, out=None, tma_store: bool = False, pingpong: bool = False,
-            order: str = "blocks", emulated: int = 0):
+            order: str = "blocks"):
     """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
     (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[tile_dim(d)][0]; ``folded``
     folds the scale into the exponent's multiply-add (``_softmax_tile``); ``persistent`` launches one program per SM,
     each taking work items in turn in ``order`` (``_tile``; else one program per item: as fast or faster where
     measured);
     ``out``: (O, L) to write (``launch_arguments``); ``tma_store`` writes O through shared memory and TMA,
-    ``pingpong`` has the consumers take turns (``_consume``), ``emulated`` sends 1 / emulated of the softmax's
-    exponentials (2 or 4; 0: none) to the FMA pipe (``_exp2``)."""
+    ``pingpong`` has the consumers take turns (``_consume``)."""
     grid, args, constexprs, outputs = launch_arguments(q, k, v, is_causal, config, folded,
                                                        _programs(q.device) if persistent else None, out, tma_store,
-                                                       pingpong, order, emulated)
+                                                       pingpong, order)
     _run(_fwd_kernel, grid, args, constexprs)
     return outputs
