@@ -1,7 +1,7 @@
 """FlashAttention for Hopper (sm_90) written in Gluon: a forward with FlashAttention-3's structure, and a backward
 (``backward``; flash_triton runs it where ``backward_preferred``; its design is in its kernels' docstrings), both
-written for tiles of head dim 64 and 128 (the forward also 256) and running any head dim from 40 up in the next
-(``tile_dim``: the forward to 256, the backward to 128).
+written for tiles of head dim 64, 128 and 256 (the backward's at 256 a kernel of its own, ``_bwd_wide_kernel``) and
+running any head dim from 40 to 256 in the next (``tile_dim``).
 
 A work item is two query tiles of one (batch, head) against every key tile they see; by default a program per item,
 head by head and each head's heaviest first (causal), else (``persistent``) a grid of one program per SM taking the
@@ -70,8 +70,7 @@ def _reinterpret(smem, dtype, shape, layout, _semantic=None):
 
 
 TILE_DIMS = (64, 128, 256)  # head dims the tiles are written for (wgmma's N for O, TMA's box width): ``tile_dim``
-# The forward's only at 256 (the backward's accumulators dK, dV would not fit a consumer's registers: ``BWD_MIN_KEYS``),
-# and O's TMA store, a tile a consumer, only at 64 and 128 (at 256 those 64 KB do not fit beside Q and the stages).
+# O's TMA store, a tile a consumer, only at 64 and 128 (at 256 those 64 KB do not fit beside Q and the stages).
 TMA_STORE_TILE_DIMS = (64, 128)
 MIN_KEYS = 1024  # below, the Triton forward is as fast or faster (``preferred``)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -1085,7 +1084,7 @@ BWD_WIDE_CONFIG = (64, 64, 2, 240)
 BWD_WIDE_CONFIGS = (BWD_WIDE_CONFIG, )
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
 BWD_MIN_KEYS = {64: 512, 128: 512, 256: 512}  # by tile width (``tile_dim``), the fewest keys the op runs it from: faster
-# than the Triton backward there (d 64: 02900c9; d 128: bcf08a2; ``backward_preferred``)
+# than the Triton backward there (d 64: 02900c9; d 128: bcf08a2; d 256: 7b289bb; ``backward_preferred``)
 
 
 def _bwd_wide(width: int) -> bool:
@@ -1211,7 +1210,9 @@ def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     for the Triton backward, and is 1.24x at 8,192 (2 x 16), 1.22x at 4,096 (4 x 16), 1.19x at 2,048 (4 x 32);
     at 02900c9 1.16x at 1,024 (8 x 32) and 1.04x at 512 (16 x 32) (notes/flash_attention.md, session 22).
     d 128 (753ebf0, bcf08a2): 5.04 against 6.67 ms at 16,384 keys, 1.31x at 8,192, 1.33x at 4,096, 1.38x at 2,048,
-    1.80x at 1,024, 1.20x at 512 (session 23)."""
+    1.80x at 1,024, 1.20x at 512 (session 23). d 256 (``_bwd_wide_kernel``, aebe344 on an H100, 7b289bb on an H200):
+    1.79 against 4.12 ms at 1 x 8 x 8,192, 2.16x at 4 x 16 x 2,048, 2.00x at 8 x 16 x 1,024, 1.80x at 16 x 16 x 512;
+    d 192 in that tile 2.18x at 1 x 16 x 8,192, 1.78x at 8 x 16 x 512 (session 28)."""
     min_keys = BWD_MIN_KEYS.get(tile_dim(q.shape[-1]))
     return min_keys is not None and k.shape[-2] >= min_keys and backward_supports(do, q, k, v, is_causal)
 
