@@ -33,7 +33,8 @@ PASS_ORDER = tuple(ATTENTION_PASSES)  # display order, as ATTENTION_PROVIDERS'; 
 # One row of the pivot: the configuration a provider's time is compared at.
 ATTENTION_KEYS = ("device_name", "dtype", "causal", "batch_size", "heads", "mode", "head_dim", "seq_len")
 _GROUP_KEYS = ("device_name", "dtype", "causal", "batch_size", "heads")  # one figure per group
-REPORT_METRICS = ("heads", "head_dim", "causal", "host_ms")  # what the report reads from a record's metrics
+REPORT_METRICS = ("heads", "head_dim", "causal")  # what the report reads from a successful record's metrics
+OPTIONAL_METRICS = ("host_ms",)  # and where a record has them (CUDA runs from 5e59770 on)
 
 
 def attention_frame(records_or_frame: RecordSource | Iterable[RecordSource] | pd.DataFrame,
@@ -42,7 +43,7 @@ def attention_frame(records_or_frame: RecordSource | Iterable[RecordSource] | pd
     (from its metrics), one row per configuration (the last measurement of a repeated one)."""
     frame = records_or_frame if isinstance(records_or_frame, pd.DataFrame) else records_frame(records_or_frame)
     frame = filter_suite(frame, suite).copy()
-    for name in REPORT_METRICS:
+    for name in (*REPORT_METRICS, *OPTIONAL_METRICS):
         if name not in frame:
             frame[name] = frame.get(f"metrics.{name}")
     for name in ("heads", "head_dim"):
