@@ -1032,6 +1032,7 @@ def _bwd_wide_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_d
     dS^T and a dQ part a consumer (at d 256 and two stages 225 KB of the H100's 227)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    gl.static_assert(STAGES >= TILES, "dK, dV go out through a stage of Q a consumer")
     group = n_heads // n_kv_heads
     n_m = n_q // BLOCK_M
     q_bufs = _tile_buffers(q_desc, STAGES)
