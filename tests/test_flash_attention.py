@@ -796,11 +796,12 @@ def test_gpu_gluon_in_the_op(case, is_causal, d, dtype, seed, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [48, 80])
+@pytest.mark.parametrize("d", [48, 80, 192])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_gpu_gluon_side_by_side_heads_below_the_tile(is_causal, d, seed, monkeypatch):
     """The model's (B, n, H, d) heads below the tile's width as 3-D views (``flash_gluon.SIDE_BY_SIDE_3D``: a TMA
-    block of one head) in the op, two query heads a k/v head, against float64 with the Triton bounds."""
+    block of one head) in the op, forward and backward (d 192: the 256 tile's ``_bwd_wide_kernel``), two query heads
+    a k/v head, against float64 with the Triton bounds."""
     from torch_impl.attention import flash_gluon
 
     _gluon_everywhere(monkeypatch)
@@ -808,6 +809,7 @@ def test_gpu_gluon_side_by_side_heads_below_the_tile(is_causal, d, seed, monkeyp
     heads = lambda h: torch.randn(2, 1024, h, d, device="cuda").to(torch.bfloat16).transpose(1, 2)  # noqa: E731
     q, k, v, grad_out = heads(4), heads(2), heads(2), torch.randn(2, 4, 1024, d, device="cuda").to(torch.bfloat16)
     assert flash_gluon.preferred(q, k, v, is_causal) and not q.is_contiguous()
+    assert flash_gluon.backward_preferred(grad_out, q, k, v, is_causal)
     _gpu_check(load_impl("triton"), q, k, v, grad_out, is_causal, f"gluon side by side, d={d}, seed={seed}")
 
 
