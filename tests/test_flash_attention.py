@@ -784,9 +784,9 @@ def _gluon_everywhere(monkeypatch) -> None:
                          ids=["q1024", "q512-k1024", "b4-h16-q1024"])
 def test_gpu_gluon_in_the_op(case, is_causal, d, dtype, seed, monkeypatch):
     """The op with the Gluon forward and backward (tiles of d 64, 128 and 256, the last the backward's
-    ``_bwd_wide_kernel``; d 48, 80 and 192 padded to them) as it runs them (``schedule``, ``backward_schedule``: persistent
-    grids where they deal the items evenly, as at b4-h16-q1024 d 64, else a program per item or items from a
-    counter), against float64 with the Triton bounds."""
+    ``_bwd_wide_kernel``; d 48, 80 and 192 padded to them) as it runs them (``schedule``, ``backward_schedule``:
+    persistent grids where they deal the items evenly, as at b4-h16-q1024 d 64, else a program per item or items from
+    a counter), against float64 with the Triton bounds."""
     _gluon_everywhere(monkeypatch)
     lead, n_q, n_k = case
     if is_causal and n_q != n_k:

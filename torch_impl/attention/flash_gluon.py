@@ -1069,9 +1069,9 @@ def _bwd_wide_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_d
                              q_ready, q_free, do_ready, do_free, exchanged, done, dq_desc, dk_desc, dv_desc, group,
                              n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, EXACT_SCALE)),
         (_bwd_wide_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs.index(0), stat_bufs,
-                          k_bufs.index(0), v_bufs.index(0), kv_ready, q_ready, q_free, do_ready, do_free, n_kv_heads, group, n_heads, n_m,
-                          q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h,
-                          kv_cols_h, IS_CAUSAL, BLOCK_M)),
+                          k_bufs.index(0), v_bufs.index(0), kv_ready, q_ready, q_free, do_ready, do_free, n_kv_heads,
+                          group, n_heads, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h,
+                          kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -1084,8 +1084,9 @@ BWD_CONFIGS = (BWD_CONFIG, (64, 64, 2, 240), (64, 64, 4, 240))  # what scripts/f
 BWD_WIDE_CONFIG = (64, 64, 2, 240)
 BWD_WIDE_CONFIGS = (BWD_WIDE_CONFIG, )
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
-BWD_MIN_KEYS = {64: 512, 128: 512, 256: 512}  # by tile width (``tile_dim``), the fewest keys the op runs it from: faster
-# than the Triton backward there (d 64: 02900c9; d 128: bcf08a2; d 256: 7b289bb; ``backward_preferred``)
+# By tile width (``tile_dim``), the fewest keys the op runs the backward from: faster than the Triton backward there
+# (d 64: 02900c9; d 128: bcf08a2; d 256: 7b289bb; ``backward_preferred``)
+BWD_MIN_KEYS = {64: 512, 128: 512, 256: 512}
 
 
 def _bwd_wide(width: int) -> bool:

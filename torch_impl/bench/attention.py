@@ -59,8 +59,8 @@ backward, the kept forward graph) alive.
 
 At the end (or with ``--report-only FILE``) ``analysis.attention.write_attention_report`` writes, next to the
 records file, ``<stem>.md`` (median ms and TFLOP/s with providers as columns, flash_triton's speed-up over each
-other provider, the host's time a run on CUDA, failures) and PNG plots (latency and TFLOP/s against sequence length). The report step is the
-only part that imports pandas/matplotlib, and only then.
+other provider, the host's time a run on CUDA, failures) and PNG plots (latency and TFLOP/s against sequence
+length). The report step is the only part that imports pandas/matplotlib, and only then.
 
 Caveats: fp32 means fp32 for PyTorch's matmuls and for ``flash_triton`` (IEEE dots), unless TF32 is allowed
 (``metrics.tf32_allowed`` is recorded, from ``flash_triton.tf32_allowed``); fp32 MFU is against the non-TF32 peak. A
