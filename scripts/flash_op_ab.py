@@ -17,7 +17,6 @@ import functools
 import json
 import pstats
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from analysis.records import provenance
 from torch_impl.attention import flash_gluon as fg
 from torch_impl.attention import flash_triton as ft
 from torch_impl.attention.registry import get_attention
+from torch_impl.timing import enqueue_ms
 
 
 def _forced(backward, forced: dict, /, *args, **options):
@@ -126,15 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         q.grad = k.grad = v.grad = None
         step()
 
-    def host_ms(fn=fresh_step, calls: int = 1) -> float:  # enqueued on an idle GPU: the host's time alone, a call
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = time.perf_counter() - start
-        torch.cuda.synchronize()
-        return elapsed * 1e3 / calls
-
     def cudnn_step():
         q.grad = k.grad = v.grad = None
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -151,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             fg.backward = backward  # flash_triton calls flash_gluon.backward
             step()
             times = triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=[q, k, v], return_mode="all")
-            host = statistics.median(host_ms() for _ in range(11))
+            host = enqueue_ms(fresh_step, rounds=11)
             kernels = timeline(fresh_step)
             errors = {name: ((t.grad.float() - ref).abs().max() / ref.abs().max()).item()
                       for name, t, ref in zip("qkv", (q, k, v), reference)}  # the cached launches' results
@@ -195,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                  "torch.empty": lambda: torch.empty(q.shape, dtype=torch.float32, device=q.device)}
         for name, fn in parts.items():
             with torch.enable_grad() if name.startswith(("op", "cudnn", "autograd")) else contextlib.nullcontext():
-                part_ms = statistics.median(host_ms(fn, 10) for _ in range(11))
+                part_ms = enqueue_ms(fn, calls=10, rounds=11)
             emit({"host_part": name, "host_ms": part_ms})
             print(f"{args.shape} host, {name}: {part_ms:.3f} ms", flush=True)
     profile = cProfile.Profile()  # where the host's time goes, the op as it runs

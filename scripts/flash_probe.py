@@ -34,9 +34,7 @@ import cProfile
 import io
 import json
 import pstats
-import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -49,6 +47,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from analysis.records import provenance
 from torch_impl.attention import flash_triton as ft
 from torch_impl.bench.attention import _choices, _shapes  # the benchmark's --shapes / --providers parsers
+from torch_impl.timing import enqueue_ms
 
 SHAPES = ("1x16x16384x64", "4x32x2048x64", "1x16x16384x128", "4x32x2048x80")
 VARIANTS = ("fwd", "det", "fused")
@@ -218,16 +217,10 @@ def tile_sweep(shape: tuple[int, int, int, int], emit) -> None:
 
 
 def enqueue_us(fn, calls: int = 50) -> float:
-    """Median CPU microseconds to enqueue fn() on an idle GPU (synchronized before each call, not inside it)."""
+    """Median CPU microseconds to enqueue fn() on an idle GPU (synchronized before each call, not inside it), after
+    one untimed call."""
     fn()
-    samples = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
+    return enqueue_ms(fn, rounds=calls) * 1e3
 
 
 def host_overhead(shape: tuple[int, int, int, int], emit, out: Path) -> None:

@@ -16,6 +16,7 @@ the graph (set to None before capture) and the optimizer must be ``capturable``.
 
 ``median_ms(fn, reps)`` times one call at a time between CUDA events: the probes' clock for a single kernel or
 optimizer step (a ~0.1 ms kernel timed so carries launch gaps that back-to-back kernels in a step do not).
+``enqueue_ms(fn)`` is the host's side of a call: the time it takes to return on an idle GPU.
 """
 
 from __future__ import annotations
@@ -65,6 +66,21 @@ class PhaseTimer:
             for phase, time_ms in this_step.items():
                 phases.setdefault(phase, []).append(time_ms)
         return steps, phases
+
+
+def enqueue_ms(fn: Callable[[], object], calls: int = 1, rounds: int = 1) -> float:
+    """The host's milliseconds to enqueue one ``fn()`` on an idle GPU: the median over ``rounds`` rounds of
+    ``calls`` calls in a row, the GPU synchronized before each round and after the last. Where a run's time is near
+    it, the run is bound by its host (Python and launches), not by its kernels."""
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) * 1e3 / calls)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:

@@ -74,7 +74,6 @@ import datetime
 import gc
 import importlib
 import inspect
-import statistics
 import sys
 import time
 import warnings
@@ -91,6 +90,7 @@ from parallelism_calc.compute import ATTENTION_PASSES, attention_flops
 from parallelism_calc.specs import hardware_for_device
 from torch_impl.attention import get_attention
 from torch_impl.attention.naive import future_mask, naive_attention
+from torch_impl.timing import enqueue_ms
 
 PASSES = tuple(ATTENTION_PASSES)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -264,17 +264,13 @@ def _host_ms(fn: Callable[[], Any], device: torch.device, grad_to_none: list[tor
     bound by the host (its Python and launches), not by its kernels."""
     if device.type != "cuda":
         return None
-    times = []
-    for _ in range(rounds):
-        _synchronize(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            for t in grad_to_none:
-                t.grad = None
-            fn()
-        times.append((time.perf_counter() - start) * 1e3 / calls)
-    _synchronize(device)
-    return statistics.median(times)
+
+    def run():
+        for t in grad_to_none:
+            t.grad = None
+        fn()
+
+    return enqueue_ms(run, calls, rounds)
 
 
 def _peak_memory(fn: Callable[[], Any], device: torch.device, grad_to_none: list[torch.Tensor]) -> int | None:
