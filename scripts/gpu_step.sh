@@ -21,10 +21,11 @@
 # GPU tests of the step. host: xl 4 x 512 compiled without CUDA graphs, where the host sets the pace: ours per block
 # against ways to spend less host time per compiled region (spans of blocks as one region, Dynamo's guards skipped,
 # Inductor's combo kernels), then ours at 4 x 2,048 with Inductor's max-autotune GEMM templates
-# (OUT_DIR/host/step_probe.json, OUT_DIR/autotune/step_probe.json). Tables are regenerated into OUT_DIR/reports.
+# (OUT_DIR/host/step_probe.json, OUT_DIR/autotune/step_probe.json). flash: our FlashAttention in the step against
+# cuDNN SDPA (xl 4 x 2,048), then profiled. Tables are regenerated into OUT_DIR/reports.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps}
-phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps}
+out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash}
+phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_tag.sh"  # GPU_TAG: h100, h200, ... in the record file names (<gpu> below)
@@ -32,9 +33,9 @@ step() {  # model batch seq, then extra flags
   python3 -m torch_impl.bench.e2e --model "$1" --batch-size "$2" --seq-len "$3" --dtype bf16 --attention sdpa_cudnn \
     --stock sdpa_cudnn --compile --warmup 3 --steps 10 --out "$out/e2e_${GPU_TAG}.jsonl" "${@:4}"
 }
-profile_ours() {  # tag: ours alone (bf16_mixed) at xl 4 x 2,048, profiled; its kernel table into OUT_DIR
+profile_ours() {  # tag [attention]: ours alone (bf16_mixed) at xl 4 x 2,048, profiled; its kernel table into OUT_DIR
   python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
-    --attention sdpa_cudnn --compile --warmup 3 --steps 10 --profile "/tmp/profile_$1" --out "$out/profile.jsonl"
+    --attention "${2:-sdpa_cudnn}" --compile --warmup 3 --steps 10 --profile "/tmp/profile_$1" --out "$out/profile.jsonl"
   cp "/tmp/profile_$1"/*_kernels.md "$out/"
 }
 ddp_one_gpu() {  # extra flags: the DDP benchmark's one-GPU baseline, xl 2 x 512
@@ -92,7 +93,14 @@ host)
 ours_block+mixed+skipguard,ours_span4+mixed,ours_span12+mixed,ours_span12+mixed+skipguard,ours_block+mixed+ind:combo_kernels=1"
   python3 scripts/step_probe.py "$out/autotune" --configs xl:4:2048 --steps 10 \
     --variants "ours_block+ro+mixed,ours_block+ro+mixed+ind:max_autotune=1" ;;
-*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, gaps" >&2
+flash)  # our FlashAttention (flash_triton: the Gluon kernels on sm_90) in the step against cuDNN SDPA, xl 4 x 2,048 with
+  # each block's graph: the stock reference and ours with cuDNN in one process, ours with flash_triton in the next
+  # (no second stock reference: it compiles for ~2 minutes), then ours with flash_triton profiled
+  step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks
+  python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed --attention flash_triton \
+    --compile --cuda-graph blocks --warmup 3 --steps 10 --out "$out/e2e_${GPU_TAG}.jsonl"
+  profile_ours flash flash_triton ;;
+*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, gaps, flash" >&2
    exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi
