@@ -22,7 +22,7 @@
 # against ways to spend less host time per compiled region (spans of blocks as one region, Dynamo's guards skipped,
 # Inductor's combo kernels), then ours at 4 x 2,048 with Inductor's max-autotune GEMM templates
 # (OUT_DIR/host/step_probe.json, OUT_DIR/autotune/step_probe.json). flash: our FlashAttention in the step against
-# cuDNN SDPA (xl 4 x 2,048), then profiled. Tables are regenerated into OUT_DIR/reports.
+# cuDNN SDPA (xl 4 x 2,048), then both profiled. Tables are regenerated into OUT_DIR/reports.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash}
 phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash}
@@ -36,7 +36,7 @@ step() {  # model batch seq, then extra flags
 profile_ours() {  # tag [attention]: ours alone (bf16_mixed) at xl 4 x 2,048, profiled; its kernel table into OUT_DIR
   python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
     --attention "${2:-sdpa_cudnn}" --compile --warmup 3 --steps 10 --profile "/tmp/profile_$1" --out "$out/profile.jsonl"
-  cp "/tmp/profile_$1"/*_kernels.md "$out/"
+  for table in "/tmp/profile_$1"/*_kernels.md; do cp "$table" "$out/$1_$(basename "$table")"; done
 }
 ddp_one_gpu() {  # extra flags: the DDP benchmark's one-GPU baseline, xl 2 x 512
   python3 -m torch_impl.bench.ddp --dist none --model xl --batch-size 2 --seq-len 512 --attention sdpa_cudnn \
@@ -95,10 +95,11 @@ ours_block+mixed+skipguard,ours_span4+mixed,ours_span12+mixed,ours_span12+mixed+
     --variants "ours_block+ro+mixed,ours_block+ro+mixed+ind:max_autotune=1" ;;
 flash)  # our FlashAttention (flash_triton: the Gluon kernels on sm_90) in the step against cuDNN SDPA, xl 4 x 2,048 with
   # each block's graph: the stock reference and ours with cuDNN in one process, ours with flash_triton in the next
-  # (no second stock reference: it compiles for ~2 minutes), then ours with flash_triton profiled
+  # (no second stock reference: it compiles for ~2 minutes), then ours with each profiled (OUT_DIR/{cudnn,flash}_*.md)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks
   python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed --attention flash_triton \
     --compile --cuda-graph blocks --warmup 3 --steps 10 --out "$out/e2e_${GPU_TAG}.jsonl"
+  profile_ours cudnn
   profile_ours flash flash_triton ;;
 *) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, gaps, flash" >&2
    exit 2 ;;

@@ -131,6 +131,16 @@ def _load_tile(desc, row, col, bar, smem):
 
 
 @gluon.jit
+def _store_tile(desc, row, col, offset, smem):
+    """TMA-store the 2-D tile ``smem`` into desc's block at row ``row``, ``offset`` columns into the head whose first
+    column is ``col`` (``_load_tile``'s (row, col); in a 3-D view col is the head)."""
+    if _is_3d(desc.block_type.shape):
+        _tma_store(desc, [row, col, offset], _reinterpret(smem, smem.dtype, desc.block_type.shape, desc.layout))
+    else:
+        _tma_store(desc, [row, col + offset], smem)
+
+
+@gluon.jit
 def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
     """Work item ``tile`` -> (its first query, batch, head, k/v head, key tiles it reads). The heaviest query blocks
@@ -662,9 +672,10 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_
 @gluon.jit
 def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem,
                       kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_kb, group,
-                      n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr, EXACT_SCALE: gl.constexpr):
+                      n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h,
+                      TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr,
+                      EXACT_SCALE: gl.constexpr):
     """One consumer warpgroup's part of work item ``item`` (``_bwd_item``), the program's t-th (its tiles counted
     from s; returned: s past them): keys key_start + TILE * BLOCK_K .. + BLOCK_K, in K/V buffer t % KV_BUFS
     (released once its last product is done).
@@ -767,7 +778,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
         mbarrier.arrive(ds_free.index(t_dq % 2), count=1)
         _tma_add_tile(dq, dq_smem, dq_desc, dq_row, dq_col)
     mbarrier.arrive(kv_free.index(kv), count=1)  # every product reading this item's K and V is done
-    key_row = (b * n_kv_heads + h_kv) * n_k + key_start + TILE * BLOCK_K  # of dK, dV as (B H_kv n_k, d)
+    key_row = b * dkv_rows_b + h_kv * dkv_rows_h + key_start + TILE * BLOCK_K  # of dK, dV (``_load_tile``'s row)
     if _epilogue_in_stages(HEAD_DIM):  # both consumers are done with every stage before either overwrites one
         mbarrier.arrive(done, count=1)
         mbarrier.wait(done, 0)
@@ -777,15 +788,16 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     dv_smem.store(dv.to(dtype))
     fence_async_shared()
     _thread_barrier()  # every thread's part of both tiles is in shared memory before TMA reads them
-    _tma_store(dk_desc, [key_row, 0], dk_smem)
-    _tma_store(dv_desc, [key_row, 0], dv_smem)
+    _store_tile(dk_desc, key_row, h_kv * dkv_cols_h, 0, dk_smem)
+    _store_tile(dv_desc, key_row, h_kv * dkv_cols_h, 0, dv_smem)
     return s
 
 
 @gluon.jit
 def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready, kv_free,
                  ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q,
-                 n_m, sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 n_m, sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, TILE: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr,
                  EXACT_SCALE: gl.constexpr):
     """One consumer warpgroup (``_bwd_consume_item``): the program's item, or (PERSISTENT) each of its items in the
@@ -800,31 +812,31 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, d
                 s = _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                                       dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done,
                                       dq_desc, dk_desc, dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads,
-                                      n_k, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG,
-                                      EXACT_SCALE)
+                                      n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K,
+                                      HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)
                 t += 1
     else:
         _bwd_consume_item(gl.program_id(0), 0, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                           dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc,
-                          dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, TILE, IS_CAUSAL, BLOCK_M,
-                          BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)
+                          dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h,
+                          dkv_cols_h, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)
     tma.store_wait(0)  # TMA has read shared memory (dQ's last tile too) before the program's shared memory goes
 
 
 @gluon.jit
 def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, sm_scale, n_heads,
                 n_kv_heads, n_bkv, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h,
-                kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                kv_rows_b, kv_rows_h, kv_cols_h, dkv_rows_b, dkv_rows_h, dkv_cols_h, IS_CAUSAL: gl.constexpr,
+                STAGES: gl.constexpr,
                 CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr,
                 EXACT_SCALE: gl.constexpr, num_warps: gl.constexpr):
     """Work item (key block of TILES x BLOCK_K keys, one of n_bkv batch x k/v heads; ``_bwd_item``): dK, dV of its
     keys summed over the query heads of the group, and their part of dQ. A program per item, or (PERSISTENT, d 64)
     a program per SM taking items in the order ``_position`` deals them, its K and V in two buffers so that the next
     item's load runs under the last one's end. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
-    column h * q_cols_h of its descriptor's 2-D view (dO, K, V likewise, K and V one block of the item's keys); L, D
-    (B, H, n_q; ``lse_desc``, ``delta_desc`` their rows of BLOCK_M) and dQ (B, H, n_q, d, fp32; ``dq_desc`` its
-    (B H n_q, d) view) and dK, dV (B, H_kv, n_k, d; ``dk_desc``, ``dv_desc`` their (B H_kv n_k, d) views) are
-    contiguous. EXACT_SCALE: ``_exact_scale`` of the head dim (not of the tile it is padded to)."""
+    column h * q_cols_h of its descriptor's 2-D view (dO, K, V, and dK, dV with dkv_*, likewise, K and V one block of
+    the item's keys); L, D (B, H, n_q; ``lse_desc``, ``delta_desc`` their rows of BLOCK_M) and dQ (B, H, n_q, d,
+    fp32; ``dq_desc`` its (B H n_q, d) view) are contiguous. EXACT_SCALE: ``_exact_scale`` of the head dim (not of the tile it is padded to)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -847,8 +859,7 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     IN_STAGES: gl.constexpr = _epilogue_in_stages(HEAD_DIM)
     gl.static_assert(not IN_STAGES or (STAGES >= TILES and BLOCK_M == BLOCK_K), "dK, dV tiles must fit the stages")
     gl.static_assert(not (IN_STAGES and PERSISTENT), "dK, dV through the stages: a program of one item")
-    dkdv_bufs = gl.allocate_shared_memory(dk_desc.dtype, [1 if IN_STAGES else 2 * TILES] + dk_desc.block_type.shape,
-                                          dk_desc.layout)  # each consumer's dK, dV tiles (one unused in the stages)
+    dkdv_bufs = _tile_buffers(dk_desc, 1 if IN_STAGES else 2 * TILES)  # each consumer's dK, dV (one unused in stages)
     kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -873,14 +884,14 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
                         q_bufs.index(0) if IN_STAGES else dkdv_bufs.index(0),
                         do_bufs.index(0) if IN_STAGES else dkdv_bufs.index(1), kv_ready, kv_free, ready, free,
                         ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
-                        sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG,
-                        EXACT_SCALE)),
+                        sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, 0, IS_CAUSAL, BLOCK_M, BLOCK_K,
+                        HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)),
         (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs.index(1),
                         q_bufs.index(1) if IN_STAGES else dkdv_bufs.index(2),
                         do_bufs.index(1) if IN_STAGES else dkdv_bufs.index(3), kv_ready, kv_free, ready, free,
                         ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
-                        sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG,
-                        EXACT_SCALE)),
+                        sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, 1, IS_CAUSAL, BLOCK_M, BLOCK_K,
+                        HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)),
         (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs,
                      kv_ready, kv_free, ready, free, n_items, n_kb, n_kv_heads, group, n_heads, n_m, q_rows_b,
                      q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL,
@@ -931,8 +942,8 @@ def _bwd_wide_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs
 @gluon.jit
 def _bwd_wide_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, pds_bufs, dq_smem, kv_ready, q_ready, q_free,
                       do_ready, do_free, exchanged, done, dq_desc, dk_desc, dv_desc, group, n_heads, n_q, n_m,
-                      sm_scale, n_kv_heads, n_k, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                      EXACT_SCALE: gl.constexpr):
+                      sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, TILE: gl.constexpr,
+                      IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, EXACT_SCALE: gl.constexpr):
     """One consumer warpgroup of ``_bwd_wide_kernel``, TILE its half: of each query tile i, S^T = K Q_i^T and
     dP^T = V dO_i^T for its half of the queries (P^T and dS^T as ``_bwd_consume_item`` makes them), written into
     its half of the tile's shared P^T and dS^T (two tiles' worth, alternating); once both halves are in
@@ -1011,22 +1022,23 @@ def _bwd_wide_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, pds_bufs, dq_s
             s += 1
     mbarrier.arrive(done, count=1)
     mbarrier.wait(done, 0)  # both consumers are done with every stage before either overwrites one
-    out = _reinterpret(q_bufs.index(TILE), dtype, [2, BLOCK_KEYS, COLS], dk_desc.layout)  # this one's dK, dV tiles
+    out = _reinterpret(q_bufs.index(TILE), dtype, [2, BLOCK_KEYS, COLS], _tile_layout(dk_desc.layout))  # dK, dV
     out.index(0).store((dk * sm_scale).to(dtype))
     out.index(1).store(dv.to(dtype))
     fence_async_shared()
     _thread_barrier()  # every thread's part of both tiles is in shared memory before TMA reads them
-    key_row = (b * n_kv_heads + h_kv) * n_k + key_start  # of dK, dV as (B H_kv n_k, d)
-    _tma_store(dk_desc, [key_row, TILE * COLS], out.index(0))
-    _tma_store(dv_desc, [key_row, TILE * COLS], out.index(1))
+    key_row = b * dkv_rows_b + h_kv * dkv_rows_h + key_start  # of dK, dV (``_load_tile``'s row)
+    _store_tile(dk_desc, key_row, h_kv * dkv_cols_h, TILE * COLS, out.index(0))
+    _store_tile(dv_desc, key_row, h_kv * dkv_cols_h, TILE * COLS, out.index(1))
     tma.store_wait(0)  # TMA has read shared memory (dQ's last part too) before the program's shared memory goes
 
 
 @gluon.jit
 def _bwd_wide_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, sm_scale,
                      n_heads, n_kv_heads, n_bkv, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h,
-                     do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, EXACT_SCALE: gl.constexpr, num_warps: gl.constexpr):
+                     do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, dkv_rows_b, dkv_rows_h, dkv_cols_h,
+                     IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     EXACT_SCALE: gl.constexpr, num_warps: gl.constexpr):
     """``_bwd_kernel``'s work for one program per item (its arguments; n_bkv unused) with both consumers on the
     item's keys (``_bwd_wide_consume``): shared memory for STAGES tiles of Q, one of dO, K and V, two tiles' P^T and
     dS^T and a dQ part a consumer (at d 256 and two stages 225 KB of the H100's 227)."""
@@ -1064,10 +1076,12 @@ def _bwd_wide_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_d
     gl.warp_specialize([
         (_bwd_wide_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, pds_bufs, dq_bufs.index(0), kv_ready,
                              q_ready, q_free, do_ready, do_free, exchanged, done, dq_desc, dk_desc, dv_desc, group,
-                             n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, 0, IS_CAUSAL, BLOCK_M, EXACT_SCALE)),
+                             n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, 0,
+                             IS_CAUSAL, BLOCK_M, EXACT_SCALE)),
         (_bwd_wide_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, pds_bufs, dq_bufs.index(1), kv_ready,
                              q_ready, q_free, do_ready, do_free, exchanged, done, dq_desc, dk_desc, dv_desc, group,
-                             n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, 1, IS_CAUSAL, BLOCK_M, EXACT_SCALE)),
+                             n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, 1,
+                             IS_CAUSAL, BLOCK_M, EXACT_SCALE)),
         (_bwd_wide_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs.index(0), stat_bufs,
                           k_bufs.index(0), v_bufs.index(0), kv_ready, q_ready, q_free, do_ready, do_free, n_kv_heads,
                           group, n_heads, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h,
@@ -1105,8 +1119,8 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     """What ``backward`` launches: (kernel, grid, positional arguments, constexprs and launch options, (dQ fp32, dK,
     dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
-    given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (contiguous, k's
-    shape). Inputs as ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG; at tile
+    given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (k's shape, in a
+    layout TMA can write: ``_rows_and_columns``; made contiguous). Inputs as ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG; at tile
     width 256 BWD_WIDE_CONFIG's form, and its default);
     ``programs``: a persistent grid of that many (d 64; None: a program per work item); ``dq_lag``: each tile's dQ
     product a tile later (``_bwd_consume_item``; None: on a program per item, where it is faster)."""
@@ -1128,8 +1142,9 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     if dq_acc is None:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = dkdv or (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in "kv")
-    if not (dk.shape == dv.shape == k.shape and dk.is_contiguous() and dv.is_contiguous()):
-        raise ValueError(f"dkdv must be two contiguous tensors of k's shape {tuple(k.shape)}")
+    if not (dk.shape == dv.shape == k.shape and dk.stride() == dv.stride() and _rows_and_columns(dk, width)):
+        raise ValueError(f"dkdv must be two tensors of k's shape {tuple(k.shape)} with the same strides, as TMA can "
+                         f"write them (``_rows_and_columns``)")
     q_desc, q_where = _descriptor(q, block_m)
     do_desc, do_where = _descriptor(do, block_m)
     k_desc, kv_where = _descriptor(k, keys)  # a program's keys in one tile
@@ -1141,12 +1156,11 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     lse_desc, delta_desc = (_tensor_descriptor(t, [t.numel() // block_m, block_m], [block_m, 1], [1, block_m],
                                              _STATS_LAYOUT) for t in (lse, delta))  # row (b H + h) n_q / BLOCK_M + i
     out_block = (block_k, width // TILES.value if wide else width)  # a consumer's dK, dV tile
-    dk_desc, dv_desc = (_tensor_descriptor(t, [t.numel() // d, d], [d, 1], list(out_block),
-                                         _smem_layout(out_block, t.dtype)) for t in (dk, dv))  # (B H_kv n_k, d)
+    (dk_desc, dkv_where), (dv_desc, _) = (_descriptor(t, *out_block) for t in (dk, dv))
     n_kb = n_k // keys
     grid = (n_kb, batch * kv_heads, 1) if programs is None else (min(n_kb * batch * kv_heads, programs), 1, 1)
     args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, 1 / math.sqrt(d), heads,
-            kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where)
+            kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where, *dkv_where)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs)  # in the kernel's order
     if not wide:
@@ -1159,7 +1173,7 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
              persistent: bool = False, dq_lag: bool | None = None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ like q, or, with
     ``dq_acc`` (fp32) given, dS K added into it (dQ times sqrt(d), as flash_triton's fused backward leaves it); dK,
-    dV (B, H_kv, n_k, d) contiguous (in ``dkdv`` when given); ``config`` as ``backward_launch_arguments`` takes it;
+    dV (B, H_kv, n_k, d), contiguous or in ``dkdv``'s layout when given; ``config`` as ``backward_launch_arguments`` takes it;
     ``persistent``: a program per SM (d 64), else a program per item (the op's choice: ``backward_schedule``);
     ``dq_lag`` as ``backward_launch_arguments`` takes it.
     Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
