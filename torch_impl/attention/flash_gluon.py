@@ -141,6 +141,16 @@ def _store_tile(desc, row, col, offset, smem):
 
 
 @gluon.jit
+def _in_head(desc, col, offs):
+    """Which of a tile's columns ``offs`` lie in the head whose first column is ``col`` in desc's view (``_load_tile``'s
+    col): those below the head dim where the tile is wider."""
+    if _is_3d(desc.block_type.shape):
+        return offs < desc.shape[2]
+    else:
+        return col + offs < desc.shape[1]
+
+
+@gluon.jit
 def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
     """Work item ``tile`` -> (its first query, batch, head, k/v head, key tiles it reads). The heaviest query blocks
@@ -411,12 +421,12 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
         tma.store_wait(0)  # the last item's store has read the buffer
         o_smem.store(o.to(dtype))
         fence_async_shared()
-        _tma_store(o_desc, [b * o_rows_b + h * o_rows_h + start_m, h * o_cols_h], o_smem)
+        _store_tile(o_desc, b * o_rows_b + h * o_rows_h + start_m, h * o_cols_h, 0, o_smem)
     else:
         offs_mo = start_m + gl.arange(0, BLOCK_M, layout=o_rows)
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         o_tile = o_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-        in_view = (gl.expand_dims(offs_mo, 1) >= 0) & gl.expand_dims(h * o_cols_h + offs_d < o_desc.shape[1], 0)
+        in_view = (gl.expand_dims(offs_mo, 1) >= 0) & gl.expand_dims(_in_head(o_desc, h * o_cols_h, offs_d), 0)
         gl.store(o_tile + gl.expand_dims(offs_mo, 1) * stride_on + gl.expand_dims(offs_d, 0), o.to(dtype),
                  mask=in_view)  # a head dim below the tile: its first d columns
     return i + n_blocks_program, r
@@ -481,8 +491,7 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_
     q_smem = _tile_buffers(q_desc, TILES)
     k_bufs = _tile_buffers(k_desc, STAGES)
     v_bufs = _tile_buffers(v_desc, STAGES)
-    o_bufs = gl.allocate_shared_memory(o_desc.dtype, [TILES if TMA_STORE else 1] + o_desc.block_type.shape,
-                                       o_desc.layout)  # one unused tile without TMA_STORE
+    o_bufs = _tile_buffers(o_desc, TILES if TMA_STORE else 1)  # one unused tile without TMA_STORE
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -836,7 +845,8 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     item's load runs under the last one's end. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
     column h * q_cols_h of its descriptor's 2-D view (dO, K, V, and dK, dV with dkv_*, likewise, K and V one block of
     the item's keys); L, D (B, H, n_q; ``lse_desc``, ``delta_desc`` their rows of BLOCK_M) and dQ (B, H, n_q, d,
-    fp32; ``dq_desc`` its (B H n_q, d) view) are contiguous. EXACT_SCALE: ``_exact_scale`` of the head dim (not of the tile it is padded to)."""
+    fp32; ``dq_desc`` its (B H n_q, d) view) are contiguous. EXACT_SCALE: ``_exact_scale`` of the head dim (not of
+    the tile it is padded to)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -1120,8 +1130,9 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
     given (flash_triton's backward makes both in one pass), and dK, dV unless ``dkdv`` gives them (k's shape, in a
-    layout TMA can write: ``_rows_and_columns``; made contiguous). Inputs as ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG; at tile
-    width 256 BWD_WIDE_CONFIG's form, and its default);
+    layout TMA can write: ``_rows_and_columns``; made in k's: ``flash_triton.empty_like_heads``). Inputs as
+    ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG; at tile width 256
+    BWD_WIDE_CONFIG's form, and its default);
     ``programs``: a persistent grid of that many (d 64; None: a program per work item); ``dq_lag``: each tile's dQ
     product a tile later (``_bwd_consume_item``; None: on a program per item, where it is faster)."""
     batch, heads, n_q, d = q.shape
@@ -1141,7 +1152,7 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         delta = (do.float() * o.float()).sum(-1)
     if dq_acc is None:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk, dv = dkdv or (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in "kv")
+    dk, dv = dkdv or (flash_triton.empty_like_heads(k) for _ in "kv")
     if not (dk.shape == dv.shape == k.shape and dk.stride() == dv.stride() and _rows_and_columns(dk, width)):
         raise ValueError(f"dkdv must be two tensors of k's shape {tuple(k.shape)} with the same strides, as TMA can "
                          f"write them (``_rows_and_columns``)")
@@ -1173,7 +1184,7 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
              persistent: bool = False, dq_lag: bool | None = None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ like q, or, with
     ``dq_acc`` (fp32) given, dS K added into it (dQ times sqrt(d), as flash_triton's fused backward leaves it); dK,
-    dV (B, H_kv, n_k, d), contiguous or in ``dkdv``'s layout when given; ``config`` as ``backward_launch_arguments`` takes it;
+    dV (B, H_kv, n_k, d) in k's layout (in ``dkdv`` when given); ``config`` as ``backward_launch_arguments`` takes it;
     ``persistent``: a program per SM (d 64), else a program per item (the op's choice: ``backward_schedule``);
     ``dq_lag`` as ``backward_launch_arguments`` takes it.
     Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
@@ -1447,9 +1458,9 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
                      folded: bool = False, programs: int | None = None, out=None, tma_store: bool = False,
                      pingpong: bool = False, order: str = "blocks"):
     """What ``forward`` launches: (grid, positional arguments, constexprs, (O, L)), O and L allocated here unless
-    ``out`` gives them (O contiguous like q, L (B, H, n_q) fp32 contiguous). ``programs``: the persistent grid's
-    size (None: one program per work item), taking the items in ``order`` (one of ORDERS: ``_tile``). Also used to
-    compile the kernel on a machine without a GPU (scripts/gluon_compile.py)."""
+    ``out`` gives them (O in q's layout: ``flash_triton.empty_like_heads``; L (B, H, n_q) fp32 contiguous).
+    ``programs``: the persistent grid's size (None: one program per work item), taking the items in ``order`` (one
+    of ORDERS: ``_tile``). Also used to compile the kernel on a machine without a GPU (scripts/gluon_compile.py)."""
     block_m, block_n, stages, regs = config or CONFIGS[tile_dim(q.shape[-1])][0]
     batch, heads, n_q, d = q.shape
     if order not in ORDERS:
@@ -1461,8 +1472,7 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
         raise ValueError(f"pingpong needs both consumers to see the same key tiles: causal with BLOCK_N {block_n} "
                          f"not a multiple of {TILES.value} x BLOCK_M {block_m}")
     if out is None:
-        out = (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-               torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+        out = (flash_triton.empty_like_heads(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
     o, lse = out
     q_desc, q_where = _descriptor(q, block_m)
     k_desc, kv_where = _descriptor(k, block_n)
@@ -1484,7 +1494,7 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, folded: bool = False,
             persistent: bool = False, out=None, tma_store: bool = False, pingpong: bool = False,
             order: str = "blocks"):
-    """O (q's shape, contiguous) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
+    """O (q's shape and layout) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
     (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[tile_dim(d)][0]; ``folded``
     folds the scale into the exponent's multiply-add (``_softmax_tile``); ``persistent`` launches one program per SM,
     each taking work items in turn in ``order`` (``_tile``; else one program per item: as fast or faster where

@@ -516,12 +516,13 @@ def _as_heads(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _like(t: torch.Tensor) -> torch.Tensor:
+def empty_like_heads(t: torch.Tensor) -> torch.Tensor:
     """An empty tensor of t's shape and dtype: in the model's layout where t (B, H, n, d) is a view of a contiguous
     (B, n, H, d) (O's heads then merge for the output projection without a copy, and the gradients' for theirs),
     else contiguous."""
     if t.ndim == 4 and t.transpose(1, 2).is_contiguous():
-        return torch.empty(t.transpose(1, 2).shape, dtype=t.dtype, device=t.device).transpose(1, 2)
+        _, heads, n, d = t.shape
+        return torch.empty_strided(t.shape, (n * heads * d, d, heads * d, 1), dtype=t.dtype, device=t.device)
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
@@ -618,10 +619,10 @@ def _gluon():
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, tf32: bool = False):
-    """O (q's shape, dtype and layout: ``_like``) and L (q.shape[:-1], fp32, contiguous) of q (..., H, n_q, d), k, v
-    (..., H_kv, n_k, d)."""
+    """O (q's shape, dtype and layout: ``empty_like_heads``) and L (q.shape[:-1], fp32, contiguous) of q
+    (..., H, n_q, d), k, v (..., H_kv, n_k, d)."""
     check_inputs(q, k, v)
-    o = _like(q)  # (..., n_q, d)
+    o = empty_like_heads(q)  # (..., n_q, d)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # (..., n_q)
     if q.numel() == 0:  # no queries (or no heads, or an empty batch): nothing to launch
         return o, lse
@@ -651,11 +652,11 @@ def backward_preprocess(o: torch.Tensor, do: torch.Tensor, zeros: torch.Tensor |
 
 def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, is_causal: bool, tf32: bool = False, deterministic: bool = False):
-    """dQ, dK, dV (each in its input's shape and layout: ``_like``): the D = rowsum(dO * O) pass, then the fused pass
-    (dK, dV, and dQ added with fp32 atomics, in an order that varies from run to run; the Gluon kernel where
-    ``flash_gluon.backward_preferred``), or, with ``deterministic`` or on a GPU older than sm_90, the dK/dV pass
-    and then a dQ pass of its own (no atomics, the same bits every run, 7/5 of the products)."""
-    dq, dk, dv = (_like(t) for t in (q, k, v))
+    """dQ, dK, dV (each in its input's shape and layout: ``empty_like_heads``): the D = rowsum(dO * O) pass, then
+    the fused pass (dK, dV, and dQ added with fp32 atomics, in an order that varies from run to run; the Gluon
+    kernel where ``flash_gluon.backward_preferred``), or, with ``deterministic`` or on a GPU older than sm_90, the
+    dK/dV pass and then a dQ pass of its own (no atomics, the same bits every run, 7/5 of the products)."""
+    dq, dk, dv = (empty_like_heads(t) for t in (q, k, v))
     if q.numel() == 0:  # no queries: nothing flows to the keys
         return dq, dk.zero_(), dv.zero_()
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_heads(t) for t in (q, k, v, o, do, dq, dk, dv))
@@ -702,7 +703,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
 @flash_attention_forward.register_fake
 def _(q, k, v, is_causal, tf32):
     check_inputs(q, k, v)  # bad inputs fail at trace time with the same message
-    return _like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return empty_like_heads(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("torch_impl::flash_attention_backward", mutates_args=())
@@ -715,7 +716,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 @flash_attention_backward.register_fake
 def _(do, q, k, v, o, lse, is_causal, tf32, deterministic):
-    return _like(q), _like(k), _like(v)
+    return empty_like_heads(q), empty_like_heads(k), empty_like_heads(v)
 
 
 def _save_for_backward(ctx, q, k, v, is_causal: bool, tf32: bool, o, lse) -> None:
