@@ -518,8 +518,8 @@ def _as_heads(t: torch.Tensor) -> torch.Tensor:
 
 def empty_like_heads(t: torch.Tensor) -> torch.Tensor:
     """An empty tensor of t's shape and dtype: in the model's layout where t (B, H, n, d) is a view of a contiguous
-    (B, n, H, d) (O's heads then merge for the output projection without a copy, and the gradients' for theirs),
-    else contiguous."""
+    (B, n, H, d) (O's heads then merge for the output projection without a copy, and dV's for its product), else
+    contiguous."""
     if t.ndim == 4 and t.transpose(1, 2).is_contiguous():
         _, heads, n, d = t.shape
         return torch.empty_strided(t.shape, (n * heads * d, d, heads * d, 1), dtype=t.dtype, device=t.device)
@@ -652,11 +652,13 @@ def backward_preprocess(o: torch.Tensor, do: torch.Tensor, zeros: torch.Tensor |
 
 def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    lse: torch.Tensor, is_causal: bool, tf32: bool = False, deterministic: bool = False):
-    """dQ, dK, dV (each in its input's shape and layout: ``empty_like_heads``): the D = rowsum(dO * O) pass, then
+    """dQ (contiguous, as its fp32 accumulator: the scale and cast run at bandwidth, where into the model's layout
+    they took twice as long), dK, dV (in k's and v's layout: ``empty_like_heads``): the D = rowsum(dO * O) pass, then
     the fused pass (dK, dV, and dQ added with fp32 atomics, in an order that varies from run to run; the Gluon
     kernel where ``flash_gluon.backward_preferred``), or, with ``deterministic`` or on a GPU older than sm_90, the
     dK/dV pass and then a dQ pass of its own (no atomics, the same bits every run, 7/5 of the products)."""
-    dq, dk, dv = (empty_like_heads(t) for t in (q, k, v))
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk, dv = empty_like_heads(k), empty_like_heads(v)
     if q.numel() == 0:  # no queries: nothing flows to the keys
         return dq, dk.zero_(), dv.zero_()
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_heads(t) for t in (q, k, v, o, do, dq, dk, dv))
@@ -716,7 +718,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 @flash_attention_backward.register_fake
 def _(do, q, k, v, o, lse, is_causal, tf32, deterministic):
-    return empty_like_heads(q), empty_like_heads(k), empty_like_heads(v)
+    return q.new_empty(q.shape), empty_like_heads(k), empty_like_heads(v)
 
 
 def _save_for_backward(ctx, q, k, v, is_causal: bool, tf32: bool, o, lse) -> None:
