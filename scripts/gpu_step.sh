@@ -22,10 +22,12 @@
 # against ways to spend less host time per compiled region (spans of blocks as one region, Dynamo's guards skipped,
 # Inductor's combo kernels), then ours at 4 x 2,048 with Inductor's max-autotune GEMM templates
 # (OUT_DIR/host/step_probe.json, OUT_DIR/autotune/step_probe.json). flash: our FlashAttention in the step against
-# cuDNN SDPA (xl 4 x 2,048), then both profiled. Tables are regenerated into OUT_DIR/reports.
+# cuDNN SDPA (xl 4 x 2,048), then both profiled (flash_graphs: profiled with each block's CUDA graph). Tables are regenerated into OUT_DIR/reports.
 set -uo pipefail
-out=${1:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash}
-phase=${2:?usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash}
+usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
+flash_graphs"
+out=${1:?$usage}
+phase=${2:?$usage}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 source "$(dirname "$0")/gpu_tag.sh"  # GPU_TAG: h100, h200, ... in the record file names (<gpu> below)
@@ -33,9 +35,10 @@ step() {  # model batch seq, then extra flags
   python3 -m torch_impl.bench.e2e --model "$1" --batch-size "$2" --seq-len "$3" --dtype bf16 --attention sdpa_cudnn \
     --stock sdpa_cudnn --compile --warmup 3 --steps 10 --out "$out/e2e_${GPU_TAG}.jsonl" "${@:4}"
 }
-profile_ours() {  # tag [attention]: ours alone (bf16_mixed) at xl 4 x 2,048, profiled; its kernel table into OUT_DIR
+profile_ours() {  # tag [attention [flags]]: ours (bf16_mixed) at xl 4 x 2,048 profiled; its kernel table into OUT_DIR
   python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
-    --attention "${2:-sdpa_cudnn}" --compile --warmup 3 --steps 10 --profile "/tmp/profile_$1" --out "$out/profile.jsonl"
+    --attention "${2:-sdpa_cudnn}" --compile --warmup 3 --steps 10 --profile "/tmp/profile_$1" --out "$out/profile.jsonl" \
+    "${@:3}"
   for table in "/tmp/profile_$1"/*_kernels.md; do cp "$table" "$out/$1_$(basename "$table")"; done
 }
 ddp_one_gpu() {  # extra flags: the DDP benchmark's one-GPU baseline, xl 2 x 512
@@ -101,7 +104,11 @@ flash)  # our FlashAttention (flash_triton: the Gluon kernels on sm_90) in the s
     --compile --cuda-graph blocks --warmup 3 --steps 10 --out "$out/e2e_${GPU_TAG}.jsonl"
   profile_ours cudnn
   profile_ours flash flash_triton ;;
-*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, gaps, flash" >&2
+flash_graphs)  # the same two profiled with each block's CUDA graph replayed (the kernels' sum against the step)
+  profile_ours cudnn_graphs sdpa_cudnn --cuda-graph blocks
+  profile_ours flash_graphs flash_triton --cuda-graph blocks ;;
+*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, gaps, flash, \
+flash_graphs" >&2
    exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi
