@@ -6,7 +6,7 @@ Every call of flash_triton's forward and backward that takes the Gluon kernels (
 and the two results compared: the largest element error of O, dQ, dK and dV relative to the Triton result's
 largest element, and of L in absolute terms. The e2e benchmark drives the step with the flags given (default xl
 4 x 2,048, bf16_mixed, compiled per block, no CUDA graphs: the comparison synchronizes). Writes OUT/shadow.json
-(every call's errors, the step it belongs to) and prints the calls whose error passes ``--flag`` (default 0.05,
+(every call's errors, in order) and prints the calls whose error passes ``--flag`` (default 0.05,
 far above bf16 rounding: a wrong result, not a different order of sums). Not a record: it finds where a training
 run and the kernels' tests disagree (notes/flash_attention.md).
 """

@@ -801,7 +801,7 @@ def test_gpu_gluon_in_the_op(case, is_causal, d, dtype, seed, monkeypatch):
 def test_gpu_gluon_side_by_side_heads_below_the_tile(is_causal, d, seed, monkeypatch):
     """The model's (B, n, H, d) heads below the tile's width as 3-D views (``flash_gluon.SIDE_BY_SIDE_3D``: a TMA
     block of one head; at d 64 the heads side by side in a 2-D view) in the op, forward and backward (d 192: the 256
-    tile's ``_bwd_wide_kernel``), O, dQ, dK and dV written in that layout, two query heads a k/v head, against
+    tile's ``_bwd_wide_kernel``), O, dK and dV written in that layout, two query heads a k/v head, against
     float64 with the Triton bounds."""
     from torch_impl.attention import flash_gluon
 

@@ -681,7 +681,7 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_
 @gluon.jit
 def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem,
                       kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_kb, group,
-                      n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h,
+                      n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h,
                       TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
                       HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr,
                       EXACT_SCALE: gl.constexpr):
@@ -805,7 +805,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
 @gluon.jit
 def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready, kv_free,
                  ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q,
-                 n_m, sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, TILE: gl.constexpr,
+                 n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, TILE: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr,
                  EXACT_SCALE: gl.constexpr):
@@ -821,13 +821,13 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, d
                 s = _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                                       dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done,
                                       dq_desc, dk_desc, dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads,
-                                      n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K,
+                                      dkv_rows_b, dkv_rows_h, dkv_cols_h, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K,
                                       HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)
                 t += 1
     else:
         _bwd_consume_item(gl.program_id(0), 0, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                           dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc,
-                          dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h,
+                          dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h,
                           dkv_cols_h, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)
     tma.store_wait(0)  # TMA has read shared memory (dQ's last tile too) before the program's shared memory goes
 
@@ -894,13 +894,13 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
                         q_bufs.index(0) if IN_STAGES else dkdv_bufs.index(0),
                         do_bufs.index(0) if IN_STAGES else dkdv_bufs.index(1), kv_ready, kv_free, ready, free,
                         ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
-                        sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, 0, IS_CAUSAL, BLOCK_M, BLOCK_K,
+                        sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, 0, IS_CAUSAL, BLOCK_M, BLOCK_K,
                         HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)),
         (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs.index(1),
                         q_bufs.index(1) if IN_STAGES else dkdv_bufs.index(2),
                         do_bufs.index(1) if IN_STAGES else dkdv_bufs.index(3), kv_ready, kv_free, ready, free,
                         ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
-                        sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, 1, IS_CAUSAL, BLOCK_M, BLOCK_K,
+                        sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, 1, IS_CAUSAL, BLOCK_M, BLOCK_K,
                         HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)),
         (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs,
                      kv_ready, kv_free, ready, free, n_items, n_kb, n_kv_heads, group, n_heads, n_m, q_rows_b,
@@ -952,7 +952,7 @@ def _bwd_wide_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs
 @gluon.jit
 def _bwd_wide_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, pds_bufs, dq_smem, kv_ready, q_ready, q_free,
                       do_ready, do_free, exchanged, done, dq_desc, dk_desc, dv_desc, group, n_heads, n_q, n_m,
-                      sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, TILE: gl.constexpr,
+                      sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, TILE: gl.constexpr,
                       IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, EXACT_SCALE: gl.constexpr):
     """One consumer warpgroup of ``_bwd_wide_kernel``, TILE its half: of each query tile i, S^T = K Q_i^T and
     dP^T = V dO_i^T for its half of the queries (P^T and dS^T as ``_bwd_consume_item`` makes them), written into
@@ -1086,11 +1086,11 @@ def _bwd_wide_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_d
     gl.warp_specialize([
         (_bwd_wide_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, pds_bufs, dq_bufs.index(0), kv_ready,
                              q_ready, q_free, do_ready, do_free, exchanged, done, dq_desc, dk_desc, dv_desc, group,
-                             n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, 0,
+                             n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, 0,
                              IS_CAUSAL, BLOCK_M, EXACT_SCALE)),
         (_bwd_wide_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, pds_bufs, dq_bufs.index(1), kv_ready,
                              q_ready, q_free, do_ready, do_free, exchanged, done, dq_desc, dk_desc, dv_desc, group,
-                             n_heads, n_q, n_m, sm_scale, n_kv_heads, n_k, dkv_rows_b, dkv_rows_h, dkv_cols_h, 1,
+                             n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, 1,
                              IS_CAUSAL, BLOCK_M, EXACT_SCALE)),
         (_bwd_wide_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs.index(0), stat_bufs,
                           k_bufs.index(0), v_bufs.index(0), kv_ready, q_ready, q_free, do_ready, do_free, n_kv_heads,
