@@ -22,7 +22,8 @@
 # against ways to spend less host time per compiled region (spans of blocks as one region, Dynamo's guards skipped,
 # Inductor's combo kernels), then ours at 4 x 2,048 with Inductor's max-autotune GEMM templates
 # (OUT_DIR/host/step_probe.json, OUT_DIR/autotune/step_probe.json). flash: our FlashAttention in the step against
-# cuDNN SDPA (xl 4 x 2,048), then both profiled (flash_graphs: profiled with each block's CUDA graph). Tables are regenerated into OUT_DIR/reports.
+# cuDNN SDPA (xl 4 x 2,048), then both profiled (flash_graphs: profiled with each block's CUDA graph). Tables are
+# regenerated into OUT_DIR/reports.
 set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
 flash_graphs"
@@ -35,10 +36,12 @@ step() {  # model batch seq, then extra flags
   python3 -m torch_impl.bench.e2e --model "$1" --batch-size "$2" --seq-len "$3" --dtype bf16 --attention sdpa_cudnn \
     --stock sdpa_cudnn --compile --warmup 3 --steps 10 --out "$out/e2e_${GPU_TAG}.jsonl" "${@:4}"
 }
-profile_ours() {  # tag [attention [flags]]: ours (bf16_mixed) at xl 4 x 2,048 profiled; its kernel table into OUT_DIR
-  python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
-    --attention "${2:-sdpa_cudnn}" --compile --warmup 3 --steps 10 --profile "/tmp/profile_$1" --out "$out/profile.jsonl" \
-    "${@:3}"
+ours_xl() {  # flags: ours alone (bf16_mixed, compiled per block) at xl 4 x 2,048
+  python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed --compile --warmup 3 \
+    --steps 10 "$@"
+}
+profile_ours() {  # tag [attention [flags]]: ours_xl profiled; its kernel table into OUT_DIR
+  ours_xl --attention "${2:-sdpa_cudnn}" --profile "/tmp/profile_$1" --out "$out/profile.jsonl" "${@:3}"
   for table in "/tmp/profile_$1"/*_kernels.md; do cp "$table" "$out/$1_$(basename "$table")"; done
 }
 ddp_one_gpu() {  # extra flags: the DDP benchmark's one-GPU baseline, xl 2 x 512
@@ -96,19 +99,19 @@ host)
 ours_block+mixed+skipguard,ours_span4+mixed,ours_span12+mixed,ours_span12+mixed+skipguard,ours_block+mixed+ind:combo_kernels=1"
   python3 scripts/step_probe.py "$out/autotune" --configs xl:4:2048 --steps 10 \
     --variants "ours_block+ro+mixed,ours_block+ro+mixed+ind:max_autotune=1" ;;
-flash)  # our FlashAttention (flash_triton: the Gluon kernels on sm_90) in the step against cuDNN SDPA, xl 4 x 2,048 with
-  # each block's graph: the stock reference and ours with cuDNN in one process, ours with flash_triton in the next
-  # (no second stock reference: it compiles for ~2 minutes), then ours with each profiled (OUT_DIR/{cudnn,flash}_*.md)
+flash)  # our FlashAttention (flash_triton: the Gluon kernels on sm_90) in the step against cuDNN SDPA, xl 4 x 2,048
+  # with each block's graph: the stock reference and ours with cuDNN in one process, ours with flash_triton in the
+  # next (no second stock reference: it compiles for ~2 minutes), then ours with each profiled
+  # (OUT_DIR/{cudnn,flash}_*.md)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks
-  python3 -m torch_impl.bench.e2e --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed --attention flash_triton \
-    --compile --cuda-graph blocks --warmup 3 --steps 10 --out "$out/e2e_${GPU_TAG}.jsonl"
+  ours_xl --attention flash_triton --cuda-graph blocks --out "$out/e2e_${GPU_TAG}.jsonl"
   profile_ours cudnn
   profile_ours flash flash_triton ;;
 flash_graphs)  # the same two profiled with each block's CUDA graph replayed (the kernels' sum against the step)
   profile_ours cudnn_graphs sdpa_cudnn --cuda-graph blocks
   profile_ours flash_graphs flash_triton --cuda-graph blocks ;;
-*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, gaps, flash, \
-flash_graphs" >&2
+*) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, \
+gaps, flash, flash_graphs" >&2
    exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi
