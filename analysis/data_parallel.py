@@ -12,12 +12,13 @@ from analysis.records import STEP_PHASES as PHASES, Record, read_records
 
 SUITE = "ddp"
 # The working set each FSDP implementation of the benchmark gathers and reduce-scatters, as
-# ``parallelism_calc.memory.per_device_memory`` takes it: ours each weight matrix with torch_impl.distributed.fsdp's
-# default prefetch of MAX_PREFETCH_LAYERS = 2 and MAX_PENDING_REDUCE_SCATTERS = 2 in flight (tests/test_ddp_bench.py
-# ties them), FSDP2 a block at a time with its root kept and one reduce-scatter in flight; both gather the embedding
+# ``parallelism_calc.memory.per_device_memory`` takes it: ours a block's weights at a time (the embedding and the LM
+# head units of their own, resharded) with torch_impl.distributed.fsdp's default prefetch for blocks,
+# DEFAULT_PREFETCH["block"] = 1, and MAX_PENDING_REDUCE_SCATTERS = 2 in flight (tests/test_ddp_bench.py ties them),
+# FSDP2 a block at a time with its root kept and one reduce-scatter in flight; both gather the embedding
 # in the compute dtype (the residual stream runs in it). The peak placed in the step, as for one process. The
 # benchmark records its prediction with it (torch_impl.bench.ddp.predicted_memory) and analysis.fidelity recomputes it.
-FSDP_GATHERING = {"fsdp": dict(gather_unit="layer", prefetch_layers=2, pending_reduce_scatters=2,
+FSDP_GATHERING = {"fsdp": dict(gather_unit="block", prefetch_layers=1, pending_reduce_scatters=2,
                                compute_dtype_stream=True, peak_model="timeline"),
                   "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False, pending_reduce_scatters=1,
                                 compute_dtype_stream=True, peak_model="timeline")}

@@ -206,7 +206,8 @@ def test_stage3_gather_units_by_hand():
     def mem(precision="bf16_autocast", **kw):
         return per_device_memory(TINY, "fsdp", 4, 8 * 32, 32, precision, **kw)
 
-    # Our FSDP: every weight matrix its own unit, 2 prefetched; the largest is the 512 x 64 embedding / LM head.
+    # Our FSDP(gather_unit="layer"): every weight matrix its own unit, 2 prefetched; the largest is the 512 x 64
+    # embedding / LM head.
     ours = mem(gather_unit="layer", prefetch_layers=2)
     assert ours.gathered == 3 * 32_768 * 2 == 196_608 and ours.cast_weights == 0
     assert ours.formulas["gathered"] == "((1 + 2) * largest unit [layer]) * 2 / tp"

@@ -160,8 +160,8 @@ def test_compiled_blocks_save_what_inductor_keeps():
                           compiled=True)
 
 
-# Stage 3 on the toy spec, 2 ranks, bf16 autocast: our FSDP (each weight matrix a unit, 2 prefetched, 2
-# reduce-scatters in flight), its residual stream in bf16 (the embedding is gathered in bf16).
+# Stage 3 on the toy spec, 2 ranks, bf16 autocast: our FSDP(gather_unit="layer") (each weight matrix a unit, 2
+# prefetched, 2 reduce-scatters in flight), its residual stream in bf16 (the embedding is gathered in bf16).
 FSDP_KW = dict(precision="bf16_autocast", attention="naive", gather_unit="layer", prefetch_layers=2,
                pending_reduce_scatters=2, compute_dtype_stream=True, peak_model="timeline")
 S_FSDP = P * 4 / 2 + P * 8 / 2  # fp32 weight shards + AdamW m and v, sharded over 2

@@ -125,20 +125,21 @@ def test_predicted_memory_follows_the_strategy(records):
     assert bucketed - naive == by_name["bucketed 10MB"]["predicted_memory"]["buckets"] == 4 * n_params
     assert bucketed - zero1 == 8 * n_params / 2
     # sharded weights and gradients: less than ZeRO-1 before the gathered and reduce-scatter buffers (on tiny, whose
-    # 512 x 64 LM head is the largest unit, those buffers outweigh what sharding saves)
+    # blocks are not much larger than its 512 x 64 LM head, those buffers outweigh what sharding saves)
     fsdp_terms = by_name["fsdp"]["predicted_memory"]
     assert fsdp - fsdp_terms["gathered"] - fsdp_terms["reduce_scatter"] < zero1
-    # The gathered working set, by hand (tiny: D 64, F 176, V 512; fp32, 4 bytes): our FSDP gathers each weight
-    # matrix on its own with 2 prefetched, the largest being the 512 x 64 embedding / LM head; FSDP2 keeps its
-    # root (embedding, final norm, LM head) gathered and holds 2 blocks (4 D^2 + 3 D F + 2 D each).
+    # The gathered working set, by hand (tiny: D 64, F 176, V 512; fp32, 4 bytes): our FSDP gathers a block at a
+    # time with 1 prefetched, the embedding and the LM head on their own (V D < a block's 4 D^2 + 3 D F + 2 D);
+    # FSDP2 keeps its root (embedding, final norm, LM head) gathered and holds 2 blocks.
+    block = 4 * 64 * 64 + 3 * 64 * 176 + 2 * 64
     ours, fsdp2 = by_name["fsdp"]["predicted_memory"], by_name["fsdp2"]["predicted_memory"]
-    assert ours["gathered"] == 3 * 512 * 64 * 4
-    assert fsdp2["gathered"] == (2 * 512 * 64 + 64 + 2 * (4 * 64 * 64 + 3 * 64 * 176 + 2 * 64)) * 4
+    assert ours["gathered"] == 2 * block * 4
+    assert fsdp2["gathered"] == (2 * 512 * 64 + 64 + 2 * block) * 4
     assert ours["cast_weights"] == fsdp2["cast_weights"] == 0
     # Reduce-scatter buffers (per_device_memory's pending_reduce_scatters), by hand, when the peak falls in the
     # backward: the unit's unsharded gradient + (k + 1) reduce-scatter inputs and outputs (1 + 1 / 2) in flight;
-    # ours k = 2 over the 512 x 64 LM head, FSDP2 k = 1 over a block.
-    for pred, unit, k in ((ours, 512 * 64, 2), (fsdp2, 4 * 64 * 64 + 3 * 64 * 176 + 2 * 64, 1)):
+    # ours k = 2, FSDP2 k = 1, both over a block.
+    for pred, unit, k in ((ours, block, 2), (fsdp2, block, 1)):
         assert pred["reduce_scatter"] in (0, pytest.approx(unit * 4 * (1 + (k + 1) * 1.5)))
     assert ours["total"] - ours["gathered"] - ours["reduce_scatter"] == pytest.approx(
         fsdp2["total"] - fsdp2["gathered"] - fsdp2["reduce_scatter"])
@@ -150,7 +151,7 @@ def test_predicted_memory_in_bf16_gathers_bf16_without_weight_copies():
     args = argparse.Namespace(dtype="bf16", attention="sdpa", batch_size=2, compile=False)
     tiny = MODELS["tiny"]  # D 64, F 176, V 512, 2 layers
     ours, fsdp2 = (predicted_memory(Config(impl), args, tiny, 32, 2) for impl in ("fsdp", "fsdp2"))
-    assert (ours.gathered, ours.cast_weights) == (3 * 512 * 64 * 2, 0)
+    assert (ours.gathered, ours.cast_weights) == (2 * (4 * 64 * 64 + 3 * 64 * 176 + 2 * 64) * 2, 0)
     assert (fsdp2.gathered, fsdp2.cast_weights) == (
         (2 * 512 * 64 + 64 + 2 * (4 * 64 * 64 + 3 * 64 * 176 + 2 * 64)) * 2, 0)
     zero1 = predicted_memory(Config("zero1", 10.0), args, tiny, 32, 2)
@@ -159,11 +160,16 @@ def test_predicted_memory_in_bf16_gathers_bf16_without_weight_copies():
 
 def test_predicted_fsdp_gathering_is_our_fsdp_default():
     """analysis.data_parallel.FSDP_GATHERING (stdlib, shared with analysis.fidelity) holds our FSDP's default
-    prefetch as a number: it must be the wrapper's own."""
-    from analysis.data_parallel import FSDP_GATHERING
-    from torch_impl.distributed.fsdp import MAX_PREFETCH_LAYERS
+    unit, prefetch and reduce-scatters in flight as values: they must be the wrapper's own."""
+    import inspect
 
-    assert FSDP_GATHERING["fsdp"]["prefetch_layers"] == MAX_PREFETCH_LAYERS
+    from analysis.data_parallel import FSDP_GATHERING
+    from torch_impl.distributed.fsdp import DEFAULT_PREFETCH, FSDP, MAX_PENDING_REDUCE_SCATTERS
+
+    unit = inspect.signature(FSDP).parameters["gather_unit"].default
+    ours = FSDP_GATHERING["fsdp"]
+    assert (ours["gather_unit"], ours["prefetch_layers"], ours["pending_reduce_scatters"]) == (
+        unit, DEFAULT_PREFETCH[unit], MAX_PENDING_REDUCE_SCATTERS)
 
 
 def test_scaling_efficiency_against_the_single_process_record(records):

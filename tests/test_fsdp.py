@@ -8,8 +8,10 @@ Linear / Embedding weight is an fp32 master seen through a ``torch.nn.utils.para
 the layer's floating inputs are cast to fp16, so weights compute in fp16 and gradients land in fp32.
 Also checked: the wrapped model keeps its parameter names; every rank holds 1/N of each sharded weight
 (padded) in fp32 and the replicated parameters whole; no gathered weight is alive between forward and
-backward, and at most three layers' (current + 2 prefetched) at any time; at most two layers' full-size
-gradients wait for their reduce-scatter after backward; gradients arrive fp32; no warnings.
+backward, and at most the unit in use and the prefetched ones at any time (a block's unit also its rank-major
+buffer while its weights are copied out); at most two units' full-size gradients wait for their reduce-scatter
+after backward; gradients arrive fp32; no warnings. Units of a block: one all-gather per block and pass, one
+reduce-scatter per block, with activation checkpointing too.
 """
 
 from __future__ import annotations
@@ -70,8 +72,20 @@ def _ref_named_params(ref: nn.Module) -> dict[str, torch.Tensor]:
     return {n.replace("parametrizations.weight.original", "weight"): p for n, p in ref.named_parameters()}
 
 
+def _unit_sizes(model: nn.Module, world_size: int, gather_unit: str) -> list[int]:
+    """Elements each all-gather brings (padded per weight), from the parameter names alone: "block", the 2-D
+    weights of each ``layers.{i}`` together and the others one by one; "layer", every 2-D weight alone."""
+    units: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        if name.endswith("weight") and p.dim() == 2:
+            parts = name.split(".")
+            key = ".".join(parts[:2]) if gather_unit == "block" and parts[0] == "layers" else name
+            units[key] = units.get(key, 0) + math.ceil(p.numel() / world_size) * world_size
+    return list(units.values())
+
+
 def _body(rank: int, world_size: int, seed: int, compute_dtype: torch.dtype | None,
-          reduce_dtype: torch.dtype | None = None) -> dict:
+          reduce_dtype: torch.dtype | None = None, gather_unit: str = "block") -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # FSDP must not warn in normal use
         torch.manual_seed(seed)
@@ -79,8 +93,7 @@ def _body(rank: int, world_size: int, seed: int, compute_dtype: torch.dtype | No
         names = [n for n, _ in model.named_parameters()]
         shapes = {n: p.shape for n, p in model.named_parameters()}
         sharded = {n for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2}
-        largest = max(math.ceil(p.numel() / world_size) * world_size for n, p in model.named_parameters()
-                      if n in sharded)
+        largest = max(_unit_sizes(model, world_size, gather_unit))
         ref = copy.deepcopy(model) if compute_dtype is None else _casting_reference(model, compute_dtype)
         ref_params = _ref_named_params(ref)
         model_init = copy.deepcopy(model)
@@ -88,7 +101,7 @@ def _body(rank: int, world_size: int, seed: int, compute_dtype: torch.dtype | No
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)
-        fsdp = FSDP(model, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+        fsdp = FSDP(model, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, gather_unit=gather_unit)
         opt = torch.optim.AdamW(fsdp.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.1)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.1)
         xs, ys = _data(seed)
@@ -145,6 +158,8 @@ def _body(rank: int, world_size: int, seed: int, compute_dtype: torch.dtype | No
         out["master_dtypes"] = sorted({str(p.dtype) for p in fsdp.parameters()})
         out["state_dtypes"] = sorted({str(t.dtype) for s in opt.state.values() for k, t in s.items() if k != "step"})
         out["peak_gathered"] = fsdp.peak_gathered_bytes
+        # the unit in use and the ones prefetched; a block's unit also its rank-major buffer while copied out
+        out["units_gathered"] = 1 + fsdp.prefetch_layers + (gather_unit == "block")
         out["largest_gathered"] = largest * (2 if compute_dtype == torch.float16 else 4)
         out["largest_reduced"] = largest * (reduce_dtype or compute_dtype or torch.float32).itemsize
         out["all_gathered"] = sum(math.ceil(shapes[n].numel() / world_size) * world_size for n in sharded) * \
@@ -171,18 +186,19 @@ def _check_common(res: dict, world_size: int, compute_dtype) -> None:
     assert res["sharded_bytes"] == res["expected_sharded_bytes"]
     assert res["sharded_bytes"] <= res["total_sharded_bytes"] / world_size + 4 * len(res["expected_sharded"])
     assert res["replicated_full"]
-    # Gathered weights: none kept from forward to backward; at most the current layer + 2 prefetched.
+    # Gathered weights: none kept from forward to backward; at most the current unit + the prefetched ones.
     assert res["gathered_after_forward"] == [0] * STEPS
-    assert 0 < res["peak_gathered"] <= 3 * res["largest_gathered"]
+    assert 0 < res["peak_gathered"] <= res["units_gathered"] * res["largest_gathered"]
     assert res["peak_gathered"] < res["all_gathered"]
-    # Full-size gradient buffers: at most two reduce-scatters in flight at the end of backward, not every layer's.
+    # Full-size gradient buffers: at most two reduce-scatters in flight at the end of backward, not every unit's.
     assert all(0 < b <= 2 * res["largest_reduced"] for b in res["pending_after_backward"]), res["pending_after_backward"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_fsdp_fp32_matches_single_process(world_size):
+@pytest.mark.parametrize("gather_unit", ["block", "layer"])
+def test_fsdp_fp32_matches_single_process(world_size, gather_unit):
     seed = secrets.randbelow(2**20)
-    results = run_ranks(_body, world_size, seed, None, timeout_s=90)
+    results = run_ranks(_body, world_size, seed, None, None, gather_unit, timeout_s=90)
     for r, res in enumerate(results):
         _check_common(res, world_size, None)
         assert res["grad_rel_err"] < 1e-5, (seed, r, res["grad_rel_err"])
@@ -344,3 +360,56 @@ def test_fsdp_fp32_is_bitwise_the_single_process_step_summed_by_rank():
             assert not any(errs.values()), (seed, rank, step, {n: e for n, e in errs.items() if e})
         worst = max(max(errs.values()) for errs in res["vs_whole"])
         assert worst < 1e-6, (seed, rank, worst)
+
+
+# ----------------------------------------------------------------------------- units: collectives per step
+
+
+def _body_counts(rank: int, world_size: int, seed: int, gather_unit: str, checkpointed: bool) -> dict:
+    """Collectives of one training step, counted, and its gradients against one process on the whole batch."""
+    import torch_impl.distributed.fsdp as fsdp_module
+    from torch_impl.activation_checkpointing import apply_activation_checkpointing
+
+    torch.manual_seed(seed)
+    model = TransformerLM(MODELS["tiny"])
+    ref = copy.deepcopy(model)
+    if checkpointed:
+        apply_activation_checkpointing(model, every=1)
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    fsdp = FSDP(model, gather_unit=gather_unit)
+    real = fsdp_module._all_gather_flat, fsdp_module._reduce_scatter_flat
+    fsdp_module._all_gather_flat = counted("all_gather", real[0])
+    fsdp_module._reduce_scatter_flat = counted("reduce_scatter", real[1])
+    try:
+        xs, ys = _data(seed)
+        per = BATCH // world_size
+        cross_entropy(fsdp(xs[0, rank * per:(rank + 1) * per]), ys[0, rank * per:(rank + 1) * per]).backward()
+        fsdp.finish_gradient_synchronization()
+    finally:
+        fsdp_module._all_gather_flat, fsdp_module._reduce_scatter_flat = real
+    cross_entropy(ref(xs[0]), ys[0]).backward()
+    grads = _gather_grads_or_none(fsdp, world_size)
+    names = {n.replace(".blocks.0", ""): n for n in grads}  # a segment of one block: layers.{i}.blocks.0....
+    err = max(((grads[names[n]] - p.grad).norm() / p.grad.norm()).item() for n, p in ref.named_parameters())
+    return {**counts, "grad_rel_err": err}
+
+
+@pytest.mark.parametrize("gather_unit, checkpointed, gathers, reduce_scatters", [
+    # tiny: 2 blocks of 7 weights, the embedding and the LM head. Block units: forward 4 gathers (embedding, 2
+    # blocks, head), backward 3 (the head and the 2 blocks, whose saved weights are gathered again once each: the
+    # embedding saves none); one reduce-scatter per unit. Layers: 16 + 15 gathers, 16 reduce-scatters.
+    ("block", False, 7, 4), ("layer", False, 31, 16),
+    # checkpointed blocks save no weight: their recomputation gathers them (once a block), the head's is saved.
+    ("block", True, 7, 4)])
+def test_units_gather_each_block_once_a_pass(gather_unit, checkpointed, gathers, reduce_scatters):
+    seed = secrets.randbelow(2**20)
+    for rank, res in enumerate(run_ranks(_body_counts, 2, seed, gather_unit, checkpointed, timeout_s=90)):
+        assert (res["all_gather"], res["reduce_scatter"]) == (gathers, reduce_scatters), (rank, res)
+        assert res["grad_rel_err"] < 1e-5, (seed, rank, res["grad_rel_err"])

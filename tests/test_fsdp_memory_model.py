@@ -1,9 +1,10 @@
 """The calculator's stage-3 working set (``parallelism_calc.memory.per_device_memory``'s ``gathered`` and
 ``cast_weights``) against what our ``FSDP`` and torch FSDP2 really hold, on 2 gloo ranks with the tiny model.
 
-Our FSDP (``gather_unit="layer"``, ``prefetch_layers=2``): its measured ``peak_gathered_bytes`` after one
-forward + backward, in fp32 and with ``compute_dtype=bfloat16``, is at most the calculator's ``gathered`` and
-equals, once gloo's transient reference is taken out, the peak derived by hand from FSDP's prefetch logic.
+Our FSDP, with its default units of a block (``gather_unit="block"``, ``prefetch_layers=1``) and one weight per
+unit (``"layer"``, 2 prefetched): its measured ``peak_gathered_bytes`` after one forward + backward, in fp32 and
+with ``compute_dtype=bfloat16``, is at most the calculator's ``gathered`` and equals, once gloo's transient
+reference is taken out, the peak derived by hand from FSDP's prefetch logic.
 Under autocast, bf16 gathers leave no bf16 weight copy saved for backward (``cast_weights`` = 0), while fp32
 gathers (the negative control) save exactly the copies the calculator counts for ZeRO-1/2.
 
@@ -44,12 +45,12 @@ def _step(fsdp, autocast: bool = False) -> None:
     fsdp.finish_gradient_synchronization()
 
 
-def _wrap(compute_dtype):
+def _wrap(compute_dtype, gather_unit: str = "block"):
     from torch_impl.distributed import FSDP
     from torch_impl.model import TransformerLM
 
     torch.manual_seed(0)
-    return FSDP(TransformerLM(TINY), compute_dtype=compute_dtype)  # prefetch_layers: its default, 2
+    return FSDP(TransformerLM(TINY), compute_dtype=compute_dtype, gather_unit=gather_unit)  # default prefetch
 
 
 class _ScratchGather:
@@ -85,7 +86,7 @@ def _weight_copies_saved(compute_dtype) -> int:
     tensors (FSDP's pack hook replaces views of its gathered weights by a re-gather recipe) in a forward under
     autocast: autocast's weight copies. Unique storages."""
     fsdp = _wrap(compute_dtype)
-    shapes = {tuple(u.shape) for u in fsdp._units} | {tuple(u.shape)[::-1] for u in fsdp._units}
+    shapes = {tuple(w.shape) for w in fsdp._weights} | {tuple(w.shape)[::-1] for w in fsdp._weights}
     copies: dict[int, int] = {}
     pack = fsdp._pack
 
@@ -105,17 +106,19 @@ def _ours_body(rank: int, world_size: int) -> dict:
     import torch_impl.distributed.fsdp as fsdp_module
 
     out = {}
-    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
-        fsdp = _wrap(dtype)
+    units = [(unit, name, dtype) for unit in ("layer", "block") for name, dtype in (("fp32", None),
+                                                                                   ("bf16", torch.bfloat16))]
+    for unit, name, dtype in units:
+        fsdp = _wrap(dtype, unit)
         _step(fsdp)
-        out[f"peak_{name}"] = fsdp.peak_gathered_bytes
+        out[f"peak_{unit}_{name}"] = fsdp.peak_gathered_bytes
     real = fsdp_module._all_gather_flat
     fsdp_module._all_gather_flat = _ScratchGather(real)
     try:
-        for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
-            fsdp = _wrap(dtype)
+        for unit, name, dtype in units:
+            fsdp = _wrap(dtype, unit)
             _step(fsdp)
-            out[f"settled_{name}"] = fsdp.peak_gathered_bytes
+            out[f"settled_{unit}_{name}"] = fsdp.peak_gathered_bytes
     finally:
         fsdp_module._all_gather_flat = real
     out["copies_bf16_gather"] = _weight_copies_saved(torch.bfloat16)
@@ -142,10 +145,22 @@ def test_our_fsdp_peak_gathered_against_the_calculator():
         assert calc.gathered == 3 * V * D * BYTES[name] and calc.cast_weights == 0
         for rank, res in enumerate(results):
             # Exactly what FSDP keeps, with gloo's transient reference taken out (_ScratchGather).
-            assert res[f"settled_{name}"] == exact, (name, rank, res)
+            assert res[f"settled_layer_{name}"] == exact, (name, rank, res)
             # As measured: at least that (the instant happens on every run), at most a finished gather gloo
             # still holds for a moment more (seen: one F D matrix), and within the calculator's bound.
-            assert exact <= res[f"peak_{name}"] <= calc.gathered, (name, rank, res)
+            assert exact <= res[f"peak_layer_{name}"] <= calc.gathered, (name, rank, res)
+        # Units of a block, one prefetched: a block's weights B = 4 D^2 + 3 D F are the largest unit (the
+        # embedding and the LM head, V D each, are units of their own). Whenever a unit is taken, the one before
+        # it is freed (its forward's post-hook, or in the backward its _GatherUnit node, which autograd runs
+        # after every node of the block), so the peak is the rank-major buffer of a block and its copy-out, or a
+        # block in use and the next one prefetched: 2 B, against the calculator's 2 x (B + its 2 D norm gains).
+        calc_block = per_device_memory(TINY, "fsdp", WORLD, WORLD * BATCH * SEQ, SEQ, precision,
+                                       gather_unit="block", prefetch_layers=1)
+        exact = 2 * (4 * D * D + 3 * D * F) * BYTES[name]
+        assert calc_block.gathered == 2 * (4 * D * D + 3 * D * F + 2 * D) * BYTES[name]
+        for rank, res in enumerate(results):
+            assert res[f"settled_block_{name}"] == exact, (name, rank, res)
+            assert exact <= res[f"peak_block_{name}"] <= calc_block.gathered, (name, rank, res)
     # Autocast over bf16 gathers: autocast's cast of a bf16 weight is a no-op, so no weight copy is saved for
     # backward, as the calculator's stage 3 says. Negative control, fp32 gathers under autocast: every matmul
     # weight's bf16 copy is saved, exactly the calculator's cast_weights for a strategy reading fp32 weights.

@@ -64,7 +64,7 @@ def test_record_carries_the_calculators_prediction(records):
     fused, plain = records
     spec = MODELS["tiny"]
     expected = per_device_memory(spec, "fsdp", 2, BATCH * SEQ, SEQ, "fp32", attention="flash", checkpoint_every=1,
-                                 loss="fused", gather_unit="layer", prefetch_layers=2, pending_reduce_scatters=2,
+                                 loss="fused", gather_unit="block", prefetch_layers=1, pending_reduce_scatters=2,
                                  compute_dtype_stream=True, peak_model="timeline")
     assert fused.metrics["predicted_memory_bytes"] == pytest.approx(expected.total)
     assert fused.metrics["predicted_memory"]["optimizer"] == pytest.approx(spec.n_params() * 8 / 2)  # sharded

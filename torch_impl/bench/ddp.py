@@ -40,14 +40,13 @@ Metrics: ``per_rank_peak_memory_bytes``, ``per_rank_median_ms`` (each rank's own
 strategy the impl implements (ddp for none / the DDP variants / torch_ddp, zero1, fsdp for fsdp / fsdp2;
 precision fp32 or bf16_autocast; attention "naive" for --attention naive, else "flash") and, for the two
 FSDPs, the working set each really gathers (in the compute dtype, so no autocast weight copies): ``fsdp``
-every weight matrix on its own, ``FSDP``'s default 2 prefetched (``gather_unit="layer"``,
-``prefetch_layers=2``); ``fsdp2`` a block at a time, 1 prefetched, plus its root (embedding, final norm, LM
-head), which FSDP2 does not reshard after forward (``gather_unit="block"``, ``prefetch_layers=1``,
-``reshard_root=False``); and ``comm_blocked_share`` = median comm / median step. Caveats: our FSDP
-shards the Linear / Embedding weights and replicates the norm gains (the calculator's "fsdp" shards all, a
-negligible difference); the reduce-scatters in flight (``MAX_PENDING_REDUCE_SCATTERS`` full-size gradients of
-the largest layer for ours, one block for FSDP2) are counted as ``pending_reduce_scatters``
-(``analysis.data_parallel.FSDP_GATHERING``).
+a block at a time with ``FSDP``'s defaults (``gather_unit="block"``, 1 prefetched; the embedding and the LM head
+units of their own, resharded after use); ``fsdp2`` a block at a time, 1 prefetched, plus its root (embedding,
+final norm, LM head), which FSDP2 does not reshard after forward (``reshard_root=False``); and
+``comm_blocked_share`` = median comm / median step. Caveats: our FSDP shards the Linear / Embedding weights and
+replicates the norm gains (the calculator's "fsdp" shards all, a negligible difference); the reduce-scatters in
+flight (``MAX_PENDING_REDUCE_SCATTERS`` = 2 units' full-size gradients for ours, one block for FSDP2) are counted
+as ``pending_reduce_scatters`` (``analysis.data_parallel.FSDP_GATHERING``).
 
 Scaling efficiency: when ``--out`` already holds an ok ``none`` record (world size 1) with the same model,
 batch, seq, dtype, attention and device name, each new record gets ``metrics.scaling_efficiency`` =
