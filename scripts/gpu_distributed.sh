@@ -13,9 +13,11 @@
 # graphs: that step with each compiled region replayed as CUDA graphs (with hooks, the backward's host time was
 #   the limit), DTYPE (default bf16), BUCKET_MB (default 25,100), gradients communicated in COMM_DTYPE (default
 #   grad,bf16), and with PROFILE set, bucketed 100 MB and torch DDP profiled;
-# sharded: ZeRO-1, our FSDP and FSDP2 (memory against parallelism_calc's prediction) and bucketed DDP at 1, 10
-#   and 100 MB buckets; matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed /
-#   torch DDP, small, 5 epochs); accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
+# sharded: our FSDP, FSDP2 and ZeRO-1 (memory against parallelism_calc's prediction), eager, xl bf16 at 4 x 1,024
+#   a rank (cuDNN attention) and at the issue's 2 x 512 (SDPA), each beside its one-GPU run; with PROFILE set, both
+#   FSDPs profiled at 4 x 1,024 (OUT_DIR/ddp_profiles.tgz);
+# matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs);
+# accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
 #   128 tokens); leaderboard: the CS336 leaderboard's step (torch_impl.bench.leaderboard: lm8b, 2 x 32,768 global,
 #   bf16, fused loss, checkpointing every block, our FSDP; DIST=fsdp2 for FSDP2, ATTENTION (default flash_triton),
 #   LAYERS to profile a shallower model's memory) on 2 GPUs, or NPROC of them.
@@ -64,10 +66,18 @@ seed)
   python3 "${ddp[@]}" --dist none
   "${run[@]}" "$n" "${ddp[@]}" --dist naive,individual,bucketed,torch_ddp --bucket-mb 25 ;;
 sharded)
-  ddp=(-m torch_impl.bench.ddp --model xl --batch-size 2 --seq-len 512 --dtype bf16 --attention sdpa
-       --out "$out/ddp.jsonl")
-  "${run[@]}" "$n" "${ddp[@]}" --dist zero1,fsdp,fsdp2 --bucket-mb 25
-  "${run[@]}" "$n" "${ddp[@]}" --dist bucketed --bucket-mb 1,10,100 ;;
+  for config in "4 1024 sdpa_cudnn" "2 512 sdpa"; do
+    read -r batch seq attention <<< "$config"
+    ddp=(-m torch_impl.bench.ddp --model xl --batch-size "$batch" --seq-len "$seq" --dtype bf16
+         --attention "$attention" --out "$out/ddp.jsonl")
+    python3 "${ddp[@]}" --dist none
+    "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2,zero1 --bucket-mb 25
+  done
+  if [[ -n "${PROFILE:-}" ]]; then
+    "${run[@]}" "$n" -m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 \
+      --attention sdpa_cudnn --dist fsdp,fsdp2 --profile "$out/profiles" --out "$out/ddp_profiled.jsonl"
+    tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles"
+  fi ;;
 matrix)
   python3 -m torch_impl.bench.train_matrix --nproc "$n" --model small --batch-size 8 --seq-len 512 --epochs 5 \
     --steps-per-epoch 40 --out "$out/train_matrix.jsonl" --report-dir "$out/train_matrix" ;;

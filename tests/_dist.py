@@ -158,12 +158,14 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, *args: Any, time
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S,
-              pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; the list of results by rank.
+              pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of ``backend`` (gloo, or nccl with rank r on
+    cuda:r); the list of results by rank.
 
     Raises ``RankFailure`` with every failed rank's traceback if any rank raised, died or timed out.
     """
-    outcomes = run_ranks_outcomes(fn, world_size, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
+    outcomes = run_ranks_outcomes(fn, world_size, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s,
+                                  backend=backend)
     failed = [o for o in outcomes if not o.ok]
     if failed:
         name = getattr(fn, "__qualname__", repr(fn))

@@ -41,8 +41,10 @@ recomputation.
 
 Gradients: ``_GatherUnit.backward`` lays the unit's gradients out rank-major (padded; zeros for a weight that got
 none) and launches one asynchronous reduce-scatter in ``reduce_dtype`` (the compute dtype by default, like torch
-FSDP2's ``MixedPrecisionPolicy``), averaging over the ranks: NCCL scales before it sums (``PREMUL_SUM``), gloo gets
-the buffer divided first (either way fp16 sums stay in range). At most ``MAX_PENDING_REDUCE_SCATTERS`` (2) are in
+FSDP2's ``MixedPrecisionPolicy``), averaging over the ranks: NCCL averages fp32 and bf16 as it sums
+(``ReduceOp.AVG``); fp16 (whose sums could overflow) and gloo (which has no AVG) get the buffer divided first. Not
+``PREMUL_SUM``: torch 2.11 hands NCCL a bf16 factor that reads as zero for powers of two (pytorch/pytorch#190745),
+which zeroed every bf16 gradient of a first try on 2 H200s. At most ``MAX_PENDING_REDUCE_SCATTERS`` (2) are in
 flight: launching another first waits for the oldest and lands it, so the full-size gradient buffers alive at once
 are bounded by two units' (``pending_gradient_bytes()``), not all of them (the rate limit of Zhao et al.). Landing
 casts the unit's piece to the master dtype once and accumulates each weight's part into its shard's ``.grad`` (so
@@ -94,6 +96,8 @@ GATHER_UNITS = ("block", "layer")  # what one all-gather brings: a block's weigh
 DEFAULT_PREFETCH = {"block": 1, "layer": 2}  # units gathered ahead by default (FSDP2 prefetches one block)
 MAX_PREFETCH_LAYERS = 2
 MAX_PENDING_REDUCE_SCATTERS = 2  # gradient reduce-scatters in flight (each holds a unit's full-size gradients)
+# Gradients NCCL averages inside the reduce-scatter (ReduceOp.AVG, as FSDP2 for these dtypes); fp16 is divided first.
+NCCL_AVERAGED = (torch.float32, torch.bfloat16)
 
 # torch 2.13 renames the flat collectives (and warns on the old names); torch 2.11 only has the old ones.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -236,10 +240,9 @@ class FSDP(nn.Module, DataParallelWrapper):
         self.process_group = process_group
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
-            # NCCL scales each rank's gradients inside the reduce-scatter; gloo gets them divided first
-            self._premul_sum = dist.get_backend(process_group) == "nccl"
+            self._nccl = dist.get_backend(process_group) == "nccl"
         else:
-            self.rank, self.world_size, self._premul_sum = 0, 1, False
+            self.rank, self.world_size, self._nccl = 0, 1, False
 
         self._broadcast_from_rank0()
         self._weights = self._shard_params()
@@ -486,11 +489,11 @@ class FSDP(nn.Module, DataParallelWrapper):
         if len(rows) > 1:
             flat = torch.cat(rows, dim=1, out=torch.empty(n, unit.chunk, dtype=dtype, device=rows[0].device))
         flat = (flat if len(rows) > 1 else rows[0]).reshape(-1).to(dtype)
-        if self._premul_sum:  # NCCL scales each rank's part before summing: no pass over the gradients
-            op = dist._make_nccl_premul_sum(1.0 / n)
-        else:
+        if self._nccl and dtype in NCCL_AVERAGED:  # NCCL averages as it reduces: no pass over the gradients
+            op = dist.ReduceOp.AVG
+        else:  # divided first (fp16 sums stay in range; gloo has no AVG): a new tensor, never autograd's
             op = dist.ReduceOp.SUM
-            flat = flat / n  # a new tensor: autograd's gradient is never divided in place
+            flat = flat / n
         if n == 1:
             self._land_grads(None, flat, unit)
             return
