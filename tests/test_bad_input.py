@@ -151,7 +151,6 @@ CASES = [
     Case(LEADERBOARD, "--device cpu --model lm9b --out {good}", "unknown model preset 'lm9b'"),
     Case(LEADERBOARD, "--device cpu --model tiny --batch-size 3 --out {good}", "--batch-size 3 (global) is not "
          "divisible by the 2 ranks", env={"WORLD_SIZE": "2", "RANK": "0"}),
-    Case(LEADERBOARD, "--device cpu --model tiny --compile --out {good}", "--compile with --dist fsdp"),
     Case(LEADERBOARD, "--device cpu --model tiny --nested-checkpoint --out {good}", "needs --ac-every K"),
     Case(LEADERBOARD, "--device cpu --model tiny --layers 0", "--layers: '0': must be > 0"),
     Case(LEADERBOARD, "--device cpu --model tiny --dtype bf16_mixed --out {good}", "--dtype bf16_mixed with"),

@@ -197,8 +197,8 @@ def test_compiled_baseline_is_its_own_baseline(tmp_path, capsys):
     assert compiled.metrics["compiled"] is True and eager.metrics["compiled"] is False
     assert baseline_key(compiled) != baseline_key(eager)
     with pytest.raises(SystemExit):
-        main([*COMMON, "--dist", "none,fsdp", "--compile", "--out", str(out)])
-    assert "--compile with fsdp" in capsys.readouterr().err
+        main([*COMMON, "--dist", "none,fsdp", "--compile", "--cuda-graph", "blocks", "--out", str(out)])
+    assert "--cuda-graph blocks with fsdp" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*COMMON, "--dist", "none,fsdp2", "--dtype", "bf16_mixed", "--out", str(out)])
     assert "--dtype bf16_mixed with fsdp2: they shard or cast the weights themselves" in capsys.readouterr().err

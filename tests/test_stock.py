@@ -98,8 +98,8 @@ def test_parallelize_checkpoints_then_compiles_then_wraps():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled, not eager
     assert wrapper.module is ours and isinstance(optimizer, torch.optim.AdamW)
     assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {id(p) for p in ours.parameters()}
-    with pytest.raises(ValueError, match="--compile with --dist fsdp: their per-layer gathers"):
-        parallelize(TransformerLM(MODELS["tiny"], attention="sdpa"), "fsdp", adamw={}, compile=True)
+    with pytest.raises(ValueError, match="--cuda-graph blocks with --dist fsdp: their gathered weights"):
+        parallelize(TransformerLM(MODELS["tiny"], attention="sdpa"), "fsdp", adamw={}, compile=True, cuda_graphs=True)
     with pytest.raises(ValueError, match="need compile=True"):
         parallelize(TransformerLM(MODELS["tiny"], attention="sdpa"), adamw={}, cuda_graphs=True)
 

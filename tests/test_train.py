@@ -301,7 +301,7 @@ def test_cli_stops_and_resumes(cache, tmp_path):
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--vocab-size", "100"], "vocab_size >= 257"),
     (["--model", "xxl"], "analysis-only"),
-    (["--compile", "--dist", "fsdp"], "--compile with --dist fsdp"),
+    (["--compile", "--cuda-graph", "blocks", "--dist", "fsdp"], "--cuda-graph blocks with --dist fsdp"),
     (["--dtype", "bf16_mixed", "--dist", "zero1"], "--dtype bf16_mixed with --dist zero1"),
     (["--cuda-graph", "blocks"], "--cuda-graph blocks replays the graphs of the compiled blocks: it needs --compile"),
     (["--cuda-graph", "blocks", "--compile"], "--cuda-graph blocks replays CUDA graphs: it needs --device cuda"),

@@ -20,7 +20,7 @@ made here reaches all of them.
   ``broadcast_buffers=False``: ours broadcast buffers at construction only); ``zero1`` (``ShardedOptimizer`` over
   ``DDPBucketed``); our ``fsdp`` (``compute_dtype=bfloat16`` with bf16); ``fsdp2`` (``fully_shard`` per block,
   then the root; ``MixedPrecisionPolicy(param_dtype=bfloat16)`` with bf16: it reduces in the param dtype, as
-  our FSDP does). ``check_supported`` rejects the modes ``UNSUPPORTED`` lists for ``--compile`` and
+  our FSDP does). ``check_supported`` rejects the modes ``UNSUPPORTED`` lists for ``--cuda-graph blocks`` and
   ``--dtype bf16_mixed``; ``DataParallelConfig``: a mode with its bucket size, named as the records name it, and
   its strategy in the calculator's vocabulary.
 """
@@ -35,10 +35,10 @@ import torch
 import torch.nn as nn
 
 from torch_impl.activation_checkpointing import apply_activation_checkpointing
-from torch_impl.model import Blocks, run_blocks
+from torch_impl.model import Blocks, TransformerBlock, run_blocks
 
 __all__ = ["BLOCKS_PER_GRAPH", "COMM_DTYPES", "COMM_DTYPE_MODES", "COMM_SMS_MODES", "CUDA_GRAPHS", "DATA_PARALLEL",
-           "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig", "apply_activation_checkpointing", "apply_compile",
+           "HOOKED_MODES", "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig", "apply_activation_checkpointing", "apply_compile",
            "apply_data_parallel", "check_cuda_graph", "check_supported", "data_parallel_configs", "parallelize"]
 
 DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
@@ -46,8 +46,12 @@ DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp",
 # own norm and checkpoints).
 WRAPPER_MODES = tuple(m for m in DATA_PARALLEL if m != "fsdp2")
 # what a mode cannot be combined with: the flag, the modes, why
-UNSUPPORTED = {"--compile": (("fsdp", "fsdp2"), "their per-layer gathers run inside the compiled blocks"),
+UNSUPPORTED = {"--cuda-graph blocks": (("fsdp", "fsdp2"), "their gathered weights are new tensors every step, "
+                                                          "which each graph's replay would copy in"),
                "--dtype bf16_mixed": (("zero1", "fsdp", "fsdp2"), "they shard or cast the weights themselves")}
+# The modes whose module hooks gather the weights: compiled, each block's forward is the compiled region and the
+# hooks run eagerly around it (``apply_compile(hooks_eager=True)``).
+HOOKED_MODES = ("fsdp", "fsdp2")
 BUCKETED = ("bucketed", "zero1")  # one configuration per bucket size
 TORCH_DDP_BUCKET_MB = 25.0  # torch DDP's default bucket_cap_mb
 
@@ -60,12 +64,14 @@ BLOCKS_PER_GRAPH = 4
 
 
 def apply_compile(model: nn.Module, cuda_graphs: bool = False, options: dict | None = None,
-                  blocks_per_graph: int = BLOCKS_PER_GRAPH) -> nn.Module:
+                  blocks_per_graph: int = BLOCKS_PER_GRAPH, hooks_eager: bool = False) -> nn.Module:
     """``torch.compile`` the blocks of ``model.layers`` in place, ``blocks_per_graph`` consecutive blocks as one
     region (``torch_impl.model.Blocks`` runs them; 1: each block, any ModuleList), one graph serving every region
     (``fullgraph``: a graph break is an error, not a silent slowdown), with CUDA graph trees if ``cuda_graphs`` and
-    Inductor ``options`` (its config names, as ``torch.compile`` takes them). Parameter names do not change.
-    Returns the model."""
+    Inductor ``options`` (its config names, as ``torch.compile`` takes them). ``hooks_eager``: each
+    ``TransformerBlock``'s ``forward`` alone is compiled (inside checkpointed segments too), so hooks registered on
+    the block, an FSDP's gathers, run eagerly around its region (``nn.Module.compile`` would trace them; torchtitan
+    compiles each block and then shards it). Parameter names do not change. Returns the model."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError("regional compilation needs a model with a ModuleList of blocks in .layers")
@@ -75,6 +81,11 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False, options: dict | N
     # torch.compile takes a mode or options, not both: reduce-overhead is the option triton.cudagraphs
     how = ({"options": {**options, "triton.cudagraphs": cuda_graphs}} if options
            else {"mode": "reduce-overhead" if cuda_graphs else None})
+    if hooks_eager:
+        for block in model.modules():
+            if isinstance(block, TransformerBlock):
+                block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False, **how)
+        return model
     if blocks_per_graph > 1:
         layers.span = blocks_per_graph
         layers.run_span = torch.compile(run_blocks, fullgraph=True, dynamic=False, **how)
@@ -107,10 +118,10 @@ def check_cuda_graph(mode: str, compile: bool, device: str, grad_accum: int = 1,
                          "write over the gradients of the one before)")
 
 
-def check_supported(modes: list[str], compile: bool, dtype: str, flag: str) -> None:
-    """ValueError if ``--compile`` or ``--dtype bf16_mixed`` meets a mode that cannot take it (``UNSUPPORTED``;
-    ``flag``: how the CLI names modes)."""
-    for option, wanted in (("--compile", compile), ("--dtype bf16_mixed", dtype == "bf16_mixed")):
+def check_supported(modes: list[str], dtype: str, flag: str, cuda_graphs: bool = False) -> None:
+    """ValueError if ``--cuda-graph blocks`` or ``--dtype bf16_mixed`` meets a mode that cannot take it
+    (``UNSUPPORTED``; ``flag``: how the CLI names modes)."""
+    for option, wanted in (("--cuda-graph blocks", cuda_graphs), ("--dtype bf16_mixed", dtype == "bf16_mixed")):
         excluded, why = UNSUPPORTED[option]
         unsupported = [m for m in modes if m in excluded] if wanted else []
         if unsupported:
@@ -167,7 +178,7 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
                         adamw: dict[str, Any], comm_sms: int = 0,
                         comm_dtype: str = "grad") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     """(the module to call, its ``DataParallelWrapper`` (None for fsdp2), the optimizer): ``model``, built on its
-    device (and compiled, but not for the FSDPs: ``check_supported`` first), wrapped in ``mode`` with
+    device (and maybe compiled: ``parallelize``), wrapped in ``mode`` with
     ``AdamW(**adamw)``. ``dtype`` (``analysis.harness.DTYPES``): bf16 makes the FSDPs compute in bf16;
     bf16_mixed gives ``MasterAdamW``. ``comm_sms``: the SMs ``COMM_SMS_MODES``' NCCL kernels may occupy (0:
     NCCL's default); ``comm_dtype``: the dtype gradients travel in (``COMM_DTYPES``; bf16 with
@@ -224,8 +235,6 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         except ImportError as err:
             raise RuntimeError(f"fsdp2: torch.distributed.fsdp.fully_shard is not available: {err}") from None
-        from torch_impl.model import TransformerBlock
-
         kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if bf16 else {}
         for block in model.modules():
             if isinstance(block, TransformerBlock):
@@ -240,15 +249,16 @@ def parallelize(model: nn.Module, mode: str = "none", *, bucket_mb: float | None
                 nested_ac: bool = False, comm_sms: int = 0,
                 comm_dtype: str = "grad") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     """``model`` made fast and parallel in torchtitan's order: activation checkpointing every ``ac_every`` blocks,
-    then ``apply_compile`` (with the CUDA graphs of its regions if ``cuda_graphs``), then ``apply_data_parallel``
-    in ``mode``; returns what that returns: (the module to call, its wrapper, the optimizer)."""
-    check_supported([mode], compile, dtype, flag="--dist ")
+    then ``apply_compile`` (with the CUDA graphs of its regions if ``cuda_graphs``; for ``HOOKED_MODES`` each
+    block's forward, the hooks eager), then ``apply_data_parallel`` in ``mode``; returns what that returns: (the
+    module to call, its wrapper, the optimizer)."""
+    check_supported([mode], dtype, flag="--dist ", cuda_graphs=cuda_graphs)
     if cuda_graphs and not compile:
         raise ValueError("CUDA graphs of the compiled blocks need compile=True")
     if ac_every:
         apply_activation_checkpointing(model, ac_every, nested=nested_ac)
     if compile:
-        apply_compile(model, cuda_graphs=cuda_graphs)
+        apply_compile(model, cuda_graphs=cuda_graphs, hooks_eager=mode in HOOKED_MODES)
         # Regions compiled before torch DDP wraps them are compiled lazily inside DDP's forward, where Dynamo's
         # DDPOptimizer would split each at DDP's bucket boundaries (2 H100s, xl 4 x 1,024: forward 110 ms instead
         # of 41, notes/data_parallel.md); a region's gradients are all ready at its end anyway. Process-wide.

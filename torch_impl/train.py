@@ -143,7 +143,7 @@ class TrainConfig(TrainSettings):
             raise ValueError(f"--loss {self.loss!r}; accepted: {', '.join(LOSSES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}; accepted: {', '.join(DTYPES)}")
-        check_supported([self.dist], self.compile, self.dtype, flag="--dist ")
+        check_supported([self.dist], self.dtype, flag="--dist ", cuda_graphs=self.cuda_graph == "blocks")
         cuda = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
         check_cuda_graph(self.cuda_graph, self.compile, "cuda" if cuda else "cpu", self.grad_accum)
         if not all(0 < v < math.inf for v in (self.bucket_mb, self.timeout)):
@@ -444,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--dtype", choices=list(DTYPES), default=d.dtype,
       help="fp32; bf16 autocast with fp32 weights; bf16_mixed: bf16 weights, fp32 masters in the optimizer")
-    a("--compile", action="store_true", help="torch.compile each block (not with --dist fsdp)")
+    a("--compile", action="store_true", help="torch.compile each block (with --dist fsdp each block's forward, its "
+                                             "gathers eager around it)")
     a("--cuda-graph", choices=CUDA_GRAPHS, default=d.cuda_graph,
       help="blocks: replay each compiled block as CUDA graphs (needs --compile, CUDA, --grad-accum 1; default off)")
     a("--dist", choices=DIST_MODES, default=d.dist, help=f"data-parallel mode (default {d.dist})")

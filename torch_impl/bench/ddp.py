@@ -393,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration (default 10)")
     parser.add_argument("--attention", default="sdpa", help="attention backend of the model (default sdpa)")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile each block before wrapping (not with fsdp, fsdp2)")
+                        help="torch.compile each block before wrapping (fsdp, fsdp2: each block's forward, their hooks "
+                             "eager around it; torch_impl.parallelize.apply_compile)")
     parser.add_argument("--cuda-graph", choices=CUDA_GRAPHS, default="off",
                         help="blocks: replay each compiled block's forward and backward as CUDA graphs (needs "
                              "--compile and CUDA; the fix for a host-bound step, notes/train_step.md); default off")
@@ -426,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolve_spec(args)
         impls = parse_impls(args.impl)
-        check_supported(impls, args.compile, args.dtype, flag="")
+        check_supported(impls, args.dtype, flag="", cuda_graphs=args.cuda_graph == "blocks")
         check_cuda_graph(args.cuda_graph, args.compile, args.device)
         parse_bucket_mb(args.bucket_mb)
         parse_comm_sms(args.comm_sms)

@@ -247,7 +247,8 @@ class FSDP(nn.Module, DataParallelWrapper):
         self._broadcast_from_rank0()
         self._weights = self._shard_params()
         self._weight_by_shard = {id(w.shard): w for w in self._weights}
-        self._replicated = [p for p in module.parameters() if id(p) not in self._weight_by_shard]
+        self._shard_ids = frozenset(self._weight_by_shard)  # the global gradient norm sums these over the ranks
+        self._replicated = [p for p in module.parameters() if id(p) not in self._shard_ids]
         # owner module -> [(unit, [(layer, index of its weight in the unit)])]: what its forward pre-hook gathers
         self._owned: dict[nn.Module, list[tuple[_Unit, list[tuple[nn.Module, int]]]]] = {}
         self._units = self._make_units(gather_unit)
