@@ -14,8 +14,9 @@
 #   the limit), DTYPE (default bf16), BUCKET_MB (default 25,100), gradients communicated in COMM_DTYPE (default
 #   grad,bf16), and with PROFILE set, bucketed 100 MB and torch DDP profiled;
 # sharded: our FSDP, FSDP2 and ZeRO-1 (memory against parallelism_calc's prediction), eager, xl bf16 at 4 x 1,024
-#   a rank (cuDNN attention) and at the issue's 2 x 512 (SDPA), each beside its one-GPU run; with PROFILE set, both
-#   FSDPs profiled at 4 x 1,024 (OUT_DIR/ddp_profiles.tgz);
+#   a rank (cuDNN attention) and at the issue's 2 x 512 (SDPA), each beside its one-GPU run; COMPILE=1 compiles
+#   the blocks (the FSDPs' hooks eager around each); with PROFILE set, both FSDPs profiled at 4 x 1,024
+#   (OUT_DIR/ddp_profiles.tgz);
 # matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs);
 # accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
 #   128 tokens); leaderboard: the CS336 leaderboard's step (torch_impl.bench.leaderboard: lm8b, 2 x 32,768 global,
@@ -69,13 +70,14 @@ sharded)
   for config in "4 1024 sdpa_cudnn" "2 512 sdpa"; do
     read -r batch seq attention <<< "$config"
     ddp=(-m torch_impl.bench.ddp --model xl --batch-size "$batch" --seq-len "$seq" --dtype bf16
-         --attention "$attention" --out "$out/ddp.jsonl")
+         --attention "$attention" ${COMPILE:+--compile} --out "$out/ddp.jsonl")
     python3 "${ddp[@]}" --dist none
     "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2,zero1 --bucket-mb 25
   done
   if [[ -n "${PROFILE:-}" ]]; then
     "${run[@]}" "$n" -m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 \
-      --attention sdpa_cudnn --dist fsdp,fsdp2 --profile "$out/profiles" --out "$out/ddp_profiled.jsonl"
+      --attention sdpa_cudnn ${COMPILE:+--compile} --dist fsdp,fsdp2 --profile "$out/profiles" \
+      --out "$out/ddp_profiled.jsonl"
     tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles"
   fi ;;
 matrix)
