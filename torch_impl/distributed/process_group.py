@@ -112,8 +112,6 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         kwargs = {"device_id": dev} if backend == "nccl" else {}
-        if backend == "nccl":  # a timed-out collective ends the process at once, not after dumping debug traces
-            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
         try:
             dist.init_process_group(backend, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
