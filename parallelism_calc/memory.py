@@ -532,7 +532,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
       with u the largest unit of the window above (``gather_unit``), p = activation_bytes (the gradients are
       reduced in the compute dtype). Our ``FSDP``: k = ``MAX_PENDING_REDUCE_SCATTERS`` = 2
       (torch_impl/distributed/fsdp.py, ``_reduce_scatter_grads``: the unit's gradients copied rank-major into
-      ``flat``, its ``piece``, ``_pending_grads``); FSDP2: k = 1 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
+      ``flat``, its ``piece``, ``_pending_grads``); FSDP2: k = 1
+      (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
       ``foreach_reduce``: ``reduce_scatter_input``, copied from the unsharded gradients, and the previous group's
       ``reduce_scatter_state``, dropped at the next group's post-backward). ``peak_model="timeline"`` adds it to
       every backward moment (and the backward's end: our FSDP lands the last two in

@@ -4,10 +4,11 @@ One full step of ``TransformerLM(--model)`` (default ``lm8b``): forward, loss, b
 global batch of ``--batch-size`` sequences (default 2) of ``--seq-len`` tokens (default the preset's context,
 32,768 for lm8b), split evenly over the ranks and sharded with ``--dist fsdp`` (ours) or ``fsdp2``
 (``fully_shard``), both through ``torch_impl.parallelize.parallelize`` (torchtitan's order: activation
-checkpointing ``--ac-every K`` [``--nested-checkpoint``], ``--compile``, then the wrapper; ``--compile`` with an
-FSDP is refused there). ``--loss fused|plain``, ``--attention`` and ``--dtype`` (default bf16 autocast) as the e2e
-benchmark names them; ``--layers`` overrides the preset's depth, to profile the memory on one GPU with fewer
-blocks. The global batch is ``analysis.harness.fixed_batch(--seed, ...)``; rank r takes rows r x B / N onwards.
+checkpointing ``--ac-every K`` [``--nested-checkpoint``], ``--compile`` (each block's forward, the FSDP's hooks
+eager around it), then the wrapper). ``--loss fused|plain``, ``--attention`` and ``--dtype`` (default bf16
+autocast) as the e2e benchmark names them; ``--layers`` overrides the preset's depth, to profile the memory on one
+GPU with fewer blocks. The global batch is ``analysis.harness.fixed_batch(--seed, ...)``; rank r takes rows
+r x B / N onwards.
 
 Timing: ``--warmup`` untimed steps, then ``--steps`` steps timed by phase (``torch_impl.timing.PhaseTimer``: CUDA
 events, or host clocks on the CPU; phases ``forward`` (model + loss), ``backward``, ``comm`` (ours: what the
@@ -340,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ac-every", "--checkpoint-every", dest="checkpoint_every", type=positive_int, metavar="K",
                    help="activation checkpointing: recompute every segment of K blocks (1: every block)")
     p.add_argument("--nested-checkpoint", action="store_true", help="also checkpoint each block of a segment")
-    p.add_argument("--compile", action="store_true", help="torch.compile each block's forward (the FSDPs' hooks run eagerly around it)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block's forward (the FSDPs' hooks run eagerly around it)")
     p.add_argument("--warmup", type=nonnegative_int, default=d.warmup, help=f"untimed steps (default {d.warmup})")
     p.add_argument("--steps", type=positive_int, default=d.steps,
                    help=f"steps timed by phase, and do_bench's timed calls (default {d.steps})")

@@ -487,9 +487,8 @@ class FSDP(nn.Module, DataParallelWrapper):
             if n * w.chunk != w.numel:
                 flat = F.pad(flat, (0, n * w.chunk - w.numel))
             rows.append(flat.view(n, w.chunk))
-        if len(rows) > 1:
-            flat = torch.cat(rows, dim=1, out=torch.empty(n, unit.chunk, dtype=dtype, device=rows[0].device))
-        flat = (flat if len(rows) > 1 else rows[0]).reshape(-1).to(dtype)
+        flat = (torch.cat(rows, dim=1, out=torch.empty(n, unit.chunk, dtype=dtype, device=rows[0].device))
+                if len(rows) > 1 else rows[0].to(dtype)).reshape(-1)
         if self._nccl and dtype in NCCL_AVERAGED:  # NCCL averages as it reduces: no pass over the gradients
             op = dist.ReduceOp.AVG
         else:  # divided first (fp16 sums stay in range; gloo has no AVG): a new tensor, never autograd's
