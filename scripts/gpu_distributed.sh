@@ -17,6 +17,9 @@
 #   a rank (cuDNN attention) and at the issue's 2 x 512 (SDPA), each beside its one-GPU run; COMPILE=1 compiles
 #   the blocks (the FSDPs' hooks eager around each); with PROFILE set, both FSDPs profiled at 4 x 1,024
 #   (OUT_DIR/ddp_profiles.tgz);
+# scaling: the step users run (xl, 4 x 1,024 per rank, bf16 autocast, cuDNN attention, compiled blocks) over all
+#   GPUs against one: bucketed 100 MB and torch DDP with each region replayed as CUDA graphs, gradients in fp32
+#   and bf16, then our FSDP and FSDP2 (compiled blocks, no graphs), each family beside its own one-GPU run;
 # matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs);
 # accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
 #   128 tokens); leaderboard: the CS336 leaderboard's step (torch_impl.bench.leaderboard: lm8b, 2 x 32,768 global,
@@ -24,7 +27,8 @@
 #   LAYERS to profile a shallower model's memory) on 2 GPUs, or NPROC of them.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
-phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR allreduce|ddp|seed|overlap|graphs|sharded|matrix|accum|leaderboard}
+phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, matrix, accum, leaderboard"
+phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE; phases: $phases}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 n=$(nvidia-smi -L | wc -l)
@@ -80,6 +84,13 @@ sharded)
       --out "$out/ddp_profiled.jsonl"
     tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles"
   fi ;;
+scaling)
+  ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
+       --compile --out "$out/ddp.jsonl")
+  python3 "${ddp[@]}" --dist none --cuda-graph blocks
+  "${run[@]}" "$n" "${ddp[@]}" --dist bucketed,torch_ddp --bucket-mb 100 --comm-dtype grad,bf16 --cuda-graph blocks
+  python3 "${ddp[@]}" --dist none
+  "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2 ;;
 matrix)
   python3 -m torch_impl.bench.train_matrix --nproc "$n" --model small --batch-size 8 --seq-len 512 --epochs 5 \
     --steps-per-epoch 40 --out "$out/train_matrix.jsonl" --report-dir "$out/train_matrix" ;;
@@ -90,7 +101,7 @@ leaderboard)
   "${run[@]}" "${NPROC:-2}" -m torch_impl.bench.leaderboard --model lm8b --batch-size 2 --seq-len 32768 --dtype bf16 \
     --loss fused --ac-every 1 --dist "${DIST:-fsdp}" --attention "${ATTENTION:-flash_triton}" \
     ${LAYERS:+--layers "$LAYERS"} --out "$out/leaderboard.jsonl" ;;
-*) echo "unknown phase $phase; accepted: allreduce, ddp, seed, overlap, graphs, sharded, matrix, accum, leaderboard" >&2
+*) echo "unknown phase $phase; accepted: $phases" >&2
    exit 2 ;;
 esac
 python3 -m analysis.reports "$out" --out "$out/reports"
