@@ -19,7 +19,8 @@
 #   (OUT_DIR/ddp_profiles.tgz);
 # scaling: the step users run (xl, 4 x 1,024 per rank, bf16 autocast, cuDNN attention, compiled blocks) over all
 #   GPUs against one: bucketed 100 MB and torch DDP with each region replayed as CUDA graphs, gradients in fp32
-#   and bf16, then our FSDP and FSDP2 (compiled blocks, no graphs), each family beside its own one-GPU run;
+#   and bf16 (COMM_DTYPE), bucketed's NCCL kernels on COMM_SMS SMs (default 0: NCCL's choice), then our FSDP and
+#   FSDP2 (compiled blocks, no graphs), each family beside its own one-GPU run;
 # matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs);
 # accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
 #   128 tokens); leaderboard: the CS336 leaderboard's step (torch_impl.bench.leaderboard: lm8b, 2 x 32,768 global,
@@ -88,7 +89,8 @@ scaling)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
        --compile --out "$out/ddp.jsonl")
   python3 "${ddp[@]}" --dist none --cuda-graph blocks
-  "${run[@]}" "$n" "${ddp[@]}" --dist bucketed,torch_ddp --bucket-mb 100 --comm-dtype grad,bf16 --cuda-graph blocks
+  "${run[@]}" "$n" "${ddp[@]}" --dist bucketed,torch_ddp --bucket-mb 100 --comm-dtype "${COMM_DTYPE:-grad,bf16}" \
+    --comm-sms "${COMM_SMS:-0}" --cuda-graph blocks
   python3 "${ddp[@]}" --dist none
   "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2 ;;
 matrix)

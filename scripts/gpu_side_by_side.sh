@@ -11,7 +11,8 @@
 # and JAX with cuDNN attention, bf16, batch 4 x 2,048; "single_jax": JAX with Pallas flash attention and
 # with naive attention + remat. "mesh": a 1-GPU baseline at the
 # per-GPU batch, then torch DDP / FSDP / FSDP2 (torchrun) and JAX DP / FSDP / TP (FSDP x TP on 4+ GPUs) over
-# all GPUs, on 2.7B (MESH_MODEL overrides; TP needs a head count the GPU count divides). "collectives": in one call, PyTorch's NCCL all-reduce (torchrun, one process
+# all GPUs, on 2.7B (MESH_MODEL overrides; TP needs a head count the GPU count divides; MESH_COMPILE=1 compiles
+# the PyTorch runs' blocks). "collectives": in one call, PyTorch's NCCL all-reduce (torchrun, one process
 # a GPU) and the JAX collectives over all GPUs, stock and with --xla-options tuned, then each JAX bus bandwidth
 # (measured op and raw loop) over NCCL's at the same size: the 10% comparison of issue 15 item 4.
 set -uo pipefail
@@ -41,11 +42,11 @@ mesh)
   n=$(nvidia-smi -L | wc -l)
   model=${MESH_MODEL:-2.7B}
   flags=(--model "$model" --seq-len 512 --dtype bf16 --warmup 3 --steps 10 --suite side_by_side --out "$runs")
-  python3 -m torch_impl.bench.e2e "${flags[@]}" --batch-size 4 --attention sdpa_cudnn
+  python3 -m torch_impl.bench.e2e "${flags[@]}" --batch-size 4 --attention sdpa_cudnn ${MESH_COMPILE:+--compile}
   python3 -m jax_impl.bench.e2e "${flags[@]}" --batch-size 4 --attention dot_product_cudnn
   timeout 300 torchrun --standalone --nproc_per_node "$n" -m torch_impl.bench.ddp --model "$model" --seq-len 512 \
     --dtype bf16 --batch-size 4 --dist bucketed,torch_ddp,fsdp,fsdp2 --bucket-mb 25 --attention sdpa_cudnn \
-    --out "$runs"
+    ${MESH_COMPILE:+--compile} --out "$runs"
   meshes=("dp=$n" "fsdp=$n" "tp=$n")
   [ "$n" -ge 4 ] && meshes+=("fsdp=$((n / 2)),tp=2")
   for mesh in "${meshes[@]}"; do
