@@ -244,6 +244,7 @@ def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[t
         if ranks > 1 and bus is None:
             raise ValueError(f"no NCCL all-reduce recorded over {ranks} x {device}")
         spec = ModelSpec(**record.model_dims)
+        batch *= int(record.metrics.get("grad_accum") or 1)  # the trainer's step: A micro-batches, one update
         floor = step_time_floor(spec, batch, record.seq_len, record.mode, DTYPES[record.dtype],
                                 Ceilings(measured[compute_dtype], measured["copy"], bus), strategy, ranks)
     except (ValueError, KeyError, TypeError) as err:

@@ -93,6 +93,16 @@ def test_data_parallel_floor_adds_the_measured_all_reduce():
     assert table.loc[0, "time: predicted"] == 1 and table.loc[0, "memory: within 5%"] == 0
 
 
+def test_an_accumulated_step_is_floored_as_all_its_micro_batches():
+    # The trainer's record times an optimizer step of grad_accum micro-batches (the accumulation study: 16 x 64
+    # against 1,024 x 1): its floor is one step over all of them, not one micro-batch's.
+    accumulated = _record(suite="train", batch_size=16, metrics={"grad_accum": 64})
+    whole = _record(suite="train", batch_size=1024, metrics={"grad_accum": 1})
+    rows = fidelity_rows([*_ceilings(), accumulated, whole])
+    floor = step_time_floor(SPEC, 1024, 512, "train_step", "bf16_autocast", Ceilings(700e12, 3e12))
+    assert [r.floor_ms for r in rows] == pytest.approx([floor.total_s * 1e3] * 2)
+
+
 def test_cli_writes_report_and_chart(tmp_path, capsys):
     records = tmp_path / "records.jsonl"
     save_records(records, [*_ceilings(), _record(), _record(device="NVIDIA H200")])

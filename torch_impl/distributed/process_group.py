@@ -135,11 +135,12 @@ def comm_group(sms: int, process_group: dist.ProcessGroup | None = None) -> dist
         return process_group
     key = (id(process_group), sms)
     if key not in _comm_groups:
+        timeout = datetime.timedelta(seconds=_timeout_s["default"])
         options = dist.ProcessGroupNCCL.Options()
         options.config.max_ctas = sms
+        options._timeout = timeout  # the same as new_group's, or torch warns that one overrides the other
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-        _comm_groups[key] = dist.new_group(ranks, timeout=datetime.timedelta(seconds=_timeout_s["default"]),
-                                           backend="nccl", pg_options=options)
+        _comm_groups[key] = dist.new_group(ranks, timeout=timeout, backend="nccl", pg_options=options)
     return _comm_groups[key]
 
 
