@@ -38,7 +38,8 @@ backward's largest GEMMs took 1.84x as long while NCCL's 24 thread blocks were r
 With ``comm_sms=k`` the gradients go through a group whose NCCL kernels use at most k SMs
 (``process_group.comm_group``), and the hook-driven variants make cuBLAS target all SMs but k from the backward's
 first gradient to ``finish_gradient_synchronization`` (``leave_sms_to_communication``), so the GEMMs fit beside
-them. Averages are taken by NCCL itself (``ReduceOp.AVG``); on gloo, a sum and a division.
+them. NCCL averages fp32 and bf16 itself (``ReduceOp.AVG``, ``process_group.nccl_averages``); otherwise a sum and a
+division.
 
 Gradient accumulation: run the backward of every micro-batch but the last inside ``with ddp.no_sync():``
 (as with torch DDP): gradients accumulate locally in ``.grad`` and nothing is communicated (the hooks of the
@@ -73,7 +74,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from torch_impl.distributed.interface import DataParallelWrapper
-from torch_impl.distributed.process_group import comm_group
+from torch_impl.distributed.process_group import comm_group, nccl_averages
 
 _MIB = 2**20
 
@@ -114,8 +115,7 @@ class _DataParallel(nn.Module, DataParallelWrapper):
         self.module = module
         self.comm_sms = comm_sms
         self.process_group = comm_group(comm_sms, process_group) if comm_sms else process_group
-        # NCCL averages inside the all-reduce (ReduceOp.AVG: no division pass over the gradients); gloo cannot
-        self._averages = dist.get_backend(self.process_group) == "nccl"
+        self._nccl = dist.get_backend(self.process_group) == "nccl"
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.find_unused_parameters = find_unused_parameters
@@ -163,12 +163,12 @@ class _DataParallel(nn.Module, DataParallelWrapper):
 
     def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False, average: bool = False):
         """Sum ``tensor`` over the ranks, or average it where the backend can (then ``_averaged`` does nothing)."""
-        op = dist.ReduceOp.AVG if average and self._averages else dist.ReduceOp.SUM
+        op = dist.ReduceOp.AVG if average and nccl_averages(self._nccl, tensor.dtype) else dist.ReduceOp.SUM
         return dist.all_reduce(tensor, op=op, group=self.process_group, async_op=async_op)
 
     def _averaged(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` after ``_all_reduce(..., average=True)``: divided by the world size unless NCCL did it."""
-        return tensor if self._averages else tensor.div_(self.world_size)
+        return tensor if nccl_averages(self._nccl, tensor.dtype) else tensor.div_(self.world_size)
 
     @staticmethod
     def _grad_or_zeros(p: nn.Parameter) -> tuple[torch.Tensor, bool]:
@@ -276,7 +276,7 @@ class _OverlappedDDP(_DataParallel):
     def __init__(self, module: nn.Module, units: list[list[int]] | None = None, **kwargs: Any):
         super().__init__(module, **kwargs)
         # comm_sms on NCCL: cuBLAS leaves those SMs free during the backward (see the class docstring)
-        self._carveout = self.comm_sms if self._averages else 0
+        self._carveout = self.comm_sms if self._nccl else 0
         order = list(reversed(range(len(self._params))))
         self._units = [_Unit(params=u) for u in (units if units is not None else self._make_units(order))]
         self._unit_of = {i: k for k, u in enumerate(self._units) for i in u.params}

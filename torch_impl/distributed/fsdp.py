@@ -42,15 +42,15 @@ recomputation.
 Gradients: ``_GatherUnit.backward`` lays the unit's gradients out rank-major (padded; zeros for a weight that got
 none) and launches one asynchronous reduce-scatter in ``reduce_dtype`` (the compute dtype by default, like torch
 FSDP2's ``MixedPrecisionPolicy``), averaging over the ranks: NCCL averages fp32 and bf16 as it sums
-(``ReduceOp.AVG``); fp16 (whose sums could overflow) and gloo (which has no AVG) get the buffer divided first. Not
-``PREMUL_SUM``: torch 2.11 hands NCCL a bf16 factor that reads as zero for powers of two (pytorch/pytorch#190745),
-which zeroed every bf16 gradient of a first try on 2 H200s. At most ``MAX_PENDING_REDUCE_SCATTERS`` (2) are in
-flight: launching another first waits for the oldest and lands it, so the full-size gradient buffers alive at once
-are bounded by two units' (``pending_gradient_bytes()``), not all of them (the rate limit of Zhao et al.). Landing
-casts the unit's piece to the master dtype once and accumulates each weight's part into its shard's ``.grad`` (so
-gradients arrive fp32, in the master dtype); ``finish_gradient_synchronization()`` lands the rest and all-reduces
-the replicated parameters' gradients (a parameter with no gradient on any rank keeps ``None``). Call it once after
-the backward(s) of a step, before ``optimizer.step()``.
+(``ReduceOp.AVG``, ``process_group.nccl_averages``); fp16 (whose sums could overflow) and gloo (which has no AVG) get
+the buffer divided first. ``PREMUL_SUM`` zeroed every bf16 gradient of a first try on 2 H200s (pytorch/pytorch#190745).
+At most ``MAX_PENDING_REDUCE_SCATTERS`` (2) are in flight: launching another first waits for the oldest and lands it,
+so the full-size gradient buffers alive at once are bounded by two units' (``pending_gradient_bytes()``), not all of
+them (the rate limit of Zhao et al.). Landing casts the unit's piece to the master dtype once and accumulates each
+weight's part into its shard's ``.grad`` (so gradients arrive fp32, in the master dtype);
+``finish_gradient_synchronization()`` lands the rest and all-reduces the replicated parameters' gradients (a
+parameter with no gradient on any rank keeps ``None``). Call it once after the backward(s) of a step, before
+``optimizer.step()``.
 
 ``compute_dtype`` (e.g. ``torch.bfloat16``/``torch.float16``): each shard is cast *before* the all-gather (so
 the gather moves half the bytes) and the layer computes in that dtype: its floating-point inputs and its
@@ -90,14 +90,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_impl.distributed.interface import DataParallelWrapper
+from torch_impl.distributed.process_group import nccl_averages
 
 SHARDED_CLASS_NAMES = ("Linear", "Embedding")
 GATHER_UNITS = ("block", "layer")  # what one all-gather brings: a block's weights, or one weight
 DEFAULT_PREFETCH = {"block": 1, "layer": 2}  # units gathered ahead by default (FSDP2 prefetches one block)
 MAX_PREFETCH_LAYERS = 2
 MAX_PENDING_REDUCE_SCATTERS = 2  # gradient reduce-scatters in flight (each holds a unit's full-size gradients)
-# Gradients NCCL averages inside the reduce-scatter (ReduceOp.AVG, as FSDP2 for these dtypes); fp16 is divided first.
-NCCL_AVERAGED = (torch.float32, torch.bfloat16)
 
 # torch 2.13 renames the flat collectives (and warns on the old names); torch 2.11 only has the old ones.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -489,7 +488,7 @@ class FSDP(nn.Module, DataParallelWrapper):
             rows.append(flat.view(n, w.chunk))
         flat = (torch.cat(rows, dim=1, out=torch.empty(n, unit.chunk, dtype=dtype, device=rows[0].device))
                 if len(rows) > 1 else rows[0].to(dtype)).reshape(-1)
-        if self._nccl and dtype in NCCL_AVERAGED:  # NCCL averages as it reduces: no pass over the gradients
+        if nccl_averages(self._nccl, dtype):  # NCCL averages as it reduces: no pass over the gradients
             op = dist.ReduceOp.AVG
         else:  # divided first (fp16 sums stay in range; gloo has no AVG): a new tensor, never autograd's
             op = dist.ReduceOp.SUM

@@ -123,6 +123,18 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     return DistributedContext(rank, world_size, local_rank, dev, backend, _env_int("GROUP_RANK", 0))
 
 
+# The dtypes NCCL averages inside the collective (ReduceOp.AVG, as FSDP2 does for them): no division pass. fp16 (its
+# sum could overflow first) and gloo (no AVG) are divided by the caller. Not PREMUL_SUM(1/N): torch 2.11 hands NCCL
+# a bf16 factor that reads as zero for powers of two (pytorch/pytorch#190745).
+NCCL_AVERAGED = (torch.float32, torch.bfloat16)
+
+
+def nccl_averages(nccl: bool, dtype: torch.dtype) -> bool:
+    """Whether a mean over the ranks of a ``dtype`` tensor is NCCL's ``ReduceOp.AVG`` (``nccl``: the group's backend
+    is NCCL), else a sum and a division by the caller."""
+    return nccl and dtype in NCCL_AVERAGED
+
+
 def comm_group(sms: int, process_group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
     """A process group over the ranks of ``process_group`` (None: the default group) whose NCCL kernels run on at
     most ``sms`` thread blocks, so at most ``sms`` SMs (NCCL's ``maxCTAs``; by default NCCL takes 24 of an H100's
