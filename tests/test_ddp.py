@@ -470,3 +470,49 @@ def test_bucketed_bf16_communication_rounds_the_average_once():
                 assert err < 2 * 2**-8, f"[seed={seed}] rank {rank} step {step} {n}: {err:.3g}"
                 worst = max(worst, err)
             assert worst > 1e-12, f"[seed={seed}] no bf16 rounding seen: {worst:.3g}"
+
+
+# ----------------------------------------------------------------------------- NCCL
+
+
+def _body_nccl(rank: int, world_size: int, seed: int, variant: str, dtype: torch.dtype, on_gpu: bool = True) -> dict:
+    """One step of a DDP variant on NCCL (the tiny LM on this rank's GPU, each rank half the batch): its gradients
+    against one process on the whole batch."""
+    import copy
+
+    from parallelism_calc.specs import MODELS
+    from torch_impl.distributed import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
+    from torch_impl.model import TransformerLM
+
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    torch.manual_seed(seed)
+    model = TransformerLM(MODELS["tiny"]).to(device, dtype)
+    ref = copy.deepcopy(model)
+    wrap = {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters,
+            "bucketed": lambda m: DDPBucketed(m, bucket_size_mb=0.25),
+            "bucketed_bf16": lambda m: DDPBucketed(m, bucket_size_mb=0.25, comm_dtype=torch.bfloat16)}
+    ddp = wrap[variant](model)
+    tokens = torch.randint(0, MODELS["tiny"].vocab_size, (2 * world_size, 33), device=device,
+                           generator=torch.Generator(device).manual_seed(seed))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    sl = slice(2 * rank, 2 * rank + 2)
+    F.cross_entropy(ddp(x[sl]).flatten(0, 1).float(), y[sl].flatten()).backward()
+    ddp.finish_gradient_synchronization()
+    F.cross_entropy(ref(x).flatten(0, 1).float(), y.flatten()).backward()
+    grads = dict(model.named_parameters())
+    return {n: ((grads[n].grad.float() - p.grad.float()).norm() / p.grad.float().norm()).item()
+            for n, p in ref.named_parameters()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs >= 2 GPUs")
+@pytest.mark.parametrize("variant, dtype, tolerance", [
+    ("naive", torch.float32, 1e-4), ("flat", torch.float32, 1e-4), ("individual", torch.float32, 1e-4),
+    ("bucketed", torch.float32, 1e-4), ("bucketed_bf16", torch.float32, 3e-2), ("bucketed", torch.float16, 1e-2)])
+def test_ddp_on_nccl_matches_single_process(variant, dtype, tolerance):
+    """NCCL's averaging (ReduceOp.AVG for fp32 and bf16 buckets, fp16 summed and divided): every gradient within its
+    dtype's round-off of one process's on the whole batch."""
+    seed = secrets.randbelow(2**20)
+    for rank, errs in enumerate(run_ranks(_body_nccl, 2, seed, variant, dtype, timeout_s=120, backend="nccl")):
+        worst = max(errs, key=errs.get)
+        assert errs[worst] < tolerance, (seed, variant, rank, worst, errs[worst])
