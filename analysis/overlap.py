@@ -1,4 +1,4 @@
-"""``python -m analysis.overlap TRACE... [--steps N] [--top K] [--baseline TRACE]``: communication beside
+"""``python -m analysis.overlap TRACE... [--steps N] [--top K] [--baseline TRACE] [--host N]``: communication beside
 computation in a profiled step. How much of the collectives' time the other kernels hid, how long the GPU sat
 idle, and which kernels ran slower while a collective shared the GPU with them.
 
@@ -9,8 +9,10 @@ benchmark's ``PROFILED_STEPS``): the span from the first kernel to the last, the
 time some collective ran, the time both did, and the idle time (neither). Per kernel name (the ``--top`` largest
 by total time): launches and median duration alone and beside a collective (overlapping one in time) and their
 ratio; with ``--baseline TRACE`` (a run without communication, e.g. the one-GPU ``none`` trace) the ratio is to
-that run's median of the kernel instead. A collective's kernel counts from its launch, so one waiting for a late
-peer counts as running: it holds its SMs all the same. Never imports torch. Reference: the trace format of
+that run's median of the kernel instead. With ``--host N``, the host's side too: the N host ops (``cpu_op`` and
+``user_annotation`` events, the profiler's own step markers left out) with the most time per step, each counted
+inclusively (a caller's time holds its callees'), and their calls per step. A collective's kernel counts from its
+launch, so one waiting for a late peer counts as running: it holds its SMs all the same. Never imports torch. Reference: the trace format of
 ``torch.profiler``'s ``export_chrome_trace``.
 """
 
@@ -71,6 +73,7 @@ class Overlap:
     both_ms: float  # both at once: communication hidden under (and slowing) computation
     idle_ms: float  # neither
     kernels: tuple[KernelTimes, ...]  # compute kernels, largest total first
+    host_ops: tuple[tuple[str, float, float], ...] = ()  # (host op, ms per step, calls per step), largest first
 
 
 def merged(intervals: list[Interval]) -> list[Interval]:
@@ -124,10 +127,25 @@ def medians(events: list[dict], name: str) -> dict[str, float]:
     return {n: statistics.median(d) for n, d in durations.items()}
 
 
+HOST_CATEGORIES = ("cpu_op", "user_annotation")  # torch.profiler's host events: ATen ops, record_function ranges
+
+
+def host_ops(events: list[dict], steps: int, top: int) -> tuple[tuple[str, float, float], ...]:
+    """The ``top`` host ops by inclusive time: ``(name, ms per step, calls per step)``, largest first."""
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES and not e["name"].startswith("ProfilerStep#"):
+            total = totals.setdefault(e["name"], [0.0, 0])
+            total[0] += float(e["dur"])
+            total[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    return tuple((n, us / 1e3 / steps, calls / steps) for n, (us, calls) in ranked)
+
+
 def analyze(events: list[dict], name: str, steps: int, top: int = 12,
-            baseline: dict[str, float] | None = None) -> Overlap:
+            baseline: dict[str, float] | None = None, host: int = 0) -> Overlap:
     """``Overlap`` of a trace's events (its ``traceEvents``); ``baseline``: ``medians`` of a run without
-    communication, for the kernels' ratios."""
+    communication, for the kernels' ratios; ``host``: how many host ops to list (``host_ops``)."""
     kernels = _kernels(events, name)
     comm = merged([(s, e) for n, s, e in kernels if is_collective(n)])
     compute = merged([(s, e) for n, s, e in kernels if not is_collective(n)])
@@ -143,7 +161,8 @@ def analyze(events: list[dict], name: str, steps: int, top: int = 12,
     busy = length(merged(comm + compute))
     per_step = 1e3 * steps  # us in a trace -> ms per step
     return Overlap(name, steps, span / per_step, length(compute) / per_step, length(comm) / per_step,
-                   intersection(compute, comm) / per_step, (span - busy) / per_step, tuple(times[:top]))
+                   intersection(compute, comm) / per_step, (span - busy) / per_step, tuple(times[:top]),
+                   host_ops(events, steps, host) if host else ())
 
 
 def traces(path: str | Path) -> Iterator[tuple[str, list[dict]]]:
@@ -190,6 +209,10 @@ def markdown(results: list[Overlap]) -> str:
             ratio = f"{k.slowdown:.2f}" if k.slowdown else "-"
             lines.append(f"| `{k.name[:60]}` | {k.total_ms / r.steps:.2f} | {len(k.alone_us)} | {med[0]} | "
                          f"{len(k.beside_us)} | {med[1]} |{base} {ratio} |")
+        if r.host_ops:
+            lines += ["", f"{r.trace}: host ops by time (inclusive)", "", "| host op | ms / step | calls / step |",
+                      "|:--|--:|--:|"]
+            lines += [f"| `{n[:70]}` | {ms:.2f} | {calls:g} |" for n, ms, calls in r.host_ops]
     return "\n".join(lines)
 
 
@@ -202,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", metavar="TRACE",
                         help="a trace without communication: the kernels' ratios are to its medians; a file, a name "
                              "inside a .tgz given (none_rank0_trace.json), or ARCHIVE.tgz:NAME")
+    parser.add_argument("--host", type=int, default=0, metavar="N",
+                        help="also list the N host ops with the most time per step (default 0: none)")
     args = parser.parse_args(argv)
     try:
         loaded = [(name, events) for path in args.traces for name, events in traces(path)]
@@ -215,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
             if not found:
                 raise ValueError(f"--baseline {args.baseline}: no such trace in {archive}")
             baseline = medians(found[0], args.baseline)
-        results = [analyze(events, name, args.steps, args.top, baseline) for name, events in loaded]
+        if args.host < 0:
+            raise ValueError(f"--host {args.host}: how many host ops to list, 0 or more")
+        results = [analyze(events, name, args.steps, args.top, baseline, args.host) for name, events in loaded]
     except ValueError as err:
         parser.error(str(err))
     print(markdown(results))

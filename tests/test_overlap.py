@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from analysis.overlap import analyze, main, medians, merged, traces
+from analysis.overlap import analyze, main, markdown, medians, merged, traces
 
 
 def _kernel(name: str, start: float, dur: float) -> dict:
@@ -34,6 +34,19 @@ def test_times_by_hand():
     with_base = analyze(EVENTS, "t", steps=2, baseline={"gemm": 5.0})
     assert with_base.span_ms == pytest.approx(0.020)  # per step
     assert next(k for k in with_base.kernels if k.name == "gemm").slowdown == pytest.approx(2.0)
+
+
+def test_host_ops_by_inclusive_time_per_step(capsys):
+    host = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 500},  # left out
+            {"ph": "X", "cat": "user_annotation", "name": "## Call CompiledFxGraph", "ts": 0, "dur": 60},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 200, "dur": 40},
+            {"ph": "X", "cat": "python_function", "name": "train_step", "ts": 0, "dur": 900}]  # not a host op
+    r = analyze(EVENTS + host, "t", steps=2, host=2)
+    # aten::mm twice (100 + 40 us over 2 steps), the compiled graph's range once (60 us)
+    assert [n for n, _, _ in r.host_ops] == ["aten::mm", "## Call CompiledFxGraph"]
+    assert [(ms, calls) for _, ms, calls in r.host_ops] == [pytest.approx((0.070, 1.0)), pytest.approx((0.030, 0.5))]
+    assert analyze(EVENTS + host, "t", steps=2).host_ops == ()  # only when asked
+    assert "| `aten::mm` | 0.07 | 1 |" in markdown([r])
 
 
 def test_interval_union_matches_a_brute_force_count():
