@@ -14,6 +14,11 @@ restarted group can read the dead attempt's addresses (measured here on gloo, to
 to connect or hung in connectFullMesh; pytorch/pytorch#135712). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the
 launcher's environment gives each attempt a fresh store on rank 0 (8 of 8 restarts ran).
 
+On NCCL a timed-out collective is caught by the group's watchdog thread, which then waits four times
+``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (15 s by default: a minute) for the ranks' debug dumps before it ends the
+process: ``init_distributed`` sets it to ``NCCL_DUMP_WAIT_MS`` unless the environment does, so a job whose rank died
+ends seconds after the timeout (the stack of the failed collective is still logged).
+
 Without torchrun's variables it runs as a single process (world size 1), so the same script runs alone.
 
 ``comm_group(sms)``: a group over the same ranks whose NCCL kernels occupy at most ``sms`` SMs, for collectives
@@ -78,6 +83,10 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+NCCL_DUMP_WAIT_MS = 1000  # TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC unless set: the watchdog ends the process 4x this
+# after it catches a timed-out collective (torch's default 15 s, a minute in all)
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                      device: str | None = None) -> DistributedContext:
     """Initialize the default process group from torchrun's environment (see the module docstring).
@@ -112,6 +121,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         kwargs = {"device_id": dev} if backend == "nccl" else {}
+        if backend == "nccl":  # read by the group's watchdog when the group is made
+            os.environ.setdefault("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", str(NCCL_DUMP_WAIT_MS))
         try:
             dist.init_process_group(backend, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
