@@ -12,8 +12,8 @@ ratio; with ``--baseline TRACE`` (a run without communication, e.g. the one-GPU 
 that run's median of the kernel instead. With ``--host N``, the host's side too: the N host ops (``cpu_op`` and
 ``user_annotation`` events, the profiler's own step markers left out) with the most time per step, each counted
 inclusively (a caller's time holds its callees'), and their calls per step. A collective's kernel counts from its
-launch, so one waiting for a late peer counts as running: it holds its SMs all the same. Never imports torch. Reference: the trace format of
-``torch.profiler``'s ``export_chrome_trace``.
+launch, so one waiting for a late peer counts as running: it holds its SMs all the same. Never imports torch.
+Reference: the trace format of ``torch.profiler``'s ``export_chrome_trace``.
 """
 
 from __future__ import annotations

@@ -475,7 +475,7 @@ def test_bucketed_bf16_communication_rounds_the_average_once():
 # ----------------------------------------------------------------------------- NCCL
 
 
-def _body_nccl(rank: int, world_size: int, seed: int, variant: str, dtype: torch.dtype, on_gpu: bool = True) -> dict:
+def _body_nccl(rank: int, world_size: int, seed: int, variant: str, dtype: torch.dtype) -> dict:
     """One step of a DDP variant on NCCL (the tiny LM on this rank's GPU, each rank half the batch): its gradients
     against one process on the whole batch."""
     import copy
@@ -484,7 +484,7 @@ def _body_nccl(rank: int, world_size: int, seed: int, variant: str, dtype: torch
     from torch_impl.distributed import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
     from torch_impl.model import TransformerLM
 
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(seed)
     model = TransformerLM(MODELS["tiny"]).to(device, dtype)
     ref = copy.deepcopy(model)

@@ -36,7 +36,7 @@ def test_times_by_hand():
     assert next(k for k in with_base.kernels if k.name == "gemm").slowdown == pytest.approx(2.0)
 
 
-def test_host_ops_by_inclusive_time_per_step(capsys):
+def test_host_ops_by_inclusive_time_per_step():
     host = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 500},  # left out
             {"ph": "X", "cat": "user_annotation", "name": "## Call CompiledFxGraph", "ts": 0, "dur": 60},
             {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 200, "dur": 40},
