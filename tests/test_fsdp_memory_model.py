@@ -3,8 +3,9 @@
 
 Our FSDP, with its default units of a block (``gather_unit="block"``, ``prefetch_layers=1``) and one weight per
 unit (``"layer"``, 2 prefetched): its measured ``peak_gathered_bytes`` after one forward + backward, in fp32 and
-with ``compute_dtype=bfloat16``, is at most the calculator's ``gathered`` and equals, once gloo's transient
-reference is taken out, the peak derived by hand from FSDP's prefetch logic.
+with ``compute_dtype=bfloat16``, once gloo's transient reference is taken out, equals the peak derived by hand from
+FSDP's prefetch logic and is at most the calculator's ``gathered``; with gloo's own buffers, at most one finished
+gather more.
 Under autocast, bf16 gathers leave no bf16 weight copy saved for backward (``cast_weights`` = 0), while fp32
 gathers (the negative control) save exactly the copies the calculator counts for ZeRO-1/2.
 
@@ -126,6 +127,16 @@ def _ours_body(rank: int, world_size: int) -> dict:
     return out
 
 
+def _check_peaks(res: dict, unit: str, name: str, exact: int, calc_gathered: float, largest_unit: int) -> None:
+    """What FSDP keeps, with gloo's transient reference taken out (_ScratchGather), is exactly ``exact`` and
+    within the calculator's bound. Measured with gloo's own buffers: at least that (the instant happens on every
+    run) and at most one finished gather more, which gloo's worker thread may still hold for a moment after
+    ``wait()`` (seen: an F D matrix, and a whole block: 3 blocks' weights on one rank of one CI run)."""
+    settled, peak = res[f"settled_{unit}_{name}"], res[f"peak_{unit}_{name}"]
+    assert settled == exact <= calc_gathered, (unit, name, res)
+    assert exact <= peak <= exact + largest_unit, (unit, name, res)
+
+
 def test_our_fsdp_peak_gathered_against_the_calculator():
     results = run_ranks(_ours_body, WORLD, timeout_s=90)
     for name in ("fp32", "bf16"):
@@ -144,11 +155,7 @@ def test_our_fsdp_peak_gathered_against_the_calculator():
         # The calculator's bound: 3 x the largest matrix (the 512 x 64 embedding / LM head): 0.56 x above it.
         assert calc.gathered == 3 * V * D * BYTES[name] and calc.cast_weights == 0
         for rank, res in enumerate(results):
-            # Exactly what FSDP keeps, with gloo's transient reference taken out (_ScratchGather).
-            assert res[f"settled_layer_{name}"] == exact, (name, rank, res)
-            # As measured: at least that (the instant happens on every run), at most a finished gather gloo
-            # still holds for a moment more (seen: one F D matrix), and within the calculator's bound.
-            assert exact <= res[f"peak_layer_{name}"] <= calc.gathered, (name, rank, res)
+            _check_peaks(res, "layer", name, exact, calc.gathered, largest_unit=_padded(V * D) * BYTES[name])
         # Units of a block, one prefetched: a block's weights B = 4 D^2 + 3 D F are the largest unit (the
         # embedding and the LM head, V D each, are units of their own). Whenever a unit is taken, the one before
         # it is freed (its forward's post-hook, or in the backward its _GatherUnit node, which autograd runs
@@ -158,9 +165,8 @@ def test_our_fsdp_peak_gathered_against_the_calculator():
                                        gather_unit="block", prefetch_layers=1)
         exact = 2 * (4 * D * D + 3 * D * F) * BYTES[name]
         assert calc_block.gathered == 2 * (4 * D * D + 3 * D * F + 2 * D) * BYTES[name]
-        for rank, res in enumerate(results):
-            assert res[f"settled_block_{name}"] == exact, (name, rank, res)
-            assert exact <= res[f"peak_block_{name}"] <= calc_block.gathered, (name, rank, res)
+        for res in results:
+            _check_peaks(res, "block", name, exact, calc_block.gathered, largest_unit=exact // 2)
     # Autocast over bf16 gathers: autocast's cast of a bf16 weight is a no-op, so no weight copy is saved for
     # backward, as the calculator's stage 3 says. Negative control, fp32 gathers under autocast: every matmul
     # weight's bf16 copy is saved, exactly the calculator's cast_weights for a strategy reading fp32 weights.
