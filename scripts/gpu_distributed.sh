@@ -21,6 +21,9 @@
 #   GPUs against one: bucketed 100 MB and torch DDP with each region replayed as CUDA graphs, gradients in fp32
 #   and bf16 (COMM_DTYPE), bucketed's NCCL kernels on COMM_SMS SMs (default 0: NCCL's choice), then our FSDP and
 #   FSDP2 (compiled blocks, no graphs), each family beside its own one-GPU run;
+# zero2: that step with each region's CUDA graphs and 100 MB buckets, ZeRO-2 against bucketed DDP (both with bf16
+#   gradients), first under bf16 autocast (fp32 weights), then with bf16 weights over fp32 masters (bf16_mixed:
+#   ZeRO-2 all-gathers 2 bytes a weight), each dtype beside its one-GPU run;
 # matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs);
 # accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
 #   128 tokens); leaderboard: the CS336 leaderboard's step (torch_impl.bench.leaderboard: lm8b, 2 x 32,768 global,
@@ -28,7 +31,7 @@
 #   LAYERS to profile a shallower model's memory) on 2 GPUs, or NPROC of them.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
-phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, matrix, accum, leaderboard"
+phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, matrix, accum, leaderboard"
 phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE; phases: $phases}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -93,6 +96,13 @@ scaling)
     --comm-sms "${COMM_SMS:-0}" --cuda-graph blocks
   python3 "${ddp[@]}" --dist none
   "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2 ;;
+zero2)
+  ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --attention sdpa_cudnn --compile
+       --cuda-graph blocks --bucket-mb 100 --out "$out/ddp.jsonl")
+  for dtype in bf16 bf16_mixed; do
+    python3 "${ddp[@]}" --dtype "$dtype" --dist none
+    "${run[@]}" "$n" "${ddp[@]}" --dtype "$dtype" --dist bucketed,zero2 --comm-dtype bf16
+  done ;;
 matrix)
   python3 -m torch_impl.bench.train_matrix --nproc "$n" --model small --batch-size 8 --seq-len 512 --epochs 5 \
     --steps-per-epoch 40 --out "$out/train_matrix.jsonl" --report-dir "$out/train_matrix" ;;

@@ -2,10 +2,11 @@
 
 * Resharding: the trainer saves on 2 gloo ranks after epoch 1 and resumes on 1 and on 4 ranks (the same global
   batch: one row per micro-batch, 4 // ranks micro-batches), for DDP (resumed as one process without a process
-  group, and as bucketed DDP on 4), ZeRO-1, our FSDP, and across modes (FSDP's checkpoint resumed by ZeRO-1 on 1
-  rank and by individual DDP on 4): epoch 2's losses are the uninterrupted 2-rank run's to float32 round-off (ranks
-  sum in other orders: ~1e-7 relative measured, rtol 1e-5 asserted). The model's odd dimensions put FSDP's shard
-  boundaries inside rows at 2 and at 4 ranks. Each case about 15 s on 2 cores.
+  group, and as ZeRO-2 on 4), ZeRO-1, ZeRO-2 (its optimizer state in pieces: resumed by FSDP on 4), our FSDP, and
+  across modes (FSDP's checkpoint resumed by ZeRO-1 on 1 rank and by individual DDP on 4): epoch 2's losses are
+  the uninterrupted 2-rank run's to float32 round-off (ranks sum in other orders: ~1e-7 relative measured, rtol
+  1e-5 asserted). The model's odd dimensions put FSDP's shard boundaries inside rows at 2 and at 4 ranks. Each
+  case about 15 s on 2 cores.
 * ``_boxes``: the boxes a flat range of a row-major tensor is saved as tile exactly that range, in order.
 * A save that fails on one of 2 ranks (DCP's writer raising on rank 1) leaves ``latest`` naming the previous
   checkpoint, which loads whole; the next save clears the staging folder.
@@ -64,8 +65,9 @@ def _resume(rank: int, world_size: int, tokens: str, mode: str, folder: str) -> 
 
 
 @pytest.mark.parametrize("saved,on_one,on_four", [
-    ("bucketed", "none", "bucketed"),  # DDP; one process without a process group
+    ("bucketed", "none", "zero2"),  # DDP; one process without a process group; ZeRO-2's pieces read DDP's tensors
     ("zero1", "zero1", "zero1"),
+    ("zero2", "zero2", "fsdp"),  # ZeRO-2's pieces of the optimizer state, read by FSDP's shards
     ("fsdp", "fsdp", "fsdp"),
     ("fsdp", "zero1", "individual"),  # another mode reads FSDP's full tensors
 ])

@@ -26,7 +26,7 @@ from torch_impl.bench.ddp import (Config, configurations, main, parse_bucket_mb,
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--warmup", "1",
           "--steps", "2", "--timeout", "30"]
-MULTI = "naive,flat,individual,bucketed,zero1,fsdp,torch_ddp,fsdp2"
+MULTI = "naive,flat,individual,bucketed,zero1,zero2,fsdp,torch_ddp,fsdp2"
 ENV = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
@@ -87,11 +87,11 @@ def test_one_record_per_configuration(records):
     _, recs = records
     assert [r.implementation for r in recs] == [
         "none", "naive", "flat", "individual", "bucketed 0.01MB", "bucketed 10MB", "zero1 + bucketed 0.01MB",
-        "zero1 + bucketed 10MB", "fsdp", "torch_ddp", "fsdp2"]
+        "zero1 + bucketed 10MB", "zero2 0.01MB", "zero2 10MB", "fsdp", "torch_ddp", "fsdp2"]
     assert recs[0].world_size == 1 and all(r.world_size == 2 for r in recs[1:])
 
 
-@pytest.mark.parametrize("index", range(11))
+@pytest.mark.parametrize("index", range(13))
 def test_record_fields(records, index):
     _, recs = records
     r = recs[index]
@@ -124,6 +124,9 @@ def test_predicted_memory_follows_the_strategy(records):
     n_params = MODELS["tiny"].n_params()
     assert bucketed - naive == by_name["bucketed 10MB"]["predicted_memory"]["buckets"] == 4 * n_params
     assert bucketed - zero1 == 8 * n_params / 2
+    # ZeRO-2 keeps no gradient buckets (its gradients are sharded, and none is alive at the forward's end, the peak)
+    assert by_name["zero2 10MB"]["strategy"] == "zero2"
+    assert zero1 - by_name["zero2 10MB"]["predicted_memory_bytes"] == 4 * n_params
     # sharded weights and gradients: less than ZeRO-1 before the gathered and reduce-scatter buffers (on tiny, whose
     # blocks are not much larger than its 512 x 64 LM head, those buffers outweigh what sharding saves)
     fsdp_terms = by_name["fsdp"]["predicted_memory"]

@@ -137,7 +137,8 @@ def _entry(tensor: torch.Tensor, layout: tuple[torch.Size, int] | None) -> _Entr
 
 
 def _names(wrapper) -> dict[int, str]:
-    return {id(p): name for name, p in wrapper.module.named_parameters()}
+    """The optimizer's parameters (the model's, FSDP's shards, ZeRO-2's pieces) by the model's names."""
+    return {id(p): name for name, p in wrapper.named_optimizer_params()}
 
 
 def _holds_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:

@@ -14,15 +14,15 @@ made here reaches all of them.
   span's forward and backward kernels are replayed as one graph, for steps whose host cannot launch kernels as
   fast as the device runs them (xl at 4 x 512).
 * ``apply_data_parallel(model, mode, bucket_mb=, dtype=, adamw=)``: the built (maybe compiled) model in one of
-  ``DATA_PARALLEL``, with its AdamW and its ``DataParallelWrapper`` (``torch_impl.distributed.interface``: what
-  the trainer calls; None for fsdp2): ``none``; our ``naive``, ``flat``, ``individual``, ``bucketed``
-  DDP; ``torch_ddp`` (no buffer broadcast per forward, ``forward_sync_buffers=False`` (torch >= 2.13) or
-  ``broadcast_buffers=False``: ours broadcast buffers at construction only); ``zero1`` (``ShardedOptimizer`` over
-  ``DDPBucketed``); our ``fsdp`` (``compute_dtype=bfloat16`` with bf16); ``fsdp2`` (``fully_shard`` per block,
-  then the root; ``MixedPrecisionPolicy(param_dtype=bfloat16)`` with bf16: it reduces in the param dtype, as
-  our FSDP does). ``check_supported`` rejects the modes ``UNSUPPORTED`` lists for ``--cuda-graph blocks`` and
-  ``--dtype bf16_mixed``; ``DataParallelConfig``: a mode with its bucket size, named as the records name it, and
-  its strategy in the calculator's vocabulary.
+  ``DATA_PARALLEL``, with its AdamW and its ``DataParallelWrapper`` (``torch_impl.distributed.interface``: what the
+  trainer calls; None for fsdp2): ``none``; our ``naive``, ``flat``, ``individual``, ``bucketed`` DDP; ``torch_ddp``
+  (no buffer broadcast per forward, ``forward_sync_buffers=False`` (torch >= 2.13) or ``broadcast_buffers=False``:
+  ours broadcast buffers at construction only); ``zero1`` (``ShardedOptimizer`` over ``DDPBucketed``); ``zero2``
+  (``ZeRO2``: bf16 weights with fp32 master pieces under bf16_mixed); our ``fsdp`` (``compute_dtype=bfloat16`` with
+  bf16); ``fsdp2`` (``fully_shard`` per block, then the root; ``MixedPrecisionPolicy(param_dtype=bfloat16)`` with
+  bf16: it reduces in the param dtype, as our FSDP does). ``check_supported`` rejects the modes ``UNSUPPORTED``
+  lists for ``--cuda-graph blocks`` and ``--dtype bf16_mixed``; ``DataParallelConfig``: a mode with its bucket size,
+  named as the records name it, and its strategy in the calculator's vocabulary.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ __all__ = ["BLOCKS_PER_GRAPH", "COMM_DTYPES", "COMM_DTYPE_MODES", "COMM_SMS_MODE
            "apply_compile", "apply_data_parallel", "check_cuda_graph", "check_supported", "data_parallel_configs",
            "parallelize"]
 
-DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
+DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "zero2", "fsdp", "fsdp2")
 # The modes with a DataParallelWrapper, so the trainer's --dist: not fsdp2 (its DTensor parameters would need their
 # own norm and checkpoints).
 WRAPPER_MODES = tuple(m for m in DATA_PARALLEL if m != "fsdp2")
@@ -53,7 +53,8 @@ UNSUPPORTED = {"--cuda-graph blocks": (("fsdp", "fsdp2"), "their gathered weight
 # The modes whose module hooks gather the weights: compiled, each block's forward is the compiled region and the
 # hooks run eagerly around it (``apply_compile(hooks_eager=True)``).
 HOOKED_MODES = ("fsdp", "fsdp2")
-BUCKETED = ("bucketed", "zero1")  # one configuration per bucket size
+BUCKETED = ("bucketed", "zero1", "zero2")  # one configuration per bucket size
+OWN_OPTIMIZER = ("zero1", "zero2", "fsdp", "fsdp2")  # they shard the optimizer state: the wrapper builds it
 TORCH_DDP_BUCKET_MB = 25.0  # torch DDP's default bucket_cap_mb
 
 
@@ -131,15 +132,15 @@ def check_supported(modes: list[str], dtype: str, flag: str, cuda_graphs: bool =
 
 
 # our DDP wrappers, which take comm_sms (torch_impl.distributed.ddp: the SMs their NCCL kernels may occupy)
-COMM_SMS_MODES = ("naive", "flat", "individual", "bucketed", "zero1")
+COMM_SMS_MODES = ("naive", "flat", "individual", "bucketed", "zero1", "zero2")
 # the dtype gradients travel in: their own, or bf16 (our buckets' comm_dtype; torch DDP's bf16_compress_hook)
 COMM_DTYPES = ("grad", "bf16")
-COMM_DTYPE_MODES = ("bucketed", "zero1", "torch_ddp")
+COMM_DTYPE_MODES = ("bucketed", "zero1", "zero2", "torch_ddp")
 
 
 @dataclass(frozen=True)
 class DataParallelConfig:
-    """A mode of ``DATA_PARALLEL`` with its bucket size in MiB (bucketed, zero1, torch_ddp; else None) and, for
+    """A mode of ``DATA_PARALLEL`` with its bucket size in MiB (``BUCKETED``, torch_ddp; else None) and, for
     ``COMM_SMS_MODES``, the SMs its NCCL kernels may occupy (0: NCCL's default); for ``COMM_DTYPE_MODES``, the
     dtype its gradients travel in (``COMM_DTYPES``)."""
 
@@ -150,21 +151,22 @@ class DataParallelConfig:
 
     @property
     def strategy(self) -> str:
-        """What ``parallelism_calc`` calls it (``parallelism_calc.memory.STRATEGIES``): ddp, zero1 or fsdp."""
-        return "zero1" if self.impl == "zero1" else "fsdp" if self.impl in ("fsdp", "fsdp2") else "ddp"
+        """What ``parallelism_calc`` calls it (``parallelism_calc.memory.STRATEGIES``): ddp, zero1, zero2 or fsdp."""
+        return self.impl if self.impl in ("zero1", "zero2") else "fsdp" if self.impl in ("fsdp", "fsdp2") else "ddp"
 
     @property
     def name(self) -> str:
-        """The record's implementation: 'bucketed 25MB', 'zero1 + bucketed 25MB', 'torch_ddp', ..."""
+        """The record's implementation: 'bucketed 25MB', 'zero1 + bucketed 25MB', 'zero2 25MB', 'torch_ddp', ..."""
         name = (f"bucketed {self.bucket_mb:g}MB" if self.impl == "bucketed" else
-                f"zero1 + bucketed {self.bucket_mb:g}MB" if self.impl == "zero1" else self.impl)
+                f"zero1 + bucketed {self.bucket_mb:g}MB" if self.impl == "zero1" else
+                f"zero2 {self.bucket_mb:g}MB" if self.impl == "zero2" else self.impl)
         return name + (f", comm {self.comm_sms} SMs" if self.comm_sms else "") + (
             f", {self.comm_dtype} comm" if self.comm_dtype != "grad" else "")
 
 
 def data_parallel_configs(modes: list[str], bucket_mb: list[float], comm_sms: list[int] | tuple[int, ...] = (0,),
                           comm_dtypes: list[str] | tuple[str, ...] = ("grad",)) -> list[DataParallelConfig]:
-    """In order: bucketed and zero1 once per bucket size, torch_ddp with its default bucket, the others once;
+    """In order: ``BUCKETED`` modes once per bucket size, torch_ddp with its default bucket, the others once;
     each of ``COMM_SMS_MODES`` once per ``comm_sms`` value, each of ``COMM_DTYPE_MODES`` once per comm dtype."""
     out: list[DataParallelConfig] = []
     for mode in modes:
@@ -188,7 +190,7 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
     step): every parameter of ``TransformerLM`` gets a gradient.
     Collectives inside (the wrappers' broadcasts) run on every rank alike."""
     from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
-                                        ShardedOptimizer, SingleProcess, TorchDDP)
+                                        ShardedOptimizer, SingleProcess, TorchDDP, ZeRO2)
     from torch_impl.optim import adamw_for
 
     bf16 = dtype == "bf16"
@@ -197,16 +199,20 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
     if comm_dtype not in COMM_DTYPES or comm_dtype != "grad" and mode not in COMM_DTYPE_MODES:
         raise ValueError(f"comm_dtype={comm_dtype!r} with {mode}; accepted: {', '.join(COMM_DTYPES)}, bf16 with "
                          f"{', '.join(COMM_DTYPE_MODES)}")
-    # zero1, fsdp and fsdp2 shard the weights and build their own optimizer; for the others it is built here,
-    # before any wrapper sees the weights: with bf16_mixed it casts them to bf16
-    builds_own = mode in UNSUPPORTED["--dtype bf16_mixed"][0]
-    optimizer = None if builds_own else adamw_for(dtype, model.parameters(), **adamw)
+    # OWN_OPTIMIZER modes build their optimizer over what they shard; for the others it is built here, before any
+    # wrapper sees the weights: with bf16_mixed it casts them to bf16
+    optimizer = None if mode in OWN_OPTIMIZER else adamw_for(dtype, model.parameters(), **adamw)
     if mode == "none":
         return model, SingleProcess(model), optimizer
     bf16_comm = comm_dtype == "bf16"
     if mode in COMM_SMS_MODES:
+        comm = torch.bfloat16 if bf16_comm else None
+        if mode == "zero2":  # bf16_mixed: bf16 weights, fp32 master pieces (MasterAdamW's precision)
+            wrapper = ZeRO2(model, torch.optim.AdamW, bucket_size_mb=bucket_mb, comm_dtype=comm, comm_sms=comm_sms,
+                            param_dtype=torch.bfloat16 if dtype == "bf16_mixed" else None, **adamw)
+            return wrapper, wrapper, wrapper.optimizer
         ours = dict(comm_sms=comm_sms, find_unused_parameters=False)
-        wrapper = (DDPBucketed(model, bucket_mb, comm_dtype=torch.bfloat16 if bf16_comm else None, **ours)
+        wrapper = (DDPBucketed(model, bucket_mb, comm_dtype=comm, **ours)
                    if mode in BUCKETED else
                    {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[mode](model, **ours))
         if mode == "zero1":

@@ -453,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="plain: the LM head's logits, then the cross-entropy (default); fused: the two fused, chunked over "
            "tokens, never the logits")
     a("--bucket-mb", type=positive_float, default=d.bucket_mb,
-      help="bucket size in MiB for bucketed and zero1 (default 25)")
+      help="bucket size in MiB for bucketed, zero1 and zero2 (default 25)")
     a("--device", default=d.device, help="auto (CUDA if available), cpu, or cuda")
     a("--timeout", type=positive_float, default=d.timeout, help="process-group timeout in seconds (default 300)")
     a("--auto-resume", action="store_true",

@@ -4,13 +4,15 @@ Each rank trains ``TransformerLM(--model)`` on its own fixed random batch (``--b
 ``--seq-len`` tokens, seed ``--seed + rank``) with AdamW (fused on CUDA), wrapped by ``--dist``, a mode of
 ``torch_impl.parallelize.parallelize``: ``none`` (one process, no wrapper: the baseline of the scaling
 efficiency), our ``naive``, ``flat``, ``individual`` and ``bucketed`` DDP, ``torch_ddp`` (``bucket_cap_mb=25``, its
-default), ``zero1`` (``ShardedOptimizer(AdamW)`` over bucketed DDP), our ``fsdp`` and ``fsdp2`` (``fully_shard``;
-an import failure is an error record); ``bucketed`` and ``zero1`` run once per ``--bucket-mb`` value.
+default), ``zero1`` (``ShardedOptimizer(AdamW)`` over bucketed DDP), ``zero2`` (``ZeRO2``: gradients
+reduce-scattered by bucket in the backward, AdamW on each rank's slice, weights all-gathered after it; with
+``--dtype bf16_mixed`` bf16 weights and fp32 master slices), our ``fsdp`` and ``fsdp2`` (``fully_shard``; an import
+failure is an error record); ``bucketed``, ``zero1`` and ``zero2`` run once per ``--bucket-mb`` value.
 
 ``--dist`` (old name ``--impl``) takes a comma list (``naive,bucketed,zero1``): the configurations run one after
 another in the same launch (each freed, Dynamo's caches too, before the next; ``per_rank_allocated_before_bytes``
 records what was still allocated). ``--dtype bf16`` runs the forward under ``torch.autocast(bfloat16)``, fp32
-weights (all impls). ``--comm-dtype grad,bf16`` runs bucketed, zero1 and torch_ddp once per dtype the gradients
+weights (all impls). ``--comm-dtype grad,bf16`` runs bucketed, zero1, zero2 and torch_ddp once per dtype the gradients
 travel in; ``--comm-sms 0,8`` runs our wrappers once per budget of SMs for their NCCL kernels (with cuBLAS kept off
 them during the backward; ``torch_impl.distributed.ddp``); ``--profile DIR`` profiles ``PROFILED_STEPS`` more steps
 of each configuration on every rank (read them with ``python -m analysis.overlap``).
@@ -18,13 +20,13 @@ of each configuration on every rank (read them with ``python -m analysis.overlap
 Phases of a step (ms), ``torch_impl.step.train_step``'s (``analysis.records.STEP_PHASES``): ``forward`` (model +
 loss), ``backward`` (``loss.backward()``), ``comm`` (time blocked in ``finish_gradient_synchronization()``: the
 gradient communication the backward did not hide), ``optimizer`` (``optimizer.step()``; for ZeRO-1 it includes the
-broadcast of the updated parameters), and the step total. Timing (``torch_impl.timing.PhaseTimer``): on CUDA an
-event on the compute stream at each phase boundary and nothing waits inside a step, so an NCCL all-reduce still
-running on its own stream when the backward's kernels finish is counted in ``comm`` (where
-``finish_gradient_synchronization`` makes the compute stream wait for it); reading the loss ends each step. On
-the CPU (gloo), host clocks. Caveat: ``torch_ddp`` and ``fsdp2`` wait for their gradient communication inside
-``backward`` itself (the autograd engine's final callback), so their ``comm`` is ~0 (fsdp2: recorded as 0) and
-their exposed communication is part of ``backward``; ``none`` also records ~0. ``--cuda-graph blocks`` (with
+broadcast of the updated parameters, for ZeRO-2 the all-gather of the weights), and the step total. Timing
+(``torch_impl.timing.PhaseTimer``): on CUDA an event on the compute stream at each phase boundary and nothing waits
+inside a step, so an NCCL all-reduce still running on its own stream when the backward's kernels finish is counted
+in ``comm`` (where ``finish_gradient_synchronization`` makes the compute stream wait for it); reading the loss ends
+each step. On the CPU (gloo), host clocks. Caveat: ``torch_ddp`` and ``fsdp2`` wait for their gradient communication
+inside ``backward`` itself (the autograd engine's final callback), so their ``comm`` is ~0 (fsdp2: recorded as 0)
+and their exposed communication is part of ``backward``; ``none`` also records ~0. ``--cuda-graph blocks`` (with
 ``--compile``) replays each block's graphs, as the e2e benchmark's fastest one-GPU step does.
 
 Records (rank 0 appends one per configuration to ``--out``): suite "ddp", implementation e.g.
@@ -37,7 +39,7 @@ batch x seq / median step; ``tflops`` / ``mfu`` per device from ``parallelism_ca
 one rank's batch (``analysis.harness.step_record``'s conventions); ``peak_memory_bytes`` = the worst rank.
 Metrics: ``per_rank_peak_memory_bytes``, ``per_rank_median_ms`` (each rank's own step and phase medians),
 ``predicted_memory_bytes`` (+ its breakdown) from ``parallelism_calc.memory.per_device_memory`` with the
-strategy the impl implements (ddp for none / the DDP variants / torch_ddp, zero1, fsdp for fsdp / fsdp2;
+strategy the impl implements (ddp for none / the DDP variants / torch_ddp, zero1, zero2, fsdp for fsdp / fsdp2;
 precision fp32 or bf16_autocast; attention "naive" for --attention naive, else "flash") and, for the two
 FSDPs, the working set each really gathers (in the compute dtype, so no autocast weight copies): ``fsdp``
 a block at a time with ``FSDP``'s defaults (``gather_unit="block"``, 1 prefetched; the embedding and the LM head
@@ -380,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dist", "--impl", dest="impl", default="bucketed",
                         help=f"comma list of: {', '.join(DATA_PARALLEL)} (default bucketed; --impl: its old name)")
     parser.add_argument("--bucket-mb", default="1,10,25,100",
-                        help="bucket sizes in MiB for bucketed and zero1, one configuration each (default 1,10,25,100)")
+                        help="bucket sizes in MiB for bucketed, zero1 and zero2, one configuration each "
+                             "(default 1,10,25,100)")
     parser.add_argument("--comm-sms", default="0",
                         help="SMs our DDP wrappers' NCCL kernels may occupy, with cuBLAS leaving them free during "
                              "the backward (torch_impl.distributed.ddp), one configuration each: e.g. 0,4,8 "
@@ -433,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_comm_sms(args.comm_sms)
         if "torch_ddp" in impls and "bf16" in parse_comm_dtypes(args.comm_dtype) and args.device != "cuda":
             raise ValueError("--dist torch_ddp --comm-dtype bf16 (torch DDP's bf16_compress_hook) runs on CUDA "
-                             "devices only; on the CPU bf16 gradients work with bucketed and zero1")
+                             "devices only; on the CPU bf16 gradients work with bucketed, zero1 and zero2")
         return run(args)
     except ValueError as err:
         parser.error(str(err))

@@ -1,4 +1,4 @@
-"""Data parallelism by hand on ``torch.distributed``: the DDP family, ZeRO-1 and FSDP.
+"""Data parallelism by hand on ``torch.distributed``: the DDP family, ZeRO-1, ZeRO-2 and FSDP.
 
 Model code never imports this package; these wrappers are applied to a model from outside (``interface``: what
 the trainer needs of every data-parallel mode).
@@ -9,6 +9,8 @@ from torch_impl.distributed.fsdp import FSDP
 from torch_impl.distributed.interface import DataParallelWrapper, SingleProcess, TorchDDP
 from torch_impl.distributed.process_group import DistributedContext, distributed_context, init_distributed
 from torch_impl.distributed.zero import ShardedOptimizer
+from torch_impl.distributed.zero2 import ZeRO2
 
 __all__ = ["DDPBucketed", "DDPIndividualParameters", "DataParallelWrapper", "DistributedContext", "FSDP", "FlatDDP",
-           "NaiveDDP", "ShardedOptimizer", "SingleProcess", "TorchDDP", "distributed_context", "init_distributed"]
+           "NaiveDDP", "ShardedOptimizer", "SingleProcess", "TorchDDP", "ZeRO2", "distributed_context",
+           "init_distributed"]

@@ -161,9 +161,13 @@ class _DataParallel(nn.Module, DataParallelWrapper):
             raise RuntimeError(f"{type(self).__name__}.finish_gradient_synchronization() inside no_sync(): "
                                "call it after the last micro-batch's backward, outside no_sync()")
 
+    def _average_op(self, dtype: torch.dtype) -> dist.ReduceOp:
+        """AVG where NCCL averages ``dtype`` (then ``_averaged`` does nothing), else SUM."""
+        return dist.ReduceOp.AVG if nccl_averages(self._nccl, dtype) else dist.ReduceOp.SUM
+
     def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False, average: bool = False):
         """Sum ``tensor`` over the ranks, or average it where the backend can (then ``_averaged`` does nothing)."""
-        op = dist.ReduceOp.AVG if average and nccl_averages(self._nccl, tensor.dtype) else dist.ReduceOp.SUM
+        op = self._average_op(tensor.dtype) if average else dist.ReduceOp.SUM
         return dist.all_reduce(tensor, op=op, group=self.process_group, async_op=async_op)
 
     def _averaged(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -327,14 +331,25 @@ class _OverlappedDDP(_DataParallel):
         """The averaged gradients of a launched unit, once its all-reduce has finished."""
         raise NotImplementedError
 
-    def finish_gradient_synchronization(self) -> None:
+    def _launch_rest(self) -> None:
+        """Mark ready the parameters whose hook never fired this step and launch every unit left, in order
+        (missing gradients are zeros)."""
         self._check_sync()
-        for i, p in enumerate(self._params):  # parameters whose hook never fired this step
+        for i, p in enumerate(self._params):
             if not self._ready[i]:
                 self._present[i] = p.grad is not None  # e.g. a gradient set by hand
                 self._ready[i] = True
                 self._units[self._unit_of[i]].pending -= 1
-        self._launch_ready()  # everything left, in order; missing gradients are zeros
+        self._launch_ready()
+
+    def _end_backward(self) -> None:
+        """Give cuBLAS its SMs back and reset the per-step state."""
+        if self._carved is not None:
+            restore_matmul_sms(self._carved)
+        self.on_train_batch_start()
+
+    def finish_gradient_synchronization(self) -> None:
+        self._launch_rest()
         presence = self._launch_presence(self._present)
         grads: list[torch.Tensor | None] = [None] * len(self._params)
         for unit in self._units:
@@ -342,9 +357,7 @@ class _OverlappedDDP(_DataParallel):
             for i, g in zip(unit.params, self._unit_grads(unit)):
                 grads[i] = g
         self._assign_grads(grads, presence)
-        if self._carved is not None:
-            restore_matmul_sms(self._carved)
-        self.on_train_batch_start()
+        self._end_backward()
 
 
 class DDPIndividualParameters(_OverlappedDDP):
@@ -389,12 +402,15 @@ class DDPBucketed(_OverlappedDDP):
         self.comm_dtype = comm_dtype
         super().__init__(module, **kwargs)
         for unit in self._units:
-            ps = [self._params[i] for i in unit.params]
             unit.offsets = [0]
-            for p in ps:
-                unit.offsets.append(unit.offsets[-1] + p.numel())
-            numel = unit.offsets[-1]
-            unit.flat = torch.zeros(numel, dtype=comm_dtype or ps[0].dtype, device=ps[0].device)  # (numel,)
+            for i in unit.params:
+                unit.offsets.append(unit.offsets[-1] + self._params[i].numel())
+            self._allocate(unit)
+
+    def _allocate(self, unit: _Unit) -> None:
+        """The bucket's flat buffer, kept from step to step."""
+        p = self._params[unit.params[0]]
+        unit.flat = torch.zeros(unit.offsets[-1], dtype=self.comm_dtype or p.dtype, device=p.device)  # (numel,)
 
     def _make_units(self, order: list[int]) -> list[list[int]]:
         buckets: list[list[int]] = []

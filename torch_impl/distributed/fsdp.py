@@ -90,7 +90,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch_impl.distributed.interface import DataParallelWrapper
-from torch_impl.distributed.process_group import nccl_averages
+from torch_impl.distributed.process_group import all_gather_flat, nccl_averages, reduce_scatter_flat
 
 SHARDED_CLASS_NAMES = ("Linear", "Embedding")
 GATHER_UNITS = ("block", "layer")  # what one all-gather brings: a block's weights, or one weight
@@ -98,9 +98,8 @@ DEFAULT_PREFETCH = {"block": 1, "layer": 2}  # units gathered ahead by default (
 MAX_PREFETCH_LAYERS = 2
 MAX_PENDING_REDUCE_SCATTERS = 2  # gradient reduce-scatters in flight (each holds a unit's full-size gradients)
 
-# torch 2.13 renames the flat collectives (and warns on the old names); torch 2.11 only has the old ones.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# module globals, so that tests can count or redirect FSDP's collectives
+_all_gather_flat, _reduce_scatter_flat = all_gather_flat, reduce_scatter_flat
 
 
 def is_sharded_layer(module: nn.Module) -> bool:

@@ -5,7 +5,8 @@
 ``TorchDDP`` adapt the rest. The defaults are a replicated model's, whose gradients are full and averaged after
 ``finish_gradient_synchronization()``; ``FSDP`` overrides the class attributes, ``eval_module``,
 ``gather_full_params`` and ``shard_of`` (where a parameter lies in its full tensor: what ``torch_impl.checkpoint``
-saves and loads by). The step that calls it: ``torch_impl.step.train_step``.
+saves and loads by); ``ZeRO2``, whose weights are replicated and whose optimizer steps this rank's pieces of them,
+``named_optimizer_params`` and ``shard_of``. The step that calls it: ``torch_impl.step.train_step``.
 """
 
 from __future__ import annotations
@@ -55,11 +56,16 @@ class DataParallelWrapper:
         """Collective: every parameter, full, keyed like ``module.named_parameters()`` (here the live ones)."""
         return dict(self.module.named_parameters())
 
+    def named_optimizer_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of what the optimizer steps, named as the bare model's parameters: those parameters
+        (FSDP's shards), or ZeRO-2's pieces of them; the gradients are theirs."""
+        return list(self.module.named_parameters())
+
     def grad_norm_squared(self) -> torch.Tensor:
         """The squared 2-norm (fp32) of the whole synchronized gradient: this rank's shards' squares summed over
         the ranks, the replicated parameters' (identical everywhere) counted once."""
         groups: tuple[list, list] = ([], [])  # (sharded, replicated) gradients
-        for p in self.module.parameters():
+        for _, p in self.named_optimizer_params():
             if p.grad is not None:
                 groups[0 if id(p) in self._shard_ids else 1].append(p.grad.detach())
         device = next(self.module.parameters()).device
@@ -73,7 +79,7 @@ class DataParallelWrapper:
         """Scale every gradient by min(1, max_norm / (global norm + 1e-6)); returns the global norm before."""
         norm = self.grad_norm_squared().sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for _, p in self.named_optimizer_params() if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, coef)
         return norm

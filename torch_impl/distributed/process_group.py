@@ -139,6 +139,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
 # a bf16 factor that reads as zero for powers of two (pytorch/pytorch#190745).
 NCCL_AVERAGED = (torch.float32, torch.bfloat16)
 
+# The flat collectives: torch 2.13 renames them (and warns on the old names); torch 2.11 only has the old ones.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def nccl_averages(nccl: bool, dtype: torch.dtype) -> bool:
     """Whether a mean over the ranks of a ``dtype`` tensor is NCCL's ``ReduceOp.AVG`` (``nccl``: the group's backend

@@ -1,0 +1,232 @@
+"""ZeRO stage 2 by hand: ``ZeRO2`` reduce-scatters the gradients in the backward, steps the optimizer on each rank's
+slice of the weights, and all-gathers the updated weights.
+
+``ZeRO2(module, torch.optim.AdamW, bucket_size_mb=25, comm_dtype=None, param_dtype=None, lr=..., ...)`` is a
+``DataParallelWrapper``; its optimizer is ``.optimizer``, a plain ``optimizer_cls`` (lr schedulers, ``fused``,
+``state_dict`` work as usual) over this rank's pieces of the weights.
+
+Layout: the parameters are packed in reverse registration order (the backward's) into buckets of at most
+``bucket_size_mb`` MiB, as ``DDPBucketed`` packs gradients; each bucket's weights become views of one flat buffer,
+padded to a multiple of the world size N. Rank r owns the r-th of N equal slices of every bucket: the fp32 master
+weights, the optimizer state and the averaged gradient of those elements, and nothing of the rest. A slice cuts
+each parameter in one contiguous range of its flattened elements (maybe empty): the optimizer's parameters are these
+pieces, one per model parameter, in registration order, so checkpoints name and place them like any parameter's
+shard (``shard_of``, ``torch_impl.checkpoint``).
+
+One step:
+
+* backward: once all the gradients of a bucket are ready (post-accumulate-grad hooks, buckets launched in their fixed
+  order, as ``DDPBucketed``), they are copied into a new flat buffer (in ``comm_dtype``), the parameters' ``.grad``
+  are released, and an asynchronous reduce-scatter averages the buffer into this rank's slice. At most
+  ``MAX_PENDING_BUCKETS`` such buffers are in flight, so the gradients take 1/N of their memory plus those buffers
+  (ZeRO-2's P_os+g).
+* ``finish_gradient_synchronization``: waits; the slices (fp32) become the ``.grad`` of the pieces.
+* ``optimizer.step()``: updates the pieces; its post-hook casts them into the flat buffers' own slices and
+  all-gathers every bucket in place (asynchronously; on NCCL the next kernels of the compute stream wait for them).
+
+Against an all-reduce of the gradients (``DDPBucketed``) the bytes on the wire are the same (a reduce-scatter and
+an all-gather), but only the reduce-scatter's half runs beside the backward, and the optimizer does 1/N of the work.
+``param_dtype`` (e.g. ``torch.bfloat16``): the weights are cast to it in place at construction (the master pieces
+keep their exact fp32 values, as ``MasterAdamW``; run the model without autocast), so the all-gather moves 2 bytes
+a weight and the gradients arrive in bf16.
+
+Caveats: as ``DDPBucketed``'s (one synchronized backward a step, ``no_sync`` for accumulation: the micro-batches'
+gradients accumulate in full-size ``.grad`` until the last backward). A parameter that gets no gradient on any rank
+contributes zeros (``find_unused_parameters=False``): the optimizer steps it with a zero gradient, whose weight decay
+a single process would skip. Build the wrapper before the optimizer's first step and step only ``.optimizer``.
+
+References: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (stage
+2, P_os+g); DeepSpeed's stage 2 (bucketed reduce-scatter into contiguous partitions of flat buffers); torch FSDP's
+``SHARD_GRAD_OP``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from torch_impl.distributed.ddp import DDPBucketed, _Unit
+from torch_impl.distributed.process_group import all_gather_flat, nccl_averages, reduce_scatter_flat
+
+MAX_PENDING_BUCKETS = 2  # full-size gradient buffers in flight in the backward
+
+
+@dataclass
+class _Slice:
+    """A bucket's flat weights and this rank's slice of them."""
+
+    weights: torch.Tensor  # (N S,) the bucket's parameters, packed and padded, in their dtype
+    master: torch.Tensor  # (S,) fp32: a view of ``weights`` when the weights are fp32, else their exact copy
+    grad: torch.Tensor  # (S,) fp32: the averaged gradient of the slice
+    received: torch.Tensor  # (S,) where the reduce-scatter lands: ``grad`` itself, or a comm_dtype buffer
+    pieces: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)  # (piece, start, end) in the slice
+
+
+class ZeRO2(DDPBucketed):
+    """ZeRO-2 over ``module`` (see the module docstring). ``optimizer_cls`` with ``**options``: its optimizer, over
+    this rank's pieces; ``param_dtype``: the dtype the weights are cast to (None: kept); ``bucket_size_mb``,
+    ``comm_dtype``, ``comm_sms``, ``process_group``: as ``DDPBucketed``'s."""
+
+    def __init__(self, module: nn.Module, optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
+                 *, bucket_size_mb: float = 25.0, comm_dtype: torch.dtype | None = None,
+                 param_dtype: torch.dtype | None = None, comm_sms: int = 0, process_group=None, **options: Any):
+        if param_dtype is not None and not param_dtype.is_floating_point:
+            raise ValueError(f"param_dtype={param_dtype}: weights are cast to a floating-point dtype")
+        self.param_dtype = param_dtype
+        self._slices: dict[int, _Slice] = {}  # id(unit) -> its slice
+        super().__init__(module, bucket_size_mb, comm_dtype=comm_dtype, comm_sms=comm_sms,
+                         process_group=process_group, find_unused_parameters=False)
+        self._layout: dict[int, tuple[torch.Size, int]] = {}  # id(piece) -> (full shape, offset in its parameter)
+        pieces: list[tuple[int, nn.Parameter]] = []  # (parameter index, piece)
+        for unit in self._units:
+            for i, piece, offset in self._cut(unit):
+                self._layout[id(piece)] = (self._params[i].shape, offset)
+                pieces.append((i, piece))
+        pieces.sort(key=lambda ip: ip[0])  # registration order
+        names = self._param_names()
+        self._pieces = [(names[i], piece) for i, piece in pieces]
+        self._shard_ids = frozenset(self._layout)
+        self._pending: list[_Unit] = []  # launched buckets whose buffers are still in flight
+        self.optimizer = optimizer_cls([piece for _, piece in self._pieces], **options)
+        wrapper = weakref.ref(self)  # the optimizer must not keep the wrapper alive
+        self.optimizer.register_step_post_hook(lambda *_: wrapper() and wrapper()._after_step())
+        self.optimizer.register_load_state_dict_post_hook(lambda *_: wrapper() and wrapper()._after_load())
+
+    def _param_names(self) -> dict[int, str]:
+        index = {id(p): i for i, p in enumerate(self._params)}
+        return {index[id(p)]: name for name, p in self.module.named_parameters() if id(p) in index}
+
+    # ------------------------------------------------------------------ layout
+
+    @torch.no_grad()
+    def _allocate(self, unit: _Unit) -> None:
+        """Pack the bucket's weights into one flat buffer (padded to N S elements) that they become views of,
+        and make this rank's slice: master weights and gradient."""
+        params = [self._params[i] for i in unit.params]
+        n, device = self.world_size, params[0].device
+        size = math.ceil(unit.offsets[-1] / n)  # S
+        weights = torch.zeros(n * size, dtype=self.param_dtype or params[0].dtype, device=device)
+        mine = weights[self.rank * size:(self.rank + 1) * size]
+        master = torch.empty(size, dtype=torch.float32, device=device) if mine.dtype != torch.float32 else mine
+        if master is not mine:
+            packed = torch.zeros(n * size, dtype=torch.float32, device=device)
+            for p, start in zip(params, unit.offsets):
+                packed[start:start + p.numel()].copy_(p.reshape(-1))  # the exact fp32 values, before the cast
+            master.copy_(packed[self.rank * size:(self.rank + 1) * size])
+        for p, start in zip(params, unit.offsets):
+            weights[start:start + p.numel()].copy_(p.reshape(-1))
+            p.data = weights[start:start + p.numel()].view_as(p)
+        grad = torch.zeros(size, dtype=torch.float32, device=device)
+        comm = self.comm_dtype or weights.dtype
+        received = grad if comm == torch.float32 else torch.zeros(size, dtype=comm, device=device)
+        self._slices[id(unit)] = _Slice(weights, master, grad, received)
+
+    def _cut(self, unit: _Unit) -> list[tuple[int, nn.Parameter, int]]:
+        """(parameter index, piece, offset of the piece in the flattened parameter) for each parameter of the
+        bucket: the range of its elements in this rank's slice, a view of the master weights (maybe empty)."""
+        s = self._slices[id(unit)]
+        size = s.master.numel()
+        lo_slice = self.rank * size
+        out = []
+        for i, start, end in zip(unit.params, unit.offsets, unit.offsets[1:]):
+            lo, hi = max(start, lo_slice), min(end, lo_slice + size)
+            lo, hi, offset = (lo, hi, lo - start) if hi > lo else (lo_slice, lo_slice, 0)  # else an empty piece
+            piece = nn.Parameter(s.master[lo - lo_slice:hi - lo_slice])
+            s.pieces.append((piece, lo - lo_slice, hi - lo_slice))
+            out.append((i, piece, offset))
+        return out
+
+    # ------------------------------------------------------------------ backward
+
+    @torch.no_grad()
+    def _launch(self, unit: _Unit) -> None:
+        s = self._slices[id(unit)]
+        flat = torch.empty(s.weights.numel(), dtype=s.received.dtype, device=s.weights.device)  # (N S,)
+        flat[unit.offsets[-1]:].zero_()  # the padding
+        views, grads = [], []
+        for i, start, end in zip(unit.params, unit.offsets, unit.offsets[1:]):
+            p = self._params[i]
+            if p.grad is None:  # no gradient on this rank this step: contribute zeros
+                flat[start:end].zero_()
+            else:
+                views.append(flat[start:end])
+                grads.append(p.grad.reshape(-1))
+        if views:
+            torch._foreach_copy_(views, grads)
+        for i in unit.params:
+            self._params[i].grad = None  # released: the gradients now live in the flat buffer
+        unit.work = reduce_scatter_flat(s.received, flat, op=self._average_op(flat.dtype), group=self.process_group,
+                                        async_op=True)
+        unit.flat, unit.launched = flat, True
+        self._pending.append(unit)
+        while len(self._pending) > MAX_PENDING_BUCKETS:
+            self._land(self._pending.pop(0))
+
+    @staticmethod
+    def _land(unit: _Unit) -> None:
+        unit.work.wait()
+        unit.flat = None  # the full-size buffer is free once its reduce-scatter is done
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        self._launch_rest()
+        for unit in self._pending:
+            self._land(unit)
+        self._pending = []
+        for s in self._slices.values():
+            if s.received is not s.grad:
+                s.grad.copy_(s.received)
+            if not nccl_averages(self._nccl, s.received.dtype):
+                s.grad.div_(self.world_size)
+            for piece, lo, hi in s.pieces:
+                piece.grad = s.grad[lo:hi]
+        self._end_backward()
+
+    # ------------------------------------------------------------------ after the optimizer
+
+    def _mine(self, s: _Slice) -> torch.Tensor:
+        """This rank's slice of the bucket's flat weights."""
+        return s.weights[self.rank * s.master.numel():(self.rank + 1) * s.master.numel()]
+
+    @torch.no_grad()
+    def _after_step(self) -> None:
+        """Cast the updated master slices into the flat weights and all-gather every bucket in place."""
+        cast = [(self._mine(s), s.master) for s in self._slices.values() if s.master is not self._mine(s)]
+        if cast:
+            torch._foreach_copy_(*map(list, zip(*cast)))
+        for s in self._slices.values():
+            for piece, _, _ in s.pieces if s.master is not self._mine(s) else ():
+                state = self.optimizer.state.get(piece)
+                if state:  # once the optimizer holds state: checkpoints carry the exact weights (MasterAdamW's key)
+                    state.setdefault("master", piece)
+            mine = self._mine(s)
+            source = mine if self._nccl else mine.clone()  # gloo gathers from a separate tensor
+            work = all_gather_flat(s.weights, source, group=self.process_group, async_op=True)
+            work.wait()  # NCCL: the compute stream waits for it (the host does not); gloo: done
+
+    @torch.no_grad()
+    def _after_load(self) -> None:
+        """The master weights of a loaded optimizer state go into the pieces; without them (a checkpoint of fp32
+        weights), the pieces take the loaded weights. Then every rank's weights are gathered: a collective."""
+        for s in self._slices.values():
+            for piece, lo, hi in s.pieces:
+                state = self.optimizer.state.get(piece)
+                if state and "master" in state:
+                    piece.copy_(state["master"])
+                    state["master"] = piece
+                elif s.master is not self._mine(s):
+                    piece.copy_(self._mine(s)[lo:hi])
+        self._after_step()
+
+    # ------------------------------------------------------------------ DataParallelWrapper
+
+    def named_optimizer_params(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self._pieces)
+
+    def shard_of(self, param: torch.Tensor) -> tuple[torch.Size, int] | None:
+        return self._layout.get(id(param))
