@@ -23,7 +23,8 @@
 #   FSDP2 (compiled blocks, no graphs), each family beside its own one-GPU run;
 # zero2: that step with each region's CUDA graphs and 100 MB buckets, ZeRO-2 against bucketed DDP (both with bf16
 #   gradients), first under bf16 autocast (fp32 weights), then with bf16 weights over fp32 masters (bf16_mixed:
-#   ZeRO-2 all-gathers 2 bytes a weight), each dtype beside its one-GPU run;
+#   ZeRO-2 all-gathers 2 bytes a weight), each dtype beside its one-GPU run; with PROFILE set, both profiled
+#   under bf16_mixed (OUT_DIR/ddp_profiles.tgz);
 # matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs);
 # accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
 #   128 tokens); leaderboard: the CS336 leaderboard's step (torch_impl.bench.leaderboard: lm8b, 2 x 32,768 global,
@@ -102,7 +103,12 @@ zero2)
   for dtype in bf16 bf16_mixed; do
     python3 "${ddp[@]}" --dtype "$dtype" --dist none
     "${run[@]}" "$n" "${ddp[@]}" --dtype "$dtype" --dist bucketed,zero2 --comm-dtype bf16
-  done ;;
+  done
+  if [[ -n "${PROFILE:-}" ]]; then
+    "${run[@]}" "$n" "${ddp[@]}" --dtype bf16_mixed --dist bucketed,zero2 --comm-dtype bf16 \
+      --profile "$out/profiles" --out "$out/ddp_profiled.jsonl"
+    tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles"
+  fi ;;
 matrix)
   python3 -m torch_impl.bench.train_matrix --nproc "$n" --model small --batch-size 8 --seq-len 512 --epochs 5 \
     --steps-per-epoch 40 --out "$out/train_matrix.jsonl" --report-dir "$out/train_matrix" ;;
