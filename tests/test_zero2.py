@@ -11,7 +11,8 @@ on the whole batch in one process. Fresh seed per run, printed in the messages.
 * bf16 weights (``param_dtype``, no autocast), at a learning rate whose updates are below bf16's rounding of most
   weights: the fp32 master pieces follow single-process ``MasterAdamW`` within the rounding of bf16 gradients, and
   the weights are the masters rounded to bf16, on every rank alike; the optimizer's state dict carries the masters
-  (a fresh wrapper loaded from it steps exactly as the first).
+  (a fresh wrapper loaded from it steps exactly as the first), a model state dict alone resets them to its weights,
+  and with fp32 weights the state holds no master copy.
 * On 2 GPUs (NCCL's AVG reduce-scatter and in-place all-gather): two steps against one process, fp32 and bf16
   gradients.
 """
@@ -82,7 +83,8 @@ def _body(rank: int, world_size: int, seed: int, bf16: bool) -> dict:
     state = wrapper.optimizer.state
     return {"weights": weights, "masters": masters, "released": released, "norms": norms,
             "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-            "state_numel": sum(t.numel() for s in state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")),
+            "state_numel": sum(t.numel() for s in state.values() for k, t in s.items()
+                               if k in ("exp_avg", "exp_avg_sq")),
             "slice_numel": sum(s.master.numel() for s in wrapper._slices.values()),
             "buckets": [len(u.params) for u in wrapper._units],
             "lr": wrapper.optimizer.param_groups[0]["lr"]}
@@ -200,15 +202,36 @@ def _body_resume(rank: int, world_size: int, seed: int) -> dict:
     fresh.optimizer.load_state_dict(copy.deepcopy(first.optimizer.state_dict()))  # as read from a file: not shared
     masters_equal = all(torch.equal(a, b) for (_, a), (_, b) in zip(first.named_optimizer_params(),
                                                                     fresh.named_optimizer_params()))
-    for wrapper in (first, fresh):
+    # The model alone: its masters become its weights, so a step at lr 0 keeps the loaded weights.
+    model_only = ZeRO2(_model(seed + 2), torch.optim.AdamW, **kwargs)
+    model_only.module.load_state_dict(first.module.state_dict())
+    model_only.optimizer.param_groups[0]["lr"] = 0.0
+    loaded = [p.detach().clone() for p in first.module.parameters()]
+    for wrapper in (first, fresh, model_only):
         step(wrapper, tokens[2])
     return {"masters_equal": masters_equal,
-            "weights_equal": all(torch.equal(a, b) for a, b in zip(first.module.parameters(), fresh.module.parameters()))}
+            "weights_equal": all(torch.equal(a, b) for a, b in zip(first.module.parameters(),
+                                                                   fresh.module.parameters())),
+            "model_only_kept": all(torch.equal(a, b) for a, b in zip(loaded, model_only.module.parameters()))}
+
+
+def _body_fp32_state(rank: int, world_size: int, seed: int) -> list[str]:
+    """The optimizer state's keys after a step with fp32 weights: the pieces are the weights, no master copy."""
+    from torch_impl.distributed import ZeRO2
+
+    wrapper = ZeRO2(_model(seed), torch.optim.AdamW, bucket_size_mb=BUCKET_MB, **ADAMW)
+    _loss(wrapper, _tokens(seed)[0].chunk(world_size)[rank]).backward()
+    wrapper.finish_gradient_synchronization()
+    wrapper.optimizer.step()
+    return sorted({key for state in wrapper.optimizer.state.values() for key in state})
 
 
 def test_zero2_bf16_state_dict_carries_the_masters():
     results = run_ranks(_body_resume, 2, secrets.randbelow(2**20), timeout_s=120)
-    assert all(res == {"masters_equal": True, "weights_equal": True} for res in results), results
+    assert all(res == {"masters_equal": True, "weights_equal": True, "model_only_kept": True}
+               for res in results), results
+    keys = run_ranks(_body_fp32_state, 2, secrets.randbelow(2**20), timeout_s=120)
+    assert keys == [["exp_avg", "exp_avg_sq", "step"]] * 2, keys
 
 
 def _body_nccl(rank: int, world_size: int, seed: int, comm_dtype: torch.dtype | None, on_cpu: bool = False) -> dict:

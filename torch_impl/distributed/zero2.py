@@ -18,7 +18,7 @@ One step:
 * backward: once all the gradients of a bucket are ready (post-accumulate-grad hooks, buckets launched in their fixed
   order, as ``DDPBucketed``), they are copied into a new flat buffer (in ``comm_dtype``), the parameters' ``.grad``
   are released, and an asynchronous reduce-scatter averages the buffer into this rank's slice. At most
-  ``MAX_PENDING_BUCKETS`` such buffers are in flight, so the gradients take 1/N of their memory plus those buffers
+  ``MAX_PENDING_BUCKETS`` + 1 such buffers are alive, so the gradients take 1/N of their memory plus those buffers
   (ZeRO-2's P_os+g).
 * ``finish_gradient_synchronization``: waits; the slices (fp32) become the ``.grad`` of the pieces.
 * ``optimizer.step()``: updates the pieces; its post-hook casts them into the flat buffers' own slices and
@@ -26,14 +26,17 @@ One step:
 
 Against an all-reduce of the gradients (``DDPBucketed``) the bytes on the wire are the same (a reduce-scatter and
 an all-gather), but only the reduce-scatter's half runs beside the backward, and the optimizer does 1/N of the work.
-``param_dtype`` (e.g. ``torch.bfloat16``): the weights are cast to it in place at construction (the master pieces
-keep their exact fp32 values, as ``MasterAdamW``; run the model without autocast), so the all-gather moves 2 bytes
-a weight and the gradients arrive in bf16.
+``param_dtype`` (e.g. ``torch.bfloat16``): the weights (frozen ones too) are cast to it in place at construction
+(the master pieces keep their exact fp32 values, as ``MasterAdamW``; run the model without autocast), so the
+all-gather moves 2 bytes a weight and the gradients arrive in bf16. A model state dict loaded into the module
+resets the masters to its weights; an optimizer state dict loaded after it brings back its exact masters.
 
 Caveats: as ``DDPBucketed``'s (one synchronized backward a step, ``no_sync`` for accumulation: the micro-batches'
 gradients accumulate in full-size ``.grad`` until the last backward). A parameter that gets no gradient on any rank
 contributes zeros (``find_unused_parameters=False``): the optimizer steps it with a zero gradient, whose weight decay
-a single process would skip. Build the wrapper before the optimizer's first step and step only ``.optimizer``.
+a single process would skip. Buckets are sized by the weights' bytes before any cast. Step only ``.optimizer``, and
+keep the wrapper while it is used (its hooks gather the weights). Weights written in place by other means than
+``module.load_state_dict`` (a DCP load of the model alone) leave copied masters stale: load the optimizer's state too.
 
 References: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (stage
 2, P_os+g); DeepSpeed's stage 2 (bucketed reduce-scatter into contiguous partitions of flat buffers); torch FSDP's
@@ -61,10 +64,16 @@ class _Slice:
     """A bucket's flat weights and this rank's slice of them."""
 
     weights: torch.Tensor  # (N S,) the bucket's parameters, packed and padded, in their dtype
-    master: torch.Tensor  # (S,) fp32: a view of ``weights`` when the weights are fp32, else their exact copy
+    mine: torch.Tensor  # (S,) this rank's slice of ``weights`` (a view)
+    master: torch.Tensor  # (S,) fp32: ``mine`` itself when the weights are fp32, else their exact copy
     grad: torch.Tensor  # (S,) fp32: the averaged gradient of the slice
     received: torch.Tensor  # (S,) where the reduce-scatter lands: ``grad`` itself, or a comm_dtype buffer
     pieces: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)  # (piece, start, end) in the slice
+
+    @property
+    def copied(self) -> bool:
+        """Whether the master slice is a copy of the weights' (weights not in fp32)."""
+        return self.master is not self.mine
 
 
 class ZeRO2(DDPBucketed):
@@ -79,6 +88,7 @@ class ZeRO2(DDPBucketed):
             raise ValueError(f"param_dtype={param_dtype}: weights are cast to a floating-point dtype")
         self.param_dtype = param_dtype
         self._slices: dict[int, _Slice] = {}  # id(unit) -> its slice
+        self._pending: list[_Unit] = []  # launched buckets whose buffers are still in flight
         super().__init__(module, bucket_size_mb, comm_dtype=comm_dtype, comm_sms=comm_sms,
                          process_group=process_group, find_unused_parameters=False)
         self._layout: dict[int, tuple[torch.Size, int]] = {}  # id(piece) -> (full shape, offset in its parameter)
@@ -91,11 +101,23 @@ class ZeRO2(DDPBucketed):
         names = self._param_names()
         self._pieces = [(names[i], piece) for i, piece in pieces]
         self._shard_ids = frozenset(self._layout)
-        self._pending: list[_Unit] = []  # launched buckets whose buffers are still in flight
+        if param_dtype is not None:  # frozen weights too: one dtype in the forward
+            for p in module.parameters():
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(param_dtype)
         self.optimizer = optimizer_cls([piece for _, piece in self._pieces], **options)
-        wrapper = weakref.ref(self)  # the optimizer must not keep the wrapper alive
-        self.optimizer.register_step_post_hook(lambda *_: wrapper() and wrapper()._after_step())
-        self.optimizer.register_load_state_dict_post_hook(lambda *_: wrapper() and wrapper()._after_load())
+        wrapper = weakref.ref(self)  # the optimizer and the module must not keep the wrapper alive
+
+        def alive() -> ZeRO2:
+            if wrapper() is None:
+                raise RuntimeError("ZeRO2's optimizer outlived its wrapper: its step would update this rank's slice "
+                                   "only; keep the ZeRO2 object")
+            return wrapper()
+
+        self.optimizer.register_step_post_hook(lambda *_: alive()._after_step())
+        self.optimizer.register_load_state_dict_post_hook(lambda *_: alive()._after_load())
+        module.register_load_state_dict_post_hook(
+            lambda *_: None if wrapper() is None else wrapper()._masters_from_weights())
 
     def _param_names(self) -> dict[int, str]:
         index = {id(p): i for i, p in enumerate(self._params)}
@@ -113,10 +135,10 @@ class ZeRO2(DDPBucketed):
         weights = torch.zeros(n * size, dtype=self.param_dtype or params[0].dtype, device=device)
         mine = weights[self.rank * size:(self.rank + 1) * size]
         master = torch.empty(size, dtype=torch.float32, device=device) if mine.dtype != torch.float32 else mine
-        if master is not mine:
+        if master is not mine:  # a copy: the exact fp32 values, before the cast
             packed = torch.zeros(n * size, dtype=torch.float32, device=device)
             for p, start in zip(params, unit.offsets):
-                packed[start:start + p.numel()].copy_(p.reshape(-1))  # the exact fp32 values, before the cast
+                packed[start:start + p.numel()].copy_(p.reshape(-1))
             master.copy_(packed[self.rank * size:(self.rank + 1) * size])
         for p, start in zip(params, unit.offsets):
             weights[start:start + p.numel()].copy_(p.reshape(-1))
@@ -124,7 +146,7 @@ class ZeRO2(DDPBucketed):
         grad = torch.zeros(size, dtype=torch.float32, device=device)
         comm = self.comm_dtype or weights.dtype
         received = grad if comm == torch.float32 else torch.zeros(size, dtype=comm, device=device)
-        self._slices[id(unit)] = _Slice(weights, master, grad, received)
+        self._slices[id(unit)] = _Slice(weights, mine, master, grad, received)
 
     def _cut(self, unit: _Unit) -> list[tuple[int, nn.Parameter, int]]:
         """(parameter index, piece, offset of the piece in the flattened parameter) for each parameter of the
@@ -167,6 +189,13 @@ class ZeRO2(DDPBucketed):
         while len(self._pending) > MAX_PENDING_BUCKETS:
             self._land(self._pending.pop(0))
 
+    def on_train_batch_start(self) -> None:
+        """Also lands the reduce-scatters of a backward that no ``finish_gradient_synchronization`` followed."""
+        for unit in self._pending:
+            self._land(unit)
+        self._pending = []
+        super().on_train_batch_start()
+
     @staticmethod
     def _land(unit: _Unit) -> None:
         unit.work.wait()
@@ -189,38 +218,42 @@ class ZeRO2(DDPBucketed):
 
     # ------------------------------------------------------------------ after the optimizer
 
-    def _mine(self, s: _Slice) -> torch.Tensor:
-        """This rank's slice of the bucket's flat weights."""
-        return s.weights[self.rank * s.master.numel():(self.rank + 1) * s.master.numel()]
-
     @torch.no_grad()
     def _after_step(self) -> None:
         """Cast the updated master slices into the flat weights and all-gather every bucket in place."""
-        cast = [(self._mine(s), s.master) for s in self._slices.values() if s.master is not self._mine(s)]
-        if cast:
-            torch._foreach_copy_(*map(list, zip(*cast)))
-        for s in self._slices.values():
-            for piece, _, _ in s.pieces if s.master is not self._mine(s) else ():
+        copied = [s for s in self._slices.values() if s.copied]
+        if copied:
+            torch._foreach_copy_([s.mine for s in copied], [s.master for s in copied])
+        for s in copied:
+            for piece, _, _ in s.pieces:
                 state = self.optimizer.state.get(piece)
                 if state:  # once the optimizer holds state: checkpoints carry the exact weights (MasterAdamW's key)
                     state.setdefault("master", piece)
-            mine = self._mine(s)
-            source = mine if self._nccl else mine.clone()  # gloo gathers from a separate tensor
+        for s in self._slices.values():
+            source = s.mine if self._nccl else s.mine.clone()  # gloo gathers from a separate tensor
             work = all_gather_flat(s.weights, source, group=self.process_group, async_op=True)
             work.wait()  # NCCL: the compute stream waits for it (the host does not); gloo: done
 
     @torch.no_grad()
-    def _after_load(self) -> None:
-        """The master weights of a loaded optimizer state go into the pieces; without them (a checkpoint of fp32
-        weights), the pieces take the loaded weights. Then every rank's weights are gathered: a collective."""
+    def _masters_from_weights(self) -> None:
+        """Copied masters take the weights' values (a model state dict was loaded): the next step must not write the
+        old masters back over them."""
         for s in self._slices.values():
-            for piece, lo, hi in s.pieces:
+            if s.copied:
+                s.master.copy_(s.mine)
+
+    @torch.no_grad()
+    def _after_load(self) -> None:
+        """Loaded master weights go into the copied masters where they agree with the loaded weights (rounded to
+        their dtype); elsewhere the masters take the weights. Then every rank's weights are gathered: a collective."""
+        for s in self._slices.values():
+            for piece, lo, hi in s.pieces if s.copied else ():
                 state = self.optimizer.state.get(piece)
-                if state and "master" in state:
-                    piece.copy_(state["master"])
+                master = state.pop("master", None) if state else None
+                fresh = master is not None and torch.equal(master.to(s.mine.dtype), s.mine[lo:hi])
+                piece.copy_(master if fresh else s.mine[lo:hi])
+                if state:
                     state["master"] = piece
-                elif s.master is not self._mine(s):
-                    piece.copy_(self._mine(s)[lo:hi])
         self._after_step()
 
     # ------------------------------------------------------------------ DataParallelWrapper
