@@ -30,7 +30,10 @@ from parallelism_calc.specs import MODELS, ParallelSpec  # noqa: E402
 
 SPEC = MODELS["tiny"].replace(name="tiny3", n_layers=3)
 BATCH, SEQ, STEPS = 4, 16, 3
-HP = dict(lr=1e-2, weight_decay=0.1, eps=1e-5)
+# eps 1e-3 keeps the comparison well conditioned: Adam moves a weight by up to lr * dg / eps for a gradient error dg
+# near a zero gradient, and the two programs reassociate float sums differently (dg ~ 1e-8). With eps 1e-5 the
+# worst weight of 12 seeds sat at 0.15-0.35 of atol and one CI run's at 1.02; with 1e-3, 0.003-0.008 of it.
+HP = dict(lr=1e-2, weight_decay=0.1, eps=1e-3)
 
 
 def _devices(n: int) -> list:
