@@ -181,22 +181,24 @@ def test_zero2_bf16_weights_follow_master_adamw():
     assert all(res["dtypes"] == ["torch.bfloat16"] and all(res["released"]) for res in results)
 
 
+def _zero2_step(wrapper, rows: torch.Tensor, rank: int, world_size: int) -> None:
+    """One optimizer step of ``wrapper`` on this rank's share of ``rows``."""
+    _loss(wrapper, rows.chunk(world_size)[rank]).backward()
+    wrapper.finish_gradient_synchronization()
+    wrapper.optimizer.step()
+    wrapper.optimizer.zero_grad(set_to_none=True)
+
+
 def _body_resume(rank: int, world_size: int, seed: int) -> dict:
     """bf16 weights: 2 steps, then the model's and the optimizer's state dicts into a fresh wrapper (other initial
     weights), then one more step on both: the fresh one must have taken the fp32 masters, not the bf16 weights."""
     from torch_impl.distributed import ZeRO2
 
-    def step(wrapper, rows):
-        _loss(wrapper, rows.chunk(world_size)[rank]).backward()
-        wrapper.finish_gradient_synchronization()
-        wrapper.optimizer.step()
-        wrapper.optimizer.zero_grad(set_to_none=True)
-
     kwargs = dict(bucket_size_mb=BUCKET_MB, param_dtype=torch.bfloat16, **_adamw(True))
     first = ZeRO2(_model(seed), torch.optim.AdamW, **kwargs)
     tokens = _tokens(seed)
     for rows in tokens[:2]:
-        step(first, rows)
+        _zero2_step(first, rows, rank, world_size)
     fresh = ZeRO2(_model(seed + 1), torch.optim.AdamW, **kwargs)
     fresh.module.load_state_dict(first.module.state_dict())
     fresh.optimizer.load_state_dict(copy.deepcopy(first.optimizer.state_dict()))  # as read from a file: not shared
@@ -208,7 +210,7 @@ def _body_resume(rank: int, world_size: int, seed: int) -> dict:
     model_only.optimizer.param_groups[0]["lr"] = 0.0
     loaded = [p.detach().clone() for p in first.module.parameters()]
     for wrapper in (first, fresh, model_only):
-        step(wrapper, tokens[2])
+        _zero2_step(wrapper, tokens[2], rank, world_size)
     return {"masters_equal": masters_equal,
             "weights_equal": all(torch.equal(a, b) for a, b in zip(first.module.parameters(),
                                                                    fresh.module.parameters())),
@@ -220,9 +222,7 @@ def _body_fp32_state(rank: int, world_size: int, seed: int) -> list[str]:
     from torch_impl.distributed import ZeRO2
 
     wrapper = ZeRO2(_model(seed), torch.optim.AdamW, bucket_size_mb=BUCKET_MB, **ADAMW)
-    _loss(wrapper, _tokens(seed)[0].chunk(world_size)[rank]).backward()
-    wrapper.finish_gradient_synchronization()
-    wrapper.optimizer.step()
+    _zero2_step(wrapper, _tokens(seed)[0], rank, world_size)
     return sorted({key for state in wrapper.optimizer.state.values() for key in state})
 
 
@@ -244,10 +244,7 @@ def _body_nccl(rank: int, world_size: int, seed: int, comm_dtype: torch.dtype | 
     wrapper = ZeRO2(model, torch.optim.AdamW, bucket_size_mb=BUCKET_MB, comm_dtype=comm_dtype, fused=True, **ADAMW)
     ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **ADAMW)
     for rows in _tokens(seed)[:2].to(device):
-        _loss(wrapper, rows.chunk(world_size)[rank]).backward()
-        wrapper.finish_gradient_synchronization()
-        wrapper.optimizer.step()
-        wrapper.optimizer.zero_grad(set_to_none=True)
+        _zero2_step(wrapper, rows, rank, world_size)
         _loss(ref, rows).backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)

@@ -89,6 +89,7 @@ class ZeRO2(DDPBucketed):
         self.param_dtype = param_dtype
         self._slices: dict[int, _Slice] = {}  # id(unit) -> its slice
         self._pending: list[_Unit] = []  # launched buckets whose buffers are still in flight
+        self._masters_in_state = False  # every copied master is in its optimizer state (once the state exists)
         super().__init__(module, bucket_size_mb, comm_dtype=comm_dtype, comm_sms=comm_sms,
                          process_group=process_group, find_unused_parameters=False)
         self._layout: dict[int, tuple[torch.Size, int]] = {}  # id(piece) -> (full shape, offset in its parameter)
@@ -132,16 +133,15 @@ class ZeRO2(DDPBucketed):
         params = [self._params[i] for i in unit.params]
         n, device = self.world_size, params[0].device
         size = math.ceil(unit.offsets[-1] / n)  # S
-        weights = torch.zeros(n * size, dtype=self.param_dtype or params[0].dtype, device=device)
-        mine = weights[self.rank * size:(self.rank + 1) * size]
-        master = torch.empty(size, dtype=torch.float32, device=device) if mine.dtype != torch.float32 else mine
-        if master is not mine:  # a copy: the exact fp32 values, before the cast
-            packed = torch.zeros(n * size, dtype=torch.float32, device=device)
-            for p, start in zip(params, unit.offsets):
-                packed[start:start + p.numel()].copy_(p.reshape(-1))
-            master.copy_(packed[self.rank * size:(self.rank + 1) * size])
+        mine_range = slice(self.rank * size, (self.rank + 1) * size)
+        packed = torch.zeros(n * size, dtype=params[0].dtype, device=device)  # the weights as given
         for p, start in zip(params, unit.offsets):
-            weights[start:start + p.numel()].copy_(p.reshape(-1))
+            packed[start:start + p.numel()].copy_(p.reshape(-1))
+        weights = packed.to(self.param_dtype or packed.dtype)  # packed itself unless cast
+        mine = weights[mine_range]
+        # fp32 weights are their own master; else an exact fp32 copy of the values before the cast
+        master = mine if mine.dtype == torch.float32 else packed[mine_range].to(torch.float32, copy=True)
+        for p, start in zip(params, unit.offsets):
             p.data = weights[start:start + p.numel()].view_as(p)
         grad = torch.zeros(size, dtype=torch.float32, device=device)
         comm = self.comm_dtype or weights.dtype
@@ -191,9 +191,7 @@ class ZeRO2(DDPBucketed):
 
     def on_train_batch_start(self) -> None:
         """Also lands the reduce-scatters of a backward that no ``finish_gradient_synchronization`` followed."""
-        for unit in self._pending:
-            self._land(unit)
-        self._pending = []
+        self._land_all()
         super().on_train_batch_start()
 
     @staticmethod
@@ -201,12 +199,15 @@ class ZeRO2(DDPBucketed):
         unit.work.wait()
         unit.flat = None  # the full-size buffer is free once its reduce-scatter is done
 
-    @torch.no_grad()
-    def finish_gradient_synchronization(self) -> None:
-        self._launch_rest()
+    def _land_all(self) -> None:
         for unit in self._pending:
             self._land(unit)
         self._pending = []
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        self._launch_rest()
+        self._land_all()
         for s in self._slices.values():
             if s.received is not s.grad:
                 s.grad.copy_(s.received)
@@ -224,11 +225,13 @@ class ZeRO2(DDPBucketed):
         copied = [s for s in self._slices.values() if s.copied]
         if copied:
             torch._foreach_copy_([s.mine for s in copied], [s.master for s in copied])
-        for s in copied:
-            for piece, _, _ in s.pieces:
+        if not self._masters_in_state:  # checkpoints carry the exact weights (MasterAdamW's key), once state exists
+            pieces = [piece for s in copied for piece, _, _ in s.pieces]
+            for piece in pieces:
                 state = self.optimizer.state.get(piece)
-                if state:  # once the optimizer holds state: checkpoints carry the exact weights (MasterAdamW's key)
+                if state:
                     state.setdefault("master", piece)
+            self._masters_in_state = all(self.optimizer.state.get(piece) for piece in pieces)
         for s in self._slices.values():
             source = s.mine if self._nccl else s.mine.clone()  # gloo gathers from a separate tensor
             work = all_gather_flat(s.weights, source, group=self.process_group, async_op=True)
@@ -254,6 +257,7 @@ class ZeRO2(DDPBucketed):
                 piece.copy_(master if fresh else s.mine[lo:hi])
                 if state:
                     state["master"] = piece
+        self._masters_in_state = False  # pieces the loaded state did not cover get theirs after their first step
         self._after_step()
 
     # ------------------------------------------------------------------ DataParallelWrapper
