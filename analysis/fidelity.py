@@ -6,8 +6,10 @@ on a GPU whose measured ceilings are among the records (suite "ceilings", ``torc
 device name); a step record without them is listed, with the reason. Per row:
 
 * time: ``parallelism_calc.roofline.step_time_floor`` on those ceilings (the matmul rate of the record's compute
-  dtype, the copy bandwidth, and for several devices the bus bandwidth of the largest NCCL all-reduce recorded
-  between as many of them) against the median step; ``measured / floor`` says how far above its floor a run is;
+  dtype, the copy bandwidth, for several devices the bus bandwidth of the largest NCCL all-reduce recorded between
+  as many of them, and for a torch bf16 step whose attention kernel the attention benchmark measured on that device
+  at its head dim, that kernel's rate at the nearest sequence length: ``attention_rate``) against the median step;
+  ``measured / floor`` says how far above its floor a run is;
 * memory: ``parallelism_calc.memory.per_device_memory`` recomputed from the record's spec and configuration
   (``memory_prediction``; so a fixed formula re-reads every committed record) against the measured peak per device
   (``peak_memory_bytes``), for every record whose benchmark made a prediction at run time
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.allreduce import ALLREDUCE_SUITE
+from analysis.attention import ATTENTION_SUITE
 from analysis.data_parallel import SUITE as DDP_SUITE, memory_terms
 from analysis.harness import DTYPES, calculator_terms, compiled_activations
 from analysis.records import Record
@@ -52,6 +55,9 @@ PREDICTED_MEMORY = ("predicted_peak_bytes", "predicted_memory_bytes")  # what th
 # later configurations of the same launch ran beside their weights and their buckets (individual: the last step's
 # gradients it held). Records before 5a320bd have no per_rank_allocated_before_bytes to say how much.
 LEAKING_WRAPPERS = ("individual", "bucketed", "zero1")
+# The kernel torch's default SDPA (``--attention sdpa``) ran in bf16 on the H100 with torch 2.11: cuDNN's sm90 kernels
+# (results/profiles/single_gpu/xl_4x512_train_step_bf16_kernels.md), timed by the attention benchmark as sdpa_cudnn.
+SDPA_DEFAULT_KERNEL = "sdpa_cudnn"
 LEFTOVER_MIN_BYTES = 2**30  # a leftover smaller than this (NCCL's and cuBLAS's workspaces, 64 MiB) is not added
 
 
@@ -63,6 +69,7 @@ class Row:
     floor_ms: float | None = None
     comm_floor_ms: float | None = None
     predicted_memory: float | None = None
+    attention_flops: float | None = None  # the attention kernel's measured rate the floor used (attention_rate)
     memory_model: str = ""  # how predicted_memory was made (see memory_prediction)
     why: str = ""
 
@@ -101,6 +108,33 @@ def bus_bandwidths(records: list[Record]) -> dict[tuple[str, int], float]:
             if size >= best.get(key, (-1, 0.0))[0]:
                 best[key] = (size, r.metrics["busbw_gbps"] * 1e9)
     return {key: busbw for key, (_, busbw) in best.items()}
+
+
+def attention_rates(records: list[Record]) -> dict[tuple[str, str, int], dict[int, float]]:
+    """{(device name, kernel, head dim): {sequence length: FLOP/s}} of the attention benchmark's causal bf16
+    forward-and-backward records (``torch_impl.bench.attention``; the last record of a shape wins)."""
+    rates: dict[tuple[str, str, int], dict[int, float]] = {}
+    for r in records:
+        if (r.suite == ATTENTION_SUITE and r.mode == "forward_backward" and r.status == "ok" and r.tflops
+                and r.dtype == "bf16" and r.metrics.get("causal") and r.metrics.get("head_dim")):
+            key = (r.provenance.get("device_name", "?"), r.implementation, r.metrics["head_dim"])
+            rates.setdefault(key, {})[r.seq_len] = r.tflops * 1e12
+    return rates
+
+
+def attention_rate(record: Record, spec: ModelSpec, rates: dict[tuple[str, str, int], dict[int, float]]
+                   ) -> float | None:
+    """The measured rate of a torch bf16 step's attention kernel (``attention_of``; the default SDPA's:
+    ``SDPA_DEFAULT_KERNEL``) on its device at its head dim,
+    at the measured sequence length nearest the step's (on a log scale); None where there is none (JAX records,
+    fp32 steps, kernels the attention benchmark does not time, devices it did not run on)."""
+    if record.backend != "torch" or record.dtype == "fp32" or not spec.n_heads:
+        return None
+    kernel = SDPA_DEFAULT_KERNEL if attention_of(record) == "sdpa" else attention_of(record)
+    measured = rates.get((record.provenance.get("device_name", "?"), kernel, spec.d_model // spec.n_heads))
+    if not measured:
+        return None
+    return measured[min(measured, key=lambda n: abs(math.log(n / record.seq_len)))]
 
 
 def data_parallel(record: Record) -> tuple[str, int, int]:
@@ -219,9 +253,11 @@ def leftover_bytes(records: list[Record]) -> dict[int, tuple[float, str]]:
 
 
 def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[tuple[str, int], float],
-            leftover: tuple[float, str] | None = None) -> Row:
+            leftover: tuple[float, str] | None = None,
+            attention: dict[tuple[str, str, int], dict[int, float]] | None = None) -> Row:
     """One row; ``leftover`` (``leftover_bytes``): memory an earlier configuration of the launch left allocated,
-    added to the prediction and named in the row's memory model."""
+    added to the prediction and named in the row's memory model; ``attention``: the measured attention kernels'
+    rates (``attention_rates``)."""
     predicted, model = memory_prediction(record)
     if predicted is not None and leftover is not None:
         predicted += leftover[0]
@@ -245,8 +281,10 @@ def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[t
             raise ValueError(f"no NCCL all-reduce recorded over {ranks} x {device}")
         spec = ModelSpec(**record.model_dims)
         batch *= int(record.metrics.get("grad_accum") or 1)  # the trainer's step: A micro-batches, one update
+        row.attention_flops = attention_rate(record, spec, attention or {})
         floor = step_time_floor(spec, batch, record.seq_len, record.mode, DTYPES[record.dtype],
-                                Ceilings(measured[compute_dtype], measured["copy"], bus), strategy, ranks)
+                                Ceilings(measured[compute_dtype], measured["copy"], bus, row.attention_flops),
+                                strategy, ranks)
     except (ValueError, KeyError, TypeError) as err:
         row.why = str(err)
         return row
@@ -262,7 +300,8 @@ def is_step(record: Record) -> bool:
 
 def fidelity_rows(records: list[Record]) -> list[Row]:
     ceilings, buses, leftovers = device_ceilings(records), bus_bandwidths(records), leftover_bytes(records)
-    return [predict(r, ceilings, buses, leftovers.get(id(r))) for r in records if is_step(r)]
+    attention = attention_rates(records)
+    return [predict(r, ceilings, buses, leftovers.get(id(r)), attention) for r in records if is_step(r)]
 
 
 def _frame(rows: list[Row]):
@@ -278,6 +317,7 @@ def _frame(rows: list[Row]):
         "device": row.record.provenance.get("device_name"), "commit": row.record.provenance.get("git_commit"),
         "measured ms": row.record.median_ms, "floor ms": row.floor_ms, "time error": row.time_error,
         "measured / floor": row.record.median_ms / row.floor_ms if row.floor_ms else None,
+        "attention TFLOP/s": row.attention_flops / 1e12 if row.attention_flops else None,
         "comm ms": (row.record.phases or {}).get("comm", {}).get("median_ms"),
         "comm floor ms": row.comm_floor_ms if row.record.world_size > 1 else None,
         "measured GiB": gib(row.record.peak_memory_bytes), "predicted GiB": gib(row.predicted_memory),

@@ -1,14 +1,19 @@
 """A training step's time floor on measured ceilings: each part at its ceiling, none of them overlapping.
 
-    T_step >= F_matmul / C  +  (B_optimizer + B_casts + B_elementwise) / W  +  T_comm
+    T_step >= F_matmul / C  +  F_attention / C_attention  +  (B_optimizer + B_casts + B_elementwise) / W  +  T_comm
 
-with C the device's measured matrix-product rate and W its measured copy bandwidth (``torch_impl.bench.ceilings``
+with C the device's measured matrix-product rate, C_attention its fused attention kernel's measured rate (when
+known; else attention's products are in F_matmul at C) and W its measured copy bandwidth (``torch_impl.bench.ceilings``
 records them; datasheet peaks are never reached). The parts, for a ``transformer`` spec:
 
 * F_matmul: ``compute.forward_flops`` (x 3 for a train or forward-backward step: the backward is two products per
   forward product), except that causal attention's score and value products count half: a fused kernel skips the
   masked tiles (``compute`` counts them in full, as MFU conventionally does); plus what the backward recomputes
   (``recompute_flops``: checkpointed blocks, the fused loss's logits).
+* F_attention, where the ceilings carry an attention rate: the causal score and value products of the step's
+  forward and backward (taken out of F_matmul) as ``compute.attention_flops`` counts them for a fused kernel
+  (forward x 3.5: the backward recomputes the scores), at the rate the attention benchmark measured for that kernel
+  (under half the products' rate at d_head 64 on an H100). What the backward recomputes stays in F_matmul.
 * B_optimizer: AdamW's traffic per parameter (per parameter of the device's shard under ``fsdp``, as B_casts), train
   steps only: it reads the gradient, the fp32 weight (or master),
   both fp32 moments and writes weight (or master) and moments; with ``bf16_mixed`` it also writes the bf16 weight:
@@ -29,8 +34,8 @@ records them; datasheet peaks are never reached). The parts, for a ``transformer
   compute dtype, the gradients reduce-scattered), at the measured bus bandwidth, all exposed (serialized): a run
   that overlaps its communication beats this part of the floor by what it hides.
 
-What the floor leaves out is what a measurement above it shows: kernels below their ceilings (attention reaches
-under half the products' rate at d_head 64), gaps between kernels, host-bound steps, communication not overlapped.
+What the floor leaves out is what a measurement above it shows: kernels below their ceilings (attention, where
+its rate is not given), gaps between kernels, host-bound steps, communication not overlapped.
 References: Williams et al. 2009 (the roofline model); notes/train_step.md (the xl step's kernels against it).
 """
 
@@ -39,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallelism_calc.collectives import ring_all_gather_time, ring_all_reduce_time, ring_reduce_scatter_time
-from parallelism_calc.compute import MODES, forward_flops
+from parallelism_calc.compute import MODES, attention_flops, forward_flops
 from parallelism_calc.memory import get_precision, Precision
 from parallelism_calc.specs import ModelSpec
 
@@ -51,14 +56,18 @@ STRATEGY_COMMS = ("none", "ddp", "fsdp")  # what T_comm models
 class Ceilings:
     """What one device sustains, measured: ``matmul_flops`` (FLOP/s of a large product in the compute dtype),
     ``memory_bw`` (bytes/s of a device copy, read + written), ``bus_bw`` (bytes/s, NCCL-tests' bus bandwidth of a
-    large collective between the devices; None on one device)."""
+    large collective between the devices; None on one device), ``attention_flops`` (FLOP/s of the step's fused
+    causal attention kernel, forward and backward, as ``compute.attention_flops`` counts them; None: attention's
+    products at ``matmul_flops``)."""
 
     matmul_flops: float
     memory_bw: float
     bus_bw: float | None = None
+    attention_flops: float | None = None
 
     def __post_init__(self) -> None:
-        if not (self.matmul_flops > 0 and self.memory_bw > 0 and (self.bus_bw is None or self.bus_bw > 0)):
+        if not (self.matmul_flops > 0 and self.memory_bw > 0
+                and all(rate is None or rate > 0 for rate in (self.bus_bw, self.attention_flops))):
             raise ValueError(f"Ceilings need positive rates; got {self}")
 
 
@@ -71,10 +80,11 @@ class StepFloor:
     casts_s: float
     elementwise_s: float
     comm_s: float
+    attention_s: float = 0.0  # the attention core at its own rate, where the ceilings have one (else in matmul_s)
 
     @property
     def total_s(self) -> float:
-        return self.matmul_s + self.optimizer_s + self.casts_s + self.elementwise_s + self.comm_s
+        return self.matmul_s + self.optimizer_s + self.casts_s + self.elementwise_s + self.comm_s + self.attention_s
 
 
 def matmul_flops(spec: ModelSpec, batch_size: int, seq_len: int, mode: str) -> float:
@@ -151,11 +161,20 @@ def step_time_floor(spec: ModelSpec, batch_size: float, seq_len: int, mode: str,
     # fsdp: each device updates, and casts, its own 1 / N of the parameters (the gathers are in T_comm)
     params = spec.n_params() / (n_devices if strategy == "fsdp" else 1)
     casts = (6 if mode == "forward" else 12) * params if p.autocast else 0
+    products = matmul_flops(spec, batch_size, seq_len, mode) + (0.0 if mode == "forward" else recompute_flops(
+        spec, batch_size, seq_len, recompute_blocks, selective, loss))
+    attention_s = 0.0
+    if ceilings.attention_flops is not None and spec.arch == "transformer":
+        core = spec.n_layers * 2 * batch_size * seq_len * seq_len * spec.d_model  # the causal half, one forward
+        products -= core * (1 if mode == "forward" else 3)
+        kernel = attention_flops(batch_size, spec.n_heads, seq_len, spec.d_model // spec.n_heads, True,
+                                 "forward" if mode == "forward" else "forward_backward")
+        attention_s = spec.n_layers * kernel / ceilings.attention_flops
     return StepFloor(
-        matmul_s=(matmul_flops(spec, batch_size, seq_len, mode) + (0.0 if mode == "forward" else recompute_flops(
-            spec, batch_size, seq_len, recompute_blocks, selective, loss))) / ceilings.matmul_flops,
+        matmul_s=products / ceilings.matmul_flops,
         optimizer_s=ADAMW_BYTES * params / ceilings.memory_bw if train else 0.0,
         casts_s=casts / ceilings.memory_bw,
         elementwise_s=elementwise_bytes(spec, tokens, mode, p) / ceilings.memory_bw,
         comm_s=comm_seconds(spec, strategy, n_devices, p, ceilings.bus_bw) if train else 0.0,
+        attention_s=attention_s,
     )

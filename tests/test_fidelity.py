@@ -93,6 +93,28 @@ def test_data_parallel_floor_adds_the_measured_all_reduce():
     assert table.loc[0, "time: predicted"] == 1 and table.loc[0, "memory: within 5%"] == 0
 
 
+def _attention(seq_len: int, tflops: float, implementation="sdpa_cudnn", device=H100) -> Record:
+    record = Record(suite="attention", backend="torch", implementation=implementation, dtype="bf16",
+                    mode="forward_backward", seq_len=seq_len, tflops=tflops,
+                    metrics={"causal": True, "head_dim": SPEC.d_model // SPEC.n_heads, "heads": 16})
+    record.provenance["device_name"] = device
+    return record
+
+
+def test_the_attention_kernel_s_measured_rate_at_the_nearest_length_times_its_core():
+    measured = [_attention(256, 200.0), _attention(2048, 350.0), _attention(2048, 900.0, "flex"),
+                _attention(512, 999.0, device="NVIDIA H200")]
+    cudnn, default, jax, fp32, other = (
+        _record(), _record(implementation="compiled sdpa"), _record(backend="jax", implementation="scan"),
+        _record(dtype="fp32"), _record(implementation="compiled flash_triton"))
+    rows = fidelity_rows([*_ceilings(), *measured, cudnn, default, jax, fp32, other])
+    # 512 tokens: 256 is nearer than 2,048 on a log scale (2x against 4x); the default SDPA ran cuDNN's kernels
+    assert [r.attention_flops for r in rows] == [200e12, 200e12, None, None, None]
+    floor = step_time_floor(SPEC, 4, 512, "train_step", "bf16_autocast", Ceilings(700e12, 3e12, attention_flops=200e12))
+    assert rows[0].floor_ms == pytest.approx(floor.total_s * 1e3) and floor.attention_s > 0
+    assert _frame(rows)["attention TFLOP/s"].tolist()[:2] == [200.0, 200.0]
+
+
 def test_an_accumulated_step_is_floored_as_all_its_micro_batches():
     # The trainer's record times an optimizer step of grad_accum micro-batches (the accumulation study: 16 x 64
     # against 1,024 x 1): its floor is one step over all of them, not one micro-batch's.

@@ -46,6 +46,22 @@ def test_every_part_of_the_floor_by_hand():
     assert forward == StepFloor(2_859_008 / 1e12, 0.0, 0.0, (12 * 64 + 3 * 128) * 4 * TOKENS * 2 / 1e11, 0.0)
 
 
+def test_a_measured_attention_rate_times_the_attention_core_apart():
+    # the causal score and value products of one forward: 2 x (2 B S^2 d) / 2 a layer = 16,384; the attention
+    # benchmark counts a fused kernel's forward and backward as 3.5 forwards (the backward recomputes the scores)
+    core = 2 * BATCH * SEQ * SEQ * 64
+    assert core == 16_384
+    plain = Ceilings(matmul_flops=1e12, memory_bw=1e11)
+    timed = Ceilings(matmul_flops=1e12, memory_bw=1e11, attention_flops=4e11)
+    for mode, passes, forwards in (("train_step", 3.5, 3), ("forward", 1.0, 1)):
+        without = step_time_floor(SPEC, BATCH, SEQ, mode, "bf16_autocast", plain)
+        floor = step_time_floor(SPEC, BATCH, SEQ, mode, "bf16_autocast", timed)
+        assert without.attention_s == 0.0  # no rate: attention's products stay in matmul_s
+        assert floor.matmul_s == pytest.approx((forwards * 2_859_008 - forwards * 2 * core) / 1e12)
+        assert floor.attention_s == pytest.approx(passes * 2 * core / 4e11)
+        assert floor.total_s == pytest.approx(without.total_s - forwards * 2 * core / 1e12 + passes * 2 * core / 4e11)
+
+
 def test_fsdp_gathers_twice_and_reduce_scatters():
     seconds = comm_seconds(SPEC, "fsdp", 4, "bf16_mixed", bus_bw=1e9)
     assert seconds == pytest.approx((3 / 4) * SPEC.n_params() * (2 + 2 + 2) / 1e9)
@@ -53,6 +69,7 @@ def test_fsdp_gathers_twice_and_reduce_scatters():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: Ceilings(0.0, 1e9), "positive rates"),
+    (lambda: Ceilings(1e12, 1e9, attention_flops=0.0), "positive rates"),
     (lambda: comm_seconds(SPEC, "tp", 2, "fp32", 1e9), "models none, ddp, fsdp"),
     (lambda: comm_seconds(SPEC, "ddp", 2, "fp32", None), "needs the measured bus bandwidth"),
     (lambda: matmul_flops(SPEC, 1, 8, "backward"), "accepted: forward"),
