@@ -125,9 +125,9 @@ def attention_rates(records: list[Record]) -> dict[tuple[str, str, int], dict[in
 def attention_rate(record: Record, spec: ModelSpec, rates: dict[tuple[str, str, int], dict[int, float]]
                    ) -> float | None:
     """The measured rate of a torch bf16 step's attention kernel (``attention_of``; the default SDPA's:
-    ``SDPA_DEFAULT_KERNEL``) on its device at its head dim,
-    at the measured sequence length nearest the step's (on a log scale); None where there is none (JAX records,
-    fp32 steps, kernels the attention benchmark does not time, devices it did not run on)."""
+    ``SDPA_DEFAULT_KERNEL``) on its device at its head dim, at the measured sequence length nearest the step's (on a
+    log scale); None where there is none (JAX records, fp32 steps, kernels the attention benchmark does not time,
+    devices it did not run on)."""
     if record.backend != "torch" or record.dtype == "fp32" or not spec.n_heads:
         return None
     kernel = SDPA_DEFAULT_KERNEL if attention_of(record) == "sdpa" else attention_of(record)
