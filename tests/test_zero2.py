@@ -62,26 +62,34 @@ def _body(rank: int, world_size: int, seed: int, bf16: bool) -> dict:
     from torch_impl.distributed import ZeRO2
 
     model = _model(seed)
+    model.layers.span = 1  # each block a span: its gathered weights waited for by a span hook of its own
     wrapper = ZeRO2(model, torch.optim.AdamW, bucket_size_mb=BUCKET_MB, param_dtype=torch.bfloat16 if bf16 else None,
                     **_adamw(bf16))
     schedule = torch.optim.lr_scheduler.StepLR(wrapper.optimizer, step_size=2, gamma=0.5)
     tokens = _tokens(seed)
     weights, masters, released, norms = [], [], [], []
+
+    def read_weights():
+        weights.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
+
     for step in range(STEPS):
         wrapper.on_train_batch_start()
         micro = tokens[step].chunk(world_size)[rank].chunk(ACCUM)
         for j, rows in enumerate(micro):
             with wrapper.no_sync() if j < ACCUM - 1 else contextlib.nullcontext():
                 (_loss(wrapper, rows) / ACCUM).backward()
+            if step and not j:  # the last step's weights, read after the forward that waited for their gathers
+                read_weights()
         wrapper.finish_gradient_synchronization()
         released.append(all(p.grad is None for p in model.parameters()))
         norms.append(wrapper.grad_norm_squared().item())
         wrapper.optimizer.step()
         wrapper.optimizer.zero_grad(set_to_none=True)
         schedule.step()
-        weights.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
         masters.append({n: (wrapper.shard_of(piece)[1], piece.detach().clone())
                         for n, piece in wrapper.named_optimizer_params()})
+    wrapper.wait_for_weights()  # no forward follows the last step
+    read_weights()
     state = wrapper.optimizer.state
     return {"weights": weights, "masters": masters, "released": released, "norms": norms,
             "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
@@ -213,6 +221,7 @@ def _body_resume(rank: int, world_size: int, seed: int) -> dict:
     loaded = [p.detach().clone() for p in first.module.parameters()]
     for wrapper in (first, fresh, model_only):
         _zero2_step(wrapper, tokens[2], rank, world_size)
+        wrapper.wait_for_weights()
     return {"masters_equal": masters_equal,
             "weights_equal": all(torch.equal(a, b) for a, b in zip(first.module.parameters(),
                                                                    fresh.module.parameters())),
@@ -250,6 +259,7 @@ def _body_nccl(rank: int, world_size: int, seed: int, comm_dtype: torch.dtype | 
         _loss(ref, rows).backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
+    wrapper.wait_for_weights()
     weights = dict(model.named_parameters())
     return {n: ((weights[n] - p).norm() / (p - q).norm()).item()
             for (n, p), q in zip(ref.named_parameters(), _model(seed).to(device).parameters())}

@@ -18,11 +18,14 @@ References: CS336 assignment 1 (2025); Zhang & Sennrich 2019 (RMSNorm); Shazeer 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
 
 from parallelism_calc.specs import ModelSpec
 from torch_impl import nvtx
@@ -219,9 +222,23 @@ class Blocks(nn.ModuleList):
     span: int | None = None  # None: all the blocks at once
     run_span = staticmethod(run_blocks)
 
+    def __init__(self, modules=None):
+        super().__init__(modules)
+        self._span_hooks: OrderedDict[int, Callable[[tuple[nn.Module, ...]], None]] = OrderedDict()  # weakref-able
+
+    def register_span_hook(self, hook: Callable[[tuple[nn.Module, ...]], None]) -> RemovableHandle:
+        """``hook(blocks)`` runs before each span's blocks go through ``run_span``, eagerly, outside any compiled
+        region (a block's own forward pre-hooks would be traced into it): where ``torch_impl.distributed.ZeRO2``
+        waits for those blocks' gathered weights. Returns a handle whose ``remove()`` drops it."""
+        handle = RemovableHandle(self._span_hooks)
+        self._span_hooks[handle.id] = hook
+        return handle
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         blocks, span = tuple(self), self.span or max(len(self), 1)
         for start in range(0, len(blocks), span):
+            for hook in self._span_hooks.values():
+                hook(blocks[start:start + span])
             x = self.run_span(blocks[start:start + span], x)
         return x
 

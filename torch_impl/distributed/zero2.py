@@ -17,15 +17,21 @@ One step:
 
 * backward: once all the gradients of a bucket are ready (post-accumulate-grad hooks, buckets launched in their fixed
   order, as ``DDPBucketed``), they are copied into a new flat buffer (in ``comm_dtype``), the parameters' ``.grad``
-  are released, and an asynchronous reduce-scatter averages the buffer into this rank's slice. At most
-  ``MAX_PENDING_BUCKETS`` + 1 such buffers are alive, so the gradients take 1/N of their memory plus those buffers
-  (ZeRO-2's P_os+g).
+  are released, and an asynchronous reduce-scatter averages the buffer into this rank's slice. Buffers in flight
+  take at most ``MAX_PENDING_MB`` (or one bucket), so the gradients take 1/N of their memory plus those (ZeRO-2's
+  P_os+g); the compute stream waits for the oldest reduce-scatter only beyond that.
 * ``finish_gradient_synchronization``: waits; the slices (fp32) become the ``.grad`` of the pieces.
 * ``optimizer.step()``: updates the pieces; its post-hook casts them into the flat buffers' own slices and
-  all-gathers every bucket in place (asynchronously; on NCCL the next kernels of the compute stream wait for them).
+  all-gathers every bucket in place, asynchronously, in the order the next forward needs them: the buckets with
+  weights outside ``module.layers``' blocks first, waited for when the module's forward starts; then the blocks'
+  buckets, each waited for just before the first span of blocks that uses it (``Blocks.register_span_hook``), so
+  the gathers run beside the forward. A module without ``Blocks`` waits for all of them when its forward starts;
+  ``state_dict``, ``load_state_dict`` and the next step wait too; other reads of the weights before the next
+  forward call ``wait_for_weights()`` first.
 
 Against an all-reduce of the gradients (``DDPBucketed``) the bytes on the wire are the same (a reduce-scatter and
-an all-gather), but only the reduce-scatter's half runs beside the backward, and the optimizer does 1/N of the work.
+an all-gather), but only the reduce-scatter's half runs beside the backward, the all-gather's beside the forward, and
+the optimizer does 1/N of the work.
 ``param_dtype`` (e.g. ``torch.bfloat16``): the weights (frozen ones too) are cast to it in place at construction
 (the master pieces keep their exact fp32 values, as ``MasterAdamW``; run the model without autocast), so the
 all-gather moves 2 bytes a weight and the gradients arrive in bf16. A model state dict loaded into the module
@@ -56,7 +62,11 @@ import torch.nn as nn
 from torch_impl.distributed.ddp import DDPBucketed, _Unit
 from torch_impl.distributed.process_group import all_gather_flat, nccl_averages, reduce_scatter_flat
 
-MAX_PENDING_BUCKETS = 2  # full-size gradient buffers in flight in the backward
+# Full-size gradient buffers in flight in the backward, MiB. A compiled span's gradients arrive together, at the
+# end of its backward (BLOCKS_PER_GRAPH blocks: xl's 4 take 8 buckets of 100 MB), so the cap must hold a span's
+# buckets: with 2 buckets the compute stream waited for each reduce-scatter in turn (2 H200s, xl 4 x 1,024: 0.9 ms
+# a span, notes/data_parallel.md, session 34).
+MAX_PENDING_MB = 1024
 
 
 @dataclass
@@ -69,6 +79,8 @@ class _Slice:
     grad: torch.Tensor  # (S,) fp32: the averaged gradient of the slice
     received: torch.Tensor  # (S,) where the reduce-scatter lands: ``grad`` itself, or a comm_dtype buffer
     pieces: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)  # (piece, start, end) in the slice
+    gather: Any = None  # the all-gather of ``weights`` in flight, until the forward waits for it
+    source: torch.Tensor | None = None  # what it gathers from, kept alive until then (gloo: a copy of ``mine``)
 
     @property
     def copied(self) -> bool:
@@ -119,10 +131,49 @@ class ZeRO2(DDPBucketed):
         self.optimizer.register_load_state_dict_post_hook(lambda *_: alive()._after_load())
         module.register_load_state_dict_post_hook(
             lambda *_: None if wrapper() is None else wrapper()._masters_from_weights())
+        self._order_gathers(module, wrapper)
 
     def _param_names(self) -> dict[int, str]:
         index = {id(p): i for i, p in enumerate(self._params)}
         return {index[id(p)]: name for name, p in self.module.named_parameters() if id(p) in index}
+
+    def _order_gathers(self, module: nn.Module, alive: Callable[[], ZeRO2 | None]) -> None:
+        """The all-gathers' order (``_gathers``: the forward's) and the hooks that wait for them (module docstring)."""
+        slice_of = {id(self._params[i]): self._slices[id(unit)] for unit in self._units for i in unit.params}
+        layers = getattr(module, "layers", None)
+        blocks = tuple(layers) if hasattr(layers, "register_span_hook") else ()
+        self._block_slices = {id(b): _distinct(slice_of.get(id(p)) for p in b.parameters()) for b in blocks}
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        first = {id(slice_of[id(p)]) for p in self._params if id(p) not in in_blocks}
+        order = [self._slices[id(unit)] for unit in reversed(self._units)]  # the units are in the backward's order
+        self._first = [s for s in order if id(s) in first]
+        self._gathers = self._first + [s for s in order if id(s) not in first]
+
+        def hook(slices: Callable[..., list[_Slice]]) -> Callable[..., None]:
+            """A hook that waits for ``slices(wrapper, *the hook's arguments)``."""
+            def run(*args: Any, **_: Any) -> None:
+                if (zero2 := alive()) is not None:
+                    zero2._wait(slices(zero2, *args))
+            return run
+
+        module.register_forward_pre_hook(hook(lambda z, *_: z._first))
+        module.register_state_dict_pre_hook(hook(lambda z, *_: z._gathers))
+        module.register_load_state_dict_pre_hook(hook(lambda z, *_: z._gathers))
+        if blocks:
+            layers.register_span_hook(hook(lambda z, span: [s for b in span for s in z._block_slices[id(b)]]))
+
+    def wait_for_weights(self) -> None:
+        """Wait for the last step's all-gathers. The forward, ``state_dict`` and ``load_state_dict`` do; anything
+        else that reads the module's weights between ``optimizer.step()`` and the next forward must call this."""
+        self._wait(self._gathers)
+
+    @staticmethod
+    def _wait(slices: list[_Slice]) -> None:
+        """Wait for these slices' all-gathers (NCCL: the compute stream does; the host does not)."""
+        for s in slices:
+            if s.gather is not None:
+                s.gather.wait()
+                s.gather = s.source = None
 
     # ------------------------------------------------------------------ layout
 
@@ -186,7 +237,7 @@ class ZeRO2(DDPBucketed):
                                         async_op=True)
         unit.flat, unit.launched = flat, True
         self._pending.append(unit)
-        while len(self._pending) > MAX_PENDING_BUCKETS:
+        while len(self._pending) > 1 and sum(u.flat.nbytes for u in self._pending) > MAX_PENDING_MB * 2**20:
             self._land(self._pending.pop(0))
 
     def on_train_batch_start(self) -> None:
@@ -221,7 +272,9 @@ class ZeRO2(DDPBucketed):
 
     @torch.no_grad()
     def _after_step(self) -> None:
-        """Cast the updated master slices into the flat weights and all-gather every bucket in place."""
+        """Cast the updated master slices into the flat weights and all-gather every bucket in place, in the
+        forward's order; the forward waits for each (``_order_gathers``)."""
+        self.wait_for_weights()  # if no forward did since the last step (a load, then a step)
         copied = [s for s in self._slices.values() if s.copied]
         if copied:
             torch._foreach_copy_([s.mine for s in copied], [s.master for s in copied])
@@ -232,10 +285,9 @@ class ZeRO2(DDPBucketed):
                 if state:
                     state.setdefault("master", piece)
             self._masters_in_state = all(self.optimizer.state.get(piece) for piece in pieces)
-        for s in self._slices.values():
-            source = s.mine if self._nccl else s.mine.clone()  # gloo gathers from a separate tensor
-            work = all_gather_flat(s.weights, source, group=self.process_group, async_op=True)
-            work.wait()  # NCCL: the compute stream waits for it (the host does not); gloo: done
+        for s in self._gathers:
+            s.source = s.mine if self._nccl else s.mine.clone()  # gloo gathers from a separate tensor
+            s.gather = all_gather_flat(s.weights, s.source, group=self.process_group, async_op=True)
 
     @torch.no_grad()
     def _masters_from_weights(self) -> None:
@@ -267,3 +319,12 @@ class ZeRO2(DDPBucketed):
 
     def shard_of(self, param: torch.Tensor) -> tuple[torch.Size, int] | None:
         return self._layout.get(id(param))
+
+
+def _distinct(slices) -> list[_Slice]:
+    """The slices (None left out), each once, in their order (by identity: a slice's fields are tensors)."""
+    seen: dict[int, _Slice] = {}
+    for s in slices:
+        if s is not None:
+            seen.setdefault(id(s), s)
+    return list(seen.values())
