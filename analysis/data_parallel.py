@@ -25,7 +25,8 @@ FSDP_GATHERING = {"fsdp": dict(gather_unit="block", prefetch_layers=1, pending_r
 # torch DDP's bf16_compress_hook: the bf16 copy of every bucket beside its fp32 buckets (per_device_memory's
 # gradient_buckets; torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook).
 BF16_HOOK_COPY_BYTES = 2
-# The implementations that keep flat gradient buckets from step to step (the others reduce in place or shard).
+# The implementations that keep flat gradient buckets from step to step (the others reduce in place or shard;
+# ZeRO-2 keeps slices of them, see memory_terms).
 BUCKETED_IMPLS = ("bucketed", "zero1", "torch_ddp")
 
 
@@ -34,10 +35,14 @@ def memory_terms(impl: str, grad_bytes: int, comm_dtype: str = "grad") -> dict:
     peak placed in the step (``"timeline"``, as for one process): the FSDPs' gathered working set, reduce-scatter
     buffers and compute-dtype residual stream (``FSDP_GATHERING``); the others' persistent gradient buckets, in
     the dtype the gradients travel in (``grad_bytes``, 2 for our bf16 communication); torch DDP's bf16 hook keeps
-    its fp32 buckets and compresses each into a bf16 copy (``grad_bytes + BF16_HOOK_COPY_BYTES``). Against the
-    2-GPU records: notes/data_parallel.md, notes/fidelity.md."""
+    its fp32 buckets and compresses each into a bf16 copy (``grad_bytes + BF16_HOOK_COPY_BYTES``); ZeRO-2 its
+    slices (sharded): the fp32 averaged gradient and, unless that is what travels, the slice the reduce-scatter
+    lands in. Against the 2-GPU records: notes/data_parallel.md, notes/fidelity.md."""
     if impl in FSDP_GATHERING:
         return dict(FSDP_GATHERING[impl])
+    if impl == "zero2":
+        travels = 2 if comm_dtype == "bf16" else grad_bytes
+        return {"peak_model": "timeline", "gradient_buckets": 4 + (0 if travels == 4 else travels)}
     if impl not in BUCKETED_IMPLS:
         return {"peak_model": "timeline", "gradient_buckets": 0}
     if comm_dtype != "bf16":

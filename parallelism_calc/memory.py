@@ -508,10 +508,12 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
 
     ``compiled``: the blocks compiled by Inductor, which saves fewer activations (``activation_bytes_per_token``).
 
-    ``gradient_buckets``: bytes a parameter of flat gradient buffers kept from step to step, replicated (stages 0
-    and 1 only): bucketed DDP's and torch DDP's all-reduce buckets hold every gradient in the dtype it travels in
-    (4 for fp32 gradients, 2 sent in bf16); DDP that reduces each gradient in place holds none (0, the default).
-    ``buckets`` = P x gradient_buckets, alive throughout the step.
+    ``gradient_buckets``: bytes a parameter of flat gradient buffers kept from step to step, replicated at stages 0
+    and 1: bucketed DDP's and torch DDP's all-reduce buckets hold every gradient in the dtype it travels in (4 for
+    fp32 gradients, 2 sent in bf16); DDP that reduces each gradient in place holds none (0, the default). At stage 2
+    they are sharded like the gradients: ``torch_impl.distributed.ZeRO2`` keeps each rank's slice of the averaged
+    gradient in fp32 (4) and, unless the gradients travel in fp32, the slice its reduce-scatter lands in (2 for
+    bf16). ``buckets`` = P x gradient_buckets (/ N_shard at stage 2), alive throughout the step.
 
     Communication buffers of the data-parallel wrappers (tests/test_calc_memory.py holds small cases by hand):
 
@@ -571,9 +573,9 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     if compiled and checkpoint_every is not None:
         raise ValueError(f"compiled=True with checkpoint_every={checkpoint_every}: the compiled count was measured "
                          "without checkpointing")
-    if gradient_buckets < 0 or gradient_buckets and strategy not in ("ddp", "zero1"):
-        raise ValueError(f"gradient_buckets={gradient_buckets}: bytes a parameter >= 0, with strategy ddp or zero1 "
-                         f"(replicated gradients); got {strategy!r}")
+    if gradient_buckets < 0 or gradient_buckets and strategy not in ("ddp", "zero1", "zero2"):
+        raise ValueError(f"gradient_buckets={gradient_buckets}: bytes a parameter >= 0, with strategy ddp, zero1 or "
+                         f"zero2 (whole gradients kept); got {strategy!r}")
     if pending_reduce_scatters is not None and (pending_reduce_scatters < 0 or strategy not in ("zero3", "fsdp",
                                                                                                  "fsdp_tp")):
         raise ValueError(f"pending_reduce_scatters={pending_reduce_scatters}: reduce-scatters in flight >= 0, with "
@@ -614,7 +616,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     gathered = (resident + (1 + prefetch_layers) * unit) * prec.activation_bytes / tp if stage == 3 else 0.0
     # Autocast's bf16 weight copies, saved for backward: only where the forward reads fp32 weights (not stage 3).
     cast_weights = _cast_params(spec) * prec.activation_bytes / tp if prec.autocast and stage < 3 else 0.0
-    buckets = float(n * gradient_buckets)
+    buckets = shard(gradient_buckets, 2)
     k_rs = pending_reduce_scatters
     reduce_scatter = (unit * prec.activation_bytes * (1 + (k_rs + 1) * (1 + 1 / n_shard)) / tp
                       if k_rs is not None and stage == 3 else 0.0)
@@ -635,7 +637,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
         "gathered": (f"({'root + ' if resident else ''}(1 + {prefetch_layers}) * largest unit [{gather_unit}]) * "
                      f"{prec.activation_bytes} / tp" if stage == 3 else "0"),
         "cast_weights": f"P_matmul * {prec.activation_bytes} / tp" if prec.autocast and stage < 3 else "0",
-        "buckets": f"P * {gradient_buckets}",
+        "buckets": f"P * {gradient_buckets}" + (f" / {s}" if stage >= 2 else ""),
         "reduce_scatter": (f"largest unit [{gather_unit}] * {prec.activation_bytes} * (1 + ({k_rs} + 1) * "
                            f"(1 + 1 / {n_shard})) / tp" if reduce_scatter else "0"),
         "N_shard": str(n_shard),

@@ -123,7 +123,7 @@ def test_timeline_never_above_the_sum_and_options_checked():
 
 def test_gradient_buckets_stay_alive_through_the_step():
     """DDP's flat buckets (bucketed, ZeRO-1 over it, torch DDP) hold every gradient from step to step: P x bytes more
-    at every moment of the timeline, and in the sum; sharded gradients have no such buckets."""
+    at every moment of the timeline, and in the sum; ZeRO-2 keeps slices of them, the same bytes over N ranks."""
     for precision, nbytes in (("fp32", 4), ("bf16_autocast", 4), ("bf16_autocast", 2)):
         for peak_model in ("sum", "timeline"):
             kw = dict(precision=precision, attention="naive", peak_model=peak_model)
@@ -134,7 +134,14 @@ def test_gradient_buckets_stay_alive_through_the_step():
     # One device without buckets: the timeline's S + gradients at the backward's end, as above, plus P x 4.
     one = per_device_memory(TOY, "ddp", 1, 2, 2, "fp32", attention="naive", peak_model="timeline", gradient_buckets=4)
     assert one.total == S_DDP + G_ALL + 4 * P
-    for strategy, value, message in (("fsdp", 4, "with strategy ddp or zero1"), ("ddp", -1, "bytes a parameter >= 0")):
+    # ZeRO-2's slices: the same bytes a parameter, sharded over the ranks
+    for n_dev in (2, 4):
+        plain = per_device_memory(TOY, "zero2", n_dev, 4 * 16, 16, attention="naive", peak_model="timeline")
+        sliced = per_device_memory(TOY, "zero2", n_dev, 4 * 16, 16, attention="naive", peak_model="timeline",
+                                   gradient_buckets=6)
+        assert sliced.buckets == P * 6 / n_dev and sliced.total - plain.total == P * 6 / n_dev
+    for strategy, value, message in (("fsdp", 4, "with strategy ddp, zero1 or zero2"),
+                                     ("ddp", -1, "bytes a parameter >= 0")):
         with pytest.raises(ValueError, match=message):
             per_device_memory(TOY, strategy, 2, 4 * 16, 16, gradient_buckets=value)
 

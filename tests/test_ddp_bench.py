@@ -124,9 +124,11 @@ def test_predicted_memory_follows_the_strategy(records):
     n_params = MODELS["tiny"].n_params()
     assert bucketed - naive == by_name["bucketed 10MB"]["predicted_memory"]["buckets"] == 4 * n_params
     assert bucketed - zero1 == 8 * n_params / 2
-    # ZeRO-2 keeps no gradient buckets (its gradients are sharded, and none is alive at the forward's end, the peak)
+    # ZeRO-2 keeps its slice of the averaged gradient (fp32, the gradients' own dtype here, so the reduce-scatter
+    # lands in it) instead of full buckets: 4 bytes a parameter over 2 ranks
     assert by_name["zero2 10MB"]["strategy"] == "zero2"
-    assert zero1 - by_name["zero2 10MB"]["predicted_memory_bytes"] == 4 * n_params
+    assert by_name["zero2 10MB"]["predicted_memory"]["buckets"] == 4 * n_params / 2
+    assert zero1 - by_name["zero2 10MB"]["predicted_memory_bytes"] == 4 * n_params - 4 * n_params / 2
     # sharded weights and gradients: less than ZeRO-1 before the gathered and reduce-scatter buffers (on tiny, whose
     # blocks are not much larger than its 512 x 64 LM head, those buffers outweigh what sharding saves)
     fsdp_terms = by_name["fsdp"]["predicted_memory"]
