@@ -21,10 +21,10 @@
 #   GPUs against one: bucketed 100 MB and torch DDP with each region replayed as CUDA graphs, gradients in fp32
 #   and bf16 (COMM_DTYPE), bucketed's NCCL kernels on COMM_SMS SMs (default 0: NCCL's choice), then our FSDP and
 #   FSDP2 (compiled blocks, no graphs), each family beside its own one-GPU run;
-# zero2: that step with each region's CUDA graphs and 100 MB buckets, ZeRO-2 against bucketed DDP (both with bf16
-#   gradients), first under bf16 autocast (fp32 weights), then with bf16 weights over fp32 masters (bf16_mixed:
-#   ZeRO-2 all-gathers 2 bytes a weight), each dtype beside its one-GPU run; with PROFILE set, both profiled
-#   under bf16_mixed (OUT_DIR/ddp_profiles.tgz);
+# zero2: that step with each region's CUDA graphs and 100 MB buckets, ZeRO-2 (its weights gathered by NCCL, then by
+#   the copy engines; ZERO2_GATHER to choose) against bucketed DDP (both with bf16 gradients), first under bf16
+#   autocast (fp32 weights), then with bf16 weights over fp32 masters (bf16_mixed: ZeRO-2 gathers 2 bytes a weight),
+#   each dtype beside its one-GPU run; with PROFILE set, all profiled under bf16_mixed (OUT_DIR/ddp_profiles.tgz);
 # matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs);
 # accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
 #   128 tokens); leaderboard: the CS336 leaderboard's step (torch_impl.bench.leaderboard: lm8b, 2 x 32,768 global,
@@ -102,11 +102,12 @@ zero2)
        --cuda-graph blocks --bucket-mb 100 --out "$out/ddp.jsonl")
   for dtype in bf16 bf16_mixed; do
     python3 "${ddp[@]}" --dtype "$dtype" --dist none
-    "${run[@]}" "$n" "${ddp[@]}" --dtype "$dtype" --dist bucketed,zero2 --comm-dtype bf16
+    "${run[@]}" "$n" "${ddp[@]}" --dtype "$dtype" --dist bucketed,zero2 --comm-dtype bf16 \
+      --zero2-gather "${ZERO2_GATHER:-nccl,copy_engines}"
   done
   if [[ -n "${PROFILE:-}" ]]; then
     "${run[@]}" "$n" "${ddp[@]}" --dtype bf16_mixed --dist bucketed,zero2 --comm-dtype bf16 \
-      --profile "$out/profiles" --out "$out/ddp_profiled.jsonl"
+      --zero2-gather "${ZERO2_GATHER:-nccl,copy_engines}" --profile "$out/profiles" --out "$out/ddp_profiled.jsonl"
     tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles"
   fi ;;
 matrix)

@@ -245,14 +245,18 @@ def test_zero2_bf16_state_dict_carries_the_masters():
     assert keys == [["exp_avg", "exp_avg_sq", "step"]] * 2, keys
 
 
-def _body_nccl(rank: int, world_size: int, seed: int, comm_dtype: torch.dtype | None, on_cpu: bool = False) -> dict:
-    """Two steps of ZeRO-2 on NCCL (the tiny LM on this rank's GPU, fused AdamW): each weight's move against one
-    process's on the whole batch (``on_cpu``: the same on gloo, to try the test without GPUs)."""
+def _body_nccl(rank: int, world_size: int, seed: int, comm_dtype: torch.dtype | None, gather: str = "nccl",
+               on_cpu: bool = False) -> dict:
+    """Two steps of ZeRO-2 on NCCL (the tiny LM on this rank's GPU, fused AdamW), its weights gathered by ``gather``:
+    each weight's move against one process's on the whole batch (``on_cpu``: the same on gloo, to try the test
+    without GPUs)."""
     from torch_impl.distributed import ZeRO2
 
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     model, ref = _model(seed).to(device), _model(seed).to(device)
-    wrapper = ZeRO2(model, torch.optim.AdamW, bucket_size_mb=BUCKET_MB, comm_dtype=comm_dtype, fused=True, **ADAMW)
+    model.layers.span = 1
+    wrapper = ZeRO2(model, torch.optim.AdamW, bucket_size_mb=BUCKET_MB, comm_dtype=comm_dtype, fused=True,
+                    gather=gather, **ADAMW)
     ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **ADAMW)
     for rows in _tokens(seed)[:2].to(device):
         _zero2_step(wrapper, rows, rank, world_size)
@@ -267,12 +271,33 @@ def _body_nccl(rank: int, world_size: int, seed: int, comm_dtype: torch.dtype | 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs >= 2 GPUs")
+@pytest.mark.parametrize("gather", ["nccl", "copy_engines"])
 @pytest.mark.parametrize("comm_dtype, tolerance", [(None, 1e-3), (torch.bfloat16, 3e-2)])
-def test_zero2_on_nccl_matches_single_process(comm_dtype, tolerance):
-    """NCCL's reduce-scatter (AVG) and in-place all-gather: each weight's move over two steps within float32's (or
-    bf16 gradients') round-off of one process's (norm of the difference / norm of the move; on 2 gloo ranks 1e-6 and
-    3e-3)."""
+def test_zero2_on_nccl_matches_single_process(comm_dtype, tolerance, gather):
+    """NCCL's reduce-scatter (AVG), then the weights gathered by NCCL in place or by the copy engines into the peers'
+    symmetric memory: each weight's move over two steps within float32's (or bf16 gradients') round-off of one
+    process's (norm of the difference / norm of the move; on 2 gloo ranks 1e-6 and 3e-3)."""
     seed = secrets.randbelow(2**20)
-    for rank, errs in enumerate(run_ranks(_body_nccl, 2, seed, comm_dtype, timeout_s=120, backend="nccl")):
+    for rank, errs in enumerate(run_ranks(_body_nccl, 2, seed, comm_dtype, gather, timeout_s=120, backend="nccl")):
         worst = max(errs, key=errs.get)
-        assert errs[worst] < tolerance, (seed, comm_dtype, rank, worst, errs[worst])
+        assert errs[worst] < tolerance, (seed, comm_dtype, gather, rank, worst, errs[worst])
+
+
+def _body_bad_gather(rank: int, world_size: int) -> list[str]:
+    """The messages of a gather ZeRO2 cannot use here: copy engines on gloo, an unknown name."""
+    from torch_impl.distributed import ZeRO2
+
+    messages = []
+    for gather in ("copy_engines", "ring"):
+        try:
+            ZeRO2(_model(0), torch.optim.AdamW, bucket_size_mb=BUCKET_MB, gather=gather, **ADAMW)
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_zero2_refuses_a_gather_it_cannot_run():
+    for messages in run_ranks(_body_bad_gather, 2, timeout_s=120):
+        assert len(messages) == 2, messages
+        assert "needs NCCL on CUDA devices" in messages[0] and "use gather='nccl'" in messages[0]
+        assert "ZeRO2 gather='ring'; accepted: nccl, copy_engines" in messages[1]

@@ -27,7 +27,10 @@ One step:
   buckets, each waited for just before the first span of blocks that uses it (``Blocks.register_span_hook``), so
   the gathers run beside the forward. A module without ``Blocks`` waits for all of them when its forward starts;
   ``state_dict``, ``load_state_dict`` and the next step wait too; other reads of the weights before the next
-  forward call ``wait_for_weights()`` first.
+  forward call ``wait_for_weights()`` first. ``gather="copy_engines"`` (NCCL, one GPU a rank on one host): the
+  weights live in symmetric memory (``torch.distributed._symmetric_memory``) and each rank copies its slices into
+  its peers' buffers (the copy engines: no SMs taken from the forward's GEMMs) and signals each peer, whose waits
+  are then on those signals (``put_signal`` / ``wait_signal``).
 
 Against an all-reduce of the gradients (``DDPBucketed``) the bytes on the wire are the same (a reduce-scatter and
 an all-gather), but only the reduce-scatter's half runs beside the backward, the all-gather's beside the forward, and
@@ -57,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from torch_impl.distributed.ddp import DDPBucketed, _Unit
@@ -67,6 +71,11 @@ from torch_impl.distributed.process_group import all_gather_flat, nccl_averages,
 # buckets: with 2 buckets the compute stream waited for each reduce-scatter in turn (2 H200s, xl 4 x 1,024: 0.9 ms
 # a span, notes/data_parallel.md, session 34).
 MAX_PENDING_MB = 1024
+# How the updated weights reach the other ranks: NCCL's all-gather (kernels that hold SMs), or the copy engines
+# writing each rank's slice into the peers' buffers (symmetric memory, one GPU a rank on one host; no SMs: beside
+# the forward's GEMMs NCCL's kernels cost them ~1.1 ms per 600 MB, the copies ~0.1, scripts/ce_probe.py).
+GATHERS = ("nccl", "copy_engines")
+SIGNAL_TIMEOUT_MS = 120_000  # a peer's slice that never arrives ends the process (a device-side trap)
 
 
 @dataclass
@@ -79,8 +88,10 @@ class _Slice:
     grad: torch.Tensor  # (S,) fp32: the averaged gradient of the slice
     received: torch.Tensor  # (S,) where the reduce-scatter lands: ``grad`` itself, or a comm_dtype buffer
     pieces: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)  # (piece, start, end) in the slice
-    gather: Any = None  # the all-gather of ``weights`` in flight, until the forward waits for it
+    gather: Any = None  # the all-gather of ``weights`` in flight (True: the peers' copies), until a wait for it
     source: torch.Tensor | None = None  # what it gathers from, kept alive until then (gloo: a copy of ``mine``)
+    symmetric: Any = None  # copy_engines: the symmetric-memory handle of ``weights``
+    peers: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # copy_engines: (rank, my slice in theirs)
 
     @property
     def copied(self) -> bool:
@@ -90,14 +101,23 @@ class _Slice:
 
 class ZeRO2(DDPBucketed):
     """ZeRO-2 over ``module`` (see the module docstring). ``optimizer_cls`` with ``**options``: its optimizer, over
-    this rank's pieces; ``param_dtype``: the dtype the weights are cast to (None: kept); ``bucket_size_mb``,
+    this rank's pieces; ``param_dtype``: the dtype the weights are cast to (None: kept); ``gather``: how the
+    updated weights reach the other ranks (``GATHERS``); ``bucket_size_mb``,
     ``comm_dtype``, ``comm_sms``, ``process_group``: as ``DDPBucketed``'s."""
 
     def __init__(self, module: nn.Module, optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
                  *, bucket_size_mb: float = 25.0, comm_dtype: torch.dtype | None = None,
-                 param_dtype: torch.dtype | None = None, comm_sms: int = 0, process_group=None, **options: Any):
+                 param_dtype: torch.dtype | None = None, comm_sms: int = 0, process_group=None,
+                 gather: str = "nccl", **options: Any):
         if param_dtype is not None and not param_dtype.is_floating_point:
             raise ValueError(f"param_dtype={param_dtype}: weights are cast to a floating-point dtype")
+        self.gather = gather
+        if gather not in GATHERS:
+            raise ValueError(f"ZeRO2 gather={gather!r}; accepted: {', '.join(GATHERS)}")
+        if self.gather == "copy_engines" and (dist.get_backend(process_group) != "nccl"
+                                              or next(module.parameters()).device.type != "cuda"):
+            raise ValueError("ZeRO2 gather='copy_engines' needs NCCL on CUDA devices (symmetric memory); "
+                             "use gather='nccl'")
         self.param_dtype = param_dtype
         self._slices: dict[int, _Slice] = {}  # id(unit) -> its slice
         self._pending: list[_Unit] = []  # launched buckets whose buffers are still in flight
@@ -162,6 +182,12 @@ class ZeRO2(DDPBucketed):
         if blocks:
             layers.register_span_hook(hook(lambda z, span: [s for b in span for s in z._block_slices[id(b)]]))
 
+    @property
+    def symmetric_bytes(self) -> int:
+        """Bytes of this rank's weights in symmetric memory (copy_engines), which CUDA's caching allocator does not
+        count (``torch.cuda.max_memory_allocated``)."""
+        return sum(s.weights.nbytes for s in self._slices.values() if s.symmetric is not None)
+
     def wait_for_weights(self) -> None:
         """Wait for the last step's all-gathers. The forward, ``state_dict`` and ``load_state_dict`` do; anything
         else that reads the module's weights between ``optimizer.step()`` and the next forward must call this."""
@@ -169,11 +195,14 @@ class ZeRO2(DDPBucketed):
 
     @staticmethod
     def _wait(slices: list[_Slice]) -> None:
-        """Wait for these slices' all-gathers (NCCL: the compute stream does; the host does not)."""
+        """Wait for these slices' all-gathers (NCCL, copy engines: the compute stream does; the host does not)."""
         for s in slices:
-            if s.gather is not None:
+            if s.gather is True:  # copy engines: each peer signals once its slice is in
+                for q, _ in s.peers:
+                    s.symmetric.wait_signal(q, 0, SIGNAL_TIMEOUT_MS)
+            elif s.gather is not None:
                 s.gather.wait()
-                s.gather = s.source = None
+            s.gather = s.source = None
 
     # ------------------------------------------------------------------ layout
 
@@ -189,6 +218,15 @@ class ZeRO2(DDPBucketed):
         for p, start in zip(params, unit.offsets):
             packed[start:start + p.numel()].copy_(p.reshape(-1))
         weights = packed.to(self.param_dtype or packed.dtype)  # packed itself unless cast
+        symmetric, peers = None, []
+        if self.gather == "copy_engines":  # the weights in symmetric memory, each peer's buffer mapped here
+            import torch.distributed._symmetric_memory as symm_mem
+
+            weights = symm_mem.empty(n * size, dtype=weights.dtype, device=device).copy_(weights)
+            group = self.process_group or dist.group.WORLD
+            symmetric = symm_mem.rendezvous(weights, group.group_name)
+            peers = [(q, symmetric.get_buffer(q, (n * size,), weights.dtype)[mine_range]) for q in range(n)
+                     if q != self.rank]
         mine = weights[mine_range]
         # fp32 weights are their own master; else an exact fp32 copy of the values before the cast
         master = mine if mine.dtype == torch.float32 else packed[mine_range].to(torch.float32, copy=True)
@@ -197,7 +235,7 @@ class ZeRO2(DDPBucketed):
         grad = torch.zeros(size, dtype=torch.float32, device=device)
         comm = self.comm_dtype or weights.dtype
         received = grad if comm == torch.float32 else torch.zeros(size, dtype=comm, device=device)
-        self._slices[id(unit)] = _Slice(weights, mine, master, grad, received)
+        self._slices[id(unit)] = _Slice(weights, mine, master, grad, received, symmetric=symmetric, peers=peers)
 
     def _cut(self, unit: _Unit) -> list[tuple[int, nn.Parameter, int]]:
         """(parameter index, piece, offset of the piece in the flattened parameter) for each parameter of the
@@ -259,6 +297,7 @@ class ZeRO2(DDPBucketed):
     def finish_gradient_synchronization(self) -> None:
         self._launch_rest()
         self._land_all()
+        self._copies_done()
         slices = list(self._slices.values())
         cast = [s for s in slices if s.received is not s.grad]
         if cast:  # one multi-tensor kernel: a copy per slice took 3.6 ms on 2 H200s (xl, bf16), notes/data_parallel.md
@@ -278,6 +317,7 @@ class ZeRO2(DDPBucketed):
         """Cast the updated master slices into the flat weights and all-gather every bucket in place, in the
         forward's order; the forward waits for each (``_order_gathers``)."""
         self.wait_for_weights()  # if no forward did since the last step (a load, then a step)
+        self._copies_done()
         copied = [s for s in self._slices.values() if s.copied]
         if copied:
             torch._foreach_copy_([s.mine for s in copied], [s.master for s in copied])
@@ -288,9 +328,32 @@ class ZeRO2(DDPBucketed):
                 if state:
                     state.setdefault("master", piece)
             self._masters_in_state = all(self.optimizer.state.get(piece) for piece in pieces)
+        if self.gather == "copy_engines":
+            self._copy_to_peers()
+            return
         for s in self._gathers:
             s.source = s.mine if self._nccl else s.mine.clone()  # gloo gathers from a separate tensor
             s.gather = all_gather_flat(s.weights, s.source, group=self.process_group, async_op=True)
+
+    def _copy_to_peers(self) -> None:
+        """Each slice into every peer's weights (``Memcpy PtoP``: the copy engines), then a signal to the peer, on a
+        side stream after the cast. A peer is done reading its weights by then: this rank's reduce-scatters, which
+        the optimizer waited for, needed the peer's last one, launched after its whole backward."""
+        if not hasattr(self, "_copy_stream"):
+            self._copy_stream = torch.cuda.Stream(self._gathers[0].weights.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._copy_stream):
+            for s in self._gathers:
+                for q, theirs in s.peers:
+                    theirs.copy_(s.mine)
+                    s.symmetric.put_signal(q, 0, SIGNAL_TIMEOUT_MS)
+                s.gather = True
+
+    def _copies_done(self) -> None:
+        """The compute stream waits for this rank's copies to the peers before it writes ``mine`` again (the
+        optimizer, the cast of the masters): by then they are long done."""
+        if hasattr(self, "_copy_stream"):
+            torch.cuda.current_stream().wait_stream(self._copy_stream)
 
     @torch.no_grad()
     def _masters_from_weights(self) -> None:
@@ -313,6 +376,8 @@ class ZeRO2(DDPBucketed):
                 if state:
                     state["master"] = piece
         self._masters_in_state = False  # pieces the loaded state did not cover get theirs after their first step
+        if self.gather == "copy_engines":  # the peers' queued reads of their weights end before our copies land
+            dist.barrier(group=self.process_group)
         self._after_step()
 
     # ------------------------------------------------------------------ DataParallelWrapper
