@@ -130,7 +130,8 @@ def attention_rate(record: Record, spec: ModelSpec, rates: dict[tuple[str, str, 
     devices it did not run on)."""
     if record.backend != "torch" or record.dtype == "fp32" or not spec.n_heads:
         return None
-    kernel = SDPA_DEFAULT_KERNEL if attention_of(record) == "sdpa" else attention_of(record)
+    attention = attention_of(record)
+    kernel = SDPA_DEFAULT_KERNEL if attention == "sdpa" else attention
     measured = rates.get((record.provenance.get("device_name", "?"), kernel, spec.d_model // spec.n_heads))
     if not measured:
         return None

@@ -87,14 +87,19 @@ class StepFloor:
         return self.matmul_s + self.optimizer_s + self.casts_s + self.elementwise_s + self.comm_s + self.attention_s
 
 
+def causal_core_flops(spec: ModelSpec, batch_size: float, seq_len: int) -> float:
+    """One forward's attention-core FLOPs in all layers, causal: the unmasked half of the score and value products,
+    2 B S^2 d a layer (each product is 2 B S^2 d in full)."""
+    return spec.n_layers * 2 * batch_size * seq_len * seq_len * spec.d_model
+
+
 def matmul_flops(spec: ModelSpec, batch_size: int, seq_len: int, mode: str) -> float:
     """F_matmul: the step's product FLOPs with causal attention's masked half not counted."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}; accepted: {', '.join(MODES)}")
     forward = forward_flops(spec, batch_size, seq_len)
     if spec.arch == "transformer":
-        masked_half = 2 * batch_size * seq_len * seq_len * spec.d_model  # half of scores + values, per layer
-        forward -= spec.n_layers * masked_half
+        forward -= causal_core_flops(spec, batch_size, seq_len)  # the masked half is the same amount
     return forward * (1 if mode == "forward" else 3)
 
 
@@ -112,7 +117,7 @@ def recompute_flops(spec: ModelSpec, batch_size: float, seq_len: int, recompute_
     tokens = batch_size * seq_len
     head = 2 * tokens * spec.d_model * spec.vocab_size
     blocks = matmul_flops(spec, batch_size, seq_len, "forward") - head
-    core = spec.n_layers * 2 * batch_size * seq_len * seq_len * spec.d_model  # scores + values, the causal half
+    core = causal_core_flops(spec, batch_size, seq_len)
     return recompute_blocks * blocks + (core if selective else 0.0) + (head if loss == "fused" else 0.0)
 
 
@@ -165,8 +170,7 @@ def step_time_floor(spec: ModelSpec, batch_size: float, seq_len: int, mode: str,
         spec, batch_size, seq_len, recompute_blocks, selective, loss))
     attention_s = 0.0
     if ceilings.attention_flops is not None and spec.arch == "transformer":
-        core = spec.n_layers * 2 * batch_size * seq_len * seq_len * spec.d_model  # the causal half, one forward
-        products -= core * (1 if mode == "forward" else 3)
+        products -= causal_core_flops(spec, batch_size, seq_len) * (1 if mode == "forward" else 3)
         kernel = attention_flops(batch_size, spec.n_heads, seq_len, spec.d_model // spec.n_heads, True,
                                  "forward" if mode == "forward" else "forward_backward")
         attention_s = spec.n_layers * kernel / ceilings.attention_flops
