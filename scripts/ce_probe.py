@@ -43,7 +43,7 @@ class Probe:
         self.full = [torch.empty(2 * half, device=self.device, dtype=torch.bfloat16) for _ in range(buckets)]
         self.mats = [(torch.randn(m, k, device=self.device, dtype=torch.bfloat16),
                       torch.randn(k, n, device=self.device, dtype=torch.bfloat16)) for m, k, n in SHAPES]
-        self.gemm_reps, self.half, self.buckets = gemm_reps, half, buckets
+        self.gemm_reps, self.buckets = gemm_reps, buckets
         self.peer_bufs, self.symm_error = None, None
         try:  # one symmetric buffer a bucket: what this rank receives; the peer writes into it (push) or reads (pull)
             import torch.distributed._symmetric_memory as symm_mem

@@ -35,12 +35,13 @@ import torch
 import torch.nn as nn
 
 from torch_impl.activation_checkpointing import apply_activation_checkpointing
+from torch_impl.distributed.zero2 import GATHERS as ZERO2_GATHERS  # how zero2 gathers its updated weights
 from torch_impl.model import Blocks, TransformerBlock, run_blocks
 
-__all__ = ["ZERO2_GATHERS", "BLOCKS_PER_GRAPH", "COMM_DTYPES", "COMM_DTYPE_MODES", "COMM_SMS_MODES", "CUDA_GRAPHS", "DATA_PARALLEL",
-           "HOOKED_MODES", "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig", "apply_activation_checkpointing",
-           "apply_compile", "apply_data_parallel", "check_cuda_graph", "check_supported", "data_parallel_configs",
-           "parallelize"]
+__all__ = ["BLOCKS_PER_GRAPH", "COMM_DTYPES", "COMM_DTYPE_MODES", "COMM_SMS_MODES", "CUDA_GRAPHS", "DATA_PARALLEL",
+           "HOOKED_MODES", "UNSUPPORTED", "WRAPPER_MODES", "ZERO2_GATHERS", "DataParallelConfig",
+           "apply_activation_checkpointing", "apply_compile", "apply_data_parallel", "check_cuda_graph",
+           "check_supported", "data_parallel_configs", "parallelize"]
 
 DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "zero2", "fsdp", "fsdp2")
 # The modes with a DataParallelWrapper, so the trainer's --dist: not fsdp2 (its DTensor parameters would need their
@@ -136,8 +137,6 @@ COMM_SMS_MODES = ("naive", "flat", "individual", "bucketed", "zero1", "zero2")
 # the dtype gradients travel in: their own, or bf16 (our buckets' comm_dtype; torch DDP's bf16_compress_hook)
 COMM_DTYPES = ("grad", "bf16")
 COMM_DTYPE_MODES = ("bucketed", "zero1", "zero2", "torch_ddp")
-# how zero2 gathers the updated weights (torch_impl.distributed.zero2.GATHERS: NCCL, or the copy engines)
-ZERO2_GATHERS = ("nccl", "copy_engines")
 
 
 @dataclass(frozen=True)
@@ -192,9 +191,9 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
     ``AdamW(**adamw)``. ``dtype`` (``analysis.harness.DTYPES``): bf16 makes the FSDPs compute in bf16;
     bf16_mixed gives ``MasterAdamW``. ``comm_sms``: the SMs ``COMM_SMS_MODES``' NCCL kernels may occupy (0:
     NCCL's default); ``comm_dtype``: the dtype gradients travel in (``COMM_DTYPES``; bf16 with
-    ``COMM_DTYPE_MODES`` only); ``gather``: how zero2 gathers the weights (``ZERO2_GATHERS``). Our DDP wrappers skip the per-step count of unused parameters
-    (``find_unused_parameters=False``, torch DDP's default; the count costs a device-to-host synchronization per
-    step): every parameter of ``TransformerLM`` gets a gradient.
+    ``COMM_DTYPE_MODES`` only); ``gather``: how zero2 gathers the weights (``ZERO2_GATHERS``). Our DDP wrappers
+    skip the per-step count of unused parameters (``find_unused_parameters=False``, torch DDP's default; the count
+    costs a device-to-host synchronization per step): every parameter of ``TransformerLM`` gets a gradient.
     Collectives inside (the wrappers' broadcasts) run on every rank alike."""
     from torch_impl.distributed import (FSDP, DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
                                         ShardedOptimizer, SingleProcess, TorchDDP, ZeRO2)
@@ -204,7 +203,8 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
     if comm_sms and mode not in COMM_SMS_MODES:
         raise ValueError(f"comm_sms={comm_sms} with {mode}; accepted with: {', '.join(COMM_SMS_MODES)}")
     if gather not in ZERO2_GATHERS or gather != "nccl" and mode != "zero2":
-        raise ValueError(f"gather={gather!r} with {mode}; accepted: {', '.join(ZERO2_GATHERS)}, copy_engines with zero2")
+        raise ValueError(f"gather={gather!r} with {mode}; accepted: {', '.join(ZERO2_GATHERS)} (copy_engines with "
+                         "zero2 only)")
     if comm_dtype not in COMM_DTYPES or comm_dtype != "grad" and mode not in COMM_DTYPE_MODES:
         raise ValueError(f"comm_dtype={comm_dtype!r} with {mode}; accepted: {', '.join(COMM_DTYPES)}, bf16 with "
                          f"{', '.join(COMM_DTYPE_MODES)}")

@@ -114,7 +114,7 @@ class ZeRO2(DDPBucketed):
         self.gather = gather
         if gather not in GATHERS:
             raise ValueError(f"ZeRO2 gather={gather!r}; accepted: {', '.join(GATHERS)}")
-        if self.gather == "copy_engines" and (dist.get_backend(process_group) != "nccl"
+        if gather == "copy_engines" and (dist.get_backend(process_group) != "nccl"
                                               or next(module.parameters()).device.type != "cuda"):
             raise ValueError("ZeRO2 gather='copy_engines' needs NCCL on CUDA devices (symmetric memory); "
                              "use gather='nccl'")
