@@ -75,9 +75,9 @@ def test_checkpointing_peaks_fall_in_the_last_segment_s_backward():
 
 def test_recomputed_sum_predictions_reproduce_what_the_benchmarks_stored():
     """Every JAX record keeps the benchmark's own ("sum") formula: recomputing it from the record must give the
-    stored number (this checks fidelity's reading of each configuration). The DDP family's and the FSDPs'
-    multi-rank records are placed in the step with their buckets or gathered and reduce-scatter buffers, as one
-    process's are."""
+    stored number (this checks fidelity's reading of each configuration). The DDP family's, ZeRO-2's and the FSDPs'
+    multi-rank records are placed in the step with their buckets (ZeRO-2: its gradient slices) or gathered and
+    reduce-scatter buffers, as one process's are."""
     checked = 0
     for record in load_records([RESULTS]):
         stored = record.metrics.get("predicted_memory_bytes")
@@ -90,7 +90,7 @@ def test_recomputed_sum_predictions_reproduce_what_the_benchmarks_stored():
         else:
             what = (record.suite, record.implementation, model)
             assert model in ("timeline", "timeline, compiled"), what
-            assert record.world_size == 1 or record.metrics.get("strategy") in ("ddp", "zero1", "fsdp"), what
+            assert record.world_size == 1 or record.metrics.get("strategy") in ("ddp", "zero1", "zero2", "fsdp"), what
     assert checked >= 1
 
 
