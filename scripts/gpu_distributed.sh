@@ -22,9 +22,12 @@
 #   and bf16 (COMM_DTYPE), bucketed's NCCL kernels on COMM_SMS SMs (default 0: NCCL's choice), then our FSDP and
 #   FSDP2 (compiled blocks, no graphs), each family beside its own one-GPU run;
 # zero2: that step with each region's CUDA graphs and 100 MB buckets, ZeRO-2 (its weights gathered by NCCL, then by
-#   the copy engines; ZERO2_GATHER to choose) against bucketed DDP (both with bf16 gradients), first under bf16
+#   the copy engines; ENGINE to choose) against bucketed DDP (both with bf16 gradients), first under bf16
 #   autocast (fp32 weights), then with bf16 weights over fp32 masters (bf16_mixed: ZeRO-2 gathers 2 bytes a weight),
 #   each dtype beside its one-GPU run; with PROFILE set, all profiled under bf16_mixed (OUT_DIR/ddp_profiles.tgz);
+# engines: that step (DTYPE, default bf16) beside its one-GPU run: bucketed 100 MB with its all-reduce on NCCL and on
+#   the copy engines (ENGINE), gradients in fp32 and bf16 (COMM_DTYPE), then DIST (default torch_ddp) beside it; with
+#   PROFILE set, bucketed on the copy engines with bf16 gradients profiled (OUT_DIR/ddp_profiles.tgz);
 # matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs);
 # accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
 #   128 tokens); leaderboard: the CS336 leaderboard's step (torch_impl.bench.leaderboard: lm8b, 2 x 32,768 global,
@@ -32,7 +35,7 @@
 #   LAYERS to profile a shallower model's memory) on 2 GPUs, or NPROC of them.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
-phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, matrix, accum, leaderboard"
+phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, engines, matrix, accum, leaderboard"
 phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE; phases: $phases}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -103,11 +106,24 @@ zero2)
   for dtype in bf16 bf16_mixed; do
     python3 "${ddp[@]}" --dtype "$dtype" --dist none
     "${run[@]}" "$n" "${ddp[@]}" --dtype "$dtype" --dist bucketed,zero2 --comm-dtype bf16 \
-      --zero2-gather "${ZERO2_GATHER:-nccl,copy_engines}"
+      --engine "${ENGINE:-nccl,copy_engines}"
   done
   if [[ -n "${PROFILE:-}" ]]; then
     "${run[@]}" "$n" "${ddp[@]}" --dtype bf16_mixed --dist bucketed,zero2 --comm-dtype bf16 \
-      --zero2-gather "${ZERO2_GATHER:-nccl,copy_engines}" --profile "$out/profiles" --out "$out/ddp_profiled.jsonl"
+      --engine "${ENGINE:-nccl,copy_engines}" --profile "$out/profiles" --out "$out/ddp_profiled.jsonl"
+    tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles"
+  fi ;;
+engines)
+  ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype "${DTYPE:-bf16}"
+       --attention sdpa_cudnn --compile --cuda-graph blocks --bucket-mb 100 --out "$out/ddp.jsonl")
+  python3 "${ddp[@]}" --dist none
+  "${run[@]}" "$n" "${ddp[@]}" --dist bucketed --comm-dtype "${COMM_DTYPE:-grad,bf16}" \
+    --engine "${ENGINE:-nccl,copy_engines}"
+  [[ "${DIST:-torch_ddp}" != none ]] && "${run[@]}" "$n" "${ddp[@]}" --dist "${DIST:-torch_ddp}" \
+    --comm-dtype "${COMM_DTYPE:-grad,bf16}"
+  if [[ -n "${PROFILE:-}" ]]; then
+    "${run[@]}" "$n" "${ddp[@]}" --dist bucketed --comm-dtype bf16 --engine copy_engines --profile "$out/profiles" \
+      --out "$out/ddp_profiled.jsonl"
     tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles"
   fi ;;
 matrix)

@@ -486,10 +486,11 @@ def test_bucketed_bf16_communication_rounds_the_average_once():
 # ----------------------------------------------------------------------------- NCCL
 
 
-def _body_nccl(rank: int, world_size: int, seed: int, variant: str, dtype: torch.dtype) -> dict:
-    """One step of a DDP variant on NCCL (the tiny LM on this rank's GPU, each rank half the batch): its gradients
-    against one process on the whole batch."""
+def _body_nccl(rank: int, world_size: int, seed: int, variant: str, dtype: torch.dtype, steps: int = 2) -> dict:
+    """``steps`` steps of a DDP variant on NCCL (the tiny LM on this rank's GPU, each rank half of a fresh batch):
+    the last step's gradients against one process on the whole batch, and a digest of their bits."""
     import copy
+    import hashlib
 
     from parallelism_calc.specs import MODELS
     from torch_impl.distributed import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
@@ -499,31 +500,43 @@ def _body_nccl(rank: int, world_size: int, seed: int, variant: str, dtype: torch
     torch.manual_seed(seed)
     model = TransformerLM(MODELS["tiny"]).to(device, dtype)
     ref = copy.deepcopy(model)
+    bf16 = torch.bfloat16
     wrap = {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters,
             "bucketed": lambda m: DDPBucketed(m, bucket_size_mb=0.25),
-            "bucketed_bf16": lambda m: DDPBucketed(m, bucket_size_mb=0.25, comm_dtype=torch.bfloat16)}
+            "bucketed_bf16": lambda m: DDPBucketed(m, bucket_size_mb=0.25, comm_dtype=bf16),
+            "bucketed_ce": lambda m: DDPBucketed(m, bucket_size_mb=0.25, engine="copy_engines"),
+            "bucketed_bf16_ce": lambda m: DDPBucketed(m, bucket_size_mb=0.25, comm_dtype=bf16, engine="copy_engines")}
     ddp = wrap[variant](model)
-    tokens = torch.randint(0, MODELS["tiny"].vocab_size, (2 * world_size, 33), device=device,
-                           generator=torch.Generator(device).manual_seed(seed))
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    sl = slice(2 * rank, 2 * rank + 2)
-    F.cross_entropy(ddp(x[sl]).flatten(0, 1).float(), y[sl].flatten()).backward()
-    ddp.finish_gradient_synchronization()
-    F.cross_entropy(ref(x).flatten(0, 1).float(), y.flatten()).backward()
+    generator = torch.Generator(device).manual_seed(seed)
+    for _ in range(steps):  # the copy engines' signals and buffers are used again in each step
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        tokens = torch.randint(0, MODELS["tiny"].vocab_size, (2 * world_size, 33), device=device, generator=generator)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        sl = slice(2 * rank, 2 * rank + 2)
+        F.cross_entropy(ddp(x[sl]).flatten(0, 1).float(), y[sl].flatten()).backward()
+        ddp.finish_gradient_synchronization()
+        F.cross_entropy(ref(x).flatten(0, 1).float(), y.flatten()).backward()
     grads = dict(model.named_parameters())
-    return {n: ((grads[n].grad.float() - p.grad.float()).norm() / p.grad.float().norm()).item()
-            for n, p in ref.named_parameters()}
+    bits = hashlib.sha256(b"".join(p.grad.float().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
+    return {"bits": bits, "errors": {n: ((grads[n].grad.float() - p.grad.float()).norm() / p.grad.float().norm()).item()
+                                     for n, p in ref.named_parameters()}}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs >= 2 GPUs")
 @pytest.mark.parametrize("variant, dtype, tolerance", [
     ("naive", torch.float32, 1e-4), ("flat", torch.float32, 1e-4), ("individual", torch.float32, 1e-4),
-    ("bucketed", torch.float32, 1e-4), ("bucketed_bf16", torch.float32, 3e-2), ("bucketed", torch.float16, 1e-2)])
+    ("bucketed", torch.float32, 1e-4), ("bucketed_bf16", torch.float32, 3e-2), ("bucketed", torch.float16, 1e-2),
+    ("bucketed_ce", torch.float32, 1e-4), ("bucketed_bf16_ce", torch.float32, 3e-2),
+    ("bucketed_ce", torch.float16, 1e-2), ("bucketed_ce", torch.bfloat16, 3e-2)])
 def test_ddp_on_nccl_matches_single_process(variant, dtype, tolerance):
-    """NCCL's averaging (ReduceOp.AVG for fp32 and bf16 buckets, fp16 summed and divided): every gradient within its
-    dtype's round-off of one process's on the whole batch."""
+    """NCCL's averaging (ReduceOp.AVG for fp32 and bf16 buckets, fp16 summed and divided) or the copy engines' (``_ce``:
+    peer copies, float32 sums): the last of two steps' gradients within their dtype's round-off of one process's on
+    the whole batch, and the same bits on every rank."""
     seed = secrets.randbelow(2**20)
-    for rank, errs in enumerate(run_ranks(_body_nccl, 2, seed, variant, dtype, timeout_s=120, backend="nccl")):
+    results = run_ranks(_body_nccl, 2, seed, variant, dtype, timeout_s=120, backend="nccl")
+    assert len({res["bits"] for res in results}) == 1, (seed, variant, "the ranks' gradients differ")
+    for rank, errs in enumerate(res["errors"] for res in results):
         worst = max(errs, key=errs.get)
         assert errs[worst] < tolerance, (seed, variant, rank, worst, errs[worst])

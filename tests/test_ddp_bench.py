@@ -21,7 +21,7 @@ from analysis.records import read_records
 from parallelism_calc.specs import MODELS
 from tests._dist import free_port
 from torch_impl.bench.ddp import (Config, configurations, main, parse_bucket_mb, parse_comm_dtypes, parse_comm_sms,
-                                  parse_impls, predicted_memory)
+                                  parse_engines, parse_impls, predicted_memory)
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--warmup", "1",
@@ -69,16 +69,26 @@ def test_parse_flags():
             parse_comm_sms(bad)
     with pytest.raises(ValueError, match="--comm-dtype"):
         parse_comm_dtypes("fp16")
+    # --engine multiplies bucketed and zero2 only
+    cfgs = configurations(["naive", "bucketed", "zero2"], [25.0], engines=parse_engines("nccl,copy_engines", "cuda"))
+    assert [c.name for c in cfgs] == ["naive", "bucketed 25MB", "bucketed 25MB, copy engines", "zero2 25MB",
+                                      "zero2 25MB, copy-engine gather"]
+    with pytest.raises(ValueError, match="--engine copy_engines copies into the peers' GPU memory: CUDA devices only"):
+        parse_engines("copy_engines", "cpu")
+    with pytest.raises(ValueError, match="--engine"):
+        parse_engines("ring", "cuda")
 
 
 def test_modes_refuse_what_they_cannot_send():
-    """comm_sms is our wrappers', bf16 gradients bucketed / zero1 / torch DDP's: the rest is a one-line error."""
+    """comm_sms is our wrappers', bf16 gradients bucketed / zero1 / torch DDP's, the copy engines bucketed / zero2's: the
+    rest is a one-line error."""
     from torch_impl.parallelize import apply_data_parallel
 
     model = torch.nn.Linear(2, 2)
     for mode, kwargs, words in (("torch_ddp", {"comm_sms": 8}, "comm_sms=8 with torch_ddp"),
                                 ("naive", {"comm_dtype": "bf16"}, "comm_dtype='bf16' with naive"),
-                                ("bucketed", {"comm_dtype": "fp8"}, "accepted: grad, bf16")):
+                                ("bucketed", {"comm_dtype": "fp8"}, "accepted: grad, bf16"),
+                                ("naive", {"engine": "copy_engines"}, "copy_engines with bucketed, zero2")):
         with pytest.raises(ValueError, match=words):
             apply_data_parallel(model, mode, bucket_mb=25.0, adamw={"lr": 1e-3, "fused": False}, **kwargs)
 

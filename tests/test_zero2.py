@@ -245,9 +245,9 @@ def test_zero2_bf16_state_dict_carries_the_masters():
     assert keys == [["exp_avg", "exp_avg_sq", "step"]] * 2, keys
 
 
-def _body_nccl(rank: int, world_size: int, seed: int, comm_dtype: torch.dtype | None, gather: str = "nccl",
+def _body_nccl(rank: int, world_size: int, seed: int, comm_dtype: torch.dtype | None, engine: str = "nccl",
                on_cpu: bool = False) -> dict:
-    """Two steps of ZeRO-2 on NCCL (the tiny LM on this rank's GPU, fused AdamW), its weights gathered by ``gather``:
+    """Two steps of ZeRO-2 on NCCL (the tiny LM on this rank's GPU, fused AdamW), its weights gathered by ``engine``:
     each weight's move against one process's on the whole batch (``on_cpu``: the same on gloo, to try the test
     without GPUs)."""
     from torch_impl.distributed import ZeRO2
@@ -256,7 +256,7 @@ def _body_nccl(rank: int, world_size: int, seed: int, comm_dtype: torch.dtype | 
     model, ref = _model(seed).to(device), _model(seed).to(device)
     model.layers.span = 1
     wrapper = ZeRO2(model, torch.optim.AdamW, bucket_size_mb=BUCKET_MB, comm_dtype=comm_dtype, fused=True,
-                    gather=gather, **ADAMW)
+                    engine=engine, **ADAMW)
     ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **ADAMW)
     for rows in _tokens(seed)[:2].to(device):
         _zero2_step(wrapper, rows, rank, world_size)
@@ -271,33 +271,38 @@ def _body_nccl(rank: int, world_size: int, seed: int, comm_dtype: torch.dtype | 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs >= 2 GPUs")
-@pytest.mark.parametrize("gather", ["nccl", "copy_engines"])
+@pytest.mark.parametrize("engine", ["nccl", "copy_engines"])
 @pytest.mark.parametrize("comm_dtype, tolerance", [(None, 1e-3), (torch.bfloat16, 3e-2)])
-def test_zero2_on_nccl_matches_single_process(comm_dtype, tolerance, gather):
+def test_zero2_on_nccl_matches_single_process(comm_dtype, tolerance, engine):
     """NCCL's reduce-scatter (AVG), then the weights gathered by NCCL in place or by the copy engines into the peers'
     symmetric memory: each weight's move over two steps within float32's (or bf16 gradients') round-off of one
     process's (norm of the difference / norm of the move; on 2 gloo ranks 1e-6 and 3e-3)."""
     seed = secrets.randbelow(2**20)
-    for rank, errs in enumerate(run_ranks(_body_nccl, 2, seed, comm_dtype, gather, timeout_s=120, backend="nccl")):
+    for rank, errs in enumerate(run_ranks(_body_nccl, 2, seed, comm_dtype, engine, timeout_s=120, backend="nccl")):
         worst = max(errs, key=errs.get)
-        assert errs[worst] < tolerance, (seed, comm_dtype, gather, rank, worst, errs[worst])
+        assert errs[worst] < tolerance, (seed, comm_dtype, engine, rank, worst, errs[worst])
 
 
-def _body_bad_gather(rank: int, world_size: int) -> list[str]:
-    """The messages of a gather ZeRO2 cannot use here: copy engines on gloo, an unknown name."""
-    from torch_impl.distributed import ZeRO2
+def _body_bad_engine(rank: int, world_size: int) -> list[str]:
+    """The messages of an engine ZeRO2 and DDPBucketed cannot use here: copy engines on gloo, an unknown name."""
+    from torch_impl.distributed import DDPBucketed, ZeRO2
 
     messages = []
-    for gather in ("copy_engines", "ring"):
-        try:
-            ZeRO2(_model(0), torch.optim.AdamW, bucket_size_mb=BUCKET_MB, gather=gather, **ADAMW)
-        except ValueError as err:
-            messages.append(str(err))
+    for engine in ("copy_engines", "ring"):
+        for make in (lambda: ZeRO2(_model(0), torch.optim.AdamW, bucket_size_mb=BUCKET_MB, engine=engine, **ADAMW),
+                     lambda: DDPBucketed(_model(0), BUCKET_MB, engine=engine)):
+            try:
+                make()
+            except ValueError as err:
+                messages.append(str(err))
     return messages
 
 
-def test_zero2_refuses_a_gather_it_cannot_run():
-    for messages in run_ranks(_body_bad_gather, 2, timeout_s=120):
-        assert len(messages) == 2, messages
-        assert "needs NCCL on CUDA devices" in messages[0] and "use gather='nccl'" in messages[0]
-        assert "ZeRO2 gather='ring'; accepted: nccl, copy_engines" in messages[1]
+def test_data_parallel_refuses_an_engine_it_cannot_run():
+    for messages in run_ranks(_body_bad_engine, 2, timeout_s=120):
+        assert len(messages) == 4, messages
+        for message, who in zip(messages[:2], ("ZeRO2", "DDPBucketed")):
+            assert f"{who} engine='copy_engines' needs NCCL on CUDA devices" in message, message
+            assert "use engine='nccl'" in message, message
+        for message, who in zip(messages[2:], ("ZeRO2", "DDPBucketed")):
+            assert f"{who} engine='ring'; accepted: nccl, copy_engines" in message, message

@@ -35,11 +35,11 @@ import torch
 import torch.nn as nn
 
 from torch_impl.activation_checkpointing import apply_activation_checkpointing
-from torch_impl.distributed.zero2 import GATHERS as ZERO2_GATHERS  # how zero2 gathers its updated weights
+from torch_impl.distributed.copy_engines import ENGINES  # how the wrappers move bytes between GPUs
 from torch_impl.model import Blocks, TransformerBlock, run_blocks
 
 __all__ = ["BLOCKS_PER_GRAPH", "COMM_DTYPES", "COMM_DTYPE_MODES", "COMM_SMS_MODES", "CUDA_GRAPHS", "DATA_PARALLEL",
-           "HOOKED_MODES", "UNSUPPORTED", "WRAPPER_MODES", "ZERO2_GATHERS", "DataParallelConfig",
+           "ENGINES", "ENGINE_MODES", "HOOKED_MODES", "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig",
            "apply_activation_checkpointing", "apply_compile", "apply_data_parallel", "check_cuda_graph",
            "check_supported", "data_parallel_configs", "parallelize"]
 
@@ -137,19 +137,21 @@ COMM_SMS_MODES = ("naive", "flat", "individual", "bucketed", "zero1", "zero2")
 # the dtype gradients travel in: their own, or bf16 (our buckets' comm_dtype; torch DDP's bf16_compress_hook)
 COMM_DTYPES = ("grad", "bf16")
 COMM_DTYPE_MODES = ("bucketed", "zero1", "zero2", "torch_ddp")
+# the wrappers that can move bytes on the copy engines (``ENGINES``): bucketed's all-reduce, zero2's weight gather
+ENGINE_MODES = ("bucketed", "zero2")
 
 
 @dataclass(frozen=True)
 class DataParallelConfig:
     """A mode of ``DATA_PARALLEL`` with its bucket size in MiB (``BUCKETED``, torch_ddp; else None) and, for
     ``COMM_SMS_MODES``, the SMs its NCCL kernels may occupy (0: NCCL's default); for ``COMM_DTYPE_MODES``, the
-    dtype its gradients travel in (``COMM_DTYPES``); for zero2, how it gathers the weights (``ZERO2_GATHERS``)."""
+    dtype its gradients travel in (``COMM_DTYPES``); for ``ENGINE_MODES``, what moves the bytes (``ENGINES``)."""
 
     impl: str
     bucket_mb: float | None = None
     comm_sms: int = 0
     comm_dtype: str = "grad"
-    gather: str = "nccl"
+    engine: str = "nccl"
 
     @property
     def strategy(self) -> str:
@@ -164,34 +166,34 @@ class DataParallelConfig:
                 f"zero2 {self.bucket_mb:g}MB" if self.impl == "zero2" else self.impl)
         return name + (f", comm {self.comm_sms} SMs" if self.comm_sms else "") + (
             f", {self.comm_dtype} comm" if self.comm_dtype != "grad" else "") + (
-            ", copy-engine gather" if self.gather == "copy_engines" else "")
+            "" if self.engine == "nccl" else ", copy-engine gather" if self.impl == "zero2" else ", copy engines")
 
 
 def data_parallel_configs(modes: list[str], bucket_mb: list[float], comm_sms: list[int] | tuple[int, ...] = (0,),
                           comm_dtypes: list[str] | tuple[str, ...] = ("grad",),
-                          gathers: list[str] | tuple[str, ...] = ("nccl",)) -> list[DataParallelConfig]:
+                          engines: list[str] | tuple[str, ...] = ("nccl",)) -> list[DataParallelConfig]:
     """In order: ``BUCKETED`` modes once per bucket size, torch_ddp with its default bucket, the others once;
-    each of ``COMM_SMS_MODES`` once per ``comm_sms`` value, each of ``COMM_DTYPE_MODES`` once per comm dtype, zero2
-    once per gather."""
+    each of ``COMM_SMS_MODES`` once per ``comm_sms`` value, each of ``COMM_DTYPE_MODES`` once per comm dtype, each of
+    ``ENGINE_MODES`` once per engine."""
     out: list[DataParallelConfig] = []
     for mode in modes:
         sizes = bucket_mb if mode in BUCKETED else [TORCH_DDP_BUCKET_MB if mode == "torch_ddp" else None]
         sms = comm_sms if mode in COMM_SMS_MODES else (0,)
         dtypes = comm_dtypes if mode in COMM_DTYPE_MODES else ("grad",)
-        ways = gathers if mode == "zero2" else ("nccl",)
+        ways = engines if mode in ENGINE_MODES else ("nccl",)
         out += [DataParallelConfig(mode, mb, k, d, g) for mb in sizes for d in dtypes for k in sms for g in ways]
     return out
 
 
 def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None = None, dtype: str = "fp32",
                         adamw: dict[str, Any], comm_sms: int = 0, comm_dtype: str = "grad",
-                        gather: str = "nccl") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+                        engine: str = "nccl") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     """(the module to call, its ``DataParallelWrapper`` (None for fsdp2), the optimizer): ``model``, built on its
     device (and maybe compiled: ``parallelize``), wrapped in ``mode`` with
     ``AdamW(**adamw)``. ``dtype`` (``analysis.harness.DTYPES``): bf16 makes the FSDPs compute in bf16;
     bf16_mixed gives ``MasterAdamW``. ``comm_sms``: the SMs ``COMM_SMS_MODES``' NCCL kernels may occupy (0:
     NCCL's default); ``comm_dtype``: the dtype gradients travel in (``COMM_DTYPES``; bf16 with
-    ``COMM_DTYPE_MODES`` only); ``gather``: how zero2 gathers the weights (``ZERO2_GATHERS``). Our DDP wrappers
+    ``COMM_DTYPE_MODES`` only); ``engine``: what moves ``ENGINE_MODES``' bytes (``ENGINES``). Our DDP wrappers
     skip the per-step count of unused parameters (``find_unused_parameters=False``, torch DDP's default; the count
     costs a device-to-host synchronization per step): every parameter of ``TransformerLM`` gets a gradient.
     Collectives inside (the wrappers' broadcasts) run on every rank alike."""
@@ -202,9 +204,9 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
     bf16 = dtype == "bf16"
     if comm_sms and mode not in COMM_SMS_MODES:
         raise ValueError(f"comm_sms={comm_sms} with {mode}; accepted with: {', '.join(COMM_SMS_MODES)}")
-    if gather not in ZERO2_GATHERS or gather != "nccl" and mode != "zero2":
-        raise ValueError(f"gather={gather!r} with {mode}; accepted: {', '.join(ZERO2_GATHERS)} (copy_engines with "
-                         "zero2 only)")
+    if engine not in ENGINES or engine != "nccl" and mode not in ENGINE_MODES:
+        raise ValueError(f"engine={engine!r} with {mode}; accepted: {', '.join(ENGINES)} (copy_engines with "
+                         f"{', '.join(ENGINE_MODES)})")
     if comm_dtype not in COMM_DTYPES or comm_dtype != "grad" and mode not in COMM_DTYPE_MODES:
         raise ValueError(f"comm_dtype={comm_dtype!r} with {mode}; accepted: {', '.join(COMM_DTYPES)}, bf16 with "
                          f"{', '.join(COMM_DTYPE_MODES)}")
@@ -218,10 +220,10 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
         comm = torch.bfloat16 if bf16_comm else None
         if mode == "zero2":  # bf16_mixed: bf16 weights, fp32 master pieces (MasterAdamW's precision)
             wrapper = ZeRO2(model, torch.optim.AdamW, bucket_size_mb=bucket_mb, comm_dtype=comm, comm_sms=comm_sms,
-                            param_dtype=torch.bfloat16 if dtype == "bf16_mixed" else None, gather=gather, **adamw)
+                            param_dtype=torch.bfloat16 if dtype == "bf16_mixed" else None, engine=engine, **adamw)
             return wrapper, wrapper, wrapper.optimizer
         ours = dict(comm_sms=comm_sms, find_unused_parameters=False)
-        wrapper = (DDPBucketed(model, bucket_mb, comm_dtype=comm, **ours)
+        wrapper = (DDPBucketed(model, bucket_mb, comm_dtype=comm, engine=engine, **ours)
                    if mode in BUCKETED else
                    {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[mode](model, **ours))
         if mode == "zero1":
@@ -263,7 +265,7 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
 def parallelize(model: nn.Module, mode: str = "none", *, bucket_mb: float | None = None, dtype: str = "fp32",
                 adamw: dict[str, Any], compile: bool = False, cuda_graphs: bool = False, ac_every: int = 0,
                 nested_ac: bool = False, comm_sms: int = 0, comm_dtype: str = "grad",
-                gather: str = "nccl") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+                engine: str = "nccl") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     """``model`` made fast and parallel in torchtitan's order: activation checkpointing every ``ac_every`` blocks,
     then ``apply_compile`` (with the CUDA graphs of its regions if ``cuda_graphs``; for ``HOOKED_MODES`` each
     block's forward, the hooks eager), then ``apply_data_parallel`` in ``mode``; returns what that returns: (the
@@ -280,4 +282,4 @@ def parallelize(model: nn.Module, mode: str = "none", *, bucket_mb: float | None
         # of 41, notes/data_parallel.md); a region's gradients are all ready at its end anyway. Process-wide.
         torch._dynamo.config.optimize_ddp = mode != "torch_ddp" and torch._dynamo.config.optimize_ddp
     return apply_data_parallel(model, mode, bucket_mb=bucket_mb, dtype=dtype, adamw=adamw, comm_sms=comm_sms,
-                               comm_dtype=comm_dtype, gather=gather)
+                               comm_dtype=comm_dtype, engine=engine)

@@ -32,7 +32,7 @@ and their exposed communication is part of ``backward``; ``none`` also records ~
 Records (rank 0 appends one per configuration to ``--out``): suite "ddp", implementation e.g.
 "bucketed 25MB" / "zero1 + bucketed 25MB", world_size, mode train_step. Every rank's per-step phase times
 and peak memory (``torch.cuda.max_memory_allocated`` after the warm-up, plus zero2's weights in symmetric memory
-with ``--zero2-gather copy_engines``, which the allocator does not count; None on CPU) are gathered to rank 0
+or bucketed's buffers with ``--engine copy_engines``, which the allocator does not count; None on CPU) are gathered to rank 0
 (``all_gather_object``). **A step's time, and each phase's, is the slowest rank's at that step** (a
 data-parallel step is done when the last rank is); the record's timing / phase statistics are over those
 per-step maxima, so the phases' medians need not add up to the step's. ``tokens_per_s`` = world_size x
@@ -84,7 +84,7 @@ from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, basel
 from analysis.records import Record, read_records, save_records
 from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int, parse_list,
                                   positive_float, positive_int, writable_path)
-from torch_impl.parallelize import (COMM_DTYPE_MODES, COMM_DTYPES, CUDA_GRAPHS, DATA_PARALLEL, ZERO2_GATHERS,
+from torch_impl.parallelize import (COMM_DTYPE_MODES, COMM_DTYPES, CUDA_GRAPHS, DATA_PARALLEL, ENGINE_MODES, ENGINES,
                                     check_cuda_graph, check_supported, parallelize)
 from torch_impl.parallelize import DataParallelConfig as Config, data_parallel_configs as configurations
 
@@ -98,7 +98,7 @@ class DDPBenchConfig(StepConfig):
     bucket_mb: str
     comm_sms: str
     comm_dtype: str
-    zero2_gather: str
+    engine: str
     compile: bool
     cuda_graph: str
     timeout: float
@@ -146,6 +146,14 @@ def parse_comm_dtypes(text: str) -> list[str]:
     return parse_list(text, "--comm-dtype", COMM_DTYPES)
 
 
+def parse_engines(text: str, device: str) -> list[str]:
+    """--engine 'nccl,copy_engines' -> ['nccl', 'copy_engines'] (``ENGINES``; copy_engines on CUDA only)."""
+    engines = parse_list(text, "--engine", ENGINES)
+    if "copy_engines" in engines and device != "cuda":
+        raise ValueError("--engine copy_engines copies into the peers' GPU memory: CUDA devices only")
+    return engines
+
+
 # ----------------------------------------------------------------------------- per-step timing
 
 
@@ -172,7 +180,7 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     forward, wrapper, optimizer = parallelize(model, cfg.impl, bucket_mb=cfg.bucket_mb, dtype=args.dtype, adamw=adamw,
                                               compile=args.compile, cuda_graphs=args.cuda_graph == "blocks",
-                                              comm_sms=cfg.comm_sms, comm_dtype=cfg.comm_dtype, gather=cfg.gather)
+                                              comm_sms=cfg.comm_sms, comm_dtype=cfg.comm_dtype, engine=cfg.engine)
     tokens = torch.from_numpy(fixed_batch(args.seed + rank, args.batch_size, seq_len, spec.vocab_size)).to(device)
     batch = [(tokens[:, :-1], tokens[:, 1:])]  # (inputs, targets), (B, T) each
     parts = StepParts(forward, optimizer, dtype=args.dtype, wrapper=wrapper)
@@ -191,7 +199,8 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
     # CUDA graph trees hand their pool's blocks back to the allocator's books: the reserved peak is the honest
     # figure there (as in the e2e benchmark)
     peak_of = torch.cuda.max_memory_reserved if args.cuda_graph == "blocks" else torch.cuda.max_memory_allocated
-    # + symmetric memory (zero2's copy-engine gather keeps its weights there), which the allocator does not count
+    # + symmetric memory (the copy engines' buffers: zero2's weights, bucketed's gradients), which the allocator
+    # does not count
     peak = peak_of(device) + getattr(wrapper, "symmetric_bytes", 0) if device.type == "cuda" else None
     if args.profile:  # after the timed steps, so the profiler's own cost is in no timing
         from torch_impl.profiling import profile_steps
@@ -229,7 +238,7 @@ def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_siz
                                "comm_dtype": cfg.comm_dtype, "attention": args.attention,
                                "compiled": bool(args.compile), "cuda_graph": args.cuda_graph,
                                "peak_memory_kind": "reserved" if args.cuda_graph == "blocks" else "allocated",
-                               "strategy": cfg.strategy, "fused_adamw": device_name != "cpu", "gather": cfg.gather,
+                               "strategy": cfg.strategy, "fused_adamw": device_name != "cpu", "engine": cfg.engine,
                                "timing_rank": "slowest rank per step"}
     try:
         pred = predicted_memory(cfg, args, spec, seq_len, world_size)
@@ -287,8 +296,7 @@ def run(args: DDPBenchConfig) -> int:
 
     spec, seq_len = resolve_spec(args)
     configs = configurations(parse_impls(args.impl), parse_bucket_mb(args.bucket_mb), parse_comm_sms(args.comm_sms),
-                             parse_comm_dtypes(args.comm_dtype), parse_list(args.zero2_gather, "--zero2-gather",
-                                                                            ZERO2_GATHERS))
+                             parse_comm_dtypes(args.comm_dtype), parse_engines(args.engine, args.device))
     if args.dtype == "fp32":
         torch.set_float32_matmul_precision("highest")
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
@@ -396,10 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the dtype gradients travel in, one configuration each: grad (their own) and/or bf16 "
                              f"(half the bytes; with {', '.join(COMM_DTYPE_MODES)}; torch_ddp: its "
                              "bf16_compress_hook), e.g. grad,bf16 (default grad)")
-    parser.add_argument("--zero2-gather", default="nccl",
-                        help="how zero2 gathers the updated weights, one configuration each: nccl (its all-gather) "
-                             "and/or copy_engines (copies into the peers' symmetric memory; NCCL on one host's GPUs), "
-                             "e.g. nccl,copy_engines (default nccl)")
+    parser.add_argument("--engine", default="nccl",
+                        help=f"what moves {' and '.join(ENGINE_MODES)}'s bytes, one configuration each: nccl (its "
+                             "collectives) and/or copy_engines (copies into the peers' symmetric memory: bucketed's "
+                             "all-reduce, zero2's weight gather; NCCL on one host's GPUs), e.g. nccl,copy_engines "
+                             "(default nccl)")
     parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps per configuration (default 3)")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration (default 10)")
     parser.add_argument("--attention", default="sdpa", help="attention backend of the model (default sdpa)")
@@ -445,9 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         if "torch_ddp" in impls and "bf16" in parse_comm_dtypes(args.comm_dtype) and args.device != "cuda":
             raise ValueError("--dist torch_ddp --comm-dtype bf16 (torch DDP's bf16_compress_hook) runs on CUDA "
                              "devices only; on the CPU bf16 gradients work with bucketed, zero1 and zero2")
-        gathers = parse_list(args.zero2_gather, "--zero2-gather", ZERO2_GATHERS)
-        if "copy_engines" in gathers and args.device != "cuda":
-            raise ValueError("--zero2-gather copy_engines copies into the peers' GPU memory: CUDA devices only")
+        parse_engines(args.engine, args.device)
         return run(args)
     except ValueError as err:
         parser.error(str(err))

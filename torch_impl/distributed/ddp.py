@@ -73,6 +73,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from torch_impl.distributed.copy_engines import SymmetricBuffer, average_in_place, beside, check_engine
 from torch_impl.distributed.interface import DataParallelWrapper
 from torch_impl.distributed.process_group import comm_group, nccl_averages
 
@@ -264,6 +265,7 @@ class _Unit:
     flat: torch.Tensor | None = None  # the bucket's flat buffer (bucketed only)
     offsets: list[int] = field(default_factory=list)  # each parameter's start in ``flat``
     grads: list[torch.Tensor] = field(default_factory=list)  # bucketed with a comm dtype: the gradients' home
+    symmetric: SymmetricBuffer | None = None  # bucketed on the copy engines: ``flat``'s symmetric memory
 
 
 class _OverlappedDDP(_DataParallel):
@@ -390,17 +392,25 @@ class DDPBucketed(_OverlappedDDP):
     ``comm_dtype`` (e.g. ``torch.bfloat16``; None: the gradients' own): buckets of that dtype, so the gradients are
     cast on their way into the bucket (the copy made anyway), communicated in it (half the bytes of fp32), and
     copied back into each parameter's own ``.grad`` afterwards, as torch DDP's ``bf16_compress_hook`` does; the
-    average then carries that dtype's rounding (8 bits of mantissa for bf16)."""
+    average then carries that dtype's rounding (8 bits of mantissa for bf16).
+
+    ``engine="copy_engines"`` (NCCL, one GPU a rank on one host; ``copy_engines.ENGINES``): each bucket's buffer lives
+    in symmetric memory and is averaged by peer copies on a side stream (``copy_engines.average_in_place``: the
+    copy engines move the bytes, the GPU's SMs only add), so the backward's GEMMs keep every SM."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, comm_dtype: torch.dtype | None = None,
-                 **kwargs: Any):
+                 engine: str = "nccl", **kwargs: Any):
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb={bucket_size_mb} must be > 0")
         if comm_dtype is not None and not comm_dtype.is_floating_point:
             raise ValueError(f"comm_dtype={comm_dtype}: gradients travel in a floating-point dtype")
         self.bucket_size_bytes = bucket_size_mb * _MIB
         self.comm_dtype = comm_dtype
+        self.engine = engine
         super().__init__(module, **kwargs)
+        device = self._params[0].device if self._params else torch.device("cpu")
+        check_engine(engine, self.process_group, device, type(self).__name__)
+        self._side_stream = torch.cuda.Stream(device) if engine == "copy_engines" else None  # averages, copies
         for unit in self._units:
             unit.offsets = [0]
             for i in unit.params:
@@ -408,9 +418,21 @@ class DDPBucketed(_OverlappedDDP):
             self._allocate(unit)
 
     def _allocate(self, unit: _Unit) -> None:
-        """The bucket's flat buffer, kept from step to step."""
+        """The bucket's flat buffer, kept from step to step (copy engines: padded to N equal slices, symmetric)."""
         p = self._params[unit.params[0]]
-        unit.flat = torch.zeros(unit.offsets[-1], dtype=self.comm_dtype or p.dtype, device=p.device)  # (numel,)
+        dtype = self.comm_dtype or p.dtype
+        if self.engine == "copy_engines":
+            n = self.world_size
+            unit.symmetric = SymmetricBuffer(-(-unit.offsets[-1] // n) * n, dtype, p.device, self.process_group)
+            unit.flat = unit.symmetric.tensor.zero_()  # (N S,)
+        else:
+            unit.flat = torch.zeros(unit.offsets[-1], dtype=dtype, device=p.device)  # (numel,)
+
+    @property
+    def symmetric_bytes(self) -> int:
+        """Bytes this rank holds in symmetric memory (the copy engines' buffers), which CUDA's caching allocator does
+        not count (``torch.cuda.max_memory_allocated``)."""
+        return sum(u.symmetric.tensor.nbytes for u in self._units if u.symmetric is not None)
 
     def _make_units(self, order: list[int]) -> list[list[int]]:
         buckets: list[list[int]] = []
@@ -457,12 +479,16 @@ class DDPBucketed(_OverlappedDDP):
                                   torch.zeros_like(p, memory_format=torch.contiguous_format))
         if views:
             torch._foreach_copy_(views, grads)
-        unit.work = self._all_reduce(unit.flat, async_op=True, average=True)
+        if unit.symmetric is not None:
+            unit.work = beside(self._side_stream, average_in_place, unit.symmetric)
+        else:
+            unit.work = self._all_reduce(unit.flat, async_op=True, average=True)
         unit.launched = True
 
     @torch.no_grad()
     def _unit_grads(self, unit: _Unit) -> list[torch.Tensor]:
-        self._averaged(unit.flat)
+        if unit.symmetric is None:  # the copy engines' average is one already
+            self._averaged(unit.flat)
         if self._casts(unit):
             torch._foreach_copy_([g.view(-1) for g in unit.grads], self._views(unit))
             return unit.grads

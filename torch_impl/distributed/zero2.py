@@ -27,10 +27,10 @@ One step:
   buckets, each waited for just before the first span of blocks that uses it (``Blocks.register_span_hook``), so
   the gathers run beside the forward. A module without ``Blocks`` waits for all of them when its forward starts;
   ``state_dict``, ``load_state_dict`` and the next step wait too; other reads of the weights before the next
-  forward call ``wait_for_weights()`` first. ``gather="copy_engines"`` (NCCL, one GPU a rank on one host): the
-  weights live in symmetric memory (``torch.distributed._symmetric_memory``) and each rank copies its slices into
-  its peers' buffers (the copy engines: no SMs taken from the forward's GEMMs) and signals each peer, whose waits
-  are then on those signals (``put_signal`` / ``wait_signal``).
+  forward call ``wait_for_weights()`` first. ``engine="copy_engines"`` (NCCL, one GPU a rank on one host): the
+  weights live in symmetric memory (``copy_engines.SymmetricBuffer``) and each rank copies its slices into its
+  peers' buffers (the copy engines: no SMs taken from the forward's GEMMs) and signals each peer, whose waits are
+  then on those signals; the reduce-scatters stay NCCL's.
 
 Against an all-reduce of the gradients (``DDPBucketed``) the bytes on the wire are the same (a reduce-scatter and
 an all-gather), but only the reduce-scatter's half runs beside the backward, the all-gather's beside the forward, and
@@ -63,7 +63,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torch_impl.distributed.ddp import DDPBucketed, _Unit
+from torch_impl.distributed.copy_engines import WRITTEN, SymmetricBuffer
+from torch_impl.distributed.ddp import DDPBucketed, _Unit, _unique
 from torch_impl.distributed.process_group import all_gather_flat, nccl_averages, reduce_scatter_flat
 
 # Full-size gradient buffers in flight in the backward, MiB. A compiled span's gradients arrive together, at the
@@ -71,11 +72,6 @@ from torch_impl.distributed.process_group import all_gather_flat, nccl_averages,
 # buckets: with 2 buckets the compute stream waited for each reduce-scatter in turn (2 H200s, xl 4 x 1,024: 0.9 ms
 # a span, notes/data_parallel.md, session 34).
 MAX_PENDING_MB = 1024
-# How the updated weights reach the other ranks: NCCL's all-gather (kernels that hold SMs), or the copy engines
-# writing each rank's slice into the peers' buffers (symmetric memory, one GPU a rank on one host; no SMs: beside
-# the forward's GEMMs NCCL's kernels cost them ~1.1 ms per 600 MB, the copies ~0.1, scripts/ce_probe.py).
-GATHERS = ("nccl", "copy_engines")
-SIGNAL_TIMEOUT_MS = 120_000  # a peer's slice that never arrives ends the process (a device-side trap)
 
 
 @dataclass
@@ -90,8 +86,7 @@ class _Slice:
     pieces: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)  # (piece, start, end) in the slice
     gather: Any = None  # the all-gather of ``weights`` in flight (True: the peers' copies), until a wait for it
     source: torch.Tensor | None = None  # what it gathers from, kept alive until then (gloo: a copy of ``mine``)
-    symmetric: Any = None  # copy_engines: the symmetric-memory handle of ``weights``
-    peers: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # copy_engines: (rank, my slice in theirs)
+    symmetric: SymmetricBuffer | None = None  # copy_engines: ``weights``' symmetric memory
 
     @property
     def copied(self) -> bool:
@@ -101,28 +96,21 @@ class _Slice:
 
 class ZeRO2(DDPBucketed):
     """ZeRO-2 over ``module`` (see the module docstring). ``optimizer_cls`` with ``**options``: its optimizer, over
-    this rank's pieces; ``param_dtype``: the dtype the weights are cast to (None: kept); ``gather``: how the
-    updated weights reach the other ranks (``GATHERS``); ``bucket_size_mb``,
-    ``comm_dtype``, ``comm_sms``, ``process_group``: as ``DDPBucketed``'s."""
+    this rank's pieces; ``param_dtype``: the dtype the weights are cast to (None: kept); ``engine``: how the
+    updated weights reach the other ranks (``copy_engines.ENGINES``: NCCL's all-gather, or peer copies);
+    ``bucket_size_mb``, ``comm_dtype``, ``comm_sms``, ``process_group``: as ``DDPBucketed``'s."""
 
     def __init__(self, module: nn.Module, optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
                  *, bucket_size_mb: float = 25.0, comm_dtype: torch.dtype | None = None,
                  param_dtype: torch.dtype | None = None, comm_sms: int = 0, process_group=None,
-                 gather: str = "nccl", **options: Any):
+                 engine: str = "nccl", **options: Any):
         if param_dtype is not None and not param_dtype.is_floating_point:
             raise ValueError(f"param_dtype={param_dtype}: weights are cast to a floating-point dtype")
-        self.gather = gather
-        if gather not in GATHERS:
-            raise ValueError(f"ZeRO2 gather={gather!r}; accepted: {', '.join(GATHERS)}")
-        if gather == "copy_engines" and (dist.get_backend(process_group) != "nccl"
-                                              or next(module.parameters()).device.type != "cuda"):
-            raise ValueError("ZeRO2 gather='copy_engines' needs NCCL on CUDA devices (symmetric memory); "
-                             "use gather='nccl'")
         self.param_dtype = param_dtype
         self._slices: dict[int, _Slice] = {}  # id(unit) -> its slice
         self._pending: list[_Unit] = []  # launched buckets whose buffers are still in flight
         self._masters_in_state = False  # every copied master is in its optimizer state (once the state exists)
-        super().__init__(module, bucket_size_mb, comm_dtype=comm_dtype, comm_sms=comm_sms,
+        super().__init__(module, bucket_size_mb, comm_dtype=comm_dtype, engine=engine, comm_sms=comm_sms,
                          process_group=process_group, find_unused_parameters=False)
         self._layout: dict[int, tuple[torch.Size, int]] = {}  # id(piece) -> (full shape, offset in its parameter)
         pieces: list[tuple[int, nn.Parameter]] = []  # (parameter index, piece)
@@ -162,7 +150,8 @@ class ZeRO2(DDPBucketed):
         slice_of = {id(self._params[i]): self._slices[id(unit)] for unit in self._units for i in unit.params}
         layers = getattr(module, "layers", None)
         blocks = tuple(layers) if hasattr(layers, "register_span_hook") else ()
-        self._block_slices = {id(b): _distinct(slice_of.get(id(p)) for p in b.parameters()) for b in blocks}
+        self._block_slices = {id(b): _unique(slice_of[id(p)] for p in b.parameters() if id(p) in slice_of)
+                              for b in blocks}
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         first = {id(slice_of[id(p)]) for p in self._params if id(p) not in in_blocks}
         order = [self._slices[id(unit)] for unit in reversed(self._units)]  # the units are in the backward's order
@@ -186,7 +175,7 @@ class ZeRO2(DDPBucketed):
     def symmetric_bytes(self) -> int:
         """Bytes of this rank's weights in symmetric memory (copy_engines), which CUDA's caching allocator does not
         count (``torch.cuda.max_memory_allocated``)."""
-        return sum(s.weights.nbytes for s in self._slices.values() if s.symmetric is not None)
+        return sum(s.symmetric.tensor.nbytes for s in self._slices.values() if s.symmetric is not None)
 
     def wait_for_weights(self) -> None:
         """Wait for the last step's all-gathers. The forward, ``state_dict`` and ``load_state_dict`` do; anything
@@ -198,8 +187,8 @@ class ZeRO2(DDPBucketed):
         """Wait for these slices' all-gathers (NCCL, copy engines: the compute stream does; the host does not)."""
         for s in slices:
             if s.gather is True:  # copy engines: each peer signals once its slice is in
-                for q, _ in s.peers:
-                    s.symmetric.wait_signal(q, 0, SIGNAL_TIMEOUT_MS)
+                for q in s.symmetric.peers:
+                    s.symmetric.wait(q, WRITTEN)
             elif s.gather is not None:
                 s.gather.wait()
             s.gather = s.source = None
@@ -218,15 +207,10 @@ class ZeRO2(DDPBucketed):
         for p, start in zip(params, unit.offsets):
             packed[start:start + p.numel()].copy_(p.reshape(-1))
         weights = packed.to(self.param_dtype or packed.dtype)  # packed itself unless cast
-        symmetric, peers = None, []
-        if self.gather == "copy_engines":  # the weights in symmetric memory, each peer's buffer mapped here
-            import torch.distributed._symmetric_memory as symm_mem
-
-            weights = symm_mem.empty(n * size, dtype=weights.dtype, device=device).copy_(weights)
-            group = self.process_group or dist.group.WORLD
-            symmetric = symm_mem.rendezvous(weights, group.group_name)
-            peers = [(q, symmetric.get_buffer(q, (n * size,), weights.dtype)[mine_range]) for q in range(n)
-                     if q != self.rank]
+        symmetric = None
+        if self.engine == "copy_engines":  # the weights in symmetric memory, each peer's buffer mapped here
+            symmetric = SymmetricBuffer(n * size, weights.dtype, device, self.process_group)
+            weights = symmetric.tensor.copy_(weights)
         mine = weights[mine_range]
         # fp32 weights are their own master; else an exact fp32 copy of the values before the cast
         master = mine if mine.dtype == torch.float32 else packed[mine_range].to(torch.float32, copy=True)
@@ -235,7 +219,7 @@ class ZeRO2(DDPBucketed):
         grad = torch.zeros(size, dtype=torch.float32, device=device)
         comm = self.comm_dtype or weights.dtype
         received = grad if comm == torch.float32 else torch.zeros(size, dtype=comm, device=device)
-        self._slices[id(unit)] = _Slice(weights, mine, master, grad, received, symmetric=symmetric, peers=peers)
+        self._slices[id(unit)] = _Slice(weights, mine, master, grad, received, symmetric=symmetric)
 
     def _cut(self, unit: _Unit) -> list[tuple[int, nn.Parameter, int]]:
         """(parameter index, piece, offset of the piece in the flattened parameter) for each parameter of the
@@ -328,7 +312,7 @@ class ZeRO2(DDPBucketed):
                 if state:
                     state.setdefault("master", piece)
             self._masters_in_state = all(self.optimizer.state.get(piece) for piece in pieces)
-        if self.gather == "copy_engines":
+        if self.engine == "copy_engines":
             self._copy_to_peers()
             return
         for s in self._gathers:
@@ -339,21 +323,20 @@ class ZeRO2(DDPBucketed):
         """Each slice into every peer's weights (``Memcpy PtoP``: the copy engines), then a signal to the peer, on a
         side stream after the cast. A peer is done reading its weights by then: this rank's reduce-scatters, which
         the optimizer waited for, needed the peer's last one, launched after its whole backward."""
-        if not hasattr(self, "_copy_stream"):
-            self._copy_stream = torch.cuda.Stream(self._gathers[0].weights.device)
-        self._copy_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._copy_stream):
+        self._side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side_stream):
             for s in self._gathers:
-                for q, theirs in s.peers:
-                    theirs.copy_(s.mine)
-                    s.symmetric.put_signal(q, 0, SIGNAL_TIMEOUT_MS)
+                size = s.mine.numel()
+                for q in s.symmetric.peers:
+                    s.symmetric.peer(q)[self.rank * size:(self.rank + 1) * size].copy_(s.mine)
+                    s.symmetric.signal(q, WRITTEN)
                 s.gather = True
 
     def _copies_done(self) -> None:
         """The compute stream waits for this rank's copies to the peers before it writes ``mine`` again (the
         optimizer, the cast of the masters): by then they are long done."""
-        if hasattr(self, "_copy_stream"):
-            torch.cuda.current_stream().wait_stream(self._copy_stream)
+        if self._side_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._side_stream)
 
     @torch.no_grad()
     def _masters_from_weights(self) -> None:
@@ -376,7 +359,7 @@ class ZeRO2(DDPBucketed):
                 if state:
                     state["master"] = piece
         self._masters_in_state = False  # pieces the loaded state did not cover get theirs after their first step
-        if self.gather == "copy_engines":  # the peers' queued reads of their weights end before our copies land
+        if self.engine == "copy_engines":  # the peers' queued reads of their weights end before our copies land
             dist.barrier(group=self.process_group)
         self._after_step()
 
@@ -388,11 +371,3 @@ class ZeRO2(DDPBucketed):
     def shard_of(self, param: torch.Tensor) -> tuple[torch.Size, int] | None:
         return self._layout.get(id(param))
 
-
-def _distinct(slices) -> list[_Slice]:
-    """The slices (None left out), each once, in their order (by identity: a slice's fields are tensors)."""
-    seen: dict[int, _Slice] = {}
-    for s in slices:
-        if s is not None:
-            seen.setdefault(id(s), s)
-    return list(seen.values())
