@@ -318,12 +318,12 @@ def _bucket_layouts(rank: int, world_size: int) -> dict:
 # ----------------------------------------------------------------------------- failures end the job
 
 
-def _rank1_fails(rank: int, world_size: int, how: str, device: str = "cpu") -> str:
+def _rank1_fails(rank: int, world_size: int, how: str, device: str = "cpu", engine: str = "nccl") -> str:
     from torch_impl.distributed import DDPBucketed
 
     device = torch.device(device, rank) if device == "cuda" else torch.device(device)
     model = _make_model("mlp", rank).to(device)
-    ddp = DDPBucketed(model, bucket_size_mb=1e-9)  # the constructor's broadcast succeeds on both ranks
+    ddp = DDPBucketed(model, bucket_size_mb=1e-9, engine=engine)  # the constructor's broadcast succeeds on both ranks
     x, y = (t.to(device) for t in _batch("mlp", 0, 0, world_size))
     if rank == 1:
         if how == "raises":
@@ -360,12 +360,14 @@ def test_failed_rank_ends_job_with_error(how):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs >= 2 GPUs")
+@pytest.mark.parametrize("engine", ["nccl", "copy_engines"])
 @pytest.mark.parametrize("how", ["raises", "killed", "hangs"])
-def test_failed_rank_ends_the_nccl_job(how):
-    """On NCCL a failed peer leaves rank 0's all-reduce kernel waiting on the GPU: the group's watchdog must end
-    rank 0 within the timeout (NCCL's asynchronous error handling), with a message, instead of a hang."""
+def test_failed_rank_ends_the_nccl_job(how, engine):
+    """On NCCL a failed peer leaves rank 0's all-reduce kernel (or, on the copy engines, its stream's wait for the
+    peer's signal) waiting on the GPU: the group's watchdog (NCCL's asynchronous error handling, or copy_engines'
+    own) must end rank 0 within the timeout, with a message, instead of a hang."""
     start = time.monotonic()
-    outcomes = run_ranks_outcomes(_rank1_fails, 2, how, "cuda", timeout_s=60, pg_timeout_s=5, backend="nccl")
+    outcomes = run_ranks_outcomes(_rank1_fails, 2, how, "cuda", engine, timeout_s=60, pg_timeout_s=5, backend="nccl")
     elapsed = time.monotonic() - start
     rank0 = outcomes[0]
     assert not rank0.timed_out, f"rank 0 hung ({elapsed:.1f}s)"

@@ -6,27 +6,41 @@ and one in a peer's, mapped here through symmetric memory (``torch.distributed._
 ``Memcpy PtoP`` done by the copy engines: no SMs. On 2 H200s the backward's GEMMs lost ~1.1 ms per 600 MB beside
 NCCL's all-gather or reduce-scatter and 0.03-0.26 ms beside the same bytes copied (``scripts/ce_probe.py``).
 
-Ranks order their copies with the signal pads of symmetric memory: ``put_signal`` sets a flag in the peer's pad (it
-waits while the peer has not consumed the last one), ``wait_signal`` waits for the peer's flag and clears it; both
-are kernels of one thread block on the stream they are called on, so the host never waits.
+Ranks order their copies with counters in the signal pads of symmetric memory, written and waited for by stream memory
+operations (``cuStreamWriteValue32`` after a system-wide fence, ``cuStreamWaitValue32``), which take no SM either:
+symmetric memory's own ``put_signal`` / ``wait_signal`` are kernels that spin on an SM, and each one resident beside a
+persistent GEMM sent it into a second wave (2 H200s, xl: 37 ms a step of spinning, the GEMMs beside it 3.4x as long).
+A stream wait has no timeout of its own: the work after each is watched from a thread (``watch``), which ends the
+process with a message when a peer has not answered within the default group's timeout (as NCCL's watchdog does).
 
-``SymmetricBuffer``: a flat tensor every rank of a group allocates alike, with the peers' copies mapped here.
+``SymmetricBuffer``: a flat tensor every rank of a group allocates alike, the peers' copies mapped here, and signals.
 ``average_in_place``: the mean of such buffers over the ranks, in place on every rank (an all-reduce by copies);
 ``beside(stream, fn)``: run it on a side stream after the current stream's work, with a handle to wait for it.
 
-Reference: PyTorch's symmetric memory (``torch/distributed/_symmetric_memory``, its ``CUDASymmetricMemory`` signal
-pads).
+References: PyTorch's symmetric memory (``torch/distributed/_symmetric_memory``); the CUDA driver API's stream memory
+operations (``cuStreamWaitValue32``, ``cuStreamWriteValue32``).
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
+import functools
+import os
+import sys
+import threading
+import time
+
 import torch
 import torch.distributed as dist
 
+from torch_impl.distributed.process_group import group_timeout_s
+
 # How the data-parallel wrappers move bytes between GPUs: NCCL's collectives, or the copy engines (this module)
 ENGINES = ("nccl", "copy_engines")
-SIGNAL_TIMEOUT_MS = 120_000  # a peer whose signal never comes ends the process (a device-side trap)
 READY, WRITTEN = 0, 1  # signal channels: "my buffer is ready for you to read", "I wrote my part into your buffer"
+_CHANNELS = 2
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, so the counters may wrap
 
 
 def check_engine(engine: str, process_group: dist.ProcessGroup | None, device: torch.device, who: str) -> None:
@@ -38,9 +52,18 @@ def check_engine(engine: str, process_group: dist.ProcessGroup | None, device: t
                          "use engine='nccl'")
 
 
+@functools.cache
+def _stream_wait_value32():
+    fn = ctypes.CDLL("libcuda.so.1").cuStreamWaitValue32_v2
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 class SymmetricBuffer:
     """``numel`` elements of ``dtype`` in symmetric memory on every rank of ``process_group`` (a collective: every
-    rank makes its buffers in the same order), ``tensor`` this rank's, ``peer(q)`` rank q's mapped here."""
+    rank makes its buffers in the same order), ``tensor`` this rank's, ``peer(q)`` rank q's mapped here;
+    ``signal(q, channel)`` / ``wait(q, channel)``: the n-th signal to q on a channel satisfies q's n-th wait on it."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device,
                  process_group: dist.ProcessGroup | None = None):
@@ -51,16 +74,33 @@ class SymmetricBuffer:
         self.rank, self.world_size = self.handle.rank, self.handle.world_size
         self.peers = [q for q in range(self.world_size) if q != self.rank]
         self._mapped = {q: self.handle.get_buffer(q, (numel,), dtype) for q in self.peers}
+        # signal pads (zeros at allocation): slot channel * N + q of mine counts rank q's signals on that channel
+        words = (_CHANNELS * self.world_size,)
+        self._pad = self.handle.get_signal_pad(self.rank, words, torch.uint32)
+        self._peer_pads = {q: self.handle.get_signal_pad(q, words, torch.uint32) for q in self.peers}
+        self._sent: collections.Counter = collections.Counter()
+        self._awaited: collections.Counter = collections.Counter()
 
     def peer(self, q: int) -> torch.Tensor:
         """Rank q's buffer, mapped into this GPU's address space: a ``copy_`` to or from it is a peer copy."""
         return self._mapped[q]
 
     def signal(self, q: int, channel: int) -> None:
-        self.handle.put_signal(q, channel, SIGNAL_TIMEOUT_MS)
+        """On the current stream, after its work so far is visible to every GPU: count one more signal in q's pad."""
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        self._sent[q, channel] += 1
+        _SymmetricMemory.stream_write_value32(self._peer_pads[q], channel * self.world_size + self.rank,
+                                              self._sent[q, channel] & 0xFFFFFFFF)
 
     def wait(self, q: int, channel: int) -> None:
-        self.handle.wait_signal(q, channel, SIGNAL_TIMEOUT_MS)
+        """The current stream waits (no SM) until q has signalled on ``channel`` as often as this rank waited."""
+        self._awaited[q, channel] += 1
+        address = self._pad.data_ptr() + 4 * (channel * self.world_size + q)
+        err = _stream_wait_value32()(torch.cuda.current_stream().cuda_stream, address,
+                                     self._awaited[q, channel] & 0xFFFFFFFF, _WAIT_GEQ)
+        if err:
+            raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {err} (stream memory operations unsupported?)")
 
 
 def average_in_place(buffer: SymmetricBuffer) -> None:
@@ -68,10 +108,13 @@ def average_in_place(buffer: SymmetricBuffer) -> None:
     must already follow the writes of it: a reduce-scatter by pulls, then an all-gather by pushes.
 
     Rank r signals its peers that its buffer is ready, pulls the r-th slice of each peer's as each signals (copy
-    engines), averages them with its own in float32 (the only kernels: an add per peer, a division, a cast), pushes
-    the average into each peer's r-th slice and signals it, then waits until every peer's average has arrived in its
-    own buffer. Every rank ends with the same bits (each slice is computed once, by its owner). Safe to write again
-    after that: each peer pulled from this buffer before pushing into it."""
+    engines) and folds it into a running mean of its own (``lerp_``: one kernel a peer, the arithmetic in float32,
+    one rounding to the buffer's dtype a peer: on 2 ranks bf16 and fp16 get (a + b) / 2 rounded once, as from
+    NCCL's AVG, float32 within an ulp of the larger input), pushes the mean into each peer's r-th slice and signals
+    it, then waits until every peer's mean has arrived in its own buffer. Every rank ends with the same bits (each
+    slice is computed once, by its owner). Safe to write again after that: each peer pulled from this buffer before
+    pushing into it. (Four kernels a bucket, a float32 total and a division, took 19.5 ms a step of the SMs beside
+    xl's backward on 2 H200s: notes/data_parallel.md.)"""
     n, r = buffer.world_size, buffer.rank
     size = buffer.tensor.numel() // n  # S
     if size * n != buffer.tensor.numel():
@@ -79,11 +122,10 @@ def average_in_place(buffer: SymmetricBuffer) -> None:
     mine = buffer.tensor[r * size:(r + 1) * size]
     for q in buffer.peers:
         buffer.signal(q, READY)
-    total = mine.to(torch.float32, copy=True)
-    for q in buffer.peers:
+    pulled = torch.empty_like(mine)
+    for count, q in enumerate(buffer.peers, start=2):  # the mean of `count` slices: mean += (x - mean) / count
         buffer.wait(q, READY)
-        total.add_(torch.empty_like(mine).copy_(buffer.peer(q)[r * size:(r + 1) * size]))
-    mine.copy_(total.div_(n))
+        mine.lerp_(pulled.copy_(buffer.peer(q)[r * size:(r + 1) * size]), 1 / count)
     for q in buffer.peers:
         buffer.peer(q)[r * size:(r + 1) * size].copy_(mine)
         buffer.signal(q, WRITTEN)
@@ -91,20 +133,68 @@ def average_in_place(buffer: SymmetricBuffer) -> None:
         buffer.wait(q, WRITTEN)
 
 
+class _Watchdog:
+    """A daemon thread that ends the process with a message when a watched event (recorded after waits on peers) has
+    not completed within the default group's timeout of being watched; events complete in the order watched."""
+
+    def __init__(self):
+        self._queue: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, event: torch.cuda.Event, device: torch.device, what: str) -> None:
+        with self._lock:
+            self._queue.append((event, time.monotonic() + group_timeout_s(), what))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, args=(device,), name="copy-engines-watchdog",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self, device: torch.device) -> None:
+        torch.cuda.set_device(device)
+        while True:
+            with self._lock:
+                head = self._queue[0] if self._queue else None
+            if head is not None and head[0].query():
+                with self._lock:
+                    self._queue.popleft()
+                continue
+            if head is not None and time.monotonic() > head[1]:
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                print(f"rank {rank}: {head[2]} did not finish within the process group's timeout "
+                      f"({group_timeout_s():g} s): a peer stopped (failed, killed or out of step); ending this process",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+            time.sleep(0.01)
+
+
+_WATCHDOG = _Watchdog()
+
+
+def watch(what: str) -> torch.cuda.Event:
+    """Record an event on the current stream and end the process if it has not completed within the group's timeout
+    (``what`` names the work in the message)."""
+    event = torch.cuda.Event()
+    event.record()
+    _WATCHDOG.watch(event, torch.cuda.current_device(), what)
+    return event
+
+
 class SideStreamWork:
     """Work queued on a side stream: ``wait()`` makes the current stream wait for it (the host does not)."""
 
-    def __init__(self, stream: torch.cuda.Stream):
-        self.event = torch.cuda.Event()
-        self.event.record(stream)
+    def __init__(self, stream: torch.cuda.Stream, what: str):
+        with torch.cuda.stream(stream):
+            self.event = watch(what)
 
     def wait(self) -> None:
         torch.cuda.current_stream().wait_event(self.event)
 
 
-def beside(stream: torch.cuda.Stream, fn, *args) -> SideStreamWork:
-    """Queue ``fn(*args)`` on ``stream`` after everything queued so far on the current stream."""
+def beside(stream: torch.cuda.Stream, what: str, fn, *args) -> SideStreamWork:
+    """Queue ``fn(*args)`` on ``stream`` after everything queued so far on the current stream (``what`` names it in
+    the watchdog's message)."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn(*args)
-    return SideStreamWork(stream)
+    return SideStreamWork(stream, what)

@@ -480,7 +480,8 @@ class DDPBucketed(_OverlappedDDP):
         if views:
             torch._foreach_copy_(views, grads)
         if unit.symmetric is not None:
-            unit.work = beside(self._side_stream, average_in_place, unit.symmetric)
+            unit.work = beside(self._side_stream, f"the copy engines' average of bucket {self._next}",
+                               average_in_place, unit.symmetric)
         else:
             unit.work = self._all_reduce(unit.flat, async_op=True, average=True)
         unit.launched = True

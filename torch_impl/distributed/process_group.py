@@ -144,6 +144,11 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def group_timeout_s() -> float:
+    """The default group's timeout in seconds (``init_distributed``'s ``timeout_s``), for waits outside collectives."""
+    return _timeout_s["default"]
+
+
 def nccl_averages(nccl: bool, dtype: torch.dtype) -> bool:
     """Whether a mean over the ranks of a ``dtype`` tensor is NCCL's ``ReduceOp.AVG`` (``nccl``: the group's backend
     is NCCL), else a sum and a division by the caller."""

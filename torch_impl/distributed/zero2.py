@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torch_impl.distributed.copy_engines import WRITTEN, SymmetricBuffer
+from torch_impl.distributed.copy_engines import WRITTEN, SymmetricBuffer, watch
 from torch_impl.distributed.ddp import DDPBucketed, _Unit, _unique
 from torch_impl.distributed.process_group import all_gather_flat, nccl_averages, reduce_scatter_flat
 
@@ -185,13 +185,17 @@ class ZeRO2(DDPBucketed):
     @staticmethod
     def _wait(slices: list[_Slice]) -> None:
         """Wait for these slices' all-gathers (NCCL, copy engines: the compute stream does; the host does not)."""
+        copied = False
         for s in slices:
             if s.gather is True:  # copy engines: each peer signals once its slice is in
                 for q in s.symmetric.peers:
                     s.symmetric.wait(q, WRITTEN)
+                copied = True
             elif s.gather is not None:
                 s.gather.wait()
             s.gather = s.source = None
+        if copied:
+            watch("the peers' copies of ZeRO-2's updated weights")
 
     # ------------------------------------------------------------------ layout
 
