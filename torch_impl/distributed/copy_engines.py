@@ -14,8 +14,7 @@ A stream wait has no timeout of its own: the work after each is watched from a t
 process with a message when a peer has not answered within the default group's timeout (as NCCL's watchdog does).
 
 ``SymmetricBuffer``: a flat tensor every rank of a group allocates alike, the peers' copies mapped here, and signals.
-``average_in_place``: the mean of such buffers over the ranks, in place on every rank (an all-reduce by copies);
-``beside(stream, fn)``: run it on a side stream after the current stream's work, with a handle to wait for it.
+``PeerAverage``: the mean of such a buffer over the ranks, in place on every rank (an all-reduce by copies).
 
 References: PyTorch's symmetric memory (``torch/distributed/_symmetric_memory``); the CUDA driver API's stream memory
 operations (``cuStreamWaitValue32``, ``cuStreamWriteValue32``).
@@ -103,35 +102,67 @@ class SymmetricBuffer:
             raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {err} (stream memory operations unsupported?)")
 
 
-def average_in_place(buffer: SymmetricBuffer) -> None:
-    """Replace ``buffer.tensor`` (N S elements, N ranks) by its mean over the ranks, on the current stream, which
-    must already follow the writes of it: a reduce-scatter by pulls, then an all-gather by pushes.
+class PeerAverage:
+    """The mean of a ``SymmetricBuffer`` (N S elements, N ranks) over the ranks, in place on every rank: a
+    reduce-scatter by pulls, then an all-gather by pushes, the bytes moved by the copy engines on ``stream``.
 
-    Rank r signals its peers that its buffer is ready, pulls the r-th slice of each peer's as each signals (copy
-    engines) and folds it into a running mean of its own (``lerp_``: one kernel a peer, the arithmetic in float32,
-    one rounding to the buffer's dtype a peer: on 2 ranks bf16 and fp16 get (a + b) / 2 rounded once, as from
-    NCCL's AVG, float32 within an ulp of the larger input), pushes the mean into each peer's r-th slice and signals
-    it, then waits until every peer's mean has arrived in its own buffer. Every rank ends with the same bits (each
-    slice is computed once, by its owner). Safe to write again after that: each peer pulled from this buffer before
-    pushing into it. (Four kernels a bucket, a float32 total and a division, took 19.5 ms a step of the SMs beside
-    xl's backward on 2 H200s: notes/data_parallel.md.)"""
-    n, r = buffer.world_size, buffer.rank
-    size = buffer.tensor.numel() // n  # S
-    if size * n != buffer.tensor.numel():
-        raise ValueError(f"average_in_place: {buffer.tensor.numel()} elements do not split into {n} equal slices")
-    mine = buffer.tensor[r * size:(r + 1) * size]
-    for q in buffer.peers:
-        buffer.signal(q, READY)
-    pulled = torch.empty_like(mine)
-    for count, q in enumerate(buffer.peers, start=2):  # the mean of `count` slices: mean += (x - mean) / count
-        buffer.wait(q, READY)
-        mine.lerp_(pulled.copy_(buffer.peer(q)[r * size:(r + 1) * size]), 1 / count)
-    for q in buffer.peers:
-        buffer.peer(q)[r * size:(r + 1) * size].copy_(mine)
-        buffer.signal(q, WRITTEN)
-    for q in buffer.peers:
-        buffer.wait(q, WRITTEN)
+    ``pull()`` (after the current stream's writes of the buffer): rank r signals its peers that its buffer is ready
+    and, on ``stream``, pulls the r-th slice of each peer's as each signals. ``reduce()``: the current stream folds
+    them into a running mean of its own slice (``lerp_``: one kernel a peer, the arithmetic in float32, one rounding
+    to the buffer's dtype a peer: on 2 ranks bf16 and fp16 get (a + b) / 2 rounded once, as from NCCL's AVG, float32
+    within an ulp of the larger input), then ``stream`` pushes the mean into each peer's r-th slice, signals it, and
+    waits until every peer's mean has arrived here. ``wait()``: the current stream waits for all that (reducing first
+    if ``reduce()`` was not called). Every rank ends with the same bits (each slice is computed once, by its owner);
+    the buffer may be written again after ``wait()``: each peer pulled from it before pushing into it.
 
+    The mean runs on the current (compute) stream, not beside it: any kernel resident beside cuBLAS's persistent GEMMs
+    sends them into a second wave (2 H200s, xl: the lerps on the side stream, 3.5 ms a step, cost the GEMMs 7.2 ms),
+    so callers call ``reduce()`` late enough that the pulls are done (``DDPBucketed``: a span of buckets later)."""
+
+    def __init__(self, buffer: SymmetricBuffer, stream: torch.cuda.Stream, what: str):
+        n = buffer.world_size
+        if buffer.tensor.numel() % n:
+            raise ValueError(f"PeerAverage: {buffer.tensor.numel()} elements do not split into {n} equal slices")
+        self.buffer, self.stream, self.what = buffer, stream, what
+        size = buffer.tensor.numel() // n
+        self._slice = slice(buffer.rank * size, (buffer.rank + 1) * size)
+        self._pulled: list[torch.Tensor] = []
+        self._event: torch.cuda.Event | None = None  # the pulls', then the whole average's
+        self._reduced = False
+
+    def pull(self) -> PeerAverage:
+        buffer = self.buffer
+        self._pulled = [torch.empty_like(buffer.tensor[self._slice]) for _ in buffer.peers]  # the current stream's
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for q in buffer.peers:
+                buffer.signal(q, READY)
+            for q, pulled in zip(buffer.peers, self._pulled):
+                buffer.wait(q, READY)
+                pulled.record_stream(self.stream)
+                pulled.copy_(buffer.peer(q)[self._slice])
+            self._event = watch(f"{self.what} (its pulls)")
+        return self
+
+    def reduce(self) -> None:
+        buffer, mine = self.buffer, self.buffer.tensor[self._slice]
+        torch.cuda.current_stream().wait_event(self._event)
+        for count, pulled in enumerate(self._pulled, start=2):  # the mean of `count` slices: += (x - mean) / count
+            mine.lerp_(pulled, 1 / count)
+        self._pulled, self._reduced = [], True  # freed once the current stream is past the lerps
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for q in buffer.peers:
+                buffer.peer(q)[self._slice].copy_(mine)
+                buffer.signal(q, WRITTEN)
+            for q in buffer.peers:
+                buffer.wait(q, WRITTEN)
+            self._event = watch(self.what)
+
+    def wait(self) -> None:
+        if not self._reduced:
+            self.reduce()
+        torch.cuda.current_stream().wait_event(self._event)
 
 class _Watchdog:
     """A daemon thread that ends the process with a message when a watched event (recorded after waits on peers) has
@@ -179,22 +210,3 @@ def watch(what: str) -> torch.cuda.Event:
     _WATCHDOG.watch(event, torch.cuda.current_device(), what)
     return event
 
-
-class SideStreamWork:
-    """Work queued on a side stream: ``wait()`` makes the current stream wait for it (the host does not)."""
-
-    def __init__(self, stream: torch.cuda.Stream, what: str):
-        with torch.cuda.stream(stream):
-            self.event = watch(what)
-
-    def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
-
-
-def beside(stream: torch.cuda.Stream, what: str, fn, *args) -> SideStreamWork:
-    """Queue ``fn(*args)`` on ``stream`` after everything queued so far on the current stream (``what`` names it in
-    the watchdog's message)."""
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(*args)
-    return SideStreamWork(stream, what)

@@ -73,11 +73,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from torch_impl.distributed.copy_engines import SymmetricBuffer, average_in_place, beside, check_engine
+from torch_impl.distributed.copy_engines import PeerAverage, SymmetricBuffer, check_engine
 from torch_impl.distributed.interface import DataParallelWrapper
 from torch_impl.distributed.process_group import comm_group, nccl_averages
 
 _MIB = 2**20
+# Copy engines: a bucket's mean is computed on the compute stream once the buckets launched after it hold this many
+# MiB (DDPBucketed): late enough that its pulls are done, early enough that few are left for the end of the backward.
+REDUCE_LAG_MB = 512
 
 
 def _unique(tensors) -> list[torch.Tensor]:
@@ -395,8 +398,10 @@ class DDPBucketed(_OverlappedDDP):
     average then carries that dtype's rounding (8 bits of mantissa for bf16).
 
     ``engine="copy_engines"`` (NCCL, one GPU a rank on one host; ``copy_engines.ENGINES``): each bucket's buffer lives
-    in symmetric memory and is averaged by peer copies on a side stream (``copy_engines.average_in_place``: the
-    copy engines move the bytes, the GPU's SMs only add), so the backward's GEMMs keep every SM."""
+    in symmetric memory and is averaged by peer copies on a side stream (``copy_engines.PeerAverage``: the copy
+    engines move the bytes, no SMs); the one kernel a bucket that adds runs on the compute stream, once the buckets
+    launched after it hold ``REDUCE_LAG_MB`` (a compiled span's gradients arrive together: by then its pulls are
+    done), so that nothing runs beside the backward's GEMMs."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, comm_dtype: torch.dtype | None = None,
                  engine: str = "nccl", **kwargs: Any):
@@ -410,12 +415,16 @@ class DDPBucketed(_OverlappedDDP):
         super().__init__(module, **kwargs)
         device = self._params[0].device if self._params else torch.device("cpu")
         check_engine(engine, self.process_group, device, type(self).__name__)
-        self._side_stream = torch.cuda.Stream(device) if engine == "copy_engines" else None  # averages, copies
+        self._side_stream = torch.cuda.Stream(device) if engine == "copy_engines" else None  # peer copies
         for unit in self._units:
             unit.offsets = [0]
             for i in unit.params:
                 unit.offsets.append(unit.offsets[-1] + self._params[i].numel())
             self._allocate(unit)
+
+    def on_train_batch_start(self) -> None:
+        self._unreduced: list[_Unit] = []  # copy engines: buckets launched, their means not yet computed
+        super().on_train_batch_start()
 
     def _allocate(self, unit: _Unit) -> None:
         """The bucket's flat buffer, kept from step to step (copy engines: padded to N equal slices, symmetric)."""
@@ -480,8 +489,11 @@ class DDPBucketed(_OverlappedDDP):
         if views:
             torch._foreach_copy_(views, grads)
         if unit.symmetric is not None:
-            unit.work = beside(self._side_stream, f"the copy engines' average of bucket {self._next}",
-                               average_in_place, unit.symmetric)
+            what = f"the copy engines' average of bucket {self._next}"
+            unit.work = PeerAverage(unit.symmetric, self._side_stream, what).pull()
+            self._unreduced.append(unit)
+            while sum(u.flat.nbytes for u in self._unreduced[1:]) > REDUCE_LAG_MB * _MIB:
+                self._unreduced.pop(0).work.reduce()
         else:
             unit.work = self._all_reduce(unit.flat, async_op=True, average=True)
         unit.launched = True
