@@ -104,65 +104,69 @@ class SymmetricBuffer:
 
 class PeerAverage:
     """The mean of a ``SymmetricBuffer`` (N S elements, N ranks) over the ranks, in place on every rank: a
-    reduce-scatter by pulls, then an all-gather by pushes, the bytes moved by the copy engines on ``stream``.
+    reduce-scatter by pulls, then an all-gather by pushes, the bytes moved by the copy engines on two side streams.
 
     ``pull()`` (after the current stream's writes of the buffer): rank r signals its peers that its buffer is ready
-    and, on ``stream``, pulls the r-th slice of each peer's as each signals. ``reduce()``: the current stream folds
-    them into a running mean of its own slice (``lerp_``: one kernel a peer, the arithmetic in float32, one rounding
-    to the buffer's dtype a peer: on 2 ranks bf16 and fp16 get (a + b) / 2 rounded once, as from NCCL's AVG, float32
-    within an ulp of the larger input), then ``stream`` pushes the mean into each peer's r-th slice, signals it, and
-    waits until every peer's mean has arrived here. ``wait()``: the current stream waits for all that (reducing first
-    if ``reduce()`` was not called). Every rank ends with the same bits (each slice is computed once, by its owner);
-    the buffer may be written again after ``wait()``: each peer pulled from it before pushing into it.
+    and, on ``pull_stream``, pulls the r-th slice of each peer's as each signals. ``reduce()``: the current stream
+    folds them into a running mean of its own slice (``lerp_``: one kernel a peer, the arithmetic in float32, one
+    rounding to the buffer's dtype a peer: on 2 ranks bf16 and fp16 get (a + b) / 2 rounded once, as from NCCL's AVG,
+    float32 within an ulp of the larger input), then ``push_stream`` pushes the mean into each peer's r-th slice and
+    signals it. ``wait()``: the current stream waits for this rank's pushes and for every peer's mean to have arrived
+    here (reducing first if ``reduce()`` was not called). Every rank ends with the same bits (each slice is computed
+    once, by its owner); the buffer may be written again after ``wait()``: each peer pulled from it before pushing.
 
-    The mean runs on the current (compute) stream, not beside it: any kernel resident beside cuBLAS's persistent GEMMs
-    sends them into a second wave (2 H200s, xl: the lerps on the side stream, 3.5 ms a step, cost the GEMMs 7.2 ms),
-    so callers call ``reduce()`` late enough that the pulls are done (``DDPBucketed``: a span of buckets later)."""
+    The mean runs on the current (compute) stream, not beside it: kernels beside the backward's GEMMs slow them (any
+    resident block delays a persistent GEMM's tiles), so callers call ``reduce()`` late enough that the pulls are done
+    (``DDPBucketed``: a span of buckets later). Pulls and pushes have a stream each: behind a push, which waits for
+    this rank's mean, the next pulls would wait for the compute stream too (2 H200s, xl: 2.5 ms a step of stalls)."""
 
-    def __init__(self, buffer: SymmetricBuffer, stream: torch.cuda.Stream, what: str):
+    def __init__(self, buffer: SymmetricBuffer, pull_stream: torch.cuda.Stream, push_stream: torch.cuda.Stream,
+                 what: str):
         n = buffer.world_size
         if buffer.tensor.numel() % n:
             raise ValueError(f"PeerAverage: {buffer.tensor.numel()} elements do not split into {n} equal slices")
-        self.buffer, self.stream, self.what = buffer, stream, what
+        self.buffer, self.pull_stream, self.push_stream, self.what = buffer, pull_stream, push_stream, what
         size = buffer.tensor.numel() // n
         self._slice = slice(buffer.rank * size, (buffer.rank + 1) * size)
         self._pulled: list[torch.Tensor] = []
-        self._event: torch.cuda.Event | None = None  # the pulls', then the whole average's
-        self._reduced = False
+        self._pulls_done: torch.cuda.Event | None = None
+        self._pushes_done: torch.cuda.Event | None = None
 
     def pull(self) -> PeerAverage:
         buffer = self.buffer
         self._pulled = [torch.empty_like(buffer.tensor[self._slice]) for _ in buffer.peers]  # the current stream's
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
+        self.pull_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.pull_stream):
             for q in buffer.peers:
                 buffer.signal(q, READY)
             for q, pulled in zip(buffer.peers, self._pulled):
                 buffer.wait(q, READY)
-                pulled.record_stream(self.stream)
+                pulled.record_stream(self.pull_stream)
                 pulled.copy_(buffer.peer(q)[self._slice])
-            self._event = watch(f"{self.what} (its pulls)")
+            self._pulls_done = watch(f"{self.what} (its pulls)")
         return self
 
     def reduce(self) -> None:
         buffer, mine = self.buffer, self.buffer.tensor[self._slice]
-        torch.cuda.current_stream().wait_event(self._event)
+        torch.cuda.current_stream().wait_event(self._pulls_done)
         for count, pulled in enumerate(self._pulled, start=2):  # the mean of `count` slices: += (x - mean) / count
             mine.lerp_(pulled, 1 / count)
-        self._pulled, self._reduced = [], True  # freed once the current stream is past the lerps
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
+        self._pulled = []  # freed once the current stream is past the lerps
+        self.push_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.push_stream):
             for q in buffer.peers:
                 buffer.peer(q)[self._slice].copy_(mine)
                 buffer.signal(q, WRITTEN)
-            for q in buffer.peers:
-                buffer.wait(q, WRITTEN)
-            self._event = watch(self.what)
+            self._pushes_done = torch.cuda.Event()
+            self._pushes_done.record()
 
     def wait(self) -> None:
-        if not self._reduced:
+        if self._pushes_done is None:
             self.reduce()
-        torch.cuda.current_stream().wait_event(self._event)
+        torch.cuda.current_stream().wait_event(self._pushes_done)
+        for q in self.buffer.peers:
+            self.buffer.wait(q, WRITTEN)
+        watch(self.what)
 
 class _Watchdog:
     """A daemon thread that ends the process with a message when a watched event (recorded after waits on peers) has

@@ -398,7 +398,7 @@ class DDPBucketed(_OverlappedDDP):
     average then carries that dtype's rounding (8 bits of mantissa for bf16).
 
     ``engine="copy_engines"`` (NCCL, one GPU a rank on one host; ``copy_engines.ENGINES``): each bucket's buffer lives
-    in symmetric memory and is averaged by peer copies on a side stream (``copy_engines.PeerAverage``: the copy
+    in symmetric memory and is averaged by peer copies on side streams (``copy_engines.PeerAverage``: the copy
     engines move the bytes, no SMs); the one kernel a bucket that adds runs on the compute stream, once the buckets
     launched after it hold ``REDUCE_LAG_MB`` (a compiled span's gradients arrive together: by then its pulls are
     done), so that nothing runs beside the backward's GEMMs."""
@@ -415,7 +415,9 @@ class DDPBucketed(_OverlappedDDP):
         super().__init__(module, **kwargs)
         device = self._params[0].device if self._params else torch.device("cpu")
         check_engine(engine, self.process_group, device, type(self).__name__)
-        self._side_stream = torch.cuda.Stream(device) if engine == "copy_engines" else None  # peer copies
+        copies = engine == "copy_engines"  # the peer copies' streams
+        self._pull_stream, self._push_stream = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if copies else (
+            None, None)
         for unit in self._units:
             unit.offsets = [0]
             for i in unit.params:
@@ -490,7 +492,7 @@ class DDPBucketed(_OverlappedDDP):
             torch._foreach_copy_(views, grads)
         if unit.symmetric is not None:
             what = f"the copy engines' average of bucket {self._next}"
-            unit.work = PeerAverage(unit.symmetric, self._side_stream, what).pull()
+            unit.work = PeerAverage(unit.symmetric, self._pull_stream, self._push_stream, what).pull()
             self._unreduced.append(unit)
             while sum(u.flat.nbytes for u in self._unreduced[1:]) > REDUCE_LAG_MB * _MIB:
                 self._unreduced.pop(0).work.reduce()

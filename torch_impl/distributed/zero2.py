@@ -327,8 +327,8 @@ class ZeRO2(DDPBucketed):
         """Each slice into every peer's weights (``Memcpy PtoP``: the copy engines), then a signal to the peer, on a
         side stream after the cast. A peer is done reading its weights by then: this rank's reduce-scatters, which
         the optimizer waited for, needed the peer's last one, launched after its whole backward."""
-        self._side_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._side_stream):
+        self._push_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._push_stream):
             for s in self._gathers:
                 size = s.mine.numel()
                 for q in s.symmetric.peers:
@@ -339,8 +339,8 @@ class ZeRO2(DDPBucketed):
     def _copies_done(self) -> None:
         """The compute stream waits for this rank's copies to the peers before it writes ``mine`` again (the
         optimizer, the cast of the masters): by then they are long done."""
-        if self._side_stream is not None:
-            torch.cuda.current_stream().wait_stream(self._side_stream)
+        if self._push_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._push_stream)
 
     @torch.no_grad()
     def _masters_from_weights(self) -> None:
