@@ -106,8 +106,8 @@ class PeerAverage:
     """The mean of a ``SymmetricBuffer`` (N S elements, N ranks) over the ranks, in place on every rank: a
     reduce-scatter by pulls, then an all-gather by pushes, the bytes moved by the copy engines on two side streams.
 
-    ``pull(fills)`` (after the current stream's writes of the buffer): on ``pull_stream``, the fills are copied in,
-    rank r signals its peers that its buffer is ready and pulls the r-th slice of each peer's as each signals. ``reduce()``: the current stream
+    ``pull()`` (after the current stream's writes of the buffer): rank r signals its peers that its buffer is ready
+    and, on ``pull_stream``, pulls the r-th slice of each peer's as each signals. ``reduce()``: the current stream
     folds them into a running mean of its own slice (``lerp_``: one kernel a peer, the arithmetic in float32, one
     rounding to the buffer's dtype a peer: on 2 ranks bf16 and fp16 get (a + b) / 2 rounded once, as from NCCL's AVG,
     float32 within an ulp of the larger input), then ``push_stream`` pushes the mean into each peer's r-th slice and
@@ -132,16 +132,11 @@ class PeerAverage:
         self._pulls_done: torch.cuda.Event | None = None
         self._pushes_done: torch.cuda.Event | None = None
 
-    def pull(self, fills: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> PeerAverage:
-        """``fills``: (part of the buffer, what to copy into it) pairs of one dtype, copied first on the pull stream
-        (a same-device copy of a contiguous tensor is the copy engines' too)."""
+    def pull(self) -> PeerAverage:
         buffer = self.buffer
         self._pulled = [torch.empty_like(buffer.tensor[self._slice]) for _ in buffer.peers]  # the current stream's
         self.pull_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.pull_stream):
-            for part, source in fills:
-                part.copy_(source)
-                source.record_stream(self.pull_stream)
             for q in buffer.peers:
                 buffer.signal(q, READY)
             for q, pulled in zip(buffer.peers, self._pulled):

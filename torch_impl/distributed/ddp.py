@@ -399,9 +399,9 @@ class DDPBucketed(_OverlappedDDP):
 
     ``engine="copy_engines"`` (NCCL, one GPU a rank on one host; ``copy_engines.ENGINES``): each bucket's buffer lives
     in symmetric memory and is averaged by peer copies on side streams (``copy_engines.PeerAverage``: the copy
-    engines move the bytes, no SMs, and copy the gradients into the bucket where no cast is needed); the one kernel a
-    bucket that adds runs on the compute stream, once the buckets launched after it hold ``REDUCE_LAG_MB`` (a
-    compiled span's gradients arrive together: by then its pulls are done), so nothing runs beside the GEMMs."""
+    engines move the bytes, no SMs); the one kernel a bucket that adds runs on the compute stream, once the buckets
+    launched after it hold ``REDUCE_LAG_MB`` (a compiled span's gradients arrive together: by then its pulls are
+    done), so that nothing runs beside the backward's GEMMs."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, comm_dtype: torch.dtype | None = None,
                  engine: str = "nccl", **kwargs: Any):
@@ -488,14 +488,11 @@ class DDPBucketed(_OverlappedDDP):
             if casts:
                 unit.grads.append(g if g is not None and g.is_contiguous() else
                                   torch.zeros_like(p, memory_format=torch.contiguous_format))
-        fills = []  # copy engines, no cast: the gradients copied into the bucket by the copy engines too
-        if unit.symmetric is not None and not casts and views:
-            fills, views, grads = list(zip(views, grads)), [], []
         if views:
             torch._foreach_copy_(views, grads)
         if unit.symmetric is not None:
             what = f"the copy engines' average of bucket {self._next}"
-            unit.work = PeerAverage(unit.symmetric, self._pull_stream, self._push_stream, what).pull(fills)
+            unit.work = PeerAverage(unit.symmetric, self._pull_stream, self._push_stream, what).pull()
             self._unreduced.append(unit)
             while sum(u.flat.nbytes for u in self._unreduced[1:]) > REDUCE_LAG_MB * _MIB:
                 self._unreduced.pop(0).work.reduce()
