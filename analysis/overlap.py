@@ -4,7 +4,8 @@ idle, and which kernels ran slower while a collective shared the GPU with them.
 
 Reads torch.profiler Chrome traces (``*_trace.json``, gzipped or not) or a ``.tgz`` of them (the DDP benchmark's
 ``--profile`` directory, as ``scripts/gpu_distributed.sh`` packs it); kernels are the ``"cat": "kernel"`` events,
-collectives those whose name holds ``nccl``. Per trace, per step (``--steps``: how many steps the trace holds, the
+collectives those whose name holds ``nccl`` and the copies between GPUs (``"cat": "gpu_memcpy"``, ``Memcpy PtoP``: the
+copy engines' communication, ``torch_impl.distributed.copy_engines``). Per trace, per step (``--steps``: how many steps the trace holds, the
 benchmark's ``PROFILED_STEPS``): the span from the first kernel to the last, the time some compute kernel ran, the
 time some collective ran, the time both did, and the idle time (neither). Per kernel name (the ``--top`` largest
 by total time): launches and median duration alone and beside a collective (overlapping one in time) and their
@@ -31,11 +32,12 @@ from typing import Iterator
 from parallelism_calc.cli import ArgumentParser, error_boundary, positive_int
 
 GZIP_MAGIC = b"\x1f\x8b"
+PEER_COPY = "Memcpy PtoP"  # the profiler's name for a copy between GPUs (copy engines, not SMs)
 Interval = tuple[float, float]  # (start us, end us)
 
 
 def is_collective(name: str) -> bool:
-    return "nccl" in name.lower()
+    return "nccl" in name.lower() or name.startswith(PEER_COPY)
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,10 @@ def _touches(interval: Interval, disjoint: list[Interval], starts: list[float]) 
 
 
 def _kernels(events: list[dict], name: str) -> list[tuple[str, float, float]]:
-    """``(kernel name, start us, end us)`` of a trace's kernel events."""
+    """``(kernel name, start us, end us)`` of a trace's kernel events and copies between GPUs."""
     kernels = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
-               if e.get("ph") == "X" and e.get("cat") == "kernel"]
+               if e.get("ph") == "X" and (e.get("cat") == "kernel" or e.get("cat") == "gpu_memcpy"
+                                          and e.get("name", "").startswith(PEER_COPY))]
     if not kernels:
         raise ValueError(f"{name}: no kernel events (was the trace recorded with CUDA activity?)")
     return kernels

@@ -36,6 +36,18 @@ def test_times_by_hand():
     assert next(k for k in with_base.kernels if k.name == "gemm").slowdown == pytest.approx(2.0)
 
 
+def test_copies_between_gpus_are_communication():
+    """The copy engines' communication (``Memcpy PtoP``) counts as a collective; a copy within one GPU is left out."""
+    events = [_kernel("gemm", 0, 10), _kernel("gemm", 20, 10),
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy PtoP (Device -> Device)", "ts": 18, "dur": 22},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 50, "dur": 5}]
+    r = analyze(events, "t", steps=1)
+    # span 0..40 us (the local copy is not counted); compute 20; the peer copy 22; both [20,30] = 10; idle 40 - 32
+    assert (r.span_ms, r.compute_ms, r.comm_ms, r.both_ms, r.idle_ms) == pytest.approx(
+        (0.040, 0.020, 0.022, 0.010, 0.008))
+    assert [k.name for k in r.kernels] == ["gemm"]
+
+
 def test_host_ops_by_inclusive_time_per_step():
     host = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 500},  # left out
             {"ph": "X", "cat": "user_annotation", "name": "## Call CompiledFxGraph", "ts": 0, "dur": 60},
