@@ -4,9 +4,9 @@ idle, and which kernels ran slower while a collective shared the GPU with them.
 
 Reads torch.profiler Chrome traces (``*_trace.json``, gzipped or not) or a ``.tgz`` of them (the DDP benchmark's
 ``--profile`` directory, as ``scripts/gpu_distributed.sh`` packs it); kernels are the ``"cat": "kernel"`` events,
-collectives those whose name holds ``nccl`` and the copies between GPUs (``"cat": "gpu_memcpy"``, ``Memcpy PtoP``: the
-copy engines' communication, ``torch_impl.distributed.copy_engines``). Per trace, per step (``--steps``: how many steps the trace holds, the
-benchmark's ``PROFILED_STEPS``): the span from the first kernel to the last, the time some compute kernel ran, the
+collectives those whose name holds ``nccl`` and the copies between GPUs (``"cat": "gpu_memcpy"``, ``Memcpy PtoP``:
+the copy engines' communication, ``torch_impl.distributed.copy_engines``). Per trace, per step (``--steps``: how
+many steps the trace holds, the benchmark's ``PROFILED_STEPS``): the span from the first kernel to the last, the time some compute kernel ran, the
 time some collective ran, the time both did, and the idle time (neither). Per kernel name (the ``--top`` largest
 by total time): launches and median duration alone and beside a collective (overlapping one in time) and their
 ratio; with ``--baseline TRACE`` (a run without communication, e.g. the one-GPU ``none`` trace) the ratio is to

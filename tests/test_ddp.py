@@ -534,7 +534,7 @@ def _body_nccl(rank: int, world_size: int, seed: int, variant: str, dtype: torch
     ("bucketed_ce", torch.float16, 1e-2), ("bucketed_ce", torch.bfloat16, 3e-2)])
 def test_ddp_on_nccl_matches_single_process(variant, dtype, tolerance):
     """NCCL's averaging (ReduceOp.AVG for fp32 and bf16 buckets, fp16 summed and divided) or the copy engines' (``_ce``:
-    peer copies, float32 sums): the last of two steps' gradients within their dtype's round-off of one process's on
+    peer copies, a running mean in float32): the last of two steps' gradients within their dtype's round-off of one process's on
     the whole batch, and the same bits on every rank."""
     seed = secrets.randbelow(2**20)
     results = run_ranks(_body_nccl, 2, seed, variant, dtype, timeout_s=120, backend="nccl")

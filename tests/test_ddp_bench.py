@@ -80,8 +80,8 @@ def test_parse_flags():
 
 
 def test_modes_refuse_what_they_cannot_send():
-    """comm_sms is our wrappers', bf16 gradients bucketed / zero1 / torch DDP's, the copy engines bucketed / zero2's: the
-    rest is a one-line error."""
+    """comm_sms is our wrappers', bf16 gradients bucketed / zero1 / torch DDP's, the copy engines bucketed / zero2's:
+    the rest is a one-line error."""
     from torch_impl.parallelize import apply_data_parallel
 
     model = torch.nn.Linear(2, 2)

@@ -14,8 +14,9 @@ another in the same launch (each freed, Dynamo's caches too, before the next; ``
 records what was still allocated). ``--dtype bf16`` runs the forward under ``torch.autocast(bfloat16)``, fp32
 weights (all impls). ``--comm-dtype grad,bf16`` runs bucketed, zero1, zero2 and torch_ddp once per dtype the gradients
 travel in; ``--comm-sms 0,8`` runs our wrappers once per budget of SMs for their NCCL kernels (with cuBLAS kept off
-them during the backward; ``torch_impl.distributed.ddp``); ``--profile DIR`` profiles ``PROFILED_STEPS`` more steps
-of each configuration on every rank (read them with ``python -m analysis.overlap``).
+them during the backward; ``torch_impl.distributed.ddp``); ``--engine nccl,copy_engines`` runs bucketed and zero2
+once per engine moving their bytes (``torch_impl.distributed.copy_engines``); ``--profile DIR`` profiles
+``PROFILED_STEPS`` more steps of each configuration on every rank (read them with ``python -m analysis.overlap``).
 
 Phases of a step (ms), ``torch_impl.step.train_step``'s (``analysis.records.STEP_PHASES``): ``forward`` (model +
 loss), ``backward`` (``loss.backward()``), ``comm`` (time blocked in ``finish_gradient_synchronization()``: the
@@ -32,8 +33,8 @@ and their exposed communication is part of ``backward``; ``none`` also records ~
 Records (rank 0 appends one per configuration to ``--out``): suite "ddp", implementation e.g.
 "bucketed 25MB" / "zero1 + bucketed 25MB", world_size, mode train_step. Every rank's per-step phase times
 and peak memory (``torch.cuda.max_memory_allocated`` after the warm-up, plus zero2's weights in symmetric memory
-or bucketed's buffers with ``--engine copy_engines``, which the allocator does not count; None on CPU) are gathered to rank 0
-(``all_gather_object``). **A step's time, and each phase's, is the slowest rank's at that step** (a
+or bucketed's buffers with ``--engine copy_engines``, which the allocator does not count; None on CPU) are gathered
+to rank 0 (``all_gather_object``). **A step's time, and each phase's, is the slowest rank's at that step** (a
 data-parallel step is done when the last rank is); the record's timing / phase statistics are over those
 per-step maxima, so the phases' medians need not add up to the step's. ``tokens_per_s`` = world_size x
 batch x seq / median step; ``tflops`` / ``mfu`` per device from ``parallelism_calc.compute.step_flops`` of

@@ -99,7 +99,7 @@ class SymmetricBuffer:
         err = _stream_wait_value32()(torch.cuda.current_stream().cuda_stream, address,
                                      self._awaited[q, channel] & 0xFFFFFFFF, _WAIT_GEQ)
         if err:
-            raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {err} (stream memory operations unsupported?)")
+            raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {err} (no stream memory operations here?)")
 
 
 class PeerAverage:
@@ -118,7 +118,10 @@ class PeerAverage:
     The mean runs on the current (compute) stream, not beside it: kernels beside the backward's GEMMs slow them (any
     resident block delays a persistent GEMM's tiles), so callers call ``reduce()`` late enough that the pulls are done
     (``DDPBucketed``: a span of buckets later). Pulls and pushes have a stream each: behind a push, which waits for
-    this rank's mean, the next pulls would wait for the compute stream too (2 H200s, xl: 2.5 ms a step of stalls)."""
+    this rank's mean, the next pulls would wait for the compute stream too. (2 H200s, xl: the compute kernels took
+    3-7 ms a step less than with the means beside them, but the step was no faster, the pulls' stalls and the end of
+    the backward took it back, and the pulled slices, allocated as the host runs ahead, raised the reserved peak by
+    1.3-3.1 GB: notes/data_parallel.md, session 35.)"""
 
     def __init__(self, buffer: SymmetricBuffer, pull_stream: torch.cuda.Stream, push_stream: torch.cuda.Stream,
                  what: str):
@@ -167,6 +170,7 @@ class PeerAverage:
         for q in self.buffer.peers:
             self.buffer.wait(q, WRITTEN)
         watch(self.what)
+
 
 class _Watchdog:
     """A daemon thread that ends the process with a message when a watched event (recorded after waits on peers) has
