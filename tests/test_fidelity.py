@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from analysis.fidelity import attention_of, fidelity_rows, main, memory_prediction, summary, _frame
+from analysis.fidelity import (COPY_ENGINE_STAGING, attention_of, fidelity_rows, main, memory_prediction, predict,
+                               summary, _frame)
 from analysis.records import Record, save_records, timing_stats
 from parallelism_calc.roofline import Ceilings, step_time_floor
 from parallelism_calc.memory import per_device_memory
@@ -66,6 +67,14 @@ def test_memory_prediction_falls_back_to_the_stored_value_and_says_so():
     assert memory_prediction(_record(implementation="compiled naive"))[1] == "timeline"  # compiled count: flash only
     assert attention_of(_record(implementation="stock compiled sdpa_cudnn, cuda graph")) == "sdpa_cudnn"
     assert attention_of(_record(implementation="eager flash_triton, ckpt 2 nested")) == "flash_triton"
+
+
+def test_a_copy_engine_row_names_what_its_prediction_leaves_out():
+    ddp = dict(suite="ddp", world_size=2, mesh={"dp": 2})
+    engines = _record(**ddp, metrics={"predicted_memory_bytes": 2**30, "impl": "bucketed", "engine": "copy_engines"})
+    nccl = _record(**ddp, metrics={"predicted_memory_bytes": 2**30, "impl": "bucketed", "engine": "nccl"})
+    assert COPY_ENGINE_STAGING in predict(engines, {}, {}).memory_model
+    assert COPY_ENGINE_STAGING not in predict(nccl, {}, {}).memory_model
 
 
 def test_rows_without_what_they_need_say_why():
