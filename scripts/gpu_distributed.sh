@@ -26,7 +26,8 @@
 #   autocast (fp32 weights), then with bf16 weights over fp32 masters (bf16_mixed: ZeRO-2 gathers 2 bytes a weight),
 #   each dtype beside its one-GPU run; with PROFILE set, all profiled under bf16_mixed (OUT_DIR/ddp_profiles.tgz);
 # engines: that step (DTYPE, default bf16) beside its one-GPU run: bucketed 100 MB with its all-reduce on NCCL and on
-#   the copy engines (ENGINE), gradients in fp32 and bf16 (COMM_DTYPE), then DIST (default torch_ddp) beside it; with
+#   the copy engines (ENGINE), gradients in fp32 and bf16 (COMM_DTYPE), the optimizer stepping each bucket as it lands
+#   (OPTIMIZER_STEP: overlapped, and/or after; bf16_mixed), then DIST (default torch_ddp) beside it; with
 #   PROFILE set, bucketed on the copy engines with bf16 gradients profiled (OUT_DIR/ddp_profiles.tgz);
 # matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs);
 # accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
@@ -118,7 +119,7 @@ engines)
        --attention sdpa_cudnn --compile --cuda-graph blocks --bucket-mb 100 --out "$out/ddp.jsonl")
   python3 "${ddp[@]}" --dist none
   "${run[@]}" "$n" "${ddp[@]}" --dist bucketed --comm-dtype "${COMM_DTYPE:-grad,bf16}" \
-    --engine "${ENGINE:-nccl,copy_engines}"
+    --engine "${ENGINE:-nccl,copy_engines}" --optimizer-step "${OPTIMIZER_STEP:-overlapped}"
   [[ "${DIST:-torch_ddp}" != none ]] && "${run[@]}" "$n" "${ddp[@]}" --dist "${DIST:-torch_ddp}" \
     --comm-dtype "${COMM_DTYPE:-grad,bf16}"
   if [[ -n "${PROFILE:-}" ]]; then

@@ -485,6 +485,53 @@ def test_bucketed_bf16_communication_rounds_the_average_once():
             assert worst > 1e-12, f"[seed={seed}] no bf16 rounding seen: {worst:.3g}"
 
 
+# ----------------------------------------------------------------------------- the optimizer overlapped
+
+
+def _train_bf16_mixed(rank: int, world_size: int, seed: int, variant: str, optimizer_step: str,
+                      device: str = "cpu") -> dict:
+    """Three steps of the tiny LM in bf16 over fp32 masters (``MasterAdamW``) through ``train_step`` with the
+    optimizer stepped ``optimizer_step``: the weights' bits, and how many parts each step's optimizer stepped."""
+    import hashlib
+
+    from parallelism_calc.specs import MODELS
+    from torch_impl.distributed import DDPBucketed, DDPIndividualParameters
+    from torch_impl.model import TransformerLM
+    from torch_impl.optim import MasterAdamW
+    from torch_impl.step import StepParts, train_step
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    torch.manual_seed(seed)
+    model = TransformerLM(MODELS["tiny"], device=dev)
+    optimizer = MasterAdamW(model.parameters(), lr=1e-2)
+    engine = "copy_engines" if variant.endswith("_ce") else "nccl"
+    ddp = (DDPIndividualParameters(model) if variant == "individual" else
+           DDPBucketed(model, bucket_size_mb=0.05, engine=engine))
+    counts = []
+    step_parts = optimizer.step_parts
+    optimizer.step_parts = lambda parts: (counts.append(len(parts)), step_parts(parts))[1]  # step(): 0 parts
+    parts = StepParts(ddp, optimizer, dtype="bf16_mixed", wrapper=ddp, optimizer_step=optimizer_step)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        tokens = torch.randint(0, MODELS["tiny"].vocab_size, (2 * world_size, 17), generator=generator).to(dev)
+        sl = slice(2 * rank, 2 * rank + 2)
+        train_step(parts, [(tokens[sl, :-1], tokens[sl, 1:])])
+    bits = hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes() for p in model.parameters()))
+    return {"bits": bits.hexdigest(), "parts": counts, "units": len(ddp._units)}
+
+
+@pytest.mark.parametrize("variant", ["bucketed", "individual"])
+def test_the_optimizer_stepping_each_bucket_as_it_lands_gives_the_same_weights(variant):
+    """optimizer_step "overlapped": the wrapper's units (buckets, parameters) are stepped one part each as they
+    land (``finish_in_parts`` + ``MasterAdamW.step_parts``), and the weights end bit for bit as with the step
+    "after" every gradient is in (itself checked against one process above), on every rank."""
+    seed = secrets.randbelow(2**20)
+    after = run_ranks(_train_bf16_mixed, 2, seed, variant, "after", timeout_s=120)
+    overlapped = run_ranks(_train_bf16_mixed, 2, seed, variant, "overlapped", timeout_s=120)
+    assert len({r["bits"] for r in after + overlapped}) == 1, (seed, variant)
+    assert after[0]["parts"] == [0] * 3 and overlapped[0]["parts"] == [overlapped[0]["units"]] * 3 > [1] * 3
+
+
 # ----------------------------------------------------------------------------- NCCL
 
 
@@ -542,3 +589,17 @@ def test_ddp_on_nccl_matches_single_process(variant, dtype, tolerance):
     for rank, errs in enumerate(res["errors"] for res in results):
         worst = max(errs, key=errs.get)
         assert errs[worst] < tolerance, (seed, variant, rank, worst, errs[worst])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs >= 2 GPUs")
+@pytest.mark.parametrize("variant", ["bucketed", "bucketed_ce"])
+def test_the_optimizer_overlapped_with_nccl_or_the_copy_engines_gives_the_same_weights(variant):
+    """On the GPUs the landing is stream-ordered (NCCL's event, the copy engines' pushes and signals, the means left
+    for after the backward computed one a part): stepping each bucket as it lands ends with the weights of the step
+    after every gradient is in, bit for bit, on both ranks."""
+    seed = secrets.randbelow(2**20)
+    after = run_ranks(_train_bf16_mixed, 2, seed, variant, "after", "cuda", timeout_s=120, backend="nccl")
+    overlapped = run_ranks(_train_bf16_mixed, 2, seed, variant, "overlapped", "cuda", timeout_s=120, backend="nccl")
+    assert len({r["bits"] for r in after + overlapped}) == 1, (seed, variant)
+    assert overlapped[0]["parts"] == [overlapped[0]["units"]] * 3 > [1] * 3

@@ -94,6 +94,49 @@ def test_state_dict_round_trip_continues_the_same():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch"])
+def test_step_in_parts_is_the_same_step_and_waits_before_each_part(kernel):
+    """``step_parts``: each part's ``ready`` is called before its update (here it hands the part its gradients,
+    the latest moment a data-parallel wrapper's would land), parameters in no part are updated last, and the
+    weights and state end bit for bit as ``step()`` leaves them, over two groups and a missing gradient."""
+    seed = torch.seed() % 2**31
+    whole, parted = _params(seed), _params(seed)
+    a = MasterAdamW([{"params": whole[:2]}, {"params": whole[2:]}], **HYPER, kernel=kernel)
+    b = MasterAdamW([{"params": parted[:2]}, {"params": parted[2:]}], **HYPER, kernel=kernel)
+    calls = []
+    for step in range(3):
+        grads = _grads(step, skip=step if step < len(SHAPES) else None)
+        for p, g in zip(whole, grads):
+            p.grad = g
+        for p, g in zip(parted, grads):  # the gradients' tensors are set, their values land at ready()
+            p.grad = None if g is None else torch.full_like(g, float("nan"))
+
+        def ready(indices, grads=grads):
+            calls.append(indices)
+            for i in indices:
+                if grads[i] is not None:
+                    parted[i].grad.copy_(grads[i])
+        parts = [([parted[3], parted[0]], lambda: ready((3, 0))), ([parted[2]], lambda: ready((2,)))]
+        ready((1,))  # parted[1] is in no part: its gradient must be in before the call
+        a.step()
+        b.step_parts(parts)
+    assert calls == [(1,), (3, 0), (2,)] * 3
+    for p, q in zip(whole, parted):
+        assert torch.equal(p, q)
+        for name in ("master", "exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(a.state[p][name], b.state[q][name]), name
+
+
+def test_step_in_parts_refuses_a_parameter_twice_or_not_its_own():
+    params = _params(seed=6)
+    optimizer = MasterAdamW(params)
+    for p, g in zip(params, _grads(0)):
+        p.grad = g
+    for parts in ([([params[0]], None), ([params[0]], None)], [([torch.nn.Parameter(torch.zeros(2))], None)]):
+        with pytest.raises(ValueError, match="in two parts or not this optimizer's"):
+            optimizer.step_parts([(ps, lambda: None) for ps, _ in parts])
+
+
 def test_a_model_learns_in_bf16_with_master_weights():
     from parallelism_calc.specs import MODELS
     from torch_impl.model import TransformerLM, cross_entropy

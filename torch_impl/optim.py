@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import triton
@@ -117,16 +117,11 @@ class _FlatGroup:
         self.views = [{name: getattr(self, name)[start:start + n].view_as(p)
                        for name in ("master", "exp_avg", "exp_avg_sq")}
                       for p, start, n in zip(params, offsets, numels)]
-        as_table = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
-        # launch tables: (tensor, start) of each whole chunk, and of each tensor's partial last chunk
-        self.chunks = {}
-        for full in (True, False):
-            chunks = [(t, start) for t, n in enumerate(numels)
-                      for start in (range(0, n - n % BLOCK, BLOCK) if full else [n - n % BLOCK] if n % BLOCK else [])]
-            self.chunks[full] = (as_table([t for t, _ in chunks], torch.int32),
-                                 as_table([start for _, start in chunks], torch.int32))
-        self.numels = as_table(numels, torch.int32)
-        self.flat_offsets = as_table(offsets[:-1], torch.int64)
+        self.device, self._numels = device, numels
+        self._chunks: dict[tuple[int, ...], dict[bool, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.numels = self._table(numels, torch.int32)
+        self.flat_offsets = self._table(offsets[:-1], torch.int64)
+        self.chunks_of(tuple(range(len(params))))  # step()'s tables, made here: not inside a CUDA graph's capture
         self.param_addrs = torch.zeros(len(params), dtype=torch.int64, device=device)
         self.grad_addrs = torch.zeros_like(self.param_addrs)
         self.known_addrs: dict[str, tuple[int, ...]] = {"param_addrs": (), "grad_addrs": ()}
@@ -134,6 +129,24 @@ class _FlatGroup:
         self.capture_sources = {name: torch.empty(len(params), dtype=torch.int64, pin_memory=True)
                                 for name in self.known_addrs} if device.type == "cuda" else {}
         self.captured: set[str] = set()
+
+    def _table(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def chunks_of(self, tensors: tuple[int, ...]) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """The launch tables of these tensors (indices into the group), made at the first call (outside a CUDA
+        graph's capture): (tensor, start) of each whole chunk (key True), and of each tensor's partial last chunk
+        (key False)."""
+        if tensors not in self._chunks:
+            tables = {}
+            for full in (True, False):
+                chunks = [(t, start) for t in tensors for n in [self._numels[t]]
+                          for start in (range(0, n - n % BLOCK, BLOCK) if full else [n - n % BLOCK] if n % BLOCK
+                                        else [])]
+                tables[full] = (self._table([t for t, _ in chunks], torch.int32),
+                                self._table([start for _, start in chunks], torch.int32))
+            self._chunks[tensors] = tables
+        return self._chunks[tensors]
 
     def refresh(self, name: str, addrs: tuple[int, ...]) -> None:
         """Upload a table of addresses if they moved. Inside a CUDA graph capture the upload comes from pinned
@@ -206,22 +219,53 @@ class MasterAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.step_parts([])
+        return loss
+
+    @torch.no_grad()
+    def step_parts(self, parts: list[tuple[list[torch.Tensor], Callable[[], None]]]) -> None:
+        """``step()`` a part at a time, in order: for each (parameters, ready), ``ready()`` (it makes the current
+        stream wait for those parameters' gradients, e.g. a data-parallel wrapper's bucket), then one launch a
+        parameter group updates them; parameters in no part go last. The first parts' update then runs while the
+        last parts' gradients are still being communicated (``torch_impl.step``'s optimizer step "overlapped"), and
+        the result is ``step()``'s, bit for bit. Each parameter may be in one part at most."""
+        where = {id(p): (k, j) for k, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])}
+        plan: list[tuple[Callable[[], None] | None, dict[int, list[int]]]] = []  # (ready, group -> its tensors)
+        for params, ready in parts:
+            members: dict[int, list[int]] = {}
+            for p in params:
+                k, j = where.pop(id(p), (None, None))
+                if k is None:
+                    raise ValueError(f"MasterAdamW.step_parts: a parameter {tuple(p.shape)} that is in two parts "
+                                     "or not this optimizer's; accepted: each of its parameters in one part at most")
+                members.setdefault(k, []).append(j)
+            plan.append((ready, members))
+        rest: dict[int, list[int]] = {}
+        for k, j in where.values():
+            rest.setdefault(k, []).append(j)
+        plan.append((None, rest))
         for group, flat in zip(self.param_groups, self.flat):
             flat.step += 1
             grads = [p.grad for p in group["params"]]
-            (self._kernel_step if self.kernel else self._torch_step)(group, flat, grads)
-        return loss
+            addrs = tuple(p.data_ptr() for p in group["params"]), tuple(0 if g is None else g.data_ptr()
+                                                                       for g in grads)
+            if not self.kernel:
+                check_tensors(group["params"], grads, kernel=False)
+            elif addrs != (flat.known_addrs["param_addrs"], flat.known_addrs["grad_addrs"]):
+                check_tensors(group["params"], grads, kernel=True)  # new tensors: check once that they fit the kernel
+                flat.refresh("param_addrs", addrs[0])
+                flat.refresh("grad_addrs", addrs[1])
+        for ready, members in plan:
+            if ready is not None:
+                ready()
+            for k, tensors in members.items():
+                step = self._kernel_step if self.kernel else self._torch_step
+                step(self.param_groups[k], self.flat[k], tuple(sorted(tensors)))
 
-    def _kernel_step(self, group: dict, flat: _FlatGroup, grads: list[torch.Tensor | None]) -> None:
-        param_addrs = tuple(p.data_ptr() for p in group["params"])
-        grad_addrs = tuple(0 if g is None else g.data_ptr() for g in grads)
-        if (param_addrs, grad_addrs) != (flat.known_addrs["param_addrs"], flat.known_addrs["grad_addrs"]):
-            check_tensors(group["params"], grads, kernel=True)  # new tensors: check once that they fit the kernel
-            flat.refresh("param_addrs", param_addrs)
-            flat.refresh("grad_addrs", grad_addrs)
+    def _kernel_step(self, group: dict, flat: _FlatGroup, tensors: tuple[int, ...]) -> None:
         beta1, beta2 = group["betas"]
         log2 = lambda beta: math.log2(beta) if beta > 0 else -math.inf  # noqa: E731
-        for full, (chunk_tensor, chunk_start) in flat.chunks.items():  # whole chunks unmasked, then the tails
+        for full, (chunk_tensor, chunk_start) in flat.chunks_of(tensors).items():  # whole chunks unmasked, then tails
             if chunk_tensor.numel():
                 _adamw_master_kernel[(chunk_tensor.numel(),)](
                     chunk_tensor, chunk_start, flat.numels, flat.flat_offsets, flat.param_addrs, flat.grad_addrs,
@@ -229,17 +273,17 @@ class MasterAdamW(torch.optim.Optimizer):
                     log2(beta1), log2(beta2), group["eps"], group["weight_decay"],
                     PARAM_DTYPE=PARAM_DTYPES[self.param_dtype], BLOCK=BLOCK, ALIGN=ALIGN, FULL=full, num_warps=8)
 
-    def _torch_step(self, group: dict, flat: _FlatGroup, grads: list[torch.Tensor | None]) -> None:
+    def _torch_step(self, group: dict, flat: _FlatGroup, tensors: tuple[int, ...]) -> None:
         """The kernel's update in PyTorch ops, tensor by tensor (the CPU path without the interpreter)."""
-        check_tensors(group["params"], grads, kernel=False)
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         bias_correction1 = 1 - beta1 ** flat.step
         bias_correction2_sqrt = (1 - beta2 ** flat.step).sqrt()
-        for p, g, views in zip(group["params"], grads, flat.views):
-            if g is None:
+        for j in tensors:
+            p, views = group["params"][j], flat.views[j]
+            if p.grad is None:
                 continue
-            g = g.float()
+            g = p.grad.float()
             w, m, v = views["master"], views["exp_avg"], views["exp_avg_sq"]
             w.mul_(1 - lr * weight_decay)
             m.lerp_(g, 1 - beta1)

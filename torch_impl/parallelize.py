@@ -39,8 +39,8 @@ from torch_impl.distributed.copy_engines import ENGINES  # how the wrappers move
 from torch_impl.model import Blocks, TransformerBlock, run_blocks
 
 __all__ = ["BLOCKS_PER_GRAPH", "COMM_DTYPES", "COMM_DTYPE_MODES", "COMM_SMS_MODES", "CUDA_GRAPHS", "DATA_PARALLEL",
-           "ENGINES", "ENGINE_MODES", "HOOKED_MODES", "UNSUPPORTED", "WRAPPER_MODES", "DataParallelConfig",
-           "apply_activation_checkpointing", "apply_compile", "apply_data_parallel", "check_cuda_graph",
+           "ENGINES", "ENGINE_MODES", "HOOKED_MODES", "OPTIMIZER_STEP_MODES", "UNSUPPORTED", "WRAPPER_MODES",
+           "DataParallelConfig", "apply_activation_checkpointing", "apply_compile", "apply_data_parallel", "check_cuda_graph",
            "check_supported", "data_parallel_configs", "parallelize"]
 
 DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "zero2", "fsdp", "fsdp2")
@@ -139,19 +139,24 @@ COMM_DTYPES = ("grad", "bf16")
 COMM_DTYPE_MODES = ("bucketed", "zero1", "zero2", "torch_ddp")
 # the wrappers that can move bytes on the copy engines (``ENGINES``): bucketed's all-reduce, zero2's weight gather
 ENGINE_MODES = ("bucketed", "zero2")
+# the wrappers whose gradients land in parts (``finish_in_parts``), which the optimizer may step as they land
+# (``torch_impl.step.OPTIMIZER_STEPS``; it does with bf16_mixed's MasterAdamW and no clipping)
+OPTIMIZER_STEP_MODES = ("individual", "bucketed")
 
 
 @dataclass(frozen=True)
 class DataParallelConfig:
     """A mode of ``DATA_PARALLEL`` with its bucket size in MiB (``BUCKETED``, torch_ddp; else None) and, for
     ``COMM_SMS_MODES``, the SMs its NCCL kernels may occupy (0: NCCL's default); for ``COMM_DTYPE_MODES``, the
-    dtype its gradients travel in (``COMM_DTYPES``); for ``ENGINE_MODES``, what moves the bytes (``ENGINES``)."""
+    dtype its gradients travel in (``COMM_DTYPES``); for ``ENGINE_MODES``, what moves the bytes (``ENGINES``); for
+    ``OPTIMIZER_STEP_MODES``, when the optimizer steps (``OPTIMIZER_STEPS``)."""
 
     impl: str
     bucket_mb: float | None = None
     comm_sms: int = 0
     comm_dtype: str = "grad"
     engine: str = "nccl"
+    optimizer_step: str = "overlapped"
 
     @property
     def strategy(self) -> str:
@@ -166,22 +171,26 @@ class DataParallelConfig:
                 f"zero2 {self.bucket_mb:g}MB" if self.impl == "zero2" else self.impl)
         return name + (f", comm {self.comm_sms} SMs" if self.comm_sms else "") + (
             f", {self.comm_dtype} comm" if self.comm_dtype != "grad" else "") + (
-            "" if self.engine == "nccl" else ", copy-engine gather" if self.impl == "zero2" else ", copy engines")
+            "" if self.engine == "nccl" else ", copy-engine gather" if self.impl == "zero2" else ", copy engines") + (
+            ", optimizer after" if self.optimizer_step == "after" else "")
 
 
 def data_parallel_configs(modes: list[str], bucket_mb: list[float], comm_sms: list[int] | tuple[int, ...] = (0,),
                           comm_dtypes: list[str] | tuple[str, ...] = ("grad",),
-                          engines: list[str] | tuple[str, ...] = ("nccl",)) -> list[DataParallelConfig]:
+                          engines: list[str] | tuple[str, ...] = ("nccl",),
+                          optimizer_steps: list[str] | tuple[str, ...] = ("overlapped",)) -> list[DataParallelConfig]:
     """In order: ``BUCKETED`` modes once per bucket size, torch_ddp with its default bucket, the others once;
     each of ``COMM_SMS_MODES`` once per ``comm_sms`` value, each of ``COMM_DTYPE_MODES`` once per comm dtype, each of
-    ``ENGINE_MODES`` once per engine."""
+    ``ENGINE_MODES`` once per engine, each of ``OPTIMIZER_STEP_MODES`` once per optimizer step."""
     out: list[DataParallelConfig] = []
     for mode in modes:
         sizes = bucket_mb if mode in BUCKETED else [TORCH_DDP_BUCKET_MB if mode == "torch_ddp" else None]
         sms = comm_sms if mode in COMM_SMS_MODES else (0,)
         dtypes = comm_dtypes if mode in COMM_DTYPE_MODES else ("grad",)
         ways = engines if mode in ENGINE_MODES else ("nccl",)
-        out += [DataParallelConfig(mode, mb, k, d, g) for mb in sizes for d in dtypes for k in sms for g in ways]
+        steps = optimizer_steps if mode in OPTIMIZER_STEP_MODES else ("overlapped",)
+        out += [DataParallelConfig(mode, mb, k, d, g, o) for mb in sizes for d in dtypes for k in sms for g in ways
+                for o in steps]
     return out
 
 

@@ -18,6 +18,11 @@ from typing import Any, Callable
 import torch
 
 from parallelism_calc.compute import MODES  # what a step runs: forward, forward_backward, train_step
+
+# When the optimizer steps: "after" every gradient is synchronized, or "overlapped": a part at a time as the
+# data-parallel wrapper's parts land (``finish_in_parts``), where the optimizer can (``MasterAdamW.step_parts``) and
+# nothing needs every gradient first (no clipping); the first parts' update then hides the last parts' communication
+OPTIMIZER_STEPS = ("overlapped", "after")
 from torch_impl.linear_cross_entropy import LOSSES
 from torch_impl.model import cross_entropy
 
@@ -45,10 +50,20 @@ class StepParts:
     scheduler: Any = None
     grad_clip: float = 0.0
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = cross_entropy
+    optimizer_step: str = "overlapped"  # OPTIMIZER_STEPS
 
     def __post_init__(self) -> None:
         if self.grad_clip > 0 and self.wrapper is None:
             raise ValueError("StepParts: grad_clip needs the data-parallel wrapper (it computes the global norm)")
+        if self.optimizer_step not in OPTIMIZER_STEPS:
+            raise ValueError(f"StepParts: optimizer_step {self.optimizer_step!r}; accepted: "
+                             f"{', '.join(OPTIMIZER_STEPS)}")
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether the optimizer steps the wrapper's parts as they land (see ``OPTIMIZER_STEPS``)."""
+        return (self.optimizer_step == "overlapped" and self.wrapper is not None and self.grad_clip == 0
+                and hasattr(self.optimizer, "step_parts"))
 
 
 def for_loss(loss: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -82,7 +97,7 @@ def train_step(parts: StepParts, micro_batches: list[tuple[torch.Tensor, torch.T
     k, wrapper = len(micro_batches), parts.wrapper
     if wrapper is not None:
         wrapper.on_train_batch_start()
-    total, norm = None, None
+    total, norm, landing = None, None, None
     for j, (inputs, targets) in enumerate(micro_batches):
         last = j == k - 1
         with contextlib.nullcontext() if last or wrapper is None else wrapper.no_sync():
@@ -93,13 +108,19 @@ def train_step(parts: StepParts, micro_batches: list[tuple[torch.Tensor, torch.T
                 loss.backward()
                 mark("backward")
         if mode == "train_step" and wrapper is not None and (last or wrapper.sync_every_backward):
-            wrapper.finish_gradient_synchronization()
+            if last and parts.overlapped:
+                landing = wrapper.finish_in_parts()  # the gradients land as the optimizer steps them
+            else:
+                wrapper.finish_gradient_synchronization()
             mark("comm")
         total = loss.detach() if total is None else total + loss.detach()
     if mode == "train_step":
         if parts.grad_clip > 0:
             norm = wrapper.clip_grad_norm_(parts.grad_clip)
-        parts.optimizer.step()
+        if landing is not None:
+            parts.optimizer.step_parts(landing)
+        else:
+            parts.optimizer.step()
         if parts.scheduler is not None:
             parts.scheduler.step()
     if mode != "forward":

@@ -15,13 +15,16 @@ records what was still allocated). ``--dtype bf16`` runs the forward under ``tor
 weights (all impls). ``--comm-dtype grad,bf16`` runs bucketed, zero1, zero2 and torch_ddp once per dtype the gradients
 travel in; ``--comm-sms 0,8`` runs our wrappers once per budget of SMs for their NCCL kernels (with cuBLAS kept off
 them during the backward; ``torch_impl.distributed.ddp``); ``--engine nccl,copy_engines`` runs bucketed and zero2
-once per engine moving their bytes (``torch_impl.distributed.copy_engines``); ``--profile DIR`` profiles
+once per engine moving their bytes (``torch_impl.distributed.copy_engines``); ``--optimizer-step overlapped,after``
+runs individual and bucketed once with bf16_mixed's optimizer stepping each bucket as its average lands and once after
+all (``torch_impl.step.OPTIMIZER_STEPS``; the record's ``optimizer_step`` says which ran); ``--profile DIR`` profiles
 ``PROFILED_STEPS`` more steps of each configuration on every rank (read them with ``python -m analysis.overlap``).
 
 Phases of a step (ms), ``torch_impl.step.train_step``'s (``analysis.records.STEP_PHASES``): ``forward`` (model +
 loss), ``backward`` (``loss.backward()``), ``comm`` (time blocked in ``finish_gradient_synchronization()``: the
-gradient communication the backward did not hide), ``optimizer`` (``optimizer.step()``; for ZeRO-1 it includes the
-broadcast of the updated parameters, for ZeRO-2 the all-gather of the weights), and the step total. Timing
+gradient communication the backward did not hide; ~0 when the optimizer step is overlapped, whose ``optimizer``
+holds it), ``optimizer`` (``optimizer.step()``; for ZeRO-1 it includes the broadcast of the updated parameters, for
+ZeRO-2 the all-gather of the weights), and the step total. Timing
 (``torch_impl.timing.PhaseTimer``): on CUDA an event on the compute stream at each phase boundary and nothing waits
 inside a step, so an NCCL all-reduce still running on its own stream when the backward's kernels finish is counted
 in ``comm`` (where ``finish_gradient_synchronization`` makes the compute stream wait for it); reading the loss ends
@@ -86,7 +89,8 @@ from analysis.records import Record, read_records, save_records
 from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int, parse_list,
                                   positive_float, positive_int, writable_path)
 from torch_impl.parallelize import (COMM_DTYPE_MODES, COMM_DTYPES, CUDA_GRAPHS, DATA_PARALLEL, ENGINE_MODES, ENGINES,
-                                    check_cuda_graph, check_supported, parallelize)
+                                    OPTIMIZER_STEP_MODES, check_cuda_graph, check_supported, parallelize)
+from torch_impl.step import OPTIMIZER_STEPS
 from torch_impl.parallelize import DataParallelConfig as Config, data_parallel_configs as configurations
 
 
@@ -100,6 +104,7 @@ class DDPBenchConfig(StepConfig):
     comm_sms: str
     comm_dtype: str
     engine: str
+    optimizer_step: str
     compile: bool
     cuda_graph: str
     timeout: float
@@ -147,6 +152,11 @@ def parse_comm_dtypes(text: str) -> list[str]:
     return parse_list(text, "--comm-dtype", COMM_DTYPES)
 
 
+def parse_optimizer_steps(text: str) -> list[str]:
+    """--optimizer-step 'overlapped,after' -> ['overlapped', 'after'] (``OPTIMIZER_STEPS``)."""
+    return parse_list(text, "--optimizer-step", OPTIMIZER_STEPS)
+
+
 def parse_engines(text: str, device: str) -> list[str]:
     """--engine 'nccl,copy_engines' -> ['nccl', 'copy_engines'] (``ENGINES``; copy_engines on CUDA only)."""
     engines = parse_list(text, "--engine", ENGINES)
@@ -184,7 +194,7 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
                                               comm_sms=cfg.comm_sms, comm_dtype=cfg.comm_dtype, engine=cfg.engine)
     tokens = torch.from_numpy(fixed_batch(args.seed + rank, args.batch_size, seq_len, spec.vocab_size)).to(device)
     batch = [(tokens[:, :-1], tokens[:, 1:])]  # (inputs, targets), (B, T) each
-    parts = StepParts(forward, optimizer, dtype=args.dtype, wrapper=wrapper)
+    parts = StepParts(forward, optimizer, dtype=args.dtype, wrapper=wrapper, optimizer_step=cfg.optimizer_step)
 
     def step(timer: PhaseTimer) -> float:
         timer.start()
@@ -208,8 +218,9 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
 
         tag = re.sub(r"[^A-Za-z0-9._-]+", "_", cfg.name)  # 'bucketed 25MB, bf16 comm' -> bucketed_25MB_bf16_comm
         profile_steps(lambda: step(PhaseTimer(device)), PROFILED_STEPS, args.profile, tag=f"{tag}_rank{rank}")
+    overlapped = parts.overlapped and cfg.impl in OPTIMIZER_STEP_MODES  # the wrapper's parts, stepped as they land
     return {"step_ms": step_ms, "phases_ms": phases_ms, "peak": peak, "losses": losses, "error": None,
-            "allocated_before": allocated_before}
+            "allocated_before": allocated_before, "optimizer_step": "overlapped" if overlapped else "after"}
 
 
 # ----------------------------------------------------------------------------- records (rank 0)
@@ -265,6 +276,7 @@ def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_siz
             "per_rank_median_ms": [{"step": statistics.median(g["step_ms"]),
                                     **{p: statistics.median(g["phases_ms"][p]) for p in PHASES}} for g in gathered],
             "loss_first": gathered[0]["losses"][0], "loss_last": gathered[0]["losses"][-1],
+            "optimizer_step": gathered[0]["optimizer_step"],
         })
         record = step_record(run, spec, seq_len, step_times_ms=step_ms, phases_ms=phases_ms,
                              peak_memory_bytes=None if None in peaks else max(peaks), metrics=metrics, **common)
@@ -297,7 +309,8 @@ def run(args: DDPBenchConfig) -> int:
 
     spec, seq_len = resolve_spec(args)
     configs = configurations(parse_impls(args.impl), parse_bucket_mb(args.bucket_mb), parse_comm_sms(args.comm_sms),
-                             parse_comm_dtypes(args.comm_dtype), parse_engines(args.engine, args.device))
+                             parse_comm_dtypes(args.comm_dtype), parse_engines(args.engine, args.device),
+                             parse_optimizer_steps(args.optimizer_step))
     if args.dtype == "fp32":
         torch.set_float32_matmul_precision("highest")
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
@@ -410,6 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "collectives) and/or copy_engines (copies into the peers' symmetric memory: bucketed's "
                              "all-reduce, zero2's weight gather; NCCL on one host's GPUs), e.g. nccl,copy_engines "
                              "(default nccl)")
+    parser.add_argument("--optimizer-step", default="overlapped",
+                        help=f"when the optimizer steps ({', '.join(OPTIMIZER_STEP_MODES)}), one configuration each: "
+                             "overlapped (bucket by bucket as their averages land, hiding the last buckets' "
+                             "communication; with --dtype bf16_mixed) and/or after (once every gradient is in), "
+                             "e.g. overlapped,after (default overlapped)")
     parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps per configuration (default 3)")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration (default 10)")
     parser.add_argument("--attention", default="sdpa", help="attention backend of the model (default sdpa)")
@@ -456,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--dist torch_ddp --comm-dtype bf16 (torch DDP's bf16_compress_hook) runs on CUDA "
                              "devices only; on the CPU bf16 gradients work with bucketed, zero1 and zero2")
         parse_engines(args.engine, args.device)
+        parse_optimizer_steps(args.optimizer_step)
         return run(args)
     except ValueError as err:
         parser.error(str(err))

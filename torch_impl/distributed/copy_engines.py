@@ -111,9 +111,10 @@ class PeerAverage:
     folds them into a running mean of its own slice (``lerp_``: one kernel a peer, the arithmetic in float32, one
     rounding to the buffer's dtype a peer: on 2 ranks bf16 and fp16 get (a + b) / 2 rounded once, as from NCCL's AVG,
     float32 within an ulp of the larger input), then ``push_stream`` pushes the mean into each peer's r-th slice and
-    signals it. ``wait()``: the current stream waits for this rank's pushes and for every peer's mean to have arrived
-    here (reducing first if ``reduce()`` was not called). Every rank ends with the same bits (each slice is computed
-    once, by its owner); the buffer may be written again after ``wait()``: each peer pulled from it before pushing.
+    signals it (a second ``reduce()`` does nothing). ``wait()``: the current stream waits for this rank's pushes and
+    for every peer's mean to have arrived here (reducing first if ``reduce()`` was not called). Every rank ends with
+    the same bits (each slice is computed once, by its owner); the buffer may be written again after ``wait()``: each
+    peer pulled from it before pushing.
 
     The mean runs on the current (compute) stream, not beside it: kernels beside the backward's GEMMs slow them (any
     resident block delays a persistent GEMM's tiles), so callers call ``reduce()`` late enough that the pulls are done
@@ -150,6 +151,8 @@ class PeerAverage:
         return self
 
     def reduce(self) -> None:
+        if self._pushes_done is not None:  # reduced already
+            return
         buffer, mine = self.buffer, self.buffer.tensor[self._slice]
         torch.cuda.current_stream().wait_event(self._pulls_done)
         for count, pulled in enumerate(self._pulled, start=2):  # the mean of `count` slices: += (x - mean) / count
@@ -164,8 +167,7 @@ class PeerAverage:
             self._pushes_done.record()
 
     def wait(self) -> None:
-        if self._pushes_done is None:
-            self.reduce()
+        self.reduce()
         torch.cuda.current_stream().wait_event(self._pushes_done)
         for q in self.buffer.peers:
             self.buffer.wait(q, WRITTEN)

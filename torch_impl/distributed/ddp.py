@@ -66,7 +66,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -332,8 +332,9 @@ class _OverlappedDDP(_DataParallel):
     def _launch(self, unit: _Unit) -> None:
         raise NotImplementedError
 
-    def _unit_grads(self, unit: _Unit) -> list[torch.Tensor]:
-        """The averaged gradients of a launched unit, once its all-reduce has finished."""
+    def _finish_unit(self, unit: _Unit) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """A launched unit's (the tensors its averaged gradients land in, the call that makes the current stream
+        wait for them and land them). The unit may be reused (the next step) once that call has been made."""
         raise NotImplementedError
 
     def _launch_rest(self) -> None:
@@ -354,15 +355,23 @@ class _OverlappedDDP(_DataParallel):
         self.on_train_batch_start()
 
     def finish_gradient_synchronization(self) -> None:
+        for _, land in self.finish_in_parts():
+            land()
+
+    def finish_in_parts(self) -> list[tuple[list[torch.Tensor], Callable[[], None]]]:
+        """The units, in launch order (the order their communication ends in), as the interface's parts."""
         self._launch_rest()
         presence = self._launch_presence(self._present)
         grads: list[torch.Tensor | None] = [None] * len(self._params)
+        parts = []
         for unit in self._units:
-            unit.work.wait()
-            for i, g in zip(unit.params, self._unit_grads(unit)):
+            unit_grads, land = self._finish_unit(unit)
+            for i, g in zip(unit.params, unit_grads):
                 grads[i] = g
+            parts.append(([self._params[i] for i in unit.params], land))
         self._assign_grads(grads, presence)
         self._end_backward()
+        return parts
 
 
 class DDPIndividualParameters(_OverlappedDDP):
@@ -380,9 +389,14 @@ class DDPIndividualParameters(_OverlappedDDP):
         unit.work = self._all_reduce(p.grad, async_op=True, average=True)
         unit.launched = True
 
-    def _unit_grads(self, unit: _Unit) -> list[torch.Tensor]:
-        grad, unit.flat = self._averaged(unit.flat), None  # the unit must not keep the gradient past the step:
-        return [grad]  # the next step's zero_grad frees it (it held 7.4 GiB through xl's forward, call 3)
+    def _finish_unit(self, unit: _Unit) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        grad, work, unit.flat = unit.flat, unit.work, None  # the unit must not keep the gradient past the step:
+        # the next step's zero_grad frees it (it held 7.4 GiB through xl's forward, call 3)
+
+        def land() -> None:
+            work.wait()
+            self._averaged(grad)
+        return [grad], land
 
 
 class DDPBucketed(_OverlappedDDP):
@@ -425,7 +439,7 @@ class DDPBucketed(_OverlappedDDP):
             self._allocate(unit)
 
     def on_train_batch_start(self) -> None:
-        self._unreduced: list[_Unit] = []  # copy engines: buckets launched, their means not yet computed
+        self._unreduced: list[PeerAverage] = []  # copy engines: buckets launched, their means not yet computed
         super().on_train_batch_start()
 
     def _allocate(self, unit: _Unit) -> None:
@@ -493,18 +507,26 @@ class DDPBucketed(_OverlappedDDP):
         if unit.symmetric is not None:
             what = f"the copy engines' average of bucket {self._next}"
             unit.work = PeerAverage(unit.symmetric, self._pull_stream, self._push_stream, what).pull()
-            self._unreduced.append(unit)
-            while sum(u.flat.nbytes for u in self._unreduced[1:]) > REDUCE_LAG_MB * _MIB:
-                self._unreduced.pop(0).work.reduce()
+            self._unreduced.append(unit.work)
+            while sum(a.buffer.tensor.nbytes for a in self._unreduced[1:]) > REDUCE_LAG_MB * _MIB:
+                self._unreduced.pop(0).reduce()
         else:
             unit.work = self._all_reduce(unit.flat, async_op=True, average=True)
         unit.launched = True
 
-    @torch.no_grad()
-    def _unit_grads(self, unit: _Unit) -> list[torch.Tensor]:
-        if unit.symmetric is None:  # the copy engines' average is one already
-            self._averaged(unit.flat)
-        if self._casts(unit):
-            torch._foreach_copy_([g.view(-1) for g in unit.grads], self._views(unit))
-            return unit.grads
-        return [view.view_as(self._params[i]) for view, i in zip(self._views(unit), unit.params)]
+    def _finish_unit(self, unit: _Unit) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        work, flat, views = unit.work, unit.flat, self._views(unit)
+        casts = self._casts(unit)
+        grads = unit.grads if casts else [view.view_as(self._params[i]) for view, i in zip(views, unit.params)]
+        unreduced = self._unreduced  # copy engines: one more of the means left for after the backward, a part
+
+        @torch.no_grad()
+        def land() -> None:
+            if unreduced:
+                unreduced.pop(0).reduce()
+            work.wait()
+            if unit.symmetric is None:  # the copy engines' average is one already
+                self._averaged(flat)
+            if casts:
+                torch._foreach_copy_([g.view(-1) for g in grads], views)
+        return grads, land

@@ -12,6 +12,7 @@ saves and loads by); ``ZeRO2``, whose weights are replicated and whose optimizer
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,15 @@ class DataParallelWrapper:
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the gradient communication: gradients are then averaged over the ranks (or sharded)."""
+
+    def finish_in_parts(self) -> list[tuple[list[torch.Tensor], Callable[[], None]]] | None:
+        """``finish_gradient_synchronization`` without waiting: every ``.grad`` is already the tensor its average
+        will land in, and the gradients land in parts, in the order returned: (parameters, ready), where
+        ``ready()`` makes the current stream wait for those parameters' averaged gradients. Call every ``ready``
+        before reading the gradients (an optimizer that steps a part at a time: ``MasterAdamW.step_parts``).
+        None: the gradients are all synchronized already (this default)."""
+        self.finish_gradient_synchronization()
+        return None
 
     @property
     def eval_module(self) -> torch.nn.Module:
