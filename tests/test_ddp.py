@@ -489,11 +489,13 @@ def test_bucketed_bf16_communication_rounds_the_average_once():
 
 
 def _train_bf16_mixed(rank: int, world_size: int, seed: int, variant: str, optimizer_step: str,
-                      device: str = "cpu") -> dict:
+                      device: str = "cpu", tail_mb: float = 512.0) -> dict:
     """Three steps of the tiny LM in bf16 over fp32 masters (``MasterAdamW``) through ``train_step`` with the
-    optimizer stepped ``optimizer_step``: the weights' bits, and how many parts each step's optimizer stepped."""
+    optimizer stepped ``optimizer_step``: the weights' bits, and how many parts each step's optimizer stepped
+    (``tail_mb``: the ``TAIL_MB`` of the wrapper, whose units beyond it are one part)."""
     import hashlib
 
+    import torch_impl.distributed.ddp as ddp_module
     from parallelism_calc.specs import MODELS
     from torch_impl.distributed import DDPBucketed, DDPIndividualParameters
     from torch_impl.model import TransformerLM
@@ -501,6 +503,7 @@ def _train_bf16_mixed(rank: int, world_size: int, seed: int, variant: str, optim
     from torch_impl.step import StepParts, train_step
 
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    ddp_module.TAIL_MB = tail_mb
     torch.manual_seed(seed)
     model = TransformerLM(MODELS["tiny"], device=dev)
     optimizer = MasterAdamW(model.parameters(), lr=1e-2)
@@ -522,14 +525,18 @@ def _train_bf16_mixed(rank: int, world_size: int, seed: int, variant: str, optim
 
 @pytest.mark.parametrize("variant", ["bucketed", "individual"])
 def test_the_optimizer_stepping_each_bucket_as_it_lands_gives_the_same_weights(variant):
-    """optimizer_step "overlapped": the wrapper's units (buckets, parameters) are stepped one part each as they
-    land (``finish_in_parts`` + ``MasterAdamW.step_parts``), and the weights end bit for bit as with the step
-    "after" every gradient is in (itself checked against one process above), on every rank."""
+    """optimizer_step "overlapped": the wrapper's units (buckets, parameters) are stepped as they land
+    (``finish_in_parts`` + ``MasterAdamW.step_parts``): one part a unit within ``TAIL_MB`` of the backward's end,
+    the earlier ones as one part; the weights end bit for bit as with the step "after" every gradient is in
+    (itself checked against one process above), on every rank."""
     seed = secrets.randbelow(2**20)
     after = run_ranks(_train_bf16_mixed, 2, seed, variant, "after", timeout_s=120)
     overlapped = run_ranks(_train_bf16_mixed, 2, seed, variant, "overlapped", timeout_s=120)
-    assert len({r["bits"] for r in after + overlapped}) == 1, (seed, variant)
-    assert after[0]["parts"] == [0] * 3 and overlapped[0]["parts"] == [overlapped[0]["units"]] * 3 > [1] * 3
+    headed = run_ranks(_train_bf16_mixed, 2, seed, variant, "overlapped", "cpu", 0.1, timeout_s=120)
+    assert len({r["bits"] for r in after + overlapped + headed}) == 1, (seed, variant)
+    units = overlapped[0]["units"]
+    assert after[0]["parts"] == [0] * 3 and overlapped[0]["parts"] == [units] * 3 > [1] * 3
+    assert len(set(headed[0]["parts"])) == 1 and 1 < headed[0]["parts"][0] < units, (headed[0]["parts"], units)
 
 
 # ----------------------------------------------------------------------------- NCCL
@@ -596,10 +603,12 @@ def test_ddp_on_nccl_matches_single_process(variant, dtype, tolerance):
 @pytest.mark.parametrize("variant", ["bucketed", "bucketed_ce"])
 def test_the_optimizer_overlapped_with_nccl_or_the_copy_engines_gives_the_same_weights(variant):
     """On the GPUs the landing is stream-ordered (NCCL's event, the copy engines' pushes and signals, the means left
-    for after the backward computed one a part): stepping each bucket as it lands ends with the weights of the step
-    after every gradient is in, bit for bit, on both ranks."""
+    for after the backward computed a part ahead): stepping each bucket as it lands, one part a bucket or the
+    earlier ones as one part, ends with the weights of the step after every gradient is in, bit for bit, on both
+    ranks."""
     seed = secrets.randbelow(2**20)
-    after = run_ranks(_train_bf16_mixed, 2, seed, variant, "after", "cuda", timeout_s=120, backend="nccl")
-    overlapped = run_ranks(_train_bf16_mixed, 2, seed, variant, "overlapped", "cuda", timeout_s=120, backend="nccl")
-    assert len({r["bits"] for r in after + overlapped}) == 1, (seed, variant)
-    assert overlapped[0]["parts"] == [overlapped[0]["units"]] * 3 > [1] * 3
+    runs = [run_ranks(_train_bf16_mixed, 2, seed, variant, step, "cuda", tail, timeout_s=120, backend="nccl")
+            for step, tail in (("after", 512.0), ("overlapped", 512.0), ("overlapped", 0.1))]
+    assert len({r["bits"] for ranks in runs for r in ranks}) == 1, (seed, variant)
+    units = runs[1][0]["units"]
+    assert runs[1][0]["parts"] == [units] * 3 > [1] * 3 and 1 < runs[2][0]["parts"][0] < units

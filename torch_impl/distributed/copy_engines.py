@@ -114,7 +114,9 @@ class PeerAverage:
     signals it (a second ``reduce()`` does nothing). ``wait()``: the current stream waits for this rank's pushes and
     for every peer's mean to have arrived here (reducing first if ``reduce()`` was not called). Every rank ends with
     the same bits (each slice is computed once, by its owner); the buffer may be written again after ``wait()``: each
-    peer pulled from it before pushing.
+    peer pulled from it before pushing. ``sources``: (piece of this rank's slice, a tensor of its length) where the
+    slice's values are instead of the buffer (the gradients themselves: the caller then copies into the buffer only
+    what the peers pull, and the first fold reads the pieces from there; they are kept until it has run).
 
     The mean runs on the current (compute) stream, not beside it: kernels beside the backward's GEMMs slow them (any
     resident block delays a persistent GEMM's tiles), so callers call ``reduce()`` late enough that the pulls are done
@@ -125,13 +127,22 @@ class PeerAverage:
     1.3-3.1 GB: notes/data_parallel.md, session 35.)"""
 
     def __init__(self, buffer: SymmetricBuffer, pull_stream: torch.cuda.Stream, push_stream: torch.cuda.Stream,
-                 what: str):
+                 what: str, sources: list[tuple[slice, torch.Tensor]] = ()):
         n = buffer.world_size
         if buffer.tensor.numel() % n:
             raise ValueError(f"PeerAverage: {buffer.tensor.numel()} elements do not split into {n} equal slices")
         self.buffer, self.pull_stream, self.push_stream, self.what = buffer, pull_stream, push_stream, what
         size = buffer.tensor.numel() // n
         self._slice = slice(buffer.rank * size, (buffer.rank + 1) * size)
+        mine = buffer.tensor[self._slice]
+        self._sources = []  # pieces of this rank's slice: (where in it, the tensor its values are in), in order
+        start = 0
+        for piece, source in sorted(sources, key=lambda ps: ps[0].start) + [(slice(size, size), None)]:
+            if start < piece.start:  # no source given: the values are in the buffer
+                self._sources.append((slice(start, piece.start), mine[start:piece.start]))
+            if source is not None:
+                self._sources.append((piece, source))
+            start = piece.stop
         self._pulled: list[torch.Tensor] = []
         self._pulls_done: torch.cuda.Event | None = None
         self._pushes_done: torch.cuda.Event | None = None
@@ -155,9 +166,14 @@ class PeerAverage:
             return
         buffer, mine = self.buffer, self.buffer.tensor[self._slice]
         torch.cuda.current_stream().wait_event(self._pulls_done)
-        for count, pulled in enumerate(self._pulled, start=2):  # the mean of `count` slices: += (x - mean) / count
+        for piece, source in self._sources:  # the first peer's slice folded in from where this rank's values are
+            if self._pulled:  # the mean of 2 slices (source may be the buffer itself: out= is then in place)
+                torch.lerp(source, self._pulled[0][piece], 0.5, out=mine[piece])
+            else:
+                mine[piece].copy_(source)
+        for count, pulled in enumerate(self._pulled[1:], start=3):  # the mean of `count` slices: += (x - mean) / count
             mine.lerp_(pulled, 1 / count)
-        self._pulled = []  # freed once the current stream is past the lerps
+        self._pulled, self._sources = [], []  # freed once the current stream is past the lerps
         self.push_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.push_stream):
             for q in buffer.peers:

@@ -78,9 +78,11 @@ from torch_impl.distributed.interface import DataParallelWrapper
 from torch_impl.distributed.process_group import comm_group, nccl_averages
 
 _MIB = 2**20
-# Copy engines: a bucket's mean is computed on the compute stream once the buckets launched after it hold this many
-# MiB (DDPBucketed): late enough that its pulls are done, early enough that few are left for the end of the backward.
-REDUCE_LAG_MB = 512
+# The gradients the backward launches last, in MiB: their communication is still running when it ends. With the copy
+# engines a bucket's mean is computed on the compute stream once the buckets launched after it hold this many MiB
+# (DDPBucketed: late enough that its pulls are done); an optimizer stepping the units as they land (``finish_in_parts``)
+# steps the units launched in the last TAIL_MB one by one, and all earlier ones, landed by then, in one part.
+TAIL_MB = 512
 
 
 def _unique(tensors) -> list[torch.Tensor]:
@@ -359,7 +361,8 @@ class _OverlappedDDP(_DataParallel):
             land()
 
     def finish_in_parts(self) -> list[tuple[list[torch.Tensor], Callable[[], None]]]:
-        """The units, in launch order (the order their communication ends in), as the interface's parts."""
+        """The interface's parts, in launch order (the order the communication ends in): the units launched in the
+        backward's last ``TAIL_MB`` one a part, every earlier unit (landed by then) in the first part."""
         self._launch_rest()
         presence = self._launch_presence(self._present)
         grads: list[torch.Tensor | None] = [None] * len(self._params)
@@ -371,6 +374,13 @@ class _OverlappedDDP(_DataParallel):
             parts.append(([self._params[i] for i in unit.params], land))
         self._assign_grads(grads, presence)
         self._end_backward()
+        head, tail = len(parts), 0
+        while head > 0 and tail + sum(p.numel() * p.element_size() for p in parts[head - 1][0]) <= TAIL_MB * _MIB:
+            head -= 1
+            tail += sum(p.numel() * p.element_size() for p in parts[head][0])
+        if head > 1:
+            lands = [land for _, land in parts[:head]]
+            parts[:head] = [([p for params, _ in parts[:head] for p in params], lambda: [land() for land in lands])]
         return parts
 
 
@@ -414,7 +424,7 @@ class DDPBucketed(_OverlappedDDP):
     ``engine="copy_engines"`` (NCCL, one GPU a rank on one host; ``copy_engines.ENGINES``): each bucket's buffer lives
     in symmetric memory and is averaged by peer copies on side streams (``copy_engines.PeerAverage``: the copy
     engines move the bytes, no SMs); the one kernel a bucket that adds runs on the compute stream, once the buckets
-    launched after it hold ``REDUCE_LAG_MB`` (a compiled span's gradients arrive together: by then its pulls are
+    launched after it hold ``TAIL_MB`` (a compiled span's gradients arrive together: by then its pulls are
     done), so that nothing runs beside the backward's GEMMs."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, comm_dtype: torch.dtype | None = None,
@@ -490,15 +500,26 @@ class DDPBucketed(_OverlappedDDP):
         views, grads = [], []  # the gradients to copy into the bucket: one multi-tensor copy (the host's time
         casts = self._casts(unit)  # per launch is what a compiled backward has least of)
         unit.grads = []  # with a cast: where each averaged gradient goes back
-        for view, i in zip(self._views(unit), unit.params):
+        # copy engines without a cast: this rank's slice of the bucket is read from the gradients by its mean, so
+        # only what the peers pull is copied in (half the copy on 2 ranks)
+        size = unit.flat.numel() // self.world_size
+        mine = (self.rank * size, (self.rank + 1) * size) if unit.symmetric is not None and not casts else (0, 0)
+        sources = []  # (piece of this rank's slice, the gradient's elements that belong there)
+        for k, (view, i) in enumerate(zip(self._views(unit), unit.params)):
             p = self._params[i]
             g = p.grad
             if g is None:  # no gradient on this rank this step: contribute zeros
                 view.zero_()
                 self._present[i] = False
             elif casts or g.data_ptr() != view.data_ptr() or not g.is_contiguous():  # not already our view
-                views.append(view)
-                grads.append(g.reshape(-1))
+                start, stop, flat = unit.offsets[k], unit.offsets[k + 1], g.reshape(-1)
+                for a, b in ((start, min(stop, mine[0])), (max(start, mine[1]), stop)):  # outside this rank's slice
+                    if a < b:
+                        views.append(unit.flat[a:b])
+                        grads.append(flat[a - start:b - start])
+                a, b = max(start, mine[0]), min(stop, mine[1])
+                if a < b:
+                    sources.append((slice(a - mine[0], b - mine[0]), flat[a - start:b - start]))
             if casts:
                 unit.grads.append(g if g is not None and g.is_contiguous() else
                                   torch.zeros_like(p, memory_format=torch.contiguous_format))
@@ -506,24 +527,36 @@ class DDPBucketed(_OverlappedDDP):
             torch._foreach_copy_(views, grads)
         if unit.symmetric is not None:
             what = f"the copy engines' average of bucket {self._next}"
-            unit.work = PeerAverage(unit.symmetric, self._pull_stream, self._push_stream, what).pull()
+            unit.work = PeerAverage(unit.symmetric, self._pull_stream, self._push_stream, what, sources).pull()
             self._unreduced.append(unit.work)
-            while sum(a.buffer.tensor.nbytes for a in self._unreduced[1:]) > REDUCE_LAG_MB * _MIB:
+            while sum(a.buffer.tensor.nbytes for a in self._unreduced[1:]) > TAIL_MB * _MIB:
                 self._unreduced.pop(0).reduce()
         else:
             unit.work = self._all_reduce(unit.flat, async_op=True, average=True)
         unit.launched = True
 
+    def finish_in_parts(self) -> list[tuple[list[torch.Tensor], Callable[[], None]]]:
+        """With the copy engines, the means left for after the backward are computed a part ahead of the one that
+        needs them: each part's ``ready`` first computes the next one (its lerp, then its pushes start)."""
+        unreduced = self._unreduced
+        parts = super().finish_in_parts()
+
+        def ahead(land: Callable[[], None]) -> Callable[[], None]:
+            def ready() -> None:
+                if unreduced:
+                    with torch.no_grad():
+                        unreduced.pop(0).reduce()
+                land()
+            return ready
+        return [(params, ahead(land)) for params, land in parts]
+
     def _finish_unit(self, unit: _Unit) -> tuple[list[torch.Tensor], Callable[[], None]]:
         work, flat, views = unit.work, unit.flat, self._views(unit)
         casts = self._casts(unit)
         grads = unit.grads if casts else [view.view_as(self._params[i]) for view, i in zip(views, unit.params)]
-        unreduced = self._unreduced  # copy engines: one more of the means left for after the backward, a part
 
         @torch.no_grad()
         def land() -> None:
-            if unreduced:
-                unreduced.pop(0).reduce()
             work.wait()
             if unit.symmetric is None:  # the copy engines' average is one already
                 self._averaged(flat)
