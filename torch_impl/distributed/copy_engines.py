@@ -167,6 +167,7 @@ class PeerAverage:
         buffer, mine = self.buffer, self.buffer.tensor[self._slice]
         torch.cuda.current_stream().wait_event(self._pulls_done)
         for piece, source in self._sources:  # the first peer's slice folded in from where this rank's values are
+            source.record_stream(torch.cuda.current_stream())  # read here, freed by the caller's stream
             if self._pulled:  # the mean of 2 slices (source may be the buffer itself: out= is then in place)
                 torch.lerp(source, self._pulled[0][piece], 0.5, out=mine[piece])
             else:

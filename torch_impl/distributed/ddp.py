@@ -83,6 +83,7 @@ _MIB = 2**20
 # (DDPBucketed: late enough that its pulls are done); an optimizer stepping the units as they land (``finish_in_parts``)
 # steps the units launched in the last TAIL_MB one by one, and all earlier ones, landed by then, in one part.
 TAIL_MB = 512
+SOURCE_MIN = 2**20  # copy engines: the elements of a gradient's piece of this rank's slice that its mean reads in place
 
 
 def _unique(tensors) -> list[torch.Tensor]:
@@ -423,9 +424,10 @@ class DDPBucketed(_OverlappedDDP):
 
     ``engine="copy_engines"`` (NCCL, one GPU a rank on one host; ``copy_engines.ENGINES``): each bucket's buffer lives
     in symmetric memory and is averaged by peer copies on side streams (``copy_engines.PeerAverage``: the copy
-    engines move the bytes, no SMs); the one kernel a bucket that adds runs on the compute stream, once the buckets
-    launched after it hold ``TAIL_MB`` (a compiled span's gradients arrive together: by then its pulls are
-    done), so that nothing runs beside the backward's GEMMs."""
+    engines move the bytes, no SMs); the kernels that add run on the compute stream, once the buckets launched after
+    it hold ``TAIL_MB`` (a compiled span's gradients arrive together: by then its pulls are done), so that nothing
+    runs beside the backward's GEMMs, and those left at the end of the backward on the pull stream. This rank's
+    slice is read from the gradients themselves: only what the peers pull is copied into the bucket."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, comm_dtype: torch.dtype | None = None,
                  engine: str = "nccl", **kwargs: Any):
@@ -501,7 +503,8 @@ class DDPBucketed(_OverlappedDDP):
         casts = self._casts(unit)  # per launch is what a compiled backward has least of)
         unit.grads = []  # with a cast: where each averaged gradient goes back
         # copy engines without a cast: this rank's slice of the bucket is read from the gradients by its mean, so
-        # only what the peers pull is copied in (half the copy on 2 ranks)
+        # only what the peers pull is copied in (half the copy on 2 ranks); pieces under SOURCE_MIN elements are
+        # copied all the same (a mean's kernel a piece costs more than their copy)
         size = unit.flat.numel() // self.world_size
         mine = (self.rank * size, (self.rank + 1) * size) if unit.symmetric is not None and not casts else (0, 0)
         sources = []  # (piece of this rank's slice, the gradient's elements that belong there)
@@ -518,8 +521,11 @@ class DDPBucketed(_OverlappedDDP):
                         views.append(unit.flat[a:b])
                         grads.append(flat[a - start:b - start])
                 a, b = max(start, mine[0]), min(stop, mine[1])
-                if a < b:
+                if b - a >= SOURCE_MIN:
                     sources.append((slice(a - mine[0], b - mine[0]), flat[a - start:b - start]))
+                elif a < b:
+                    views.append(unit.flat[a:b])
+                    grads.append(flat[a - start:b - start])
             if casts:
                 unit.grads.append(g if g is not None and g.is_contiguous() else
                                   torch.zeros_like(p, memory_format=torch.contiguous_format))
@@ -536,19 +542,16 @@ class DDPBucketed(_OverlappedDDP):
         unit.launched = True
 
     def finish_in_parts(self) -> list[tuple[list[torch.Tensor], Callable[[], None]]]:
-        """With the copy engines, the means left for after the backward are computed a part ahead of the one that
-        needs them: each part's ``ready`` first computes the next one (its lerp, then its pushes start)."""
-        unreduced = self._unreduced
+        """With the copy engines, the means left for after the backward are computed on the pull stream, each once
+        its pulls are in, so that their pushes go on beside the optimizer (no GEMM runs then for them to slow):
+        on the compute stream each waited for its pulls and the next part for its pushes (2 H200s, xl, 713df4a)."""
+        unreduced = self._unreduced  # the list the units launched now join
         parts = super().finish_in_parts()
-
-        def ahead(land: Callable[[], None]) -> Callable[[], None]:
-            def ready() -> None:
-                if unreduced:
-                    with torch.no_grad():
-                        unreduced.pop(0).reduce()
-                land()
-            return ready
-        return [(params, ahead(land)) for params, land in parts]
+        if unreduced:
+            with torch.cuda.stream(self._pull_stream), torch.no_grad():
+                for average in unreduced:
+                    average.reduce()
+        return parts
 
     def _finish_unit(self, unit: _Unit) -> tuple[list[torch.Tensor], Callable[[], None]]:
         work, flat, views = unit.work, unit.flat, self._views(unit)
