@@ -81,7 +81,7 @@ _MIB = 2**20
 # The gradients the backward launches last, in MiB: their communication is still running when it ends. With the copy
 # engines a bucket's mean is computed on the compute stream once the buckets launched after it hold this many MiB
 # (DDPBucketed: late enough that its pulls are done); an optimizer stepping the units as they land (``finish_in_parts``)
-# steps the units launched in the last TAIL_MB one by one, and all earlier ones, landed by then, in one part.
+# steps those units (at most TAIL_MB launched after each) one by one, and all earlier ones, landed by then, in one part.
 TAIL_MB = 512
 SOURCE_MIN = 2**20  # copy engines: the elements of a gradient's piece of this rank's slice that its mean reads in place
 
@@ -362,8 +362,8 @@ class _OverlappedDDP(_DataParallel):
             land()
 
     def finish_in_parts(self) -> list[tuple[list[torch.Tensor], Callable[[], None]]]:
-        """The interface's parts, in launch order (the order the communication ends in): the units launched in the
-        backward's last ``TAIL_MB`` one a part, every earlier unit (landed by then) in the first part."""
+        """The interface's parts, in launch order (the order the communication ends in): each unit with at most
+        ``TAIL_MB`` launched after it one a part, every earlier unit (landed by then) in the first part."""
         self._launch_rest()
         presence = self._launch_presence(self._present)
         grads: list[torch.Tensor | None] = [None] * len(self._params)
@@ -375,10 +375,10 @@ class _OverlappedDDP(_DataParallel):
             parts.append(([self._params[i] for i in unit.params], land))
         self._assign_grads(grads, presence)
         self._end_backward()
-        head, tail = len(parts), 0
-        while head > 0 and tail + sum(p.numel() * p.element_size() for p in parts[head - 1][0]) <= TAIL_MB * _MIB:
+        head, later = len(parts), 0  # later: the bytes launched after unit head - 1
+        while head > 0 and later <= TAIL_MB * _MIB:
             head -= 1
-            tail += sum(p.numel() * p.element_size() for p in parts[head][0])
+            later += sum(p.numel() * p.element_size() for p in parts[head][0])
         if head > 1:
             lands = [land for _, land in parts[:head]]
             parts[:head] = [([p for params, _ in parts[:head] for p in params], lambda: [land() for land in lands])]
