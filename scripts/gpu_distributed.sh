@@ -29,6 +29,11 @@
 #   the copy engines (ENGINE), gradients in fp32 and bf16 (COMM_DTYPE), the optimizer stepping each bucket as it lands
 #   (OPTIMIZER_STEP: overlapped, and/or after; bf16_mixed), then DIST (default torch_ddp) beside it; with
 #   PROFILE set, bucketed on the copy engines with bf16 gradients profiled (OUT_DIR/ddp_profiles.tgz);
+# variants: issue 16's one call: the step users run at its fastest (xl, 4 x 1,024 per rank, bf16 weights over fp32
+#   masters, cuDNN attention, compiled blocks with their CUDA graphs, 100 MB buckets) on one GPU, on GPU 0 and again
+#   on GPU 1 (OUT_DIR/ddp_none_gpu1.jsonl: a synchronous step goes at its slower card's pace), then naive,
+#   individual, bucketed (NCCL and copy engines) and torch DDP over all GPUs; then our FSDP and FSDP2 under bf16
+#   autocast (compiled blocks, no graphs) beside their one-GPU run;
 # matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs);
 # accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
 #   128 tokens); leaderboard: the CS336 leaderboard's step (torch_impl.bench.leaderboard: lm8b, 2 x 32,768 global,
@@ -36,7 +41,7 @@
 #   LAYERS to profile a shallower model's memory) on 2 GPUs, or NPROC of them.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
-phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, engines, matrix, accum, leaderboard"
+phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, engines, variants, matrix, accum, leaderboard"
 phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE; phases: $phases}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -127,6 +132,15 @@ engines)
       --out "$out/ddp_profiled.jsonl"
     tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles"
   fi ;;
+variants)
+  ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --attention sdpa_cudnn --compile
+       --bucket-mb 100 --out "$out/ddp.jsonl")
+  mixed=("${ddp[@]}" --dtype bf16_mixed --cuda-graph blocks)
+  python3 "${mixed[@]}" --dist none
+  CUDA_VISIBLE_DEVICES=1 python3 "${mixed[@]}" --dist none --out "$out/ddp_none_gpu1.jsonl"
+  "${run[@]}" "$n" "${mixed[@]}" --dist naive,individual,bucketed,torch_ddp --engine nccl,copy_engines
+  python3 "${ddp[@]}" --dtype bf16 --dist none
+  "${run[@]}" "$n" "${ddp[@]}" --dtype bf16 --dist fsdp,fsdp2 ;;
 matrix)
   python3 -m torch_impl.bench.train_matrix --nproc "$n" --model small --batch-size 8 --seq-len 512 --epochs 5 \
     --steps-per-epoch 40 --out "$out/train_matrix.jsonl" --report-dir "$out/train_matrix" ;;
