@@ -18,13 +18,13 @@ from typing import Any, Callable
 import torch
 
 from parallelism_calc.compute import MODES  # what a step runs: forward, forward_backward, train_step
+from torch_impl.linear_cross_entropy import LOSSES
+from torch_impl.model import cross_entropy
 
 # When the optimizer steps: "after" every gradient is synchronized, or "overlapped": a part at a time as the
 # data-parallel wrapper's parts land (``finish_in_parts``), where the optimizer can (``MasterAdamW.step_parts``) and
 # nothing needs every gradient first (no clipping); the first parts' update then hides the last parts' communication
 OPTIMIZER_STEPS = ("overlapped", "after")
-from torch_impl.linear_cross_entropy import LOSSES
-from torch_impl.model import cross_entropy
 
 
 def autocast(dtype: str, device: torch.device):

@@ -118,13 +118,14 @@ class PeerAverage:
     slice's values are instead of the buffer (the gradients themselves: the caller then copies into the buffer only
     what the peers pull, and the first fold reads the pieces from there; they are kept until it has run).
 
-    The mean runs on the current (compute) stream, not beside it: kernels beside the backward's GEMMs slow them (any
-    resident block delays a persistent GEMM's tiles), so callers call ``reduce()`` late enough that the pulls are done
-    (``DDPBucketed``: a span of buckets later). Pulls and pushes have a stream each: behind a push, which waits for
-    this rank's mean, the next pulls would wait for the compute stream too. (2 H200s, xl: the compute kernels took
-    3-7 ms a step less than with the means beside them, but the step was no faster, the pulls' stalls and the end of
-    the backward took it back, and the pulled slices, allocated as the host runs ahead, raised the reserved peak by
-    1.3-3.1 GB: notes/data_parallel.md, session 35.)"""
+    The mean runs on the caller's current stream. During the backward that is the compute stream, not beside it:
+    kernels beside the backward's GEMMs slow them (any resident block delays a persistent GEMM's tiles), so callers
+    call ``reduce()`` late enough that the pulls are done (``DDPBucketed``: a span of buckets later); after it,
+    ``DDPBucketed`` computes the means left on the pull stream, beside the optimizer. Pulls and pushes have a stream
+    each: behind a push, which waits for this rank's mean, the next pulls would wait for the compute stream too. (2
+    H200s, xl: the compute kernels took 3-7 ms a step less than with the means beside them, but the step was no
+    faster, the pulls' stalls and the end of the backward took it back, and the pulled slices, allocated as the host
+    runs ahead, raised the reserved peak by 1.3-3.1 GB: notes/data_parallel.md, sessions 35 and 36.)"""
 
     def __init__(self, buffer: SymmetricBuffer, pull_stream: torch.cuda.Stream, push_stream: torch.cuda.Stream,
                  what: str, sources: list[tuple[slice, torch.Tensor]] = ()):
