@@ -2,8 +2,8 @@
 computation in a profiled step. How much of the collectives' time the other kernels hid, how long the GPU sat
 idle, and which kernels ran slower while a collective shared the GPU with them.
 
-Reads torch.profiler Chrome traces (``*_trace.json``, gzipped or not) or a ``.tgz`` of them (the DDP benchmark's
-``--profile`` directory, as ``scripts/gpu_distributed.sh`` packs it); kernels are the ``"cat": "kernel"`` events,
+Reads torch.profiler Chrome traces (``*_trace.json``, gzipped or not) or an archive of them (``ARCHIVES``: the DDP
+benchmark's ``--profile`` directory, as ``scripts/gpu_distributed.sh`` packs it); kernels are the ``"cat": "kernel"`` events,
 collectives those whose name holds ``nccl`` and the copies between GPUs (``"cat": "gpu_memcpy"``, ``Memcpy PtoP``:
 the copy engines' communication, ``torch_impl.distributed.copy_engines``). Per trace, per step (``--steps``: how
 many steps the trace holds, the benchmark's ``PROFILED_STEPS``): the span from the first kernel to the last, the time some compute kernel ran, the
@@ -34,6 +34,10 @@ from parallelism_calc.cli import ArgumentParser, error_boundary, positive_int
 GZIP_MAGIC = b"\x1f\x8b"
 PEER_COPY = "Memcpy PtoP"  # the profiler's name for a copy between GPUs (copy engines, not SMs)
 Interval = tuple[float, float]  # (start us, end us)
+
+# The archives of traces read (tarfile detects the compression): the device scripts pack profiles as .tar.xz
+# (Chrome traces come out a third smaller than gzipped); older ones are .tgz
+ARCHIVES = (".tar.xz", ".tgz", ".tar.gz")
 
 
 def is_collective(name: str) -> bool:
@@ -169,11 +173,12 @@ def analyze(events: list[dict], name: str, steps: int, top: int = 12,
 
 
 def traces(path: str | Path) -> Iterator[tuple[str, list[dict]]]:
-    """``(name, traceEvents)`` of a trace file, or of every ``*_trace.json[.gz]`` in a ``.tgz``, by name."""
+    """``(name, traceEvents)`` of a trace file, or of every ``*_trace.json[.gz]`` in an archive (``ARCHIVES``), by
+    name."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: no such file")
-    if path.name.endswith((".tgz", ".tar.gz")):
+    if path.name.endswith(ARCHIVES):
         with tarfile.open(path) as tar:
             members = sorted((m for m in tar.getmembers() if m.isfile() and
                               m.name.endswith(("_trace.json", "_trace.json.gz"))), key=lambda m: m.name)
@@ -222,12 +227,13 @@ def markdown(results: list[Overlap]) -> str:
 @error_boundary(prog="python -m analysis.overlap")
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m analysis.overlap", description=__doc__.split("\n\n")[0])
-    parser.add_argument("traces", nargs="+", help="torch.profiler Chrome traces (*_trace.json[.gz]) or .tgz of them")
+    parser.add_argument("traces", nargs="+",
+                        help="torch.profiler Chrome traces (*_trace.json[.gz]) or archives of them (.tar.xz, .tgz)")
     parser.add_argument("--steps", type=positive_int, default=2, help="steps each trace holds (default 2)")
     parser.add_argument("--top", type=positive_int, default=12, help="kernels listed per trace (default 12)")
     parser.add_argument("--baseline", metavar="TRACE",
                         help="a trace without communication: the kernels' ratios are to its medians; a file, a name "
-                             "inside a .tgz given (none_rank0_trace.json), or ARCHIVE.tgz:NAME")
+                             "inside an archive given (none_rank0_trace.json), or ARCHIVE.tar.xz:NAME")
     parser.add_argument("--host", type=int, default=0, metavar="N",
                         help="also list the N host ops with the most time per step (default 0: none)")
     args = parser.parse_args(argv)
@@ -235,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         loaded = [(name, events) for path in args.traces for name, events in traces(path)]
         baseline = None
         if args.baseline:
-            archive, _, member = args.baseline.rpartition(":") if ".tgz:" in args.baseline else ("", "", "")
+            archived = any(f"{suffix}:" in args.baseline for suffix in ARCHIVES)
+            archive, _, member = args.baseline.rpartition(":") if archived else ("", "", "")
             pool = [*traces(archive)] if archive else loaded
             found = [events for name, events in pool if name == (member or args.baseline)]
             if not found and not archive:

@@ -8,7 +8,7 @@
 # overlap: the step users run (xl, 4 x 1,024 per rank, bf16 autocast, cuDNN attention, compiled blocks): cuBLAS
 #   with SMs left free (scripts/carveout_probe.py), one GPU, naive and torch DDP, individual and bucketed 25 MB
 #   with their NCCL kernels on COMM_SMS SMs (default 0,4,8,16; 0: NCCL's own choice), then bucketed on
-#   PROFILE_SMS SMs (default 8) profiled on every rank (OUT_DIR/ddp_profiles.tgz: a Chrome trace and a kernel
+#   PROFILE_SMS SMs (default 8) profiled on every rank (OUT_DIR/ddp_profiles.tar.xz: a Chrome trace and a kernel
 #   table per configuration and rank);
 # graphs: that step with each compiled region replayed as CUDA graphs (with hooks, the backward's host time was
 #   the limit), DTYPE (default bf16), BUCKET_MB (default 25,100), gradients communicated in COMM_DTYPE (default
@@ -16,7 +16,7 @@
 # sharded: our FSDP, FSDP2 and ZeRO-1 (memory against parallelism_calc's prediction), eager, xl bf16 at 4 x 1,024
 #   a rank (cuDNN attention) and at the issue's 2 x 512 (SDPA), each beside its one-GPU run; COMPILE=1 compiles
 #   the blocks (the FSDPs' hooks eager around each); with PROFILE set, both FSDPs profiled at 4 x 1,024
-#   (OUT_DIR/ddp_profiles.tgz);
+#   (OUT_DIR/ddp_profiles.tar.xz);
 # scaling: the step users run (xl, 4 x 1,024 per rank, bf16 autocast, cuDNN attention, compiled blocks) over all
 #   GPUs against one: bucketed 100 MB and torch DDP with each region replayed as CUDA graphs, gradients in fp32
 #   and bf16 (COMM_DTYPE), bucketed's NCCL kernels on COMM_SMS SMs (default 0: NCCL's choice), then our FSDP and
@@ -24,11 +24,11 @@
 # zero2: that step with each region's CUDA graphs and 100 MB buckets, ZeRO-2 (its weights gathered by NCCL, then by
 #   the copy engines; ENGINE to choose) against bucketed DDP (both with bf16 gradients), first under bf16
 #   autocast (fp32 weights), then with bf16 weights over fp32 masters (bf16_mixed: ZeRO-2 gathers 2 bytes a weight),
-#   each dtype beside its one-GPU run; with PROFILE set, all profiled under bf16_mixed (OUT_DIR/ddp_profiles.tgz);
+#   each dtype beside its one-GPU run; with PROFILE set, all profiled under bf16_mixed (OUT_DIR/ddp_profiles.tar.xz);
 # engines: that step (DTYPE, default bf16) beside its one-GPU run: bucketed 100 MB with its all-reduce on NCCL and on
 #   the copy engines (ENGINE), gradients in fp32 and bf16 (COMM_DTYPE), the optimizer stepping each bucket as it lands
 #   (OPTIMIZER_STEP: overlapped, and/or after; bf16_mixed), then DIST (default torch_ddp) beside it; with
-#   PROFILE set, bucketed on the copy engines with bf16 gradients profiled (OUT_DIR/ddp_profiles.tgz);
+#   PROFILE set, bucketed on the copy engines with bf16 gradients profiled (OUT_DIR/ddp_profiles.tar.xz);
 # variants: issue 16's one call: the step users run at its fastest (xl, 4 x 1,024 per rank, bf16 weights over fp32
 #   masters, cuDNN attention, compiled blocks with their CUDA graphs, 100 MB buckets) on one GPU, on GPU 0 and again
 #   on GPU 1 (OUT_DIR/ddp_none_gpu1.jsonl: a synchronous step goes at its slower card's pace), then naive,
@@ -47,6 +47,10 @@ mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 n=$(nvidia-smi -L | wc -l)
 run=(torchrun --standalone --nproc_per_node)
+pack_profiles() {  # OUT_DIR/profiles -> OUT_DIR/ddp_profiles.tar.xz (traces a third smaller than gzipped)
+  python3 -c $'import sys, tarfile\nwith tarfile.open(sys.argv[1], "w:xz") as t:\n    t.add(sys.argv[2], "profiles")' \
+    "$out/ddp_profiles.tar.xz" "$out/profiles" && rm -rf "$out/profiles"
+}
 case "$phase" in
 allreduce)
   for world in 2 4; do
@@ -67,7 +71,7 @@ overlap)
   "${run[@]}" "$n" "${ddp[@]}" --dist individual,bucketed --bucket-mb 25 --comm-sms "${COMM_SMS:-0,4,8,16}"
   "${run[@]}" "$n" "${ddp[@]}" --dist bucketed --bucket-mb 25 --comm-sms "${PROFILE_SMS:-8}" \
     --profile "$out/profiles" --out "$out/ddp_profiled.jsonl"
-  tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles" ;;
+  pack_profiles ;;
 graphs)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype "${DTYPE:-bf16}"
        --attention sdpa_cudnn --compile --cuda-graph blocks --out "$out/ddp.jsonl")
@@ -77,7 +81,7 @@ graphs)
   if [[ -n "${PROFILE:-}" ]]; then
     "${run[@]}" "$n" "${ddp[@]}" --dist bucketed,torch_ddp --bucket-mb 100 --profile "$out/profiles" \
       --out "$out/ddp_profiled.jsonl"
-    tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles"
+    pack_profiles
   fi ;;
 seed)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 2 --seq-len 512 --dtype fp32 --attention sdpa
@@ -96,7 +100,7 @@ sharded)
     "${run[@]}" "$n" -m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 \
       --attention sdpa_cudnn ${COMPILE:+--compile} --dist fsdp,fsdp2 --profile "$out/profiles" \
       --out "$out/ddp_profiled.jsonl"
-    tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles"
+    pack_profiles
   fi ;;
 scaling)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
@@ -117,7 +121,7 @@ zero2)
   if [[ -n "${PROFILE:-}" ]]; then
     "${run[@]}" "$n" "${ddp[@]}" --dtype bf16_mixed --dist bucketed,zero2 --comm-dtype bf16 \
       --engine "${ENGINE:-nccl,copy_engines}" --profile "$out/profiles" --out "$out/ddp_profiled.jsonl"
-    tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles"
+    pack_profiles
   fi ;;
 engines)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype "${DTYPE:-bf16}"
@@ -130,7 +134,7 @@ engines)
   if [[ -n "${PROFILE:-}" ]]; then
     "${run[@]}" "$n" "${ddp[@]}" --dist bucketed --comm-dtype bf16 --engine copy_engines --profile "$out/profiles" \
       --out "$out/ddp_profiled.jsonl"
-    tar czf "$out/ddp_profiles.tgz" -C "$out" profiles && rm -rf "$out/profiles"
+    pack_profiles
   fi ;;
 variants)
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --attention sdpa_cudnn --compile

@@ -70,9 +70,10 @@ def test_interval_union_matches_a_brute_force_count():
     assert all(union[i][1] < union[i + 1][0] for i in range(len(union) - 1))
 
 
-def test_reads_gzipped_traces_in_an_archive(tmp_path, capsys):
-    archive = tmp_path / "profiles.tgz"
-    with tarfile.open(archive, "w:gz") as tar:
+@pytest.mark.parametrize("suffix, mode", [(".tgz", "w:gz"), (".tar.xz", "w:xz")])
+def test_reads_gzipped_traces_in_an_archive(tmp_path, capsys, suffix, mode):
+    archive = tmp_path / f"profiles{suffix}"
+    with tarfile.open(archive, mode) as tar:
         for name, data in (("profiles/a_rank0_trace.json", json.dumps({"traceEvents": EVENTS}).encode()),
                            ("profiles/none_rank0_trace.json",
                             gzip.compress(json.dumps({"traceEvents": EVENTS[:1]}).encode())),
@@ -85,6 +86,8 @@ def test_reads_gzipped_traces_in_an_archive(tmp_path, capsys):
     assert main([str(archive), "--steps", "1", "--baseline", "none_rank0_trace.json"]) == 0
     out = capsys.readouterr().out
     assert "| a_rank0_trace.json | 0.0 |" in out and "| baseline us |" in out
+    assert main([str(archive), "--steps", "1", "--baseline", f"{archive}:none_rank0_trace.json"]) == 0
+    assert "| baseline us |" in capsys.readouterr().out
 
 
 def test_bad_input_is_a_one_line_error(tmp_path, capsys):
