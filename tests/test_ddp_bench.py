@@ -21,7 +21,7 @@ from analysis.records import read_records
 from parallelism_calc.specs import MODELS
 from tests._dist import free_port
 from torch_impl.bench.ddp import (Config, configurations, main, parse_bucket_mb, parse_comm_dtypes, parse_comm_sms,
-                                  parse_engines, parse_impls, predicted_memory)
+                                  parse_engines, parse_impls, parse_optimizer_steps, predicted_memory)
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--warmup", "1",
@@ -77,6 +77,13 @@ def test_parse_flags():
         parse_engines("copy_engines", "cpu")
     with pytest.raises(ValueError, match="--engine"):
         parse_engines("ring", "cuda")
+    # --optimizer-step multiplies individual and bucketed only
+    cfgs = configurations(["naive", "individual", "bucketed"], [25.0],
+                          optimizer_steps=parse_optimizer_steps("overlapped,after"))
+    assert [c.name for c in cfgs] == ["naive", "individual", "individual, optimizer after", "bucketed 25MB",
+                                      "bucketed 25MB, optimizer after"]
+    with pytest.raises(ValueError, match="--optimizer-step"):
+        parse_optimizer_steps("during")
 
 
 def test_modes_refuse_what_they_cannot_send():
