@@ -292,6 +292,13 @@ class _OverlappedDDP(_DataParallel):
         order = list(reversed(range(len(self._params))))
         self._units = [_Unit(params=u) for u in (units if units is not None else self._make_units(order))]
         self._unit_of = {i: k for k, u in enumerate(self._units) for i in u.params}
+        # finish_in_parts' first part: the units before this one, landed by the end of the backward (each unit from
+        # here on has at most TAIL_MB launched after it)
+        self._tail_start, later = len(self._units), 0
+        while self._tail_start > 0 and later <= TAIL_MB * _MIB:
+            self._tail_start -= 1
+            later += sum(self._params[i].numel() * self._params[i].element_size()
+                         for i in self._units[self._tail_start].params)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
         self.on_train_batch_start()
 
@@ -375,10 +382,7 @@ class _OverlappedDDP(_DataParallel):
             parts.append(([self._params[i] for i in unit.params], land))
         self._assign_grads(grads, presence)
         self._end_backward()
-        head, later = len(parts), 0  # later: the bytes launched after unit head - 1
-        while head > 0 and later <= TAIL_MB * _MIB:
-            head -= 1
-            later += sum(p.numel() * p.element_size() for p in parts[head][0])
+        head = self._tail_start
         if head > 1:
             lands = [land for _, land in parts[:head]]
             parts[:head] = [([p for params, _ in parts[:head] for p in params], lambda: [land() for land in lands])]
