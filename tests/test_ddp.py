@@ -561,11 +561,13 @@ def _body_nccl(rank: int, world_size: int, seed: int, variant: str, dtype: torch
             "bucketed": lambda m: DDPBucketed(m, bucket_size_mb=0.25),
             "bucketed_bf16": lambda m: DDPBucketed(m, bucket_size_mb=0.25, comm_dtype=bf16),
             "bucketed_ce": lambda m: DDPBucketed(m, bucket_size_mb=0.25, engine="copy_engines"),
+            "bucketed_ce_in_place": lambda m: DDPBucketed(m, bucket_size_mb=0.25, engine="copy_engines"),
             "bucketed_bf16_ce": lambda m: DDPBucketed(m, bucket_size_mb=0.25, comm_dtype=bf16, engine="copy_engines")}
     ddp = wrap[variant](model)
     generator = torch.Generator(device).manual_seed(seed)
     for _ in range(steps):  # the copy engines' signals and buffers are used again in each step
-        model.zero_grad(set_to_none=True)
+        # _in_place: the gradients of the steps after the first accumulate into the buckets' views
+        model.zero_grad(set_to_none=not variant.endswith("_in_place"))
         ref.zero_grad(set_to_none=True)
         tokens = torch.randint(0, MODELS["tiny"].vocab_size, (2 * world_size, 33), device=device, generator=generator)
         x, y = tokens[:, :-1], tokens[:, 1:]
@@ -585,11 +587,12 @@ def _body_nccl(rank: int, world_size: int, seed: int, variant: str, dtype: torch
     ("naive", torch.float32, 1e-4), ("flat", torch.float32, 1e-4), ("individual", torch.float32, 1e-4),
     ("bucketed", torch.float32, 1e-4), ("bucketed_bf16", torch.float32, 3e-2), ("bucketed", torch.float16, 1e-2),
     ("bucketed_ce", torch.float32, 1e-4), ("bucketed_bf16_ce", torch.float32, 3e-2),
-    ("bucketed_ce", torch.float16, 1e-2), ("bucketed_ce", torch.bfloat16, 3e-2)])
+    ("bucketed_ce", torch.float16, 1e-2), ("bucketed_ce", torch.bfloat16, 3e-2),
+    ("bucketed_ce_in_place", torch.bfloat16, 3e-2)])
 def test_ddp_on_nccl_matches_single_process(variant, dtype, tolerance):
     """NCCL's averaging (ReduceOp.AVG for fp32 and bf16 buckets, fp16 summed and divided) or the copy engines' (``_ce``:
-    peer copies, a running mean in float32): the last of two steps' gradients within their dtype's round-off of one process's on
-    the whole batch, and the same bits on every rank."""
+    peer copies, a running mean in float32; ``_in_place``: the gradients already in the buckets): the last of two steps'
+    gradients within their dtype's round-off of one process's on the whole batch, and the same bits on every rank."""
     seed = secrets.randbelow(2**20)
     results = run_ranks(_body_nccl, 2, seed, variant, dtype, timeout_s=120, backend="nccl")
     assert len({res["bits"] for res in results}) == 1, (seed, variant, "the ranks' gradients differ")

@@ -14,7 +14,8 @@ A stream wait has no timeout of its own: the work after each is watched from a t
 process with a message when a peer has not answered within the default group's timeout (as NCCL's watchdog does).
 
 ``SymmetricBuffer``: a flat tensor every rank of a group allocates alike, the peers' copies mapped here, and signals.
-``PeerAverage``: the mean of such a buffer over the ranks, in place on every rank (an all-reduce by copies).
+``PeerAverage``: the mean of such a buffer over the ranks, in place on every rank (an all-reduce by copies), its
+values read where they are (the gradients themselves) rather than copied into the buffer first.
 
 References: PyTorch's symmetric memory (``torch/distributed/_symmetric_memory``); the CUDA driver API's stream memory
 operations (``cuStreamWaitValue32``, ``cuStreamWriteValue32``).
@@ -37,8 +38,10 @@ from torch_impl.distributed.process_group import group_timeout_s
 
 # How the data-parallel wrappers move bytes between GPUs: NCCL's collectives, or the copy engines (this module)
 ENGINES = ("nccl", "copy_engines")
-READY, WRITTEN = 0, 1  # signal channels: "my buffer is ready for you to read", "I wrote my part into your buffer"
-_CHANNELS = 2
+# signal channels: "my buffer is ready for your part", "I sent you my part of your slice", "I wrote my part into your
+# buffer"
+READY, SENT, WRITTEN = 0, 1, 2
+_CHANNELS = 3
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, so the counters may wrap
 
 
@@ -103,80 +106,104 @@ class SymmetricBuffer:
 
 
 class PeerAverage:
-    """The mean of a ``SymmetricBuffer`` (N S elements, N ranks) over the ranks, in place on every rank: a
-    reduce-scatter by pulls, then an all-gather by pushes, the bytes moved by the copy engines on two side streams.
+    """The mean of a gradient over the N ranks of a ``SymmetricBuffer`` (``buffer_numel(numel, N)`` elements: N equal
+    slices of S, then S for each peer past the first), left in the buffer's first N S elements on every rank: a
+    reduce-scatter, then an all-gather, both by pushes that the copy engines make on two side streams.
 
-    ``pull()`` (after the current stream's writes of the buffer): rank r signals its peers that its buffer is ready
-    and, on ``pull_stream``, pulls the r-th slice of each peer's as each signals. ``reduce()``: the current stream
-    folds them into a running mean of its own slice (``lerp_``: one kernel a peer, the arithmetic in float32, one
-    rounding to the buffer's dtype a peer: on 2 ranks bf16 and fp16 get (a + b) / 2 rounded once, as from NCCL's AVG,
-    float32 within an ulp of the larger input), then ``push_stream`` pushes the mean into each peer's r-th slice and
-    signals it (a second ``reduce()`` does nothing). ``wait()``: the current stream waits for this rank's pushes and
-    for every peer's mean to have arrived here (reducing first if ``reduce()`` was not called). Every rank ends with
-    the same bits (each slice is computed once, by its owner); the buffer may be written again after ``wait()``: each
-    peer pulled from it before pushing. ``sources``: (piece of this rank's slice, a tensor of its length) where the
-    slice's values are instead of the buffer (the gradients themselves: the caller then copies into the buffer only
-    what the peers pull, and the first fold reads the pieces from there; they are kept until it has run).
+    ``sources``: (offset in the N S elements, a contiguous 1-D tensor): where the values of those elements are
+    instead of the buffer (the gradients themselves: then nothing is copied into the buffer). ``send()``, once the
+    current stream has written the rest: rank r tells each peer q that its slice r is free and, on ``send_stream``,
+    pushes its values of slice q (from the sources, else from its buffer) into q's buffer (the first peer's into
+    slice q itself, whose own values q reads from its sources, or kept aside at ``send()``; the others' into the
+    room after the N slices) and signals q. ``reduce()``: the current stream waits for every peer's push and folds
+    them into the mean of its own slice (one multi-tensor ``lerp`` with weight 1/2 for the first peer: on 2 ranks bf16
+    and fp16 get (a + b) / 2 rounded once, as from NCCL's AVG, float32 within an ulp of the larger input; a ``lerp_``
+    with 1/count for each later one), then ``push_stream`` pushes the mean into each peer's slice r and signals it (a
+    second ``reduce()`` does nothing). ``wait()``: the current stream waits for this rank's pushes and for every
+    peer's mean to have arrived here (reducing first if ``reduce()`` was not called). Every rank ends with the same
+    bits (each slice is averaged once, by its owner). The buffer may be written again after ``wait()``; the next
+    ``send()`` tells the peers so.
 
     The mean runs on the caller's current stream. During the backward that is the compute stream, not beside it:
     kernels beside the backward's GEMMs slow them (any resident block delays a persistent GEMM's tiles), so callers
-    call ``reduce()`` late enough that the pulls are done (``DDPBucketed``: a span of buckets later); after it,
-    ``DDPBucketed`` computes the means left on the pull stream, beside the optimizer. Pulls and pushes have a stream
-    each: behind a push, which waits for this rank's mean, the next pulls would wait for the compute stream too. (2
-    H200s, xl: the compute kernels took 3-7 ms a step less than with the means beside them, but the step was no
-    faster, the pulls' stalls and the end of the backward took it back, and the pulled slices, allocated as the host
-    runs ahead, raised the reserved peak by 1.3-3.1 GB: notes/data_parallel.md, sessions 35 and 36.)"""
+    call ``reduce()`` late enough that the pushes are in (``DDPBucketed``: a span of buckets later); after it,
+    ``DDPBucketed`` computes the means left on the send stream, beside the optimizer. The two pushes have a stream
+    each: behind a mean's push, which waits for this rank's mean, the next sends would wait for the compute stream
+    too. (2 H200s, xl: pulling from a bucket the gradients were copied into cost that copy, 1.8 ms a step, and a
+    pulled slice's memory: notes/data_parallel.md, sessions 35-37.)"""
 
-    def __init__(self, buffer: SymmetricBuffer, pull_stream: torch.cuda.Stream, push_stream: torch.cuda.Stream,
-                 what: str, sources: list[tuple[slice, torch.Tensor]] = ()):
-        n = buffer.world_size
-        if buffer.tensor.numel() % n:
-            raise ValueError(f"PeerAverage: {buffer.tensor.numel()} elements do not split into {n} equal slices")
-        self.buffer, self.pull_stream, self.push_stream, self.what = buffer, pull_stream, push_stream, what
-        size = buffer.tensor.numel() // n
-        self._slice = slice(buffer.rank * size, (buffer.rank + 1) * size)
-        mine = buffer.tensor[self._slice]
-        self._sources = []  # pieces of this rank's slice: (where in it, the tensor its values are in), in order
-        start = 0
-        for piece, source in sorted(sources, key=lambda ps: ps[0].start) + [(slice(size, size), None)]:
-            if start < piece.start:  # no source given: the values are in the buffer
-                self._sources.append((slice(start, piece.start), mine[start:piece.start]))
-            if source is not None:
-                self._sources.append((piece, source))
-            start = piece.stop
-        self._pulled: list[torch.Tensor] = []
-        self._pulls_done: torch.cuda.Event | None = None
+    def __init__(self, buffer: SymmetricBuffer, send_stream: torch.cuda.Stream, push_stream: torch.cuda.Stream,
+                 what: str, sources: list[tuple[int, torch.Tensor]] = ()):
+        n, r = buffer.world_size, buffer.rank
+        self.size = size = buffer.tensor.numel() // (n + max(n - 2, 0))
+        if buffer.tensor.numel() != buffer_numel(n * size, n):
+            raise ValueError(f"PeerAverage: a buffer of {buffer.tensor.numel()} elements is not N slices and the "
+                             f"room for the peers past the first (N = {n}; see buffer_numel)")
+        self.buffer, self.send_stream, self.push_stream, self.what = buffer, send_stream, push_stream, what
+        # each slice's pieces: (start, stop) in the slice, the tensor holding their values (None: the buffer)
+        self._pieces: list[list[tuple[int, int, torch.Tensor | None]]] = [[] for _ in range(n)]
+        for start, source in sorted(sources, key=lambda s: s[0]):
+            for q in range(start // size, -(-(start + source.numel()) // size)):
+                a, b = max(start, q * size), min(start + source.numel(), (q + 1) * size)
+                if a < b:
+                    self._pieces[q].append((a - q * size, b - q * size, source[a - start:b - start]))
+        for pieces in self._pieces:  # the gaps between the sources: values in the buffer
+            filled, start = [], 0
+            for a, b, t in pieces + [(size, size, None)]:
+                filled += [(start, a, None)] if start < a else []
+                filled += [(a, b, t)] if a < b else []
+                start = b
+            pieces[:] = filled
+        self._slice = slice(r * size, (r + 1) * size)
+        self._own: list[tuple[torch.Tensor, torch.Tensor]] = []  # this rank's slice: (where the mean goes, values)
         self._pushes_done: torch.cuda.Event | None = None
 
-    def pull(self) -> PeerAverage:
-        buffer = self.buffer
-        self._pulled = [torch.empty_like(buffer.tensor[self._slice]) for _ in buffer.peers]  # the current stream's
-        self.pull_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.pull_stream):
+    def _landing(self, q: int) -> slice:
+        """Where this rank's values of slice q go in q's buffer (in q's order of its peers: the first in slice q)."""
+        k = self.buffer.rank - (self.buffer.rank > q)
+        start = q * self.size if k == 0 else (self.buffer.world_size + k - 1) * self.size
+        return slice(start, start + self.size)
+
+    def send(self) -> PeerAverage:
+        buffer, size, current = self.buffer, self.size, torch.cuda.current_stream()
+        mine = buffer.tensor[self._slice]
+        # this rank's values in its slice of the buffer: a peer's push lands there, so they are kept aside first
+        self._own = [(mine[a:b], mine[a:b].clone() if t is None else t) for a, b, t in self._pieces[buffer.rank]]
+        self.send_stream.wait_stream(current)
+        with torch.cuda.stream(self.send_stream):
             for q in buffer.peers:
                 buffer.signal(q, READY)
-            for q, pulled in zip(buffer.peers, self._pulled):
+            for q in buffer.peers:
                 buffer.wait(q, READY)
-                pulled.record_stream(self.pull_stream)
-                pulled.copy_(buffer.peer(q)[self._slice])
-            self._pulls_done = watch(f"{self.what} (its pulls)")
+                landing = buffer.peer(q)[self._landing(q)]
+                for a, b, t in self._pieces[q]:
+                    if t is not None:
+                        t.record_stream(self.send_stream)
+                    landing[a:b].copy_(buffer.tensor[q * size + a:q * size + b] if t is None else t)
+                buffer.signal(q, SENT)
+            watch(f"{self.what} (its sends)")
+        self._pieces = []  # the gradients sent are freed by the caller (the streams that read them are recorded)
         return self
 
     def reduce(self) -> None:
         if self._pushes_done is not None:  # reduced already
             return
-        buffer, mine = self.buffer, self.buffer.tensor[self._slice]
-        torch.cuda.current_stream().wait_event(self._pulls_done)
-        for piece, source in self._sources:  # the first peer's slice folded in from where this rank's values are
-            source.record_stream(torch.cuda.current_stream())  # read here, freed by the caller's stream
-            if self._pulled:  # the mean of 2 slices (source may be the buffer itself: out= is then in place)
-                torch.lerp(source, self._pulled[0][piece], 0.5, out=mine[piece])
-            else:
-                mine[piece].copy_(source)
-        for count, pulled in enumerate(self._pulled[1:], start=3):  # the mean of `count` slices: += (x - mean) / count
-            mine.lerp_(pulled, 1 / count)
-        self._pulled, self._sources = [], []  # freed once the current stream is past the lerps
-        self.push_stream.wait_stream(torch.cuda.current_stream())
+        buffer, size, current = self.buffer, self.size, torch.cuda.current_stream()
+        for q in buffer.peers:
+            buffer.wait(q, SENT)
+        watch(f"{self.what} (the peers' sends)")
+        means, values = [m for m, _ in self._own], [v for _, v in self._own]
+        for v in values:
+            v.record_stream(current)  # read here, freed by the caller's stream
+        if buffer.peers:  # the first peer's values are in the slice: the mean of 2 there
+            torch._foreach_lerp_(means, values, 0.5)
+        else:
+            torch._foreach_copy_(means, values)
+        mine, n = buffer.tensor[self._slice], buffer.world_size
+        for count, start in enumerate(range(n * size, (2 * n - 2) * size, size), start=3):  # += (x - mean) / count
+            mine.lerp_(buffer.tensor[start:start + size], 1 / count)
+        self._own = []  # freed once the current stream is past the lerps
+        self.push_stream.wait_stream(current)
         with torch.cuda.stream(self.push_stream):
             for q in buffer.peers:
                 buffer.peer(q)[self._slice].copy_(mine)
@@ -190,6 +217,13 @@ class PeerAverage:
         for q in self.buffer.peers:
             self.buffer.wait(q, WRITTEN)
         watch(self.what)
+
+
+def buffer_numel(numel: int, world_size: int) -> int:
+    """The elements of a ``SymmetricBuffer`` that ``PeerAverage`` averages ``numel`` elements in: ``numel`` padded to
+    N equal slices, and a slice more for each peer past the first (where their values land)."""
+    size = -(-numel // world_size)
+    return (world_size + max(world_size - 2, 0)) * size
 
 
 class _Watchdog:

@@ -73,17 +73,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from torch_impl.distributed.copy_engines import PeerAverage, SymmetricBuffer, check_engine
+from torch_impl.distributed.copy_engines import PeerAverage, SymmetricBuffer, buffer_numel, check_engine
 from torch_impl.distributed.interface import DataParallelWrapper
 from torch_impl.distributed.process_group import comm_group, nccl_averages
 
 _MIB = 2**20
 # The gradients the backward launches last, in MiB: their communication is still running when it ends. With the copy
 # engines a bucket's mean is computed on the compute stream once the buckets launched after it hold this many MiB
-# (DDPBucketed: late enough that its pulls are done); an optimizer stepping the units as they land (``finish_in_parts``)
-# steps those units (at most TAIL_MB launched after each) one by one, and all earlier ones, landed by then, in one part.
+# (DDPBucketed: late enough that the peers' pushes are in); an optimizer stepping the units as they land
+# (``finish_in_parts``) steps those units (at most TAIL_MB launched after each) one by one, and all earlier ones,
+# landed by then, in one part.
 TAIL_MB = 512
-SOURCE_MIN = 2**20  # copy engines: the elements of a gradient's piece of this rank's slice that its mean reads in place
 
 
 def _unique(tensors) -> list[torch.Tensor]:
@@ -429,9 +429,10 @@ class DDPBucketed(_OverlappedDDP):
     ``engine="copy_engines"`` (NCCL, one GPU a rank on one host; ``copy_engines.ENGINES``): each bucket's buffer lives
     in symmetric memory and is averaged by peer copies on side streams (``copy_engines.PeerAverage``: the copy
     engines move the bytes, no SMs); the kernels that add run on the compute stream, once the buckets launched after
-    it hold ``TAIL_MB`` (a compiled span's gradients arrive together: by then its pulls are done), so that nothing
-    runs beside the backward's GEMMs, and those left at the end of the backward on the pull stream. This rank's
-    slice is read from the gradients themselves: only what the peers pull is copied into the bucket."""
+    it hold ``TAIL_MB`` (a compiled span's gradients arrive together: by then the peers' pushes are in), so that
+    nothing runs beside the backward's GEMMs, and those left at the end of the backward on the send stream. Without
+    a cast nothing is copied into the bucket: the gradients are pushed to the peers and averaged from where they are,
+    and only the means land in it."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, comm_dtype: torch.dtype | None = None,
                  engine: str = "nccl", **kwargs: Any):
@@ -446,7 +447,7 @@ class DDPBucketed(_OverlappedDDP):
         device = self._params[0].device if self._params else torch.device("cpu")
         check_engine(engine, self.process_group, device, type(self).__name__)
         copies = engine == "copy_engines"  # the peer copies' streams
-        self._pull_stream, self._push_stream = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if copies else (
+        self._send_stream, self._push_stream = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if copies else (
             None, None)
         for unit in self._units:
             unit.offsets = [0]
@@ -459,13 +460,14 @@ class DDPBucketed(_OverlappedDDP):
         super().on_train_batch_start()
 
     def _allocate(self, unit: _Unit) -> None:
-        """The bucket's flat buffer, kept from step to step (copy engines: padded to N equal slices, symmetric)."""
+        """The bucket's flat buffer, kept from step to step (copy engines: padded to N equal slices, in symmetric
+        memory with the room ``PeerAverage`` needs)."""
         p = self._params[unit.params[0]]
         dtype = self.comm_dtype or p.dtype
         if self.engine == "copy_engines":
-            n = self.world_size
-            unit.symmetric = SymmetricBuffer(-(-unit.offsets[-1] // n) * n, dtype, p.device, self.process_group)
-            unit.flat = unit.symmetric.tensor.zero_()  # (N S,)
+            n, numel = self.world_size, unit.offsets[-1]
+            unit.symmetric = SymmetricBuffer(buffer_numel(numel, n), dtype, p.device, self.process_group)
+            unit.flat = unit.symmetric.tensor.zero_()[:-(-numel // n) * n]  # (N S,)
         else:
             unit.flat = torch.zeros(unit.offsets[-1], dtype=dtype, device=p.device)  # (numel,)
 
@@ -506,30 +508,22 @@ class DDPBucketed(_OverlappedDDP):
         views, grads = [], []  # the gradients to copy into the bucket: one multi-tensor copy (the host's time
         casts = self._casts(unit)  # per launch is what a compiled backward has least of)
         unit.grads = []  # with a cast: where each averaged gradient goes back
-        # copy engines without a cast: this rank's slice of the bucket is read from the gradients by its mean, so
-        # only what the peers pull is copied in (half the copy on 2 ranks); pieces under SOURCE_MIN elements are
-        # copied all the same (a mean's kernel a piece costs more than their copy)
-        size = unit.flat.numel() // self.world_size
-        mine = (self.rank * size, (self.rank + 1) * size) if unit.symmetric is not None and not casts else (0, 0)
-        sources = []  # (piece of this rank's slice, the gradient's elements that belong there)
+        # copy engines without a cast: the gradients are pushed and averaged from where they are (no copy in)
+        direct = unit.symmetric is not None and not casts
+        sources = []  # (offset in the bucket, the gradient's elements)
         for k, (view, i) in enumerate(zip(self._views(unit), unit.params)):
             p = self._params[i]
             g = p.grad
             if g is None:  # no gradient on this rank this step: contribute zeros
                 view.zero_()
                 self._present[i] = False
-            elif casts or g.data_ptr() != view.data_ptr() or not g.is_contiguous():  # not already our view
-                start, stop, flat = unit.offsets[k], unit.offsets[k + 1], g.reshape(-1)
-                for a, b in ((start, min(stop, mine[0])), (max(start, mine[1]), stop)):  # outside this rank's slice
-                    if a < b:
-                        views.append(unit.flat[a:b])
-                        grads.append(flat[a - start:b - start])
-                a, b = max(start, mine[0]), min(stop, mine[1])
-                if b - a >= SOURCE_MIN:
-                    sources.append((slice(a - mine[0], b - mine[0]), flat[a - start:b - start]))
-                elif a < b:
-                    views.append(unit.flat[a:b])
-                    grads.append(flat[a - start:b - start])
+            elif not casts and g.data_ptr() == view.data_ptr() and g.is_contiguous():
+                pass  # already our view (accumulated in place)
+            elif direct and g.is_contiguous():
+                sources.append((unit.offsets[k], g.view(-1)))
+            else:
+                views.append(view.view_as(g))
+                grads.append(g)
             if casts:
                 unit.grads.append(g if g is not None and g.is_contiguous() else
                                   torch.zeros_like(p, memory_format=torch.contiguous_format))
@@ -537,7 +531,7 @@ class DDPBucketed(_OverlappedDDP):
             torch._foreach_copy_(views, grads)
         if unit.symmetric is not None:
             what = f"the copy engines' average of bucket {self._next}"
-            unit.work = PeerAverage(unit.symmetric, self._pull_stream, self._push_stream, what, sources).pull()
+            unit.work = PeerAverage(unit.symmetric, self._send_stream, self._push_stream, what, sources).send()
             self._unreduced.append(unit.work)
             while sum(a.buffer.tensor.nbytes for a in self._unreduced[1:]) > TAIL_MB * _MIB:
                 self._unreduced.pop(0).reduce()
@@ -546,13 +540,14 @@ class DDPBucketed(_OverlappedDDP):
         unit.launched = True
 
     def finish_in_parts(self) -> list[tuple[list[torch.Tensor], Callable[[], None]]]:
-        """With the copy engines, the means left for after the backward are computed on the pull stream, each once
-        its pulls are in, so that their pushes go on beside the optimizer (no GEMM runs then for them to slow):
-        on the compute stream each waited for its pulls and the next part for its pushes (2 H200s, xl, 713df4a)."""
+        """With the copy engines, the means left for after the backward are computed on the send stream, each once
+        the peers' values are in, so that their pushes go on beside the optimizer (no GEMM runs then for them to
+        slow): on the compute stream each waited for the peers' values and the next part for its pushes (2 H200s,
+        xl, 713df4a)."""
         unreduced = self._unreduced  # the list the units launched now join
         parts = super().finish_in_parts()
         if unreduced:
-            with torch.cuda.stream(self._pull_stream), torch.no_grad():
+            with torch.cuda.stream(self._send_stream), torch.no_grad():
                 for average in unreduced:
                     average.reduce()
         return parts
