@@ -71,8 +71,10 @@ def host_streams(monkeypatch):
     monkeypatch.setattr(copy_engines, "watch", lambda what: None)
 
 
+@pytest.mark.parametrize("lerp_alone", [2**20, 4])  # the means as one multi-tensor kernel, or the pieces of 4+ alone
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_every_rank_ends_with_the_mean_of_values_read_where_they_are(world_size, host_streams):
+def test_every_rank_ends_with_the_mean_of_values_read_where_they_are(world_size, lerp_alone, host_streams, monkeypatch):
+    monkeypatch.setattr(copy_engines, "LERP_ALONE", lerp_alone)
     seed = secrets.randbelow(2**20)
     generator = torch.Generator().manual_seed(seed)
     numel = int(torch.randint(5, 60, (), generator=generator))
