@@ -492,7 +492,7 @@ def _train_bf16_mixed(rank: int, world_size: int, seed: int, variant: str, optim
                       device: str = "cpu", tail_mb: float = 512.0) -> dict:
     """Three steps of the tiny LM in bf16 over fp32 masters (``MasterAdamW``) through ``train_step`` with the
     optimizer stepped ``optimizer_step``: the weights' bits, and how many parts each step's optimizer stepped
-    (``tail_mb``: the ``TAIL_MB`` of the wrapper, whose units beyond it are one part)."""
+    (``tail_mb``: the ``TAIL_MB`` of the wrapper, whose units beyond twice that are one part)."""
     import hashlib
 
     import torch_impl.distributed.ddp as ddp_module
@@ -526,7 +526,7 @@ def _train_bf16_mixed(rank: int, world_size: int, seed: int, variant: str, optim
 @pytest.mark.parametrize("variant", ["bucketed", "individual"])
 def test_the_optimizer_stepping_each_bucket_as_it_lands_gives_the_same_weights(variant):
     """optimizer_step "overlapped": the wrapper's units (buckets, parameters) are stepped as they land
-    (``finish_in_parts`` + ``MasterAdamW.step_parts``): one part a unit within ``TAIL_MB`` of the backward's end,
+    (``finish_in_parts`` + ``MasterAdamW.step_parts``): one part a unit within 2 ``TAIL_MB`` of the backward's end,
     the earlier ones as one part; the weights end bit for bit as with the step "after" every gradient is in
     (itself checked against one process above), on every rank."""
     seed = secrets.randbelow(2**20)
