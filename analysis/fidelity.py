@@ -59,10 +59,11 @@ LEAKING_WRAPPERS = ("individual", "bucketed", "zero1")
 # (results/profiles/single_gpu/xl_4x512_train_step_bf16_kernels.md), timed by the attention benchmark as sdpa_cudnn.
 SDPA_DEFAULT_KERNEL = "sdpa_cudnn"
 LEFTOVER_MIN_BYTES = 2**30  # a leftover smaller than this (NCCL's and cuBLAS's workspaces, 64 MiB) is not added
-# What bucketed DDP on the copy engines holds beyond its buckets, not in the calculator: the peers' slices it pulled,
-# allocated as the host launches each bucket ahead of the GPU (1.3-3.1 GB at xl on 2 H200s since 5940089)
-COPY_ENGINE_STAGING = ("copy engines: the pulled slices held while the host runs ahead are not modelled "
-                       "(notes/data_parallel.md, session 35)")
+# What bucketed DDP on the copy engines held beyond its buckets, not in the calculator: the peers' slices it pulled,
+# allocated as the host launched each bucket ahead of the GPU (1.3-3.1 GB at xl on 2 H200s from 5940089); since
+# 4c4c37f the peers push into the buckets themselves and nothing is held (the records do not say which they ran)
+COPY_ENGINE_STAGING = ("copy engines before 4c4c37f: the pulled slices held while the host ran ahead are not "
+                       "modelled (notes/data_parallel.md, sessions 35, 37)")
 
 
 @dataclass
