@@ -64,6 +64,10 @@ LEFTOVER_MIN_BYTES = 2**30  # a leftover smaller than this (NCCL's and cuBLAS's 
 # 4c4c37f the peers push into the buckets themselves and nothing is held (the records do not say which they ran)
 COPY_ENGINE_STAGING = ("copy engines before 4c4c37f: the pulled slices held while the host ran ahead are not "
                        "modelled (notes/data_parallel.md, sessions 35, 37)")
+# DDPIndividualParameters kept the last step's gradients until the next backward (7.4 GiB through xl's forward in
+# bf16) until cf49b57, which let go of them; not in the calculator, and not told apart by the records either
+INDIVIDUAL_HELD_GRADIENTS = ("individual before cf49b57: the last step's gradients, held until the next backward, "
+                             "are not modelled (notes/data_parallel.md, item 4)")
 
 
 @dataclass
@@ -272,6 +276,8 @@ def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[t
     if predicted is not None and record.metrics.get("engine") == "copy_engines" and \
             record.metrics.get("impl") == "bucketed":
         model += f"; {COPY_ENGINE_STAGING}"
+    if predicted is not None and record.suite == DDP_SUITE and record.metrics.get("impl") == "individual":
+        model += f"; {INDIVIDUAL_HELD_GRADIENTS}"
     if predicted is not None and record.metrics.get("peak_memory_kind") == "reserved":
         model += "; measured: reserved (CUDA graph pool), not allocated"
     elif predicted is not None and graph_blocks and not record.metrics.get("peak_memory_kind"):

@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from analysis.fidelity import (COPY_ENGINE_STAGING, attention_of, fidelity_rows, main, memory_prediction, predict,
-                               summary, _frame)
+from analysis.fidelity import (COPY_ENGINE_STAGING, INDIVIDUAL_HELD_GRADIENTS, attention_of, fidelity_rows, main,
+                               memory_prediction, predict, summary, _frame)
 from analysis.records import Record, save_records, timing_stats
 from parallelism_calc.roofline import Ceilings, step_time_floor
 from parallelism_calc.memory import per_device_memory
@@ -73,8 +73,11 @@ def test_a_copy_engine_row_names_what_its_prediction_leaves_out():
     ddp = dict(suite="ddp", world_size=2, mesh={"dp": 2})
     engines = _record(**ddp, metrics={"predicted_memory_bytes": 2**30, "impl": "bucketed", "engine": "copy_engines"})
     nccl = _record(**ddp, metrics={"predicted_memory_bytes": 2**30, "impl": "bucketed", "engine": "nccl"})
+    individual = _record(**ddp, metrics={"predicted_memory_bytes": 2**30, "impl": "individual", "engine": "nccl"})
     assert COPY_ENGINE_STAGING in predict(engines, {}, {}).memory_model
     assert COPY_ENGINE_STAGING not in predict(nccl, {}, {}).memory_model
+    assert INDIVIDUAL_HELD_GRADIENTS in predict(individual, {}, {}).memory_model
+    assert INDIVIDUAL_HELD_GRADIENTS not in predict(engines, {}, {}).memory_model
 
 
 def test_rows_without_what_they_need_say_why():
