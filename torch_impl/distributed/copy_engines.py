@@ -123,10 +123,10 @@ class PeerAverage:
     ``LERP_ALONE`` elements and one multi-tensor kernel for the smaller ones: on 2 ranks bf16 and fp16 get (a + b) / 2
     rounded once, as from NCCL's AVG, float32 within an ulp of the larger input; a ``lerp_`` with 1/count for each
     later one), then ``push_stream`` pushes the mean into each peer's slice r and signals it (a second ``reduce()``
-    does nothing). ``wait()``: the current stream waits for this rank's pushes and for every
-    peer's mean to have arrived here (reducing first if ``reduce()`` was not called). Every rank ends with the same
-    bits (each slice is averaged once, by its owner). The buffer may be written again after ``wait()``; the next
-    ``send()`` tells the peers so.
+    does nothing). ``wait()``: the current stream waits for this rank's pushes and for every peer's mean to have
+    arrived here (reducing first if ``reduce()`` was not called). Every rank ends with the same bits (each slice is
+    averaged once, by its owner). The buffer may be written again after ``wait()``; the next ``send()`` tells the
+    peers so.
 
     The mean runs on the caller's current stream. During the backward that is the compute stream, not beside it:
     kernels beside the backward's GEMMs slow them (any resident block delays a persistent GEMM's tiles), so callers
@@ -139,7 +139,7 @@ class PeerAverage:
     def __init__(self, buffer: SymmetricBuffer, send_stream: torch.cuda.Stream, push_stream: torch.cuda.Stream,
                  what: str, sources: list[tuple[int, torch.Tensor]] = ()):
         n, r = buffer.world_size, buffer.rank
-        self.size = size = buffer.tensor.numel() // (n + max(n - 2, 0))
+        self.size = size = buffer.tensor.numel() // _slices(n)
         if buffer.tensor.numel() != buffer_numel(n * size, n):
             raise ValueError(f"PeerAverage: a buffer of {buffer.tensor.numel()} elements is not N slices and the "
                              f"room for the peers past the first (N = {n}; see buffer_numel)")
@@ -199,10 +199,12 @@ class PeerAverage:
         for _, v in self._own:
             v.record_stream(current)  # read here, freed by the caller's stream
         if buffer.peers:  # the first peer's values are in the slice: the mean of 2 there (the same bits either way)
+            small = []
             for m, v in self._own:
                 if m.numel() >= LERP_ALONE:
                     m.lerp_(v, 0.5)
-            small = [(m, v) for m, v in self._own if m.numel() < LERP_ALONE]
+                else:
+                    small.append((m, v))
             if small:
                 torch._foreach_lerp_(*map(list, zip(*small)), 0.5)
         elif self._own:
@@ -230,8 +232,12 @@ class PeerAverage:
 def buffer_numel(numel: int, world_size: int) -> int:
     """The elements of a ``SymmetricBuffer`` that ``PeerAverage`` averages ``numel`` elements in: ``numel`` padded to
     N equal slices, and a slice more for each peer past the first (where their values land)."""
-    size = -(-numel // world_size)
-    return (world_size + max(world_size - 2, 0)) * size
+    return _slices(world_size) * -(-numel // world_size)
+
+
+def _slices(world_size: int) -> int:
+    """The slices of S elements a ``PeerAverage`` buffer holds: N, and one for each peer past the first."""
+    return world_size + max(world_size - 2, 0)
 
 
 class _Watchdog:
