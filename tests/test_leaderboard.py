@@ -33,14 +33,28 @@ LAUNCHES = (["--dist", "fsdp", "--loss", "fused", "--ac-every", "1"], ["--dist",
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("leaderboard") / "leaderboard.jsonl"
+    profiles = out.parent / "profiles"  # the second launch profiles a step (--profile)
     for flags in LAUNCHES:
+        flags = flags + (["--profile", str(profiles)] if flags is LAUNCHES[-1] else [])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), "-m", "torch_impl.bench.leaderboard", *COMMON, *flags,
                "--out", str(out)]
         proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
         assert "[leaderboard] timed step 2/2" in proc.stderr  # progress, from rank 0
+    assert [p.name for p in sorted(profiles.iterdir())] == [  # rank 0's alone
+        "leaderboard_tiny_2l_2x32_fsdp2_eager_sdpa_plain_loss_kernels.md",
+        "leaderboard_tiny_2l_2x32_fsdp2_eager_sdpa_plain_loss_trace.json"]
     return read_records(out)
+
+
+def test_profile_puts_the_kernels_in_the_record(records):
+    fused, profiled = records
+    assert "profiled_kernel_ms" not in fused.metrics
+    shares = {k: v for k, v in profiled.metrics.items() if k.startswith("time_share.")}
+    assert shares and sum(shares.values()) == pytest.approx(1.0)
+    assert profiled.metrics["profiled_kernel_ms"] > 0 and profiled.metrics["kernel_ms"]
+    assert set(profiled.metrics["kernel_calls"]) == set(profiled.metrics["kernel_ms"])
 
 
 def test_one_well_formed_record_per_launch(records):

@@ -48,6 +48,18 @@ def kernel_table(prof: profile, n_steps: int, calls: dict[str, float] | None = N
     return rows_by_category(times, n_steps)
 
 
+PROFILED_KERNELS = 30  # how many of the largest kernels a record names (the kernel table has all of them)
+
+
+def profile_metrics(rows: list[KernelRow], calls: dict[str, float]) -> dict[str, object]:
+    """A record's metrics from ``profile_steps``' table: each category's share, the kernels' sum (ms per step, to
+    set against the timed step) and the ``PROFILED_KERNELS`` largest kernels' ms and launches per step."""
+    largest = sorted((kernel for row in rows for kernel in row.kernels), key=lambda k: -k[1])[:PROFILED_KERNELS]
+    return {**{f"time_share.{row.category}": row.fraction for row in rows},
+            "profiled_kernel_ms": sum(row.time_ms for row in rows),
+            "kernel_ms": dict(largest), "kernel_calls": {name: calls.get(name) for name, _ in largest}}
+
+
 def profile_steps(step: Callable[[], object], n_steps: int, out_dir: str | Path | None, tag: str,
                   calls: dict[str, float] | None = None) -> list[KernelRow]:
     """Profile ``n_steps`` calls of ``step``; write ``<tag>_trace.json`` and ``<tag>_kernels.md`` in ``out_dir``

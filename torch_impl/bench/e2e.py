@@ -50,12 +50,11 @@ from torch_impl.device import device_name, pick_device
 from torch_impl.linear_cross_entropy import LOSSES
 from torch_impl.model import TransformerLM, cross_entropy
 from torch_impl.parallelize import BLOCKS_PER_GRAPH, check_cuda_graph, parallelize
-from torch_impl.profiling import profile_steps
+from torch_impl.profiling import profile_metrics, profile_steps
 from torch_impl.step import StepParts, for_loss, train_step
 from torch_impl.stock import SDPA_BACKENDS, StockTransformerLM
 from torch_impl.timing import PhaseTimer, capture_step
 
-PROFILED_KERNELS = 30  # --profile: how many of the largest kernels a record names (all of them: the kernel table)
 # --cuda-graph: each mode and what it adds to the implementation's name (none, one per compiled block, one step)
 CUDA_GRAPH_MODES = {"off": "", "blocks": ", cuda graph per block", "step": ", cuda graph"}
 
@@ -216,12 +215,7 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
         variant = "_stock" if stock else "" if graph == "off" else f"_graph_{graph}"
         tag = f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}_{args.dtype}{variant}"
         calls: dict[str, float] = {}
-        rows = profile_steps(run, 3, args.profile, tag=tag, calls=calls)
-        metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
-        metrics["profiled_kernel_ms"] = sum(row.time_ms for row in rows)  # per step, against the timed step
-        largest = sorted((kernel for row in rows for kernel in row.kernels), key=lambda k: -k[1])[:PROFILED_KERNELS]
-        metrics["kernel_ms"] = dict(largest)  # the largest kernels, ms per step
-        metrics["kernel_calls"] = {name: calls.get(name) for name, _ in largest}  # launches per step
+        metrics.update(profile_metrics(profile_steps(run, 3, args.profile, tag=tag, calls=calls), calls))
     return step_record(
         StepRun.of(args), spec, seq_len, backend="torch", implementation=implementation_name(args, stock, graph),
         device_name=device_name(device), step_times_ms=step_ms, phases_ms=phases_ms,

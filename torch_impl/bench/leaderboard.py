@@ -26,8 +26,10 @@ global batch's mean loss: the ranks' mean), the flags, and the calculator's pred
 ``predicted_memory_bytes`` (+ ``predicted_memory``, its terms; ``parallelism_calc.memory.per_device_memory`` with
 the gathering our FSDP / FSDP2 does, ``analysis.data_parallel.FSDP_GATHERING``, and ``loss=``) and, on a GPU the
 calculator knows, ``floor_s`` (+ ``floor``, its parts; ``parallelism_calc.roofline.step_time_floor`` at the
-datasheet rates). Bad input is one line (exit 2); a rank that fails prints one line, rank 0 records the failure
-if it can, and every process exits non-zero (torchrun stops the rest; a collective waits ``--timeout`` at most).
+datasheet rates). ``--profile DIR`` profiles one more step: rank 0's Chrome trace and kernel table in DIR, its
+kernels' shares and largest kernels in the record (``torch_impl.profiling.profile_metrics``). Bad input is one
+line (exit 2); a rank that fails prints one line, rank 0 records the failure if it can, and every process exits
+non-zero (torchrun stops the rest; a collective waits ``--timeout`` at most).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from parallelism_calc.specs import MODELS, get_model, hardware_for_device
 
 SUITE = "leaderboard"
 SHARDING = ("fsdp", "fsdp2")  # torch_impl.parallelize.DATA_PARALLEL's sharded modes
+PROFILED_STEPS = 1  # --profile: a step of lm8b is seconds long and launches ~10^5 kernels
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,6 +78,7 @@ class LeaderboardConfig:
     seed: int = 0
     device: str = "cuda"
     timeout: float = 600.0
+    profile: str | None = None
     out: str | None = "results/leaderboard.jsonl"
 
     @property
@@ -215,8 +219,18 @@ def measure(args: LeaderboardConfig, spec, seq_len: int, per_rank: int, device, 
         say(f"triton.testing.do_bench: about {args.steps + 7} steps of {agreed.item() / 1e3:.2f} s")
         bench_ms = _do_bench_times(lambda: run(lambda phase: None), agreed.item(), args.steps)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    profiled = {}
+    if args.profile:  # every rank steps (the collectives need them all); rank 0 writes the trace and the table
+        from torch_impl.profiling import profile_metrics, profile_steps
+
+        say(f"profiling {PROFILED_STEPS} step(s) into {args.profile}")
+        tag = f"leaderboard_{spec.name}_{spec.n_layers}l_{per_rank}x{seq_len}_{implementation_name(args)}"
+        calls: dict[str, float] = {}
+        rows = profile_steps(lambda: train_step(parts, batch, lambda phase: None)[0].item(), PROFILED_STEPS, args.profile if rank == 0 else None,
+                             tag="_".join(tag.replace(",", "").split()), calls=calls)
+        profiled = profile_metrics(rows, calls)
     return {"step_ms": step_ms, "phases_ms": phases_ms, "bench_ms": bench_ms, "peak": peak, "losses": losses,
-            "warmup_ms": warm_ms}
+            "warmup_ms": warm_ms, "profiled": profiled}
 
 
 # ----------------------------------------------------------------------------- the record (rank 0)
@@ -253,6 +267,7 @@ def make_record(args: LeaderboardConfig, spec, seq_len: int, world_size: int, de
     peaks = [g["peak"] for g in gathered]
     rank_losses = [g["losses"] for g in gathered]
     losses = [statistics.fmean(r[i] for r in rank_losses) for i in range(len(rank_losses[0]))]
+    metrics.update(gathered[0]["profiled"])  # rank 0's kernels (--profile)
     metrics.update({"per_rank_peak_memory_bytes": peaks, "losses": losses, "loss_first": losses[0],
                     "loss_last": losses[-1], "warmup_step_ms": [max(w) for w in zip(*(g["warmup_ms"]
                                                                                       for g in gathered))]})
@@ -353,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cuda (NCCL, cuda:LOCAL_RANK) or cpu (gloo) (default cuda)")
     p.add_argument("--timeout", type=positive_float, default=d.timeout,
                    help=f"process-group timeout in seconds: a stuck collective ends the run (default {d.timeout:g})")
+    p.add_argument("--profile", metavar="DIR",
+                   help="after timing, profile one step: rank 0's Chrome trace and kernel table in DIR")
     p.add_argument("--out", type=writable_path, default=d.out, help=f"append the record here (default {d.out})")
     return p
 
