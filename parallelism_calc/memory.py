@@ -463,7 +463,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                       nested_checkpoint: bool = False, gradient_buckets: int = 0,
                       compiled: bool = False, pending_reduce_scatters: int | None = None,
                       compute_dtype_stream: bool = False, loss: str = "plain",
-                      loss_chunk: int | None = None) -> MemoryBreakdown:
+                      loss_chunk: int | None = None, kept_attention: bool = False) -> MemoryBreakdown:
     """Bytes per device of a training step with AdamW (ZeRO paper, Rajbhandari et al. 2020).
 
     P = spec.n_params(); per-parameter bytes from ``precision``; N_shard = the sharding degree.
@@ -650,7 +650,10 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                                 loss_buffers=loss_buffers.peak)
     if peak_model == "timeline":
         return step_peak_memory(spec, breakdown, tokens, seq_len, prec, checkpointing, attention, tp,
-                                checkpoint_every, nested_checkpoint, compiled, stream, loss, loss_buffers)
+                                checkpoint_every, nested_checkpoint, compiled, stream, loss, loss_buffers,
+                                kept_attention)
+    if kept_attention:
+        raise ValueError("kept attention outputs are counted by the timeline peak model only (peak_model='timeline')")
     return breakdown
 
 
@@ -663,7 +666,7 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
                      attention: str = "naive", tp: int = 1, checkpoint_every: int | None = None,
                      nested_checkpoint: bool = False, compiled: bool = False,
                      compute_dtype_stream: bool = False, loss: str = "plain",
-                     loss_buffers: LossBuffers | None = None) -> MemoryBreakdown:
+                     loss_buffers: LossBuffers | None = None, kept_attention: bool = False) -> MemoryBreakdown:
     """The peak of one training step over its moments, from the terms of ``state`` (a "sum" breakdown of
     ``per_device_memory``, whose sharding of gradients and optimizer state it keeps) for ``tokens`` tokens per
     device. ``per_device_memory(..., peak_model="timeline")`` calls it; notes/fidelity.md has the evidence.
@@ -696,6 +699,11 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     ``max(activations + autocast copies, gradients)`` of notes/fidelity.md. ``checkpointing="full"`` is K = 1
     flat; "selective" uses its smaller b. FFN-only models have no extras, head or g_top.
 
+    ``kept_attention`` (checkpointing every K, flat; ``torch_impl.activation_checkpointing``'s keep_attention):
+    each block's attention output and fp32 log-sum-exp, o = D p + 4 H a token (over tp), stay from the forward
+    to the block's recomputation, where they are among b's tensors: the forward's end adds L o, block i's
+    backward s K o (the blocks of the segments not yet recomputed).
+
     ``loss_buffers`` (the fused loss's, ``loss_buffer_bytes``): its forward buffers are added to the forward's end,
     and one more moment, the loss's backward (before any block's), holds the forward's end activations with its
     backward buffers (dW's fp32 accumulator and a chunk) and no gradient yet.
@@ -722,6 +730,9 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     b, e = saved.per_layer_bytes, saved.extra_bytes  # one block's saved activations; the extras, per token
     # One checkpoint: a block's input, the residual stream in the model dtype (FFN-only: the compute dtype).
     a = d * (prec.param_bytes if spec.arch == "transformer" else prec.activation_bytes)
+    if kept_attention and (checkpoint_every is None or nested_checkpoint):
+        raise ValueError("kept attention outputs need flat checkpointing every K blocks (checkpoint_every, not nested)")
+    o = (d * prec.activation_bytes + 4 * spec.n_heads) / tp if kept_attention else 0.0  # kept a block and token
     # Autocast copies (state.cast_weights: 0 without autocast or under stage 3): per block its matmul weights
     # (4 D^2 + 3 D F; FFN-only 2 D F), the rest (the LM head) once.
     block_matmul = spec.n_params_per_layer() - (0 if spec.arch == "ffn_only" else 2 * d)
@@ -742,7 +753,8 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     if k is None:
         forward_end = ("forward's end", 0.0, tokens * (n_layers * b + e), n_layers * c + c_head, 0.0, lb.forward)
     else:
-        forward_end = ("forward's end", 0.0, tokens * (math.ceil(n_layers / k) * a + e), c_head, 0.0, lb.forward)
+        forward_end = ("forward's end", 0.0, tokens * (math.ceil(n_layers / k) * a + n_layers * o + e), c_head, 0.0,
+                       lb.forward)
     moments = [forward_end]
     if lb.backward:
         moments.append(("loss backward", *forward_end[1:5], lb.backward))
@@ -754,12 +766,13 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
             if nested_checkpoint:
                 live, copies = (s + 1) * a + (i - s * k) * a + b, c
             else:
-                live, copies = (s + 1) * a + (i - s * k + 1) * b, (i - s * k + 1) * c
+                live, copies = (s + 1) * a + s * k * o + (i - s * k + 1) * b, (i - s * k + 1) * c
         moments.append((f"backward, block {i}", g_top + (n_layers - 1 - i) * g, tokens * live, copies, rs, 0.0))
     moments.append(("backward's end", state.grads, 0.0, 0.0, rs, 0.0))
     where, grads, activations, copies, rs_then, lb_then = max(moments, key=lambda m: sum(m[1:]))
     total = persistent + grads + activations + copies + rs_then + lb_then
-    policy = ("none" if k is None else f"every {k}" + (" nested" if nested_checkpoint else ""))
+    policy = ("none" if k is None else f"every {k}" + (" nested" if nested_checkpoint else "")
+              + (", attention kept" if kept_attention else ""))
     formulas = {**state.formulas,
                 "peak": f"S + max(forward's end, backward at each block, backward's end) [checkpointing {policy}]",
                 "grads": f"gradients written by then ({where})",

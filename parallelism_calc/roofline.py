@@ -104,12 +104,13 @@ def matmul_flops(spec: ModelSpec, batch_size: int, seq_len: int, mode: str) -> f
 
 
 def recompute_flops(spec: ModelSpec, batch_size: float, seq_len: int, recompute_blocks: int = 0,
-                    selective: bool = False, loss: str = "plain") -> float:
+                    selective: bool = False, loss: str = "plain", kept_attention: bool = False) -> float:
     """Product FLOPs a train step's backward recomputes, causal attention's masked half not counted:
     ``recompute_blocks`` forwards of every block (1: full checkpointing or checkpoints every K blocks, each block
     recomputed once; 2: nested, the segment and then each block again); ``selective``: the attention core's score
-    and value products once (Korthikanti et al.); ``loss="fused"``: the LM head's logits, 2 N d V
-    (``torch_impl.linear_cross_entropy``'s backward)."""
+    and value products once (Korthikanti et al.); ``kept_attention``: the recomputed blocks take the attention
+    core's outputs kept from the forward (``torch_impl.activation_checkpointing``), so their core is not
+    recomputed; ``loss="fused"``: the LM head's logits, 2 N d V (``torch_impl.linear_cross_entropy``'s backward)."""
     if recompute_blocks < 0:
         raise ValueError(f"recompute_blocks={recompute_blocks} must be >= 0")
     if spec.arch != "transformer":
@@ -118,6 +119,7 @@ def recompute_flops(spec: ModelSpec, batch_size: float, seq_len: int, recompute_
     head = 2 * tokens * spec.d_model * spec.vocab_size
     blocks = matmul_flops(spec, batch_size, seq_len, "forward") - head
     core = causal_core_flops(spec, batch_size, seq_len)
+    blocks -= core if kept_attention else 0.0
     return recompute_blocks * blocks + (core if selective else 0.0) + (head if loss == "fused" else 0.0)
 
 
@@ -156,10 +158,10 @@ def comm_seconds(spec: ModelSpec, strategy: str, n_devices: int, precision: str 
 
 def step_time_floor(spec: ModelSpec, batch_size: float, seq_len: int, mode: str, precision: str | Precision,
                     ceilings: Ceilings, strategy: str = "none", n_devices: int = 1, recompute_blocks: int = 0,
-                    selective: bool = False, loss: str = "plain") -> StepFloor:
+                    selective: bool = False, loss: str = "plain", kept_attention: bool = False) -> StepFloor:
     """The floor of one step (see the module's doc); ``batch_size`` sequences per device, ``n_devices`` ranks of
-    ``strategy`` (``STRATEGY_COMMS``); ``recompute_blocks``, ``selective``, ``loss``: what the backward
-    recomputes (``recompute_flops``; a forward-only step recomputes nothing)."""
+    ``strategy`` (``STRATEGY_COMMS``); ``recompute_blocks``, ``selective``, ``loss``, ``kept_attention``: what the
+    backward recomputes (``recompute_flops``; a forward-only step recomputes nothing)."""
     p = get_precision(precision)
     train = mode == "train_step"
     tokens = batch_size * seq_len
@@ -167,7 +169,7 @@ def step_time_floor(spec: ModelSpec, batch_size: float, seq_len: int, mode: str,
     params = spec.n_params() / (n_devices if strategy == "fsdp" else 1)
     casts = (6 if mode == "forward" else 12) * params if p.autocast else 0
     products = matmul_flops(spec, batch_size, seq_len, mode) + (0.0 if mode == "forward" else recompute_flops(
-        spec, batch_size, seq_len, recompute_blocks, selective, loss))
+        spec, batch_size, seq_len, recompute_blocks, selective, loss, kept_attention))
     attention_s = 0.0
     if ceilings.attention_flops is not None and spec.arch == "transformer":
         products -= causal_core_flops(spec, batch_size, seq_len) * (1 if mode == "forward" else 3)

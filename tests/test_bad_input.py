@@ -152,6 +152,10 @@ CASES = [
     Case(LEADERBOARD, "--device cpu --model tiny --batch-size 3 --out {good}", "--batch-size 3 (global) is not "
          "divisible by the 2 ranks", env={"WORLD_SIZE": "2", "RANK": "0"}),
     Case(LEADERBOARD, "--device cpu --model tiny --nested-checkpoint --out {good}", "needs --ac-every K"),
+    Case(LEADERBOARD, "--device cpu --model tiny --keep-attention --attention flash_triton --out {good}",
+         "--keep-attention needs --ac-every K without --nested-checkpoint and --attention flash_triton"),
+    Case(LEADERBOARD, "--device cpu --model tiny --keep-attention --ac-every 1 --out {good}",
+         "--keep-attention needs --ac-every K"),
     Case(LEADERBOARD, "--device cpu --model tiny --layers 0", "--layers: '0': must be > 0"),
     Case(LEADERBOARD, "--device cpu --model tiny --dtype bf16_mixed --out {good}", "--dtype bf16_mixed with"),
     Case(LEADERBOARD, "--device cuda --model tiny --out {good}", "no CUDA device here", skip="cuda"),

@@ -56,3 +56,27 @@ def test_best_k_by_brute_force():
 def test_bad_k():
     with pytest.raises(ValueError, match="must be >= 1"):
         checkpointed_activation_bytes(SPEC, 2048, every=0)
+
+
+def test_kept_attention_adds_the_outputs_of_the_blocks_not_yet_recomputed():
+    """The timeline peak with each block's attention output (D bf16 values) and log-sum-exp (H fp32 values) kept
+    per token, checkpoints at every block: at the last block's backward (lm8b's peak either way) the 33 blocks
+    before it keep theirs."""
+    from parallelism_calc.memory import per_device_memory
+    from parallelism_calc.roofline import causal_core_flops, recompute_flops
+
+    spec, tokens, seq = MODELS["lm8b"], 32_768, 32_768
+    common = dict(attention="flash", checkpoint_every=1, loss="fused", peak_model="timeline")
+    plain = per_device_memory(spec, "fsdp", 2, 2 * tokens, seq, **common)
+    kept = per_device_memory(spec, "fsdp", 2, 2 * tokens, seq, kept_attention=True, **common)
+    last = spec.n_layers - 1
+    assert plain.peak_at == kept.peak_at == f"backward, block {last}"
+    assert kept.total - plain.total == pytest.approx(last * tokens * (spec.d_model * 2 + 4 * spec.n_heads))
+    recomputed = recompute_flops(spec, 1, seq, 1, loss="fused") - recompute_flops(spec, 1, seq, 1, loss="fused",
+                                                                                  kept_attention=True)
+    assert recomputed == pytest.approx(causal_core_flops(spec, 1, seq))
+    with pytest.raises(ValueError, match="not nested"):
+        per_device_memory(spec, "fsdp", 2, 2 * tokens, seq, **{**common, "nested_checkpoint": True},
+                          kept_attention=True)
+    with pytest.raises(ValueError, match="timeline"):
+        per_device_memory(spec, "fsdp", 2, 2 * tokens, seq, attention="flash", checkpoint_every=1, kept_attention=True)

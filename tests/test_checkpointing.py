@@ -71,3 +71,76 @@ def test_old_module_name_reexports_the_same_public_names():
     from torch_impl.checkpointing import apply_activation_checkpointing as old_apply
     from torch_impl.parallelize import apply_activation_checkpointing as parallelize_apply
     assert old_apply is parallelize_apply is new.apply_activation_checkpointing
+
+
+# ----------------------------------------------------------------------------- the attention kept (selective)
+
+
+def _flash_model(seed: int = 0) -> TransformerLM:
+    torch.manual_seed(seed)
+    return TransformerLM(SPEC, attention="flash_triton")
+
+
+def _count_attention_forwards(monkeypatch) -> list[int]:
+    """The Triton forward's launches, counted (the kernels run under the interpreter on the CPU)."""
+    import torch_impl.attention.flash_triton as flash
+
+    calls = [0]
+    launch = flash.flash_forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(flash, "flash_forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("every,compiled", [(1, False), (3, False), (1, True)])
+def test_kept_attention_gives_the_gradients_without_recomputing_the_attention(monkeypatch, every, compiled):
+    from torch_impl.parallelize import apply_compile
+
+    reference, model = _flash_model(), _flash_model()
+    apply_activation_checkpointing(model, every, keep_attention=True)
+    if compiled:  # each block's forward alone, inside the eager segment (parallelize does this for kept attention)
+        apply_compile(model, hooks_eager=True)
+    calls = _count_attention_forwards(monkeypatch)
+    for step in range(2):  # the second step starts from what the first kept being dropped
+        tokens = torch.randint(0, SPEC.vocab_size, (2, 33), generator=torch.Generator().manual_seed(step))
+        for m in (reference, model):
+            m.zero_grad(set_to_none=True)
+            cross_entropy(m(tokens[:, :-1]), tokens[:, 1:]).backward()
+        assert calls[0] == (step + 1) * 2 * SPEC.n_layers  # the reference's and the forward's: no recomputation
+        expected = grads_by_block(reference)
+        for key, grad in grads_by_block(model).items():
+            torch.testing.assert_close(grad, expected[key], rtol=1e-5, atol=1e-6)
+
+
+def test_kept_attention_holds_each_blocks_output_and_log_sum_exp_until_its_recomputation():
+    model = apply_activation_checkpointing(_flash_model(), 3, keep_attention=True)
+    tokens = torch.randint(0, SPEC.vocab_size, (2, 17))
+    loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    kept = [outputs for segment in model.layers for _, outputs in segment.kept._kept]
+    heads, d_head = SPEC.n_heads, SPEC.d_model // SPEC.n_heads
+    assert [tuple(t.shape) for pair in kept for t in pair] == [(2, heads, 16, d_head), (2, heads, 16)] * SPEC.n_layers
+    loss.backward()
+    assert all(not segment.kept._kept for segment in model.layers)  # handed to the recomputation, then gone
+    with torch.no_grad():  # nothing to recompute: nothing kept
+        model(tokens[:, :-1])
+    assert all(not segment.kept._kept for segment in model.layers)
+
+
+def test_kept_attention_refuses_what_cannot_take_it():
+    with pytest.raises(ValueError, match="flash_triton.*the model's is sdpa"):
+        apply_activation_checkpointing(TransformerLM(SPEC, attention="sdpa"), 1, keep_attention=True)
+    with pytest.raises(ValueError, match="nested"):
+        apply_activation_checkpointing(_flash_model(), 2, nested=True, keep_attention=True)
+    from torch_impl.activation_checkpointing import KeptAttention
+
+    kept = KeptAttention()
+    kept.take("shapes", lambda: (torch.zeros(2),))
+    kept.recording = False
+    with pytest.raises(RuntimeError, match="with other shapes, the forward with shapes"):
+        kept.take("other shapes", lambda: (torch.zeros(2),))
+    with pytest.raises(RuntimeError, match="more often"):
+        kept.take("shapes", lambda: (torch.zeros(2),))

@@ -27,7 +27,9 @@ ENV = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHON
 BATCH, SEQ = 4, 32  # global: 2 sequences a rank
 COMMON = ["--device", "cpu", "--model", "tiny", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--dtype", "fp32",
           "--attention", "sdpa", "--warmup", "1", "--steps", "2", "--timeout", "60"]
-LAUNCHES = (["--dist", "fsdp", "--loss", "fused", "--ac-every", "1"], ["--dist", "fsdp2", "--loss", "plain"])
+KEPT = ["--keep-attention", "--attention", "flash_triton"]  # the Triton kernels under the interpreter
+LAUNCHES = (["--dist", "fsdp", "--loss", "fused", "--ac-every", "1"], ["--dist", "fsdp2", "--loss", "plain"],
+            ["--dist", "fsdp", "--loss", "fused", "--ac-every", "1", *KEPT])
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("leaderboard") / "leaderboard.jsonl"
     profiles = out.parent / "profiles"  # the second launch profiles a step (--profile)
     for flags in LAUNCHES:
-        flags = flags + (["--profile", str(profiles)] if flags is LAUNCHES[-1] else [])
+        flags = flags + (["--profile", str(profiles)] if flags is LAUNCHES[1] else [])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), "-m", "torch_impl.bench.leaderboard", *COMMON, *flags,
                "--out", str(out)]
@@ -49,7 +51,7 @@ def records(tmp_path_factory):
 
 
 def test_profile_puts_the_kernels_in_the_record(records):
-    fused, profiled = records
+    fused, profiled, _ = records
     assert "profiled_kernel_ms" not in fused.metrics
     shares = {k: v for k, v in profiled.metrics.items() if k.startswith("time_share.")}
     assert shares and sum(shares.values()) == pytest.approx(1.0)
@@ -59,7 +61,8 @@ def test_profile_puts_the_kernels_in_the_record(records):
 
 def test_one_well_formed_record_per_launch(records):
     assert [r.implementation for r in records] == ["fsdp, eager sdpa, fused loss, ckpt 1",
-                                                   "fsdp2, eager sdpa, plain loss"]
+                                                   "fsdp2, eager sdpa, plain loss",
+                                                   "fsdp, eager flash_triton, fused loss, ckpt 1 keep attention"]
     for r in records:
         assert r.status == "ok", r.error
         assert (r.suite, r.backend, r.mode, r.model, r.batch_size, r.seq_len, r.world_size, r.mesh) == (
@@ -75,7 +78,7 @@ def test_one_well_formed_record_per_launch(records):
 
 
 def test_record_carries_the_calculators_prediction(records):
-    fused, plain = records
+    fused, plain, kept = records
     spec = MODELS["tiny"]
     expected = per_device_memory(spec, "fsdp", 2, BATCH * SEQ, SEQ, "fp32", attention="flash", checkpoint_every=1,
                                  loss="fused", gather_unit="block", prefetch_layers=1, pending_reduce_scatters=2,
@@ -83,6 +86,18 @@ def test_record_carries_the_calculators_prediction(records):
     assert fused.metrics["predicted_memory_bytes"] == pytest.approx(expected.total)
     assert fused.metrics["predicted_memory"]["optimizer"] == pytest.approx(spec.n_params() * 8 / 2)  # sharded
     assert plain.metrics["predicted_memory_bytes"] > 0 and plain.metrics["predicted_peak_at"]
+    with_kept = per_device_memory(spec, "fsdp", 2, BATCH * SEQ, SEQ, "fp32", attention="flash", checkpoint_every=1,
+                                  loss="fused", gather_unit="block", prefetch_layers=1, pending_reduce_scatters=2,
+                                  compute_dtype_stream=True, peak_model="timeline", kept_attention=True)
+    assert kept.metrics["predicted_memory_bytes"] == pytest.approx(with_kept.total)
+
+
+def test_kept_attention_trains_as_the_recomputed_one(records):
+    """The same steps (each loss after the first depends on the gradients) with the attention kept through the
+    checkpoints under our FSDP: the recomputation took the kept outputs in the right blocks."""
+    fused, _, kept = records
+    assert kept.metrics["keep_attention"] and not fused.metrics["keep_attention"]
+    assert kept.metrics["losses"] == pytest.approx(fused.metrics["losses"], rel=1e-4)
 
 
 def test_loss_equals_the_plain_single_process_model(records):

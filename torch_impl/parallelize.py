@@ -273,19 +273,25 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
 
 def parallelize(model: nn.Module, mode: str = "none", *, bucket_mb: float | None = None, dtype: str = "fp32",
                 adamw: dict[str, Any], compile: bool = False, cuda_graphs: bool = False, ac_every: int = 0,
-                nested_ac: bool = False, comm_sms: int = 0, comm_dtype: str = "grad",
+                nested_ac: bool = False, ac_keep_attention: bool = False, comm_sms: int = 0, comm_dtype: str = "grad",
                 engine: str = "nccl") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
-    """``model`` made fast and parallel in torchtitan's order: activation checkpointing every ``ac_every`` blocks,
-    then ``apply_compile`` (with the CUDA graphs of its regions if ``cuda_graphs``; for ``HOOKED_MODES`` each
-    block's forward, the hooks eager), then ``apply_data_parallel`` in ``mode``; returns what that returns: (the
-    module to call, its wrapper, the optimizer)."""
+    """``model`` made fast and parallel in torchtitan's order: activation checkpointing every ``ac_every`` blocks
+    (``ac_keep_attention``: selective, the attention's outputs kept), then ``apply_compile`` (with the CUDA graphs
+    of its regions if ``cuda_graphs``; for ``HOOKED_MODES`` each block's forward, the hooks eager), then
+    ``apply_data_parallel`` in ``mode``; returns what that returns: (the module to call, its wrapper, the
+    optimizer)."""
     check_supported([mode], dtype, flag="--dist ", cuda_graphs=cuda_graphs)
     if cuda_graphs and not compile:
         raise ValueError("CUDA graphs of the compiled blocks need compile=True")
+    if ac_keep_attention and (not ac_every or cuda_graphs):
+        raise ValueError("keeping the attention outputs needs activation checkpointing (ac_every) and no CUDA graphs "
+                         "(a graph's replay would not hand the kept outputs to the recomputation)")
     if ac_every:
-        apply_activation_checkpointing(model, ac_every, nested=nested_ac)
+        apply_activation_checkpointing(model, ac_every, nested=nested_ac, keep_attention=ac_keep_attention)
     if compile:
-        apply_compile(model, cuda_graphs=cuda_graphs, hooks_eager=mode in HOOKED_MODES)
+        # each block's forward alone where the FSDPs' hooks run around it, or where its segment hands the kept
+        # attention outputs to it in Python (a compiled segment would recompute inside its graph)
+        apply_compile(model, cuda_graphs=cuda_graphs, hooks_eager=mode in HOOKED_MODES or ac_keep_attention)
         # Regions compiled before torch DDP wraps them are compiled lazily inside DDP's forward, where Dynamo's
         # DDPOptimizer would split each at DDP's bucket boundaries (2 H100s, xl 4 x 1,024: forward 110 ms instead
         # of 41, notes/data_parallel.md); a region's gradients are all ready at its end anyway. Process-wide.

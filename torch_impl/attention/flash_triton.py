@@ -62,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_impl.activation_checkpointing import kept_attention
 from torch_impl.attention.registry import register_attention
 
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
@@ -695,11 +696,20 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 # ----------------------------------------------------------------------------------------- custom ops
 
 
+def _forward_or_kept(q, k, v, is_causal: bool, tf32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_forward``, or in a checkpointed segment that keeps its attention
+    (``torch_impl.activation_checkpointing.kept_attention``) the (O, L) its forward kept, in its recomputation."""
+    kept = kept_attention()
+    compute = lambda: flash_forward(q, k, v, is_causal, tf32)  # noqa: E731
+    return compute() if kept is None else kept.take((q.shape, k.shape, v.shape, is_causal), compute)
+
+
+
 @torch.library.custom_op("torch_impl::flash_attention_forward", mutates_args=())
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                             tf32: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, L) of the Triton forward; an opaque op to torch.compile, which never re-compiles the kernels."""
-    return flash_forward(q, k, v, is_causal, tf32)
+    return _forward_or_kept(q, k, v, is_causal, tf32)
 
 
 @flash_attention_forward.register_fake
@@ -774,7 +784,7 @@ class FlashAttention2Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
         tf32 = tf32_allowed()
-        forward = torch.ops.torch_impl.flash_attention_forward if torch.compiler.is_compiling() else flash_forward
+        forward = torch.ops.torch_impl.flash_attention_forward if torch.compiler.is_compiling() else _forward_or_kept
         o, lse = forward(q, k, v, bool(is_causal), tf32)
         _save_for_backward(ctx, q, k, v, bool(is_causal), tf32, o, lse)
         return o

@@ -4,7 +4,7 @@ One full step of ``TransformerLM(--model)`` (default ``lm8b``): forward, loss, b
 global batch of ``--batch-size`` sequences (default 2) of ``--seq-len`` tokens (default the preset's context,
 32,768 for lm8b), split evenly over the ranks and sharded with ``--dist fsdp`` (ours) or ``fsdp2``
 (``fully_shard``), both through ``torch_impl.parallelize.parallelize`` (torchtitan's order: activation
-checkpointing ``--ac-every K`` [``--nested-checkpoint``], ``--compile`` (each block's forward, the FSDP's hooks
+checkpointing ``--ac-every K`` [``--nested-checkpoint`` or ``--keep-attention``], ``--compile`` (each block's forward, the FSDP's hooks
 eager around it), then the wrapper). ``--loss fused|plain``, ``--attention`` and ``--dtype`` (default bf16
 autocast) as the e2e benchmark names them; ``--layers`` overrides the preset's depth, to profile the memory on one
 GPU with fewer blocks. The global batch is ``analysis.harness.fixed_batch(--seed, ...)``; rank r takes rows
@@ -70,6 +70,7 @@ class LeaderboardConfig:
     attention: str = "sdpa"
     checkpoint_every: int | None = None
     nested_checkpoint: bool = False
+    keep_attention: bool = False
     compile: bool = False
     warmup: int = 2
     steps: int = 3
@@ -108,7 +109,8 @@ def implementation_name(args: LeaderboardConfig) -> str:
     """e.g. 'fsdp2, compiled flash_triton, fused loss, ckpt 1'."""
     name = f"{args.dist}, {'compiled' if args.compile else 'eager'} {args.attention}, {args.loss} loss"
     if args.checkpoint_every:
-        name += f", ckpt {args.checkpoint_every}" + (" nested" if args.nested_checkpoint else "")
+        name += (f", ckpt {args.checkpoint_every}" + (" nested" if args.nested_checkpoint else "")
+                 + (" keep attention" if args.keep_attention else ""))
     return name
 
 
@@ -122,7 +124,8 @@ def predictions(args: LeaderboardConfig, spec, seq_len: int, world_size: int, de
     try:
         mem = per_device_memory(spec, "fsdp", world_size, args.batch_size * seq_len, seq_len, precision,
                                 attention=attention, checkpoint_every=args.checkpoint_every,
-                                nested_checkpoint=args.nested_checkpoint, loss=args.loss, **FSDP_GATHERING[args.dist])
+                                nested_checkpoint=args.nested_checkpoint, loss=args.loss,
+                                kept_attention=args.keep_attention, **FSDP_GATHERING[args.dist])
         out["predicted_memory_bytes"] = mem.total
         out["predicted_memory"] = {f.name: getattr(mem, f.name) for f in dataclasses.fields(mem)
                                    if isinstance(getattr(mem, f.name), (int, float))}
@@ -136,7 +139,7 @@ def predictions(args: LeaderboardConfig, spec, seq_len: int, world_size: int, de
         floor = step_time_floor(spec, args.batch_size / world_size, seq_len, "train_step", precision,
                                 Ceilings(rate, hardware.memory_bw, hardware.interconnect_bw),
                                 "fsdp" if world_size > 1 else "none", world_size, recompute_blocks=recompute,
-                                loss=args.loss)
+                                loss=args.loss, kept_attention=args.keep_attention)
         out["floor_s"] = floor.total_s
         out["floor"] = {**dataclasses.asdict(floor), "hardware": hardware.name, "rates": "datasheet"}
     return out
@@ -173,7 +176,8 @@ def measure(args: LeaderboardConfig, spec, seq_len: int, per_rank: int, device, 
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     forward, wrapper, optimizer = parallelize(model, args.dist, dtype=args.dtype, adamw=adamw, compile=args.compile,
                                               ac_every=args.checkpoint_every or 0,
-                                              nested_ac=args.nested_checkpoint)
+                                              nested_ac=args.nested_checkpoint,
+                                              ac_keep_attention=args.keep_attention)
     tokens = torch.from_numpy(fixed_batch(args.seed, args.batch_size, seq_len, spec.vocab_size))
     tokens = tokens[rank * per_rank:(rank + 1) * per_rank].to(device)  # this rank's rows of the global batch
     batch = [(tokens[:, :-1], tokens[:, 1:])]  # (inputs, targets), (B / N, T) each
@@ -226,8 +230,9 @@ def measure(args: LeaderboardConfig, spec, seq_len: int, per_rank: int, device, 
         say(f"profiling {PROFILED_STEPS} step(s) into {args.profile}")
         tag = f"leaderboard_{spec.name}_{spec.n_layers}l_{per_rank}x{seq_len}_{implementation_name(args)}"
         calls: dict[str, float] = {}
-        rows = profile_steps(lambda: train_step(parts, batch, lambda phase: None)[0].item(), PROFILED_STEPS, args.profile if rank == 0 else None,
-                             tag="_".join(tag.replace(",", "").split()), calls=calls)
+        rows = profile_steps(lambda: train_step(parts, batch, lambda phase: None)[0].item(), PROFILED_STEPS,
+                             args.profile if rank == 0 else None, tag="_".join(tag.replace(",", "").split()),
+                             calls=calls)
         profiled = profile_metrics(rows, calls)
     return {"step_ms": step_ms, "phases_ms": phases_ms, "bench_ms": bench_ms, "peak": peak, "losses": losses,
             "warmup_ms": warm_ms, "profiled": profiled}
@@ -242,7 +247,8 @@ def make_record(args: LeaderboardConfig, spec, seq_len: int, world_size: int, de
     run = StepRun.of(args)
     metrics: dict[str, Any] = {"dist": args.dist, "loss": args.loss, "attention": args.attention,
                                "compiled": args.compile, "checkpoint_every": args.checkpoint_every,
-                               "nested_checkpoint": args.nested_checkpoint, "n_layers": spec.n_layers,
+                               "nested_checkpoint": args.nested_checkpoint, "keep_attention": args.keep_attention,
+                               "n_layers": spec.n_layers,
                                "batch_per_rank": args.batch_size // world_size, "fused_adamw": device_name != "cpu",
                                "timing_rank": "slowest rank per step",
                                **predictions(args, spec, seq_len, world_size, device_name)}
@@ -356,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ac-every", "--checkpoint-every", dest="checkpoint_every", type=positive_int, metavar="K",
                    help="activation checkpointing: recompute every segment of K blocks (1: every block)")
     p.add_argument("--nested-checkpoint", action="store_true", help="also checkpoint each block of a segment")
+    p.add_argument("--keep-attention", action="store_true",
+                   help="with --ac-every and --attention flash_triton: keep each block's attention output for the "
+                        "recomputation, which then skips the attention forward (selective checkpointing)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block's forward (the FSDPs' hooks run eagerly around it)")
     p.add_argument("--warmup", type=nonnegative_int, default=d.warmup, help=f"untimed steps (default {d.warmup})")
@@ -379,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = LeaderboardConfig(**vars(parser.parse_args(argv)))
     try:
+        from torch_impl.activation_checkpointing import KEEPS
         from torch_impl.parallelize import check_supported
 
         resolve(args, int(os.environ.get("WORLD_SIZE", "1")))
@@ -386,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         check_supported([args.dist], args.dtype, flag="--dist ")
         if args.nested_checkpoint and not args.checkpoint_every:
             raise ValueError("--nested-checkpoint needs --ac-every K")
+        if args.keep_attention and (not args.checkpoint_every or args.nested_checkpoint or args.attention not in KEEPS):
+            raise ValueError(f"--keep-attention needs --ac-every K without --nested-checkpoint and --attention "
+                             f"{' or '.join(KEEPS)} (the attention that takes the kept outputs)")
         if args.device == "cuda":
             import torch
 
