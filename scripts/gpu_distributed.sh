@@ -38,9 +38,9 @@
 # accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
 #   128 tokens); leaderboard: the CS336 leaderboard's step (torch_impl.bench.leaderboard: lm8b, 2 x 32,768 global,
 #   bf16, fused loss, checkpointing every block, our FSDP; DIST=fsdp2 for FSDP2, ATTENTION (default flash_triton),
-#   LAYERS to profile a shallower model's memory, BATCH global sequences (2), AC_EVERY (1), COMPILE=1 for compiled
-#   blocks, KEEP_ATTENTION=1 to keep the attention outputs through the checkpoints, PROFILE=1 for one profiled step in
-#   OUT/profiles) on 2 GPUs, or NPROC of them.
+#   LAYERS to profile a shallower model's memory, BATCH global sequences (2), AC_EVERY (1; 0: none), LOSS (fused),
+#   COMPILE=1 for compiled blocks, KEEP_ATTENTION=1 to keep the attention outputs through the checkpoints, PROFILE=1
+#   for one profiled step in OUT/profiles) on 2 GPUs, or NPROC of them.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
 phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, engines, variants, matrix, accum, leaderboard"
@@ -154,12 +154,11 @@ accum)
   python3 -m torch_impl.bench.accum_study --nproc "$n" --model small --seq-len 128 --epochs 2 --steps-per-epoch 5 \
     --dist bucketed --out "$out/accum_study.jsonl" --report-dir "$out/accum_study" ;;
 leaderboard)
+  ac=${AC_EVERY:-1}
   "${run[@]}" "${NPROC:-2}" -m torch_impl.bench.leaderboard --model lm8b --batch-size "${BATCH:-2}" --seq-len 32768 \
-    --dtype bf16 --loss fused --ac-every "${AC_EVERY:-1}" --dist "${DIST:-fsdp}" \
-    --attention "${ATTENTION:-flash_triton}" \
-    ${LAYERS:+--layers "$LAYERS"} ${COMPILE:+--compile} ${KEEP_ATTENTION:+--keep-attention} \
-    ${PROFILE:+--profile "$out/profiles"} \
-    --out "$out/leaderboard.jsonl" ;;
+    --dtype bf16 --loss "${LOSS:-fused}" $([[ $ac != 0 ]] && echo --ac-every "$ac") --dist "${DIST:-fsdp}" \
+    --attention "${ATTENTION:-flash_triton}" ${LAYERS:+--layers "$LAYERS"} ${COMPILE:+--compile} \
+    ${KEEP_ATTENTION:+--keep-attention} ${PROFILE:+--profile "$out/profiles"} --out "$out/leaderboard.jsonl" ;;
 *) echo "unknown phase $phase; accepted: $phases" >&2
    exit 2 ;;
 esac

@@ -96,17 +96,19 @@ def _count_attention_forwards(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("every,compiled", [(1, False), (3, False), (1, True)])
-def test_kept_attention_gives_the_gradients_without_recomputing_the_attention(monkeypatch, every, compiled):
+@pytest.mark.parametrize("every,compiled,device", [
+    (1, False, "cpu"), (3, False, "cpu"), (1, True, "cpu"),
+    pytest.param(1, False, "cuda", marks=pytest.mark.gpu), pytest.param(2, True, "cuda", marks=pytest.mark.gpu)])
+def test_kept_attention_gives_the_gradients_without_recomputing_the_attention(monkeypatch, every, compiled, device):
     from torch_impl.parallelize import apply_compile
 
-    reference, model = _flash_model(), _flash_model()
+    reference, model = _flash_model().to(device), _flash_model().to(device)
     apply_activation_checkpointing(model, every, keep_attention=True)
     if compiled:  # each block's forward alone, inside the eager segment (parallelize does this for kept attention)
         apply_compile(model, hooks_eager=True)
     calls = _count_attention_forwards(monkeypatch)
     for step in range(2):  # the second step starts from what the first kept being dropped
-        tokens = torch.randint(0, SPEC.vocab_size, (2, 33), generator=torch.Generator().manual_seed(step))
+        tokens = torch.randint(0, SPEC.vocab_size, (2, 33), generator=torch.Generator().manual_seed(step)).to(device)
         for m in (reference, model):
             m.zero_grad(set_to_none=True)
             cross_entropy(m(tokens[:, :-1]), tokens[:, 1:]).backward()

@@ -139,7 +139,9 @@ def test_on_cuda_bf16_is_no_further_from_float64_than_the_unfused_bf16_loss(comp
     plain = _max_err(_run(lambda a, b, c: F.cross_entropy(F.linear(a, b).float(), c), hb, wb, t), ref)
     fn = torch.compile(_fused(64), fullgraph=True) if compiled else _fused(64)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # addmm(out_dtype=) must be taken, not fallen back from
+        # addmm(out_dtype=) must be taken, not fallen back from (torch's own warnings, e.g. Dynamo's about
+        # autograd.Function in torch 2.11, are not this test's business: they failed it there)
+        warnings.filterwarnings("error", message="linear_cross_entropy: addmm")
         got = _max_err(_run(fn, hb, wb, t), ref)
     torch._dynamo.reset()
     for name, f, p in zip(("loss", "dh", "dW"), got, plain):
