@@ -6,17 +6,18 @@ their fp32 copy and their gradient are tens of GB, notes/train_step.md).
 ``F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=ignore_index)`` (``torch_impl.model``'s
 ``cross_entropy`` of the model's logits) in value and in its gradients with respect to h and weight:
 
-* forward: for each chunk of ``chunk_size`` tokens, the chunk's logits ``h_c W^T`` (in the matmul's dtype, then
+* forward: for each chunk of ``chunk_size`` tokens, the chunk's logits ``h_c W^T`` (in the matmul's dtype, read
   in at least fp32, as the plain loss upcasts), their log-sum-exp (fp32, kept: N floats) and the target logits;
   the loss is the sum of ``lse - logit[target]`` over the tokens whose target is not ``ignore_index``, divided by
   their count (0 of them: NaN, as ``F.cross_entropy``).
 * backward: each chunk's logits are recomputed, ``G = (softmax - onehot(target)) * grad / count`` (zero on
-  ignored rows) is formed in place in fp32, cast to the inputs' dtype (as autograd's backward of ``.float()``
-  casts it), and ``dh_c = G W``, ``dW += G^T h_c`` (dW accumulated in at least fp32 over the chunks, cast to
-  the weight's dtype at the end, each chunk's product added unrounded: ``_add_product``).
+  ignored rows) is formed in fp32 and cast to the inputs' dtype (as autograd's backward of ``.float()`` casts
+  it; on CUDA both chunk formulas are one compiled kernel each, ``_chunk_fn``), and ``dh_c = G W``,
+  ``dW += G^T h_c`` (dW accumulated in at least fp32 over the chunks, cast to the weight's dtype at the end, each
+  chunk's product added unrounded: ``_add_product``).
 
-So the extra memory is one chunk's logits (``chunk x V``: the matmul's output, its fp32 copy, G in the input
-dtype) plus dW's accumulator, never ``N x V``. The price is one more ``N x V x d`` matmul (the backward's
+So the extra memory is one chunk's logits (``chunk x V``: the matmul's output, its fp32 copies in eager mode,
+G in the input dtype) plus dW's accumulator, never ``N x V``. The price is one more ``N x V x d`` matmul (the backward's
 recomputation: four products instead of three). ``DEFAULT_CHUNK_BYTES`` picks the chunk: the largest power of two
 of tokens whose fp32 logits fit 512 MiB (lm8b, V = 151,936: 512 tokens, 311 MB).
 
@@ -41,6 +42,7 @@ instead of recomputing); PyTorch's "Python custom operators" tutorial.
 """
 
 # No ``from __future__ import annotations``: the custom ops infer their schemas from real annotation objects.
+import functools
 import warnings
 
 import torch
@@ -69,6 +71,36 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # at least fp32: fp64 stays fp64
 
 
+# ----------------------------------------------------------------------------------------- one chunk's math
+
+
+def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, wide: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp, target logit) of each row of ``logits`` (c, V), read as ``wide`` (the plain loss's .float())."""
+    x = logits.to(wide)
+    return torch.logsumexp(x, dim=-1), x.gather(1, targets[:, None]).squeeze(1)
+
+
+def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor,
+                row_scale: torch.Tensor) -> torch.Tensor:
+    """G = (softmax - onehot(target)) * row_scale in ``logits``' dtype (as autograd's backward of .float() casts it),
+    from the chunk's logits (c, V) and its log-sum-exp, both rows' quantities in ``lse``'s dtype."""
+    x = logits.to(lse.dtype)
+    onehot = targets[:, None] == torch.arange(x.shape[1], device=x.device)
+    return ((x - lse[:, None]).exp() - onehot.to(x.dtype)).mul(row_scale[:, None]).to(logits.dtype)
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def _chunk_fn(fn, device: torch.device):
+    """``fn`` compiled on CUDA: one kernel reading the chunk's logits once in their dtype, where eager PyTorch makes
+    their fp32 copy and passes over it 4-5 times (~130 ms a step for lm8b's 32,768 tokens a GPU on an H200,
+    notes/leaderboard.md); eager elsewhere (the same arithmetic, which the CPU tests check against float64)."""
+    return _compiled(fn) if device.type == "cuda" else fn
+
+
 # ----------------------------------------------------------------------------------------- the chunk loops
 
 
@@ -79,13 +111,13 @@ def _forward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk
     lse = torch.empty(n, dtype=wide, device=h.device)
     total = torch.zeros((), dtype=wide, device=h.device)
     valid = targets != ignore_index
+    safe_targets = torch.where(valid, targets, 0)
+    stats = _chunk_fn(_chunk_stats, h.device)
     for start in range(0, n, chunk_size):
         rows = slice(start, min(start + chunk_size, n))
-        logits = F.linear(h[rows], weight).to(wide)  # (c, V): the plain path's logits, then its .float()
-        lse[rows] = torch.logsumexp(logits, dim=-1)
-        keep = valid[rows]
-        picked = logits.gather(1, torch.where(keep, targets[rows], 0)[:, None]).squeeze(1)  # (c,)
-        total += torch.where(keep, lse[rows] - picked, 0).sum()
+        logits = F.linear(h[rows], weight)  # (c, V): the plain path's logits (read in fp32 by _chunk_stats)
+        lse[rows], picked = stats(logits, safe_targets[rows], wide)
+        total += torch.where(valid[rows], lse[rows] - picked, 0).sum()
         del logits
     return total / valid.sum(), lse
 
@@ -100,14 +132,12 @@ def _backward(grad: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, targets
     safe_targets = torch.where(valid, targets, 0)
     dh = torch.empty_like(h)
     dw = torch.zeros(weight.shape, dtype=_wide(weight.dtype), device=weight.device)
+    grad_of = _chunk_fn(_chunk_grad, h.device)
     for start in range(0, n, chunk_size):
         rows = slice(start, min(start + chunk_size, n))
-        logits = F.linear(h[rows], weight).to(wide)  # (c, V) recomputed, as the forward rounded it
-        probs = logits.sub_(lse[rows, None]).exp_()  # softmax, in place
-        count = probs.shape[0]
-        probs[torch.arange(count, device=probs.device), safe_targets[rows]] -= 1.0  # softmax - onehot
-        g = probs.mul_(row_scale[rows, None]).to(h.dtype)  # (c, V) as autograd's backward of .float() casts it
-        del logits, probs
+        logits = F.linear(h[rows], weight)  # (c, V) recomputed, as the forward rounded it
+        g = grad_of(logits, lse[rows], safe_targets[rows], row_scale[rows])  # (c, V) in h's dtype
+        del logits
         torch.mm(g, weight, out=dh[rows])
         _add_product(dw, g.t(), h[rows])
         del g
