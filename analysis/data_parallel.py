@@ -22,6 +22,22 @@ FSDP_GATHERING = {"fsdp": dict(gather_unit="block", prefetch_layers=1, pending_r
                                compute_dtype_stream=True, peak_model="timeline"),
                   "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False, pending_reduce_scatters=1,
                                 compute_dtype_stream=True, peak_model="timeline")}
+LEADERBOARD_SUITE = "leaderboard"  # torch_impl.bench.leaderboard's records: a step sharded by our FSDP or FSDP2
+
+
+def sharded_step_memory(spec, dist: str, n_devices: int, batch_tokens: int, seq_len: int, precision: str,
+                        attention: str, checkpoint_every: int | None, nested_checkpoint: bool, loss: str,
+                        kept_attention: bool):
+    """The calculator's per-device peak (``per_device_memory``, a ``MemoryBreakdown``) of a training step sharded by
+    our FSDP or FSDP2 (``dist``, its gathering: ``FSDP_GATHERING``): what the leaderboard benchmark predicts and the
+    fidelity report recomputes from its records."""
+    from parallelism_calc.memory import per_device_memory
+
+    return per_device_memory(spec, "fsdp", n_devices, batch_tokens, seq_len, precision, attention=attention,
+                             checkpoint_every=checkpoint_every, nested_checkpoint=nested_checkpoint, loss=loss,
+                             kept_attention=kept_attention, **FSDP_GATHERING[dist])
+
+
 # torch DDP's bf16_compress_hook: the bf16 copy of every bucket beside its fp32 buckets (per_device_memory's
 # gradient_buckets; torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook).
 BF16_HOOK_COPY_BYTES = 2

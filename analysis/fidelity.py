@@ -39,7 +39,7 @@ from typing import Any
 
 from analysis.allreduce import ALLREDUCE_SUITE
 from analysis.attention import ATTENTION_SUITE
-from analysis.data_parallel import SUITE as DDP_SUITE, memory_terms
+from analysis.data_parallel import LEADERBOARD_SUITE, SUITE as DDP_SUITE, memory_terms, sharded_step_memory
 from analysis.harness import DTYPES, calculator_terms, compiled_activations
 from analysis.records import Record
 from parallelism_calc.cli import ArgumentParser, error_boundary
@@ -182,6 +182,8 @@ def memory_prediction(record: Record) -> tuple[float | None, str]:
     * PyTorch on one device (``torch_impl.bench.e2e``, the DDP benchmark's one-GPU baseline): ``peak_model=
       "timeline"`` with the record's precision, attention and checkpointing (``metrics.checkpoint_every``,
       ``nested_checkpoint``) -> "timeline";
+    * the leaderboard step (``torch_impl.bench.leaderboard``, any number of ranks): its call,
+      ``analysis.data_parallel.sharded_step_memory`` -> "timeline";
     * PyTorch over several ranks (``torch_impl.bench.ddp``): that benchmark's call
       (``analysis.data_parallel.memory_terms``): the peak in the step with the DDP family's gradient buckets or the
       FSDPs' gathered window and reduce-scatter buffers -> "timeline";
@@ -201,6 +203,12 @@ def memory_prediction(record: Record) -> tuple[float | None, str]:
             precision, attention = calculator_terms(record.dtype, attention_of(record))
             compiled = compiled_activations(compiled_of(record), attention, m.get("checkpoint_every"))
             label = ", compiled" if compiled else ""
+            if record.suite == LEADERBOARD_SUITE:  # the global batch over our FSDP's or FSDP2's ranks
+                pred = sharded_step_memory(spec, m["dist"], record.world_size, record.batch_size * seq, seq,
+                                           precision, attention, m.get("checkpoint_every"),
+                                           bool(m.get("nested_checkpoint")), m["loss"],
+                                           bool(m.get("keep_attention")))
+                return pred.total, "timeline"
             if record.world_size == 1:
                 pred = per_device_memory(spec, "ddp", 1, record.batch_size * seq, seq, precision, attention=attention,
                                          peak_model="timeline", checkpoint_every=m.get("checkpoint_every"),

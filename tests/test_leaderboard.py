@@ -110,3 +110,36 @@ def test_loss_equals_the_plain_single_process_model(records):
         reference = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).item()
     for r in records:
         assert r.metrics["loss_first"] == pytest.approx(reference, rel=1e-5), r.implementation
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs >= 2 GPUs")
+def test_on_two_gpus_the_leaderboards_configuration_trains_as_the_plain_single_process_model(tmp_path):
+    """The device run's configuration (our FSDP over NCCL, fused loss, checkpoints keeping the attention, compiled
+    blocks, our FlashAttention) on a small spec in fp32: its first three losses (each after the first depends on
+    the step before's gradients and update) are those of the plain model trained on one GPU on the whole batch."""
+    from torch_impl.model import TransformerLM, cross_entropy
+
+    out = tmp_path / "leaderboard.jsonl"
+    flags = [arg for arg in COMMON if arg != "cpu"]
+    flags[flags.index("--device") + 1:flags.index("--device") + 1] = ["cuda"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "torch_impl.bench.leaderboard", *flags, *LAUNCHES[2],
+           "--compile", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**ENV, "TRITON_INTERPRET": "0"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    (record,) = read_records(out)
+    assert record.metrics["timer"] == "do_bench" and record.peak_memory_bytes > 0
+    torch.manual_seed(0)  # the benchmark's --seed
+    model = TransformerLM(MODELS["tiny"], attention="sdpa").cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    tokens = torch.from_numpy(fixed_batch(0, BATCH, SEQ, MODELS["tiny"].vocab_size)).cuda()
+    reference = []
+    for _ in range(3):
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        reference.append(loss.item())
+    assert record.metrics["losses"][:3] == pytest.approx(reference, rel=1e-4)

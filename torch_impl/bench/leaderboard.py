@@ -4,8 +4,8 @@ One full step of ``TransformerLM(--model)`` (default ``lm8b``): forward, loss, b
 global batch of ``--batch-size`` sequences (default 2) of ``--seq-len`` tokens (default the preset's context,
 32,768 for lm8b), split evenly over the ranks and sharded with ``--dist fsdp`` (ours) or ``fsdp2``
 (``fully_shard``), both through ``torch_impl.parallelize.parallelize`` (torchtitan's order: activation
-checkpointing ``--ac-every K`` [``--nested-checkpoint`` or ``--keep-attention``], ``--compile`` (each block's forward, the FSDP's hooks
-eager around it), then the wrapper). ``--loss fused|plain``, ``--attention`` and ``--dtype`` (default bf16
+checkpointing ``--ac-every K`` [``--nested-checkpoint`` or ``--keep-attention``], ``--compile`` (each block's
+forward, the FSDP's hooks eager around it), then the wrapper). ``--loss fused|plain``, ``--attention`` and ``--dtype`` (default bf16
 autocast) as the e2e benchmark names them; ``--layers`` overrides the preset's depth, to profile the memory on one
 GPU with fewer blocks. The global batch is ``analysis.harness.fixed_batch(--seed, ...)``; rank r takes rows
 r x B / N onwards.
@@ -23,8 +23,9 @@ Record (rank 0 appends one to ``--out``, ``analysis.records``): suite "leaderboa
 the step's timing and phases, ``peak_memory_bytes`` (the worst rank's ``torch.cuda.max_memory_allocated`` after
 the warm-up; None on the CPU), and metrics: ``per_rank_peak_memory_bytes``, ``loss_first`` / ``loss_last`` (the
 global batch's mean loss: the ranks' mean), the flags, and the calculator's predictions for the same configuration:
-``predicted_memory_bytes`` (+ ``predicted_memory``, its terms; ``parallelism_calc.memory.per_device_memory`` with
-the gathering our FSDP / FSDP2 does, ``analysis.data_parallel.FSDP_GATHERING``, and ``loss=``) and, on a GPU the
+``predicted_memory_bytes`` (+ ``predicted_memory``, its terms; ``analysis.data_parallel.sharded_step_memory``:
+``parallelism_calc.memory.per_device_memory`` with the gathering our FSDP / FSDP2 does, the loss and the kept
+attention) and, on a GPU the
 calculator knows, ``floor_s`` (+ ``floor``, its parts; ``parallelism_calc.roofline.step_time_floor`` at the
 datasheet rates). ``--profile DIR`` profiles one more step: rank 0's Chrome trace and kernel table in DIR, its
 kernels' shares and largest kernels in the record (``torch_impl.profiling.profile_metrics``). Bad input is one
@@ -42,16 +43,16 @@ import sys
 import time
 from typing import Any
 
-from analysis.data_parallel import FSDP_GATHERING
+from analysis.data_parallel import LEADERBOARD_SUITE, sharded_step_memory
 from analysis.harness import DTYPES, StepRun, calculator_terms, fixed_batch, resolve_spec, step_record
 from analysis.records import STEP_PHASES, Record, save_records
 from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_int, positive_float, positive_int,
                                   writable_path)
-from parallelism_calc.memory import LOSSES, get_precision, per_device_memory
+from parallelism_calc.memory import LOSSES, get_precision
 from parallelism_calc.roofline import Ceilings, step_time_floor
 from parallelism_calc.specs import MODELS, get_model, hardware_for_device
 
-SUITE = "leaderboard"
+SUITE = LEADERBOARD_SUITE
 SHARDING = ("fsdp", "fsdp2")  # torch_impl.parallelize.DATA_PARALLEL's sharded modes
 PROFILED_STEPS = 1  # --profile: a step of lm8b is seconds long and launches ~10^5 kernels
 
@@ -122,10 +123,9 @@ def predictions(args: LeaderboardConfig, spec, seq_len: int, world_size: int, de
     precision, attention = calculator_terms(args.dtype, args.attention)
     out: dict[str, Any] = {}
     try:
-        mem = per_device_memory(spec, "fsdp", world_size, args.batch_size * seq_len, seq_len, precision,
-                                attention=attention, checkpoint_every=args.checkpoint_every,
-                                nested_checkpoint=args.nested_checkpoint, loss=args.loss,
-                                kept_attention=args.keep_attention, **FSDP_GATHERING[args.dist])
+        mem = sharded_step_memory(spec, args.dist, world_size, args.batch_size * seq_len, seq_len, precision,
+                                  attention, args.checkpoint_every, args.nested_checkpoint, args.loss,
+                                  args.keep_attention)
         out["predicted_memory_bytes"] = mem.total
         out["predicted_memory"] = {f.name: getattr(mem, f.name) for f in dataclasses.fields(mem)
                                    if isinstance(getattr(mem, f.name), (int, float))}
