@@ -5,8 +5,8 @@ as PNG and PDF beside the Markdown). Rows: every record that times a whole train
 on a GPU whose measured ceilings are among the records (suite "ceilings", ``torch_impl.bench.ceilings``, matched by
 device name); a step record without them is listed, with the reason. Per row:
 
-* time: ``parallelism_calc.roofline.step_time_floor`` on those ceilings (the matmul rate of the record's compute
-  dtype, the copy bandwidth, for several devices the bus bandwidth of the largest NCCL all-reduce recorded between
+* time: ``parallelism_calc.roofline.step_time_floor`` of the step as configured (with what its backward recomputes:
+  ``recomputation``) on those ceilings (the matmul rate of the record's compute dtype, the copy bandwidth, for several devices the bus bandwidth of the largest NCCL all-reduce recorded between
   as many of them, and for a torch bf16 step whose attention kernel the attention benchmark measured on that device
   at its head dim, that kernel's rate at the nearest sequence length: ``attention_rate``) against the median step;
   ``measured / floor`` says how far above its floor a run is;
@@ -149,15 +149,27 @@ def attention_rate(record: Record, spec: ModelSpec, rates: dict[tuple[str, str, 
 
 def data_parallel(record: Record) -> tuple[str, int, int]:
     """(strategy as ``roofline`` models it, ranks, sequences per rank). JAX runs one program over a mesh whose
-    batch is global; the torch benchmarks' batch is per rank. A tensor-parallel axis is not modeled."""
+    batch is global, as the leaderboard benchmark's (its ``metrics.batch_per_rank`` says so); the other torch
+    benchmarks' batch is per rank. A tensor-parallel axis is not modeled."""
     mesh = record.mesh or {}
     if mesh.get("tp", 1) > 1:
         raise ValueError("tensor parallelism: the floor does not model its communication")
     ranks = record.world_size
     sharded = mesh.get("fsdp", 1) > 1 or record.metrics.get("strategy") in ("fsdp", "zero3")
     strategy = "none" if ranks == 1 else "fsdp" if sharded else "ddp"
-    batch = record.batch_size // ranks if record.backend == "jax" else record.batch_size
+    batch = record.metrics.get("batch_per_rank") or (
+        record.batch_size // ranks if record.backend == "jax" else record.batch_size)
     return strategy, ranks, batch
+
+
+def recomputation(record: Record) -> dict[str, Any]:
+    """What a torch step's backward recomputes, as ``step_time_floor`` takes it: each checkpointed block's forward
+    (twice if nested) without the attention it kept, and the fused loss's logits (``metrics.checkpoint_every``,
+    ``nested_checkpoint``, ``keep_attention``, ``loss``)."""
+    m = record.metrics
+    blocks = 0 if not m.get("checkpoint_every") else 2 if m.get("nested_checkpoint") else 1
+    return {"recompute_blocks": blocks, "loss": m.get("loss") or "plain",
+            "kept_attention": bool(m.get("keep_attention"))}
 
 
 def attention_of(record: Record) -> str:
@@ -307,7 +319,7 @@ def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[t
         row.attention_flops = attention_rate(record, spec, attention or {})
         floor = step_time_floor(spec, batch, record.seq_len, record.mode, DTYPES[record.dtype],
                                 Ceilings(measured[compute_dtype], measured["copy"], bus, row.attention_flops),
-                                strategy, ranks)
+                                strategy, ranks, **recomputation(record))
     except (ValueError, KeyError, TypeError) as err:
         row.why = str(err)
         return row

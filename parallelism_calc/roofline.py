@@ -172,9 +172,13 @@ def step_time_floor(spec: ModelSpec, batch_size: float, seq_len: int, mode: str,
         spec, batch_size, seq_len, recompute_blocks, selective, loss, kept_attention))
     attention_s = 0.0
     if ceilings.attention_flops is not None and spec.arch == "transformer":
-        products -= causal_core_flops(spec, batch_size, seq_len) * (1 if mode == "forward" else 3)
-        kernel = attention_flops(batch_size, spec.n_heads, seq_len, spec.d_model // spec.n_heads, True,
+        # the attention core at the kernel's rate, its recomputed forwards (unless kept) too
+        recomputed = 0 if mode == "forward" or kept_attention else recompute_blocks
+        products -= causal_core_flops(spec, batch_size, seq_len) * ((1 if mode == "forward" else 3) + recomputed)
+        head_dim = spec.d_model // spec.n_heads
+        kernel = attention_flops(batch_size, spec.n_heads, seq_len, head_dim, True,
                                  "forward" if mode == "forward" else "forward_backward")
+        kernel += recomputed * attention_flops(batch_size, spec.n_heads, seq_len, head_dim, True, "forward")
         attention_s = spec.n_layers * kernel / ceilings.attention_flops
     return StepFloor(
         matmul_s=products / ceilings.matmul_flops,

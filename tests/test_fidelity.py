@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from analysis.allreduce import ALLREDUCE_SUITE
 from analysis.fidelity import (COPY_ENGINE_STAGING, INDIVIDUAL_HELD_GRADIENTS, attention_of, fidelity_rows, main,
                                memory_prediction, predict, summary, _frame)
 from analysis.records import Record, save_records, timing_stats
@@ -167,3 +168,24 @@ def test_ceilings_benchmark_writes_what_the_report_reads(tmp_path):
     assert set(measured) == {"bf16", "fp32", "copy"} and all(v > 0 for v in measured.values())
     matmul = records[0]
     assert matmul.tflops == pytest.approx(2 * 64**3 / (matmul.timing["median_ms"] / 1e3) / 1e12)
+
+
+def test_a_checkpointed_step_s_floor_counts_what_its_backward_recomputes():
+    """A step checkpointing every block recomputes each block's forward (without the attention it kept) and, with
+    the fused loss, the head's logits: the floor is the calculator's for that step. A global batch over ranks (the
+    leaderboard benchmark's ``batch_per_rank``) is floored per rank."""
+    ckpt = _record(metrics={"checkpoint_every": 1, "keep_attention": True, "loss": "fused"})
+    sharded = _record(suite="leaderboard", batch_size=2, world_size=2, mesh={"fsdp": 2},
+                      metrics={"batch_per_rank": 1, "checkpoint_every": 1})
+    bus = Record(suite=ALLREDUCE_SUITE, backend="torch", implementation="nccl", world_size=2,
+                 metrics={"comm_backend": "nccl", "bytes": 10**9, "busbw_gbps": 300.0})
+    bus.provenance["device_name"] = H100
+    rows = fidelity_rows([*_ceilings(), bus, ckpt, sharded])
+    ceilings = Ceilings(700e12, 3e12)
+    floor = step_time_floor(SPEC, 4, 512, "train_step", "bf16_autocast", ceilings, recompute_blocks=1, loss="fused",
+                            kept_attention=True)
+    assert rows[0].floor_ms == pytest.approx(floor.total_s * 1e3)
+    assert rows[0].floor_ms > step_time_floor(SPEC, 4, 512, "train_step", "bf16_autocast", ceilings).total_s * 1e3
+    per_rank = step_time_floor(SPEC, 1, 512, "train_step", "bf16_autocast", Ceilings(700e12, 3e12, 300e9),
+                               "fsdp", 2, recompute_blocks=1)
+    assert rows[1].floor_ms == pytest.approx(per_rank.total_s * 1e3)

@@ -62,6 +62,23 @@ def test_a_measured_attention_rate_times_the_attention_core_apart():
         assert floor.total_s == pytest.approx(without.total_s - forwards * 2 * core / 1e12 + passes * 2 * core / 4e11)
 
 
+def test_a_recomputed_attention_is_timed_at_its_rate_and_a_kept_one_not_at_all():
+    """Checkpointed blocks recompute their forward (the LM head's product aside) in the backward: with a measured
+    attention rate, the recomputed core (2 layers x one forward, 2 x 16,384) is timed in attention_s, not matmul_s;
+    kept attention outputs (``kept_attention``) take it out of both."""
+    core = 2 * BATCH * SEQ * SEQ * 64
+    timed = Ceilings(matmul_flops=1e12, memory_bw=1e11, attention_flops=4e11)
+    plain = step_time_floor(SPEC, BATCH, SEQ, "train_step", "bf16_autocast", timed)
+    recomputed = step_time_floor(SPEC, BATCH, SEQ, "train_step", "bf16_autocast", timed, recompute_blocks=1)
+    kept = step_time_floor(SPEC, BATCH, SEQ, "train_step", "bf16_autocast", timed, recompute_blocks=1,
+                           kept_attention=True)
+    head = 2 * TOKENS * 64 * 100  # not in a block: not recomputed
+    assert recomputed.matmul_s == pytest.approx(plain.matmul_s + (2_859_008 - head - 2 * core) / 1e12)
+    assert kept.matmul_s == pytest.approx(recomputed.matmul_s)
+    assert recomputed.attention_s == pytest.approx(plain.attention_s + 2 * core / 4e11)
+    assert kept.attention_s == pytest.approx(plain.attention_s)
+
+
 def test_fsdp_gathers_twice_and_reduce_scatters():
     seconds = comm_seconds(SPEC, "fsdp", 4, "bf16_mixed", bus_bw=1e9)
     assert seconds == pytest.approx((3 / 4) * SPEC.n_params() * (2 + 2 + 2) / 1e9)
