@@ -6,10 +6,11 @@ on a GPU whose measured ceilings are among the records (suite "ceilings", ``torc
 device name); a step record without them is listed, with the reason. Per row:
 
 * time: ``parallelism_calc.roofline.step_time_floor`` of the step as configured (with what its backward recomputes:
-  ``recomputation``) on those ceilings (the matmul rate of the record's compute dtype, the copy bandwidth, for several devices the bus bandwidth of the largest NCCL all-reduce recorded between
-  as many of them, and for a torch bf16 step whose attention kernel the attention benchmark measured on that device
-  at its head dim, that kernel's rate at the nearest sequence length: ``attention_rate``) against the median step;
-  ``measured / floor`` says how far above its floor a run is;
+  ``recomputation``) on those ceilings (the matmul rate of the record's compute dtype, the copy bandwidth, for
+  several devices the bus bandwidth of the largest NCCL all-reduce recorded between as many of them, and for a torch
+  bf16 step whose attention kernel the attention benchmark measured on that device at its head dim, that kernel's
+  rate at the nearest sequence length: ``attention_rate``) against the median step; ``measured / floor`` says how
+  far above its floor a run is;
 * memory: ``parallelism_calc.memory.per_device_memory`` recomputed from the record's spec and configuration
   (``memory_prediction``; so a fixed formula re-reads every committed record) against the measured peak per device
   (``peak_memory_bytes``), for every record whose benchmark made a prediction at run time

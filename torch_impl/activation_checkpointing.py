@@ -40,8 +40,8 @@ __all__ = ["CheckpointedSegment", "KeptAttention", "apply_activation_checkpointi
 class KeptAttention:
     """A segment's attention outputs, kept from its forward for its recomputation: ``take(key, compute)`` runs
     ``compute()`` while ``recording`` and keeps a copy of what it returns, and hands the copies back in the same
-    order after, checking that each call's ``key`` (its inputs' shapes) is the one it was kept for. Copies, because
-    the tensors a compiled block's attention returns are its buffers (~0.1 ms a block at lm8b's 32,768 tokens)."""
+    order after, checking that each call's ``key`` (its inputs' shapes) is the one it was kept for. Copies (~0.1 ms
+    a block at lm8b's 32,768 tokens), so that nothing the block does with its outputs afterwards reaches them."""
 
     def __init__(self) -> None:
         self._kept: deque[tuple[object, tuple[torch.Tensor, ...]]] = deque()

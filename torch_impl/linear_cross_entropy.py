@@ -83,7 +83,7 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, wide: torch.dtype)
 def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor,
                 row_scale: torch.Tensor) -> torch.Tensor:
     """G = (softmax - onehot(target)) * row_scale in ``logits``' dtype (as autograd's backward of .float() casts it),
-    from the chunk's logits (c, V) and its log-sum-exp, both rows' quantities in ``lse``'s dtype."""
+    from the chunk's logits (c, V); lse and row_scale (c,) in the dtype the softmax is computed in."""
     x = logits.to(lse.dtype)
     onehot = targets[:, None] == torch.arange(x.shape[1], device=x.device)
     return ((x - lse[:, None]).exp() - onehot.to(x.dtype)).mul(row_scale[:, None]).to(logits.dtype)

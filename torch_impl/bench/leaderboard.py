@@ -1,14 +1,13 @@
 """The CS336 leaderboard's training step: ``torchrun --nproc_per_node N -m torch_impl.bench.leaderboard [flags]``.
 
 One full step of ``TransformerLM(--model)`` (default ``lm8b``): forward, loss, backward and the AdamW step, on a
-global batch of ``--batch-size`` sequences (default 2) of ``--seq-len`` tokens (default the preset's context,
-32,768 for lm8b), split evenly over the ranks and sharded with ``--dist fsdp`` (ours) or ``fsdp2``
-(``fully_shard``), both through ``torch_impl.parallelize.parallelize`` (torchtitan's order: activation
-checkpointing ``--ac-every K`` [``--nested-checkpoint`` or ``--keep-attention``], ``--compile`` (each block's
-forward, the FSDP's hooks eager around it), then the wrapper). ``--loss fused|plain``, ``--attention`` and ``--dtype`` (default bf16
-autocast) as the e2e benchmark names them; ``--layers`` overrides the preset's depth, to profile the memory on one
-GPU with fewer blocks. The global batch is ``analysis.harness.fixed_batch(--seed, ...)``; rank r takes rows
-r x B / N onwards.
+global batch of ``--batch-size`` sequences (default 2) of ``--seq-len`` tokens (default the preset's context, 32,768
+for lm8b), split evenly over the ranks and sharded with ``--dist fsdp`` (ours) or ``fsdp2`` (``fully_shard``), both
+through ``torch_impl.parallelize.parallelize`` (torchtitan's order: activation checkpointing ``--ac-every K``
+[``--nested-checkpoint`` or ``--keep-attention``], ``--compile`` (each block's forward, the FSDP's hooks eager
+around it), then the wrapper). ``--loss fused|plain``, ``--attention`` and ``--dtype`` (default bf16 autocast) as
+the e2e benchmark names them; ``--layers`` overrides the preset's depth, to profile the memory on one GPU with fewer
+blocks. The global batch is ``analysis.harness.fixed_batch(--seed, ...)``; rank r takes rows r x B / N onwards.
 
 Timing: ``--warmup`` untimed steps, then ``--steps`` steps timed by phase (``torch_impl.timing.PhaseTimer``: CUDA
 events, or host clocks on the CPU; phases ``forward`` (model + loss), ``backward``, ``comm`` (ours: what the
@@ -20,17 +19,17 @@ the phase-timed loop ("phase_timer"). do_bench picks its number of calls from a 
 (a rank that did not would leave the others in a collective until ``--timeout``).
 
 Record (rank 0 appends one to ``--out``, ``analysis.records``): suite "leaderboard", world_size, mesh {"fsdp": N},
-the step's timing and phases, ``peak_memory_bytes`` (the worst rank's ``torch.cuda.max_memory_allocated`` after
-the warm-up; None on the CPU), and metrics: ``per_rank_peak_memory_bytes``, ``loss_first`` / ``loss_last`` (the
-global batch's mean loss: the ranks' mean), the flags, and the calculator's predictions for the same configuration:
+the step's timing and phases, ``peak_memory_bytes`` (the worst rank's ``torch.cuda.max_memory_allocated`` after the
+warm-up; None on the CPU), and metrics: ``per_rank_peak_memory_bytes``, ``loss_first`` / ``loss_last`` (the global
+batch's mean loss: the ranks' mean), the flags, and the calculator's predictions for the same configuration:
 ``predicted_memory_bytes`` (+ ``predicted_memory``, its terms; ``analysis.data_parallel.sharded_step_memory``:
 ``parallelism_calc.memory.per_device_memory`` with the gathering our FSDP / FSDP2 does, the loss and the kept
-attention) and, on a GPU the
-calculator knows, ``floor_s`` (+ ``floor``, its parts; ``parallelism_calc.roofline.step_time_floor`` at the
-datasheet rates). ``--profile DIR`` profiles one more step: rank 0's Chrome trace and kernel table in DIR, its
-kernels' shares and largest kernels in the record (``torch_impl.profiling.profile_metrics``). Bad input is one
-line (exit 2); a rank that fails prints one line, rank 0 records the failure if it can, and every process exits
-non-zero (torchrun stops the rest; a collective waits ``--timeout`` at most).
+attention) and, on a GPU the calculator knows, ``floor_s`` (+ ``floor``, its parts;
+``parallelism_calc.roofline.step_time_floor`` at the datasheet rates). ``--profile DIR`` profiles one more step:
+rank 0's Chrome trace and kernel table in DIR, its kernels' shares and largest kernels in the record
+(``torch_impl.profiling.profile_metrics``). Bad input is one line (exit 2); a rank that fails prints one line, rank
+0 records the failure if it can, and every process exits non-zero (torchrun stops the rest; a collective waits
+``--timeout`` at most).
 """
 
 from __future__ import annotations
