@@ -10,7 +10,8 @@ device name); a step record without them is listed, with the reason. Per row:
   several devices the bus bandwidth of the largest NCCL all-reduce recorded between as many of them, and for a torch
   bf16 step whose attention kernel the attention benchmark measured on that device at its head dim, that kernel's
   rate at the nearest sequence length: ``attention_rate``) against the median step; ``measured / floor`` says how
-  far above its floor a run is;
+  far above its floor a run is, and beyond 25% the row says why where the records show it (``explain_times``:
+  host-paced, eager, attention at the matmul rate), else it is counted without one in the summary;
 * memory: ``parallelism_calc.memory.per_device_memory`` recomputed from the record's spec and configuration
   (``memory_prediction``; so a fixed formula re-reads every committed record) against the measured peak per device
   (``peak_memory_bytes``), for every record whose benchmark made a prediction at run time
@@ -82,6 +83,7 @@ class Row:
     attention_flops: float | None = None  # the attention kernel's measured rate the floor used (attention_rate)
     memory_model: str = ""  # how predicted_memory was made (see memory_prediction)
     why: str = ""
+    time_why: str = ""  # why the time is beyond TIME_BOUND of the floor, where the records say (explain_times)
 
     @property
     def time_error(self) -> float | None:
@@ -337,7 +339,50 @@ def is_step(record: Record) -> bool:
 def fidelity_rows(records: list[Record]) -> list[Row]:
     ceilings, buses, leftovers = device_ceilings(records), bus_bandwidths(records), leftover_bytes(records)
     attention = attention_rates(records)
-    return [predict(r, ceilings, buses, leftovers.get(id(r)), attention) for r in records if is_step(r)]
+    rows = [predict(r, ceilings, buses, leftovers.get(id(r)), attention) for r in records if is_step(r)]
+    explain_times(rows)
+    return rows
+
+
+# A step is paced by its host when a sibling run (the same configuration at the same commit on the same device)
+# with at least HOST_PACED_TOKENS x its tokens takes at most HOST_PACED_TIME x its time: the device's work grew,
+# the step barely did (notes/fidelity.md, session 33).
+HOST_PACED_TOKENS, HOST_PACED_TIME = 2.0, 1.5
+
+
+def _configuration(record: Record) -> tuple:
+    """What two runs share to be siblings that differ only in tokens (batch, sequence length)."""
+    return (record.suite, record.backend, record.implementation, record.model, record.dtype, record.mode,
+            record.world_size, record.provenance.get("device_name"), record.provenance.get("git_commit"))
+
+
+def explain_times(rows: list[Row]) -> None:
+    """Set ``time_why`` of every row beyond ``TIME_BOUND`` of its floor that the records explain, in this order:
+    host-paced (a sibling with ``HOST_PACED_TOKENS`` x the tokens in at most ``HOST_PACED_TIME`` x the time), an
+    eager torch step (each op a kernel launched by the host, none fused: the floor counts a fused step's
+    elementwise bytes), the attention at the matmul rate (no measured rate for the record's kernel on its device:
+    XLA's, or any on a device the attention benchmark did not run on). Others stay "" (unexplained, listed)."""
+    tokens = {id(row): row.record.batch_size * row.record.seq_len for row in rows}
+    siblings: dict[tuple, list[Row]] = {}
+    for row in rows:
+        siblings.setdefault(_configuration(row.record), []).append(row)
+    for row in rows:
+        if row.time_error is None or abs(row.time_error) <= TIME_BOUND:
+            continue
+        record = row.record
+        paced = [s for s in siblings[_configuration(record)] if tokens[id(s)] >= HOST_PACED_TOKENS * tokens[id(row)]
+                 and s.record.median_ms <= HOST_PACED_TIME * record.median_ms]
+        if paced:
+            most = max(paced, key=lambda s: tokens[id(s)])
+            row.time_why = (f"host-paced: {tokens[id(most)] / tokens[id(row)]:g}x the tokens in "
+                            f"{most.record.median_ms / record.median_ms:.2f}x the time "
+                            f"({most.record.batch_size} x {most.record.seq_len})")
+        elif record.backend == "torch" and not compiled_of(record):
+            row.time_why = "eager: every op launched by the host, none fused (the floor counts a fused step's bytes)"
+        elif row.attention_flops is None and record.model_dims.get("arch", "transformer") == "transformer":
+            row.time_why = ("attention at the matmul rate: no measured rate for "
+                            f"{'XLA' if record.backend == 'jax' else attention_of(record)} on "
+                            f"{record.provenance.get('device_name', '?')}")
 
 
 def _frame(rows: list[Row]):
@@ -353,6 +398,7 @@ def _frame(rows: list[Row]):
         "device": row.record.provenance.get("device_name"), "commit": row.record.provenance.get("git_commit"),
         "measured ms": row.record.median_ms, "floor ms": row.floor_ms, "time error": row.time_error,
         "measured / floor": row.record.median_ms / row.floor_ms if row.floor_ms else None,
+        "time: why beyond the bound": row.time_why,
         "attention TFLOP/s": row.attention_flops / 1e12 if row.attention_flops else None,
         "comm ms": (row.record.phases or {}).get("comm", {}).get("median_ms"),
         "comm floor ms": row.comm_floor_ms if row.record.world_size > 1 else None,
@@ -362,7 +408,8 @@ def _frame(rows: list[Row]):
 
 
 def summary(frame) -> Any:
-    """Per suite: rows, the median and worst |error| of time and memory, and how many are within the bounds."""
+    """Per suite: rows, the median and worst |error| of time and memory, how many are within the bounds, and how
+    many times beyond theirs have no why (``explain_times``)."""
     import pandas as pd
 
     out = []
@@ -374,6 +421,9 @@ def summary(frame) -> Any:
             entry[f"{what}: median |error|"] = errors.median() if len(errors) else None
             entry[f"{what}: worst |error|"] = errors.max() if len(errors) else None
             entry[f"{what}: within {bound:.0%}"] = int((errors <= bound).sum())
+        beyond = group["time error"].abs() > TIME_BOUND
+        unexplained = beyond & (group["time: why beyond the bound"] == "")
+        entry[f"time: beyond {TIME_BOUND:.0%}, no why"] = int(unexplained.sum())
         out.append(entry)
     return pd.DataFrame(out)
 

@@ -189,3 +189,18 @@ def test_a_checkpointed_step_s_floor_counts_what_its_backward_recomputes():
     per_rank = step_time_floor(SPEC, 1, 512, "train_step", "bf16_autocast", Ceilings(700e12, 3e12, 300e9),
                                "fsdp", 2, recompute_blocks=1)
     assert rows[1].floor_ms == pytest.approx(per_rank.total_s * 1e3)
+
+
+def test_times_beyond_the_bound_say_why_where_the_records_do():
+    """A step whose sibling with twice the tokens takes 1.2x the time is host-paced; an eager step is named so; a
+    compiled step without a measured attention rate says so; a step within 25% of its floor needs no why."""
+    floor_ms = fidelity_rows([*_ceilings(), _record()])[0].floor_ms
+    small, doubled = _record(median=100.0), _record(batch_size=8, median=120.0)
+    eager = _record(implementation="eager sdpa", median=100.0)
+    within = _record(suite="e2e_sweep", median=floor_ms * 1.1)
+    rows = fidelity_rows([*_ceilings(), small, doubled, eager, within])
+    assert [row.time_why.split(":")[0] for row in rows] == ["host-paced", "attention at the matmul rate", "eager", ""]
+    assert rows[0].time_why == "host-paced: 2x the tokens in 1.20x the time (8 x 512)"
+    assert rows[1].time_why.endswith(f"sdpa_cudnn on {H100}")
+    table = summary(_frame(rows)).set_index("suite")
+    assert table.loc["e2e", "time: beyond 25%, no why"] == 0 and table.loc["e2e_sweep", "time: within 25%"] == 1
