@@ -204,3 +204,22 @@ def test_times_beyond_the_bound_say_why_where_the_records_do():
     assert rows[1].time_why.endswith(f"sdpa_cudnn on {H100}")
     table = summary(_frame(rows)).set_index("suite")
     assert table.loc["e2e", "time: beyond 25%, no why"] == 0 and table.loc["e2e_sweep", "time: within 25%"] == 1
+
+
+def test_memory_beyond_the_bound_says_why_where_a_known_gap_explains_it():
+    """Under the measurement: a reserved-bytes peak names that; a gap no larger than the plain loss's buffers
+    (N V 8 bytes in the backward, which the calculator leaves out) names those; a larger gap stays without a why."""
+    batch = 64  # 32,768 tokens: the buffers (2.4 GiB) are a good part of the peak
+    predicted = fidelity_rows([*_ceilings(), _record(batch_size=batch)])[0].predicted_memory
+    buffers = batch * 512 * SPEC.vocab_size * 8
+    reserved = _record(batch_size=batch, peak_memory_bytes=predicted * 1.2,
+                       metrics={"predicted_peak_bytes": 1.0, "peak_memory_kind": "reserved"})
+    loss = _record(batch_size=batch, peak_memory_bytes=predicted + buffers / 2)
+    larger = _record(batch_size=batch, peak_memory_bytes=predicted + 2 * buffers)
+    rows = fidelity_rows([*_ceilings(), reserved, loss, larger])
+    assert all(row.memory_error < -0.05 for row in rows)
+    assert rows[0].memory_why.startswith("measured: the allocator's reserved bytes")
+    assert rows[1].memory_why == (f"the plain loss's working buffers, up to {buffers / 2**30:.1f} GiB, are not counted "
+                                  "(notes/leaderboard.md)")
+    assert rows[2].memory_why == ""
+    assert summary(_frame(rows)).loc[0, "memory: beyond 5%, no why"] == 1
