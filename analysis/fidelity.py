@@ -6,12 +6,13 @@ on a GPU whose measured ceilings are among the records (suite "ceilings", ``torc
 device name); a step record without them is listed, with the reason. Per row:
 
 * time: ``parallelism_calc.roofline.step_time_floor`` of the step as configured (with what its backward recomputes:
-  ``recomputation``) on those ceilings (the matmul rate of the record's compute dtype, the copy bandwidth, for
-  several devices the bus bandwidth of the largest NCCL all-reduce recorded between as many of them, and for a torch
-  bf16 step whose attention kernel the attention benchmark measured on that device at its head dim, that kernel's
-  rate at the nearest sequence length: ``attention_rate``) against the median step; ``measured / floor`` says how
-  far above its floor a run is, and beyond 25% the row says why where the records show it (``explain_times``:
-  host-paced, eager, attention at the matmul rate), else it is counted without one in the summary;
+  ``analysis.harness.recomputation``, from the record's metrics) on those ceilings (the matmul rate of the record's
+  compute dtype, the copy bandwidth, for several devices the bus bandwidth of the largest NCCL all-reduce recorded
+  between as many of them, and for a torch bf16 step whose attention kernel the attention benchmark measured on that
+  device at its head dim, that kernel's rate at the nearest sequence length: ``attention_rate``) against the median
+  step; ``measured / floor`` says how far above its floor a run is, and beyond 25% the row says why where the
+  records show it (``explain_times``: host-paced, eager, attention at the matmul rate), else it is counted without
+  one in the summary;
 * memory: ``parallelism_calc.memory.per_device_memory`` recomputed from the record's spec and configuration
   (``memory_prediction``; so a fixed formula re-reads every committed record) against the measured peak per device
   (``peak_memory_bytes``), for every record whose benchmark made a prediction at run time
@@ -43,7 +44,7 @@ from typing import Any
 from analysis.allreduce import ALLREDUCE_SUITE
 from analysis.attention import ATTENTION_SUITE
 from analysis.data_parallel import LEADERBOARD_SUITE, SUITE as DDP_SUITE, memory_terms, sharded_step_memory
-from analysis.harness import DTYPES, calculator_terms, compiled_activations
+from analysis.harness import DTYPES, calculator_terms, compiled_activations, recomputation
 from analysis.records import Record
 from parallelism_calc.cli import ArgumentParser, error_boundary
 from parallelism_calc.memory import get_precision, mesh_memory_strategy, per_device_memory
@@ -71,6 +72,10 @@ COPY_ENGINE_STAGING = ("copy engines before 4c4c37f: the pulled slices held whil
 # bf16) until cf49b57, which let go of them; not in the calculator, and not told apart by the records either
 INDIVIDUAL_HELD_GRADIENTS = ("individual before cf49b57: the last step's gradients, held until the next backward, "
                              "are not modelled (notes/data_parallel.md, item 4)")
+# What a peak measured around CUDA graph pools was: the allocator's reserved bytes, or (before the records said which,
+# peak_memory_kind) the bytes allocated outside the pool, where the blocks' activations live
+RESERVED_PEAK = "measured: reserved (CUDA graph pool), not allocated"
+OUTSIDE_POOL_PEAK = "measured: allocated outside the CUDA graph pool (recorded before peak_memory_kind)"
 
 
 @dataclass
@@ -165,16 +170,6 @@ def data_parallel(record: Record) -> tuple[str, int, int]:
     batch = record.metrics.get("batch_per_rank") or (
         record.batch_size // ranks if record.backend == "jax" else record.batch_size)
     return strategy, ranks, batch
-
-
-def recomputation(record: Record) -> dict[str, Any]:
-    """What a torch step's backward recomputes, as ``step_time_floor`` takes it: each checkpointed block's forward
-    (twice if nested) without the attention it kept, and the fused loss's logits (``metrics.checkpoint_every``,
-    ``nested_checkpoint``, ``keep_attention``, ``loss``)."""
-    m = record.metrics
-    blocks = 0 if not m.get("checkpoint_every") else 2 if m.get("nested_checkpoint") else 1
-    return {"recompute_blocks": blocks, "loss": m.get("loss") or "plain",
-            "kept_attention": bool(m.get("keep_attention"))}
 
 
 def attention_of(record: Record) -> str:
@@ -304,9 +299,9 @@ def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[t
     if predicted is not None and record.suite == DDP_SUITE and record.metrics.get("impl") == "individual":
         model += f"; {INDIVIDUAL_HELD_GRADIENTS}"
     if predicted is not None and record.metrics.get("peak_memory_kind") == "reserved":
-        model += "; measured: reserved (CUDA graph pool), not allocated"
+        model += f"; {RESERVED_PEAK}"
     elif predicted is not None and graph_blocks and not record.metrics.get("peak_memory_kind"):
-        model += "; measured: allocated outside the CUDA graph pool (recorded before peak_memory_kind)"
+        model += f"; {OUTSIDE_POOL_PEAK}"
     row = Row(record, predicted_memory=predicted, memory_model=model)
     device = record.provenance.get("device_name", "?")
     compute_dtype = "fp32" if record.dtype == "fp32" else "bf16"
@@ -320,11 +315,14 @@ def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[t
         if ranks > 1 and bus is None:
             raise ValueError(f"no NCCL all-reduce recorded over {ranks} x {device}")
         spec = ModelSpec(**record.model_dims)
-        batch *= int(record.metrics.get("grad_accum") or 1)  # the trainer's step: A micro-batches, one update
+        m = record.metrics
+        batch *= int(m.get("grad_accum") or 1)  # the trainer's step: A micro-batches, one update
         row.attention_flops = attention_rate(record, spec, attention or {})
+        recomputed = recomputation(m.get("checkpoint_every"), m.get("nested_checkpoint"), m.get("keep_attention"),
+                                   m.get("loss"))
         floor = step_time_floor(spec, batch, record.seq_len, record.mode, DTYPES[record.dtype],
                                 Ceilings(measured[compute_dtype], measured["copy"], bus, row.attention_flops),
-                                strategy, ranks, **recomputation(record))
+                                strategy, ranks, **recomputed)
     except (ValueError, KeyError, TypeError) as err:
         row.why = str(err)
         return row
@@ -361,14 +359,14 @@ def explain_memory(rows: list[Row]) -> None:
         error, record, model = row.memory_error, row.record, row.memory_model
         if error is None or abs(error) <= MEMORY_BOUND:
             continue
-        missing = record.peak_memory_bytes - row.predicted_memory
-        if error < 0 and "reserved" in model:
+        missing, loss_buffers = record.peak_memory_bytes - row.predicted_memory, plain_loss_buffers(record)
+        if error < 0 and RESERVED_PEAK in model:
             row.memory_why = "measured: the allocator's reserved bytes (CUDA graph pool, cache), not tensors"
-        elif error > 0 and "outside the CUDA graph pool" in model:
+        elif error > 0 and OUTSIDE_POOL_PEAK in model:
             row.memory_why = "measured: only what was allocated outside the CUDA graph pool, where activations live"
-        elif 0 < missing <= plain_loss_buffers(record):
-            row.memory_why = (f"the plain loss's working buffers, up to {plain_loss_buffers(record) / 2**30:.1f} "
-                              "GiB, are not counted (notes/leaderboard.md)")
+        elif 0 < missing <= loss_buffers:
+            row.memory_why = (f"the plain loss's working buffers, up to {loss_buffers / 2**30:.1f} GiB, are not "
+                              "counted (notes/leaderboard.md)")
         elif error < 0 and (COPY_ENGINE_STAGING in model or INDIVIDUAL_HELD_GRADIENTS in model):
             row.memory_why = "held buffers the calculator leaves out (memory model)"
         elif record.backend == "jax":

@@ -48,6 +48,14 @@ def compiled_activations(compiled: bool, attention: str, checkpoint_every: int |
     return bool(compiled) and attention == "flash" and not checkpoint_every
 
 
+def recomputation(checkpoint_every: int | None, nested_checkpoint: bool, keep_attention: bool,
+                  loss: str | None) -> dict[str, Any]:
+    """What a step's backward recomputes, as ``parallelism_calc.roofline.step_time_floor`` takes it: each
+    checkpointed block's forward (twice if nested) without the attention it kept, and the fused loss's logits."""
+    blocks = 0 if not checkpoint_every else 2 if nested_checkpoint else 1
+    return {"recompute_blocks": blocks, "loss": loss or "plain", "kept_attention": bool(keep_attention)}
+
+
 LOSS_METRICS = ("losses", "train_losses", "val_loss")  # metrics holding losses: one not finite = "diverged"
 
 

@@ -121,8 +121,7 @@ def test_on_two_gpus_the_leaderboards_configuration_trains_as_the_plain_single_p
     from torch_impl.model import TransformerLM, cross_entropy
 
     out = tmp_path / "leaderboard.jsonl"
-    flags = [arg for arg in COMMON if arg != "cpu"]
-    flags[flags.index("--device") + 1:flags.index("--device") + 1] = ["cuda"]
+    flags = ["cuda" if arg == "cpu" else arg for arg in COMMON]  # --device cuda
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "-m", "torch_impl.bench.leaderboard", *flags, *LAUNCHES[2],
            "--compile", "--out", str(out)]

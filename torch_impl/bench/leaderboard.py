@@ -43,7 +43,8 @@ import time
 from typing import Any
 
 from analysis.data_parallel import LEADERBOARD_SUITE, sharded_step_memory
-from analysis.harness import DTYPES, StepRun, calculator_terms, fixed_batch, resolve_spec, step_record
+from analysis.harness import (DTYPES, StepRun, calculator_terms, fixed_batch, recomputation, resolve_spec,
+                              step_record)
 from analysis.records import STEP_PHASES, Record, save_records
 from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_int, positive_float, positive_int,
                                   writable_path)
@@ -134,11 +135,11 @@ def predictions(args: LeaderboardConfig, spec, seq_len: int, world_size: int, de
     hardware = hardware_for_device(device_name)
     if hardware is not None:
         rate = hardware.fp32_flops if args.dtype == "fp32" else hardware.bf16_flops
-        recompute = 0 if not args.checkpoint_every else 2 if args.nested_checkpoint else 1
         floor = step_time_floor(spec, args.batch_size / world_size, seq_len, "train_step", precision,
                                 Ceilings(rate, hardware.memory_bw, hardware.interconnect_bw),
-                                "fsdp" if world_size > 1 else "none", world_size, recompute_blocks=recompute,
-                                loss=args.loss, kept_attention=args.keep_attention)
+                                "fsdp" if world_size > 1 else "none", world_size,
+                                **recomputation(args.checkpoint_every, args.nested_checkpoint, args.keep_attention,
+                                                args.loss))
         out["floor_s"] = floor.total_s
         out["floor"] = {**dataclasses.asdict(floor), "hardware": hardware.name, "rates": "datasheet"}
     return out
