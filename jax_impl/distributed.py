@@ -96,3 +96,11 @@ def initialize_from_env(env: dict[str, str] | None = None) -> ClusterEnv | None:
                                num_processes=cluster.num_processes, process_id=cluster.process_id,
                                local_device_ids=cluster.local_device_ids, initialization_timeout=timeout_s)
     return cluster
+
+
+def process_layout() -> dict[str, int]:
+    """How this run's devices are split into processes, for the records: the process count and this process's
+    devices (one each under torchrun's one process a GPU)."""
+    import jax
+
+    return {"processes": jax.process_count(), "local_devices": jax.local_device_count()}

@@ -73,7 +73,7 @@ from analysis.harness import DTYPES, StepRun, step_record  # noqa: E402
 from analysis.records import Record, divergence, save_records  # noqa: E402
 from jax_impl.attention import get_attention  # noqa: E402
 from jax_impl.device import device_name, mesh_from_flags, peak_memory_bytes  # noqa: E402
-from jax_impl.distributed import initialize_from_env  # noqa: E402
+from jax_impl.distributed import initialize_from_env, process_layout  # noqa: E402
 from jax_impl.model import to_numpy_weights  # noqa: E402
 from jax_impl.train import (REMAT_POLICIES, ShardedTrainer, check_remat, dtype_arguments,  # noqa: E402
                             matmul_precision, step_name)
@@ -245,6 +245,7 @@ def _run(cfg: JaxTrainConfig, keep_params: bool) -> TrainResult:
             "validation_s": validation_s, "checkpoint_s": checkpoint_s,
             "epoch_s": time.perf_counter() - epoch_start, "worker_s": time.perf_counter() - worker_start,
             "total_s": time.perf_counter() - _IMPORTED, "phase_totals_s": {"data": sum(data_ms) / 1e3},
+            **process_layout(),
         }
         run = StepRun(suite=SUITE, mode="train_step", dtype=cfg.dtype, batch_size=global_batch, warmup=0,
                       steps=len(step_ms))

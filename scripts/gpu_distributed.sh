@@ -40,10 +40,20 @@
 #   bf16, fused loss, checkpointing every block, our FSDP; DIST=fsdp2 for FSDP2, ATTENTION (default flash_triton),
 #   LAYERS to profile a shallower model's memory, BATCH global sequences (2), AC_EVERY (1; 0: none), LOSS (fused),
 #   COMPILE=1 for compiled blocks, KEEP_ATTENTION=1 to keep the attention outputs through the checkpoints, PROFILE=1
-#   for one profiled step in OUT/profiles) on 2 GPUs, or NPROC of them.
+#   for one profiled step in OUT/profiles) on 2 GPUs, or NPROC of them;
+# nodes: issue 23's several nodes on one host of 2 GPUs, one GPU a node (CUDA_VISIBLE_DEVICES): the trainer (small,
+#   bf16, naive attention: deterministic kernels, bucketed DDP, a checkpoint an epoch) as one node of 2 processes, as
+#   two torchrun nodes of 1 meeting at a c10d rendezvous, and under --max-restarts 1 with rank 1 killed in step 30
+#   (TRAIN_FAULT_AT_STEP) resuming from its checkpoint (OUT_DIR/nodes_train.jsonl); the DDP benchmark (xl, bf16,
+#   4 x 1,024 a rank, bucketed and our FSDP) as one node and as two (OUT_DIR/nodes_ddp.jsonl); the launchers' NCCL
+#   transports in OUT_DIR/nodes_nccl.txt; then `python -m analysis.multihost` compares each launch with one node's;
+# processes: issue 23's JAX one process a GPU (jax.distributed from torchrun's variables): the mesh e2e benchmark
+#   (xl, bf16, 8 x 1,024 global, fsdp=2) and the JAX trainer (small, fsdp=2) as one process of 2 GPUs and as
+#   `torchrun --nproc-per-node 2` (OUT_DIR/processes_e2e.jsonl, OUT_DIR/processes_train.jsonl), then compared.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
-phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, engines, variants, matrix, accum, leaderboard"
+phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, engines, variants, matrix, accum, leaderboard,
+  nodes, processes"
 phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE; phases: $phases}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -52,6 +62,18 @@ run=(torchrun --standalone --nproc_per_node)
 pack_profiles() {  # OUT_DIR/profiles -> OUT_DIR/ddp_profiles.tar.xz (traces a third smaller than gzipped)
   python3 -c $'import sys, tarfile\nwith tarfile.open(sys.argv[1], "w:xz") as t:\n    t.add(sys.argv[2], "profiles")' \
     "$out/ddp_profiles.tar.xz" "$out/profiles" && rm -rf "$out/profiles"
+}
+two_nodes() {  # two_nodes LOG_PREFIX ARGS...: two torchrun "nodes" of one GPU each side by side (c10d rendezvous)
+  local log=$1 port pids=() node
+  shift
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+  for node in 0 1; do
+    CUDA_VISIBLE_DEVICES=$node timeout 400 torchrun --nnodes 2 \
+      --node-rank $node --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint "localhost:$port" --rdzv-id nodes \
+      --rdzv-conf "is_host=$((node == 0))" "$@" > "$log$node.log" 2>&1 &
+    pids+=($!)
+  done
+  for node in 0 1; do wait "${pids[$node]}"; echo "$log: node $node exit $?"; done
 }
 case "$phase" in
 allreduce)
@@ -159,6 +181,42 @@ leaderboard)
     --dtype bf16 --loss "${LOSS:-fused}" $([[ $ac != 0 ]] && echo --ac-every "$ac") --dist "${DIST:-fsdp}" \
     --attention "${ATTENTION:-flash_triton}" ${LAYERS:+--layers "$LAYERS"} ${COMPILE:+--compile} \
     ${KEEP_ATTENTION:+--keep-attention} ${PROFILE:+--profile "$out/profiles"} --out "$out/leaderboard.jsonl" ;;
+nodes)
+  [[ $n -ge 2 ]] || { echo "nodes: needs 2 GPUs, this machine has $n" >&2; exit 1; }
+  train=(-m torch_impl.train --model small --seq-len 512 --batch-size 8 --epochs 3 --steps-per-epoch 20 --val-batches 4
+         --dtype bf16 --attention naive --dist bucketed --timeout 120 --no-progress --auto-resume
+         --out "$out/nodes_train.jsonl")
+  ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
+       --bucket-mb 100 --dist bucketed,fsdp --timeout 120 --out "$out/nodes_ddp.jsonl")
+  ckpt=$(mktemp -d)
+  export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT  # the transports NCCL picked, into the launchers' logs
+  timeout 300 "${run[@]}" 2 "${train[@]}" --run-name one_node --checkpoint-dir "$ckpt/one" \
+    > "$out/nodes_one.log" 2>&1; echo "one node: exit $?"
+  two_nodes "$out/nodes_two" "${train[@]}" --run-name two_nodes --checkpoint-dir "$ckpt/two"
+  TRAIN_FAULT_AT_STEP=1:30 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 timeout 400 "${run[@]}" 2 --max-restarts 1 \
+    "${train[@]}" --run-name elastic --checkpoint-dir "$ckpt/elastic" > "$out/nodes_elastic.log" 2>&1
+  echo "killed rank, --max-restarts 1: exit $?"
+  rm -rf "$ckpt"
+  timeout 300 "${run[@]}" 2 "${ddp[@]}" > "$out/nodes_ddp_one.log" 2>&1; echo "ddp, one node: exit $?"
+  two_nodes "$out/nodes_ddp_two" "${ddp[@]}"
+  for log in "$out"/nodes_*.log; do  # how each launch's ranks were connected: NCCL's transports, counted
+    echo "$(basename "$log"): $(grep -o ' via [A-Za-z0-9/_]*' "$log" | sort | uniq -c | tr -s ' \n' ' ')"
+  done > "$out/nodes_nccl.txt"
+  python3 -m analysis.multihost "$out/nodes_train.jsonl" "$out/nodes_ddp.jsonl" --out "$out/nodes.md" ;;
+processes)
+  [[ $n -ge 2 ]] || { echo "processes: needs 2 GPUs, this machine has $n" >&2; exit 1; }
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+  e2e=(-m jax_impl.bench.e2e --model xl --batch-size 8 --seq-len 1024 --dtype bf16 --mesh fsdp=2
+       --attention dot_product_cudnn --warmup 5 --steps 20 --suite processes --out "$out/processes_e2e.jsonl")
+  train=(-m jax_impl.trainer --model small --seq-len 512 --batch-size 16 --epochs 2 --steps-per-epoch 20
+         --val-batches 4 --dtype bf16 --mesh fsdp=2 --no-progress --out "$out/processes_train.jsonl")
+  for cmd in "python3" "${run[@]} 2"; do  # one process of both GPUs, then torchrun's one process a GPU
+    name=$([[ $cmd == python3 ]] && echo one_process || echo two_processes)
+    timeout 400 $cmd "${e2e[@]}" > "$out/processes_e2e_$name.log" 2>&1; echo "e2e, $name: exit $?"
+    timeout 300 $cmd "${train[@]}" --run-name "$name" > "$out/processes_train_$name.log" 2>&1
+    echo "trainer, $name: exit $?"
+  done
+  python3 -m analysis.multihost "$out/processes_e2e.jsonl" "$out/processes_train.jsonl" --out "$out/processes.md" ;;
 *) echo "unknown phase $phase; accepted: $phases" >&2
    exit 2 ;;
 esac

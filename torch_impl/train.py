@@ -375,7 +375,7 @@ def run_training(cfg: TrainConfig, ctx: DistributedContext | None = None, *,
             save(parts, cfg, step, generator, settings)
             checkpoint_s = time.perf_counter() - ckpt_start
         mine = {"phase_s": {p: sum(v) / 1e3 for p, v in stats.phase_ms.items()},
-                "placement": {"host": ctx.host, "node_rank": ctx.node_rank, "local_rank": ctx.local_rank},
+                "placement": ctx.placement,
                 "peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
                 "training_s": training_s, "validation_s": validation_s, "checkpoint_s": checkpoint_s,
                 "epoch_s": time.perf_counter() - epoch_start}

@@ -63,7 +63,7 @@ from analysis.harness import (StepConfig, StepRun, calculator_terms, failure_rec
 from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_gpu_idle, trace_kernel_times
 from analysis.records import Record
 from jax_impl.device import device_name, mesh_from_flags, peak_memory_bytes
-from jax_impl.distributed import initialize_from_env
+from jax_impl.distributed import initialize_from_env, process_layout
 from jax_impl.model import to_numpy_weights
 from jax_impl.per_block import COMPILER_OPTIONS
 from jax_impl.sharding import STRATEGIES
@@ -214,7 +214,7 @@ def measure_on_mesh(args: JaxStepConfig, mesh: Mesh, strategy: str) -> Record:
         "strategy": strategy, "remat": args.remat, "scan_layers": args.block_loop == "scan",
         "block_loop": args.block_loop, "blocks_per_program": (
             trainer.train_step.blocks_per_program if args.block_loop == "per_block" else None),
-        "attention": args.attention, "init_s": init_s, "compile_s": compile_s,
+        "attention": args.attention, "init_s": init_s, "compile_s": compile_s, **process_layout(),
         "compilation_cache_dir": jax.config.jax_compilation_cache_dir, "xla_flags": os.environ.get("XLA_FLAGS"),
         "compiler_options": COMPILER_OPTIONS if args.block_loop == "per_block" else None,
         "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),

@@ -77,6 +77,7 @@ import gc
 import math
 import os
 import re
+import socket
 import statistics
 import sys
 from typing import Any
@@ -251,7 +252,8 @@ def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_siz
                                "compiled": bool(args.compile), "cuda_graph": args.cuda_graph,
                                "peak_memory_kind": "reserved" if args.cuda_graph == "blocks" else "allocated",
                                "strategy": cfg.strategy, "fused_adamw": device_name != "cpu", "engine": cfg.engine,
-                               "timing_rank": "slowest rank per step"}
+                               "timing_rank": "slowest rank per step",
+                               "placement": [g.get("placement") for g in gathered]}
     try:
         pred = predicted_memory(cfg, args, spec, seq_len, world_size)
         metrics["predicted_memory_bytes"] = pred.total
@@ -318,16 +320,18 @@ def run(args: DDPBenchConfig) -> int:
         from torch_impl.device import pick_device
 
         device = pick_device(args.device)
-        return _run_configs(configs, args, spec, seq_len, device, rank=0, world_size=1)
+        return _run_configs(configs, args, spec, seq_len, device, rank=0, world_size=1,
+                            placement={"host": socket.gethostname(), "node_rank": 0, "local_rank": 0})
     if any(c.impl == "none" for c in configs) and world_env > 1:
         raise ValueError("--dist none runs as one process: launch it with plain python -m (or --nproc_per_node 1)")
     from torch_impl.distributed import distributed_context
 
     with distributed_context(timeout_s=args.timeout, device=args.device) as ctx:
-        return _run_configs(configs, args, spec, seq_len, ctx.device, ctx.rank, ctx.world_size)
+        return _run_configs(configs, args, spec, seq_len, ctx.device, ctx.rank, ctx.world_size, ctx.placement)
 
 
-def _run_configs(configs: list[Config], args, spec, seq_len: int, device, rank: int, world_size: int) -> int:
+def _run_configs(configs: list[Config], args, spec, seq_len: int, device, rank: int, world_size: int,
+                 placement: dict) -> int:
     import torch
     import torch.distributed as dist
 
@@ -346,6 +350,7 @@ def _run_configs(configs: list[Config], args, spec, seq_len: int, device, rank: 
             if distributed and _is_collective_error(err):
                 _fatal(cfg, args, spec, seq_len, world_size, device_name, rank, err)
             mine = {"error": _failure_text(err)}
+        mine["placement"] = placement
         _release_configuration()
         if device.type == "cuda":
             torch.cuda.empty_cache()

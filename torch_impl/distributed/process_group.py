@@ -57,6 +57,11 @@ class DistributedContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def placement(self) -> dict[str, str | int]:
+        """Where this rank runs, for the records: its host, its node's rank and its local rank."""
+        return {"host": self.host, "node_rank": self.node_rank, "local_rank": self.local_rank}
+
 
 def free_port() -> int:
     """A TCP port free on this host now: MASTER_PORT (torchrun's --master_port) of a one-machine group."""

@@ -1,0 +1,170 @@
+"""``python -m analysis.multihost RECORDS... [--out FILE.md]``: does a run launched as several hosts or processes
+do what it does on one?
+
+Issue 23's check, from the records alone: each run launched as several torchrun nodes (its records' per-rank
+``metrics.placement``: host, node rank, local rank), as several JAX processes (``metrics.processes``), or restarted
+by ``torchrun --max-restarts`` after a rank died (``metrics.restarts``) is set beside the same configuration
+launched on one node, in one process, uninterrupted (the reference): the same commit, suite, backend,
+implementation, model, batch, sequence length, dtype, world size and settings. A run is a step benchmark's record,
+or a trainer's epoch records joined by ``metrics.run`` (``--run-name``), the latest record of an epoch kept (a
+restarted run's). Per run: its losses against the reference's (``identical``: every step's loss the same number,
+else the largest absolute difference), the last validation loss, the step time (median; a trainer's last epoch)
+and its ratio to the reference's, and the worst device's peak memory beside the calculator's prediction where the
+record has one. ``analysis.reports`` writes it as ``multihost.md`` when the records hold such a pair.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+from analysis.records import Record
+from analysis.tables import RecordSource, load_records, markdown_table
+from parallelism_calc.cli import ArgumentParser, error_boundary
+
+GIB = 2**30
+# What must match for two launches to be the same run (the launch itself and the run's name aside).
+SETTINGS = ("attention", "dist", "strategy", "remat", "grad_accum", "seed", "steps_per_epoch", "epochs", "lr_max",
+            "bucket_mb", "comm_dtype", "compiled", "cuda_graph", "loss")
+
+
+@dataclass
+class Run:
+    """One launch of one configuration: its records (a trainer's epochs in order) and how it was launched."""
+
+    key: tuple
+    name: str
+    launch: str
+    one_host: bool  # one node / one process, not restarted: the reference
+    restarts: int
+    records: list[Record]
+
+    @property
+    def losses(self) -> list[float]:
+        m = [r.metrics for r in self.records]
+        if "train_losses" in m[0]:
+            return [float(x) for x in sum((x["train_losses"] for x in m), [])]
+        if isinstance(m[0].get("losses"), list):
+            return [float(x) for x in m[0]["losses"]]
+        return [float(m[0][k]) for k in ("loss_first", "loss_last") if k in m[0]]
+
+    @property
+    def last(self) -> Record:
+        return self.records[-1]
+
+
+def launch(record: Record) -> tuple[str, bool]:
+    """How ``record``'s run was launched, in words, and whether that is one host (one node, or one process)."""
+    m = record.metrics
+    if "processes" in m:
+        processes, local = int(m["processes"]), int(m.get("local_devices") or 0)
+        return f"{processes} process{'es' if processes > 1 else ''} x {local} GPU", processes == 1
+    placement = m.get("placement") or []
+    if not placement:
+        return "one process", True
+    nodes = {p["node_rank"] for p in placement}
+    hosts = {p["host"] for p in placement}
+    text = f"{len(nodes)} node{'s' if len(nodes) > 1 else ''} x {len(placement) // len(nodes)} rank"
+    if len(hosts) > 1:
+        text += f" on {len(hosts)} hosts"
+    return text, len(nodes) == 1
+
+
+def runs(records: Iterable[Record]) -> list[Run]:
+    """Every successful run of the records (a step benchmark's record, or a trainer's epochs by run name)."""
+    groups: dict[tuple, dict[int, Record]] = {}
+    for r in records:
+        if r.status != "ok":
+            continue
+        words, single = launch(r)
+        settings = tuple(str(r.metrics.get(k)) for k in SETTINGS)
+        key = (r.provenance.get("git_commit"), r.suite, r.backend, r.implementation, r.model, r.batch_size,
+               r.seq_len, r.dtype, r.world_size, settings)
+        name = str(r.metrics.get("run") or "")
+        epochs = groups.setdefault((key, name, words, single), {})
+        epoch = int(r.metrics.get("epoch") or len(epochs) + 1)
+        epochs[epoch] = r  # a restarted run's epoch recorded twice: its latest record
+    out = []
+    for (key, name, words, single), epochs in groups.items():
+        ordered = [epochs[e] for e in sorted(epochs)]
+        restarts = max(int(r.metrics.get("restarts") or 0) for r in ordered)
+        out.append(Run(key, name, words + (f", restarted {restarts}x" if restarts else ""),
+                       single and restarts == 0, restarts, ordered))
+    return out
+
+
+def _loss_match(run: Run, reference: Run) -> str:
+    mine, theirs = run.losses, reference.losses
+    if len(mine) != len(theirs):
+        return f"{len(mine)} losses against {len(theirs)}"
+    if mine == theirs:
+        return f"identical ({len(mine)} steps)"
+    return f"max abs diff {max(abs(a - b) for a, b in zip(mine, theirs)):.3g} ({len(mine)} steps)"
+
+
+def _gib(value) -> float | None:
+    return None if value is None else value / GIB
+
+
+def multihost_table(records: Iterable[Record]) -> pd.DataFrame:
+    """One row per run that has a one-host reference of the same configuration (the reference first)."""
+    every = runs(records)
+    rows = []
+    for reference in (r for r in every if r.one_host):
+        others = [r for r in every if r.key == reference.key and not r.one_host]
+        if not others:
+            continue
+        ref_ms = reference.last.timing.get("median_ms")
+        for run in (reference, *others):
+            last = run.last
+            ms = last.timing.get("median_ms")
+            rows.append({
+                "suite": last.suite, "backend": last.backend, "implementation": last.implementation,
+                "model": last.model, "batch": f"{last.batch_size} x {last.seq_len}", "dtype": last.dtype,
+                "run": run.name or "-", "launch": run.launch,
+                "losses vs one host": "reference" if run is reference else _loss_match(run, reference),
+                "last loss": run.losses[-1] if run.losses else None,
+                "val loss": last.metrics.get("val_loss"),
+                "step ms": ms, "x one host": None if not (ms and ref_ms) else ms / ref_ms,
+                "peak GiB": _gib(last.peak_memory_bytes),
+                "predicted GiB": _gib(last.metrics.get("predicted_memory_bytes")),
+            })
+    return pd.DataFrame(rows)
+
+
+def write_multihost(sources: RecordSource | Iterable[RecordSource], out: str | Path) -> Path:
+    """The table into ``out`` (Markdown); ValueError when no run has a one-host reference."""
+    table = multihost_table(load_records(sources))
+    if table.empty:
+        raise ValueError("no run launched as several nodes, several processes or restarted beside the same "
+                         "configuration on one host")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join([
+        "# Several hosts against one", "",
+        "Generated by `python -m analysis.multihost` from the records: each run launched as several torchrun nodes, "
+        "several JAX processes or restarted after a killed rank, beside the same configuration launched on one "
+        "node (one process), uninterrupted. Step ms: the median (a trainer's last epoch); peak: the worst device's.",
+        "", markdown_table(table, list(table.columns))]) + "\n")
+    return out
+
+
+@error_boundary(prog="python -m analysis.multihost")
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m analysis.multihost", description=__doc__.splitlines()[0])
+    parser.add_argument("records", nargs="+", help="record files, folders or globs (JSON Lines)")
+    parser.add_argument("--out", default="results/reports/multihost.md", help="the Markdown table")
+    args = parser.parse_args(argv)
+    try:
+        print(write_multihost(args.records, args.out).read_text())
+    except ValueError as err:
+        parser.error(str(err))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
