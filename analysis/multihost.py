@@ -4,7 +4,9 @@ do what it does on one?
 Issue 23's check, from the records alone: each run launched as several torchrun nodes (its records' per-rank
 ``metrics.placement``: host, node rank, local rank), as several JAX processes (``metrics.processes``), or restarted
 by ``torchrun --max-restarts`` after a rank died (``metrics.restarts``) is set beside the same configuration
-launched on one node, in one process, uninterrupted (the reference): the same commit, suite, backend,
+launched on one node, in one process, uninterrupted (the reference: the first such run; another one-host run of
+the configuration, e.g. with other threads or GPUs visible (rank 0's ``OMP_NUM_THREADS`` and
+``CUDA_VISIBLE_DEVICES`` are in the launch's words), is compared with it too): the same commit, suite, backend,
 implementation, model, batch, sequence length, dtype, world size and settings. A run is a step benchmark's record,
 or a trainer's epoch records joined by ``metrics.run`` (``--run-name``), the latest record of an epoch kept (a
 restarted run's). Per run: its losses against the reference's (``identical``: every step's loss the same number,
@@ -50,7 +52,12 @@ class Run:
             return [float(x) for x in sum((x["train_losses"] for x in m), [])]
         if isinstance(m[0].get("losses"), list):
             return [float(x) for x in m[0]["losses"]]
-        return [float(m[0][k]) for k in ("loss_first", "loss_last") if k in m[0]]
+        return [float(m[0][k]) for k in ("loss_first", "loss_last") if k in m[0]]  # older benchmark records
+
+    @property
+    def every_step(self) -> bool:
+        """Whether ``losses`` holds every step's loss (else only the first and the last)."""
+        return any(k in self.records[0].metrics for k in ("train_losses", "losses"))
 
     @property
     def last(self) -> Record:
@@ -71,25 +78,31 @@ def launch(record: Record) -> tuple[str, bool]:
     text = f"{len(nodes)} node{'s' if len(nodes) > 1 else ''} x {len(placement) // len(nodes)} rank"
     if len(hosts) > 1:
         text += f" on {len(hosts)} hosts"
+    settings = record.provenance.get("settings") or {}  # rank 0's environment
+    if "," not in settings.get("CUDA_VISIBLE_DEVICES", ","):
+        text += ", a GPU visible a rank"
+    if "OMP_NUM_THREADS" in settings:
+        text += f", OMP_NUM_THREADS={settings['OMP_NUM_THREADS']}"
     return text, len(nodes) == 1
 
 
 def runs(records: Iterable[Record]) -> list[Run]:
     """Every successful run of the records (a step benchmark's record, or a trainer's epochs by run name)."""
     groups: dict[tuple, dict[int, Record]] = {}
-    for r in records:
+    for i, r in enumerate(records):
         if r.status != "ok":
             continue
         words, single = launch(r)
         settings = tuple(str(r.metrics.get(k)) for k in SETTINGS)
         key = (r.provenance.get("git_commit"), r.suite, r.backend, r.implementation, r.model, r.batch_size,
                r.seq_len, r.dtype, r.world_size, settings)
-        name = str(r.metrics.get("run") or "")
+        trainer = "epoch" in r.metrics
+        name = str(r.metrics.get("run") or "") if trainer else i  # a step benchmark's record: a run of its own
         epochs = groups.setdefault((key, name, words, single), {})
-        epoch = int(r.metrics.get("epoch") or len(epochs) + 1)
-        epochs[epoch] = r  # a restarted run's epoch recorded twice: its latest record
+        epochs[int(r.metrics["epoch"]) if trainer else 1] = r  # a restarted run's epoch twice: its latest record
     out = []
     for (key, name, words, single), epochs in groups.items():
+        name = name if isinstance(name, str) else ""
         ordered = [epochs[e] for e in sorted(epochs)]
         restarts = max(int(r.metrics.get("restarts") or 0) for r in ordered)
         out.append(Run(key, name, words + (f", restarted {restarts}x" if restarts else ""),
@@ -98,12 +111,18 @@ def runs(records: Iterable[Record]) -> list[Run]:
 
 
 def _loss_match(run: Run, reference: Run) -> str:
+    """``identical (N steps)``, or from which step on the losses differ and by how much at most."""
     mine, theirs = run.losses, reference.losses
+    if not (run.every_step and reference.every_step) and len(mine) == len(theirs) == 2:
+        return (f"first {'equal' if mine[0] == theirs[0] else f'{mine[0] - theirs[0]:+.3g}'}, last "
+                f"{'equal' if mine[1] == theirs[1] else f'{mine[1] - theirs[1]:+.3g}'} (only these recorded)")
     if len(mine) != len(theirs):
         return f"{len(mine)} losses against {len(theirs)}"
     if mine == theirs:
         return f"identical ({len(mine)} steps)"
-    return f"max abs diff {max(abs(a - b) for a, b in zip(mine, theirs)):.3g} ({len(mine)} steps)"
+    first = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+    worst = max(abs(a - b) for a, b in zip(mine, theirs))
+    return f"equal to step {first}, then max abs diff {worst:.3g} ({len(mine)} steps)"
 
 
 def _gib(value) -> float | None:
@@ -114,10 +133,12 @@ def multihost_table(records: Iterable[Record]) -> pd.DataFrame:
     """One row per run that has a one-host reference of the same configuration (the reference first)."""
     every = runs(records)
     rows = []
-    for reference in (r for r in every if r.one_host):
-        others = [r for r in every if r.key == reference.key and not r.one_host]
-        if not others:
+    for key in dict.fromkeys(r.key for r in every):
+        mine = [r for r in every if r.key == key]
+        reference = next((r for r in mine if r.one_host), None)  # the first one-host run of the configuration
+        if reference is None or len(mine) == 1:
             continue
+        others = [r for r in mine if r is not reference]
         ref_ms = reference.last.timing.get("median_ms")
         for run in (reference, *others):
             last = run.last

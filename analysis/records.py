@@ -71,9 +71,10 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-# Environment variables that choose what code runs (our kernels' switches, Triton's, Inductor's, XLA's, NCCL's):
-# a record keeps the ones set (``provenance``' "settings"), since the same command measures different code with them.
-SETTINGS_PREFIXES = ("FLASH_", "TRITON_", "TORCHINDUCTOR_", "XLA_", "NCCL_")
+# Environment variables that choose what code runs (our kernels' switches, Triton's, Inductor's, XLA's, NCCL's) or
+# how a process runs it (its CPU threads, the GPUs it sees): a record keeps the ones set (``provenance``'
+# "settings"), since the same command measures different code with them.
+SETTINGS_PREFIXES = ("FLASH_", "TRITON_", "TORCHINDUCTOR_", "XLA_", "NCCL_", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
 
 @functools.cache

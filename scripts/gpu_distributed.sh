@@ -50,10 +50,12 @@
 # processes: issue 23's JAX one process a GPU (jax.distributed from torchrun's variables): the mesh e2e benchmark
 #   (xl, bf16, 8 x 1,024 global, fsdp=2) and the JAX trainer (small, fsdp=2) as one process of 2 GPUs and as
 #   `torchrun --nproc-per-node 2` (OUT_DIR/processes_e2e.jsonl, OUT_DIR/processes_train.jsonl), then compared.
+# launch: the nodes phase's DDP benchmark (bucketed) launched five ways, to find what makes one node's launch step
+#   slower than two nodes' (OUT_DIR/launch_ddp.jsonl, OUT_DIR/launch.md).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
 phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, engines, variants, matrix, accum, leaderboard,
-  nodes, processes"
+  nodes, processes, launch"
 phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE; phases: $phases}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -217,6 +219,19 @@ processes)
     echo "trainer, $name: exit $?"
   done
   python3 -m analysis.multihost "$out/processes_e2e.jsonl" "$out/processes_train.jsonl" --out "$out/processes.md" ;;
+launch)
+  # why the nodes phase's one-node launches stepped slower than its two-node ones: the DDP benchmark (as there) as
+  # one node (torchrun sets OMP_NUM_THREADS=1 for several processes a node), one node with OMP_NUM_THREADS=16, one
+  # node with each rank seeing only its GPU, and two nodes (one GPU, all threads each), then the first again
+  ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
+       --bucket-mb 100 --dist bucketed --timeout 120 --out "$out/launch_ddp.jsonl")
+  own_gpu=(--no-python bash -c 'CUDA_VISIBLE_DEVICES=$LOCAL_RANK exec python3 "$@"' own_gpu)
+  timeout 200 "${run[@]}" 2 "${ddp[@]}"; echo "one node: exit $?"
+  OMP_NUM_THREADS=16 timeout 200 "${run[@]}" 2 "${ddp[@]}"; echo "one node, 16 threads: exit $?"
+  timeout 200 "${run[@]}" 2 "${own_gpu[@]}" "${ddp[@]}"; echo "one node, a GPU a rank: exit $?"
+  two_nodes "$out/launch_two" "${ddp[@]}"
+  timeout 200 "${run[@]}" 2 "${ddp[@]}"; echo "one node again: exit $?"
+  python3 -m analysis.multihost "$out/launch_ddp.jsonl" --out "$out/launch.md" ;;
 *) echo "unknown phase $phase; accepted: $phases" >&2
    exit 2 ;;
 esac

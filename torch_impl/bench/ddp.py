@@ -278,6 +278,7 @@ def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_siz
             "per_rank_median_ms": [{"step": statistics.median(g["step_ms"]),
                                     **{p: statistics.median(g["phases_ms"][p]) for p in PHASES}} for g in gathered],
             "loss_first": gathered[0]["losses"][0], "loss_last": gathered[0]["losses"][-1],
+            "losses": gathered[0]["losses"],
             "optimizer_step": gathered[0]["optimizer_step"],
         })
         record = step_record(run, spec, seq_len, step_times_ms=step_ms, phases_ms=phases_ms,
