@@ -212,10 +212,11 @@ processes)
        --attention dot_product_cudnn --warmup 5 --steps 20 --suite processes --out "$out/processes_e2e.jsonl")
   train=(-m jax_impl.trainer --model small --seq-len 512 --batch-size 16 --epochs 2 --steps-per-epoch 20
          --val-batches 4 --dtype bf16 --mesh fsdp=2 --no-progress --out "$out/processes_train.jsonl")
-  for cmd in "python3" "${run[@]} 2"; do  # one process of both GPUs, then torchrun's one process a GPU
-    name=$([[ $cmd == python3 ]] && echo one_process || echo two_processes)
-    timeout 400 $cmd "${e2e[@]}" > "$out/processes_e2e_$name.log" 2>&1; echo "e2e, $name: exit $?"
-    timeout 300 $cmd "${train[@]}" --run-name "$name" > "$out/processes_train_$name.log" 2>&1
+  one_process=(python3) two_processes=("${run[@]}" 2)  # one process of both GPUs; torchrun's one process a GPU
+  for name in one_process two_processes; do
+    declare -n cmd=$name
+    timeout 400 "${cmd[@]}" "${e2e[@]}" > "$out/processes_e2e_$name.log" 2>&1; echo "e2e, $name: exit $?"
+    timeout 300 "${cmd[@]}" "${train[@]}" --run-name "$name" > "$out/processes_train_$name.log" 2>&1
     echo "trainer, $name: exit $?"
   done
   python3 -m analysis.multihost "$out/processes_e2e.jsonl" "$out/processes_train.jsonl" --out "$out/processes.md" ;;
