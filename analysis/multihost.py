@@ -87,11 +87,12 @@ def launch(record: Record) -> tuple[str, bool]:
 
 
 def runs(records: Iterable[Record]) -> list[Run]:
-    """Every successful run of the records (a step benchmark's record, or a trainer's epochs by run name)."""
+    """Every successful run of the records that says how it was launched (a step benchmark's record, or a trainer's
+    epochs by run name)."""
     groups: dict[tuple, dict[int, Record]] = {}
     for i, r in enumerate(records):
-        if r.status != "ok":
-            continue
+        if r.status != "ok" or not ("placement" in r.metrics or "processes" in r.metrics):
+            continue  # failed, or from before records said how they were launched
         words, single = launch(r)
         settings = tuple(str(r.metrics.get(k)) for k in SETTINGS)
         key = (r.provenance.get("git_commit"), r.suite, r.backend, r.implementation, r.model, r.batch_size,
@@ -139,10 +140,10 @@ def multihost_table(records: Iterable[Record]) -> pd.DataFrame:
         if reference is None or len(mine) == 1:
             continue
         others = [r for r in mine if r is not reference]
-        ref_ms = reference.last.timing.get("median_ms")
+        ref_ms = (reference.last.timing or {}).get("median_ms")
         for run in (reference, *others):
             last = run.last
-            ms = last.timing.get("median_ms")
+            ms = (last.timing or {}).get("median_ms")
             rows.append({
                 "suite": last.suite, "backend": last.backend, "implementation": last.implementation,
                 "model": last.model, "batch": f"{last.batch_size} x {last.seq_len}", "dtype": last.dtype,

@@ -10,14 +10,17 @@ foundation, ddp, ...) a table of its records; where some configuration was measu
 PyTorch-vs-JAX report (``analysis.side_by_side``) into ``side_by_side/``; where the device's measured ceilings are
 among the records, every GPU step against its predicted floor and memory (``analysis.fidelity``) into
 ``fidelity.md``; where both backends trained from the same saved weights, their losses step by step
-(``analysis.loss_parity``) into ``loss_parity.md``; the training matrix and the accumulation study
+(``analysis.loss_parity``) into ``loss_parity.md``; where a run was launched as several nodes or processes, or
+restarted, beside the same run on one host, the two side by side (``analysis.multihost``) into ``multihost.md``; the
+training matrix and the accumulation study
 (``analysis.training``) into a folder per record file; the single-GPU studies' answer pages (``analysis.answers``,
 one page per study, each answer computed from its records, beside the reference sheet's figures) into ``answers/``.
 For a paper: every Markdown table also as LaTeX (booktabs, ``DataFrame.to_latex``) and Typst (``#table``), in
 ``<report>_tables/table<N>.tex`` and ``.typ`` beside ``<report>.md`` (N counts the report's tables in order;
 ``analysis.tables.export_markdown_file``), and every chart as PNG with a PDF beside it (``analysis.plots.save_figure``).
 ``index.md`` lists the reports by section (``SECTIONS``: PyTorch vs JAX, the attention leaderboard, the
-data-parallel family, the training matrix and accumulation study, fidelity, loss parity, then the other suites),
+data-parallel family, several hosts, the training matrix and accumulation study, fidelity, loss parity, then the
+other suites),
 linking each one's Markdown, charts and exports. Nothing is typed by hand: rerun it after adding records.
 
 ``python -m analysis.reports table FILES... [--suite S] [--columns a,b] [--metrics m] [--out FILE.md]`` prints one
@@ -42,6 +45,7 @@ from analysis.data_parallel import SUITE as DDP_SUITE, write_ddp_report
 from analysis.fidelity import CEILINGS_SUITE, fidelity_rows, report as fidelity_report
 from analysis.records import Record, read_records
 from analysis.loss_parity import loss_parity, write_loss_parity
+from analysis.multihost import multihost_table, write_multihost
 from analysis.side_by_side import head_to_head, side_by_side_frame, write_side_by_side
 from analysis.single_gpu import REPORTS as SINGLE_GPU_REPORTS
 from analysis.tables import (export_markdown_file, exports_folder, load_records, markdown_table, records_frame,
@@ -58,11 +62,12 @@ REPORT_METRICS = {
     COLLECTIVES_SUITE: COLLECTIVES_METRICS,
 }
 # The index's sections, in order, and the reports each lists: a suite's (by suite name) or one across suites
-# ("side_by_side", "fidelity", "loss_parity": ``CROSS_REPORTS``). Every other suite goes under OTHER_SECTION.
+# ("side_by_side", "fidelity", "loss_parity", "multihost": ``CROSS_REPORTS``). Every other suite goes under OTHER_SECTION.
 SECTIONS = {
     "PyTorch vs JAX, side by side": ("side_by_side", "jax_vs_torch"),
     "Attention leaderboard": ATTENTION_SUITES,
     "Data-parallel family": (DDP_SUITE, ALLREDUCE_SUITE, COLLECTIVES_SUITE),
+    "Several hosts against one": ("multihost", "processes"),
     "Training matrix and accumulation study": (MATRIX_SUITE, ACCUM_SUITE, TRAIN_SUITE),
     "Predicted against measured (fidelity)": ("fidelity", CEILINGS_SUITE),
     "Loss parity": ("loss_parity", "jax_parity"),
@@ -155,8 +160,16 @@ def _loss_parity(records: list[Record], out_dir: Path) -> None:
         write_loss_parity(records, out_dir / "loss_parity.md")
 
 
+def _multihost(records: list[Record], out_dir: Path) -> None:
+    """Runs launched as several nodes or processes, or restarted, beside one host's (``analysis.multihost``) into
+    ``out_dir/multihost.md`` when the records hold such a pair."""
+    if not multihost_table(records).empty:
+        write_multihost(records, out_dir / "multihost.md")
+
+
 # The reports across suites, each from every record: (records, out_dir) -> None, writing only where it applies.
-CROSS_REPORTS = {"side_by_side": _side_by_side, "fidelity": _fidelity, "loss_parity": _loss_parity}
+CROSS_REPORTS = {"side_by_side": _side_by_side, "fidelity": _fidelity, "loss_parity": _loss_parity,
+                 "multihost": _multihost}
 
 
 def check_suite(path: Path, suite: str, records: list[Record]) -> None:

@@ -48,10 +48,11 @@
 #   4 x 1,024 a rank, bucketed and our FSDP) as one node and as two (OUT_DIR/nodes_ddp.jsonl); the launchers' NCCL
 #   transports in OUT_DIR/nodes_nccl.txt; then `python -m analysis.multihost` compares each launch with one node's;
 # processes: issue 23's JAX one process a GPU (jax.distributed from torchrun's variables): the mesh e2e benchmark
-#   (xl, bf16, 8 x 1,024 global, fsdp=2) and the JAX trainer (small, fsdp=2) as one process of 2 GPUs and as
+#   (xl, bf16, 8 x 1,024 global, fsdp=2) and the JAX trainer (small, fsdp=2, XLA's deterministic kernels: without
+#   them two runs' losses differed by up to 2e-3) as one process of 2 GPUs and as
 #   `torchrun --nproc-per-node 2` (OUT_DIR/processes_e2e.jsonl, OUT_DIR/processes_train.jsonl), then compared.
-# launch: the nodes phase's DDP benchmark (bucketed) launched five ways, to find what makes one node's launch step
-#   slower than two nodes' (OUT_DIR/launch_ddp.jsonl, OUT_DIR/launch.md).
+# launch: the nodes phase's DDP benchmark (bucketed) launched five ways, to see whether the launch (threads, GPUs
+#   visible) sets the step time (OUT_DIR/launch_ddp.jsonl, OUT_DIR/launch.md).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
 phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, engines, variants, matrix, accum, leaderboard,
@@ -216,12 +217,14 @@ processes)
   for name in one_process two_processes; do
     declare -n cmd=$name
     timeout 400 "${cmd[@]}" "${e2e[@]}" > "$out/processes_e2e_$name.log" 2>&1; echo "e2e, $name: exit $?"
-    timeout 300 "${cmd[@]}" "${train[@]}" --run-name "$name" > "$out/processes_train_$name.log" 2>&1
+    XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 300 "${cmd[@]}" "${train[@]}" --run-name "$name" \
+      > "$out/processes_train_$name.log" 2>&1
     echo "trainer, $name: exit $?"
   done
   python3 -m analysis.multihost "$out/processes_e2e.jsonl" "$out/processes_train.jsonl" --out "$out/processes.md" ;;
 launch)
-  # why the nodes phase's one-node launches stepped slower than its two-node ones: the DDP benchmark (as there) as
+  # do one-node launches step slower than two-node ones (the nodes phase's first call read so; notes/multihost.md:
+  # no, the same launch's spread is larger)? The DDP benchmark (as there) as
   # one node (torchrun sets OMP_NUM_THREADS=1 for several processes a node), one node with OMP_NUM_THREADS=16, one
   # node with each rank seeing only its GPU, and two nodes (one GPU, all threads each), then the first again
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
