@@ -25,6 +25,7 @@ auto-detection); torchrun's environment variables (PyTorch elastic docs).
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 DEFAULT_TIMEOUT_S = 300
@@ -92,10 +93,28 @@ def initialize_from_env(env: dict[str, str] | None = None) -> ClusterEnv | None:
     if cluster is None or jax.distributed.is_initialized():
         return cluster
     timeout_s = int((env or os.environ).get("JAX_DISTRIBUTED_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    if cluster.process_id == 0 and cluster.coordinator_address:
+        check_coordinator_port(cluster)
     jax.distributed.initialize(coordinator_address=cluster.coordinator_address,
                                num_processes=cluster.num_processes, process_id=cluster.process_id,
                                local_device_ids=cluster.local_device_ids, initialization_timeout=timeout_s)
     return cluster
+
+
+def check_coordinator_port(cluster: ClusterEnv) -> None:
+    """Process 0 serves the coordinator on its address's port: a port already taken is a ValueError here, where
+    JAX's service logs "Address already in use" and the process dies of a segmentation fault (seen once in four
+    ``torchrun --standalone`` launches of two processes, whose MASTER_PORT + 1 was taken)."""
+    port = int(cluster.coordinator_address.rsplit(":", 1)[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closing port is free
+        try:
+            probe.bind(("", port))
+        except OSError:
+            how = "MASTER_PORT + 1" if cluster.source == "torchrun" else "JAX_COORDINATOR_ADDRESS"
+            raise ValueError(f"the JAX coordinator's port {port} ({how}) is in use on this host: launch again "
+                             "(torchrun --standalone picks another port), or set JAX_COORDINATOR_ADDRESS=host:PORT "
+                             "with a free port (and JAX_NUM_PROCESSES, JAX_PROCESS_ID)") from None
 
 
 def process_layout() -> dict[str, int]:

@@ -143,3 +143,19 @@ def test_peak_memory_over_processes_keeps_64_bits(peaks):
     for value in peaks[:-1]:
         max_over_processes(value, gather)
     assert max_over_processes(peaks[-1], gather) == (-1 if -1 in peaks else max(peaks))
+
+
+def test_a_taken_coordinator_port_is_one_line_not_a_crash():
+    """Process 0 of a torchrun launch serves JAX's coordinator on MASTER_PORT + 1; taken, that port is a ValueError
+    before ``jax.distributed.initialize`` (whose service died of a segmentation fault on a 2-GPU machine)."""
+    import socket
+
+    from jax_impl.distributed import initialize_from_env
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port - 1), "WORLD_SIZE": "2", "RANK": "0"}
+        with pytest.raises(ValueError, match=rf"^the JAX coordinator's port {port} \(MASTER_PORT \+ 1\) is in use"):
+            initialize_from_env(env)
