@@ -51,12 +51,14 @@
 #   (xl, bf16, 8 x 1,024 global, fsdp=2) and the JAX trainer (small, fsdp=2, XLA's deterministic kernels: without
 #   them two runs' losses differed by up to 2e-3) as one process of 2 GPUs and as
 #   `torchrun --nproc-per-node 2` (OUT_DIR/processes_e2e.jsonl, OUT_DIR/processes_train.jsonl), then compared.
+# reshard: issue 23's DCP checkpoints on NCCL: our FSDP on 2 GPUs saved after epoch 1 and resumed on 1, saved on 1
+#   and resumed on 2 as individual DDP, beside an uninterrupted run on 2 (OUT_DIR/reshard_train.jsonl, reshard.md);
 # launch: the nodes phase's DDP benchmark (bucketed) launched five ways, to see whether the launch (threads, GPUs
 #   visible) sets the step time (OUT_DIR/launch_ddp.jsonl, OUT_DIR/launch.md).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
 phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, engines, variants, matrix, accum, leaderboard,
-  nodes, processes, launch"
+  nodes, processes, reshard, launch"
 phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE; phases: $phases}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -222,6 +224,25 @@ processes)
     echo "trainer, $name: exit $?"
   done
   python3 -m analysis.multihost "$out/processes_e2e.jsonl" "$out/processes_train.jsonl" --out "$out/processes.md" ;;
+reshard)
+  # DCP checkpoints across world sizes on NCCL: our FSDP (small, fp32, naive attention) uninterrupted on 2 GPUs,
+  # then saved on 2 after epoch 1 and resumed on 1 GPU (the same global batch: 2 micro-batches a step), and saved
+  # on 1 and resumed on 2 as individual DDP
+  train=(-m torch_impl.train --model small --seq-len 512 --epochs 2 --steps-per-epoch 20 --val-batches 4 --dtype fp32
+         --attention naive --timeout 120 --no-progress --out "$out/reshard_train.jsonl")
+  ckpt=$(mktemp -d)
+  timeout 300 "${run[@]}" 2 "${train[@]}" --dist fsdp --batch-size 8 --run-name fsdp_on_2; echo "uninterrupted: exit $?"
+  timeout 300 "${run[@]}" 2 "${train[@]}" --dist fsdp --batch-size 8 --run-name saved_on_2 --checkpoint-dir "$ckpt/a" \
+    --stop-after-epochs 1; echo "saved on 2: exit $?"
+  timeout 300 "${run[@]}" 1 "${train[@]}" --dist fsdp --batch-size 8 --grad-accum 2 --run-name resumed_on_1 \
+    --checkpoint-dir "$ckpt/a" --resume; echo "resumed on 1: exit $?"
+  timeout 300 "${run[@]}" 1 "${train[@]}" --dist fsdp --batch-size 8 --grad-accum 2 --run-name saved_on_1 \
+    --checkpoint-dir "$ckpt/b" --stop-after-epochs 1; echo "saved on 1: exit $?"
+  timeout 300 "${run[@]}" 2 "${train[@]}" --dist individual --batch-size 8 --run-name resumed_on_2_individual \
+    --checkpoint-dir "$ckpt/b" --resume; echo "resumed on 2: exit $?"
+  rm -rf "$ckpt"
+  python3 -m analysis.reports table "$out/reshard_train.jsonl" --columns implementation,world_size,batch_size \
+    --metrics run,epoch,train_loss,val_loss --out "$out/reshard.md" ;;
 launch)
   # do one-node launches step slower than two-node ones (the nodes phase's first call read so; notes/multihost.md:
   # no, the same launch's spread is larger)? The DDP benchmark (as there) as

@@ -34,7 +34,8 @@ def _e2e(processes: int, losses: list[float], ms: float) -> Record:
                   seq_len=1024, dtype="bf16", mode="train_step", world_size=2, timing=timing_stats([ms]),
                   peak_memory_bytes=40 * 2**30,
                   metrics={"processes": processes, "local_devices": 2 // processes, "losses": losses,
-                           "predicted_memory_bytes": 35 * 2**30, "strategy": "fsdp"},
+                           "predicted_memory_bytes": 35 * 2**30, "strategy": "fsdp",
+                           "compiled_memory": {"estimate_bytes": 39 * 2**30}},
                   provenance={"git_commit": COMMIT})
 
 
@@ -69,7 +70,7 @@ def test_launches_are_set_beside_one_host_and_their_losses_compared():
     assert elastic["val loss"] == pytest.approx(other[-1] + 1)
     jax = table[table.suite == "processes"].to_dict("records")
     assert [r["losses vs one host"] for r in jax] == ["reference", "equal to step 1, then max abs diff 0.5 (2 steps)"]
-    assert (jax[1]["peak GiB"], jax[1]["predicted GiB"]) == (40.0, 35.0)
+    assert (jax[1]["peak GiB"], jax[1]["predicted GiB"], jax[1]["XLA's estimate GiB"]) == (40.0, 35.0, 39.0)
     assert [r.name for r in runs(records)].count("elastic") == 1
 
 
