@@ -46,6 +46,18 @@ class Run:
     records: list[Record]
 
     @property
+    def epochs(self) -> list[int] | None:
+        """A trainer run's epochs (a run stopped early or resumed holds only some); None for a step benchmark."""
+        return [int(r.metrics["epoch"]) for r in self.records] if "epoch" in self.records[0].metrics else None
+
+    def over(self, epochs: list[int] | None) -> Run:
+        """This run cut to ``epochs`` (a trainer's; None: as it is)."""
+        if epochs is None or self.epochs is None:
+            return self
+        kept = [r for r in self.records if int(r.metrics["epoch"]) in epochs]
+        return Run(self.key, self.name, self.launch, self.one_host, self.restarts, kept)
+
+    @property
     def losses(self) -> list[float]:
         m = [r.metrics for r in self.records]
         if "train_losses" in m[0]:
@@ -131,24 +143,28 @@ def _gib(value) -> float | None:
 
 
 def multihost_table(records: Iterable[Record]) -> pd.DataFrame:
-    """One row per run that has a one-host reference of the same configuration (the reference first)."""
+    """One row per run that has a one-host reference of the same configuration (the reference first); a trainer
+    run that shares no epoch with it (stopped early, or resumed, elsewhere) has none."""
     every = runs(records)
     rows = []
     for key in dict.fromkeys(r.key for r in every):
         mine = [r for r in every if r.key == key]
         reference = next((r for r in mine if r.one_host), None)  # the first one-host run of the configuration
-        if reference is None or len(mine) == 1:
+        if reference is None:
             continue
-        others = [r for r in mine if r is not reference]
-        ref_ms = (reference.last.timing or {}).get("median_ms")
-        for run in (reference, *others):
-            last = run.last
+        # a trainer run is set beside the reference over the epochs both ran (one stopped early or resumed: some)
+        others = [r for r in mine
+                  if r is not reference and (r.epochs is None or set(r.epochs) & set(reference.epochs))]
+        for original in (reference, *others) if others else ():
+            common = None if original.epochs is None else [e for e in reference.epochs if e in original.epochs]
+            run, ref = original.over(common), reference.over(common)
+            last, ref_ms = run.last, (ref.last.timing or {}).get("median_ms")
             ms = (last.timing or {}).get("median_ms")
             rows.append({
                 "suite": last.suite, "backend": last.backend, "implementation": last.implementation,
                 "model": last.model, "batch": f"{last.batch_size} x {last.seq_len}", "dtype": last.dtype,
                 "run": run.name or "-", "launch": run.launch,
-                "losses vs one host": "reference" if run is reference else _loss_match(run, reference),
+                "losses vs one host": "reference" if original is reference else _loss_match(run, ref),
                 "last loss": run.losses[-1] if run.losses else None,
                 "val loss": last.metrics.get("val_loss"),
                 "step ms": ms, "x one host": None if not (ms and ref_ms) else ms / ref_ms,

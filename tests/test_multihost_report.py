@@ -92,3 +92,15 @@ def test_cli_writes_the_table_or_says_what_is_missing(tmp_path, capsys):
         main([str(tmp_path / "alone.jsonl"), "--out", str(tmp_path / "n.md")])
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no run launched as several nodes" in err
+
+
+def test_trainer_runs_are_compared_over_the_epochs_both_ran():
+    """A run stopped after epoch 1 (``--stop-after-epochs``) is set beside the whole run over epoch 1; one resumed
+    for epoch 2 beside one that stopped after epoch 1 shares no epoch with it: no row."""
+    rng = random.Random()
+    epochs = [[rng.uniform(2, 9) for _ in range(3)] for _ in range(2)]
+    whole = [_epoch("whole", e + 1, epochs[e], ms=40.0 + e) for e in range(2)]
+    table = multihost_table([*whole, _epoch("stopped", 1, epochs[0], ms=44.0)])
+    assert table["losses vs one host"].tolist() == ["reference", "identical (3 steps)"]
+    assert table["x one host"].tolist() == [1.0, pytest.approx(44.0 / 40.0)]  # against the reference's epoch 1
+    assert multihost_table([_epoch("stopped", 1, epochs[0]), _epoch("resumed", 2, epochs[1])]).empty
