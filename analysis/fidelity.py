@@ -401,11 +401,29 @@ def _configuration(record: Record) -> tuple:
             record.world_size, record.provenance.get("device_name"), record.provenance.get("git_commit"))
 
 
+def _fixed_costs(row: Row, sibling: Row, tokens: dict[int, int]) -> tuple[float, float, float] | None:
+    """Where ``row`` and a ``sibling`` with more tokens lie on time = fixed + tokens x cost per token, for the
+    measured times and for their floors: (measured fixed ms, the floor's fixed ms, the floor's cost per token over
+    the measured one); None without more tokens, a floor or a positive measured slope."""
+    n, m = tokens[id(row)], tokens[id(sibling)]
+    if m <= n or not sibling.floor_ms:
+        return None
+    slope = (sibling.record.median_ms - row.record.median_ms) / (m - n)
+    floor_slope = (sibling.floor_ms - row.floor_ms) / (m - n)
+    if slope <= 0:
+        return None
+    return row.record.median_ms - slope * n, row.floor_ms - floor_slope * n, floor_slope / slope
+
+
 def explain_times(rows: list[Row]) -> None:
     """Set ``time_why`` of every row beyond ``TIME_BOUND`` of its floor that the records explain, in this order:
-    host-paced (a sibling with ``HOST_PACED_TOKENS`` x the tokens in at most ``HOST_PACED_TIME`` x the time), an
-    eager torch step (each op a kernel launched by the host, none fused: the floor counts a fused step's
-    elementwise bytes), the attention at the matmul rate (no measured rate for the record's kernel on its device:
+    host-paced (a sibling with ``HOST_PACED_TOKENS`` x the tokens in at most ``HOST_PACED_TIME`` x the time);
+    host-bound (the same step replayed as CUDA graphs, a sibling with ``metrics.cuda_graph`` on, in at most
+    1 / ``HOST_PACED_TIME`` of the time); an eager torch step (each op a kernel launched by the host, none fused:
+    the floor counts a fused step's elementwise bytes); a fixed cost a step (on the line through the row and its
+    sibling with the most tokens, time = fixed + tokens x cost per token, the measured fixed part exceeds the
+    floor's by at least half the gap while the cost per token is within ``TIME_BOUND`` of the floor's:
+    ``_fixed_costs``); the attention at the matmul rate (no measured rate for the record's kernel on its device:
     XLA's, or any on a device the attention benchmark did not run on). Others stay "" (unexplained, listed)."""
     tokens = {id(row): row.record.batch_size * row.record.seq_len for row in rows}
     siblings: dict[tuple, list[Row]] = {}
@@ -415,15 +433,31 @@ def explain_times(rows: list[Row]) -> None:
         if row.time_error is None or abs(row.time_error) <= TIME_BOUND:
             continue
         record = row.record
-        paced = [s for s in siblings[_configuration(record)] if tokens[id(s)] >= HOST_PACED_TOKENS * tokens[id(row)]
+        mine = [s for s in siblings[_configuration(record)]
+                if s.record.metrics.get("cuda_graph") == record.metrics.get("cuda_graph")]
+        paced = [s for s in mine if tokens[id(s)] >= HOST_PACED_TOKENS * tokens[id(row)]
                  and s.record.median_ms <= HOST_PACED_TIME * record.median_ms]
+        graphed = [s for s in siblings[_configuration(record)] if tokens[id(s)] == tokens[id(row)]
+                   and record.metrics.get("cuda_graph") in (None, "off") and s.record.metrics.get("cuda_graph")
+                   not in (None, "off") and s.record.median_ms * HOST_PACED_TIME <= record.median_ms]
+        most = max(mine, key=lambda s: tokens[id(s)])
+        fixed = _fixed_costs(row, most, tokens)
         if paced:
             most = max(paced, key=lambda s: tokens[id(s)])
             row.time_why = (f"host-paced: {tokens[id(most)] / tokens[id(row)]:g}x the tokens in "
                             f"{most.record.median_ms / record.median_ms:.2f}x the time "
                             f"({most.record.batch_size} x {most.record.seq_len})")
+        elif graphed:
+            fastest = min(graphed, key=lambda s: s.record.median_ms)
+            row.time_why = (f"host-bound: replayed as CUDA graphs ({fastest.record.metrics['cuda_graph']}), the same "
+                            f"step takes {fastest.record.median_ms / record.median_ms:.2f}x the time")
         elif record.backend == "torch" and not compiled_of(record):
             row.time_why = "eager: every op launched by the host, none fused (the floor counts a fused step's bytes)"
+        elif (fixed and fixed[0] - fixed[1] >= (record.median_ms - row.floor_ms) / 2
+              and abs(fixed[2] - 1) <= TIME_BOUND):
+            row.time_why = (f"a fixed cost: {fixed[0]:.0f} ms a step against the floor's {fixed[1]:.0f} (host, "
+                            f"launches); per token within {abs(fixed[2] - 1):.0%} of the floor (time = fixed + "
+                            f"tokens x cost, with {most.record.batch_size} x {most.record.seq_len})")
         elif row.attention_flops is None and record.model_dims.get("arch", "transformer") == "transformer":
             row.time_why = ("attention at the matmul rate: no measured rate for "
                             f"{'XLA' if record.backend == 'jax' else attention_of(record)} on "

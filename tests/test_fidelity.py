@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from analysis.allreduce import ALLREDUCE_SUITE
-from analysis.fidelity import (COPY_ENGINE_STAGING, INDIVIDUAL_HELD_GRADIENTS, attention_of, fidelity_rows, main,
-                               memory_prediction, predict, summary, _frame)
+from analysis.fidelity import (COPY_ENGINE_STAGING, HOST_PACED_TIME, INDIVIDUAL_HELD_GRADIENTS, attention_of,
+                               fidelity_rows, main, memory_prediction, predict, summary, _frame)
 from analysis.records import Record, save_records, timing_stats
 from parallelism_calc.roofline import Ceilings, step_time_floor
 from parallelism_calc.memory import per_device_memory
@@ -204,6 +204,23 @@ def test_times_beyond_the_bound_say_why_where_the_records_do():
     assert rows[1].time_why.endswith(f"sdpa_cudnn on {H100}")
     table = summary(_frame(rows)).set_index("suite")
     assert table.loc["e2e", "time: beyond 25%, no why"] == 0 and table.loc["e2e_sweep", "time: within 25%"] == 1
+
+
+def test_a_host_bound_step_and_a_fixed_cost_say_so():
+    """A step without CUDA graphs whose graphed sibling takes half the time is host-bound; a step whose sibling
+    with 4x the tokens lies on the same line as the floors' plus a fixed cost the floor lacks has a fixed cost."""
+    f1, f4 = (fidelity_rows([*_ceilings(), _record(batch_size=b)])[0].floor_ms for b in (4, 16))
+    plain = _record(suite="ddp", median=100.0, metrics={"cuda_graph": "off"})
+    graphed = _record(suite="ddp", median=50.0, metrics={"cuda_graph": "blocks"})
+    one, four = _record(suite="e2e_sweep", median=2 * f1), _record(suite="e2e_sweep", batch_size=16, median=f4 + f1)
+    assert f4 + f1 > HOST_PACED_TIME * 2 * f1  # not host-paced: the fixed cost is what is left
+    rows = fidelity_rows([*_ceilings(), plain, graphed, one, four])
+    assert rows[0].time_why == "host-bound: replayed as CUDA graphs (blocks), the same step takes 0.50x the time"
+    floor_fixed = f1 - (f4 - f1) / 3  # the floors' own line (the optimizer's time is per step): 2,048 and 8,192
+    assert rows[2].time_why == (f"a fixed cost: {f1 + floor_fixed:.0f} ms a step against the floor's {floor_fixed:.0f}"
+                                " (host, launches); per token within 0% of the floor (time = fixed + tokens x cost, "
+                                "with 16 x 512)")
+    assert not rows[3].time_why.startswith("a fixed")  # no sibling with more tokens: no line to read it from
 
 
 def test_memory_beyond_the_bound_says_why_where_a_known_gap_explains_it():
