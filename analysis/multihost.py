@@ -4,15 +4,18 @@ do what it does on one?
 Issue 23's check, from the records alone: each run launched as several torchrun nodes (its records' per-rank
 ``metrics.placement``: host, node rank, local rank), as several JAX processes (``metrics.processes``), or restarted
 by ``torchrun --max-restarts`` after a rank died (``metrics.restarts``) is set beside the same configuration
-launched on one node, in one process, uninterrupted (the reference: the first such run; another one-host run of
-the configuration, e.g. with other threads or GPUs visible (rank 0's ``OMP_NUM_THREADS`` and
-``CUDA_VISIBLE_DEVICES`` are in the launch's words), is compared with it too): the same commit, suite, backend,
-implementation, model, batch, sequence length, dtype, world size and settings. A run is a step benchmark's record,
-or a trainer's epoch records joined by ``metrics.run`` (``--run-name``), the latest record of an epoch kept (a
-restarted run's). Per run: its losses against the reference's (``identical``: every step's loss the same number,
-else the largest absolute difference), the last validation loss, the step time (median; a trainer's last epoch)
-and its ratio to the reference's, and the worst device's peak memory beside the calculator's prediction and, for
-JAX, the compiled step's own estimate (``compiled_memory.estimate_bytes``) where the record has them. ``analysis.reports`` writes it as ``multihost.md`` when the records hold such a pair.
+launched on one node, in one process, uninterrupted: the reference, the first such run of the same commit, suite,
+backend, implementation, model, batch, sequence length, dtype, world size and settings (``SAME_RUN_METRICS``).
+Other one-host runs of the configuration (a repeat, other threads or GPUs visible: rank 0's ``OMP_NUM_THREADS``
+and ``CUDA_VISIBLE_DEVICES`` are in the launch's words; a run stopped early) are set beside it too. A run is a
+step benchmark's record, or a trainer's epoch records joined by ``metrics.run`` (``--run-name``), the latest
+record of an epoch kept (a restarted run's; two launches under one name at one commit merge so). Per run, over
+the epochs it shares with the reference (a trainer's): its losses against the reference's (``identical``: every
+step's loss the same number; else how many first steps are equal and the largest absolute difference), the last
+validation loss, the step time (median; of the last shared epoch) and its ratio to the reference's, and the worst
+device's peak memory beside the calculator's prediction and, for JAX, the compiled step's own estimate
+(``compiled_memory.estimate_bytes``) where the record has them. ``analysis.reports`` writes it as
+``multihost.md`` when the records hold such a pair.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ from analysis.tables import RecordSource, load_records, markdown_table
 from parallelism_calc.cli import ArgumentParser, error_boundary
 
 GIB = 2**30
-# What must match for two launches to be the same run (the launch itself and the run's name aside).
-SETTINGS = ("attention", "dist", "strategy", "remat", "grad_accum", "seed", "steps_per_epoch", "epochs", "lr_max",
-            "bucket_mb", "comm_dtype", "compiled", "cuda_graph", "loss")
+# The metrics that must match for two launches to be the same run (the launch itself and the run's name aside).
+SAME_RUN_METRICS = ("attention", "dist", "strategy", "remat", "grad_accum", "seed", "steps_per_epoch", "epochs",
+                    "lr_max", "bucket_mb", "comm_dtype", "compiled", "cuda_graph", "loss")
 
 
 @dataclass
@@ -41,8 +44,7 @@ class Run:
     key: tuple
     name: str
     launch: str
-    one_host: bool  # one node / one process, not restarted: the reference
-    restarts: int
+    one_host: bool  # one node / one process, not restarted: a reference
     records: list[Record]
 
     @property
@@ -55,7 +57,7 @@ class Run:
         if epochs is None or self.epochs is None:
             return self
         kept = [r for r in self.records if int(r.metrics["epoch"]) in epochs]
-        return Run(self.key, self.name, self.launch, self.one_host, self.restarts, kept)
+        return Run(self.key, self.name, self.launch, self.one_host, kept)
 
     @property
     def losses(self) -> list[float]:
@@ -106,36 +108,43 @@ def runs(records: Iterable[Record]) -> list[Run]:
         if r.status != "ok" or not ("placement" in r.metrics or "processes" in r.metrics):
             continue  # failed, or from before records said how they were launched
         words, single = launch(r)
-        settings = tuple(str(r.metrics.get(k)) for k in SETTINGS)
+        same = tuple(str(r.metrics.get(k)) for k in SAME_RUN_METRICS)
         key = (r.provenance.get("git_commit"), r.suite, r.backend, r.implementation, r.model, r.batch_size,
-               r.seq_len, r.dtype, r.world_size, settings)
+               r.seq_len, r.dtype, r.world_size, same)
         trainer = "epoch" in r.metrics
-        name = str(r.metrics.get("run") or "") if trainer else i  # a step benchmark's record: a run of its own
-        epochs = groups.setdefault((key, name, words, single), {})
+        name = str(r.metrics.get("run") or "") if trainer else ""
+        record_id = None if trainer else i  # a step benchmark's record: a run of its own
+        epochs = groups.setdefault((key, name, record_id, words, single), {})
         epochs[int(r.metrics["epoch"]) if trainer else 1] = r  # a restarted run's epoch twice: its latest record
     out = []
-    for (key, name, words, single), epochs in groups.items():
-        name = name if isinstance(name, str) else ""
+    for (key, name, _, words, single), epochs in groups.items():
         ordered = [epochs[e] for e in sorted(epochs)]
         restarts = max(int(r.metrics.get("restarts") or 0) for r in ordered)
-        out.append(Run(key, name, words + (f", restarted {restarts}x" if restarts else ""),
-                       single and restarts == 0, restarts, ordered))
+        out.append(Run(key, name, words + (f", restarted {restarts}x" if restarts else ""), single and not restarts,
+                       ordered))
     return out
 
 
 def _loss_match(run: Run, reference: Run) -> str:
-    """``identical (N steps)``, or from which step on the losses differ and by how much at most."""
+    """``identical (N steps)``, or how many first steps are equal and the largest absolute difference."""
     mine, theirs = run.losses, reference.losses
     if not (run.every_step and reference.every_step) and len(mine) == len(theirs) == 2:
         return (f"first {'equal' if mine[0] == theirs[0] else f'{mine[0] - theirs[0]:+.3g}'}, last "
                 f"{'equal' if mine[1] == theirs[1] else f'{mine[1] - theirs[1]:+.3g}'} (only these recorded)")
-    if len(mine) != len(theirs):
+    if len(mine) != len(theirs) or not mine:
         return f"{len(mine)} losses against {len(theirs)}"
     if mine == theirs:
         return f"identical ({len(mine)} steps)"
-    first = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+    equal = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
     worst = max(abs(a - b) for a, b in zip(mine, theirs))
-    return f"equal to step {first}, then max abs diff {worst:.3g} ({len(mine)} steps)"
+    return f"first {equal} equal, then max abs diff {worst:.3g} ({len(mine)} steps)"
+
+
+def _span(epochs: list[int] | None) -> str:
+    """``1-3``, ``2`` or ``-`` (a step benchmark)."""
+    if not epochs:
+        return "-"
+    return str(epochs[0]) if len(epochs) == 1 else f"{epochs[0]}-{epochs[-1]}"
 
 
 def _gib(value) -> float | None:
@@ -163,7 +172,7 @@ def multihost_table(records: Iterable[Record]) -> pd.DataFrame:
             rows.append({
                 "suite": last.suite, "backend": last.backend, "implementation": last.implementation,
                 "model": last.model, "batch": f"{last.batch_size} x {last.seq_len}", "dtype": last.dtype,
-                "run": run.name or "-", "launch": run.launch,
+                "run": run.name or "-", "launch": run.launch, "epochs": _span(run.epochs),
                 "losses vs one host": "reference" if original is reference else _loss_match(run, ref),
                 "last loss": run.losses[-1] if run.losses else None,
                 "val loss": last.metrics.get("val_loss"),
@@ -186,8 +195,10 @@ def write_multihost(sources: RecordSource | Iterable[RecordSource], out: str | P
     out.write_text("\n".join([
         "# Several hosts against one", "",
         "Generated by `python -m analysis.multihost` from the records: each run launched as several torchrun nodes, "
-        "several JAX processes or restarted after a killed rank, beside the same configuration launched on one "
-        "node (one process), uninterrupted. Step ms: the median (a trainer's last epoch); peak: the worst device's; "
+        "several JAX processes or restarted after a killed rank, and each other one-host run of its configuration "
+        "(a repeat, a run stopped early), beside the first run of the configuration launched on one node (one "
+        "process), uninterrupted, over the epochs they share. Step ms: the median (of the last epoch compared); "
+        "x one host: against the reference's over the same epochs; peak: the worst device's; "
         "predicted: `parallelism_calc`'s; XLA's estimate: the compiled JAX step's `memory_analysis()`.",
         "", markdown_table(table, list(table.columns))]) + "\n")
     return out

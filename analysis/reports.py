@@ -62,7 +62,8 @@ REPORT_METRICS = {
     COLLECTIVES_SUITE: COLLECTIVES_METRICS,
 }
 # The index's sections, in order, and the reports each lists: a suite's (by suite name) or one across suites
-# ("side_by_side", "fidelity", "loss_parity", "multihost": ``CROSS_REPORTS``). Every other suite goes under OTHER_SECTION.
+# ("side_by_side", "fidelity", "loss_parity", "multihost": ``CROSS_REPORTS``). Every other suite goes under
+# OTHER_SECTION.
 SECTIONS = {
     "PyTorch vs JAX, side by side": ("side_by_side", "jax_vs_torch"),
     "Attention leaderboard": ATTENTION_SUITES,

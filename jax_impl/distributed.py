@@ -24,6 +24,7 @@ auto-detection); torchrun's environment variables (PyTorch elastic docs).
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from dataclasses import dataclass
@@ -102,19 +103,29 @@ def initialize_from_env(env: dict[str, str] | None = None) -> ClusterEnv | None:
 
 
 def check_coordinator_port(cluster: ClusterEnv) -> None:
-    """Process 0 serves the coordinator on its address's port: a port already taken is a ValueError here, where
-    JAX's service logs "Address already in use" and the process dies of a segmentation fault (seen once in four
-    ``torchrun --standalone`` launches of two processes, whose MASTER_PORT + 1 was taken)."""
+    """Process 0 serves the coordinator on its address's port, on every interface (IPv4 and IPv6): a port already
+    taken on either is a ValueError here, where JAX's service logs "Address already in use" and the process dies of
+    a segmentation fault (seen once in four ``torchrun --standalone`` launches of two processes, whose MASTER_PORT
+    + 1 was taken)."""
     port = int(cluster.coordinator_address.rsplit(":", 1)[1])
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closing port is free
+    for family, wildcard in ((socket.AF_INET, ""), (socket.AF_INET6, "::")):
         try:
-            probe.bind(("", port))
-        except OSError:
-            how = "MASTER_PORT + 1" if cluster.source == "torchrun" else "JAX_COORDINATOR_ADDRESS"
-            raise ValueError(f"the JAX coordinator's port {port} ({how}) is in use on this host: launch again "
-                             "(torchrun --standalone picks another port), or set JAX_COORDINATOR_ADDRESS=host:PORT "
-                             "with a free port (and JAX_NUM_PROCESSES, JAX_PROCESS_ID)") from None
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host: nothing to take there
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closing port is free
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind((wildcard, port))
+            except OSError as err:
+                if err.errno != errno.EADDRINUSE:  # e.g. IPv6 switched off: not a taken port
+                    continue
+                how = "MASTER_PORT + 1" if cluster.source == "torchrun" else "JAX_COORDINATOR_ADDRESS"
+                raise ValueError(f"the JAX coordinator's port {port} ({how}) is in use on this host: launch again "
+                                 "(torchrun --standalone picks another port), or set JAX_COORDINATOR_ADDRESS="
+                                 "host:PORT with a free port (and JAX_NUM_PROCESSES, JAX_PROCESS_ID)") from None
 
 
 def process_layout() -> dict[str, int]:

@@ -68,12 +68,13 @@ pack_profiles() {  # OUT_DIR/profiles -> OUT_DIR/ddp_profiles.tar.xz (traces a t
   python3 -c $'import sys, tarfile\nwith tarfile.open(sys.argv[1], "w:xz") as t:\n    t.add(sys.argv[2], "profiles")' \
     "$out/ddp_profiles.tar.xz" "$out/profiles" && rm -rf "$out/profiles"
 }
-two_nodes() {  # two_nodes LOG_PREFIX ARGS...: two torchrun "nodes" of one GPU each side by side (c10d rendezvous)
+two_nodes() {  # two_nodes LOG_PREFIX ARGS...: two torchrun "nodes" of one GPU each side by side (c10d rendezvous;
+  # it numbers the nodes as they arrive, so --node-rank orders the logs, not the ranks)
   local log=$1 port pids=() node
   shift
   port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
   for node in 0 1; do
-    CUDA_VISIBLE_DEVICES=$node timeout 400 torchrun --nnodes 2 \
+    CUDA_VISIBLE_DEVICES=$node timeout 200 torchrun --nnodes 2 \
       --node-rank $node --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint "localhost:$port" --rdzv-id nodes \
       --rdzv-conf "is_host=$((node == 0))" "$@" > "$log$node.log" 2>&1 &
     pids+=($!)
@@ -195,14 +196,14 @@ nodes)
        --bucket-mb 100 --dist bucketed,fsdp --timeout 120 --out "$out/nodes_ddp.jsonl")
   ckpt=$(mktemp -d)
   export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT  # the transports NCCL picked, into the launchers' logs
-  timeout 300 "${run[@]}" 2 "${train[@]}" --run-name one_node --checkpoint-dir "$ckpt/one" \
+  timeout 150 "${run[@]}" 2 "${train[@]}" --run-name one_node --checkpoint-dir "$ckpt/one" \
     > "$out/nodes_one.log" 2>&1; echo "one node: exit $?"
   two_nodes "$out/nodes_two" "${train[@]}" --run-name two_nodes --checkpoint-dir "$ckpt/two"
-  TRAIN_FAULT_AT_STEP=1:30 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 timeout 400 "${run[@]}" 2 --max-restarts 1 \
+  TRAIN_FAULT_AT_STEP=1:30 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 timeout 200 "${run[@]}" 2 --max-restarts 1 \
     "${train[@]}" --run-name elastic --checkpoint-dir "$ckpt/elastic" > "$out/nodes_elastic.log" 2>&1
   echo "killed rank, --max-restarts 1: exit $?"
   rm -rf "$ckpt"
-  timeout 300 "${run[@]}" 2 "${ddp[@]}" > "$out/nodes_ddp_one.log" 2>&1; echo "ddp, one node: exit $?"
+  timeout 200 "${run[@]}" 2 "${ddp[@]}" > "$out/nodes_ddp_one.log" 2>&1; echo "ddp, one node: exit $?"
   two_nodes "$out/nodes_ddp_two" "${ddp[@]}"
   for log in "$out"/nodes_*.log; do  # how each launch's ranks were connected: NCCL's transports, counted
     echo "$(basename "$log"): $(grep -o ' via [A-Za-z0-9/_]*' "$log" | sort | uniq -c | tr -s ' \n' ' ')"
@@ -218,13 +219,14 @@ processes)
   one_process=(python3) two_processes=("${run[@]}" 2)  # one process of both GPUs; torchrun's one process a GPU
   for name in one_process two_processes; do
     declare -n cmd=$name
-    timeout 400 "${cmd[@]}" "${e2e[@]}" > "$out/processes_e2e_$name.log" 2>&1; echo "e2e, $name: exit $?"
-    XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 300 "${cmd[@]}" "${train[@]}" --run-name "$name" \
-      > "$out/processes_train_$name.log" 2>&1
+    timeout 200 "${cmd[@]}" "${e2e[@]}" > "$out/processes_e2e_$name.log" 2>&1; echo "e2e, $name: exit $?"
+    XLA_FLAGS="--xla_gpu_deterministic_ops=true ${XLA_FLAGS:-}" timeout 150 "${cmd[@]}" "${train[@]}" \
+      --run-name "$name" > "$out/processes_train_$name.log" 2>&1
     echo "trainer, $name: exit $?"
   done
   python3 -m analysis.multihost "$out/processes_e2e.jsonl" "$out/processes_train.jsonl" --out "$out/processes.md" ;;
 reshard)
+  [[ $n -ge 2 ]] || { echo "reshard: needs 2 GPUs, this machine has $n" >&2; exit 1; }
   # DCP checkpoints across world sizes on NCCL: our FSDP (small, fp32, naive attention) uninterrupted on 2 GPUs,
   # then saved on 2 after epoch 1 and resumed on 1 GPU (the same global batch: 2 micro-batches a step), and saved
   # on 1 and resumed on 2 as individual DDP
@@ -244,10 +246,11 @@ reshard)
   python3 -m analysis.reports table "$out/reshard_train.jsonl" --columns implementation,world_size,batch_size \
     --metrics run,epoch,train_loss,val_loss --out "$out/reshard.md" ;;
 launch)
-  # do one-node launches step slower than two-node ones (the nodes phase's first call read so; notes/multihost.md:
-  # no, the same launch's spread is larger)? The DDP benchmark (as there) as
-  # one node (torchrun sets OMP_NUM_THREADS=1 for several processes a node), one node with OMP_NUM_THREADS=16, one
-  # node with each rank seeing only its GPU, and two nodes (one GPU, all threads each), then the first again
+  [[ $n -ge 2 ]] || { echo "launch: needs 2 GPUs, this machine has $n" >&2; exit 1; }
+  # Do one-node launches step slower than two-node ones (the nodes phase's first call read so; notes/multihost.md:
+  # no, the same launch's spread is larger)? The DDP benchmark as there, launched as one node (torchrun sets
+  # OMP_NUM_THREADS=1 for several processes a node), one node with OMP_NUM_THREADS=16, one node with each rank
+  # seeing only its GPU, two nodes (one GPU and all threads each), then one node again.
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
        --bucket-mb 100 --dist bucketed --timeout 120 --out "$out/launch_ddp.jsonl")
   own_gpu=(--no-python bash -c 'CUDA_VISIBLE_DEVICES=$LOCAL_RANK exec python3 "$@"' own_gpu)

@@ -128,6 +128,9 @@ def test_record_fields(records, index):
     assert m["comm_blocked_share"] == pytest.approx(r.phases["comm"]["median_ms"] / r.timing["median_ms"])
     if m["impl"] in ("none", "torch_ddp", "fsdp2"):
         assert r.phases["comm"]["max_ms"] < 1.0  # no wrapper to wait on (recorded ~0)
+    # Where each rank ran (one node of 1 or 2 local ranks), and rank 0's loss at every step, warm-up included.
+    assert [(p["node_rank"], p["local_rank"]) for p in m["placement"]] == [(0, i) for i in range(r.world_size)]
+    assert len(m["losses"]) == 3 and (m["losses"][0], m["losses"][-1]) == (m["loss_first"], m["loss_last"])
 
 
 def test_predicted_memory_follows_the_strategy(records):

@@ -126,7 +126,6 @@ def test_two_processes_train_one_mesh_like_one_process(tmp_path):
 
 
 
-
 @pytest.mark.parametrize("peaks", [[43_860_483_840, 939_908_864], [6_465_513_472, 0], [2**31 - 1, 2**31], [5, -1]])
 def test_peak_memory_over_processes_keeps_64_bits(peaks):
     """The worst process's peak gathered as JAX's multi-process gather carries it: each process's array through
@@ -145,17 +144,26 @@ def test_peak_memory_over_processes_keeps_64_bits(peaks):
     assert max_over_processes(peaks[-1], gather) == (-1 if -1 in peaks else max(peaks))
 
 
-def test_a_taken_coordinator_port_is_one_line_not_a_crash():
-    """Process 0 of a torchrun launch serves JAX's coordinator on MASTER_PORT + 1; taken, that port is a ValueError
-    before ``jax.distributed.initialize`` (whose service died of a segmentation fault on a 2-GPU machine)."""
+@pytest.mark.parametrize("family", ["AF_INET", "AF_INET6"])
+def test_a_taken_coordinator_port_is_one_line_not_a_crash(family):
+    """Process 0 of a torchrun launch serves JAX's coordinator on MASTER_PORT + 1 (IPv4 and IPv6); taken on either,
+    that port is a ValueError before ``jax.distributed.initialize`` (whose service died of a segmentation fault on
+    a 2-GPU machine)."""
     import socket
 
     from jax_impl.distributed import initialize_from_env
 
-    with socket.socket() as taken:
-        taken.bind(("", 0))
+    try:
+        taken = socket.socket(getattr(socket, family), socket.SOCK_STREAM)
+    except OSError:
+        pytest.skip(f"no {family} on this host")
+    with taken:
+        if family == "AF_INET6":
+            taken.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        taken.bind(("::" if family == "AF_INET6" else "", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port - 1), "WORLD_SIZE": "2", "RANK": "0"}
+        env = {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port - 1), "WORLD_SIZE": "2", "RANK": "0",
+               "JAX_DISTRIBUTED_TIMEOUT_S": "5"}  # were the check gone: JAX's own failure, soon
         with pytest.raises(ValueError, match=rf"^the JAX coordinator's port {port} \(MASTER_PORT \+ 1\) is in use"):
             initialize_from_env(env)

@@ -66,10 +66,10 @@ def test_launches_are_set_beside_one_host_and_their_losses_compared():
     two = rows["train", "two_nodes", "2 nodes x 1 rank, a GPU visible a rank"]
     assert (two["losses vs one host"], two["x one host"]) == ("identical (12 steps)", pytest.approx(1.2))
     elastic = rows["train", "elastic", "1 node x 2 rank, restarted 1x"]
-    assert elastic["losses vs one host"] == f"equal to step 8, then max abs diff {0.5:.3g} (12 steps)"
+    assert elastic["losses vs one host"] == f"first 8 equal, then max abs diff {0.5:.3g} (12 steps)"
     assert elastic["val loss"] == pytest.approx(other[-1] + 1)
     jax = table[table.suite == "processes"].to_dict("records")
-    assert [r["losses vs one host"] for r in jax] == ["reference", "equal to step 1, then max abs diff 0.5 (2 steps)"]
+    assert [r["losses vs one host"] for r in jax] == ["reference", "first 1 equal, then max abs diff 0.5 (2 steps)"]
     assert (jax[1]["peak GiB"], jax[1]["predicted GiB"], jax[1]["XLA's estimate GiB"]) == (40.0, 35.0, 39.0)
     assert [r.name for r in runs(records)].count("elastic") == 1
 
@@ -103,4 +103,5 @@ def test_trainer_runs_are_compared_over_the_epochs_both_ran():
     table = multihost_table([*whole, _epoch("stopped", 1, epochs[0], ms=44.0)])
     assert table["losses vs one host"].tolist() == ["reference", "identical (3 steps)"]
     assert table["x one host"].tolist() == [1.0, pytest.approx(44.0 / 40.0)]  # against the reference's epoch 1
+    assert table["epochs"].tolist() == ["1-2", "1"]
     assert multihost_table([_epoch("stopped", 1, epochs[0]), _epoch("resumed", 2, epochs[1])]).empty

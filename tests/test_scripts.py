@@ -5,7 +5,8 @@ Each ``python3 -m MODULE`` (or ``torchrun ... -m MODULE``) in a script is resolv
 ``--help`` text (printed by its own argparse parser, in-process), each ``python3 scripts/NAME.py`` to its
 ``--help`` run in a subprocess; every ``--flag`` written in the script
 must appear in the help of at least one module the script runs or of torchrun's own parser (flags of nvidia-smi,
-ncu, tar and pytest aside). Weak in one way (a flag valid for one module but given to another passes) and exact in the other.
+ncu, tar and pytest aside). Weak in one way (a flag valid for one module but given to another passes) and exact in
+the other.
 """
 
 from __future__ import annotations
