@@ -433,20 +433,21 @@ def explain_times(rows: list[Row]) -> None:
         if row.time_error is None or abs(row.time_error) <= TIME_BOUND:
             continue
         record = row.record
-        mine = [s for s in siblings[_configuration(record)]
-                if s.record.metrics.get("cuda_graph") == record.metrics.get("cuda_graph")]
+        graph = record.metrics.get("cuda_graph")
+        mine = [s for s in siblings[_configuration(record)] if s.record.metrics.get("cuda_graph") == graph]
         paced = [s for s in mine if tokens[id(s)] >= HOST_PACED_TOKENS * tokens[id(row)]
                  and s.record.median_ms <= HOST_PACED_TIME * record.median_ms]
-        graphed = [s for s in siblings[_configuration(record)] if tokens[id(s)] == tokens[id(row)]
-                   and record.metrics.get("cuda_graph") in (None, "off") and s.record.metrics.get("cuda_graph")
-                   not in (None, "off") and s.record.median_ms * HOST_PACED_TIME <= record.median_ms]
-        most = max(mine, key=lambda s: tokens[id(s)])
+        graphed = [] if graph not in (None, "off") else [
+            s for s in siblings[_configuration(record)] if tokens[id(s)] == tokens[id(row)]
+            and s.record.metrics.get("cuda_graph") not in (None, "off")
+            and s.record.median_ms * HOST_PACED_TIME <= record.median_ms]
+        most = max(mine, key=lambda s: tokens[id(s)])  # the line of a fixed cost runs to it
         fixed = _fixed_costs(row, most, tokens)
         if paced:
-            most = max(paced, key=lambda s: tokens[id(s)])
-            row.time_why = (f"host-paced: {tokens[id(most)] / tokens[id(row)]:g}x the tokens in "
-                            f"{most.record.median_ms / record.median_ms:.2f}x the time "
-                            f"({most.record.batch_size} x {most.record.seq_len})")
+            widest = max(paced, key=lambda s: tokens[id(s)])
+            row.time_why = (f"host-paced: {tokens[id(widest)] / tokens[id(row)]:g}x the tokens in "
+                            f"{widest.record.median_ms / record.median_ms:.2f}x the time "
+                            f"({widest.record.batch_size} x {widest.record.seq_len})")
         elif graphed:
             fastest = min(graphed, key=lambda s: s.record.median_ms)
             row.time_why = (f"host-bound: replayed as CUDA graphs ({fastest.record.metrics['cuda_graph']}), the same "

@@ -320,9 +320,9 @@ def run(args: DDPBenchConfig) -> int:
         from torch_impl.device import pick_device
 
         device = pick_device(args.device)
-        from torch_impl.distributed.process_group import placement
+        from torch_impl.distributed.process_group import rank_placement
 
-        return _run_configs(configs, args, spec, seq_len, device, rank=0, world_size=1, placement=placement())
+        return _run_configs(configs, args, spec, seq_len, device, rank=0, world_size=1, placement=rank_placement())
     if any(c.impl == "none" for c in configs) and world_env > 1:
         raise ValueError("--dist none runs as one process: launch it with plain python -m (or --nproc_per_node 1)")
     from torch_impl.distributed import distributed_context

@@ -59,11 +59,11 @@ class DistributedContext:
 
     @property
     def placement(self) -> dict[str, str | int]:
-        """Where this rank runs, for the records (``placement``)."""
-        return placement(self.node_rank, self.local_rank, self.host)
+        """Where this rank runs, for the records (``rank_placement``)."""
+        return rank_placement(self.node_rank, self.local_rank, self.host)
 
 
-def placement(node_rank: int = 0, local_rank: int = 0, host: str | None = None) -> dict[str, str | int]:
+def rank_placement(node_rank: int = 0, local_rank: int = 0, host: str | None = None) -> dict[str, str | int]:
     """Where a rank runs, for the records: its host (this one's by default), its node's rank and its local rank; the
     defaults describe a single process."""
     return {"host": host or socket.gethostname(), "node_rank": node_rank, "local_rank": local_rank}
