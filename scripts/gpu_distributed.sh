@@ -55,19 +55,23 @@
 #   and resumed on 2 as individual DDP, beside an uninterrupted run on 2 (OUT_DIR/reshard_train.jsonl, reshard.md);
 # launch: the nodes phase's DDP benchmark (bucketed) launched five ways, to see whether the launch (threads, GPUs
 #   visible) sets the step time (OUT_DIR/launch_ddp.jsonl, OUT_DIR/launch.md).
+# snapshot: issue 16's memory rows: the eager step (bf16 autocast, cuDNN attention) of xl at 4 x 1,024 and of 2.7B at
+#   4 x 512 a rank, on one GPU and as our FSDP, FSDP2 and bucketed DDP over all GPUs, each with one more step's CUDA
+#   allocator history recorded on every rank (OUT_DIR/snapshots.tar.xz; `python -m analysis.snapshot` reads them).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
 phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, engines, variants, matrix, accum, leaderboard,
-  nodes, processes, reshard, launch"
+  nodes, processes, reshard, launch, snapshot"
 phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE; phases: $phases}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 n=$(nvidia-smi -L | wc -l)
 run=(torchrun --standalone --nproc_per_node)
-pack_profiles() {  # OUT_DIR/profiles -> OUT_DIR/ddp_profiles.tar.xz (traces a third smaller than gzipped)
-  python3 -c $'import sys, tarfile\nwith tarfile.open(sys.argv[1], "w:xz") as t:\n    t.add(sys.argv[2], "profiles")' \
-    "$out/ddp_profiles.tar.xz" "$out/profiles" && rm -rf "$out/profiles"
+pack() {  # pack DIR ARCHIVE: OUT_DIR/DIR -> OUT_DIR/ARCHIVE.tar.xz (traces a third smaller than gzipped)
+  python3 -c $'import sys, tarfile\nwith tarfile.open(sys.argv[1], "w:xz") as t:\n    t.add(sys.argv[2], sys.argv[3])' \
+    "$out/$2.tar.xz" "$out/$1" "$1" && rm -rf "${out:?}/$1"
 }
+pack_profiles() { pack profiles ddp_profiles; }
 two_nodes() {  # two_nodes LOG_PREFIX ARGS...: two torchrun "nodes" of one GPU each side by side (c10d rendezvous;
   # it numbers the nodes as they arrive, so --node-rank orders the logs, not the ranks)
   local log=$1 port pids=() node
@@ -260,6 +264,15 @@ launch)
   two_nodes "$out/launch_two" "${ddp[@]}"
   timeout 200 "${run[@]}" 2 "${ddp[@]}"; echo "one node again: exit $?"
   python3 -m analysis.multihost "$out/launch_ddp.jsonl" --out "$out/launch.md" ;;
+snapshot)
+  for config in "xl 4 1024" "2.7B 4 512"; do
+    read -r model batch seq <<< "$config"
+    ddp=(-m torch_impl.bench.ddp --model "$model" --batch-size "$batch" --seq-len "$seq" --dtype bf16
+         --attention sdpa_cudnn --memory-snapshot "$out/snapshots/${model}_${batch}x$seq" --out "$out/ddp.jsonl")
+    python3 "${ddp[@]}" --dist none
+    "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2,bucketed --bucket-mb 25
+  done
+  pack snapshots snapshots ;;
 *) echo "unknown phase $phase; accepted: $phases" >&2
    exit 2 ;;
 esac

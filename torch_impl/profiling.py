@@ -77,3 +77,27 @@ def profile_steps(step: Callable[[], object], n_steps: int, out_dir: str | Path 
         prof.export_chrome_trace(str(out / f"{tag}_trace.json"))
         (out / f"{tag}_kernels.md").write_text(markdown(rows, f"{tag}: time per step by kernel category") + "\n")
     return rows
+
+
+
+SNAPSHOT_ENTRIES = 1_000_000  # allocator events kept (a step of xl or 2.7B makes ~10^5)
+
+
+def snapshot_step(step: Callable[[], object], path: str | Path) -> Path:
+    """One call of ``step`` under ``torch.cuda.memory._record_memory_history`` (Python stacks; C++ ones are ten
+    times larger), its snapshot gzipped to ``path`` (``.pickle.gz``): read it with ``python -m analysis.snapshot``
+    or https://pytorch.org/memory_viz. Allocations older than the call appear as the snapshot's segments."""
+    import gzip
+    import pickle
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        path.write_bytes(gzip.compress(pickle.dumps(torch.cuda.memory._snapshot())))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return path

@@ -109,6 +109,7 @@ class DDPBenchConfig(StepConfig):
     cuda_graph: str
     timeout: float
     profile: str | None
+    memory_snapshot: str | None
     report_only: str | None
 
 
@@ -213,11 +214,16 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
     # + symmetric memory (the copy engines' buffers: zero2's weights, bucketed's gradients), which the allocator
     # does not count
     peak = peak_of(device) + getattr(wrapper, "symmetric_bytes", 0) if device.type == "cuda" else None
+    tag = re.sub(r"[^A-Za-z0-9._-]+", "_", cfg.name)  # 'bucketed 25MB, bf16 comm' -> bucketed_25MB_bf16_comm
     if args.profile:  # after the timed steps, so the profiler's own cost is in no timing
         from torch_impl.profiling import profile_steps
 
-        tag = re.sub(r"[^A-Za-z0-9._-]+", "_", cfg.name)  # 'bucketed 25MB, bf16 comm' -> bucketed_25MB_bf16_comm
         profile_steps(lambda: step(PhaseTimer(device)), PROFILED_STEPS, args.profile, tag=f"{tag}_rank{rank}")
+    if args.memory_snapshot:  # one more step, after the timed ones: what is alive at its peak, and made where
+        from torch_impl.profiling import snapshot_step
+
+        path = os.path.join(args.memory_snapshot, f"{tag}_rank{rank}.pickle.gz")
+        snapshot_step(lambda: step(PhaseTimer(device)), path)
     overlapped = parts.overlapped and cfg.impl in OPTIMIZER_STEP_MODES  # the wrapper's parts, stepped as they land
     return {"step_ms": step_ms, "phases_ms": phases_ms, "peak": peak, "losses": losses, "error": None,
             "allocated_before": allocated_before, "optimizer_step": "overlapped" if overlapped else "after"}
@@ -456,6 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"after timing, {PROFILED_STEPS} steps per configuration under torch.profiler on every "
                              "rank: a Chrome trace <impl>_rank<r>_trace.json and a kernel table in DIR (the NCCL "
                              "kernels beside the compute ones: where overlap slows the backward)")
+    parser.add_argument("--memory-snapshot", metavar="DIR",
+                        help="after timing, one more step per configuration with the CUDA allocator's history "
+                             "recorded on every rank: DIR/<impl>_rank<r>.pickle.gz (read it with python -m "
+                             "analysis.snapshot: what is alive at the peak and which line made it)")
     parser.add_argument("--out", default="results/ddp.jsonl", type=writable_path,
                         help="append records here (rank 0; default results/ddp.jsonl)")
     parser.add_argument("--report-only", metavar="JSONL", help="no measuring: print a Markdown table of JSONL")
@@ -481,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
                              "devices only; on the CPU bf16 gradients work with bucketed, zero1 and zero2")
         parse_engines(args.engine, args.device)
         parse_optimizer_steps(args.optimizer_step)
+        if args.memory_snapshot and args.device != "cuda":
+            raise ValueError("--memory-snapshot records the CUDA allocator: it needs --device cuda")
         return run(args)
     except ValueError as err:
         parser.error(str(err))
