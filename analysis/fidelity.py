@@ -47,7 +47,7 @@ from analysis.data_parallel import LEADERBOARD_SUITE, SUITE as DDP_SUITE, memory
 from analysis.harness import DTYPES, calculator_terms, compiled_activations, recomputation
 from analysis.records import Record
 from parallelism_calc.cli import ArgumentParser, error_boundary
-from parallelism_calc.memory import get_precision, mesh_memory_strategy, per_device_memory
+from parallelism_calc.memory import MemoryBreakdown, get_precision, mesh_memory_strategy, per_device_memory
 from parallelism_calc.roofline import Ceilings, step_time_floor
 from parallelism_calc.specs import ModelSpec
 
@@ -187,13 +187,13 @@ def compiled_of(record: Record) -> bool:
     return bool(record.metrics.get("compiled")) or record.implementation.removeprefix("stock ").startswith("compiled")
 
 
-def memory_prediction(record: Record) -> tuple[float | None, str]:
-    """(predicted peak bytes per device, how it was made) for a step record whose benchmark predicted one at run
-    time, recomputed from ``parallelism_calc.memory.per_device_memory``:
+def memory_breakdown(record: Record) -> tuple[MemoryBreakdown | None, str]:
+    """The calculator's per-device peak for a step record (``parallelism_calc.memory.per_device_memory``'s
+    ``MemoryBreakdown``, recomputed from the record's configuration) and how it was made:
 
     * PyTorch on one device (``torch_impl.bench.e2e``, the DDP benchmark's one-GPU baseline): ``peak_model=
       "timeline"`` with the record's precision, attention and checkpointing (``metrics.checkpoint_every``,
-      ``nested_checkpoint``) -> "timeline";
+      ``nested_checkpoint``), and the e2e benchmark's compiled plain loss (``compiled_loss``) -> "timeline";
     * the leaderboard step (``torch_impl.bench.leaderboard``, any number of ranks): its call,
       ``analysis.data_parallel.sharded_step_memory`` -> "timeline";
     * PyTorch over several ranks (``torch_impl.bench.ddp``): that benchmark's call
@@ -201,12 +201,8 @@ def memory_prediction(record: Record) -> tuple[float | None, str]:
       FSDPs' gathered window and reduce-scatter buffers -> "timeline";
     * JAX (``jax_impl.bench.e2e``): that benchmark's call, the mesh strategy and the remat policy -> "sum";
 
-    otherwise (or when the calculator refuses the configuration) the stored prediction -> "stored at run time";
-    no prediction stored: (None, "").
+    (None, "") where the calculator refuses the configuration or the record lacks what it needs.
     """
-    stored = next((record.metrics[k] for k in PREDICTED_MEMORY if record.metrics.get(k)), None)
-    if stored is None:
-        return None, ""
     m = record.metrics
     try:
         spec = ModelSpec(**record.model_dims)
@@ -216,31 +212,46 @@ def memory_prediction(record: Record) -> tuple[float | None, str]:
             compiled = compiled_activations(compiled_of(record), attention, m.get("checkpoint_every"))
             label = ", compiled" if compiled else ""
             if record.suite == LEADERBOARD_SUITE:  # the global batch over our FSDP's or FSDP2's ranks
-                pred = sharded_step_memory(spec, m["dist"], record.world_size, record.batch_size * seq, seq,
+                return sharded_step_memory(spec, m["dist"], record.world_size, record.batch_size * seq, seq,
                                            precision, attention, m.get("checkpoint_every"),
                                            bool(m.get("nested_checkpoint")), m["loss"],
-                                           bool(m.get("keep_attention")))
-                return pred.total, "timeline"
+                                           bool(m.get("keep_attention"))), "timeline"
             if record.world_size == 1:
-                pred = per_device_memory(spec, "ddp", 1, record.batch_size * seq, seq, precision, attention=attention,
+                # the e2e benchmark compiles our plain loss with --compile (the stock model's and the DDP
+                # benchmark's run eagerly)
+                stock = record.implementation.startswith("stock")
+                compiled_loss = (compiled_of(record) and not stock and record.suite != DDP_SUITE
+                                 and m.get("loss", "plain") == "plain")
+                return per_device_memory(spec, "ddp", 1, record.batch_size * seq, seq, precision, attention=attention,
                                          peak_model="timeline", checkpoint_every=m.get("checkpoint_every"),
-                                         nested_checkpoint=bool(m.get("nested_checkpoint")), compiled=compiled)
-                return pred.total, "timeline" + label
+                                         nested_checkpoint=bool(m.get("nested_checkpoint")), compiled=compiled,
+                                         compiled_loss=compiled_loss), "timeline" + label
             n = record.world_size  # the DDP benchmark's batch is per rank
             terms = memory_terms(m["impl"], get_precision(precision).grad_bytes, m.get("comm_dtype", "grad"))
-            pred = per_device_memory(spec, m["strategy"], n, n * record.batch_size * seq, seq, precision,
-                                     attention=attention, compiled=compiled, **terms)
-            return pred.total, terms.get("peak_model", "sum") + label
+            return per_device_memory(spec, m["strategy"], n, n * record.batch_size * seq, seq, precision,
+                                     attention=attention, compiled=compiled, **terms), \
+                terms.get("peak_model", "sum") + label
         if record.backend == "jax":
             precision, attention = calculator_terms(record.dtype, m["attention"])
             mesh = record.mesh or {}
             strategy, parallel = mesh_memory_strategy(m["strategy"], *(mesh.get(a, 1) for a in ("dp", "fsdp", "tp")))
-            pred = per_device_memory(spec, strategy, parallel, record.batch_size * seq, seq, precision,
-                                     checkpointing=m.get("remat", "none"), attention=attention)
-            return pred.total, "sum"
+            return per_device_memory(spec, strategy, parallel, record.batch_size * seq, seq, precision,
+                                     checkpointing=m.get("remat", "none"), attention=attention,
+                                     fused_norm=False), "sum"  # jax_impl's RMSNorm is written out (keeps x / rms)
     except (ValueError, KeyError, TypeError):
         pass
-    return stored, "stored at run time"
+    return None, ""
+
+
+def memory_prediction(record: Record) -> tuple[float | None, str]:
+    """(predicted peak bytes per device, how it was made) for a step record whose benchmark predicted one at run
+    time: ``memory_breakdown``'s total, otherwise the stored prediction -> "stored at run time"; no prediction
+    stored: (None, "")."""
+    stored = next((record.metrics[k] for k in PREDICTED_MEMORY if record.metrics.get(k)), None)
+    if stored is None:
+        return None, ""
+    breakdown, model = memory_breakdown(record)
+    return (breakdown.total, model) if breakdown else (stored, "stored at run time")
 
 
 def leftover_bytes(records: list[Record]) -> dict[int, tuple[float, str]]:
@@ -353,8 +364,8 @@ def explain_memory(rows: list[Row]) -> None:
     temporaries and reuse, not modelled); over it, compiled blocks under checkpointing (the calculator counts the
     eager model's saved tensors there: its compiled count was measured without checkpointing); and either way the
     measurement's kind where the record names it (reserved bytes under, allocated outside a CUDA graph pool over).
-    Under by no more than the plain loss's working buffers (``plain_loss_buffers``): those, which the calculator
-    shows but does not add. Others stay ""."""
+    Under by no more than the plain loss's working buffers (``plain_loss_buffers``), outside the timeline (which
+    counts them): those. Others stay ""."""
     for row in rows:
         error, record, model = row.memory_error, row.record, row.memory_model
         if error is None or abs(error) <= MEMORY_BOUND:
@@ -364,7 +375,7 @@ def explain_memory(rows: list[Row]) -> None:
             row.memory_why = "measured: the allocator's reserved bytes (CUDA graph pool, cache), not tensors"
         elif error > 0 and OUTSIDE_POOL_PEAK in model:
             row.memory_why = "measured: only what was allocated outside the CUDA graph pool, where activations live"
-        elif 0 < missing <= loss_buffers:
+        elif 0 < missing <= loss_buffers and "timeline" not in model:
             row.memory_why = (f"the plain loss's working buffers, up to {loss_buffers / 2**30:.1f} GiB, are not "
                               "counted (notes/leaderboard.md)")
         elif error < 0 and (COPY_ENGINE_STAGING in model or INDIVIDUAL_HELD_GRADIENTS in model):

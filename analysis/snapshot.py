@@ -7,7 +7,8 @@ events, each with ``addr``, ``size``, ``time_us`` and its Python ``frames``, inn
 device's trace and reports the peak of the allocated bytes (an allocation counts from ``alloc`` to
 ``free_completed``, its requested size rounded up to 512-byte blocks, as ``torch.cuda.max_memory_allocated``
 counts it) and the allocations live there, grouped by size and origin (the innermost frame of this repository's
-code). Allocations made before recording began count as live from the start: those still held at the dump (the
+code; recorded without Python frames: made on a C++ thread, as the autograd engine's backward allocates).
+Allocations made before recording began count as live from the start: those still held at the dump (the
 snapshot's active blocks the trace never allocated) and those the trace frees without having allocated them.
 Reads data only: a pickle naming any class or function (code to run on loading) is refused. Format and recording:
 https://pytorch.org/docs/stable/torch_cuda_memory.html
@@ -30,6 +31,8 @@ from parallelism_calc.cli import ArgumentParser, error_boundary, nonnegative_int
 GZIP_MAGIC = b"\x1f\x8b"
 REPO_PACKAGES = ("torch_impl", "analysis", "parallelism_calc")  # the package folders of this repository
 BEFORE_RECORDING = "allocated before recording"
+# a recorded allocation without Python frames: made on a C++ thread (the autograd engine runs the backward there)
+WITHOUT_PYTHON = "no Python frame (C++: the autograd engine's backward)"
 LIVE_STATES = ("active_allocated", "active_pending_free")  # blocks still counted as allocated at the dump
 INSTALLED = ("site-packages", "dist-packages")
 BLOCK = 512  # the allocator's granularity (kMinBlockSize): the trace records requested sizes, the stats blocks
@@ -105,12 +108,13 @@ def _short(filename: str) -> str:
     return filename
 
 
-def origin(frames: list[dict]) -> str:
+def origin(frames: list[dict], without: str = BEFORE_RECORDING) -> str:
     """Where an allocation was made: the innermost frame of this repository's code, else the innermost frame
-    outside torch's own files, as ``torch_impl/model.py:60 (forward)``; ``BEFORE_RECORDING`` without frames."""
+    outside torch's own files, as ``torch_impl/model.py:60 (forward)``; ``without`` frames (a block older than the
+    recording: ``BEFORE_RECORDING``; a recorded one: ``WITHOUT_PYTHON``)."""
     frames = [f for f in frames or () if isinstance(f, dict) and f.get("filename")]
     if not frames:
-        return BEFORE_RECORDING
+        return without
     frame = (next((f for f in frames if _is_repo(f["filename"])), None)
              or next((f for f in frames if not _is_torch(f["filename"])), frames[0]))
     return f"{_short(frame['filename'])}:{frame.get('line', '?')} ({frame.get('name', '?')})"
@@ -162,7 +166,7 @@ def _replay(trace: list[dict], live: dict[int, tuple[int, str]]) -> Iterator[int
     for e in trace:
         if e["action"] == "alloc":
             old = live.get(e["addr"], (0, ""))[0]
-            live[e["addr"]] = (_rounded(e["size"]), origin(e.get("frames", [])))
+            live[e["addr"]] = (_rounded(e["size"]), origin(e.get("frames", []), WITHOUT_PYTHON))
             yield live[e["addr"]][0] - old
         else:
             yield -live.pop(e["addr"], (0, ""))[0]

@@ -10,9 +10,10 @@ autocast and pure bf16, for naive attention and for flash SDPA. Where our model 
 textbook count, the difference is real and named in ``ActivationBreakdown.terms``:
 
 * RMSNorm computes in float32 whatever the model dtype (``x.to(promote(x.dtype, fp32))``): it saves its
-  input in fp32 (the fp32 residual stream itself, or an fp32 copy of a bf16 one), the normalized value
-  ``x * rsqrt(mean(x^2) + eps)`` before the gain (fp32, kept for the gain's gradient) and the fp32 rsqrt
-  per token. Three D-sized tensors per norm, not the textbook two.
+  input in fp32 (the fp32 residual stream itself, or an fp32 copy of a bf16 one) and the fp32 rsqrt per token,
+  as ``F.rms_norm``'s fused CUDA kernel does (CUDA memory snapshots of the xl and 2.7B steps, notes/fidelity.md,
+  session 40); written out (the CPU's ``F.rms_norm``, ``fused_norm=False``) it also keeps the normalized value
+  ``x * rsqrt(mean(x^2) + eps)`` before the gain (fp32, for the gain's gradient).
 * Under autocast (fp32 parameters, bf16 compute) every linear casts its input itself, so the fp32 output of
   a norm is not kept but each of its consumers keeps its own bf16 copy (q, k, v: 3; w1, w3: 2; lm_head: 1),
   and every matmul keeps a bf16 copy of its weight (``MemoryBreakdown.cast_weights``; autocast caches casts
@@ -161,7 +162,8 @@ def _check_choice(what: str, value: str, accepted: tuple[str, ...]) -> None:
 
 
 def _transformer_block_terms(spec: ModelSpec, seq_len: int, precision: Precision, attention: str,
-                             selective: bool, tp: int, compute_dtype_stream: bool = False) -> dict[str, int]:
+                             selective: bool, tp: int, compute_dtype_stream: bool = False,
+                             fused_norm: bool = True) -> dict[str, int]:
     """Bytes per token one ``TransformerBlock`` saves for backward (see ``activation_bytes_per_token``)."""
     d, f, h, p = spec.d_model, spec.d_ff, spec.n_heads, precision.activation_bytes
     # Consumers of each norm's output: q, k, v read RMSNorm1's; w1, w3 read RMSNorm2's. In the model dtype
@@ -171,8 +173,6 @@ def _transformer_block_terms(spec: ModelSpec, seq_len: int, precision: Precision
     terms = {
         # RMSNorm1 and RMSNorm2 inputs, in fp32 (the norm upcasts; replicated under TP).
         "layer.norm_inputs": 2 * d * FP32,
-        # x * rsqrt(...) before the gain, fp32, kept for the gain's gradient (replicated under TP).
-        "layer.norm_normalized": 2 * d * FP32,
         # rsqrt(mean(x^2) + eps), one fp32 per token per norm.
         "layer.norm_rsqrt": 2 * FP32,
         # Norm outputs = inputs of q/k/v and of w1/w3, in p bytes (replicated: column-parallel inputs).
@@ -184,6 +184,8 @@ def _transformer_block_terms(spec: ModelSpec, seq_len: int, precision: Precision
         # SwiGLU: a = w1 x (SiLU's input), SiLU(a), b = w3 x (multiply), SiLU(a) * b (w2's input).
         "layer.ffn": 4 * f * p // tp,
     }
+    if not fused_norm:  # the written-out formula also keeps x * rsqrt(...) before the gain, fp32, for its gradient
+        terms["layer.norm_normalized"] = 2 * d * FP32
     if selective:  # Korthikanti et al.: the attention core is recomputed, keeping only q, k, v
         return terms
     if attention == "naive":
@@ -216,16 +218,17 @@ def _compiled_block_terms(spec: ModelSpec, precision: Precision, tp: int) -> dic
     }
 
 
-def _transformer_extra_terms(spec: ModelSpec, precision: Precision, loss: str = "plain") -> dict[str, int]:
+def _transformer_extra_terms(spec: ModelSpec, precision: Precision, loss: str = "plain",
+                             fused_norm: bool = True) -> dict[str, int]:
     """Bytes per token saved once outside the blocks (no vocabulary-parallel loss: replicated under TP)."""
     d, p = spec.d_model, precision.activation_bytes
     # plain: cross_entropy on logits.float() keeps the log-softmax of the logits in fp32, V per token;
     # fused (torch_impl.linear_cross_entropy): only the fp32 log-sum-exp, one per token.
     loss_term = {"extra.loss_log_softmax": spec.vocab_size * FP32} if loss == "plain" else {"extra.loss_lse": FP32}
     return {
-        # Final RMSNorm: fp32 input, fp32 normalized value, fp32 rsqrt, and its output (lm_head's input) in p
-        # (under autocast the LM head's bf16 copy of it, made by F.linear or by the fused loss alike).
-        "extra.final_norm": 2 * d * FP32 + FP32 + d * p,
+        # Final RMSNorm: fp32 input (and, written out, the fp32 normalized value), fp32 rsqrt, and its output
+        # (lm_head's input) in p (under autocast the LM head's bf16 copy of it, made by F.linear or the fused loss).
+        "extra.final_norm": (1 if fused_norm else 2) * d * FP32 + FP32 + d * p,
         **loss_term,
         # The embedding's backward keeps the int64 token ids.
         "extra.token_ids": INT64,
@@ -286,14 +289,17 @@ def loss_buffer_bytes(spec: ModelSpec, tokens: int, precision: str | Precision =
 def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | Precision = "fp32",
                                checkpointing: str = "none", attention: str = "naive",
                                tp: int = 1, compiled: bool = False,
-                               compute_dtype_stream: bool = False, loss: str = "plain") -> ActivationBreakdown:
+                               compute_dtype_stream: bool = False, loss: str = "plain",
+                               fused_norm: bool = True) -> ActivationBreakdown:
     """Bytes saved for backward per token of a forward over sequences of ``seq_len`` tokens.
 
     Transformer (``spec.arch == "transformer"``), per layer per token, p = precision.activation_bytes,
     D = d_model, F = d_ff, H = n_heads, T = seq_len (each term is named in ``terms``):
 
-    * two RMSNorms, each: fp32 input (4 D), fp32 normalized value before the gain (4 D), fp32 rsqrt (4);
-      each norm's output in p bytes (D p; under autocast one cast copy per consuming linear: 3 D p + 2 D p);
+    * two RMSNorms, each: fp32 input (4 D) and fp32 rsqrt (4), as the fused kernel of ``F.rms_norm`` on CUDA
+      keeps them (``fused_norm``; the formula written out, as on the CPU or in JAX, also keeps the fp32 normalized
+      value before the gain, 4 D: ``fused_norm=False``); each norm's output in p bytes (D p; under autocast one
+      cast copy per consuming linear: 3 D p + 2 D p);
     * q and k after RoPE, v, and the attention output (output_proj's input): 4 D p;
     * SwiGLU: w1 output a, SiLU(a), w3 output b, SiLU(a) * b: 4 F p;
     * attention core: "naive" keeps the softmax probabilities, H T elements per token, p bytes each
@@ -301,7 +307,7 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
       instead the fp32 log-sum-exp (4 H); its output O is output_proj's input (q is laid out as
       (B, T, H, d_head) and O follows it, so merging heads is a view).
 
-    Once per token outside the blocks: the final RMSNorm (4 D + 4 D + 4, output D p), the fp32
+    Once per token outside the blocks: the final RMSNorm (4 D + 4, + 4 D unfused; output D p), the fp32
     log-softmax of the logits for the loss (4 V; ``loss="fused"``: only its fp32 log-sum-exp, 4) and the int64
     token ids (8). What the loss holds for a moment on top of that: ``loss_buffer_bytes``.
 
@@ -350,8 +356,8 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
             raise ValueError(f"tp={tp} must divide n_heads={spec.n_heads} and d_ff={f} of {spec.name!r}")
         block = (_compiled_block_terms(spec, prec, tp) if compiled else
                  _transformer_block_terms(spec, seq_len, prec, attention, checkpointing == "selective", tp,
-                                          compute_dtype_stream))
-        extra = _transformer_extra_terms(spec, prec, loss)
+                                          compute_dtype_stream, fused_norm))
+        extra = _transformer_extra_terms(spec, prec, loss, fused_norm)
     block_bytes = sum(block.values())
     if checkpointing == "full":
         # Only each block's input (the residual stream, model dtype; FFN-only: p) survives the forward.
@@ -463,7 +469,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                       nested_checkpoint: bool = False, gradient_buckets: int = 0,
                       compiled: bool = False, pending_reduce_scatters: int | None = None,
                       compute_dtype_stream: bool = False, loss: str = "plain",
-                      loss_chunk: int | None = None, kept_attention: bool = False) -> MemoryBreakdown:
+                      loss_chunk: int | None = None, kept_attention: bool = False,
+                      fused_norm: bool = True, compiled_loss: bool = False) -> MemoryBreakdown:
     """Bytes per device of a training step with AdamW (ZeRO paper, Rajbhandari et al. 2020).
 
     P = spec.n_params(); per-parameter bytes from ``precision``; N_shard = the sharding degree.
@@ -547,12 +554,19 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
       (``activation_bytes_per_token(compute_dtype_stream=True)``; the norms' fp32 internals and autocast's fp32
       softmax are unchanged). Off for the JAX meshes, whose FSDP rows this was not checked against.
 
-    ``loss``: "plain" (the default) counts the fp32 log-softmax the loss saves (in the activations) and, as the
-    records the timeline was checked against were measured with it, not its logits' working buffers (N V (p + 4)
-    forward, N V 8 backward: ``loss_buffer_bytes``; lm8b at 32,768 tokens a device, 50 and 40 GB); "fused" (``
-    torch_impl.linear_cross_entropy``, chunk ``loss_chunk``) saves an fp32 log-sum-exp a token and holds a chunk of
-    logits and dW's fp32 accumulator (``loss_buffers`` = ``loss_buffer_bytes(...).peak`` in the "sum" model; in the
-    timeline, its forward buffers at the forward's end and its backward buffers at the loss's backward).
+    ``fused_norm``: each RMSNorm keeps its fp32 input and rsqrt, as ``F.rms_norm``'s fused CUDA kernel does (the
+    default: the torch step on a GPU; checked by CUDA memory snapshots, notes/fidelity.md, session 40); False: the
+    formula written out keeps its normalized value too (the CPU's ``F.rms_norm``, the JAX model's RMSNorm).
+
+    ``loss``: "plain" (the default) counts the fp32 log-softmax the loss saves (in the activations) and, in the
+    timeline, its logits' working buffers (N V (p + 4) forward, N V 8 backward: ``loss_buffer_bytes``; lm8b at
+    32,768 tokens a device, 50 and 40 GB; the "sum" model leaves them out, as before: the JAX rows it serves were
+    not checked for them; so does ``compiled_loss``, the plain loss compiled by Inductor, as the e2e benchmark's
+    ``--compile`` runs it: one graph whose buffers were not measured apart); "fused"
+    (``torch_impl.linear_cross_entropy``, chunk ``loss_chunk``) saves an fp32 log-sum-exp a token and holds a chunk
+    of logits and dW's fp32 accumulator. ``loss_buffers`` = ``loss_buffer_bytes(...).peak`` in the
+    "sum" model; in the timeline, the forward buffers at the forward's end and the backward buffers at the loss's
+    backward (CUDA memory snapshots of eager steps: the peak there, notes/fidelity.md, session 40).
 
     ``peak_model``: "sum" (the default) adds every term above as if all were alive at once, an upper bound;
     "timeline" places the peak in the step (``step_peak_memory``: weights, masters, AdamW state and the
@@ -608,7 +622,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     # The residual stream in the compute dtype (stage-3 wrappers gathering the embedding in it): activations as with
     # weights in that dtype (one shared norm output, no autocast copy per consuming linear).
     stream = compute_dtype_stream and stage == 3 and prec.autocast
-    act = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled, stream, loss)
+    act = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled, stream, loss,
+                                     fused_norm)
     activations = float(act.total_bytes * tokens)
     resident, unit = _gather_working_set(spec, gather_unit, reshard_root)
     # Stage 3: the resident root + the unit in use + prefetch_layers units ahead, gathered in the compute
@@ -620,8 +635,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     k_rs = pending_reduce_scatters
     reduce_scatter = (unit * prec.activation_bytes * (1 + (k_rs + 1) * (1 + 1 / n_shard)) / tp
                       if k_rs is not None and stage == 3 else 0.0)
-    loss_buffers = (loss_buffer_bytes(spec, tokens, prec, loss, loss_chunk)
-                    if loss == "fused" and spec.arch == "transformer" else LossBuffers(0.0, 0.0))
+    counted = spec.arch == "transformer" and (loss == "fused" or peak_model == "timeline" and not compiled_loss)
+    loss_buffers = loss_buffer_bytes(spec, tokens, prec, loss, loss_chunk) if counted else LossBuffers(0.0, 0.0)
     total = (params + grads + master + optimizer + activations + gathered + cast_weights + buckets + reduce_scatter
              + loss_buffers.peak)
     s = "N_shard" if n_shard > 1 else "1"
@@ -641,7 +656,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
         "reduce_scatter": (f"largest unit [{gather_unit}] * {prec.activation_bytes} * (1 + ({k_rs} + 1) * "
                            f"(1 + 1 / {n_shard})) / tp" if reduce_scatter else "0"),
         "N_shard": str(n_shard),
-        "loss_buffers": ("fused loss: max(c V (4 + 4), c V (4 + p) + V d 4)" if loss_buffers.peak else "0"),
+        "loss_buffers": ("0" if not loss_buffers.peak else "fused loss: max(c V (4 + 4), c V (4 + p) + V d 4)"
+                         if loss == "fused" else "plain loss: max(N V (p + w), N V (4 + 4))"),
     }
     if stream:
         formulas["activations"] += " (residual stream in the compute dtype)"
@@ -651,7 +667,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     if peak_model == "timeline":
         return step_peak_memory(spec, breakdown, tokens, seq_len, prec, checkpointing, attention, tp,
                                 checkpoint_every, nested_checkpoint, compiled, stream, loss, loss_buffers,
-                                kept_attention)
+                                kept_attention, fused_norm)
     if kept_attention:
         raise ValueError("kept attention outputs are counted by the timeline peak model only (peak_model='timeline')")
     return breakdown
@@ -666,7 +682,8 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
                      attention: str = "naive", tp: int = 1, checkpoint_every: int | None = None,
                      nested_checkpoint: bool = False, compiled: bool = False,
                      compute_dtype_stream: bool = False, loss: str = "plain",
-                     loss_buffers: LossBuffers | None = None, kept_attention: bool = False) -> MemoryBreakdown:
+                     loss_buffers: LossBuffers | None = None, kept_attention: bool = False,
+                     fused_norm: bool = True) -> MemoryBreakdown:
     """The peak of one training step over its moments, from the terms of ``state`` (a "sum" breakdown of
     ``per_device_memory``, whose sharding of gradients and optimizer state it keeps) for ``tokens`` tokens per
     device. ``per_device_memory(..., peak_model="timeline")`` calls it; notes/fidelity.md has the evidence.
@@ -704,9 +721,9 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     to the block's recomputation, where they are among b's tensors: the forward's end adds L o, block i's
     backward s K o (the blocks of the segments not yet recomputed).
 
-    ``loss_buffers`` (the fused loss's, ``loss_buffer_bytes``): its forward buffers are added to the forward's end,
-    and one more moment, the loss's backward (before any block's), holds the forward's end activations with its
-    backward buffers (dW's fp32 accumulator and a chunk) and no gradient yet.
+    ``loss_buffers`` (``loss_buffer_bytes``): its forward buffers are added to the forward's end, and one more
+    moment, the loss's backward (before any block's), holds the forward's end activations with its backward buffers
+    (the plain loss's two fp32 N x V gradients; the fused loss's dW accumulator and a chunk) and no gradient yet.
 
     Simplifications: the extras are counted at the forward's end only (the loss's tensors and the final norm's
     are freed before the blocks' backward; the int64 token ids, 8 bytes a token, are not counted there); the
@@ -726,7 +743,7 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
         checkpointing, checkpoint_every, nested_checkpoint = "none", 1, False
     n_layers, d = spec.n_layers, spec.d_model
     saved = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled,
-                                       compute_dtype_stream, loss)
+                                       compute_dtype_stream, loss, fused_norm)
     b, e = saved.per_layer_bytes, saved.extra_bytes  # one block's saved activations; the extras, per token
     # One checkpoint: a block's input, the residual stream in the model dtype (FFN-only: the compute dtype).
     a = d * (prec.param_bytes if spec.arch == "transformer" else prec.activation_bytes)

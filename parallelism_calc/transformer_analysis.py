@@ -95,8 +95,9 @@ def transformer_report(spec: ModelSpec, *, mesh: ParallelSpec, batch_tokens: int
     loss_section = Section("loss", f"The loss on one data-parallel rank ({tokens:,} tokens; --loss {loss})",
                            tuple(loss_rows), notes=(
         "p = the logits' dtype bytes; c = the fused loss's chunk (memory.default_loss_chunk). The rows above count "
-        "what the chosen loss saves; the fused loss's buffers too (loss_buffers), the plain loss's not "
-        "(notes/train_step.md).",))
+        "what the chosen loss saves; the fused loss's buffers too (loss_buffers), the plain loss's not (this "
+        "all-at-once sum leaves them out; the timeline peak, per_device_memory(peak_model='timeline'), adds them: "
+        "notes/train_step.md, notes/fidelity.md).",))
 
     sections = [model, activations, loss_section, memory]
     if hardware is not None:

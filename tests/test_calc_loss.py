@@ -16,7 +16,7 @@ from parallelism_calc.memory import (activation_bytes_per_token, default_loss_ch
                                      per_device_memory)
 from parallelism_calc.roofline import matmul_flops, recompute_flops
 from parallelism_calc.specs import MODELS
-from tests.test_calc_memory import batch_independent_bytes
+from tests.test_calc_memory import CPU_NORM, batch_independent_bytes
 
 LM8B, TINY = MODELS["lm8b"], MODELS["tiny"]
 V, D = 151_936, 4096
@@ -73,7 +73,7 @@ def _saved_bytes(batch, seq, mode, loss):
 @pytest.mark.parametrize("mode,precision", [("fp32", "fp32"), ("autocast", "bf16_autocast")])
 def test_fused_loss_saves_what_the_accounting_says(mode, precision):
     B, T = 2, 32
-    per_token = activation_bytes_per_token(TINY, T, precision, attention="flash", loss="fused").total_bytes
+    per_token = activation_bytes_per_token(TINY, T, precision, attention="flash", loss="fused", **CPU_NORM).total_bytes
     measured = _saved_bytes(B, T, mode, "fused")
     assert _saved_bytes(2 * B, T, mode, "fused") - measured == per_token * B * T  # exact, per token
     if mode == "fp32":  # the batch-independent tensors, less the plain loss's scalar total weight (4 bytes)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from analysis.snapshot import (BEFORE_RECORDING, Allocation, load_snapshot, main, markdown, origin,
-                               peak_allocations)
+from analysis.snapshot import (BEFORE_RECORDING, WITHOUT_PYTHON, Allocation, load_snapshot, main, markdown,
+                               origin, peak_allocations)
 
 REPO = Path(__file__).resolve().parent.parent
 REAL = REPO / "results/profiles/single_gpu/memory_2.7B_512_fp32_train_step.pickle.gz"
@@ -87,6 +87,10 @@ def test_peak_before_the_first_event_and_without_a_trace():
     assert (peak.peak_bytes, peak.time_us, peak.largest) == (8 * MiB, None, (Allocation(8 * MiB, BEFORE_RECORDING, 1),))
     freeing = {**snapshot, "device_traces": [[*_free(A, 8 * MiB, 10), _event("alloc", B, MiB, 20, REPO_FRAMES)]]}
     assert peak_allocations(freeing).peak_bytes == 8 * MiB and peak_allocations(freeing).time_us == 10
+    # recorded without Python frames (the autograd engine's C++ thread): not confused with older blocks
+    engine = {**snapshot, "device_traces": [[_event("alloc", B, 16 * MiB, 20)]]}
+    assert peak_allocations(engine).largest == (Allocation(16 * MiB, WITHOUT_PYTHON, 1),
+                                                Allocation(8 * MiB, BEFORE_RECORDING, 1))
     with pytest.raises(ValueError, match="device 1"):
         peak_allocations(snapshot, device=1)
 

@@ -110,7 +110,8 @@ def predicted_memory(spec: ModelSpec, args: JaxStepConfig, seq_len: int, mesh: M
     precision, attention = calculator_terms(args.dtype, args.attention)
     try:
         pred = per_device_memory(spec, calc[0], calc[1], args.batch_size * seq_len, seq_len, precision,
-                                 checkpointing=args.remat, attention=attention)
+                                 checkpointing=args.remat, attention=attention,
+                                 fused_norm=False)  # our RMSNorm is the formula written out: its vjp keeps x / rms
     except ValueError as err:
         return {"predicted_memory_error": str(err)}
     return {"predicted_memory_bytes": pred.total, "predicted_strategy": calc[0]}

@@ -248,7 +248,7 @@ def predicted_memory(args: TorchStepConfig, spec, seq_len: int) -> dict[str, int
         peak = int(per_device_memory(spec, "ddp", 1, tokens, seq_len, precision, attention=attention,
                                      peak_model="timeline", checkpoint_every=args.checkpoint_every,
                                      nested_checkpoint=args.nested_checkpoint, compiled=compiled,
-                                     loss=args.loss).total)
+                                     loss=args.loss, compiled_loss=args.compile and args.loss == "plain").total)
     return {"predicted_activation_bytes": activations, "predicted_peak_bytes": peak}
 
 
