@@ -47,7 +47,8 @@ from analysis.data_parallel import LEADERBOARD_SUITE, SUITE as DDP_SUITE, memory
 from analysis.harness import DTYPES, calculator_terms, compiled_activations, recomputation
 from analysis.records import Record
 from parallelism_calc.cli import ArgumentParser, error_boundary
-from parallelism_calc.memory import MemoryBreakdown, get_precision, mesh_memory_strategy, per_device_memory
+from parallelism_calc.memory import (CUDA_LIBRARY_WORKSPACES, MemoryBreakdown, get_precision, mesh_memory_strategy,
+                                     per_device_memory)
 from parallelism_calc.roofline import Ceilings, step_time_floor
 from parallelism_calc.specs import ModelSpec
 
@@ -216,21 +217,23 @@ def memory_breakdown(record: Record) -> tuple[MemoryBreakdown | None, str]:
                                            precision, attention, m.get("checkpoint_every"),
                                            bool(m.get("nested_checkpoint")), m["loss"],
                                            bool(m.get("keep_attention"))), "timeline"
+            on_gpu = dict(attention=attention, compiled=compiled, workspaces=CUDA_LIBRARY_WORKSPACES)
             if record.world_size == 1:
                 # the e2e benchmark compiles our plain loss with --compile (the stock model's and the DDP
                 # benchmark's run eagerly)
                 stock = record.implementation.startswith("stock")
                 compiled_loss = (compiled_of(record) and not stock and record.suite != DDP_SUITE
                                  and m.get("loss", "plain") == "plain")
-                return per_device_memory(spec, "ddp", 1, record.batch_size * seq, seq, precision, attention=attention,
-                                         peak_model="timeline", checkpoint_every=m.get("checkpoint_every"),
-                                         nested_checkpoint=bool(m.get("nested_checkpoint")), compiled=compiled,
-                                         compiled_loss=compiled_loss), "timeline" + label
+                pred = per_device_memory(spec, "ddp", 1, record.batch_size * seq, seq, precision, peak_model="timeline",
+                                         checkpoint_every=m.get("checkpoint_every"),
+                                         nested_checkpoint=bool(m.get("nested_checkpoint")),
+                                         compiled_loss=compiled_loss, **on_gpu)
+                return pred, "timeline" + label
             n = record.world_size  # the DDP benchmark's batch is per rank
             terms = memory_terms(m["impl"], get_precision(precision).grad_bytes, m.get("comm_dtype", "grad"))
-            return per_device_memory(spec, m["strategy"], n, n * record.batch_size * seq, seq, precision,
-                                     attention=attention, compiled=compiled, **terms), \
-                terms.get("peak_model", "sum") + label
+            pred = per_device_memory(spec, m["strategy"], n, n * record.batch_size * seq, seq, precision, **on_gpu,
+                                     **terms)
+            return pred, terms.get("peak_model", "sum") + label
         if record.backend == "jax":
             precision, attention = calculator_terms(record.dtype, m["attention"])
             mesh = record.mesh or {}
@@ -362,8 +365,9 @@ def explain_memory(rows: list[Row]) -> None:
     cache beside the tensors the calculator counts), the copy engines' pulled slices or ``DDPIndividualParameters``'
     held gradients (``COPY_ENGINE_STAGING``, ``INDIVIDUAL_HELD_GRADIENTS``), or XLA's buffer assignment (its
     temporaries and reuse, not modelled); over it, compiled blocks under checkpointing (the calculator counts the
-    eager model's saved tensors there: its compiled count was measured without checkpointing); and either way the
-    measurement's kind where the record names it (reserved bytes under, allocated outside a CUDA graph pool over).
+    eager model's saved tensors there: its compiled count was measured without checkpointing); the stock reference
+    model (``torch_impl.stock``, another model's code: the calculator counts ours tensor by tensor); and either way
+    the measurement's kind where the record names it (reserved bytes under, allocated outside a CUDA graph pool over).
     Under by no more than the plain loss's working buffers (``plain_loss_buffers``), outside the timeline (which
     counts them): those. Others stay ""."""
     for row in rows:
@@ -384,6 +388,8 @@ def explain_memory(rows: list[Row]) -> None:
             row.memory_why = "XLA's buffer assignment: its temporaries and reuse are not modelled"
         elif error > 0 and compiled_of(record) and record.metrics.get("checkpoint_every"):
             row.memory_why = "compiled blocks under checkpointing: the eager model's saved tensors are counted"
+        elif record.implementation.startswith("stock"):
+            row.memory_why = "the stock reference model: the calculator counts our model's saved tensors"
 
 
 def plain_loss_buffers(record: Record) -> float:

@@ -61,6 +61,10 @@ GATHER_UNITS = ("block", "layer")  # what stage-3 sharding all-gathers at once (
 # How per_device_memory places the peak: "sum" adds every term as if all were alive at once (an upper bound);
 # "timeline" takes the largest of the step's moments (forward's end, each block's backward, backward's end).
 PEAK_MODELS = ("sum", "timeline")
+# cuBLAS's and cuBLASLt's workspaces on Hopper, 32 MiB each: torch allocates them through its caching allocator at the
+# first matmul and keeps them (two 32 MiB blocks in every allocator snapshot of our steps on H100 and H200,
+# notes/fidelity.md, session 40): per_device_memory's ``workspaces`` for a PyTorch step on a GPU.
+CUDA_LIBRARY_WORKSPACES = 2 * 32 * 2**20
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -399,6 +403,8 @@ class MemoryBreakdown:
     reduce_scatter: float = 0.0
     # The fused loss's working buffers (loss_buffer_bytes; loss="fused" only, see per_device_memory)
     loss_buffers: float = 0.0
+    # The device's library workspaces, held from the first matmul on (``workspaces``; see per_device_memory)
+    workspaces: float = 0.0
 
 
 def _mesh(strategy: str, n_devices: int | ParallelSpec) -> ParallelSpec:
@@ -470,7 +476,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                       compiled: bool = False, pending_reduce_scatters: int | None = None,
                       compute_dtype_stream: bool = False, loss: str = "plain",
                       loss_chunk: int | None = None, kept_attention: bool = False,
-                      fused_norm: bool = True, compiled_loss: bool = False) -> MemoryBreakdown:
+                      fused_norm: bool = True, compiled_loss: bool = False,
+                      workspaces: float = 0.0) -> MemoryBreakdown:
     """Bytes per device of a training step with AdamW (ZeRO paper, Rajbhandari et al. 2020).
 
     P = spec.n_params(); per-parameter bytes from ``precision``; N_shard = the sharding degree.
@@ -568,6 +575,9 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     "sum" model; in the timeline, the forward buffers at the forward's end and the backward buffers at the loss's
     backward (CUDA memory snapshots of eager steps: the peak there, notes/fidelity.md, session 40).
 
+    ``workspaces``: bytes the device's libraries hold from the first matmul on, at every moment of the step:
+    ``CUDA_LIBRARY_WORKSPACES`` for a PyTorch step on a GPU (0, the default, elsewhere).
+
     ``peak_model``: "sum" (the default) adds every term above as if all were alive at once, an upper bound;
     "timeline" places the peak in the step (``step_peak_memory``: weights, masters, AdamW state and the
     gathered set always; the saved activations and autocast copies at the forward's end; the gradients written
@@ -637,8 +647,10 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                       if k_rs is not None and stage == 3 else 0.0)
     counted = spec.arch == "transformer" and (loss == "fused" or peak_model == "timeline" and not compiled_loss)
     loss_buffers = loss_buffer_bytes(spec, tokens, prec, loss, loss_chunk) if counted else LossBuffers(0.0, 0.0)
+    if workspaces < 0:
+        raise ValueError(f"workspaces={workspaces}: bytes >= 0")
     total = (params + grads + master + optimizer + activations + gathered + cast_weights + buckets + reduce_scatter
-             + loss_buffers.peak)
+             + loss_buffers.peak + workspaces)
     s = "N_shard" if n_shard > 1 else "1"
     if gains:
         s = f"N_shard [norm gains G = {gains:,}: (P - G) / N_shard + G / fsdp]"
@@ -658,12 +670,13 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
         "N_shard": str(n_shard),
         "loss_buffers": ("0" if not loss_buffers.peak else "fused loss: max(c V (4 + 4), c V (4 + p) + V d 4)"
                          if loss == "fused" else "plain loss: max(N V (p + w), N V (4 + 4))"),
+        "workspaces": f"{workspaces / 2**20:g} MiB (the libraries' workspaces)" if workspaces else "0",
     }
     if stream:
         formulas["activations"] += " (residual stream in the compute dtype)"
     breakdown = MemoryBreakdown(strategy, params, grads, master, optimizer, activations, gathered, cast_weights,
                                 total, formulas, buckets=buckets, reduce_scatter=reduce_scatter,
-                                loss_buffers=loss_buffers.peak)
+                                loss_buffers=loss_buffers.peak, workspaces=workspaces)
     if peak_model == "timeline":
         return step_peak_memory(spec, breakdown, tokens, seq_len, prec, checkpointing, attention, tp,
                                 checkpoint_every, nested_checkpoint, compiled, stream, loss, loss_buffers,
@@ -691,7 +704,7 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     The step frees gradients before its forward (``zero_grad(set_to_none=True)``, torch_impl/step.py), so no
     gradient exists while activations accumulate, and its backward frees each block's saved activations (and
     the autocast weight copies saved with them) as it writes that block's gradients. With S = params + master
-    + optimizer + gathered + buckets (alive throughout), R = state.reduce_scatter (stage 3's unsharded gradient and
+    + optimizer + gathered + buckets + workspaces (alive throughout), R = state.reduce_scatter (stage 3's unsharded gradient and
     reduce-scatter buffers, during the backward only), per token b = one block's saved activations, a = one block
     input (the residual stream: a checkpoint), e = the extras outside the blocks (final norm, fp32 log-softmax, token
     ids), c = one block's autocast weight copies, c_head = the LM head's, g = one block's gradients, g_top = the
@@ -760,7 +773,8 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     per_param = state.grads / spec.n_params()
     g = spec.n_params_per_layer() * per_param
     g_top = 0.0 if spec.arch == "ffn_only" else (spec.vocab_size * d + d) * per_param
-    persistent = state.params + state.master + state.optimizer + state.gathered + state.buckets  # S
+    persistent = (state.params + state.master + state.optimizer + state.gathered + state.buckets
+                  + state.workspaces)  # S
 
     # Each moment: (where, gradients, activations, autocast copies, reduce-scatter buffers, loss buffers) alive
     # beside S.

@@ -10,7 +10,7 @@ from analysis.fidelity import (COPY_ENGINE_STAGING, HOST_PACED_TIME, INDIVIDUAL_
                                fidelity_rows, main, memory_breakdown, memory_prediction, predict, summary, _frame)
 from analysis.records import Record, save_records, timing_stats
 from parallelism_calc.roofline import Ceilings, step_time_floor
-from parallelism_calc.memory import per_device_memory
+from parallelism_calc.memory import CUDA_LIBRARY_WORKSPACES, per_device_memory
 from parallelism_calc.specs import MODELS, ParallelSpec
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -45,7 +45,7 @@ def test_floor_and_memory_errors_are_the_calculator_s():
     # Memory: recomputed from the calculator (one torch device: the peak placed in the step; the record's blocks are
     # compiled: what Inductor saves, with the e2e benchmark's compiled loss), not the stored 2.5 GiB.
     peak = per_device_memory(SPEC, "ddp", 1, 4 * 512, 512, "bf16_autocast", attention="flash", peak_model="timeline",
-                             compiled=True, compiled_loss=True)
+                             compiled=True, compiled_loss=True, workspaces=CUDA_LIBRARY_WORKSPACES)
     assert (row.predicted_memory, row.memory_model) == (peak.total, "timeline, compiled")
     assert row.memory_error == pytest.approx(peak.total / (2 * 2**30) - 1)
     assert row.why == ""
@@ -257,3 +257,8 @@ def test_memory_beyond_the_bound_says_why_where_a_known_gap_explains_it():
                                   "(notes/leaderboard.md)")
     assert rows[2].memory_why == rows[3].memory_why == ""
     assert summary(_frame(rows)).loc[0, "memory: beyond 5%, no why"] == 2
+    # the stock reference model is another model's code: the calculator's count is ours
+    stock = _record(implementation="stock compiled sdpa_cudnn", batch_size=batch)
+    stock, = fidelity_rows([*_ceilings(), dataclasses.replace(
+        stock, peak_memory_bytes=fidelity_rows([*_ceilings(), stock])[0].predicted_memory * 1.2)])
+    assert stock.memory_why == "the stock reference model: the calculator counts our model's saved tensors"

@@ -3,9 +3,9 @@ committed 2.7B records of one H100 (results/memory_h100.jsonl: batch 4, context 
 eager SDPA; results/checkpointing_h100.jsonl: 4 x 2,048 bf16, our Triton kernel, checkpointing every 1-8 blocks,
 flat and nested), and the fidelity report's recomputation against what the benchmarks stored at run time.
 
-Achieved: every ok train-step row of both files within 1.5% (-0.7% to -1.1% for memory_h100, -1.4% to -1.5% for the
+Achieved: every ok train-step row of both files within 1.4% (-0.2% to -1.0% for memory_h100, -1.3% to -1.4% for the
 checkpointing rows), with RMSNorm counted as CUDA's fused kernel keeps it (its input and rsqrt; the written-out count,
-which also keeps x / rms, gave up to +3.23%). The one failed row (no checkpointing at 4 x 2,048: out of memory) is
+which also keeps x / rms, gave up to +3.23%), the plain loss's buffers at its backward and cuBLAS's workspaces. The one failed row (no checkpointing at 4 x 2,048: out of memory) is
 predicted above the card's 79.18 GiB. Not explained here: see notes/fidelity.md (compiled steps, CUDA graph pools,
 data-parallel wrappers, XLA).
 """
@@ -19,12 +19,12 @@ from analysis.fidelity import memory_breakdown, memory_prediction
 from analysis.harness import calculator_terms
 from analysis.records import read_records
 from analysis.tables import load_records
-from parallelism_calc.memory import per_device_memory
+from parallelism_calc.memory import CUDA_LIBRARY_WORKSPACES, per_device_memory
 from parallelism_calc.specs import ModelSpec
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 FILES = ("memory_h100.jsonl", "checkpointing_h100.jsonl")
-ACHIEVED = 0.015  # the worst |predicted / measured - 1| over the rows below: 1.46%
+ACHIEVED = 0.014  # the worst |predicted / measured - 1| over the rows below: 1.35%
 H100_CAPACITY = 79.18 * 2**30  # what torch reports for an H100 80GB HBM3 (the OOM record's message)
 
 
@@ -41,7 +41,8 @@ def _predict(record):
     return per_device_memory(ModelSpec(**record.model_dims), "ddp", 1, record.batch_size * record.seq_len,
                              record.seq_len, precision, attention=attention, peak_model="timeline",
                              checkpoint_every=record.metrics.get("checkpoint_every"),
-                             nested_checkpoint=bool(record.metrics.get("nested_checkpoint")))
+                             nested_checkpoint=bool(record.metrics.get("nested_checkpoint")),
+                             workspaces=CUDA_LIBRARY_WORKSPACES)
 
 
 @pytest.mark.parametrize("name", FILES)

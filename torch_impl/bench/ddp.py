@@ -237,13 +237,14 @@ def predicted_memory(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, worl
     peak placed in the step: the FSDPs with the working set each gathers (see the module docstring) and their
     reduce-scatter buffers in flight; the one-process baseline and the DDP family with the gradient buckets they
     keep; compiled blocks with what Inductor saves."""
-    from parallelism_calc.memory import get_precision, per_device_memory
+    from parallelism_calc.memory import CUDA_LIBRARY_WORKSPACES, get_precision, per_device_memory
 
     precision, attention = calculator_terms(args.dtype, args.attention)
     n = 1 if cfg.impl == "none" else world_size
     terms = memory_terms(cfg.impl, get_precision(precision).grad_bytes, cfg.comm_dtype)
     return per_device_memory(spec, cfg.strategy, n, n * args.batch_size * seq_len, seq_len, precision,
-                             attention=attention, compiled=compiled_activations(args.compile, attention), **terms)
+                             attention=attention, compiled=compiled_activations(args.compile, attention),
+                             workspaces=CUDA_LIBRARY_WORKSPACES if args.device == "cuda" else 0, **terms)
 
 
 def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_size: int, device_name: str,

@@ -44,7 +44,7 @@ from analysis.harness import (StepConfig, StepRun, calculator_terms, compiled_ac
                               frozen_gc, resolve_spec, run_benchmark, step_record)
 from analysis.records import Record
 from parallelism_calc.checkpointing import checkpointed_activation_bytes
-from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
+from parallelism_calc.memory import CUDA_LIBRARY_WORKSPACES, activation_bytes_per_token, per_device_memory
 from torch_impl import nvtx
 from torch_impl.device import device_name, pick_device
 from torch_impl.linear_cross_entropy import LOSSES
@@ -245,10 +245,12 @@ def predicted_memory(args: TorchStepConfig, spec, seq_len: int) -> dict[str, int
                                                  compiled=compiled, loss=args.loss).for_tokens(tokens)
     peak = None
     if args.mode == "train_step":
+        workspaces = CUDA_LIBRARY_WORKSPACES if pick_device(args.device).type == "cuda" else 0
         peak = int(per_device_memory(spec, "ddp", 1, tokens, seq_len, precision, attention=attention,
                                      peak_model="timeline", checkpoint_every=args.checkpoint_every,
                                      nested_checkpoint=args.nested_checkpoint, compiled=compiled,
-                                     loss=args.loss, compiled_loss=args.compile and args.loss == "plain").total)
+                                     loss=args.loss, compiled_loss=args.compile and args.loss == "plain",
+                                     workspaces=workspaces).total)
     return {"predicted_activation_bytes": activations, "predicted_peak_bytes": peak}
 
 
