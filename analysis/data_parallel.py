@@ -27,16 +27,16 @@ LEADERBOARD_SUITE = "leaderboard"  # torch_impl.bench.leaderboard's records: a s
 
 def sharded_step_memory(spec, dist: str, n_devices: int, batch_tokens: int, seq_len: int, precision: str,
                         attention: str, checkpoint_every: int | None, nested_checkpoint: bool, loss: str,
-                        kept_attention: bool):
+                        kept_attention: bool, device_type: str = "cuda"):
     """The calculator's per-device peak (``per_device_memory``, a ``MemoryBreakdown``) of a training step sharded by
-    our FSDP or FSDP2 (``dist``, its gathering: ``FSDP_GATHERING``): what the leaderboard benchmark predicts and the
-    fidelity report recomputes from its records."""
-    from parallelism_calc.memory import CUDA_LIBRARY_WORKSPACES, per_device_memory
+    our FSDP or FSDP2 (``dist``, its gathering: ``FSDP_GATHERING``) on ``device_type`` (``harness.device_terms``):
+    what the leaderboard benchmark predicts and the fidelity report recomputes from its records."""
+    from analysis.harness import device_terms
+    from parallelism_calc.memory import per_device_memory
 
     return per_device_memory(spec, "fsdp", n_devices, batch_tokens, seq_len, precision, attention=attention,
                              checkpoint_every=checkpoint_every, nested_checkpoint=nested_checkpoint, loss=loss,
-                             kept_attention=kept_attention, workspaces=CUDA_LIBRARY_WORKSPACES,
-                             **FSDP_GATHERING[dist])
+                             kept_attention=kept_attention, **device_terms(device_type), **FSDP_GATHERING[dist])
 
 
 # torch DDP's bf16_compress_hook: the bf16 copy of every bucket beside its fp32 buckets (per_device_memory's

@@ -44,7 +44,7 @@ from typing import Any
 from analysis.allreduce import ALLREDUCE_SUITE
 from analysis.attention import ATTENTION_SUITE
 from analysis.data_parallel import LEADERBOARD_SUITE, SUITE as DDP_SUITE, memory_terms, sharded_step_memory
-from analysis.harness import DTYPES, calculator_terms, compiled_activations, recomputation
+from analysis.harness import DTYPES, calculator_terms, compiled_activations, device_terms, recomputation
 from analysis.records import Record
 from parallelism_calc.cli import ArgumentParser, error_boundary
 from parallelism_calc.memory import (CUDA_LIBRARY_WORKSPACES, MemoryBreakdown, get_precision, mesh_memory_strategy,
@@ -63,7 +63,7 @@ LEAKING_WRAPPERS = ("individual", "bucketed", "zero1")
 # The kernel torch's default SDPA (``--attention sdpa``) ran in bf16 on the H100 with torch 2.11: cuDNN's sm90 kernels
 # (results/profiles/single_gpu/xl_4x512_train_step_bf16_kernels.md), timed by the attention benchmark as sdpa_cudnn.
 SDPA_DEFAULT_KERNEL = "sdpa_cudnn"
-LEFTOVER_MIN_BYTES = 2**30  # a leftover smaller than this (NCCL's and cuBLAS's workspaces, 64 MiB) is not added
+LEFTOVER_MIN_BYTES = 2**30  # a leftover smaller than this (NCCL's buffers) is not added
 # What bucketed DDP on the copy engines held beyond its buckets, not in the calculator: the peers' slices it pulled,
 # allocated as the host launched each bucket ahead of the GPU (1.3-3.1 GB at xl on 2 H200s from 5940089); since
 # 4c4c37f the peers push into the buckets themselves and nothing is held (the records do not say which they ran)
@@ -217,21 +217,20 @@ def memory_breakdown(record: Record) -> tuple[MemoryBreakdown | None, str]:
                                            precision, attention, m.get("checkpoint_every"),
                                            bool(m.get("nested_checkpoint")), m["loss"],
                                            bool(m.get("keep_attention"))), "timeline"
-            on_gpu = dict(attention=attention, compiled=compiled, workspaces=CUDA_LIBRARY_WORKSPACES)
+            step_terms = dict(attention=attention, compiled=compiled, **device_terms("cuda"))  # a GPU's record
             if record.world_size == 1:
                 # the e2e benchmark compiles our plain loss with --compile (the stock model's and the DDP
                 # benchmark's run eagerly)
-                stock = record.implementation.startswith("stock")
-                compiled_loss = (compiled_of(record) and not stock and record.suite != DDP_SUITE
-                                 and m.get("loss", "plain") == "plain")
+                loss, stock = m.get("loss", "plain"), record.implementation.startswith("stock")
+                compiled_loss = compiled_of(record) and not stock and record.suite != DDP_SUITE and loss == "plain"
                 pred = per_device_memory(spec, "ddp", 1, record.batch_size * seq, seq, precision, peak_model="timeline",
                                          checkpoint_every=m.get("checkpoint_every"),
-                                         nested_checkpoint=bool(m.get("nested_checkpoint")),
-                                         compiled_loss=compiled_loss, **on_gpu)
+                                         nested_checkpoint=bool(m.get("nested_checkpoint")), loss=loss,
+                                         compiled_loss=compiled_loss, **step_terms)
                 return pred, "timeline" + label
             n = record.world_size  # the DDP benchmark's batch is per rank
             terms = memory_terms(m["impl"], get_precision(precision).grad_bytes, m.get("comm_dtype", "grad"))
-            pred = per_device_memory(spec, m["strategy"], n, n * record.batch_size * seq, seq, precision, **on_gpu,
+            pred = per_device_memory(spec, m["strategy"], n, n * record.batch_size * seq, seq, precision, **step_terms,
                                      **terms)
             return pred, terms.get("peak_model", "sum") + label
         if record.backend == "jax":
@@ -254,7 +253,7 @@ def memory_prediction(record: Record) -> tuple[float | None, str]:
     if stored is None:
         return None, ""
     breakdown, model = memory_breakdown(record)
-    return (breakdown.total, model) if breakdown else (stored, "stored at run time")
+    return (breakdown.total, model) if breakdown is not None else (stored, "stored at run time")
 
 
 def leftover_bytes(records: list[Record]) -> dict[int, tuple[float, str]]:
@@ -271,7 +270,9 @@ def leftover_bytes(records: list[Record]) -> dict[int, tuple[float, str]]:
             continue
         m, prov = r.metrics, r.provenance
         launch = (prov.get("git_commit"), prov.get("command"), prov.get("hostname"), prov.get("device_name"))
-        before = [b for b in m.get("per_rank_allocated_before_bytes") or [] if b is not None]
+        # measured: less cuBLAS's workspaces, which an earlier configuration's first matmul made and the prediction
+        # counts already
+        before = [b - CUDA_LIBRARY_WORKSPACES for b in m.get("per_rank_allocated_before_bytes") or [] if b is not None]
         if before:
             if max(before) >= LEFTOVER_MIN_BYTES:
                 out[id(r)] = (float(max(before)), "measured before the configuration (per_rank_allocated_before_bytes)")
@@ -395,7 +396,7 @@ def explain_memory(rows: list[Row]) -> None:
 def plain_loss_buffers(record: Record) -> float:
     """Bytes of the plain loss's working buffers on a device at their peak, N V max(p + 4, 8) (the logits in the
     compute dtype and their fp32 copy in the forward, two fp32 N x V tensors in the backward; notes/train_step.md),
-    which ``per_device_memory`` leaves out; 0 for a fused loss or a record without a spec."""
+    which ``per_device_memory``'s "sum" model leaves out; 0 for a fused loss or a record without a spec."""
     if record.metrics.get("loss") == "fused" or not record.model_dims:
         return 0.0
     try:

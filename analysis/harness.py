@@ -41,6 +41,16 @@ def calculator_terms(dtype: str, attention: str) -> tuple[str, str]:
     return DTYPES[dtype], "naive" if attention == "naive" else "flash"
 
 
+def device_terms(device_type: str) -> dict[str, Any]:
+    """What ``parallelism_calc.memory`` takes for a PyTorch step on a device of this type: on "cuda", RMSNorm as
+    ``F.rms_norm``'s fused kernel keeps it and cuBLAS's workspaces (``CUDA_LIBRARY_WORKSPACES``); elsewhere the
+    written-out norm (the CPU's ``F.rms_norm``) and none."""
+    from parallelism_calc.memory import CUDA_LIBRARY_WORKSPACES
+
+    cuda = device_type == "cuda"
+    return {"fused_norm": cuda, "workspaces": CUDA_LIBRARY_WORKSPACES if cuda else 0}
+
+
 def compiled_activations(compiled: bool, attention: str, checkpoint_every: int | None = None) -> bool:
     """Whether ``parallelism_calc.memory``'s count of what compiled blocks save (``compiled=True``) applies to a
     run: compiled, a fused attention kernel (``calculator_terms``' "flash"), no checkpointing (what the count was

@@ -31,8 +31,8 @@ from parallelism_calc.cli import ArgumentParser, error_boundary, nonnegative_int
 GZIP_MAGIC = b"\x1f\x8b"
 REPO_PACKAGES = ("torch_impl", "analysis", "parallelism_calc")  # the package folders of this repository
 BEFORE_RECORDING = "allocated before recording"
-# a recorded allocation without Python frames: made on a C++ thread (the autograd engine runs the backward there)
-WITHOUT_PYTHON = "no Python frame (C++: the autograd engine's backward)"
+# a recorded allocation without Python frames: made on a C++ thread (the autograd engine's backward, a collective's)
+WITHOUT_PYTHON = "no Python frame (a C++ thread: the autograd engine's backward, ...)"
 LIVE_STATES = ("active_allocated", "active_pending_free")  # blocks still counted as allocated at the dump
 INSTALLED = ("site-packages", "dist-packages")
 BLOCK = 512  # the allocator's granularity (kMinBlockSize): the trace records requested sizes, the stats blocks
@@ -108,13 +108,13 @@ def _short(filename: str) -> str:
     return filename
 
 
-def origin(frames: list[dict], without: str = BEFORE_RECORDING) -> str:
+def origin(frames: list[dict], no_frames: str = BEFORE_RECORDING) -> str:
     """Where an allocation was made: the innermost frame of this repository's code, else the innermost frame
-    outside torch's own files, as ``torch_impl/model.py:60 (forward)``; ``without`` frames (a block older than the
-    recording: ``BEFORE_RECORDING``; a recorded one: ``WITHOUT_PYTHON``)."""
+    outside torch's own files, as ``torch_impl/model.py:60 (forward)``; ``no_frames`` without any (a block older
+    than the recording: ``BEFORE_RECORDING``; a recorded one: ``WITHOUT_PYTHON``)."""
     frames = [f for f in frames or () if isinstance(f, dict) and f.get("filename")]
     if not frames:
-        return without
+        return no_frames
     frame = (next((f for f in frames if _is_repo(f["filename"])), None)
              or next((f for f in frames if not _is_torch(f["filename"])), frames[0]))
     return f"{_short(frame['filename'])}:{frame.get('line', '?')} ({frame.get('name', '?')})"

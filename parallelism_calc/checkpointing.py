@@ -47,12 +47,14 @@ class CheckpointedActivations:
 
 def checkpointed_activation_bytes(spec: ModelSpec, seq_len: int, precision: str | Precision = "fp32",
                                   every: int = 1, nested: bool = False,
-                                  attention: str = "naive") -> CheckpointedActivations:
-    """Peak saved activations per token when checkpointing every ``every`` blocks (module docstring)."""
+                                  attention: str = "naive", fused_norm: bool = True) -> CheckpointedActivations:
+    """Peak saved activations per token when checkpointing every ``every`` blocks (module docstring; ``fused_norm``
+    as ``memory.activation_bytes_per_token`` takes it)."""
     if every < 1:
         raise ValueError(f"checkpoint every {every} blocks: must be >= 1")
-    block = activation_bytes_per_token(spec, seq_len, precision, "none", attention)
-    kept = activation_bytes_per_token(spec, seq_len, precision, "full", attention).per_layer_bytes  # a
+    block = activation_bytes_per_token(spec, seq_len, precision, "none", attention, fused_norm=fused_norm)
+    kept = activation_bytes_per_token(spec, seq_len, precision, "full", attention,
+                                      fused_norm=fused_norm).per_layer_bytes  # a
     k = min(every, spec.n_layers)
     segments = math.ceil(spec.n_layers / every)
     inputs = segments * kept

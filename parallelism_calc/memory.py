@@ -61,9 +61,10 @@ GATHER_UNITS = ("block", "layer")  # what stage-3 sharding all-gathers at once (
 # How per_device_memory places the peak: "sum" adds every term as if all were alive at once (an upper bound);
 # "timeline" takes the largest of the step's moments (forward's end, each block's backward, backward's end).
 PEAK_MODELS = ("sum", "timeline")
-# cuBLAS's and cuBLASLt's workspaces on Hopper, 32 MiB each: torch allocates them through its caching allocator at the
-# first matmul and keeps them (two 32 MiB blocks in every allocator snapshot of our steps on H100 and H200,
-# notes/fidelity.md, session 40): per_device_memory's ``workspaces`` for a PyTorch step on a GPU.
+# The libraries' workspaces of a PyTorch step on a Hopper GPU, as measured: two 32 MiB blocks (cuBLAS's, 32 MiB a
+# handle and stream on sm90; which two handles or streams is not read from the snapshots), allocated through torch's
+# caching allocator at the first matmuls and kept, in every allocator snapshot of our steps on H100 and H200
+# (notes/fidelity.md, session 40): per_device_memory's ``workspaces`` for a PyTorch step on a GPU.
 CUDA_LIBRARY_WORKSPACES = 2 * 32 * 2**20
 
 
@@ -401,7 +402,7 @@ class MemoryBreakdown:
     # Stage 3: a unit's unsharded gradient and the reduce-scatter buffers in flight, alive during the backward
     # (pending_reduce_scatters; see per_device_memory)
     reduce_scatter: float = 0.0
-    # The fused loss's working buffers (loss_buffer_bytes; loss="fused" only, see per_device_memory)
+    # The loss's working buffers (loss_buffer_bytes: the fused loss's; the plain loss's in the timeline)
     loss_buffers: float = 0.0
     # The device's library workspaces, held from the first matmul on (``workspaces``; see per_device_memory)
     workspaces: float = 0.0
@@ -645,7 +646,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     k_rs = pending_reduce_scatters
     reduce_scatter = (unit * prec.activation_bytes * (1 + (k_rs + 1) * (1 + 1 / n_shard)) / tp
                       if k_rs is not None and stage == 3 else 0.0)
-    counted = spec.arch == "transformer" and (loss == "fused" or peak_model == "timeline" and not compiled_loss)
+    counted = spec.arch == "transformer" and (loss == "fused" or (peak_model == "timeline" and not compiled_loss))
     loss_buffers = loss_buffer_bytes(spec, tokens, prec, loss, loss_chunk) if counted else LossBuffers(0.0, 0.0)
     if workspaces < 0:
         raise ValueError(f"workspaces={workspaces}: bytes >= 0")
@@ -704,11 +705,12 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     The step frees gradients before its forward (``zero_grad(set_to_none=True)``, torch_impl/step.py), so no
     gradient exists while activations accumulate, and its backward frees each block's saved activations (and
     the autocast weight copies saved with them) as it writes that block's gradients. With S = params + master
-    + optimizer + gathered + buckets + workspaces (alive throughout), R = state.reduce_scatter (stage 3's unsharded gradient and
-    reduce-scatter buffers, during the backward only), per token b = one block's saved activations, a = one block
-    input (the residual stream: a checkpoint), e = the extras outside the blocks (final norm, fp32 log-softmax, token
-    ids), c = one block's autocast weight copies, c_head = the LM head's, g = one block's gradients, g_top = the
-    LM head's and final norm's (written before any block's), G = all gradients, L blocks, T = tokens:
+    + optimizer + gathered + buckets + workspaces (alive throughout), R = state.reduce_scatter (stage 3's unsharded
+    gradient and reduce-scatter buffers, during the backward only), per token b = one block's saved activations,
+    a = one block input (the residual stream: a checkpoint), e = the extras outside the blocks (final norm, fp32
+    log-softmax, token ids), c = one block's autocast weight copies, c_head = the LM head's, g = one block's
+    gradients, g_top = the LM head's and final norm's (written before any block's), G = all gradients, L blocks,
+    T = tokens:
 
         peak = S + max(forward's end, backward at block i for i = L-1 .. 0, backward's end)
         forward's end      = T (L b + e) + L c + c_head           no checkpointing
@@ -744,7 +746,8 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     (``state.grads / P`` a parameter: exact unless fsdp_tp shards the norm gains differently); the block
     input a checkpoint keeps is also that block's first norm input, counted in b as well (one D-sized fp32
     tensor a recomputed segment, 0.2% of the 2.7B peak); transients (the gradient flowing down the residual
-    stream, matmul workspaces, the allocator's rounding and caching) are not modelled. Checked against the
+    stream, the allocator's rounding and caching; the libraries' workspaces only as ``state.workspaces`` gives them)
+    are not modelled. Checked against the
     2.7B single-H100 records (results/memory_h100.jsonl, results/checkpointing_h100.jsonl;
     tests/test_memory_records.py); not validated for data-parallel wrappers (gradient buckets, reduce-scatter
     buffers) or XLA's buffer assignment.

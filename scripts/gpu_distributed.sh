@@ -68,6 +68,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 n=$(nvidia-smi -L | wc -l)
 run=(torchrun --standalone --nproc_per_node)
 pack() {  # pack DIR ARCHIVE: OUT_DIR/DIR -> OUT_DIR/ARCHIVE.tar.xz (traces a third smaller than gzipped)
+  : "${1:?pack: a folder of OUT_DIR}" "${2:?pack: an archive name}"
   python3 -c $'import sys, tarfile\nwith tarfile.open(sys.argv[1], "w:xz") as t:\n    t.add(sys.argv[2], sys.argv[3])' \
     "$out/$2.tar.xz" "$out/$1" "$1" && rm -rf "${out:?}/$1"
 }
@@ -269,8 +270,8 @@ snapshot)
     read -r model batch seq <<< "$config"
     ddp=(-m torch_impl.bench.ddp --model "$model" --batch-size "$batch" --seq-len "$seq" --dtype bf16
          --attention sdpa_cudnn --memory-snapshot "$out/snapshots/${model}_${batch}x$seq" --out "$out/ddp.jsonl")
-    python3 "${ddp[@]}" --dist none
-    "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2,bucketed --bucket-mb 25
+    timeout 150 python3 "${ddp[@]}" --dist none
+    timeout 200 "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2,bucketed --bucket-mb 25
   done
   pack snapshots snapshots ;;
 *) echo "unknown phase $phase; accepted: $phases" >&2

@@ -9,7 +9,7 @@ and the int64 ids (8).
 
 import pytest
 
-from parallelism_calc.memory import PEAK_MODELS, activation_bytes_per_token, per_device_memory
+from parallelism_calc.memory import CUDA_LIBRARY_WORKSPACES, PEAK_MODELS, activation_bytes_per_token, per_device_memory
 from parallelism_calc.specs import MODELS, ModelSpec
 
 # D 8, F 16, H 2, 2 layers, V 10. P = 80 (embedding) + 2 x 656 (blocks) + 8 (final norm) + 80 (LM head) = 1,480.
@@ -56,6 +56,27 @@ def test_no_checkpointing_peak_is_the_largest_moment_by_hand():
     # The plain loss compiled by Inductor (the e2e benchmark's --compile): its buffers not counted, the forward's end
     compiled = _timeline(compiled_loss=True)
     assert (compiled.total, compiled.peak_at, compiled.loss_buffers) == (S_DDP + saved, "forward's end", 0)
+
+
+def test_the_written_out_norm_and_the_workspaces_through_the_timeline():
+    """fused_norm=False adds x / rms, 4 D bytes a norm and token, to every moment that holds activations: at the
+    toy's peak 64 tokens x (2 L + 1) norms x 4 D. workspaces are held at every moment, in both peak models."""
+    fused, written_out = _timeline(), _timeline(fused_norm=False)
+    assert written_out.activations - fused.activations == 64 * (2 * 2 + 1) * 4 * 8
+    assert written_out.peak_at == fused.peak_at and written_out.total - fused.total == 64 * 5 * 32
+    for peak_model in PEAK_MODELS:
+        plain = _timeline(peak_model=peak_model)
+        held = _timeline(peak_model=peak_model, workspaces=CUDA_LIBRARY_WORKSPACES)
+        assert held.total - plain.total == CUDA_LIBRARY_WORKSPACES == held.workspaces
+        assert held.peak_at == plain.peak_at
+    short = dict(batch_tokens=2, seq_len=2)  # the backward's end is the peak: the workspaces are there too
+    assert _timeline(**short, workspaces=1024).total == _timeline(**short).total + 1024
+    with pytest.raises(ValueError, match="bytes >= 0"):
+        _timeline(workspaces=-1)
+    from analysis.harness import device_terms
+
+    assert device_terms("cpu") == {"fused_norm": False, "workspaces": 0}
+    assert device_terms("cuda") == {"fused_norm": True, "workspaces": CUDA_LIBRARY_WORKSPACES}
 
 
 def test_short_sequences_peak_at_the_backward_s_end():

@@ -173,7 +173,7 @@ def test_predicted_memory_follows_the_strategy(records):
 def test_predicted_memory_in_bf16_gathers_bf16_without_weight_copies():
     # --dtype bf16: autocast over fp32 weights. Both FSDPs gather in bf16 (2 bytes) and free after each forward,
     # so no bf16 weight copy lives until backward; zero1 reads the fp32 weights, so every matmul weight keeps one.
-    args = argparse.Namespace(dtype="bf16", attention="sdpa", batch_size=2, compile=False)
+    args = argparse.Namespace(dtype="bf16", attention="sdpa", batch_size=2, compile=False, device="cuda")
     tiny = MODELS["tiny"]  # D 64, F 176, V 512, 2 layers
     ours, fsdp2 = (predicted_memory(Config(impl), args, tiny, 32, 2) for impl in ("fsdp", "fsdp2"))
     assert (ours.gathered, ours.cast_weights) == (2 * (4 * 64 * 64 + 3 * 64 * 176 + 2 * 64) * 2, 0)

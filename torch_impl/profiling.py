@@ -79,7 +79,6 @@ def profile_steps(step: Callable[[], object], n_steps: int, out_dir: str | Path 
     return rows
 
 
-
 SNAPSHOT_ENTRIES = 1_000_000  # allocator events kept (a step of xl or 2.7B makes ~10^5)
 
 

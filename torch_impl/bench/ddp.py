@@ -81,8 +81,8 @@ import statistics
 import sys
 from typing import Any
 
-from analysis.harness import (DTYPES, StepConfig, StepRun, calculator_terms, compiled_activations, fixed_batch,
-                              resolve_spec, step_record)
+from analysis.harness import (DTYPES, StepConfig, StepRun, calculator_terms, compiled_activations, device_terms,
+                              fixed_batch, resolve_spec, step_record)
 from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, memory_terms, report,
                                      single_process_baselines)
 from analysis.records import Record, read_records, save_records
@@ -237,14 +237,14 @@ def predicted_memory(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, worl
     peak placed in the step: the FSDPs with the working set each gathers (see the module docstring) and their
     reduce-scatter buffers in flight; the one-process baseline and the DDP family with the gradient buckets they
     keep; compiled blocks with what Inductor saves."""
-    from parallelism_calc.memory import CUDA_LIBRARY_WORKSPACES, get_precision, per_device_memory
+    from parallelism_calc.memory import get_precision, per_device_memory
 
     precision, attention = calculator_terms(args.dtype, args.attention)
     n = 1 if cfg.impl == "none" else world_size
     terms = memory_terms(cfg.impl, get_precision(precision).grad_bytes, cfg.comm_dtype)
     return per_device_memory(spec, cfg.strategy, n, n * args.batch_size * seq_len, seq_len, precision,
                              attention=attention, compiled=compiled_activations(args.compile, attention),
-                             workspaces=CUDA_LIBRARY_WORKSPACES if args.device == "cuda" else 0, **terms)
+                             **device_terms(args.device), **terms)
 
 
 def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_size: int, device_name: str,
@@ -465,7 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "kernels beside the compute ones: where overlap slows the backward)")
     parser.add_argument("--memory-snapshot", metavar="DIR",
                         help="after timing, one more step per configuration with the CUDA allocator's history "
-                             "recorded on every rank: DIR/<impl>_rank<r>.pickle.gz (read it with python -m "
+                             "recorded on every rank: DIR/<configuration>_rank<r>.pickle.gz, e.g. "
+                             "bucketed_25MB_rank0.pickle.gz (read it with python -m "
                              "analysis.snapshot: what is alive at the peak and which line made it)")
     parser.add_argument("--out", default="results/ddp.jsonl", type=writable_path,
                         help="append records here (rank 0; default results/ddp.jsonl)")

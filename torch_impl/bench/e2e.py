@@ -40,11 +40,11 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from analysis.harness import (StepConfig, StepRun, calculator_terms, compiled_activations, failure_record, fixed_batch,
-                              frozen_gc, resolve_spec, run_benchmark, step_record)
+from analysis.harness import (StepConfig, StepRun, calculator_terms, compiled_activations, device_terms, failure_record,
+                              fixed_batch, frozen_gc, resolve_spec, run_benchmark, step_record)
 from analysis.records import Record
 from parallelism_calc.checkpointing import checkpointed_activation_bytes
-from parallelism_calc.memory import CUDA_LIBRARY_WORKSPACES, activation_bytes_per_token, per_device_memory
+from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
 from torch_impl import nvtx
 from torch_impl.device import device_name, pick_device
 from torch_impl.linear_cross_entropy import LOSSES
@@ -190,7 +190,9 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
             if not graphed:  # the peak of a step after the warm-up
                 torch.cuda.reset_peak_memory_stats(device)
         if args.memory_snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")  # C++: 10x bigger
+            from torch_impl.profiling import SNAPSHOT_ENTRIES
+
+            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")  # C++: 10x bigger
         losses += [run() for _ in range(args.steps - (0 if args.warmup else 1))]
     step_ms, phases_ms = timer.results()
     if args.memory_snapshot:
@@ -210,7 +212,7 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
                "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
                "blocks_per_graph": BLOCKS_PER_GRAPH if args.compile and not stock else None,
                "compile_s": compile_s, "warmup_step_ms": warmup_ms, "warmup_phases_ms": warmup_phases_ms,
-               **predicted_memory(dataclasses.replace(args, loss=loss), spec, seq_len)}
+               **predicted_memory(dataclasses.replace(args, loss=loss), spec, seq_len, stock)}
     if args.profile:
         variant = "_stock" if stock else "" if graph == "off" else f"_graph_{graph}"
         tag = f"{spec.name}_{args.batch_size}x{seq_len}_{args.mode}_{args.dtype}{variant}"
@@ -223,7 +225,7 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
     )
 
 
-def predicted_memory(args: TorchStepConfig, spec, seq_len: int) -> dict[str, int | None]:
+def predicted_memory(args: TorchStepConfig, spec, seq_len: int, stock: bool = False) -> dict[str, int | None]:
     """What ``parallelism_calc`` predicts for this run: the activations saved for backward at the step's peak
     (``checkpointing.checkpointed_activation_bytes`` for ``--ac-every K`` flat or nested, else
     ``memory.activation_bytes_per_token``) and, for a train step, the device's peak placed in the step
@@ -231,26 +233,29 @@ def predicted_memory(args: TorchStepConfig, spec, seq_len: int) -> dict[str, int
     largest of the forward's end, each block's backward with its checkpointing, and the backward's end; see
     notes/fidelity.md). Forward-only runs save nothing for backward: None. ``--loss fused``: the calculator's fused
     loss (an fp32 log-sum-exp a token, a chunk of logits and dW's accumulator, ``memory.loss_buffer_bytes``), except
-    under ``--ac-every``, whose count (``checkpointing.checkpointed_activation_bytes``) keeps the plain loss's."""
+    under ``--ac-every``, whose count (``checkpointing.checkpointed_activation_bytes``) keeps the plain loss's. With
+    ``--compile`` our plain loss is compiled (``compiled_loss``), the ``stock`` model's runs eagerly; the device's
+    terms: ``analysis.harness.device_terms``."""
     if args.mode == "forward":
         return {"predicted_activation_bytes": None, "predicted_peak_bytes": None}
     precision, attention = calculator_terms(args.dtype, args.attention)
     compiled = compiled_activations(args.compile, attention, args.checkpoint_every)
     tokens = args.batch_size * seq_len
+    terms = device_terms(pick_device(args.device).type)
     if args.checkpoint_every:
         activations = checkpointed_activation_bytes(spec, seq_len, precision, args.checkpoint_every,
-                                                    args.nested_checkpoint, attention).for_tokens(tokens)
+                                                    args.nested_checkpoint, attention,
+                                                    fused_norm=terms["fused_norm"]).for_tokens(tokens)
     else:
-        activations = activation_bytes_per_token(spec, seq_len, precision, "none", attention,
-                                                 compiled=compiled, loss=args.loss).for_tokens(tokens)
+        activations = activation_bytes_per_token(spec, seq_len, precision, "none", attention, compiled=compiled,
+                                                 loss=args.loss, fused_norm=terms["fused_norm"]).for_tokens(tokens)
     peak = None
     if args.mode == "train_step":
-        workspaces = CUDA_LIBRARY_WORKSPACES if pick_device(args.device).type == "cuda" else 0
+        compiled_loss = args.compile and not stock and args.loss == "plain"
         peak = int(per_device_memory(spec, "ddp", 1, tokens, seq_len, precision, attention=attention,
                                      peak_model="timeline", checkpoint_every=args.checkpoint_every,
                                      nested_checkpoint=args.nested_checkpoint, compiled=compiled,
-                                     loss=args.loss, compiled_loss=args.compile and args.loss == "plain",
-                                     workspaces=workspaces).total)
+                                     loss=args.loss, compiled_loss=compiled_loss, **terms).total)
     return {"predicted_activation_bytes": activations, "predicted_peak_bytes": peak}
 
 

@@ -125,7 +125,7 @@ def predictions(args: LeaderboardConfig, spec, seq_len: int, world_size: int, de
     try:
         mem = sharded_step_memory(spec, args.dist, world_size, args.batch_size * seq_len, seq_len, precision,
                                   attention, args.checkpoint_every, args.nested_checkpoint, args.loss,
-                                  args.keep_attention)
+                                  args.keep_attention, args.device)
         out["predicted_memory_bytes"] = mem.total
         out["predicted_memory"] = {f.name: getattr(mem, f.name) for f in dataclasses.fields(mem)
                                    if isinstance(getattr(mem, f.name), (int, float))}
