@@ -10,6 +10,8 @@ framework-free half (categories, tables) is ``analysis.kernels``, which the JAX 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
@@ -82,10 +84,12 @@ def profile_steps(step: Callable[[], object], n_steps: int, out_dir: str | Path 
 SNAPSHOT_ENTRIES = 1_000_000  # allocator events kept (a step of xl or 2.7B makes ~10^5)
 
 
-def snapshot_step(step: Callable[[], object], path: str | Path) -> Path:
-    """One call of ``step`` under ``torch.cuda.memory._record_memory_history`` (Python stacks; C++ ones are ten
-    times larger), its snapshot gzipped to ``path`` (``.pickle.gz``): read it with ``python -m analysis.snapshot``
-    or https://pytorch.org/memory_viz. Allocations older than the call appear as the snapshot's segments."""
+@contextlib.contextmanager
+def memory_history(path: str | Path) -> Iterator[None]:
+    """Record the CUDA allocator's history over the block (Python stacks; C++ ones are ten times larger) and write
+    its snapshot to ``path`` on leaving it, gzipped if ``path`` ends in ``.gz``: read it with ``python -m
+    analysis.snapshot`` or https://pytorch.org/memory_viz. Allocations older than the block appear as the
+    snapshot's segments."""
     import gzip
     import pickle
 
@@ -94,9 +98,9 @@ def snapshot_step(step: Callable[[], object], path: str | Path) -> Path:
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
     try:
-        step()
+        yield
         torch.cuda.synchronize()
-        path.write_bytes(gzip.compress(pickle.dumps(torch.cuda.memory._snapshot())))
+        data = pickle.dumps(torch.cuda.memory._snapshot())
+        path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    return path

@@ -220,10 +220,10 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
 
         profile_steps(lambda: step(PhaseTimer(device)), PROFILED_STEPS, args.profile, tag=f"{tag}_rank{rank}")
     if args.memory_snapshot:  # one more step, after the timed ones: what is alive at its peak, and made where
-        from torch_impl.profiling import snapshot_step
+        from torch_impl.profiling import memory_history
 
-        path = os.path.join(args.memory_snapshot, f"{tag}_rank{rank}.pickle.gz")
-        snapshot_step(lambda: step(PhaseTimer(device)), path)
+        with memory_history(os.path.join(args.memory_snapshot, f"{tag}_rank{rank}.pickle.gz")):
+            step(PhaseTimer(device))
     overlapped = parts.overlapped and cfg.impl in OPTIMIZER_STEP_MODES  # the wrapper's parts, stepped as they land
     return {"step_ms": step_ms, "phases_ms": phases_ms, "peak": peak, "losses": losses, "error": None,
             "allocated_before": allocated_before, "optimizer_step": "overlapped" if overlapped else "after"}

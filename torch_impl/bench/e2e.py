@@ -31,6 +31,7 @@ The JAX twin, ``python -m jax_impl.bench.e2e``, takes the same step flags; ``--s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import sys
@@ -50,7 +51,7 @@ from torch_impl.device import device_name, pick_device
 from torch_impl.linear_cross_entropy import LOSSES
 from torch_impl.model import TransformerLM, cross_entropy
 from torch_impl.parallelize import BLOCKS_PER_GRAPH, check_cuda_graph, parallelize
-from torch_impl.profiling import profile_metrics, profile_steps
+from torch_impl.profiling import memory_history, profile_metrics, profile_steps
 from torch_impl.step import StepParts, for_loss, train_step
 from torch_impl.stock import SDPA_BACKENDS, StockTransformerLM
 from torch_impl.timing import PhaseTimer, capture_step
@@ -189,15 +190,9 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
             torch.cuda.synchronize(device)
             if not graphed:  # the peak of a step after the warm-up
                 torch.cuda.reset_peak_memory_stats(device)
-        if args.memory_snapshot:
-            from torch_impl.profiling import SNAPSHOT_ENTRIES
-
-            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")  # C++: 10x bigger
-        losses += [run() for _ in range(args.steps - (0 if args.warmup else 1))]
+        with memory_history(args.memory_snapshot) if args.memory_snapshot else contextlib.nullcontext():
+            losses += [run() for _ in range(args.steps - (0 if args.warmup else 1))]
     step_ms, phases_ms = timer.results()
-    if args.memory_snapshot:
-        torch.cuda.memory._dump_snapshot(args.memory_snapshot)
-        torch.cuda.memory._record_memory_history(enabled=None)
     # CUDA graph trees hand their pool's blocks back to the allocator's books after recording, so the allocated
     # peak misses what the blocks' graphs keep (xl 4 x 512: 23 GiB, below the 32 GiB of weights, gradients and
     # AdamW state): the reserved peak, an upper bound, is the honest figure there.
