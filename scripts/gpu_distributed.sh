@@ -27,12 +27,14 @@
 #   each dtype beside its one-GPU run; with PROFILE set, all profiled under bf16_mixed (OUT_DIR/ddp_profiles.tar.xz);
 # engines: that step (DTYPE, default bf16) beside its one-GPU run: bucketed 100 MB with its all-reduce on NCCL and on
 #   the copy engines (ENGINE), gradients in fp32 and bf16 (COMM_DTYPE), the optimizer stepping each bucket as it lands
-#   (OPTIMIZER_STEP: overlapped, and/or after; bf16_mixed), then DIST (default torch_ddp) beside it; with
-#   PROFILE set, bucketed on the copy engines with bf16 gradients profiled (OUT_DIR/ddp_profiles.tar.xz);
+#   (OPTIMIZER_STEP: overlapped, and/or after; bf16_mixed), the copy engines' means in each bucket and/or in the
+#   optimizer (MEAN, default bucket; bucket,optimizer for both), then DIST (default torch_ddp; none: no other) beside
+#   it; with PROFILE set, bucketed on the copy engines with bf16 gradients profiled (OUT_DIR/ddp_profiles.tar.xz);
 # variants: issue 16's one call: the step users run at its fastest (xl, 4 x 1,024 per rank, bf16 weights over fp32
 #   masters, cuDNN attention, compiled blocks with their CUDA graphs, 100 MB buckets) on one GPU, on GPU 0 and again
 #   on GPU 1 (OUT_DIR/ddp_none_gpu1.jsonl: a synchronous step goes at its slower card's pace), then naive,
-#   individual, bucketed (NCCL and copy engines) and torch DDP over all GPUs; then our FSDP and FSDP2 under bf16
+#   individual, bucketed (NCCL, and copy engines with the means in each bucket and in the optimizer) and torch DDP
+#   over all GPUs; then our FSDP and FSDP2 under bf16
 #   autocast (compiled blocks, no graphs) beside their one-GPU run;
 # matrix: the training matrix (sdpa / naive / flash_triton x none / naive / bucketed / torch DDP, small, 5 epochs);
 # accum: the batch x accumulation study (16x64 ... 1024x1, bucketed DDP, small at
@@ -163,7 +165,7 @@ engines)
        --attention sdpa_cudnn --compile --cuda-graph blocks --bucket-mb 100 --out "$out/ddp.jsonl")
   python3 "${ddp[@]}" --dist none
   "${run[@]}" "$n" "${ddp[@]}" --dist bucketed --comm-dtype "${COMM_DTYPE:-grad,bf16}" \
-    --engine "${ENGINE:-nccl,copy_engines}" --optimizer-step "${OPTIMIZER_STEP:-overlapped}"
+    --engine "${ENGINE:-nccl,copy_engines}" --optimizer-step "${OPTIMIZER_STEP:-overlapped}" --mean "${MEAN:-bucket}"
   [[ "${DIST:-torch_ddp}" != none ]] && "${run[@]}" "$n" "${ddp[@]}" --dist "${DIST:-torch_ddp}" \
     --comm-dtype "${COMM_DTYPE:-grad,bf16}"
   if [[ -n "${PROFILE:-}" ]]; then
@@ -177,7 +179,8 @@ variants)
   mixed=("${ddp[@]}" --dtype bf16_mixed --cuda-graph blocks)
   python3 "${mixed[@]}" --dist none
   CUDA_VISIBLE_DEVICES=1 python3 "${mixed[@]}" --dist none --out "$out/ddp_none_gpu1.jsonl"
-  "${run[@]}" "$n" "${mixed[@]}" --dist naive,individual,bucketed,torch_ddp --engine nccl,copy_engines
+  "${run[@]}" "$n" "${mixed[@]}" --dist naive,individual,bucketed,torch_ddp --engine nccl,copy_engines \
+    --mean bucket,optimizer
   python3 "${ddp[@]}" --dtype bf16 --dist none
   "${run[@]}" "$n" "${ddp[@]}" --dtype bf16 --dist fsdp,fsdp2 ;;
 matrix)

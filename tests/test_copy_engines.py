@@ -109,3 +109,47 @@ def test_a_buffer_without_its_room_is_refused(host_streams):
     buffers = [torch.zeros(6) for _ in range(3)]  # 3 slices of 2, no room for the third rank's values (4 x 2 needed)
     with pytest.raises(ValueError, match="is not N slices and the room for the peers past the first"):
         PeerAverage(_Buffers(buffers, 0, collections.Counter(), threading.Condition()), _Stream(), _Stream(), "b")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_rank_gathers_every_ranks_values_and_their_mean_is_the_same_bits(world_size, host_streams):
+    """``PeerGather``: each rank's values, pushed from tensors of its own at their offsets, land in its slot of every
+    peer's buffer; ``mean_of`` each element's values in rank order is the float64 mean rounded once to bf16, in the
+    same bits on every rank (the sum in fp32 is exact for two bf16 values; for more, within the fp32 sum's ulps)."""
+    from torch_impl.optim import mean_of
+
+    seed = secrets.randbelow(2**20)
+    generator = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 20, (int(torch.randint(1, 5, (), generator=generator)),), generator=generator).tolist()
+    offsets = [sum(sizes[:k]) + 3 * k for k in range(len(sizes))]  # gaps between the tensors, as alignment leaves
+    numel = offsets[-1] + sizes[-1]
+    values = [[torch.randn(n, generator=generator).to(torch.bfloat16) for n in sizes] for _ in range(world_size)]
+    buffers = [torch.full((copy_engines.gather_numel(numel, world_size),), float("nan"), dtype=torch.bfloat16)
+               for _ in range(world_size)]
+    signals, condition = collections.Counter(), threading.Condition()
+    gathers = [copy_engines.PeerGather(_Buffers(buffers, rank, signals, condition), _Stream(), f"rank {rank}",
+                                       list(zip(offsets, values[rank]))) for rank in range(world_size)]
+    with concurrent.futures.ThreadPoolExecutor(world_size) as pool:
+        for done in [pool.submit(lambda g: (g.send(), g.wait()), gather) for gather in gathers]:
+            done.result()
+    means = []
+    for rank, gather in enumerate(gathers):
+        terms = [[values[rank][k] if q == rank else gather.values(q)[a:a + n] for q in range(world_size)]
+                 for k, (a, n) in enumerate(zip(offsets, sizes))]
+        for k, ts in enumerate(terms):
+            assert all(torch.equal(t, values[q][k]) for q, t in enumerate(ts)), (seed, rank, k, "a value moved")
+        means.append(torch.cat([mean_of(ts) for ts in terms]))
+    want = torch.stack([torch.cat(v).double() for v in values]).mean(0)
+    assert all(torch.equal(m.view(torch.int16), means[0].view(torch.int16)) for m in means), (seed, "bits differ")
+    assert means[0].dtype == torch.bfloat16
+    ulps = 2.0**-8 * want.abs() + (2.0**-23 * world_size * torch.stack([torch.cat(v).double() for v in values])
+                                   .abs().sum(0))
+    assert bool(((means[0].double() - want).abs() <= ulps).all()), (seed, (means[0].double() - want).abs().max())
+    if world_size == 2:  # exact sum: the mean rounded once
+        assert torch.equal(means[0], want.to(torch.bfloat16)), seed
+
+
+def test_a_gather_buffer_of_the_wrong_size_is_refused(host_streams):
+    buffers = [torch.zeros(5) for _ in range(3)]  # 3 ranks need 2 slots of equal size
+    with pytest.raises(ValueError, match="is not N - 1 equal slots"):
+        copy_engines.PeerGather(_Buffers(buffers, 0, collections.Counter(), threading.Condition()), _Stream(), "b", [])

@@ -507,9 +507,10 @@ def _train_bf16_mixed(rank: int, world_size: int, seed: int, variant: str, optim
     torch.manual_seed(seed)
     model = TransformerLM(MODELS["tiny"], device=dev)
     optimizer = MasterAdamW(model.parameters(), lr=1e-2)
-    engine = "copy_engines" if variant.endswith("_ce") else "nccl"
+    engine = "copy_engines" if "_ce" in variant else "nccl"
+    mean = "optimizer" if variant.endswith("_mean_in_optimizer") else "bucket"
     ddp = (DDPIndividualParameters(model) if variant == "individual" else
-           DDPBucketed(model, bucket_size_mb=0.05, engine=engine))
+           DDPBucketed(model, bucket_size_mb=0.05, engine=engine, mean=mean))
     counts = []
     step_parts = optimizer.step_parts
     optimizer.step_parts = lambda parts: (counts.append(len(parts)), step_parts(parts))[1]  # step(): 0 parts
@@ -562,7 +563,9 @@ def _body_nccl(rank: int, world_size: int, seed: int, variant: str, dtype: torch
             "bucketed_bf16": lambda m: DDPBucketed(m, bucket_size_mb=0.25, comm_dtype=bf16),
             "bucketed_ce": lambda m: DDPBucketed(m, bucket_size_mb=0.25, engine="copy_engines"),
             "bucketed_ce_in_place": lambda m: DDPBucketed(m, bucket_size_mb=0.25, engine="copy_engines"),
-            "bucketed_bf16_ce": lambda m: DDPBucketed(m, bucket_size_mb=0.25, comm_dtype=bf16, engine="copy_engines")}
+            "bucketed_bf16_ce": lambda m: DDPBucketed(m, bucket_size_mb=0.25, comm_dtype=bf16, engine="copy_engines"),
+            "bucketed_ce_mean_in_optimizer": lambda m: DDPBucketed(m, bucket_size_mb=0.25, engine="copy_engines",
+                                                                   mean="optimizer")}
     ddp = wrap[variant](model)
     generator = torch.Generator(device).manual_seed(seed)
     for _ in range(steps):  # the copy engines' signals and buffers are used again in each step
@@ -588,11 +591,14 @@ def _body_nccl(rank: int, world_size: int, seed: int, variant: str, dtype: torch
     ("bucketed", torch.float32, 1e-4), ("bucketed_bf16", torch.float32, 3e-2), ("bucketed", torch.float16, 1e-2),
     ("bucketed_ce", torch.float32, 1e-4), ("bucketed_bf16_ce", torch.float32, 3e-2),
     ("bucketed_ce", torch.float16, 1e-2), ("bucketed_ce", torch.bfloat16, 3e-2),
-    ("bucketed_ce_in_place", torch.bfloat16, 3e-2)])
+    ("bucketed_ce_in_place", torch.bfloat16, 3e-2), ("bucketed_ce_mean_in_optimizer", torch.float32, 1e-4),
+    ("bucketed_ce_mean_in_optimizer", torch.bfloat16, 3e-2)])
 def test_ddp_on_nccl_matches_single_process(variant, dtype, tolerance):
     """NCCL's averaging (ReduceOp.AVG for fp32 and bf16 buckets, fp16 summed and divided) or the copy engines' (``_ce``:
-    peer copies, a running mean in float32; ``_in_place``: the gradients already in the buckets): the last of two steps'
-    gradients within their dtype's round-off of one process's on the whole batch, and the same bits on every rank."""
+    peer copies, a running mean in float32; ``_in_place``: the gradients already in the buckets; ``_mean_in_optimizer``:
+    every rank's gradients gathered, ``finish_gradient_synchronization`` setting each to their ``mean_of``): the last
+    of two steps' gradients within their dtype's round-off of one process's on the whole batch, and the same bits on
+    every rank."""
     seed = secrets.randbelow(2**20)
     results = run_ranks(_body_nccl, 2, seed, variant, dtype, timeout_s=120, backend="nccl")
     assert len({res["bits"] for res in results}) == 1, (seed, variant, "the ranks' gradients differ")
@@ -603,12 +609,13 @@ def test_ddp_on_nccl_matches_single_process(variant, dtype, tolerance):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs >= 2 GPUs")
-@pytest.mark.parametrize("variant", ["bucketed", "bucketed_ce"])
+@pytest.mark.parametrize("variant", ["bucketed", "bucketed_ce", "bucketed_ce_mean_in_optimizer"])
 def test_the_optimizer_overlapped_with_nccl_or_the_copy_engines_gives_the_same_weights(variant):
     """On the GPUs the landing is stream-ordered (NCCL's event, the copy engines' pushes and signals, the means left
     for after the backward computed a part ahead): stepping each bucket as it lands, one part a bucket or the
     earlier ones as one part, ends with the weights of the step after every gradient is in, bit for bit, on both
-    ranks."""
+    ranks (``_mean_in_optimizer``: the optimizer's kernel averaging every rank's gradients as it loads them, against
+    the step after each gradient was set to their ``mean_of``)."""
     seed = secrets.randbelow(2**20)
     runs = [run_ranks(_train_bf16_mixed, 2, seed, variant, step, "cuda", tail, timeout_s=120, backend="nccl")
             for step, tail in (("after", 512.0), ("overlapped", 512.0), ("overlapped", 0.1))]

@@ -21,7 +21,8 @@ from analysis.records import read_records
 from parallelism_calc.specs import MODELS
 from tests._dist import free_port
 from torch_impl.bench.ddp import (Config, configurations, main, parse_bucket_mb, parse_comm_dtypes, parse_comm_sms,
-                                  parse_engines, parse_impls, parse_optimizer_steps, predicted_memory)
+                                  parse_engines, parse_impls, parse_means, parse_optimizer_steps,
+                                  predicted_memory)
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--warmup", "1",
@@ -84,6 +85,16 @@ def test_parse_flags():
                                       "bucketed 25MB, optimizer after"]
     with pytest.raises(ValueError, match="--optimizer-step"):
         parse_optimizer_steps("during")
+    # --mean multiplies bucketed on the copy engines without a cast only
+    cfgs = configurations(["bucketed", "zero2"], [25.0], comm_dtypes=("grad", "bf16"),
+                          engines=("nccl", "copy_engines"), means=parse_means("bucket,optimizer"))
+    assert [c.name for c in cfgs] == ["bucketed 25MB", "bucketed 25MB, copy engines",
+                                      "bucketed 25MB, copy engines, mean in optimizer", "bucketed 25MB, bf16 comm",
+                                      "bucketed 25MB, bf16 comm, copy engines", "zero2 25MB",
+                                      "zero2 25MB, copy-engine gather", "zero2 25MB, bf16 comm",
+                                      "zero2 25MB, bf16 comm, copy-engine gather"]
+    with pytest.raises(ValueError, match="--mean"):
+        parse_means("median")
 
 
 def test_modes_refuse_what_they_cannot_send():
@@ -95,9 +106,19 @@ def test_modes_refuse_what_they_cannot_send():
     for mode, kwargs, words in (("torch_ddp", {"comm_sms": 8}, "comm_sms=8 with torch_ddp"),
                                 ("naive", {"comm_dtype": "bf16"}, "comm_dtype='bf16' with naive"),
                                 ("bucketed", {"comm_dtype": "fp8"}, "accepted: grad, bf16"),
-                                ("naive", {"engine": "copy_engines"}, "copy_engines with bucketed, zero2")):
+                                ("naive", {"engine": "copy_engines"}, "copy_engines with bucketed, zero2"),
+                                ("bucketed", {"mean": "optimizer"}, "mean='optimizer' with bucketed, engine='nccl'"),
+                                ("zero1", {"mean": "optimizer"}, "optimizer with bucketed on copy_engines"),
+                                ("bucketed", {"mean": "everywhere"}, "accepted: bucket, optimizer")):
         with pytest.raises(ValueError, match=words):
             apply_data_parallel(model, mode, bucket_mb=25.0, adamw={"lr": 1e-3, "fused": False}, **kwargs)
+    from torch_impl.distributed import DDPBucketed
+
+    bf16 = torch.bfloat16
+    for kwargs in ({"mean": "optimizer"}, {"mean": "optimizer", "engine": "copy_engines", "comm_dtype": bf16}):
+        with pytest.raises(ValueError, match="accepted: bucket, optimizer .optimizer with engine='copy_engines' and no "
+                                             "comm_dtype."):
+            DDPBucketed(model, **kwargs)
 
 
 def test_one_record_per_configuration(records):

@@ -127,6 +127,49 @@ def test_step_in_parts_is_the_same_step_and_waits_before_each_part(kernel):
             assert torch.equal(a.state[p][name], b.state[q][name]), name
 
 
+def _terms(step: int, world_size: int) -> list[list[torch.Tensor]]:
+    """Each parameter's gradient on ``world_size`` ranks: x + d_q with the d_q summing to 0, all multiples of 1/64
+    below 2 (exact in bf16, and so are their fp32 sums): the mean is x whatever rounding the kernel's platform does
+    (the interpreter's bf16 rounding breaks ties its own way), and each rank's own term is not it."""
+    gen = torch.Generator().manual_seed(2000 + step)
+    terms = []
+    for shape in SHAPES:
+        x = torch.randint(-30, 31, shape, generator=gen) / 64
+        d = torch.randint(-30, 31, (world_size - 1, *shape), generator=gen) / 64
+        d = torch.cat([d, -d.sum(0, keepdim=True)])
+        terms.append([(x + d[q]).bfloat16().to(DEVICE) for q in range(world_size)])
+    return terms
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch"])
+def test_step_in_parts_averages_the_terms_as_it_loads_them(kernel, world_size):
+    """``Part.terms`` (each parameter's gradient on every rank, ``DDPBucketed(mean="optimizer")``): the update is
+    ``step()``'s with each ``.grad`` set to ``mean_of`` its terms, bit for bit, over two groups, a part without
+    terms and a parameter with no gradient anywhere (the rounding of means on fresh bf16 values: on the GPU, in
+    tests/test_ddp.py's overlapped steps)."""
+    from torch_impl.optim import Part, mean_of
+
+    seed = torch.seed() % 2**31
+    whole, parted = _params(seed), _params(seed)
+    a = MasterAdamW([{"params": whole[:2]}, {"params": whole[2:]}], **HYPER, kernel=kernel)
+    b = MasterAdamW([{"params": parted[:2]}, {"params": parted[2:]}], **HYPER, kernel=kernel)
+    rank = world_size - 1  # this rank's own gradient is the last term
+    for step in range(3):
+        terms = _terms(step, world_size)
+        for i, (p, q) in enumerate(zip(whole, parted)):  # parameter 1: no gradient on any rank (its terms zeros)
+            p.grad = None if i == 1 else mean_of(terms[i])
+            q.grad = None if i == 1 else terms[i][rank]
+        a.step()
+        b.step_parts([Part([parted[3], parted[1], parted[0]], lambda: None, [terms[3], terms[1], terms[0]]),
+                      Part([parted[2]], lambda: None, [terms[2]])])
+        assert not torch.equal(terms[0][rank], mean_of(terms[0]))
+    for p, q in zip(whole, parted):
+        assert torch.equal(p, q)
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a.state[p][name], b.state[q][name]), (seed, name)
+
+
 def test_step_in_parts_refuses_a_parameter_twice_or_not_its_own():
     params = _params(seed=6)
     optimizer = MasterAdamW(params)
@@ -176,7 +219,7 @@ def test_non_contiguous_gradient_is_refused_by_the_kernel():
         optimizer.step()
 
 
-def _hopper_accesses(full: bool) -> list[str]:
+def _hopper_accesses(full: bool, terms: int = 1) -> list[str]:
     """The global loads and stores of the kernel compiled offline for sm_90 (no GPU needed; run without the
     interpreter, which replaces the JIT functions)."""
     import re
@@ -188,23 +231,28 @@ def _hopper_accesses(full: bool) -> list[str]:
 
     from torch_impl.optim import ALIGN, _adamw_master_kernel as kernel
 
-    types = ["*i32", "*i32", "*i32", "*i64", "*i64", "*i64", "*fp32", "*fp32", "*fp32", "*fp32"] + ["fp32"] * 7
-    source = ASTSource(fn=kernel, signature=dict(zip(kernel.arg_names, types + ["constexpr"] * 4)),
-                       constexprs={"PARAM_DTYPE": tl.bfloat16, "BLOCK": BLOCK, "ALIGN": ALIGN, "FULL": full},
-                       attrs={(i,): [["tt.divisibility", 16]] for i in range(10)})  # as the launcher sees tables
+    types = ["*i32", "*i32", "*i32", "*i64", "*i64", "*i64", "i32", "*fp32", "*fp32", "*fp32", "*fp32"] + ["fp32"] * 7
+    pointers = [i for i, t in enumerate(types) if t.startswith("*")]
+    source = ASTSource(fn=kernel, signature=dict(zip(kernel.arg_names, types + ["constexpr"] * 5)),
+                       constexprs={"PARAM_DTYPE": tl.bfloat16, "BLOCK": BLOCK, "ALIGN": ALIGN, "FULL": full,
+                                   "TERMS": terms},
+                       attrs={(i,): [["tt.divisibility", 16]] for i in pointers})  # as the launcher sees tables
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
     return re.findall(r"\b(?:ld|st)\.global(?:\.v\d)?\.b\d+", ptx)
 
 
-@pytest.mark.parametrize("full, vector", [(True, True), (False, False)], ids=["whole_chunks", "tails"])
-def test_whole_chunks_compile_to_vector_loads_for_hopper(full, vector):
-    """Whole chunks move 16 bytes per access (the address hints hold), the masked tails one element each."""
+@pytest.mark.parametrize("full, vector, terms", [(True, True, 1), (False, False, 1), (True, True, 2)],
+                         ids=["whole_chunks", "tails", "whole_chunks_two_terms"])
+def test_whole_chunks_compile_to_vector_loads_for_hopper(full, vector, terms):
+    """Whole chunks move 16 bytes per access (the address hints hold, for the peers' gradients too), the masked
+    tails one element each."""
     import json
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"import json; from tests.test_optim import _hopper_accesses; print(json.dumps(_hopper_accesses({full})))"
+    code = (f"import json; from tests.test_optim import _hopper_accesses; "
+            f"print(json.dumps(_hopper_accesses({full}, {terms})))")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     accesses = json.loads(run.stdout.splitlines()[-1])

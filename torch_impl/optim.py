@@ -15,6 +15,11 @@ and chunk, and the tensors' addresses sit in int64 tables that the kernel casts 
 grouped-GEMM tutorial does). The gradients' table is refreshed only when autograd hands out gradients at new
 addresses, which in steady state it does not.
 
+Data parallelism without a mean kernel: a part of the gradients (``Part``) may come as each parameter's gradient on
+every rank (``DDPBucketed(mean="optimizer")`` gathers them by peer copies); the kernel then loads them all and
+averages them as ``mean_of`` does, rounded once to the gradients' dtype, so the update is the one it would make of a
+gradient averaged in place, bit for bit, for 2 more bytes read a parameter and a peer.
+
 Caveats: the step count is one device tensor per group (bias correction stays right in a captured CUDA graph, as
 in torch's ``capturable`` AdamW), but a captured step replays with the learning rate it was captured with; a
 parameter whose gradient is None is skipped (no decay, moments kept), but its group's step count still advances.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,6 +40,27 @@ import triton.language as tl
 BLOCK = 4096  # elements per program: 16 KiB of each fp32 stream, enough in flight to saturate HBM
 ALIGN = 16  # elements: every tensor starts at a multiple (flat buffers padded so; allocations are aligned)
 PARAM_DTYPES = {torch.bfloat16: tl.bfloat16}  # fp16 would need loss scaling, which this optimizer does not do
+
+
+class Part(NamedTuple):
+    """Gradients that land together (a data-parallel wrapper's ``finish_in_parts``): ``ready()`` makes the current
+    stream wait for the gradients of ``params``; ``terms``: None where each ``.grad`` holds the averaged gradient,
+    else for each parameter its gradient on every rank in rank order (its ``.grad`` among them, same shape and
+    dtype), of which the averaged gradient is ``mean_of``."""
+
+    params: list[torch.Tensor]
+    ready: Callable[[], None]
+    terms: list[list[torch.Tensor]] | None = None
+
+
+def mean_of(terms: list[torch.Tensor]) -> torch.Tensor:
+    """A gradient averaged over the ranks from its values on each (``Part.terms``), the same bits on every rank: the
+    sum in fp32 in rank order, times 1 / N, rounded once to their dtype (on 2 ranks of bf16 values NCCL's AVG and
+    ``copy_engines.PeerAverage`` leave the same; ``MasterAdamW``'s kernel folds this into its load)."""
+    total = terms[0].float()
+    for term in terms[1:]:
+        total = total + term.float()
+    return (total * (1 / len(terms))).to(terms[0].dtype)
 
 
 @triton.jit
@@ -53,12 +80,14 @@ def _store(ptrs, value, offs, n, FULL: tl.constexpr):
 
 
 @triton.jit
-def _adamw_master_kernel(chunk_tensor, chunk_start, numels, flat_offsets, param_addrs, grad_addrs,
+def _adamw_master_kernel(chunk_tensor, chunk_start, numels, flat_offsets, param_addrs, grad_addrs, n_tensors,
                          master, exp_avg, exp_avg_sq, step_ptr, lr, beta1, beta2, log2_beta1, log2_beta2,
                          eps, weight_decay, PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                         FULL: tl.constexpr):
+                         FULL: tl.constexpr, TERMS: tl.constexpr):
     """One chunk of one tensor: AdamW on the fp32 master, moments in fp32, the bf16 weight written back.
-    ``FULL``: every chunk of this launch is whole (no masks); else each is a tensor's last, partial chunk."""
+    ``FULL``: every chunk of this launch is whole (no masks); else each is a tensor's last, partial chunk.
+    ``TERMS`` > 1: the gradient is ``mean_of`` the tensors at rows 0 ... TERMS - 1 of ``grad_addrs`` (rows of
+    ``n_tensors``)."""
     chunk = tl.program_id(0)
     t = tl.load(chunk_tensor + chunk)
     grad_addr = tl.load(grad_addrs + t)
@@ -70,6 +99,11 @@ def _adamw_master_kernel(chunk_tensor, chunk_start, numels, flat_offsets, param_
         grad = tl.multiple_of(grad_addr.to(tl.pointer_type(PARAM_DTYPE)), ALIGN)
         param = tl.multiple_of(tl.load(param_addrs + t).to(tl.pointer_type(PARAM_DTYPE)), ALIGN)
         g = _load(grad + offs, offs, n, FULL)
+        if TERMS > 1:  # mean_of: summed in fp32 in rank order, times 1 / N, rounded to the gradients' dtype
+            for j in tl.static_range(1, TERMS):
+                term = tl.load(grad_addrs + j * n_tensors + t).to(tl.pointer_type(PARAM_DTYPE))
+                g += _load(tl.multiple_of(term, ALIGN) + offs, offs, n, FULL)
+            g = (g * (1.0 / TERMS)).to(PARAM_DTYPE, fp_downcast_rounding="rtne").to(tl.float32)
         w = _load(master + flat, offs, n, FULL)
         m = _load(exp_avg + flat, offs, n, FULL)
         v = _load(exp_avg_sq + flat, offs, n, FULL)
@@ -149,12 +183,22 @@ class _FlatGroup:
         return self._chunks[tensors]
 
     def refresh(self, name: str, addrs: tuple[int, ...]) -> None:
-        """Upload a table of addresses if they moved. Inside a CUDA graph capture the upload comes from pinned
-        memory written here (no host call may wait for the device then) and is replayed as is."""
+        """Upload a table of addresses if they moved (the gradients' with a row more for each term past the first:
+        ``Part.terms``). Inside a CUDA graph capture the upload comes from pinned memory written here (no host call
+        may wait for the device then) and is replayed as is."""
         if addrs == self.known_addrs[name]:
             return
         table, source = getattr(self, name), torch.tensor(addrs, dtype=torch.int64)
-        if table.is_cuda and torch.cuda.is_current_stream_capturing():
+        capturing = table.is_cuda and torch.cuda.is_current_stream_capturing()
+        if table.numel() != len(addrs):  # gradients with terms, or no longer
+            if capturing or name in self.captured:
+                raise ValueError("MasterAdamW: a captured step's gradients must come as at its capture (with the "
+                                 "same terms, Part.terms)")
+            table = torch.zeros(len(addrs), dtype=torch.int64, device=self.device)
+            setattr(self, name, table)
+            if name in self.capture_sources:
+                self.capture_sources[name] = torch.empty(len(addrs), dtype=torch.int64, pin_memory=True)
+        if capturing:
             if name in self.captured:
                 raise ValueError("MasterAdamW: its step can be captured in one CUDA graph only (the graph reads "
                                  "the gradients' addresses from memory this optimizer keeps)")
@@ -223,57 +267,72 @@ class MasterAdamW(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def step_parts(self, parts: list[tuple[list[torch.Tensor], Callable[[], None]]]) -> None:
-        """``step()`` a part at a time, in order: for each (parameters, ready), ``ready()`` (it makes the current
-        stream wait for those parameters' gradients, e.g. a data-parallel wrapper's bucket), then one launch a
-        parameter group updates them; parameters in no part go last. The first parts' update then runs while the
-        last parts' gradients are still being communicated (``torch_impl.step``'s optimizer step "overlapped"), and
-        the result is ``step()``'s, bit for bit. Each parameter may be in one part at most."""
+    def step_parts(self, parts: list[Part | tuple]) -> None:
+        """``step()`` a part at a time, in order: for each ``Part`` (parameters, ready, terms), ``ready()`` (it makes
+        the current stream wait for those parameters' gradients, e.g. a data-parallel wrapper's bucket), then one
+        launch a parameter group updates them, from ``mean_of`` their terms where the part has them; parameters in
+        no part go last. The first parts' update then runs while the last parts' gradients are still being
+        communicated (``torch_impl.step``'s optimizer step "overlapped"), and the result is ``step()``'s after
+        each ``.grad`` was set to ``mean_of`` its terms, bit for bit. Each parameter may be in one part at most."""
         where = {id(p): (k, j) for k, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])}
-        plan: list[tuple[Callable[[], None] | None, dict[int, list[int]]]] = []  # (ready, group -> its tensors)
-        for params, ready in parts:
+        terms_of: dict[int, list[torch.Tensor]] = {}  # id(parameter) -> its terms
+        plan: list[tuple[Callable[[], None] | None, dict[int, list[int]], int]] = []  # (ready, group -> tensors, terms)
+        for params, ready, terms in map(lambda part: Part(*part), parts):
+            n_terms = len(terms[0]) if terms else 1
+            if terms is not None and (len(terms) != len(params) or any(len(t) != n_terms for t in terms)):
+                raise ValueError("MasterAdamW.step_parts: a part whose terms are not one list of equally many "
+                                 "tensors for each of its parameters")
             members: dict[int, list[int]] = {}
-            for p in params:
+            for p, term in zip(params, terms or [None] * len(params)):
                 k, j = where.pop(id(p), (None, None))
                 if k is None:
                     raise ValueError(f"MasterAdamW.step_parts: a parameter {tuple(p.shape)} that is in two parts "
                                      "or not this optimizer's; accepted: each of its parameters in one part at most")
                 members.setdefault(k, []).append(j)
-            plan.append((ready, members))
+                if term is not None:
+                    terms_of[id(p)] = term
+            plan.append((ready, members, n_terms))
         rest: dict[int, list[int]] = {}
         for k, j in where.values():
             rest.setdefault(k, []).append(j)
-        plan.append((None, rest))
+        plan.append((None, rest, 1))
         for group, flat in zip(self.param_groups, self.flat):
             flat.step += 1
-            grads = [p.grad for p in group["params"]]
-            addrs = tuple(p.data_ptr() for p in group["params"]), tuple(0 if g is None else g.data_ptr()
-                                                                       for g in grads)
-            if not self.kernel:
-                check_tensors(group["params"], grads, kernel=False)
-            elif addrs != (flat.known_addrs["param_addrs"], flat.known_addrs["grad_addrs"]):
-                check_tensors(group["params"], grads, kernel=True)  # new tensors: check once that they fit the kernel
+            params = group["params"]
+            # each gradient's tensors: its terms, else itself (None: no gradient)
+            grads = [None if p.grad is None else terms_of.get(id(p), [p.grad]) for p in params]
+            rows = max(map(len, filter(None, grads)), default=1)
+            addrs = tuple(p.data_ptr() for p in params), tuple(
+                0 if g is None or j >= len(g) else g[j].data_ptr() for j in range(rows) for g in grads)
+            if not self.kernel or addrs != (flat.known_addrs["param_addrs"], flat.known_addrs["grad_addrs"]):
+                pairs = [(p, t) for p, g in zip(params, grads) for t in g or [None]]
+                check_tensors([p for p, _ in pairs], [t for _, t in pairs], kernel=self.kernel)  # new tensors
+            if self.kernel:
                 flat.refresh("param_addrs", addrs[0])
                 flat.refresh("grad_addrs", addrs[1])
-        for ready, members in plan:
+        for ready, members, n_terms in plan:
             if ready is not None:
                 ready()
             for k, tensors in members.items():
-                step = self._kernel_step if self.kernel else self._torch_step
-                step(self.param_groups[k], self.flat[k], tuple(sorted(tensors)))
+                if self.kernel:
+                    self._kernel_step(self.param_groups[k], self.flat[k], tuple(sorted(tensors)), n_terms)
+                else:
+                    self._torch_step(self.param_groups[k], self.flat[k], tuple(sorted(tensors)), terms_of)
 
-    def _kernel_step(self, group: dict, flat: _FlatGroup, tensors: tuple[int, ...]) -> None:
+    def _kernel_step(self, group: dict, flat: _FlatGroup, tensors: tuple[int, ...], n_terms: int) -> None:
         beta1, beta2 = group["betas"]
         log2 = lambda beta: math.log2(beta) if beta > 0 else -math.inf  # noqa: E731
         for full, (chunk_tensor, chunk_start) in flat.chunks_of(tensors).items():  # whole chunks unmasked, then tails
             if chunk_tensor.numel():
                 _adamw_master_kernel[(chunk_tensor.numel(),)](
                     chunk_tensor, chunk_start, flat.numels, flat.flat_offsets, flat.param_addrs, flat.grad_addrs,
-                    flat.master, flat.exp_avg, flat.exp_avg_sq, flat.step, group["lr"], beta1, beta2,
-                    log2(beta1), log2(beta2), group["eps"], group["weight_decay"],
-                    PARAM_DTYPE=PARAM_DTYPES[self.param_dtype], BLOCK=BLOCK, ALIGN=ALIGN, FULL=full, num_warps=8)
+                    flat.param_addrs.numel(), flat.master, flat.exp_avg, flat.exp_avg_sq, flat.step, group["lr"],
+                    beta1, beta2, log2(beta1), log2(beta2), group["eps"], group["weight_decay"],
+                    PARAM_DTYPE=PARAM_DTYPES[self.param_dtype], BLOCK=BLOCK, ALIGN=ALIGN, FULL=full, TERMS=n_terms,
+                    num_warps=8)
 
-    def _torch_step(self, group: dict, flat: _FlatGroup, tensors: tuple[int, ...]) -> None:
+    def _torch_step(self, group: dict, flat: _FlatGroup, tensors: tuple[int, ...],
+                    terms_of: dict[int, list[torch.Tensor]]) -> None:
         """The kernel's update in PyTorch ops, tensor by tensor (the CPU path without the interpreter)."""
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
@@ -283,7 +342,7 @@ class MasterAdamW(torch.optim.Optimizer):
             p, views = group["params"][j], flat.views[j]
             if p.grad is None:
                 continue
-            g = p.grad.float()
+            g = (mean_of(terms_of[id(p)]) if id(p) in terms_of else p.grad).float()
             w, m, v = views["master"], views["exp_avg"], views["exp_avg_sq"]
             w.mul_(1 - lr * weight_decay)
             m.lerp_(g, 1 - beta1)

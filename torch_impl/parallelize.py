@@ -36,11 +36,12 @@ import torch.nn as nn
 
 from torch_impl.activation_checkpointing import apply_activation_checkpointing
 from torch_impl.distributed.copy_engines import ENGINES  # how the wrappers move bytes between GPUs
+from torch_impl.distributed.ddp import MEANS  # where bucketed DDP's means are computed
 from torch_impl.model import Blocks, TransformerBlock, run_blocks
 
 __all__ = ["BLOCKS_PER_GRAPH", "COMM_DTYPES", "COMM_DTYPE_MODES", "COMM_SMS_MODES", "CUDA_GRAPHS", "DATA_PARALLEL",
-           "ENGINES", "ENGINE_MODES", "HOOKED_MODES", "OPTIMIZER_STEP_MODES", "UNSUPPORTED", "WRAPPER_MODES",
-           "DataParallelConfig", "apply_activation_checkpointing", "apply_compile", "apply_data_parallel",
+           "ENGINES", "ENGINE_MODES", "HOOKED_MODES", "MEANS", "MEAN_MODES", "OPTIMIZER_STEP_MODES", "UNSUPPORTED",
+           "WRAPPER_MODES", "DataParallelConfig", "apply_activation_checkpointing", "apply_compile", "apply_data_parallel",
            "check_cuda_graph", "check_supported", "data_parallel_configs", "parallelize"]
 
 DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "zero2", "fsdp", "fsdp2")
@@ -142,6 +143,9 @@ ENGINE_MODES = ("bucketed", "zero2")
 # the wrappers whose gradients land in parts (``finish_in_parts``), which the optimizer may step as they land
 # (``torch_impl.step.OPTIMIZER_STEPS``; it does with bf16_mixed's MasterAdamW and no clipping)
 OPTIMIZER_STEP_MODES = ("individual", "bucketed")
+# the wrappers whose means the optimizer may compute as it reads every rank's gradients (``MEANS``; on the copy
+# engines, without a cast)
+MEAN_MODES = ("bucketed",)
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,8 @@ class DataParallelConfig:
     """A mode of ``DATA_PARALLEL`` with its bucket size in MiB (``BUCKETED``, torch_ddp; else None) and, for
     ``COMM_SMS_MODES``, the SMs its NCCL kernels may occupy (0: NCCL's default); for ``COMM_DTYPE_MODES``, the
     dtype its gradients travel in (``COMM_DTYPES``); for ``ENGINE_MODES``, what moves the bytes (``ENGINES``); for
-    ``OPTIMIZER_STEP_MODES``, when the optimizer steps (``OPTIMIZER_STEPS``)."""
+    ``OPTIMIZER_STEP_MODES``, when the optimizer steps (``OPTIMIZER_STEPS``); for ``MEAN_MODES`` on the copy
+    engines, where the means are computed (``MEANS``)."""
 
     impl: str
     bucket_mb: float | None = None
@@ -157,6 +162,7 @@ class DataParallelConfig:
     comm_dtype: str = "grad"
     engine: str = "nccl"
     optimizer_step: str = "overlapped"
+    mean: str = "bucket"
 
     @property
     def strategy(self) -> str:
@@ -172,16 +178,19 @@ class DataParallelConfig:
         return name + (f", comm {self.comm_sms} SMs" if self.comm_sms else "") + (
             f", {self.comm_dtype} comm" if self.comm_dtype != "grad" else "") + (
             "" if self.engine == "nccl" else ", copy-engine gather" if self.impl == "zero2" else ", copy engines") + (
-            ", optimizer after" if self.optimizer_step == "after" else "")
+            ", optimizer after" if self.optimizer_step == "after" else "") + (
+            ", mean in optimizer" if self.mean == "optimizer" else "")
 
 
 def data_parallel_configs(modes: list[str], bucket_mb: list[float], comm_sms: list[int] | tuple[int, ...] = (0,),
                           comm_dtypes: list[str] | tuple[str, ...] = ("grad",),
                           engines: list[str] | tuple[str, ...] = ("nccl",),
-                          optimizer_steps: list[str] | tuple[str, ...] = ("overlapped",)) -> list[DataParallelConfig]:
+                          optimizer_steps: list[str] | tuple[str, ...] = ("overlapped",),
+                          means: list[str] | tuple[str, ...] = ("bucket",)) -> list[DataParallelConfig]:
     """In order: ``BUCKETED`` modes once per bucket size, torch_ddp with its default bucket, the others once;
     each of ``COMM_SMS_MODES`` once per ``comm_sms`` value, each of ``COMM_DTYPE_MODES`` once per comm dtype, each of
-    ``ENGINE_MODES`` once per engine, each of ``OPTIMIZER_STEP_MODES`` once per optimizer step."""
+    ``ENGINE_MODES`` once per engine, each of ``OPTIMIZER_STEP_MODES`` once per optimizer step, each of
+    ``MEAN_MODES`` on the copy engines without a cast once per place of its means."""
     out: list[DataParallelConfig] = []
     for mode in modes:
         sizes = bucket_mb if mode in BUCKETED else [TORCH_DDP_BUCKET_MB if mode == "torch_ddp" else None]
@@ -189,20 +198,22 @@ def data_parallel_configs(modes: list[str], bucket_mb: list[float], comm_sms: li
         dtypes = comm_dtypes if mode in COMM_DTYPE_MODES else ("grad",)
         ways = engines if mode in ENGINE_MODES else ("nccl",)
         steps = optimizer_steps if mode in OPTIMIZER_STEP_MODES else ("overlapped",)
-        out += [DataParallelConfig(mode, mb, k, d, g, o) for mb in sizes for d in dtypes for k in sms for g in ways
-                for o in steps]
+        out += [DataParallelConfig(mode, mb, k, d, g, o, m) for mb in sizes for d in dtypes for k in sms for g in ways
+                for o in steps for m in (means if mode in MEAN_MODES and g == "copy_engines" and d == "grad"
+                                         else ("bucket",))]
     return out
 
 
 def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None = None, dtype: str = "fp32",
                         adamw: dict[str, Any], comm_sms: int = 0, comm_dtype: str = "grad",
-                        engine: str = "nccl") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+                        engine: str = "nccl", mean: str = "bucket") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     """(the module to call, its ``DataParallelWrapper`` (None for fsdp2), the optimizer): ``model``, built on its
     device (and maybe compiled: ``parallelize``), wrapped in ``mode`` with
     ``AdamW(**adamw)``. ``dtype`` (``analysis.harness.DTYPES``): bf16 makes the FSDPs compute in bf16;
     bf16_mixed gives ``MasterAdamW``. ``comm_sms``: the SMs ``COMM_SMS_MODES``' NCCL kernels may occupy (0:
     NCCL's default); ``comm_dtype``: the dtype gradients travel in (``COMM_DTYPES``; bf16 with
-    ``COMM_DTYPE_MODES`` only); ``engine``: what moves ``ENGINE_MODES``' bytes (``ENGINES``). Our DDP wrappers
+    ``COMM_DTYPE_MODES`` only); ``engine``: what moves ``ENGINE_MODES``' bytes (``ENGINES``); ``mean``: where
+    ``MEAN_MODES``' means are computed (``MEANS``: optimizer with the copy engines, no bf16 comm). Our DDP wrappers
     skip the per-step count of unused parameters (``find_unused_parameters=False``, torch DDP's default; the count
     costs a device-to-host synchronization per step): every parameter of ``TransformerLM`` gets a gradient.
     Collectives inside (the wrappers' broadcasts) run on every rank alike."""
@@ -219,6 +230,11 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
     if comm_dtype not in COMM_DTYPES or comm_dtype != "grad" and mode not in COMM_DTYPE_MODES:
         raise ValueError(f"comm_dtype={comm_dtype!r} with {mode}; accepted: {', '.join(COMM_DTYPES)}, bf16 with "
                          f"{', '.join(COMM_DTYPE_MODES)}")
+    if mean not in MEANS or mean != "bucket" and (mode not in MEAN_MODES or engine != "copy_engines"
+                                                  or comm_dtype != "grad"):
+        raise ValueError(f"mean={mean!r} with {mode}, engine={engine!r}, comm_dtype={comm_dtype!r}; accepted: "
+                         f"{', '.join(MEANS)} (optimizer with {', '.join(MEAN_MODES)} on copy_engines, comm_dtype "
+                         "grad)")
     # OWN_OPTIMIZER modes build their optimizer over what they shard; for the others it is built here, before any
     # wrapper sees the weights: with bf16_mixed it casts them to bf16
     optimizer = None if mode in OWN_OPTIMIZER else adamw_for(dtype, model.parameters(), **adamw)
@@ -232,7 +248,7 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
                             param_dtype=torch.bfloat16 if dtype == "bf16_mixed" else None, engine=engine, **adamw)
             return wrapper, wrapper, wrapper.optimizer
         ours = dict(comm_sms=comm_sms, find_unused_parameters=False)
-        wrapper = (DDPBucketed(model, bucket_mb, comm_dtype=comm, engine=engine, **ours)
+        wrapper = (DDPBucketed(model, bucket_mb, comm_dtype=comm, engine=engine, mean=mean, **ours)
                    if mode in BUCKETED else
                    {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[mode](model, **ours))
         if mode == "zero1":
@@ -274,7 +290,7 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
 def parallelize(model: nn.Module, mode: str = "none", *, bucket_mb: float | None = None, dtype: str = "fp32",
                 adamw: dict[str, Any], compile: bool = False, cuda_graphs: bool = False, ac_every: int = 0,
                 nested_ac: bool = False, ac_keep_attention: bool = False, comm_sms: int = 0, comm_dtype: str = "grad",
-                engine: str = "nccl") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+                engine: str = "nccl", mean: str = "bucket") -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     """``model`` made fast and parallel in torchtitan's order: activation checkpointing every ``ac_every`` blocks
     (``ac_keep_attention``: selective, the attention's outputs kept), then ``apply_compile`` (with the CUDA graphs
     of its regions if ``cuda_graphs``; for ``HOOKED_MODES`` each block's forward, the hooks eager), then
@@ -297,4 +313,4 @@ def parallelize(model: nn.Module, mode: str = "none", *, bucket_mb: float | None
         # of 41, notes/data_parallel.md); a region's gradients are all ready at its end anyway. Process-wide.
         torch._dynamo.config.optimize_ddp = mode != "torch_ddp" and torch._dynamo.config.optimize_ddp
     return apply_data_parallel(model, mode, bucket_mb=bucket_mb, dtype=dtype, adamw=adamw, comm_sms=comm_sms,
-                               comm_dtype=comm_dtype, engine=engine)
+                               comm_dtype=comm_dtype, engine=engine, mean=mean)

@@ -17,7 +17,9 @@ travel in; ``--comm-sms 0,8`` runs our wrappers once per budget of SMs for their
 them during the backward; ``torch_impl.distributed.ddp``); ``--engine nccl,copy_engines`` runs bucketed and zero2
 once per engine moving their bytes (``torch_impl.distributed.copy_engines``); ``--optimizer-step overlapped,after``
 runs individual and bucketed once with bf16_mixed's optimizer stepping each bucket as its average lands and once after
-all (``torch_impl.step.OPTIMIZER_STEPS``; the record's ``optimizer_step`` says which ran); ``--profile DIR`` profiles
+all (``torch_impl.step.OPTIMIZER_STEPS``; the record's ``optimizer_step`` says which ran); ``--mean bucket,optimizer``
+runs bucketed on the copy engines once averaging each bucket and once leaving the means to the optimizer, which reads
+every rank's gradients (``torch_impl.distributed.ddp.MEANS``); ``--profile DIR`` profiles
 ``PROFILED_STEPS`` more steps of each configuration on every rank (read them with ``python -m analysis.overlap``).
 
 Phases of a step (ms), ``torch_impl.step.train_step``'s (``analysis.records.STEP_PHASES``): ``forward`` (model +
@@ -89,7 +91,8 @@ from analysis.records import Record, read_records, save_records
 from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int, parse_list,
                                   positive_float, positive_int, writable_path)
 from torch_impl.parallelize import (COMM_DTYPE_MODES, COMM_DTYPES, CUDA_GRAPHS, DATA_PARALLEL, ENGINE_MODES, ENGINES,
-                                    OPTIMIZER_STEP_MODES, check_cuda_graph, check_supported, parallelize)
+                                    MEAN_MODES, MEANS, OPTIMIZER_STEP_MODES, check_cuda_graph, check_supported,
+                                    parallelize)
 from torch_impl.step import OPTIMIZER_STEPS
 from torch_impl.parallelize import DataParallelConfig as Config, data_parallel_configs as configurations
 
@@ -105,6 +108,7 @@ class DDPBenchConfig(StepConfig):
     comm_dtype: str
     engine: str
     optimizer_step: str
+    mean: str
     compile: bool
     cuda_graph: str
     timeout: float
@@ -158,6 +162,11 @@ def parse_optimizer_steps(text: str) -> list[str]:
     return parse_list(text, "--optimizer-step", OPTIMIZER_STEPS)
 
 
+def parse_means(text: str) -> list[str]:
+    """--mean 'bucket,optimizer' -> ['bucket', 'optimizer'] (``MEANS``)."""
+    return parse_list(text, "--mean", MEANS)
+
+
 def parse_engines(text: str, device: str) -> list[str]:
     """--engine 'nccl,copy_engines' -> ['nccl', 'copy_engines'] (``ENGINES``; copy_engines on CUDA only)."""
     engines = parse_list(text, "--engine", ENGINES)
@@ -192,7 +201,8 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     forward, wrapper, optimizer = parallelize(model, cfg.impl, bucket_mb=cfg.bucket_mb, dtype=args.dtype, adamw=adamw,
                                               compile=args.compile, cuda_graphs=args.cuda_graph == "blocks",
-                                              comm_sms=cfg.comm_sms, comm_dtype=cfg.comm_dtype, engine=cfg.engine)
+                                              comm_sms=cfg.comm_sms, comm_dtype=cfg.comm_dtype, engine=cfg.engine,
+                                              mean=cfg.mean)
     tokens = torch.from_numpy(fixed_batch(args.seed + rank, args.batch_size, seq_len, spec.vocab_size)).to(device)
     batch = [(tokens[:, :-1], tokens[:, 1:])]  # (inputs, targets), (B, T) each
     parts = StepParts(forward, optimizer, dtype=args.dtype, wrapper=wrapper, optimizer_step=cfg.optimizer_step)
@@ -258,6 +268,7 @@ def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_siz
                                "compiled": bool(args.compile), "cuda_graph": args.cuda_graph,
                                "peak_memory_kind": "reserved" if args.cuda_graph == "blocks" else "allocated",
                                "strategy": cfg.strategy, "fused_adamw": device_name != "cpu", "engine": cfg.engine,
+                               "mean": cfg.mean,
                                "timing_rank": "slowest rank per step",
                                "placement": [g.get("placement") for g in gathered]}
     try:
@@ -319,7 +330,7 @@ def run(args: DDPBenchConfig) -> int:
     spec, seq_len = resolve_spec(args)
     configs = configurations(parse_impls(args.impl), parse_bucket_mb(args.bucket_mb), parse_comm_sms(args.comm_sms),
                              parse_comm_dtypes(args.comm_dtype), parse_engines(args.engine, args.device),
-                             parse_optimizer_steps(args.optimizer_step))
+                             parse_optimizer_steps(args.optimizer_step), parse_means(args.mean))
     if args.dtype == "fp32":
         torch.set_float32_matmul_precision("highest")
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
@@ -441,6 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "overlapped (bucket by bucket as their averages land, hiding the last buckets' "
                              "communication; with --dtype bf16_mixed) and/or after (once every gradient is in), "
                              "e.g. overlapped,after (default overlapped)")
+    parser.add_argument("--mean", default="bucket",
+                        help=f"where {', '.join(MEAN_MODES)}'s means are computed with --engine copy_engines, one "
+                             "configuration each: bucket (each bucket averaged by its owner and pushed back) and/or "
+                             "optimizer (every rank's gradients pushed to every rank, averaged by bf16_mixed's "
+                             "optimizer as it reads them), e.g. bucket,optimizer (default bucket)")
     parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps per configuration (default 3)")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration (default 10)")
     parser.add_argument("--attention", default="sdpa", help="attention backend of the model (default sdpa)")
@@ -493,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                              "devices only; on the CPU bf16 gradients work with bucketed, zero1 and zero2")
         parse_engines(args.engine, args.device)
         parse_optimizer_steps(args.optimizer_step)
+        parse_means(args.mean)
         if args.memory_snapshot and args.device != "cuda":
             raise ValueError("--memory-snapshot records the CUDA allocator: it needs --device cuda")
         return run(args)

@@ -15,7 +15,9 @@ process with a message when a peer has not answered within the default group's t
 
 ``SymmetricBuffer``: a flat tensor every rank of a group allocates alike, the peers' copies mapped here, and signals.
 ``PeerAverage``: the mean of such a buffer over the ranks, in place on every rank (an all-reduce by copies), its
-values read where they are (the gradients themselves) rather than copied into the buffer first.
+values read where they are (the gradients themselves) rather than copied into the buffer first. ``PeerGather``: every
+rank's values on every rank (an all-gather by copies), for a reader that averages them as it reads them (the optimizer:
+``DDPBucketed(mean="optimizer")``).
 
 References: PyTorch's symmetric memory (``torch/distributed/_symmetric_memory``); the CUDA driver API's stream memory
 operations (``cuStreamWaitValue32``, ``cuStreamWriteValue32``).
@@ -227,6 +229,74 @@ class PeerAverage:
         for q in self.buffer.peers:
             self.buffer.wait(q, WRITTEN)
         watch(self.what)
+
+
+class PeerGather:
+    """Every rank's values of ``numel`` elements on every rank: each rank pushes its values, straight from where they
+    are (``sources``: (offset, a contiguous 1-D tensor), covering the ``numel`` elements), into a slot of each peer's
+    ``SymmetricBuffer`` (``gather_numel(numel, N)`` elements: N - 1 slots of ``numel``, one for each peer in its order
+    of peers) on ``send_stream``, with the copy engines; nothing is added. ``send()`` once the current stream has
+    written the values (READY: "my slot for you is free", sent after this rank's last reader of its slots; then
+    the pushes, and SENT); ``wait()``: the current stream waits for every peer's values; ``wait_sends()``: for this
+    rank's pushes (before its values are written over); ``values(q)``: peer q's values in this rank's buffer (this
+    rank's own are its sources).
+
+    On 2 ranks it moves the bytes of a reduce-scatter and an all-gather (each rank's gradient out once) with no
+    mean kernel and no second phase: whoever reads the gradients averages them (``MasterAdamW`` as it loads them;
+    ``torch_impl.distributed.interface.mean_of``); on N ranks it moves (N - 1) / 2 x as many."""
+
+    def __init__(self, buffer: SymmetricBuffer, send_stream: torch.cuda.Stream, what: str,
+                 sources: list[tuple[int, torch.Tensor]]):
+        n = buffer.world_size
+        self.numel = buffer.tensor.numel() // max(n - 1, 1)
+        if buffer.tensor.numel() != gather_numel(self.numel, n):
+            raise ValueError(f"PeerGather: a buffer of {buffer.tensor.numel()} elements is not N - 1 equal slots "
+                             f"(N = {n}; see gather_numel)")
+        if sum(t.numel() for _, t in sources) > self.numel or any(
+                start < 0 or start + t.numel() > self.numel for start, t in sources):
+            raise ValueError(f"PeerGather: sources beyond the {self.numel} elements gathered")
+        self.buffer, self.send_stream, self.what, self.sources = buffer, send_stream, what, sources
+        self._sends_done: torch.cuda.Event | None = None
+
+    def _slot(self, sender: int, receiver: int) -> slice:
+        """Where ``sender``'s values lie in ``receiver``'s buffer (its peers in rank order, one slot each)."""
+        k = sender - (sender > receiver)
+        return slice(k * self.numel, (k + 1) * self.numel)
+
+    def values(self, q: int) -> torch.Tensor:
+        """Rank q's values in this rank's buffer (q a peer), valid on the current stream after ``wait()``."""
+        return self.buffer.tensor[self._slot(q, self.buffer.rank)]
+
+    def send(self) -> PeerGather:
+        buffer = self.buffer
+        self.send_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.send_stream):
+            for q in buffer.peers:
+                buffer.signal(q, READY)
+            for q in buffer.peers:
+                buffer.wait(q, READY)
+                slot = buffer.peer(q)[self._slot(buffer.rank, q)]
+                for start, t in self.sources:
+                    t.record_stream(self.send_stream)
+                    slot[start:start + t.numel()].copy_(t)
+                buffer.signal(q, SENT)
+            self._sends_done = watch(f"{self.what} (its sends)")
+        self.sources = []  # the values sent are freed by the caller (the streams that read them are recorded)
+        return self
+
+    def wait(self) -> None:
+        for q in self.buffer.peers:
+            self.buffer.wait(q, SENT)
+        watch(f"{self.what} (the peers' sends)")
+
+    def wait_sends(self) -> None:
+        torch.cuda.current_stream().wait_event(self._sends_done)
+
+
+def gather_numel(numel: int, world_size: int) -> int:
+    """The elements of a ``SymmetricBuffer`` that ``PeerGather`` gathers ``numel`` elements in: a slot of ``numel``
+    for each peer (at least one, so that every rank allocates alike)."""
+    return max(world_size - 1, 1) * numel
 
 
 def buffer_numel(numel: int, world_size: int) -> int:

@@ -73,9 +73,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from torch_impl.distributed.copy_engines import PeerAverage, SymmetricBuffer, buffer_numel, check_engine
+from torch_impl.distributed.copy_engines import (PeerAverage, PeerGather, SymmetricBuffer, buffer_numel, check_engine,
+                                                 gather_numel)
 from torch_impl.distributed.interface import DataParallelWrapper
 from torch_impl.distributed.process_group import comm_group, nccl_averages
+from torch_impl.optim import ALIGN, Part, mean_of
 
 _MIB = 2**20
 # The gradients the backward launches last, in MiB: their communication is still running when it ends. With the copy
@@ -85,6 +87,9 @@ _MIB = 2**20
 # units one by one, and all earlier ones, landed by then, in one part (with the first part taking the units 1 to 2
 # TAIL_MB from the end too, it waited ~0.8 ms for their means on 2 H200s, xl, 4c4c37f).
 TAIL_MB = 512
+# Where bucketed DDP's means are computed: in each bucket (an all-reduce), or by the optimizer as it reads the
+# gradients of every rank (copy engines: each rank's gradients pushed to its peers, ``copy_engines.PeerGather``)
+MEANS = ("bucket", "optimizer")
 
 
 def _unique(tensors) -> list[torch.Tensor]:
@@ -271,7 +276,8 @@ class _Unit:
     work: Any = None  # the async all-reduce's handle
     flat: torch.Tensor | None = None  # the bucket's flat buffer (bucketed only)
     offsets: list[int] = field(default_factory=list)  # each parameter's start in ``flat``
-    grads: list[torch.Tensor] = field(default_factory=list)  # bucketed with a comm dtype: the gradients' home
+    grads: list[torch.Tensor] = field(default_factory=list)  # bucketed with a comm dtype or mean="optimizer": the
+    # gradients' home
     symmetric: SymmetricBuffer | None = None  # bucketed on the copy engines: ``flat``'s symmetric memory
 
 
@@ -343,9 +349,10 @@ class _OverlappedDDP(_DataParallel):
     def _launch(self, unit: _Unit) -> None:
         raise NotImplementedError
 
-    def _finish_unit(self, unit: _Unit) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    def _finish_unit(self, unit: _Unit) -> tuple[list[torch.Tensor], Callable[[], None], list | None]:
         """A launched unit's (the tensors its averaged gradients land in, the call that makes the current stream
-        wait for them and land them). The unit may be reused (the next step) once that call has been made."""
+        wait for them and land them, ``Part.terms`` or None). The unit may be reused (the next step) once that call
+        has been made."""
         raise NotImplementedError
 
     def _launch_rest(self) -> None:
@@ -365,11 +372,15 @@ class _OverlappedDDP(_DataParallel):
             restore_matmul_sms(self._carved)
         self.on_train_batch_start()
 
+    @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        for _, land in self.finish_in_parts():
-            land()
+        for part in self.finish_in_parts():
+            part.ready()
+            for p, terms in zip(part.params, part.terms or ()):
+                if p.grad is not None:  # a new tensor: this rank's gradient may still be on its way to the peers
+                    p.grad = mean_of(terms)
 
-    def finish_in_parts(self) -> list[tuple[list[torch.Tensor], Callable[[], None]]]:
+    def finish_in_parts(self) -> list[Part]:
         """The interface's parts, in launch order (the order the communication ends in): each unit with at most
         2 ``TAIL_MB`` launched after it one a part, every earlier unit (landed by then) in the first part."""
         self._launch_rest()
@@ -377,16 +388,17 @@ class _OverlappedDDP(_DataParallel):
         grads: list[torch.Tensor | None] = [None] * len(self._params)
         parts = []
         for unit in self._units:
-            unit_grads, land = self._finish_unit(unit)
+            unit_grads, land, terms = self._finish_unit(unit)
             for i, g in zip(unit.params, unit_grads):
                 grads[i] = g
-            parts.append(([self._params[i] for i in unit.params], land))
+            parts.append(Part([self._params[i] for i in unit.params], land, terms))
         self._assign_grads(grads, presence)
         self._end_backward()
         head = self._tail_start
         if head > 1:
-            lands = [land for _, land in parts[:head]]
-            parts[:head] = [([p for params, _ in parts[:head] for p in params], lambda: [land() for land in lands])]
+            lands, terms = [part.ready for part in parts[:head]], [part.terms for part in parts[:head]]
+            parts[:head] = [Part([p for part in parts[:head] for p in part.params], lambda: [land() for land in lands],
+                                 None if None in terms else [t for unit_terms in terms for t in unit_terms])]
         return parts
 
 
@@ -405,14 +417,14 @@ class DDPIndividualParameters(_OverlappedDDP):
         unit.work = self._all_reduce(p.grad, async_op=True, average=True)
         unit.launched = True
 
-    def _finish_unit(self, unit: _Unit) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    def _finish_unit(self, unit: _Unit) -> tuple[list[torch.Tensor], Callable[[], None], None]:
         grad, work, unit.flat = unit.flat, unit.work, None  # the unit must not keep the gradient past the step:
         # the next step's zero_grad frees it (it held 7.4 GiB through xl's forward, call 3)
 
         def land() -> None:
             work.wait()
             self._averaged(grad)
-        return [grad], land
+        return [grad], land, None
 
 
 class DDPBucketed(_OverlappedDDP):
@@ -433,27 +445,40 @@ class DDPBucketed(_OverlappedDDP):
     it hold ``TAIL_MB`` (a compiled span's gradients arrive together: by then the peers' pushes are in), so that
     nothing runs beside the backward's GEMMs, and those left at the end of the backward on the send stream. Without
     a cast nothing is copied into the bucket: the gradients are pushed to the peers and averaged from where they are,
-    and only the means land in it."""
+    and only the means land in it.
+
+    ``mean="optimizer"`` (copy engines, no cast; ``MEANS``): no mean is computed here. Each rank pushes its whole
+    bucket of gradients into a slot of each peer's buffer (``copy_engines.PeerGather``; on 2 ranks the bytes of the
+    reduce-scatter and all-gather, with no mean kernel on the compute stream and no second phase), each ``.grad``
+    keeps this rank's gradient, and ``finish_in_parts`` hands the optimizer each parameter's gradient on every rank
+    (``Part.terms``): ``MasterAdamW`` averages them as it loads them (2 bytes a parameter more read), which is the
+    update it makes of the averaged gradient, bit for bit. ``finish_gradient_synchronization`` (a clipped step,
+    another optimizer) sets each ``.grad`` to its mean (``mean_of``: summed in fp32, rounded once)."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, comm_dtype: torch.dtype | None = None,
-                 engine: str = "nccl", **kwargs: Any):
+                 engine: str = "nccl", mean: str = "bucket", **kwargs: Any):
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb={bucket_size_mb} must be > 0")
         if comm_dtype is not None and not comm_dtype.is_floating_point:
             raise ValueError(f"comm_dtype={comm_dtype}: gradients travel in a floating-point dtype")
+        if mean not in MEANS or mean == "optimizer" and (engine != "copy_engines" or comm_dtype is not None):
+            raise ValueError(f"DDPBucketed mean={mean!r} with engine={engine!r}, comm_dtype={comm_dtype}; accepted: "
+                             f"{', '.join(MEANS)} (optimizer with engine='copy_engines' and no comm_dtype)")
         self.bucket_size_bytes = bucket_size_mb * _MIB
         self.comm_dtype = comm_dtype
         self.engine = engine
+        self.mean = mean
         super().__init__(module, **kwargs)
         device = self._params[0].device if self._params else torch.device("cpu")
         check_engine(engine, self.process_group, device, type(self).__name__)
         copies = engine == "copy_engines"  # the peer copies' streams
         self._send_stream, self._push_stream = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if copies else (
             None, None)
+        align = ALIGN if mean == "optimizer" else 1  # the optimizer's kernel reads the peers' gradients in the slots
         for unit in self._units:
             unit.offsets = [0]
             for i in unit.params:
-                unit.offsets.append(unit.offsets[-1] + self._params[i].numel())
+                unit.offsets.append(unit.offsets[-1] + -(-self._params[i].numel() // align) * align)
             self._allocate(unit)
 
     def on_train_batch_start(self) -> None:
@@ -462,10 +487,14 @@ class DDPBucketed(_OverlappedDDP):
 
     def _allocate(self, unit: _Unit) -> None:
         """The bucket's flat buffer, kept from step to step (copy engines: padded to N equal slices, in symmetric
-        memory with the room ``PeerAverage`` needs)."""
+        memory with the room ``PeerAverage`` needs; with mean="optimizer" only the peers' slots, no bucket of this
+        rank's own)."""
         p = self._params[unit.params[0]]
         dtype = self.comm_dtype or p.dtype
-        if self.engine == "copy_engines":
+        if self.mean == "optimizer":
+            n, numel = self.world_size, unit.offsets[-1]
+            unit.symmetric = SymmetricBuffer(gather_numel(numel, n), dtype, p.device, self.process_group)
+        elif self.engine == "copy_engines":
             n, numel = self.world_size, unit.offsets[-1]
             unit.symmetric = SymmetricBuffer(buffer_numel(numel, n), dtype, p.device, self.process_group)
             unit.flat = unit.symmetric.tensor.zero_()[:-(-numel // n) * n]  # (N S,)
@@ -505,7 +534,27 @@ class DDPBucketed(_OverlappedDDP):
         return unit.flat.dtype != self._params[unit.params[0]].dtype
 
     @torch.no_grad()
+    def _launch_gather(self, unit: _Unit) -> None:
+        """mean="optimizer": push this rank's gradients, as they are, into the peers' slots (a missing one as
+        zeros, a strided one made contiguous: each ``.grad`` is then the tensor pushed)."""
+        unit.grads, sources = [], []
+        for i, start in zip(unit.params, unit.offsets):
+            p = self._params[i]
+            if p.grad is None:  # no gradient on this rank this step: contribute zeros
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                self._present[i] = False
+            elif not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
+            unit.grads.append(p.grad)
+            sources.append((start, p.grad.view(-1)))
+        what = f"the copy engines' gather of bucket {self._next}"
+        unit.work = PeerGather(unit.symmetric, self._send_stream, what, sources).send()
+        unit.launched = True
+
+    @torch.no_grad()
     def _launch(self, unit: _Unit) -> None:
+        if self.mean == "optimizer":
+            return self._launch_gather(unit)
         views, grads = [], []  # the gradients to copy into the bucket: one multi-tensor copy (the host's time
         casts = self._casts(unit)  # per launch is what a compiled backward has least of)
         unit.grads = []  # with a cast: where each averaged gradient goes back
@@ -553,7 +602,12 @@ class DDPBucketed(_OverlappedDDP):
                     average.reduce()
         return parts
 
-    def _finish_unit(self, unit: _Unit) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    def _finish_unit(self, unit: _Unit) -> tuple[list[torch.Tensor], Callable[[], None], list | None]:
+        if self.mean == "optimizer":
+            gather, grads, unit.grads = unit.work, unit.grads, []  # the unit keeps no gradient past the step
+            terms = [[g if q == self.rank else gather.values(q)[start:start + g.numel()].view_as(g)
+                      for q in range(self.world_size)] for g, start in zip(grads, unit.offsets)]
+            return grads, gather.wait, terms
         work, flat, views = unit.work, unit.flat, self._views(unit)
         casts = self._casts(unit)
         grads = unit.grads if casts else [view.view_as(self._params[i]) for view, i in zip(views, unit.params)]
@@ -565,4 +619,4 @@ class DDPBucketed(_OverlappedDDP):
                 self._averaged(flat)
             if casts:
                 torch._foreach_copy_([g.view(-1) for g in grads], views)
-        return grads, land
+        return grads, land, None
