@@ -4,7 +4,9 @@ On the parameter shapes of ``--model`` (default xl), times ``--steps`` optimizer
 CUDA events, median: torch's fused AdamW over fp32 parameters and gradients (what the stock step runs under
 autocast) and ``torch_impl.optim.MasterAdamW`` over bf16 parameters and gradients (fp32 masters and moments),
 each with the bytes it must move per step (28 per parameter for both) and the bandwidth that makes, beside a
-device-to-device copy of a 2 GiB buffer in the same process (the anchor: what HBM gives a plain stream).
+device-to-device copy of a 2 GiB buffer in the same process (the anchor: what HBM gives a plain stream); then
+MasterAdamW averaging a second gradient as it loads it (``Part.terms``: ``DDPBucketed(mean="optimizer")`` on 2
+ranks, 30 bytes a parameter), and both with the kernel's multiply-add contraction on (``optim.FP_FUSION``).
 Prints a table; writes OUT/optim_probe.json. Not a record: the e2e benchmark's ``optimizer`` phase is.
 """
 
@@ -19,21 +21,27 @@ import torch
 
 from parallelism_calc.specs import get_model
 from torch_impl.model import TransformerLM
-from torch_impl.optim import MasterAdamW
+import torch_impl.optim as optim
+from torch_impl.optim import MasterAdamW, Part
 from torch_impl.timing import median_ms
 
 BYTES_PER_PARAM = 28  # fused fp32 AdamW: read p, g, m, v, write p, m, v; MasterAdamW: bf16 g and p, fp32 w, m, v
 
 
-def optimizer_step(shapes: list[torch.Size], master: bool):
-    """One optimizer over fresh parameters of these shapes with random gradients: returns its ``step``."""
+def optimizer_step(shapes: list[torch.Size], master: bool, terms: int = 1):
+    """One optimizer over fresh parameters of these shapes with random gradients: returns its ``step`` (with
+    ``terms`` > 1, ``step_parts`` of one part whose gradients come as that many terms)."""
     dtype = torch.bfloat16 if master else torch.float32
     params = [torch.nn.Parameter(torch.randn(shape, device="cuda") * 0.02) for shape in shapes]
     optimizer = (MasterAdamW(params, lr=1e-4) if master
                  else torch.optim.AdamW(params, lr=1e-4, fused=True))
     for p in params:
         p.grad = torch.randn(p.shape, device="cuda", dtype=dtype) * 1e-3
-    return optimizer.step
+    if terms == 1:
+        return optimizer.step
+    part = Part(params, lambda: None, [[p.grad] + [torch.randn_like(p.grad) * 1e-3 for _ in range(terms - 1)]
+                                       for p in params])
+    return lambda: optimizer.step_parts([part])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,9 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     copy_ms = median_ms(lambda: buffer.clone(), args.steps)
     rows = [{"variant": "copy 2 GiB (anchor)", "ms": copy_ms, "gb_per_s": 2 * buffer.nbytes / copy_ms / 1e6}]
     del buffer
-    for name, master in (("torch fused AdamW, fp32", False), ("MasterAdamW, bf16 + fp32 master", True)):
-        ms = median_ms(optimizer_step(shapes, master), args.steps)
-        rows.append({"variant": name, "ms": ms, "gb_per_s": BYTES_PER_PARAM * n_params / ms / 1e6})
+    variants = [("torch fused AdamW, fp32", False, 1, optim.FP_FUSION),
+                ("MasterAdamW, bf16 + fp32 master", True, 1, optim.FP_FUSION),
+                ("MasterAdamW, 2 terms", True, 2, optim.FP_FUSION),
+                ("MasterAdamW, fp fusion", True, 1, True), ("MasterAdamW, 2 terms, fp fusion", True, 2, True)]
+    for name, master, terms, fusion in variants:
+        optim.FP_FUSION = fusion
+        ms = median_ms(optimizer_step(shapes, master, terms), args.steps)
+        per_param = BYTES_PER_PARAM + (terms - 1) * 2  # each term past the first: 2 more bytes read
+        rows.append({"variant": name, "ms": ms, "gb_per_s": per_param * n_params / ms / 1e6})
         torch.cuda.empty_cache()
     for row in rows:
         print(f"{row['variant']:<36} {row['ms']:8.2f} ms {row['gb_per_s']:8.0f} GB/s")

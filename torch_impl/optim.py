@@ -40,6 +40,10 @@ import triton.language as tl
 BLOCK = 4096  # elements per program: 16 KiB of each fp32 stream, enough in flight to saturate HBM
 ALIGN = 16  # elements: every tensor starts at a multiple (flat buffers padded so; allocations are aligned)
 PARAM_DTYPES = {torch.bfloat16: tl.bfloat16}  # fp16 would need loss scaling, which this optimizer does not do
+# Multiply-add contraction in the kernel: off, since which products the compiler fused varied with ``TERMS`` (on an
+# H200 the masters of a step with terms and of ``step()`` after ``mean_of`` differed in their last bits), and the
+# update is the same either way (``scripts/optim_probe.py`` times both)
+FP_FUSION = False
 
 
 class Part(NamedTuple):
@@ -320,9 +324,6 @@ class MasterAdamW(torch.optim.Optimizer):
                     self._torch_step(self.param_groups[k], self.flat[k], tuple(sorted(tensors)), terms_of)
 
     def _kernel_step(self, group: dict, flat: _FlatGroup, tensors: tuple[int, ...], n_terms: int) -> None:
-        """One launch a kind of chunk, whole or the tails. No multiply-add contraction: which products the compiler
-        fuses varied with ``TERMS`` (on an H200 the masters of a step with terms and of ``step()`` after
-        ``mean_of`` differed in their last bits), and the update is the same either way."""
         beta1, beta2 = group["betas"]
         log2 = lambda beta: math.log2(beta) if beta > 0 else -math.inf  # noqa: E731
         for full, (chunk_tensor, chunk_start) in flat.chunks_of(tensors).items():  # whole chunks unmasked, then tails
@@ -332,7 +333,7 @@ class MasterAdamW(torch.optim.Optimizer):
                     flat.param_addrs.numel(), flat.master, flat.exp_avg, flat.exp_avg_sq, flat.step, group["lr"],
                     beta1, beta2, log2(beta1), log2(beta2), group["eps"], group["weight_decay"],
                     PARAM_DTYPE=PARAM_DTYPES[self.param_dtype], BLOCK=BLOCK, ALIGN=ALIGN, FULL=full, TERMS=n_terms,
-                    num_warps=8, enable_fp_fusion=False)
+                    num_warps=8, enable_fp_fusion=FP_FUSION)
 
     def _torch_step(self, group: dict, flat: _FlatGroup, tensors: tuple[int, ...],
                     terms_of: dict[int, list[torch.Tensor]]) -> None:
