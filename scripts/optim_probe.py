@@ -6,7 +6,7 @@ autocast) and ``torch_impl.optim.MasterAdamW`` over bf16 parameters and gradient
 each with the bytes it must move per step (28 per parameter for both) and the bandwidth that makes, beside a
 device-to-device copy of a 2 GiB buffer in the same process (the anchor: what HBM gives a plain stream); then
 MasterAdamW averaging a second gradient as it loads it (``Part.terms``: ``DDPBucketed(mean="optimizer")`` on 2
-ranks, 30 bytes a parameter), and both with the kernel's multiply-add contraction on (``optim.FP_FUSION``).
+ranks, 30 bytes a parameter).
 Prints a table; writes OUT/optim_probe.json. Not a record: the e2e benchmark's ``optimizer`` phase is.
 """
 
@@ -21,7 +21,6 @@ import torch
 
 from parallelism_calc.specs import get_model
 from torch_impl.model import TransformerLM
-import torch_impl.optim as optim
 from torch_impl.optim import MasterAdamW, Part
 from torch_impl.timing import median_ms
 
@@ -57,12 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     copy_ms = median_ms(lambda: buffer.clone(), args.steps)
     rows = [{"variant": "copy 2 GiB (anchor)", "ms": copy_ms, "gb_per_s": 2 * buffer.nbytes / copy_ms / 1e6}]
     del buffer
-    variants = [("torch fused AdamW, fp32", False, 1, optim.FP_FUSION),
-                ("MasterAdamW, bf16 + fp32 master", True, 1, optim.FP_FUSION),
-                ("MasterAdamW, 2 terms", True, 2, optim.FP_FUSION),
-                ("MasterAdamW, fp fusion", True, 1, True), ("MasterAdamW, 2 terms, fp fusion", True, 2, True)]
-    for name, master, terms, fusion in variants:
-        optim.FP_FUSION = fusion
+    variants = [("torch fused AdamW, fp32", False, 1), ("MasterAdamW, bf16 + fp32 master", True, 1),
+                ("MasterAdamW, 2 terms", True, 2)]
+    for name, master, terms in variants:
         ms = median_ms(optimizer_step(shapes, master, terms), args.steps)
         per_param = BYTES_PER_PARAM + (terms - 1) * 2  # each term past the first: 2 more bytes read
         rows.append({"variant": name, "ms": ms, "gb_per_s": per_param * n_params / ms / 1e6})

@@ -40,10 +40,6 @@ import triton.language as tl
 BLOCK = 4096  # elements per program: 16 KiB of each fp32 stream, enough in flight to saturate HBM
 ALIGN = 16  # elements: every tensor starts at a multiple (flat buffers padded so; allocations are aligned)
 PARAM_DTYPES = {torch.bfloat16: tl.bfloat16}  # fp16 would need loss scaling, which this optimizer does not do
-# Multiply-add contraction in the kernel: off, since which products the compiler fused varied with ``TERMS`` (on an
-# H200 the masters of a step with terms and of ``step()`` after ``mean_of`` differed in their last bits), and the
-# update is the same either way (``scripts/optim_probe.py`` times both)
-FP_FUSION = False
 
 
 class Part(NamedTuple):
@@ -86,12 +82,15 @@ def _store(ptrs, value, offs, n, FULL: tl.constexpr):
 @triton.jit
 def _adamw_master_kernel(chunk_tensor, chunk_start, numels, flat_offsets, param_addrs, grad_addrs, n_tensors,
                          master, exp_avg, exp_avg_sq, step_ptr, lr, beta1, beta2, log2_beta1, log2_beta2,
-                         eps, weight_decay, PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                         eps, decay, PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
                          FULL: tl.constexpr, TERMS: tl.constexpr):
     """One chunk of one tensor: AdamW on the fp32 master, moments in fp32, the bf16 weight written back.
     ``FULL``: every chunk of this launch is whole (no masks); else each is a tensor's last, partial chunk.
     ``TERMS`` > 1: the gradient is ``mean_of`` the tensors at rows 0 ... TERMS - 1 of ``grad_addrs`` (rows of
-    ``n_tensors``)."""
+    ``n_tensors``). ``decay``: 1 - lr weight_decay. Every product that is added is an explicit ``fma``, so the
+    compiler has none left to contract its own way: the update's bits do not depend on ``TERMS`` (they did, in the
+    masters' last bits on an H200, with the contraction the compiler chose), and it costs one division an element
+    (the 1 / sqrt(bias correction) is one per program)."""
     chunk = tl.program_id(0)
     t = tl.load(chunk_tensor + chunk)
     grad_addr = tl.load(grad_addrs + t)
@@ -112,12 +111,11 @@ def _adamw_master_kernel(chunk_tensor, chunk_start, numels, flat_offsets, param_
         m = _load(exp_avg + flat, offs, n, FULL)
         v = _load(exp_avg_sq + flat, offs, n, FULL)
         step = tl.load(step_ptr)
-        bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)  # 1 - beta1 ** step
-        bias_correction2 = 1.0 - tl.exp2(step * log2_beta2)
-        w = w * (1.0 - lr * weight_decay)
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        w = w - (lr / bias_correction1) * m / (tl.sqrt(v) / tl.sqrt(bias_correction2) + eps)
+        neg_step_size = -lr / (1.0 - tl.exp2(step * log2_beta1))  # -lr / (1 - beta1 ** step)
+        root_correction = 1.0 / tl.sqrt(1.0 - tl.exp2(step * log2_beta2))  # 1 / sqrt(1 - beta2 ** step)
+        m = tl.fma(m, beta1, (1.0 - beta1) * g)
+        v = tl.fma(v, beta2, (1.0 - beta2) * g * g)
+        w = tl.fma(w, decay, neg_step_size * m / tl.fma(tl.sqrt(v), root_correction, eps))
         _store(master + flat, w, offs, n, FULL)
         _store(exp_avg + flat, m, offs, n, FULL)
         _store(exp_avg_sq + flat, v, offs, n, FULL)
@@ -331,9 +329,9 @@ class MasterAdamW(torch.optim.Optimizer):
                 _adamw_master_kernel[(chunk_tensor.numel(),)](
                     chunk_tensor, chunk_start, flat.numels, flat.flat_offsets, flat.param_addrs, flat.grad_addrs,
                     flat.param_addrs.numel(), flat.master, flat.exp_avg, flat.exp_avg_sq, flat.step, group["lr"],
-                    beta1, beta2, log2(beta1), log2(beta2), group["eps"], group["weight_decay"],
+                    beta1, beta2, log2(beta1), log2(beta2), group["eps"], 1 - group["lr"] * group["weight_decay"],
                     PARAM_DTYPE=PARAM_DTYPES[self.param_dtype], BLOCK=BLOCK, ALIGN=ALIGN, FULL=full, TERMS=n_terms,
-                    num_warps=8, enable_fp_fusion=FP_FUSION)
+                    num_warps=8)
 
     def _torch_step(self, group: dict, flat: _FlatGroup, tensors: tuple[int, ...],
                     terms_of: dict[int, list[torch.Tensor]]) -> None:
