@@ -488,6 +488,56 @@ def test_bucketed_bf16_communication_rounds_the_average_once():
 # ----------------------------------------------------------------------------- the optimizer overlapped
 
 
+def _train_mean_in_optimizer(rank: int, world_size: int, kind: str, seed: int, set_to_none: bool) -> dict:
+    """``STEPS`` SGD steps of ``kind`` in float64 on this rank's GPU, bucketed on the copy engines with the means
+    left to their reader (here ``finish_gradient_synchronization``, which sets them): each step's slice in two
+    micro-batches, the first under ``no_sync``; a different initialization on every rank. The final state and the
+    parameters without a gradient after each step."""
+    from torch_impl.distributed import DDPBucketed
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = _make_model(kind, seed + 1 + rank if rank else seed).to(device)
+    mid_mb = 2 * max(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    ddp = DDPBucketed(model, bucket_size_mb=mid_mb, engine="copy_engines", mean="optimizer")
+    opt = _optimizer(ddp)
+    none_grads = []
+    for step in range(STEPS):
+        ddp.on_train_batch_start()
+        opt.zero_grad(set_to_none=set_to_none)
+        x, y = (t.to(device) for t in _batch(kind, seed, step, world_size))
+        half = BATCH // 2
+        for j in range(2):  # the mean of the two halves' mean losses: the slice's mean loss
+            rows = slice(rank * BATCH + j * half, rank * BATCH + (j + 1) * half)
+            with ddp.no_sync() if j == 0 else contextlib.nullcontext():
+                (_local_loss(ddp, kind, x[rows], y[rows], step, rank) / 2).backward()
+        ddp.finish_gradient_synchronization()
+        none_grads.append(sorted(n for n, p in model.named_parameters() if p.requires_grad and p.grad is None))
+        opt.step()
+    return {"final": {k: v.cpu() for k, v in _state(model).items()}, "none_grads": none_grads}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs >= 2 GPUs")
+@pytest.mark.parametrize("kind, set_to_none", [("frozen_unused", True), ("tied", True), ("frozen_unused", False)])
+def test_means_in_the_optimizer_match_single_process(kind, set_to_none):
+    """``DDPBucketed(engine="copy_engines", mean="optimizer")`` on 2 GPUs against one process in float64: the
+    gathered gradients' means set by ``finish_gradient_synchronization`` after an accumulated micro-batch, a frozen,
+    a never-used and a sometimes-used parameter (``.grad`` None where no rank had one, as in one process), a tied
+    weight, and gradients zeroed in place."""
+    seed = secrets.randbelow(2**20)
+    world_size = 2
+    results = run_ranks(_train_mean_in_optimizer, world_size, kind, seed, set_to_none, timeout_s=180,
+                        backend="nccl")
+    want = _reference(kind, seed, world_size, set_to_none)
+    for rank, res in enumerate(results):
+        what = f"[seed={seed}] rank {rank} {kind} set_to_none={set_to_none}"
+        assert not _assert_close_states(res["final"], want, what), _assert_close_states(res["final"], want, what)
+        if kind == "frozen_unused" and set_to_none:
+            for step, nones in enumerate(res["none_grads"]):
+                used = any(_uses_branch(step, r) for r in range(world_size))
+                assert nones == sorted(["unused"] + ([] if used else ["sometimes.bias", "sometimes.weight"])), what
+
+
 def _train_bf16_mixed(rank: int, world_size: int, seed: int, variant: str, optimizer_step: str,
                       device: str = "cpu", tail_mb: float = 512.0) -> dict:
     """Three steps of the tiny LM in bf16 over fp32 masters (``MasterAdamW``) through ``train_step`` with the

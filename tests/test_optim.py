@@ -157,7 +157,7 @@ def test_step_in_parts_averages_the_terms_as_it_loads_them(kernel, world_size):
     rank = world_size - 1  # this rank's own gradient is the last term
     for step in range(3):
         terms = _terms(step, world_size)
-        for i, (p, q) in enumerate(zip(whole, parted)):  # parameter 1: no gradient on any rank (its terms zeros)
+        for i, (p, q) in enumerate(zip(whole, parted)):  # parameter 1: no gradient on any rank (terms, .grad None)
             p.grad = None if i == 1 else mean_of(terms[i])
             q.grad = None if i == 1 else terms[i][rank]
         a.step()

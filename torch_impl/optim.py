@@ -55,11 +55,13 @@ class Part(NamedTuple):
 
 def mean_of(terms: list[torch.Tensor]) -> torch.Tensor:
     """A gradient averaged over the ranks from its values on each (``Part.terms``), the same bits on every rank: the
-    sum in fp32 in rank order, times 1 / N, rounded once to their dtype (on 2 ranks of bf16 values NCCL's AVG and
-    ``copy_engines.PeerAverage`` leave the same; ``MasterAdamW``'s kernel folds this into its load)."""
-    total = terms[0].float()
+    sum in fp32 (fp64 for fp64 values) in rank order, times 1 / N, rounded once to their dtype (on 2 ranks of bf16
+    values NCCL's AVG and ``copy_engines.PeerAverage`` leave the same; ``MasterAdamW``'s kernel folds this into its
+    load)."""
+    exact = torch.promote_types(terms[0].dtype, torch.float32)
+    total = terms[0].to(exact)
     for term in terms[1:]:
-        total = total + term.float()
+        total = total + term.to(exact)
     return (total * (1 / len(terms))).to(terms[0].dtype)
 
 
@@ -194,8 +196,8 @@ class _FlatGroup:
         capturing = table.is_cuda and torch.cuda.is_current_stream_capturing()
         if table.numel() != len(addrs):  # gradients with terms, or no longer
             if capturing or name in self.captured:
-                raise ValueError("MasterAdamW: a captured step's gradients must come as at its capture (with the "
-                                 "same terms, Part.terms)")
+                raise ValueError("MasterAdamW: a captured step's gradients must come as at its capture, with the same "
+                                 "Part.terms or none: run an eager step with the same parts before capturing")
             table = torch.zeros(len(addrs), dtype=torch.int64, device=self.device)
             setattr(self, name, table)
             if name in self.capture_sources:

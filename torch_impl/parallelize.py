@@ -41,8 +41,8 @@ from torch_impl.model import Blocks, TransformerBlock, run_blocks
 
 __all__ = ["BLOCKS_PER_GRAPH", "COMM_DTYPES", "COMM_DTYPE_MODES", "COMM_SMS_MODES", "CUDA_GRAPHS", "DATA_PARALLEL",
            "ENGINES", "ENGINE_MODES", "HOOKED_MODES", "MEANS", "MEAN_MODES", "OPTIMIZER_STEP_MODES", "UNSUPPORTED",
-           "WRAPPER_MODES", "DataParallelConfig", "apply_activation_checkpointing", "apply_compile", "apply_data_parallel",
-           "check_cuda_graph", "check_supported", "data_parallel_configs", "parallelize"]
+           "WRAPPER_MODES", "DataParallelConfig", "apply_activation_checkpointing", "apply_compile",
+           "apply_data_parallel", "check_cuda_graph", "check_supported", "data_parallel_configs", "parallelize"]
 
 DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "zero2", "fsdp", "fsdp2")
 # The modes with a DataParallelWrapper, so the trainer's --dist: not fsdp2 (its DTensor parameters would need their

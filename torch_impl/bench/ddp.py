@@ -455,8 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mean", default="bucket",
                         help=f"where {', '.join(MEAN_MODES)}'s means are computed with --engine copy_engines, one "
                              "configuration each: bucket (each bucket averaged by its owner and pushed back) and/or "
-                             "optimizer (every rank's gradients pushed to every rank, averaged by bf16_mixed's "
-                             "optimizer as it reads them), e.g. bucket,optimizer (default bucket)")
+                             "optimizer (every rank's gradients pushed to every rank, averaged by --dtype bf16_mixed's "
+                             "optimizer as it reads them; other dtypes set the means in .grad after the backward), "
+                             "e.g. bucket,optimizer (default bucket)")
     parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps per configuration (default 3)")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration (default 10)")
     parser.add_argument("--attention", default="sdpa", help="attention backend of the model (default sdpa)")
@@ -509,7 +510,11 @@ def main(argv: list[str] | None = None) -> int:
                              "devices only; on the CPU bf16 gradients work with bucketed, zero1 and zero2")
         parse_engines(args.engine, args.device)
         parse_optimizer_steps(args.optimizer_step)
-        parse_means(args.mean)
+        if "optimizer" in parse_means(args.mean) and not (
+                any(m in MEAN_MODES for m in impls) and "copy_engines" in parse_engines(args.engine, args.device)
+                and "grad" in parse_comm_dtypes(args.comm_dtype)):
+            raise ValueError(f"--mean optimizer: the means move to the optimizer with {', '.join(MEAN_MODES)} on "
+                             "--engine copy_engines with --comm-dtype grad; this run has none")
         if args.memory_snapshot and args.device != "cuda":
             raise ValueError("--memory-snapshot records the CUDA allocator: it needs --device cuda")
         return run(args)

@@ -237,9 +237,9 @@ class PeerGather:
     ``SymmetricBuffer`` (``gather_numel(numel, N)`` elements: N - 1 slots of ``numel``, one for each peer in its order
     of peers) on ``send_stream``, with the copy engines; nothing is added. ``send()`` once the current stream has
     written the values (READY: "my slot for you is free", sent after this rank's last reader of its slots; then
-    the pushes, and SENT); ``wait()``: the current stream waits for every peer's values; ``values(q)``: peer q's
-    values in this rank's buffer (this rank's own are its sources, which the caller must not write over until the
-    pushes are done: ``DDPBucketed`` makes a new tensor of each mean it sets, and frees the sources by stream).
+    the pushes, and SENT); ``wait()``: the current stream waits for every peer's values and for this rank's pushes
+    (after it the sources may be written again: a CUDA graph's replay writes its outputs unordered by streams);
+    ``values(q)``: peer q's values in this rank's buffer (this rank's own are its sources).
 
     On 2 ranks it moves the bytes of a reduce-scatter and an all-gather (each rank's gradient out once) with no
     mean kernel and no second phase: whoever reads the gradients averages them (``MasterAdamW`` as it loads them;
@@ -255,6 +255,7 @@ class PeerGather:
         if any(start < 0 or start + t.numel() > self.numel for start, t in sources):
             raise ValueError(f"PeerGather: sources beyond the {self.numel} elements gathered")
         self.buffer, self.send_stream, self.what, self.sources = buffer, send_stream, what, sources
+        self._sends_done: torch.cuda.Event | None = None
 
     def _slot(self, sender: int, receiver: int) -> slice:
         """Where ``sender``'s values lie in ``receiver``'s buffer (its peers in rank order, one slot each)."""
@@ -278,11 +279,12 @@ class PeerGather:
                     t.record_stream(self.send_stream)
                     slot[start:start + t.numel()].copy_(t)
                 buffer.signal(q, SENT)
-            watch(f"{self.what} (its sends)")
+            self._sends_done = watch(f"{self.what} (its sends)")
         self.sources = []  # the values sent are freed by the caller (the streams that read them are recorded)
         return self
 
     def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self._sends_done)
         for q in self.buffer.peers:
             self.buffer.wait(q, SENT)
         watch(f"{self.what} (the peers' sends)")

@@ -54,7 +54,8 @@ Caveats:
 * Collectives go to ``process_group`` (default: the default group), which must be initialized first
   (``torch_impl.distributed.init_distributed``).
 * ``DDPBucketed`` leaves each ``.grad`` as a view into its bucket's flat buffer after the step (PyTorch DDP's
-  ``gradient_as_bucket_view``), which saves a copy per step; ``zero_grad()`` (``set_to_none``) works as usual.
+  ``gradient_as_bucket_view``), which saves a copy per step; ``zero_grad()`` (``set_to_none``) works as usual. (With
+  ``mean="optimizer"`` each ``.grad`` is its mean, a tensor of its own, after ``finish_gradient_synchronization``.)
 
 References: S. Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
 VLDB 2020 (arXiv:2006.15704) - gradient bucketing, overlap via autograd hooks, fixed bucket order, unused
@@ -432,7 +433,7 @@ class DDPBucketed(_OverlappedDDP):
     registration order; a bucket's asynchronous all-reduce starts once all its gradients are ready (and all
     earlier buckets have started). A bucket holds one dtype on one device; a parameter larger than the cap
     gets a bucket of its own, so a tiny cap means one parameter per bucket and a huge one a single bucket.
-    After the step each ``.grad`` is a view into its bucket's buffer.
+    After the step each ``.grad`` is a view into its bucket's buffer (but with ``mean="optimizer"``, below).
 
     ``comm_dtype`` (e.g. ``torch.bfloat16``; None: the gradients' own): buckets of that dtype, so the gradients are
     cast on their way into the bucket (the copy made anyway), communicated in it (half the bytes of fp32), and
@@ -589,7 +590,7 @@ class DDPBucketed(_OverlappedDDP):
             unit.work = self._all_reduce(unit.flat, async_op=True, average=True)
         unit.launched = True
 
-    def finish_in_parts(self) -> list[tuple[list[torch.Tensor], Callable[[], None]]]:
+    def finish_in_parts(self) -> list[Part]:
         """With the copy engines, the means left for after the backward are computed on the send stream, each once
         the peers' values are in, so that their pushes go on beside the optimizer (no GEMM runs then for them to
         slow): on the compute stream each waited for the peers' values and the next part for its pushes (2 H200s,

@@ -12,10 +12,13 @@ saves and loads by); ``ZeRO2``, whose weights are replicated and whose optimizer
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch_impl.optim import Part
 
 
 def _squares(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -48,12 +51,13 @@ class DataParallelWrapper:
     def finish_gradient_synchronization(self) -> None:
         """Wait for the gradient communication: gradients are then averaged over the ranks (or sharded)."""
 
-    def finish_in_parts(self) -> list[tuple[list[torch.Tensor], Callable[[], None]]] | None:
-        """``finish_gradient_synchronization`` without waiting: every ``.grad`` is already the tensor its average
-        will land in, and the gradients land in parts, in the order returned: (parameters, ready), where
-        ``ready()`` makes the current stream wait for those parameters' averaged gradients. Call every ``ready``
-        before reading the gradients (an optimizer that steps a part at a time: ``MasterAdamW.step_parts``).
-        None: the gradients are all synchronized already (this default)."""
+    def finish_in_parts(self) -> list[Part] | None:
+        """``finish_gradient_synchronization`` without waiting: the gradients land in parts (``torch_impl.optim.Part``),
+        in the order returned: ``ready()`` makes the current stream wait for the part's gradients. Without
+        ``Part.terms`` every ``.grad`` is already the tensor its average will land in; with them (``DDPBucketed(
+        mean="optimizer")``) the average is ``mean_of`` each parameter's terms, which its reader must compute
+        (``MasterAdamW.step_parts`` does). Call every ``ready`` before reading the gradients. None: the gradients are
+        all synchronized already (this default)."""
         self.finish_gradient_synchronization()
         return None
 
