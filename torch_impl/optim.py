@@ -281,7 +281,7 @@ class MasterAdamW(torch.optim.Optimizer):
         where = {id(p): (k, j) for k, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])}
         terms_of: dict[int, list[torch.Tensor]] = {}  # id(parameter) -> its terms
         plan: list[tuple[Callable[[], None] | None, dict[int, list[int]], int]] = []  # (ready, group -> tensors, terms)
-        for params, ready, terms in map(lambda part: Part(*part), parts):
+        for params, ready, terms in (Part(*part) for part in parts):
             n_terms = len(terms[0]) if terms else 1
             if terms is not None and (len(terms) != len(params) or any(len(t) != n_terms for t in terms)):
                 raise ValueError("MasterAdamW.step_parts: a part whose terms are not one list of equally many "

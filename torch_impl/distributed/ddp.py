@@ -378,7 +378,7 @@ class _OverlappedDDP(_DataParallel):
         for part in self.finish_in_parts():
             part.ready()
             for p, terms in zip(part.params, part.terms or ()):
-                if p.grad is not None:  # a new tensor: this rank's gradient may still be on its way to the peers
+                if p.grad is not None:  # None: no rank had a gradient (find_unused_parameters)
                     p.grad = mean_of(terms)
 
     def finish_in_parts(self) -> list[Part]:
