@@ -229,7 +229,8 @@ def memory_breakdown(record: Record) -> tuple[MemoryBreakdown | None, str]:
                                          compiled_loss=compiled_loss, **step_terms)
                 return pred, "timeline" + label
             n = record.world_size  # the DDP benchmark's batch is per rank
-            terms = memory_terms(m["impl"], get_precision(precision).grad_bytes, m.get("comm_dtype", "grad"))
+            terms = memory_terms(m["impl"], get_precision(precision).grad_bytes, m.get("comm_dtype", "grad"),
+                                 n_devices=n)
             pred = per_device_memory(spec, m["strategy"], n, n * record.batch_size * seq, seq, precision, **step_terms,
                                      **terms)
             return pred, terms.get("peak_model", "sum") + label
@@ -292,7 +293,8 @@ def leftover_bytes(records: list[Record]) -> dict[int, tuple[float, str]]:
             except (ValueError, KeyError, TypeError):
                 continue
             held = (prec.grad_bytes if m["impl"] == "individual" else
-                    memory_terms(m["impl"], prec.grad_bytes, m.get("comm_dtype", "grad"))["gradient_buckets"])
+                    memory_terms(m["impl"], prec.grad_bytes, m.get("comm_dtype", "grad"),
+                                 n_devices=r.world_size)["gradient_buckets"])
             leaked.setdefault(launch, []).append((m["impl"], float(n * (prec.param_bytes + held))))
     return out
 

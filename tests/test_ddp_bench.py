@@ -218,6 +218,23 @@ def test_predicted_fsdp_gathering_is_our_fsdp_default():
         unit, DEFAULT_PREFETCH[unit], MAX_PENDING_REDUCE_SCATTERS)
 
 
+def test_one_rank_fsdp_holds_no_reduce_scatter():
+    """On one device our FSDP lands each unit's gradient at once (nothing in flight after the backward, before
+    ``finish_gradient_synchronization``), so ``fsdp_terms`` counts no reduce-scatter buffer there; on more devices,
+    and for FSDP2, the gathering is ``FSDP_GATHERING``'s."""
+    from analysis.data_parallel import FSDP_GATHERING, fsdp_terms
+    from torch_impl.distributed.fsdp import FSDP
+    from torch_impl.model import TransformerLM, cross_entropy
+
+    torch.manual_seed(0)
+    fsdp = FSDP(TransformerLM(MODELS["tiny"]))
+    tokens = torch.randint(0, MODELS["tiny"].vocab_size, (2, 9))
+    cross_entropy(fsdp(tokens[:, :-1]), tokens[:, 1:]).backward()
+    assert fsdp._pending_grads == [] and any(p.grad is not None for p in fsdp.parameters())
+    assert fsdp_terms("fsdp", 1)["pending_reduce_scatters"] is None
+    assert fsdp_terms("fsdp", 2) == FSDP_GATHERING["fsdp"] and fsdp_terms("fsdp2", 1) == FSDP_GATHERING["fsdp2"]
+
+
 def test_scaling_efficiency_against_the_single_process_record(records):
     _, recs = records
     single = recs[0].tokens_per_s

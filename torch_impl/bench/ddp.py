@@ -251,7 +251,7 @@ def predicted_memory(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, worl
 
     precision, attention = calculator_terms(args.dtype, args.attention)
     n = 1 if cfg.impl == "none" else world_size
-    terms = memory_terms(cfg.impl, get_precision(precision).grad_bytes, cfg.comm_dtype)
+    terms = memory_terms(cfg.impl, get_precision(precision).grad_bytes, cfg.comm_dtype, n_devices=n)
     return per_device_memory(spec, cfg.strategy, n, n * args.batch_size * seq_len, seq_len, precision,
                              attention=attention, compiled=compiled_activations(args.compile, attention),
                              **device_terms(args.device), **terms)
