@@ -42,7 +42,8 @@ from torch_impl.model import Blocks, TransformerBlock, run_blocks
 __all__ = ["BLOCKS_PER_GRAPH", "COMM_DTYPES", "COMM_DTYPE_MODES", "COMM_SMS_MODES", "CUDA_GRAPHS", "DATA_PARALLEL",
            "ENGINES", "ENGINE_MODES", "HOOKED_MODES", "MEANS", "MEAN_MODES", "OPTIMIZER_STEP_MODES", "UNSUPPORTED",
            "WRAPPER_MODES", "DataParallelConfig", "apply_activation_checkpointing", "apply_compile",
-           "apply_data_parallel", "check_cuda_graph", "check_supported", "data_parallel_configs", "parallelize"]
+           "apply_data_parallel", "check_cuda_graph", "check_supported", "data_parallel_configs",
+           "means_in_optimizer", "parallelize"]
 
 DATA_PARALLEL = ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "zero1", "zero2", "fsdp", "fsdp2")
 # The modes with a DataParallelWrapper, so the trainer's --dist: not fsdp2 (its DTensor parameters would need their
@@ -148,6 +149,12 @@ OPTIMIZER_STEP_MODES = ("individual", "bucketed")
 MEAN_MODES = ("bucketed",)
 
 
+def means_in_optimizer(mode: str, engine: str, comm_dtype: str) -> bool:
+    """Whether ``mode`` with ``engine`` and ``comm_dtype`` can leave its means to the optimizer (``MEANS``' optimizer):
+    ``MEAN_MODES`` on the copy engines, the gradients travelling in their own dtype."""
+    return mode in MEAN_MODES and engine == "copy_engines" and comm_dtype == "grad"
+
+
 @dataclass(frozen=True)
 class DataParallelConfig:
     """A mode of ``DATA_PARALLEL`` with its bucket size in MiB (``BUCKETED``, torch_ddp; else None) and, for
@@ -199,8 +206,7 @@ def data_parallel_configs(modes: list[str], bucket_mb: list[float], comm_sms: li
         ways = engines if mode in ENGINE_MODES else ("nccl",)
         steps = optimizer_steps if mode in OPTIMIZER_STEP_MODES else ("overlapped",)
         out += [DataParallelConfig(mode, mb, k, d, g, o, m) for mb in sizes for d in dtypes for k in sms for g in ways
-                for o in steps for m in (means if mode in MEAN_MODES and g == "copy_engines" and d == "grad"
-                                         else ("bucket",))]
+                for o in steps for m in (means if means_in_optimizer(mode, g, d) else ("bucket",))]
     return out
 
 
@@ -230,8 +236,7 @@ def apply_data_parallel(model: nn.Module, mode: str, *, bucket_mb: float | None 
     if comm_dtype not in COMM_DTYPES or comm_dtype != "grad" and mode not in COMM_DTYPE_MODES:
         raise ValueError(f"comm_dtype={comm_dtype!r} with {mode}; accepted: {', '.join(COMM_DTYPES)}, bf16 with "
                          f"{', '.join(COMM_DTYPE_MODES)}")
-    if mean not in MEANS or mean != "bucket" and (mode not in MEAN_MODES or engine != "copy_engines"
-                                                  or comm_dtype != "grad"):
+    if mean not in MEANS or mean != "bucket" and not means_in_optimizer(mode, engine, comm_dtype):
         raise ValueError(f"mean={mean!r} with {mode}, engine={engine!r}, comm_dtype={comm_dtype!r}; accepted: "
                          f"{', '.join(MEANS)} (optimizer with {', '.join(MEAN_MODES)} on copy_engines, comm_dtype "
                          "grad)")

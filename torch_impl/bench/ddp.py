@@ -92,7 +92,7 @@ from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_fl
                                   positive_float, positive_int, writable_path)
 from torch_impl.parallelize import (COMM_DTYPE_MODES, COMM_DTYPES, CUDA_GRAPHS, DATA_PARALLEL, ENGINE_MODES, ENGINES,
                                     MEAN_MODES, MEANS, OPTIMIZER_STEP_MODES, check_cuda_graph, check_supported,
-                                    parallelize)
+                                    means_in_optimizer, parallelize)
 from torch_impl.step import OPTIMIZER_STEPS
 from torch_impl.parallelize import DataParallelConfig as Config, data_parallel_configs as configurations
 
@@ -505,14 +505,14 @@ def main(argv: list[str] | None = None) -> int:
         check_cuda_graph(args.cuda_graph, args.compile, args.device)
         parse_bucket_mb(args.bucket_mb)
         parse_comm_sms(args.comm_sms)
-        if "torch_ddp" in impls and "bf16" in parse_comm_dtypes(args.comm_dtype) and args.device != "cuda":
+        comm_dtypes = parse_comm_dtypes(args.comm_dtype)
+        if "torch_ddp" in impls and "bf16" in comm_dtypes and args.device != "cuda":
             raise ValueError("--dist torch_ddp --comm-dtype bf16 (torch DDP's bf16_compress_hook) runs on CUDA "
                              "devices only; on the CPU bf16 gradients work with bucketed, zero1 and zero2")
-        parse_engines(args.engine, args.device)
+        engines = parse_engines(args.engine, args.device)
         parse_optimizer_steps(args.optimizer_step)
-        if "optimizer" in parse_means(args.mean) and not (
-                any(m in MEAN_MODES for m in impls) and "copy_engines" in parse_engines(args.engine, args.device)
-                and "grad" in parse_comm_dtypes(args.comm_dtype)):
+        if "optimizer" in parse_means(args.mean) and not any(
+                means_in_optimizer(m, e, d) for m in impls for e in engines for d in comm_dtypes):
             raise ValueError(f"--mean optimizer: the means move to the optimizer with {', '.join(MEAN_MODES)} on "
                              "--engine copy_engines with --comm-dtype grad; this run has none")
         if args.memory_snapshot and args.device != "cuda":

@@ -491,16 +491,14 @@ class DDPBucketed(_OverlappedDDP):
         memory with the room ``PeerAverage`` needs; with mean="optimizer" only the peers' slots, no bucket of this
         rank's own)."""
         p = self._params[unit.params[0]]
-        dtype = self.comm_dtype or p.dtype
+        dtype, n, numel = self.comm_dtype or p.dtype, self.world_size, unit.offsets[-1]
         if self.mean == "optimizer":
-            n, numel = self.world_size, unit.offsets[-1]
             unit.symmetric = SymmetricBuffer(gather_numel(numel, n), dtype, p.device, self.process_group)
         elif self.engine == "copy_engines":
-            n, numel = self.world_size, unit.offsets[-1]
             unit.symmetric = SymmetricBuffer(buffer_numel(numel, n), dtype, p.device, self.process_group)
             unit.flat = unit.symmetric.tensor.zero_()[:-(-numel // n) * n]  # (N S,)
         else:
-            unit.flat = torch.zeros(unit.offsets[-1], dtype=dtype, device=p.device)  # (numel,)
+            unit.flat = torch.zeros(numel, dtype=dtype, device=p.device)  # (numel,)
 
     @property
     def symmetric_bytes(self) -> int:
