@@ -23,13 +23,10 @@
 # Inductor's combo kernels), then ours at 4 x 2,048 with Inductor's max-autotune GEMM templates
 # (OUT_DIR/host/step_probe.json, OUT_DIR/autotune/step_probe.json). flash: our FlashAttention in the step against
 # cuDNN SDPA (xl 4 x 2,048), then both profiled (flash_graphs: profiled with each block's CUDA graph). Tables are
-# regenerated into OUT_DIR/reports. qkv: q, k and v as one product with RoPE as one pointwise kernel (session 42)
-# against the forms before (step_probe.py +apart) and with Inductor's cats as slices, spans of 4 with their graphs, the
-# stock reference compiled per block beside, at xl 4 x 2,048 and 4 x 512 (OUT_DIR/step_probe.json and .log; this
-# torch's cat lowering in OUT_DIR/cat_lowering.txt).
+# regenerated into OUT_DIR/reports.
 set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
-flash_graphs|qkv"
+flash_graphs"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -113,13 +110,8 @@ flash)  # our FlashAttention (flash_triton: the Gluon kernels on sm_90) in the s
 flash_graphs)  # the same two profiled with each block's CUDA graph replayed (the kernels' sum against the step)
   profile_ours cudnn_graphs sdpa_cudnn --cuda-graph blocks
   profile_ours flash_graphs flash_triton --cuda-graph blocks ;;
-qkv)
-  python3 -c "import inspect, torch._inductor.lowering as l; print(inspect.getsource(l.cat))" > "$out/cat_lowering.txt"
-  python3 scripts/step_probe.py "$out" --configs xl:4:2048,xl:4:512 --steps 10 --variants "stock_block,\
-ours_span4+ro+mixed,ours_span4+ro+mixed+apart,ours_span4+ro+mixed+ind:max_pointwise_cat_inputs=0" 2>&1 \
-    | tee "$out/step_probe.log" ;;
 *) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, \
-gaps, flash, flash_graphs, qkv" >&2
+gaps, flash, flash_graphs" >&2
    exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi

@@ -13,7 +13,6 @@ OUT/step_probe.json. Not a record: the e2e benchmark makes those; this finds wha
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import statistics
@@ -33,7 +32,7 @@ from torch_impl.stock import StockTransformerLM
 from torch_impl.timing import capture_step
 
 # each may add +graph (the step as one CUDA graph), +ro (CUDA graph trees per block), +bf16 (pure bf16 parameters),
-# +cpp (Inductor's C++ wrapper), +apart (the projections and RoPE before session 42), +mixed (bf16 parameters with
+# +cpp (Inductor's C++ wrapper), +fuse (fused projections: fuse_projections), +mixed (bf16 parameters with
 # MasterAdamW's fp32 masters: --dtype bf16_mixed), +ind:NAME=INT (an Inductor option for the blocks, e.g.
 # +ind:triton.mix_order_reduction=0; several may be given), +skipguard (after the warm-up, Dynamo checks only the
 # guards that tell its compiled graphs apart: torch.compiler.set_stance(skip_guard_eval_unsafe=True))
@@ -41,31 +40,26 @@ VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eage
             "ours_spanK")  # block: each block compiled; spanK: K consecutive blocks as one region (apply_compile)
 
 
-@contextlib.contextmanager
-def apart_projections():
-    """+apart: the model as it was before session 42, for an A/B in one call: q, k and v as three products, and
-    RoPE's two halves stacked (the pair index Inductor fused into the packed gradient's cat)."""
-    from torch_impl import model as ours
+def fuse_projections() -> None:
+    """+fuse: one GEMM for q, k, v and one for w1, w3, on weights concatenated inside the graph (the
+    parameters and their names stay): does a wider GEMM pay for the concatenation? (an experiment)"""
+    import torch.nn.functional as F
 
-    def rotate_pairs(x, cos, sin):
-        wide = x.to(torch.promote_types(x.dtype, cos.dtype))
-        x_even, x_odd = wide[..., 0::2], wide[..., 1::2]
-        rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1).flatten(-2)
-        return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
+    from torch_impl import model as ours
 
     def attention(self, x, positions=None):
         batch, seq, d_model = x.shape
-        q, k, v = (p(x).view(batch, seq, self.n_heads, -1) for p in (self.q_proj, self.k_proj, self.v_proj))
+        weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        q, k, v = (t.view(batch, seq, self.n_heads, -1) for t in F.linear(x, weight).split(d_model, dim=-1))
         q, k = self.rope(q, positions), self.rope(k, positions)
         out = self.attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
         return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
 
-    saved = ours.rotate_pairs, ours.CausalSelfAttention.forward
-    ours.rotate_pairs, ours.CausalSelfAttention.forward = rotate_pairs, attention
-    try:
-        yield
-    finally:
-        ours.rotate_pairs, ours.CausalSelfAttention.forward = saved
+    def swiglu(self, x):
+        gate, up = F.linear(x, torch.cat((self.w1.weight, self.w3.weight))).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+    ours.CausalSelfAttention.forward, ours.SwiGLU.forward = attention, swiglu
 
 
 def inductor_option(text: str) -> tuple[str, bool | int]:
@@ -77,6 +71,8 @@ def inductor_option(text: str) -> tuple[str, bool | int]:
 
 
 def build(variant: str, spec, attention: str):
+    if "+fuse" in variant:
+        fuse_projections()
     torch.manual_seed(0)
     model = TransformerLM(spec, attention=attention, device="cuda")
     if variant.startswith("stock"):
@@ -215,8 +211,7 @@ def main() -> int:
         for variant in args.variants.split(","):
             print(f"--- {config} {variant}", flush=True)
             try:
-                with apart_projections() if "+apart" in variant else contextlib.nullcontext():
-                    r = run_variant(variant, model_name, int(batch), int(seq), args.attention, args.steps)
+                r = run_variant(variant, model_name, int(batch), int(seq), args.attention, args.steps)
             except Exception as err:  # keep going: a failed variant is a row
                 torch.compiler.set_stance("default")
                 r = {"variant": variant, "config": config, "error": f"{type(err).__name__}: {err}"[:300]}

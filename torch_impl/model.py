@@ -118,15 +118,10 @@ class RotaryEmbedding(nn.Module):
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the adjacent pairs (2k, 2k+1) of x's last dim by the angles whose cos and sin are given
-    (broadcasting against x's pairs), in at least float32; the result has x's dtype.
-
-    Written as x cos + swap(x) (-sin, sin) on the (..., d/2, 2) view, where swap exchanges each pair's two
-    elements (``flip``): the even element gets x_2k cos - x_2k+1 sin and the odd one x_2k+1 cos + x_2k sin,
-    each as the textbook formula rounds it, and Inductor lowers it as one pointwise kernel with no
-    concatenation (``stack`` of the two halves was a cat with a pair index that a cat around it, the packed
-    gradient of q, k and v, could not afford: notes/train_step.md, session 42)."""
-    wide = x.to(torch.promote_types(x.dtype, cos.dtype)).unflatten(-1, (-1, 2))  # (..., d/2, 2)
-    rotated = (wide * cos[..., None] + wide.flip(-1) * torch.stack((-sin, sin), dim=-1)).flatten(-2)
+    (broadcasting against x's pairs), in at least float32; the result has x's dtype."""
+    wide = x.to(torch.promote_types(x.dtype, cos.dtype))
+    x_even, x_odd = wide[..., 0::2], wide[..., 1::2]
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1).flatten(-2)
     # No `.to` that returns its input: torch 2.11 compiled an autograd.Function whose forward ends in one (a
     # float32 model's rotation) into a zero gradient for x (measured, notes/flash_attention.md, session 7).
     return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
@@ -167,13 +162,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, d_model = x.shape
 
-        # q, k and v as one product on the concatenated weights (the parameters stay three): a (3d x d) GEMM
-        # runs faster than three (d x d) ones, and their gradients are packed by one pointwise kernel
-        # (notes/train_step.md, sessions 8 and 42). RoPE in the (B, T, H, d_head) layout; the kernels take
-        # (B, H, T, d_head) views of it.
-        weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
-        q, k, v = F.linear(x, weight).view(batch, seq, 3, self.n_heads, d_model // self.n_heads).unbind(2)
-        q, k, v = self.rope(q, positions).transpose(1, 2), self.rope(k, positions).transpose(1, 2), v.transpose(1, 2)
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T, H, d_head), a view
+            return t.view(batch, seq, self.n_heads, d_model // self.n_heads)
+
+        # RoPE in the (B, T, H, d_head) layout; the kernels take (B, H, T, d_head) views of it.
+        q = self.rope(heads(self.q_proj(x)), positions).transpose(1, 2)
+        k = self.rope(heads(self.k_proj(x)), positions).transpose(1, 2)
+        v = heads(self.v_proj(x)).transpose(1, 2)
         with nvtx.range(f"attention {self.attention_name}"):
             out = self.attention(q, k, v, is_causal=True)  # (B, H, T, d_head)
         return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
