@@ -23,10 +23,15 @@
 # Inductor's combo kernels), then ours at 4 x 2,048 with Inductor's max-autotune GEMM templates
 # (OUT_DIR/host/step_probe.json, OUT_DIR/autotune/step_probe.json). flash: our FlashAttention in the step against
 # cuDNN SDPA (xl 4 x 2,048), then both profiled (flash_graphs: profiled with each block's CUDA graph). Tables are
-# regenerated into OUT_DIR/reports.
+# regenerated into OUT_DIR/reports. fidelity_ddp, fidelity_train (issue 18): the small steps the fidelity table
+# (python -m analysis.fidelity) could not explain, re-measured at this commit, each without and with each block's
+# CUDA graph and beside a sibling with 4-8x the tokens, so that its host-bound and fixed-cost rules can read them:
+# the DDP benchmark's one-GPU step (xl 2 x 512 and 4 x 2,048, bf16 and bf16_mixed; OUT_DIR/ddp_one_gpu_<gpu>.jsonl),
+# then the trainer (xl 2 x 512 and 4 x 2,048, small 8, 16 and 64 x 512; OUT_DIR/train_<gpu>.jsonl) and e2e (small
+# 4 and 16 x 2,048; OUT_DIR/e2e_<gpu>.jsonl).
 set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
-flash_graphs"
+flash_graphs|fidelity_ddp|fidelity_train"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -110,8 +115,30 @@ flash)  # our FlashAttention (flash_triton: the Gluon kernels on sm_90) in the s
 flash_graphs)  # the same two profiled with each block's CUDA graph replayed (the kernels' sum against the step)
   profile_ours cudnn_graphs sdpa_cudnn --cuda-graph blocks
   profile_ours flash_graphs flash_triton --cuda-graph blocks ;;
+fidelity_ddp)
+  for shape in "2 512" "4 2048"; do
+    read -r batch seq <<< "$shape"
+    for dtype in bf16 bf16_mixed; do
+      for graph in off blocks; do
+        ddp_one_gpu --batch-size "$batch" --seq-len "$seq" --dtype "$dtype" --compile --cuda-graph "$graph"
+      done
+    done
+  done ;;
+fidelity_train)
+  for shape in "xl 2 512" "xl 4 2048" "small 8 512" "small 16 512" "small 64 512"; do
+    read -r model batch seq <<< "$shape"
+    for graph in off blocks; do
+      python3 -m torch_impl.train --model "$model" --batch-size "$batch" --seq-len "$seq" --dtype bf16_mixed \
+        --attention sdpa_cudnn --compile --cuda-graph "$graph" --epochs 1 --steps-per-epoch 30 --val-batches 2 \
+        --device cuda --no-progress --cache-dir /tmp/data --out "$out/train_${GPU_TAG}.jsonl"
+    done
+  done
+  for batch in 4 16; do
+    python3 -m torch_impl.bench.e2e --model small --batch-size "$batch" --seq-len 2048 --dtype bf16 --attention sdpa \
+      --compile --cuda-graph off,blocks --warmup 3 --steps 10 --out "$out/e2e_${GPU_TAG}.jsonl"
+  done ;;
 *) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, \
-gaps, flash, flash_graphs" >&2
+gaps, flash, flash_graphs, fidelity_ddp, fidelity_train" >&2
    exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi
