@@ -28,10 +28,13 @@
 # CUDA graph and beside a sibling with 4-8x the tokens, so that its host-bound and fixed-cost rules can read them:
 # the DDP benchmark's one-GPU step (xl 2 x 512 and 4 x 2,048, bf16 and bf16_mixed; OUT_DIR/ddp_one_gpu_<gpu>.jsonl),
 # then the trainer (xl 2 x 512 and 4 x 2,048, small 8, 16 and 64 x 512; OUT_DIR/train_<gpu>.jsonl) and e2e (small
-# 4 and 16 x 2,048; OUT_DIR/e2e_<gpu>.jsonl).
+# 4 and 16 x 2,048; OUT_DIR/e2e_<gpu>.jsonl). fidelity_profile: where the small model's trainer step at 16 and
+# 64 x 512 spends its time (step_probe.py kernel tables, OUT_DIR/step_probe.{json,log}; each product of its step at
+# 32,768 tokens, OUT_DIR/gemm/gemm_probe.json).
 set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
-flash_graphs|fidelity_ddp|fidelity_train"
+flash_graphs|fidelity_ddp|fidelity_train|\
+fidelity_profile"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -137,8 +140,12 @@ fidelity_train)
     python3 -m torch_impl.bench.e2e --model small --batch-size "$batch" --seq-len 2048 --dtype bf16 --attention sdpa \
       --compile --cuda-graph off,blocks --warmup 3 --steps 10 --out "$out/e2e_${GPU_TAG}.jsonl"
   done ;;
+fidelity_profile)
+  python3 scripts/step_probe.py "$out" --configs small:64:512,small:16:512 --steps 10 \
+    --variants "ours_span4+ro+mixed,stock_block" 2>&1 | tee "$out/step_probe.log"
+  python3 scripts/gemm_probe.py "$out/gemm" --model small --tokens 32768 ;;
 *) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, \
-gaps, flash, flash_graphs, fidelity_ddp, fidelity_train" >&2
+gaps, flash, flash_graphs, fidelity_ddp, fidelity_train, fidelity_profile" >&2
    exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi
