@@ -30,11 +30,13 @@
 # then the trainer (xl 2 x 512 and 4 x 2,048, small 8, 16 and 64 x 512; OUT_DIR/train_<gpu>.jsonl) and e2e (small
 # 4 and 16 x 2,048; OUT_DIR/e2e_<gpu>.jsonl). fidelity_profile: where the small model's trainer step at 16 and
 # 64 x 512 spends its time (step_probe.py kernel tables, OUT_DIR/step_probe.{json,log}; each product of its step at
-# 32,768 tokens, OUT_DIR/gemm/gemm_probe.json).
+# 32,768 tokens, OUT_DIR/gemm/gemm_probe.json). fidelity_e2e: e2e's step at the trainer's small configurations
+# (small 8, 16 and 64 x 512, bf16_mixed, cuDNN SDPA, compiled, without and with each block's graph;
+# OUT_DIR/e2e_<gpu>.jsonl): the step without the trainer's loop around it.
 set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
 flash_graphs|fidelity_ddp|fidelity_train|\
-fidelity_profile"
+fidelity_profile|fidelity_e2e"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -144,8 +146,13 @@ fidelity_profile)
   python3 scripts/step_probe.py "$out" --configs small:64:512,small:16:512 --steps 10 \
     --variants "ours_span4+ro+mixed,stock_block" 2>&1 | tee "$out/step_probe.log"
   python3 scripts/gemm_probe.py "$out/gemm" --model small --tokens 32768 ;;
+fidelity_e2e)
+  for batch in 8 16 64; do
+    python3 -m torch_impl.bench.e2e --model small --batch-size "$batch" --seq-len 512 --dtype bf16_mixed \
+      --attention sdpa_cudnn --compile --cuda-graph off,blocks --warmup 3 --steps 10 --out "$out/e2e_${GPU_TAG}.jsonl"
+  done ;;
 *) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, \
-gaps, flash, flash_graphs, fidelity_ddp, fidelity_train, fidelity_profile" >&2
+gaps, flash, flash_graphs, fidelity_ddp, fidelity_train, fidelity_profile, fidelity_e2e" >&2
    exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi
