@@ -11,8 +11,9 @@ device name); a step record without them is listed, with the reason. Per row:
   between as many of them, and for a torch bf16 step whose attention kernel the attention benchmark measured on that
   device at its head dim, that kernel's rate at the nearest sequence length: ``attention_rate``) against the median
   step; ``measured / floor`` says how far above its floor a run is, and beyond 25% the row says why where the
-  records show it (``explain_times``: host-paced, eager, attention at the matmul rate), else it is counted without
-  one in the summary;
+  records show it (``explain_times``: host-paced, eager, attention at the matmul rate; ``explain_trainer``: the
+  trainer's loop around a step the e2e benchmark ran faster; ``explain_across_commits``: the same step at another
+  commit within the bound, or explained there), else it is counted without one in the summary;
 * memory: ``parallelism_calc.memory.per_device_memory`` recomputed from the record's spec and configuration
   (``memory_prediction``; so a fixed formula re-reads every committed record) against the measured peak per device
   (``peak_memory_bytes``), for every record whose benchmark made a prediction at run time
@@ -46,6 +47,7 @@ from analysis.attention import ATTENTION_SUITE
 from analysis.data_parallel import LEADERBOARD_SUITE, SUITE as DDP_SUITE, memory_terms, sharded_step_memory
 from analysis.harness import DTYPES, calculator_terms, compiled_activations, device_terms, recomputation
 from analysis.records import Record
+from analysis.training import TRAIN_SUITE
 from parallelism_calc.cli import ArgumentParser, error_boundary
 from parallelism_calc.memory import (CUDA_LIBRARY_WORKSPACES, MemoryBreakdown, get_precision, mesh_memory_strategy,
                                      per_device_memory)
@@ -358,8 +360,87 @@ def fidelity_rows(records: list[Record]) -> list[Row]:
     attention = attention_rates(records)
     rows = [predict(r, ceilings, buses, leftovers.get(id(r)), attention) for r in records if is_step(r)]
     explain_times(rows)
+    explain_trainer(rows)
     explain_memory(rows)
+    explain_across_commits(rows)
     return rows
+
+
+def _step(record: Record) -> tuple:
+    """The step a record times, whichever commit ran it: its configuration but the commit, its tokens and
+    micro-batches and its CUDA-graph setting (the e2e benchmark's sweep runs the e2e benchmark's step; a record from
+    before ``metrics.cuda_graph`` ran without graphs, or names them in its implementation)."""
+    suite = "e2e" if record.suite == "e2e_sweep" else record.suite
+    return (suite, *_configuration(record)[1:-1], record.batch_size, record.seq_len,
+            record.metrics.get("grad_accum"), record.metrics.get("cuda_graph") or "off")
+
+
+def explain_across_commits(rows: list[Row]) -> None:
+    """Set ``time_why`` (``memory_why``) of every row still beyond ``TIME_BOUND`` (``MEMORY_BOUND``) without one
+    where the same step (``_step``) ran at another commit: within the bound there, the code of the row's commit
+    differed (the latest such commit is named); else explained there, that why, named with its commit. Runs after
+    the other rules; a why found here is never evidence for another row."""
+    same: dict[tuple, list[Row]] = {}
+    for row in rows:
+        same.setdefault(_step(row.record), []).append(row)
+    for kind, bound, what in (("time", TIME_BOUND, "takes {:.1f} ms"), ("memory", MEMORY_BOUND, "peaks at {:.1f} GiB")):
+        found = {}
+        for row in rows:
+            error = getattr(row, f"{kind}_error")
+            if error is None or abs(error) <= bound or getattr(row, f"{kind}_why"):
+                continue
+            commit = row.record.provenance.get("git_commit")
+            others = sorted((s for s in same[_step(row.record)] if s.record.provenance.get("git_commit") != commit
+                             and getattr(s, f"{kind}_error") is not None),
+                            key=lambda s: s.record.provenance.get("date", ""))
+            within = [s for s in others if abs(getattr(s, f"{kind}_error")) <= bound]
+            explained = [s for s in others if getattr(s, f"{kind}_why")]
+            if within:
+                s = within[-1]
+                value = s.record.median_ms if kind == "time" else s.record.peak_memory_bytes / 2**30
+                found[id(row)] = (f"this commit's code: at {s.record.provenance.get('git_commit', '?')[:7]} the same "
+                                  f"step {what.format(value)}, within {bound:.0%} of the prediction")
+            elif explained:
+                s = explained[-1]
+                found[id(row)] = (f"{getattr(s, f'{kind}_why')} (so measured at "
+                                  f"{s.record.provenance.get('git_commit', '?')[:7]})")
+        for row in rows:
+            setattr(row, f"{kind}_why", found.get(id(row), getattr(row, f"{kind}_why")))
+
+
+def _benchmark_step(record: Record) -> tuple:
+    """What a trainer's epoch record and an e2e benchmark record of the same step share (one device, one micro-batch
+    a step): the model, dtype, tokens, device, compilation and whether each block's CUDA graph is replayed."""
+    graphed = (record.metrics.get("cuda_graph") == "blocks" if record.suite == TRAIN_SUITE
+               else "cuda graph per block" in record.implementation)
+    return (record.model, record.dtype, record.batch_size, record.seq_len, record.provenance.get("device_name"),
+            compiled_of(record), graphed)
+
+
+def explain_trainer(rows: list[Row]) -> None:
+    """Set ``time_why`` of every trainer row (one device, one micro-batch a step) still beyond ``TIME_BOUND`` without
+    one whose step the e2e benchmark ran too (``_benchmark_step``, our model, at any commit: the latest), within the
+    bound or explained there: that why, and what the trainer's loop around the step adds where it is slower (its
+    data on the host, the loss read every step, the clipping). Runs after ``explain_times``, whose whys it quotes."""
+    steps: dict[tuple, list[Row]] = {}
+    for row in rows:
+        r = row.record
+        if (r.suite in ("e2e", "e2e_sweep") and not r.implementation.startswith("stock") and r.world_size == 1
+                and row.time_error is not None and (abs(row.time_error) <= TIME_BOUND or row.time_why)):
+            steps.setdefault(_benchmark_step(r), []).append(row)
+    for row in rows:
+        r = row.record
+        if (r.suite != TRAIN_SUITE or r.world_size != 1 or (r.metrics.get("grad_accum") or 1) != 1
+                or row.time_error is None or abs(row.time_error) <= TIME_BOUND or row.time_why
+                or not steps.get(_benchmark_step(r))):
+            continue
+        step = max(steps[_benchmark_step(r)], key=lambda s: s.record.provenance.get("date", ""))
+        extra, data = r.median_ms - step.record.median_ms, (r.phases.get("data") or {}).get("median_ms")
+        loop = (f"the trainer's loop adds {extra:.1f} ms a step{f' (data on the host {data:.1f})' if data else ''} "
+                "to " if extra > 0 else "as ")
+        row.time_why = (f"{loop}the e2e benchmark's same step, {step.record.median_ms:.1f} ms at "
+                        f"{step.record.provenance.get('git_commit', '?')[:7]}: "
+                        f"{step.time_why or f'within {TIME_BOUND:.0%} of the floor'}")
 
 
 def explain_memory(rows: list[Row]) -> None:
@@ -417,8 +498,8 @@ HOST_PACED_TOKENS, HOST_PACED_TIME = 2.0, 1.5
 
 def _configuration(record: Record) -> tuple:
     """What two runs share to be siblings that differ only in tokens (batch, sequence length)."""
-    return (record.suite, record.backend, record.implementation, record.model, record.dtype, record.mode,
-            record.world_size, record.provenance.get("device_name"), record.provenance.get("git_commit"))
+    return (record.suite, record.backend, record.implementation, compiled_of(record), record.model, record.dtype,
+            record.mode, record.world_size, record.provenance.get("device_name"), record.provenance.get("git_commit"))
 
 
 def _fixed_costs(row: Row, sibling: Row, tokens: dict[int, int]) -> tuple[float, float, float] | None:
