@@ -11,9 +11,10 @@ device name); a step record without them is listed, with the reason. Per row:
   between as many of them, and for a torch bf16 step whose attention kernel the attention benchmark measured on that
   device at its head dim, that kernel's rate at the nearest sequence length: ``attention_rate``) against the median
   step; ``measured / floor`` says how far above its floor a run is, and beyond 25% the row says why where the
-  records show it (``explain_times``: host-paced, eager, attention at the matmul rate; ``explain_trainer``: the
-  trainer's loop around a step the e2e benchmark ran faster; ``explain_across_commits``: the same step at another
-  commit within the bound, or explained there), else it is counted without one in the summary;
+  records show it (``explain_times``: host-paced, host-bound, eager, a fixed cost, attention at the matmul rate;
+  ``explain_trainer``: the e2e benchmark's same step and what the trainer's loop adds to it;
+  ``explain_across_commits``: the same step, measured alike, at another commit within the bound or explained
+  there), else it is counted without one in the summary;
 * memory: ``parallelism_calc.memory.per_device_memory`` recomputed from the record's spec and configuration
   (``memory_prediction``; so a fixed formula re-reads every committed record) against the measured peak per device
   (``peak_memory_bytes``), for every record whose benchmark made a prediction at run time
@@ -25,7 +26,8 @@ device name); a step record without them is listed, with the reason. Per row:
   weights and buckets of a wrapper that leaked before fc529ad), that is added and named. A record whose
   configuration the calculator cannot rebuild keeps the stored value, and the row's "memory model" says which;
   a peak the benchmark read as the allocator's reserved bytes (CUDA graph pools) says so there too; beyond 5% the
-  row says why where a known gap explains it (``explain_memory``), else it is counted without one;
+  row says why where a known gap explains it (``explain_memory``) or the same step's peak at another commit does
+  (``explain_across_commits``), else it is counted without one;
 * communication: the floor's exposed communication against the record's ``comm`` phase, where it has one.
 
 Error = predicted / measured - 1 (negative: the prediction is below the measurement). The summary gives, per
@@ -92,8 +94,8 @@ class Row:
     attention_flops: float | None = None  # the attention kernel's measured rate the floor used (attention_rate)
     memory_model: str = ""  # how predicted_memory was made (see memory_prediction)
     why: str = ""
-    time_why: str = ""  # why the time is beyond TIME_BOUND of the floor, where the records say (explain_times)
-    memory_why: str = ""  # why the memory is beyond MEMORY_BOUND of the prediction, where known (explain_memory)
+    time_why: str = ""  # why the time is beyond TIME_BOUND of the floor, where the records say (explain_times, ...)
+    memory_why: str = ""  # why the memory is beyond MEMORY_BOUND of the prediction, where known (explain_memory, ...)
 
     @property
     def time_error(self) -> float | None:
@@ -356,6 +358,9 @@ def is_step(record: Record) -> bool:
 
 
 def fidelity_rows(records: list[Record]) -> list[Row]:
+    """A ``Row`` per GPU step record (``is_step``), predicted (``predict``), then its whys in order: each row's own
+    records (``explain_times``), the e2e benchmark's same step for a trainer row (``explain_trainer``), known memory
+    gaps (``explain_memory``), then the same step at another commit (``explain_across_commits``)."""
     ceilings, buses, leftovers = device_ceilings(records), bus_bandwidths(records), leftover_bytes(records)
     attention = attention_rates(records)
     rows = [predict(r, ceilings, buses, leftovers.get(id(r)), attention) for r in records if is_step(r)]
@@ -366,40 +371,60 @@ def fidelity_rows(records: list[Record]) -> list[Row]:
     return rows
 
 
-def _step(record: Record) -> tuple:
-    """The step a record times, whichever commit ran it: its configuration but the commit, its tokens and
-    micro-batches and its CUDA-graph setting (the e2e benchmark's sweep runs the e2e benchmark's step; a record from
-    before ``metrics.cuda_graph`` ran without graphs, or names them in its implementation)."""
-    suite = "e2e" if record.suite == "e2e_sweep" else record.suite
-    return (suite, *_configuration(record)[1:-1], record.batch_size, record.seq_len,
-            record.metrics.get("grad_accum"), record.metrics.get("cuda_graph") or "off")
+def _graphs(record: Record) -> str:
+    """Which CUDA graphs a torch record's step replayed: ``metrics.cuda_graph`` ("off" before the metric existed),
+    else the e2e benchmark's implementation name ("..., cuda graph per block": blocks; "..., cuda graph": step)."""
+    if record.metrics.get("cuda_graph"):
+        return record.metrics["cuda_graph"]
+    name = record.implementation
+    return "blocks" if name.endswith("cuda graph per block") else "step" if name.endswith("cuda graph") else "off"
+
+
+def _step(record: Record, kind: str) -> tuple:
+    """The step a record times, whichever commit ran it: its benchmark (the e2e benchmark's sweep runs the e2e
+    benchmark's step), backend, implementation, compilation, model, dtype, mode, ranks and device, its tokens,
+    micro-batches and CUDA graphs; for ``kind`` "memory" also the kind of peak it read (allocated or reserved)."""
+    r = record
+    return ("e2e" if r.suite == "e2e_sweep" else r.suite, r.backend, r.implementation, compiled_of(r), r.model,
+            r.dtype, r.mode, r.world_size, r.provenance.get("device_name"), r.batch_size, r.seq_len,
+            r.metrics.get("grad_accum") or 1, _graphs(r), r.metrics.get("peak_memory_kind") if kind == "memory" else "")
+
+
+def _comparable(row: Row, other: Row, kind: str) -> bool:
+    """Whether ``other``'s measurement is within ``kind``'s bound of ``row``'s: evidence about a run like this one."""
+    bound = TIME_BOUND if kind == "time" else MEMORY_BOUND
+    a, b = ((row.record.median_ms, other.record.median_ms) if kind == "time"
+            else (row.record.peak_memory_bytes, other.record.peak_memory_bytes))
+    return bool(a and b) and abs(b / a - 1) <= bound
 
 
 def explain_across_commits(rows: list[Row]) -> None:
     """Set ``time_why`` (``memory_why``) of every row still beyond ``TIME_BOUND`` (``MEMORY_BOUND``) without one
-    where the same step (``_step``) ran at another commit: within the bound there, the code of the row's commit
-    differed (the latest such commit is named); else explained there, that why, named with its commit. Runs after
-    the other rules; a why found here is never evidence for another row."""
-    same: dict[tuple, list[Row]] = {}
-    for row in rows:
-        same.setdefault(_step(row.record), []).append(row)
-    for kind, bound, what in (("time", TIME_BOUND, "takes {:.1f} ms"), ("memory", MEMORY_BOUND, "peaks at {:.1f} GiB")):
+    where the same step (``_step``) ran at another commit and measured within the bound of this row
+    (``_comparable``): within the floor's (prediction's) bound there, that is said, naming the latest such commit;
+    else explained there, that why, named with its commit. A step measured further off is no evidence for this row.
+    Runs after the other rules; a why found here is never evidence for another row."""
+    for kind, bound, against in (("time", TIME_BOUND, "floor"), ("memory", MEMORY_BOUND, "prediction")):
+        same: dict[tuple, list[Row]] = {}
+        for row in rows:
+            same.setdefault(_step(row.record, kind), []).append(row)
         found = {}
         for row in rows:
             error = getattr(row, f"{kind}_error")
             if error is None or abs(error) <= bound or getattr(row, f"{kind}_why"):
                 continue
             commit = row.record.provenance.get("git_commit")
-            others = sorted((s for s in same[_step(row.record)] if s.record.provenance.get("git_commit") != commit
-                             and getattr(s, f"{kind}_error") is not None),
+            others = sorted((s for s in same[_step(row.record, kind)] if s.record.provenance.get("git_commit") != commit
+                             and getattr(s, f"{kind}_error") is not None and _comparable(row, s, kind)),
                             key=lambda s: s.record.provenance.get("date", ""))
             within = [s for s in others if abs(getattr(s, f"{kind}_error")) <= bound]
             explained = [s for s in others if getattr(s, f"{kind}_why")]
             if within:
                 s = within[-1]
-                value = s.record.median_ms if kind == "time" else s.record.peak_memory_bytes / 2**30
-                found[id(row)] = (f"this commit's code: at {s.record.provenance.get('git_commit', '?')[:7]} the same "
-                                  f"step {what.format(value)}, within {bound:.0%} of the prediction")
+                measured = (f"takes {s.record.median_ms:.1f} ms" if kind == "time"
+                            else f"peaks at {s.record.peak_memory_bytes / 2**30:.1f} GiB")
+                found[id(row)] = (f"at {s.record.provenance.get('git_commit', '?')[:7]} the same step {measured}, "
+                                  f"within {bound:.0%} of the {against}")
             elif explained:
                 s = explained[-1]
                 found[id(row)] = (f"{getattr(s, f'{kind}_why')} (so measured at "
@@ -410,18 +435,17 @@ def explain_across_commits(rows: list[Row]) -> None:
 
 def _benchmark_step(record: Record) -> tuple:
     """What a trainer's epoch record and an e2e benchmark record of the same step share (one device, one micro-batch
-    a step): the model, dtype, tokens, device, compilation and whether each block's CUDA graph is replayed."""
-    graphed = (record.metrics.get("cuda_graph") == "blocks" if record.suite == TRAIN_SUITE
-               else "cuda graph per block" in record.implementation)
-    return (record.model, record.dtype, record.batch_size, record.seq_len, record.provenance.get("device_name"),
-            compiled_of(record), graphed)
+    a step): backend, model, dtype, tokens, device, attention kernel, compilation and CUDA graphs."""
+    return (record.backend, record.model, record.dtype, record.batch_size, record.seq_len,
+            record.provenance.get("device_name"), attention_of(record), compiled_of(record), _graphs(record))
 
 
 def explain_trainer(rows: list[Row]) -> None:
     """Set ``time_why`` of every trainer row (one device, one micro-batch a step) still beyond ``TIME_BOUND`` without
     one whose step the e2e benchmark ran too (``_benchmark_step``, our model, at any commit: the latest), within the
-    bound or explained there: that why, and what the trainer's loop around the step adds where it is slower (its
-    data on the host, the loss read every step, the clipping). Runs after ``explain_times``, whose whys it quotes."""
+    bound or explained there, and no slower than the trainer's by more than the bound: that why, and what the
+    trainer's loop around the step adds where it is slower (its data on the host, the loss read every step, the
+    clipping). Runs after ``explain_times``, whose whys it quotes."""
     steps: dict[tuple, list[Row]] = {}
     for row in rows:
         r = row.record
@@ -431,11 +455,14 @@ def explain_trainer(rows: list[Row]) -> None:
     for row in rows:
         r = row.record
         if (r.suite != TRAIN_SUITE or r.world_size != 1 or (r.metrics.get("grad_accum") or 1) != 1
-                or row.time_error is None or abs(row.time_error) <= TIME_BOUND or row.time_why
-                or not steps.get(_benchmark_step(r))):
+                or row.time_error is None or abs(row.time_error) <= TIME_BOUND or row.time_why):
             continue
-        step = max(steps[_benchmark_step(r)], key=lambda s: s.record.provenance.get("date", ""))
-        extra, data = r.median_ms - step.record.median_ms, (r.phases.get("data") or {}).get("median_ms")
+        candidates = [s for s in steps.get(_benchmark_step(r), [])
+                      if s.record.median_ms <= (1 + TIME_BOUND) * r.median_ms]
+        if not candidates:
+            continue
+        step = max(candidates, key=lambda s: s.record.provenance.get("date", ""))
+        extra, data = r.median_ms - step.record.median_ms, ((r.phases or {}).get("data") or {}).get("median_ms")
         loop = (f"the trainer's loop adds {extra:.1f} ms a step{f' (data on the host {data:.1f})' if data else ''} "
                 "to " if extra > 0 else "as ")
         row.time_why = (f"{loop}the e2e benchmark's same step, {step.record.median_ms:.1f} ms at "
@@ -525,7 +552,8 @@ def explain_times(rows: list[Row]) -> None:
     sibling with the most tokens, time = fixed + tokens x cost per token, the measured fixed part exceeds the
     floor's by at least half the gap while the cost per token is within ``TIME_BOUND`` of the floor's:
     ``_fixed_costs``); the attention at the matmul rate (no measured rate for the record's kernel on its device:
-    XLA's, or any on a device the attention benchmark did not run on). Others stay "" (unexplained, listed)."""
+    XLA's, or any on a device the attention benchmark did not run on). Others are left to the passes after it
+    (``fidelity_rows``)."""
     tokens = {id(row): row.record.batch_size * row.record.seq_len for row in rows}
     siblings: dict[tuple, list[Row]] = {}
     for row in rows:
@@ -591,7 +619,7 @@ def _frame(rows: list[Row]):
 
 def summary(frame) -> Any:
     """Per suite: rows, the median and worst |error| of time and memory, how many are within the bounds, and how
-    many beyond them have no why (``explain_times``, ``explain_memory``)."""
+    many beyond them have no why (``fidelity_rows``' passes)."""
     import pandas as pd
 
     out = []

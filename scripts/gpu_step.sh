@@ -28,9 +28,10 @@
 # CUDA graph and beside a sibling with 4-8x the tokens, so that its host-bound and fixed-cost rules can read them:
 # the DDP benchmark's one-GPU step (xl 2 x 512 and 4 x 2,048, bf16 and bf16_mixed; OUT_DIR/ddp_one_gpu_<gpu>.jsonl),
 # then the trainer (xl 2 x 512 and 4 x 2,048, small 8, 16 and 64 x 512; OUT_DIR/train_<gpu>.jsonl) and e2e (small
-# 4 and 16 x 2,048; OUT_DIR/e2e_<gpu>.jsonl). fidelity_profile: where the small model's trainer step at 16 and
-# 64 x 512 spends its time (step_probe.py kernel tables, OUT_DIR/step_probe.{json,log}; each product of its step at
-# 32,768 tokens, OUT_DIR/gemm/gemm_probe.json). fidelity_e2e: e2e's step at the trainer's small configurations
+# 4 and 16 x 2,048; OUT_DIR/e2e_<gpu>.jsonl). fidelity_profile: the small model's step at the trainer's 16 and
+# 64 x 512, without the trainer's loop: ours (spans of 4 with their graphs) and stock per block with their kernel
+# tables (step_probe.py, OUT_DIR/step_probe.{json,log}), and each product of the step at 32,768 tokens
+# (OUT_DIR/gemm/gemm_probe.json). fidelity_e2e: e2e's step at the trainer's small configurations
 # (small 8, 16 and 64 x 512, bf16_mixed, cuDNN SDPA, compiled, without and with each block's graph;
 # OUT_DIR/e2e_<gpu>.jsonl): the step without the trainer's loop around it.
 set -uo pipefail

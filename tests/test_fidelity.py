@@ -270,48 +270,59 @@ def _at(record: Record, commit: str, date: str) -> Record:
 
 
 def test_the_same_step_at_another_commit_says_why():
-    """A step beyond its bound with no why of its own borrows the same step's at another commit: within the bound
-    there (the code differed: the latest such commit is named), else that commit's why, named; memory likewise. A
-    why found so is no evidence for a third row."""
-    floor = fidelity_rows([*_ceilings(), _attention(512, 300.0), _record()])[0].floor_ms
-    predicted = fidelity_rows([*_ceilings(), _attention(512, 300.0), _record()])[0].predicted_memory
-    slow = _at(_record(median=3 * floor, peak_memory_bytes=1.2 * predicted), "aaaaaaa1", "2026-11-01")
-    fast = _at(_record(median=1.1 * floor, peak_memory_bytes=predicted), "bbbbbbb2", "2026-11-02")
-    faster_earlier = _at(_record(median=1.05 * floor, peak_memory_bytes=predicted), "ccccccc3", "2026-10-01")
-    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), slow, fast, faster_earlier])
-    assert rows[0].time_why == (f"this commit's code: at bbbbbbb the same step takes {1.1 * floor:.1f} ms, within 25% "
-                                "of the prediction")
-    assert rows[0].memory_why == (f"this commit's code: at bbbbbbb the same step peaks at {predicted / 2**30:.1f} "
-                                  "GiB, within 5% of the prediction")
-    # without graphs before metrics.cuda_graph existed = "off"; host-bound at the other commit, so said, named
-    def ddp(median: float, commit: str, **metrics) -> Record:
-        return _at(_record(suite="ddp", implementation="none", median=median,
-                           metrics={"compiled": True, "attention": "sdpa_cudnn", **metrics}), commit, commit)
+    """A step beyond its bound with no why of its own borrows the same step's, measured within the bound of it, at
+    another commit: within the floor's (prediction's) bound there, naming the latest such commit, else that commit's
+    why, named; memory likewise. A step measured further off lends nothing, nor does a why found so."""
+    floor, predicted = (lambda row: (row.floor_ms, row.predicted_memory))(
+        fidelity_rows([*_ceilings(), _attention(512, 300.0), _record()])[0])
+    slow = _at(_record(median=1.45 * floor, peak_memory_bytes=1.08 * predicted), "aaaaaaa1", "2026-11-01")
+    fast = _at(_record(median=1.2 * floor, peak_memory_bytes=1.04 * predicted), "bbbbbbb2", "2026-11-02")
+    earlier = _at(_record(median=1.15 * floor, peak_memory_bytes=predicted), "ccccccc3", "2026-10-01")
+    far = _at(_record(median=3 * floor, peak_memory_bytes=1.3 * predicted), "ddddddd4", "2026-10-02")
+    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), slow, fast, earlier, far])
+    assert rows[0].time_why == f"at bbbbbbb the same step takes {1.2 * floor:.1f} ms, within 25% of the floor"
+    assert rows[0].memory_why == (f"at bbbbbbb the same step peaks at {1.04 * predicted / 2**30:.1f} GiB, within 5% "
+                                  "of the prediction")
+    assert rows[3].time_why == rows[3].memory_why == ""  # 3x the floor: the others were not measured like it
 
-    old, plain, graphed = (ddp(3 * floor, "ddddddd4"), ddp(2.9 * floor, "eeeeeee5", cuda_graph="off"),
-                           ddp(1.4 * floor, "eeeeeee5", cuda_graph="blocks"))
-    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), old, plain, graphed])
-    assert rows[1].time_why.startswith("host-bound: replayed as CUDA graphs (blocks)")
-    assert rows[0].time_why == f"{rows[1].time_why} (so measured at eeeeeee)"
-    # a why borrowed across commits lends nothing: the third commit's row stays without one
-    third = _at(_record(median=2.5 * floor), "fffffff6", "3")
-    other = _at(_record(median=2 * floor), "ggggggg7", "4")
-    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), slow, other, third])
-    assert [row.time_why for row in rows] == ["", "", ""]
+    def ddp(median: float, commit: str, date: str, **metrics) -> Record:
+        return _at(_record(suite="ddp", implementation="none", median=median * floor,
+                           metrics={"compiled": True, "attention": "sdpa_cudnn", **metrics}), commit, date)
+
+    # host-bound at its own commit (a graphed sibling at half the time); before metrics.cuda_graph existed = "off"
+    plain, graphed = ddp(3.0, "eeeeeee5", "1", cuda_graph="off"), ddp(1.4, "eeeeeee5", "1", cuda_graph="blocks")
+    latest, between = ddp(3.1, "fffffff6", "9"), ddp(3.05, "ggggggg7", "5", cuda_graph="off")
+    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), plain, graphed, latest, between])
+    assert rows[0].time_why.startswith("host-bound: replayed as CUDA graphs (blocks)")
+    # each borrows eeeeeee's own why, not the latest row's borrowed one
+    assert rows[2].time_why == rows[3].time_why == f"{rows[0].time_why} (so measured at eeeeeee)"
 
 
 def test_a_trainer_step_quotes_the_e2e_benchmark_s_same_step():
-    """A trainer row beyond its bound whose step the e2e benchmark ran (our model, the same tokens, compiled, each
-    block's graph or not) quotes that step's why or bound, and names what the trainer's loop adds to it."""
+    """A trainer row beyond its bound whose step the e2e benchmark ran (our model, the same tokens, attention,
+    compilation and CUDA graphs) quotes that step's why or bound, and what the trainer's loop adds to it; an e2e step
+    replaying the whole step as one graph is not a trainer's step without graphs."""
     floor = fidelity_rows([*_ceilings(), _attention(512, 300.0), _record()])[0].floor_ms
-    e2e = _at(_record(implementation="compiled sdpa_cudnn, cuda graph per block", median=1.2 * floor), "bbbbbbb2", "2")
-    def trainer(graph: str, **fields) -> Record:
+
+    def e2e(implementation: str, median: float, batch_size: int = 4) -> Record:
+        return _at(_record(implementation=implementation, median=median, batch_size=batch_size), "bbbbbbb2", "2")
+
+    def trainer(graph: str, median: float, **fields) -> Record:
         metrics = {"compiled": True, "cuda_graph": graph, "grad_accum": 1, "attention": "sdpa_cudnn"}
-        return _at(_record(suite="train", implementation="none", median=1.2 * floor + 40, metrics=metrics, **fields),
+        return _at(_record(suite="train", implementation="none", median=median, metrics=metrics, **fields),
                    "aaaaaaa1", "1")
 
-    graphed, ungraphed = trainer("blocks", phases={"data": timing_stats([1.0])}), trainer("off")
-    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), e2e, graphed, ungraphed])
-    assert rows[1].time_why == (f"the trainer's loop adds 40.0 ms a step (data on the host 1.0) to the e2e benchmark's "
+    per_block, whole = (e2e("compiled sdpa_cudnn, cuda graph per block", 1.2 * floor),
+                        e2e("compiled sdpa_cudnn, cuda graph", 1.2 * floor))
+    graphed = trainer("blocks", 1.2 * floor + 40, phases={"data": timing_stats([1.0])})
+    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), per_block, whole, graphed,
+                          trainer("off", 1.2 * floor + 40)])
+    assert rows[2].time_why == (f"the trainer's loop adds 40.0 ms a step (data on the host 1.0) to the e2e benchmark's "
                                 f"same step, {1.2 * floor:.1f} ms at bbbbbbb: within 25% of the floor")
-    assert rows[2].time_why == ""  # the e2e step replayed its graphs; this one did not
+    assert rows[3].time_why == ""  # the e2e steps replayed graphs; this one did not
+    # an e2e step explained by its own siblings (host-paced) is quoted with its why
+    paced, doubled = e2e("compiled sdpa_cudnn", 3 * floor), e2e("compiled sdpa_cudnn", 3.3 * floor, batch_size=8)
+    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), paced, doubled, trainer("off", 3 * floor + 5)])
+    assert rows[0].time_why.startswith("host-paced")
+    assert rows[2].time_why == (f"the trainer's loop adds 5.0 ms a step to the e2e benchmark's same step, "
+                                f"{3 * floor:.1f} ms at bbbbbbb: {rows[0].time_why}")
