@@ -15,13 +15,15 @@ SUITE = "ddp"
 # ``parallelism_calc.memory.per_device_memory`` takes it: ours a block's weights at a time (the embedding and the LM
 # head units of their own, resharded) with torch_impl.distributed.fsdp's default prefetch for blocks,
 # DEFAULT_PREFETCH["block"] = 1, and MAX_PENDING_REDUCE_SCATTERS = 2 in flight (tests/test_ddp_bench.py ties them),
-# FSDP2 a block at a time with its root kept and one reduce-scatter in flight; both gather the embedding
-# in the compute dtype (the residual stream runs in it). The peak placed in the step, as for one process. The
-# benchmark records its prediction with it (torch_impl.bench.ddp.predicted_memory) and analysis.fidelity recomputes it.
+# each keeping its output piece until it lands ("kept"), FSDP2 a block at a time with its root kept and one
+# reduce-scatter in flight, its output cast into the sharded gradient at launch ("landed"; notes/fidelity.md, session
+# 42 (helper)); both gather the embedding in the compute dtype (the residual stream runs in it). The peak placed in
+# the step, as for one process. The benchmark records its prediction with it (torch_impl.bench.ddp.predicted_memory)
+# and analysis.fidelity recomputes it.
 FSDP_GATHERING = {"fsdp": dict(gather_unit="block", prefetch_layers=1, pending_reduce_scatters=2,
                                compute_dtype_stream=True, peak_model="timeline"),
                   "fsdp2": dict(gather_unit="block", prefetch_layers=1, reshard_root=False, pending_reduce_scatters=1,
-                                compute_dtype_stream=True, peak_model="timeline")}
+                                reduce_scatter_output="landed", compute_dtype_stream=True, peak_model="timeline")}
 LEADERBOARD_SUITE = "leaderboard"  # torch_impl.bench.leaderboard's records: a step sharded by our FSDP or FSDP2
 
 

@@ -58,6 +58,11 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp_tp")
 # above, with their meshes: the batch goes over dp x fsdp; "tp" is DP x TP (the model's state split over tp only).
 _MESH_STRATEGY = {"dp": "ddp", "fsdp": "fsdp", "tp": "fsdp_tp", "fsdp_tp": "fsdp_tp"}
 GATHER_UNITS = ("block", "layer")  # what stage-3 sharding all-gathers at once (see per_device_memory)
+# What a stage-3 gradient reduce-scatter in flight holds beside its rank-major input (see per_device_memory):
+# "kept", its output piece until it is waited on, after the next one is launched, and lands in the sharded gradient
+# (our FSDP's ``_land_grads``); "landed", nothing more: its output is cast into the sharded gradient as it is
+# launched and the oldest input is released before the next launch (FSDP2's ``foreach_reduce``).
+REDUCE_SCATTER_OUTPUTS = ("kept", "landed")
 # How per_device_memory places the peak: "sum" adds every term as if all were alive at once (an upper bound);
 # "timeline" takes the largest of the step's moments (forward's end, each block's backward, backward's end).
 PEAK_MODELS = ("sum", "timeline")
@@ -443,6 +448,75 @@ def _gather_working_set(spec: ModelSpec, gather_unit: str, reshard_root: bool) -
     return (0, max(matrix, spec.vocab_size * d)) if reshard_root else (root, matrix)
 
 
+@dataclass(frozen=True)
+class ReduceScatterQueue:
+    """Stage 3's gradient reduce-scatters over the backward (``per_device_memory``'s ``pending_reduce_scatters``).
+
+    ``units``: the parameters of each unit in the order the backward reduce-scatters them (our FSDP: the LM head,
+    blocks L-1 .. 0, the embedding; FSDP2: blocks L-1 .. 0, then its root); block L-1's first unit is at
+    ``first_block``, each block has ``units_per_block``. At most ``in_flight`` k stay in flight between launches;
+    launching another holds ``at_launch`` (k + 1 until the oldest is waited on; k if the oldest is released first).
+    Each holds ``held_bytes`` a parameter (its rank-major input, u p, and a kept output piece, u p / N_shard) and
+    keeps ``unlanded_bytes`` a parameter of the sharded gradient unwritten until it lands (a kept piece's; 0 when
+    the output lands at launch).
+    """
+
+    in_flight: int
+    at_launch: int
+    units: tuple[int, ...]
+    first_block: int
+    units_per_block: int
+    held_bytes: float
+    unlanded_bytes: float
+
+    def after(self, done: int, launching: bool = False) -> tuple[float, float]:
+        """(bytes held in flight, sharded-gradient bytes not landed yet) once the first ``done`` units are
+        launched: the last k of them; ``launching``: the moment the ``done``-th is launched, the last
+        ``at_launch``."""
+        window = sum(self.units[max(0, done - (self.at_launch if launching else self.in_flight)):done])
+        return window * self.held_bytes, window * self.unlanded_bytes
+
+    def most_held(self) -> float:
+        """The most bytes ever held in flight (``at_launch`` consecutive units): the "sum" model's."""
+        return max(self.after(done, True)[0] for done in range(1, len(self.units) + 1))
+
+
+def reduce_scatter_queue(spec: ModelSpec, pending_reduce_scatters: int, n_shard: int,
+                         precision: str | Precision = "bf16_autocast", gather_unit: str = "block",
+                         reshard_root: bool = True, output: str = "kept", tp: int = 1,
+                         grad_bytes_per_param: float | None = None) -> ReduceScatterQueue:
+    """Stage 3's gradient reduce-scatters as ``per_device_memory`` places them (its ``pending_reduce_scatters`` k and
+    ``reduce_scatter_output``), p = ``precision.activation_bytes``:
+
+        held a parameter:      p (1 + 1 / N_shard) / tp  (kept: input and output piece)    p / tp  (landed)
+        unlanded a parameter:  grad_bytes / N_shard      (kept; ``grad_bytes_per_param``)   0       (landed)
+        at a launch:           k + 1 units               (kept: the oldest waited after)    max(k, 1)  (landed)
+
+    The units are ``_gather_working_set``'s in the backward's order (see ``ReduceScatterQueue``); "layer" counts each
+    of a block's weight matrices (7; FFN-only 2) as its largest, D max(D, F), an upper bound as the window's."""
+    _check_choice("gather_unit", gather_unit, GATHER_UNITS)
+    _check_choice("reduce_scatter_output", output, REDUCE_SCATTER_OUTPUTS)
+    if pending_reduce_scatters < 0 or n_shard < 1 or tp < 1:
+        raise ValueError(f"pending_reduce_scatters={pending_reduce_scatters} >= 0, n_shard={n_shard} and tp={tp} >= 1")
+    prec, kept, in_flight = get_precision(precision), output == "kept", pending_reduce_scatters
+    at_launch = in_flight + 1 if kept else max(in_flight, 1)
+    held_bytes = prec.activation_bytes * (1 + (1 / n_shard if kept else 0)) / tp
+    unlanded_bytes = (prec.grad_bytes / n_shard if grad_bytes_per_param is None else grad_bytes_per_param) if kept \
+        else 0.0
+    d, f = spec.d_model, spec.d_ff
+    per_block = 1 if gather_unit == "block" else (2 if spec.arch == "ffn_only" else 7)
+    unit = spec.n_params_per_layer() if gather_unit == "block" else d * max(d, f)
+    blocks = (unit,) * (per_block * spec.n_layers)
+    if spec.arch == "ffn_only":  # no embedding, norm or LM head
+        return ReduceScatterQueue(in_flight, at_launch, blocks, 0, per_block, held_bytes, unlanded_bytes)
+    vd = spec.vocab_size * d
+    # Resharded root: the LM head's unit right after the loss, the embedding's last; else the root (embedding, final
+    # norm, LM head) reduce-scattered at the end, with the root module's backward.
+    head, last = ((vd,), (vd,)) if reshard_root else ((), (2 * vd + d,))
+    return ReduceScatterQueue(in_flight, at_launch, head + blocks + last, len(head), per_block, held_bytes,
+                              unlanded_bytes)
+
+
 def _norm_gains(spec: ModelSpec) -> int:
     """Parameters of the RMSNorm gains: two per block and the final norm, D each (none in FFN-only models)."""
     return 0 if spec.arch == "ffn_only" else (2 * spec.n_layers + 1) * spec.d_model
@@ -478,7 +552,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                       compute_dtype_stream: bool = False, loss: str = "plain",
                       loss_chunk: int | None = None, kept_attention: bool = False,
                       fused_norm: bool = True, compiled_loss: bool = False,
-                      workspaces: float = 0.0) -> MemoryBreakdown:
+                      workspaces: float = 0.0, reduce_scatter_output: str = "kept") -> MemoryBreakdown:
     """Bytes per device of a training step with AdamW (ZeRO paper, Rajbhandari et al. 2020).
 
     P = spec.n_params(); per-parameter bytes from ``precision``; N_shard = the sharding degree.
@@ -539,22 +613,38 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
       (``analysis.data_parallel.memory_terms``). Checked against one reserved-peak record (the copies come from
       segments the CUDA graph pool's freed activations cannot give), where it brings 0.86 to 0.93, as the same
       run without the hook (notes/fidelity.md, session 23).
-    * ``pending_reduce_scatters`` k (stage 3; None: not modelled, 0 and up: k reduce-scatters in flight): during
-      the backward a unit's full-size gradient exists unsharded (u p: autograd's gradient of the gathered weight)
-      and is copied into a reduce-scatter input (u p) with an output piece (u p / N_shard), and up to k earlier
-      reduce-scatters still hold theirs:
+    * ``pending_reduce_scatters`` k (stage 3; None: not modelled, 0 and up: k reduce-scatters in flight): once a
+      unit's backward is done its full-size gradient (u p, p = activation_bytes: the gradients are reduced in the
+      compute dtype) is copied into a rank-major reduce-scatter input (u p) and launched, and up to k reduce-scatters
+      stay in flight, each holding its input and, with ``reduce_scatter_output="kept"``, its output piece
+      (u p / N_shard), landed in the sharded gradient (``grads``) only when waited on; "landed": the output is cast
+      into the sharded gradient as the reduce-scatter is launched and the input alone is held. A unit in flight:
 
-          reduce_scatter = u p (1 + (k + 1) (1 + 1 / N_shard)) / tp
+          r(u) = u p (1 + 1 / N_shard) / tp  (kept)        r(u) = u p / tp  (landed)
 
-      with u the largest unit of the window above (``gather_unit``), p = activation_bytes (the gradients are
-      reduced in the compute dtype). Our ``FSDP``: k = ``MAX_PENDING_REDUCE_SCATTERS`` = 2
+      The units go in the backward's order (``ReduceScatterQueue``: the LM head's first when the root is resharded,
+      the blocks', the embedding's or the root's last; each the size it has, "layer" a block's matrices at the
+      largest). ``peak_model="timeline"`` places them: at block i's backward (its activations all alive, its weights
+      gathered) the last k units launched before it are in flight, R_i = sum of their r(u), their kept pieces not
+      yet in the gradients written so far; at its reduce-scatter (its activations freed, its gradient where its
+      gathered weights were) one more, k + 1 units (landed: the oldest released first, k); at the backward's end
+      the last units launched (``finish_gradient_synchronization`` lands ours). So the k units in flight coexist with
+      all of a block's activations only from block L - 1 - k on: the peak is at block L - 1 (nothing but the LM head
+      in flight) or at block L - 1 - k, whichever the activations a block frees (T b) and the buffers a unit holds
+      (r(u), less its sharded gradient when kept) make larger. "sum" adds the most ever in flight (the largest run
+      of units held at a launch) to the total. Our ``FSDP``: k = ``MAX_PENDING_REDUCE_SCATTERS`` = 2, kept
       (torch_impl/distributed/fsdp.py, ``_reduce_scatter_grads``: the unit's gradients copied rank-major into
-      ``flat``, its ``piece``, ``_pending_grads``); FSDP2: k = 1
-      (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
-      ``foreach_reduce``: ``reduce_scatter_input``, copied from the unsharded gradients, and the previous group's
-      ``reduce_scatter_state``, dropped at the next group's post-backward). ``peak_model="timeline"`` adds it to
-      every backward moment (and the backward's end: our FSDP lands the last two in
-      ``finish_gradient_synchronization``), not to the forward's end; "sum" adds it to the total.
+      ``flat``, its ``piece``, ``_pending_grads``, ``_land_grads``); FSDP2: k = 1, landed
+      (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, ``foreach_reduce``: ``reduce_scatter_input``,
+      copied from the unsharded gradients, its output cast by ``_to_dtype_if_needed``, and the previous group's
+      ``reduce_scatter_state``, dropped at the next group's post-backward). CUDA allocator snapshots of both at 2.7B
+      4 x 512 on 2 H200s (notes/fidelity.md, session 42 (helper)) hold exactly that at their peaks: ours at block
+      L - 3 (two blocks' ``flat`` and ``piece``, no unsharded gradient of the unit in use), FSDP2 at block L - 2
+      (one ``reduce_scatter_input``). Not counted: the gradients flowing between a block's nodes (activation
+      gradients and the unit's weight gradients as they are made, 0.2 GiB there), as for one process. (Before:
+      u p (1 + (k + 1) (1 + 1 / N_shard)) / tp at every backward moment, the largest unit's unsharded gradient and
+      k + 1 inputs and pieces beside all of block L - 1's activations, where only the LM head's is in flight: 0.87
+      and 1.0 GiB too much at 2.7B 4 x 512 on 4 and 2 ranks.)
     * ``compute_dtype_stream``: the stage-3 wrappers gather the embedding in the compute dtype too (our
       ``FSDP(compute_dtype=bfloat16)``, FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16)``), so under autocast
       the residual stream, hence each RMSNorm's output (``.to(x.dtype)``), is already bf16: the q, k, v and w1, w3
@@ -601,6 +691,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     if gradient_buckets < 0 or gradient_buckets and strategy not in ("ddp", "zero1", "zero2"):
         raise ValueError(f"gradient_buckets={gradient_buckets}: bytes a parameter >= 0, with strategy ddp, zero1 or "
                          f"zero2 (whole gradients kept); got {strategy!r}")
+    _check_choice("reduce_scatter_output", reduce_scatter_output, REDUCE_SCATTER_OUTPUTS)
     if pending_reduce_scatters is not None and (pending_reduce_scatters < 0 or strategy not in ("zero3", "fsdp",
                                                                                                  "fsdp_tp")):
         raise ValueError(f"pending_reduce_scatters={pending_reduce_scatters}: reduce-scatters in flight >= 0, with "
@@ -644,8 +735,12 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     cast_weights = _cast_params(spec) * prec.activation_bytes / tp if prec.autocast and stage < 3 else 0.0
     buckets = shard(gradient_buckets, 2)
     k_rs = pending_reduce_scatters
-    reduce_scatter = (unit * prec.activation_bytes * (1 + (k_rs + 1) * (1 + 1 / n_shard)) / tp
-                      if k_rs is not None and stage == 3 else 0.0)
+    kept = reduce_scatter_output == "kept"
+    # Stage 3's reduce-scatters in flight (see the docstring): a parameter's input (p) and, kept, its output piece
+    # (p / N_shard), whose sharded gradient (grads / P a parameter, as the timeline spreads it) lands only when waited.
+    queue = (reduce_scatter_queue(spec, k_rs, n_shard, prec, gather_unit, reshard_root, reduce_scatter_output, tp,
+                                  grads / n) if k_rs is not None and stage == 3 else None)
+    reduce_scatter = queue.most_held() if queue else 0.0
     counted = spec.arch == "transformer" and (loss == "fused" or (peak_model == "timeline" and not compiled_loss))
     loss_buffers = loss_buffer_bytes(spec, tokens, prec, loss, loss_chunk) if counted else LossBuffers(0.0, 0.0)
     if workspaces < 0:
@@ -666,8 +761,9 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                      f"{prec.activation_bytes} / tp" if stage == 3 else "0"),
         "cast_weights": f"P_matmul * {prec.activation_bytes} / tp" if prec.autocast and stage < 3 else "0",
         "buckets": f"P * {gradient_buckets}" + (f" / {s}" if stage >= 2 else ""),
-        "reduce_scatter": (f"largest unit [{gather_unit}] * {prec.activation_bytes} * (1 + ({k_rs} + 1) * "
-                           f"(1 + 1 / {n_shard})) / tp" if reduce_scatter else "0"),
+        "reduce_scatter": (f"sum over the units in flight [k = {k_rs}, {gather_unit}, {reduce_scatter_output}] "
+                           f"u * {prec.activation_bytes}" + (f" * (1 + 1 / {n_shard})" if kept else "") + " / tp"
+                           if reduce_scatter else "0"),
         "N_shard": str(n_shard),
         "loss_buffers": ("0" if not loss_buffers.peak else "fused loss: max(c V (4 + 4), c V (4 + p) + V d 4)"
                          if loss == "fused" else "plain loss: max(N V (p + w), N V (4 + 4))"),
@@ -681,7 +777,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     if peak_model == "timeline":
         return step_peak_memory(spec, breakdown, tokens, seq_len, prec, checkpointing, attention, tp,
                                 checkpoint_every, nested_checkpoint, compiled, stream, loss, loss_buffers,
-                                kept_attention, fused_norm)
+                                kept_attention, fused_norm, reduce_scatters=queue)
     if kept_attention:
         raise ValueError("kept attention outputs are counted by the timeline peak model only (peak_model='timeline')")
     return breakdown
@@ -697,7 +793,7 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
                      nested_checkpoint: bool = False, compiled: bool = False,
                      compute_dtype_stream: bool = False, loss: str = "plain",
                      loss_buffers: LossBuffers | None = None, kept_attention: bool = False,
-                     fused_norm: bool = True) -> MemoryBreakdown:
+                     fused_norm: bool = True, reduce_scatters: ReduceScatterQueue | None = None) -> MemoryBreakdown:
     """The peak of one training step over its moments, from the terms of ``state`` (a "sum" breakdown of
     ``per_device_memory``, whose sharding of gradients and optimizer state it keeps) for ``tokens`` tokens per
     device. ``per_device_memory(..., peak_model="timeline")`` calls it; notes/fidelity.md has the evidence.
@@ -726,10 +822,22 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
 
     (flat: the segment's inputs left plus the recomputed blocks of segment s not yet back-propagated; nested: the
     segment inputs left, the block inputs the recomputed segment checkpointed again, one block recomputed).
+
     Without checkpointing every backward moment lies between the forward's end and the backward's end (each
     block trades T b + c for g), so the peak is S + max(T (L b + e) + L c + c_head, g_top + T L b + L c, G):
     ``max(activations + autocast copies, gradients)`` of notes/fidelity.md. ``checkpointing="full"`` is K = 1
     flat; "selective" uses its smaller b. FFN-only models have no extras, head or g_top.
+
+    Stage 3's reduce-scatters (``reduce_scatters``, a ``ReduceScatterQueue``; ``per_device_memory``'s
+    ``pending_reduce_scatters``): R above is then what the queue holds at that moment, R_i = the last k units
+    launched before block i (the LM head's, blocks L-1 .. i+1's), and the kept pieces among them are taken out of
+    the gradients written so far (``unlanded``); each block adds one more moment, its reduce-scatter:
+
+        block i's reduce-scatter = g_top + (L - i) g - unlanded' + R'_i + T (live_i - b) + copies_i - c
+
+    with R'_i the queue's ``at_launch`` units up to block i's own (k + 1 kept; the oldest released first, k,
+    landed), its gradient standing where its gathered weights were (in S); the backward's end holds the last
+    ``at_launch`` units launched. Without a queue R = ``state.reduce_scatter`` at every backward moment.
 
     ``kept_attention`` (checkpointing every K, flat; ``torch_impl.activation_checkpointing``'s keep_attention):
     each block's attention output and fp32 log-sum-exp, o = D p + 4 H a token (over tp), stay from the forward
@@ -749,8 +857,9 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     stream, the allocator's rounding and caching; the libraries' workspaces only as ``state.workspaces`` gives them)
     are not modelled. Checked against the
     2.7B single-H100 records (results/memory_h100.jsonl, results/checkpointing_h100.jsonl;
-    tests/test_memory_records.py); not validated for data-parallel wrappers (gradient buckets, reduce-scatter
-    buffers) or XLA's buffer assignment.
+    tests/test_memory_records.py); the reduce-scatter queue against CUDA allocator snapshots of our FSDP and FSDP2
+    (notes/fidelity.md, session 42 (helper)) and our FSDP's buffers on CPU (tests/test_fsdp_memory_model.py); not
+    validated for the gradient buckets of the DDP wrappers moment by moment, or XLA's buffer assignment.
     """
     prec = get_precision(precision)
     if checkpoint_every is not None and checkpoint_every < 1:
@@ -792,6 +901,12 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     moments = [forward_end]
     if lb.backward:
         moments.append(("loss backward", *forward_end[1:5], lb.backward))
+    queue = reduce_scatters
+
+    def in_flight(done: int, launching: bool = False) -> tuple[float, float]:
+        # (R, the kept pieces' gradient bytes not landed) once ``done`` units are launched (see the docstring)
+        return queue.after(done, launching) if queue else (rs, 0.0)
+
     for i in reversed(range(n_layers)):  # the backward runs from the last block to the first
         if k is None:
             live, copies = (i + 1) * b, (i + 1) * c
@@ -801,8 +916,16 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
                 live, copies = (s + 1) * a + (i - s * k) * a + b, c
             else:
                 live, copies = (s + 1) * a + s * k * o + (i - s * k + 1) * b, (i - s * k + 1) * c
-        moments.append((f"backward, block {i}", g_top + (n_layers - 1 - i) * g, tokens * live, copies, rs, 0.0))
-    moments.append(("backward's end", state.grads, 0.0, 0.0, rs, 0.0))
+        done = queue.first_block + (n_layers - 1 - i) * queue.units_per_block if queue else 0
+        held, unlanded = in_flight(done)
+        moments.append((f"backward, block {i}", g_top + (n_layers - 1 - i) * g - unlanded, tokens * live, copies,
+                        held, 0.0))
+        if queue:  # block i's units launched: its activations freed, its gradient written (or in flight)
+            held, unlanded = in_flight(done + queue.units_per_block, launching=True)
+            moments.append((f"backward, block {i}'s reduce-scatter", g_top + (n_layers - i) * g - unlanded,
+                            tokens * (live - b), copies - c, held, 0.0))
+    held, unlanded = in_flight(len(queue.units), launching=True) if queue else (rs, 0.0)
+    moments.append(("backward's end", state.grads - unlanded, 0.0, 0.0, held, 0.0))
     where, grads, activations, copies, rs_then, lb_then = max(moments, key=lambda m: sum(m[1:]))
     total = persistent + grads + activations + copies + rs_then + lb_then
     policy = ("none" if k is None else f"every {k}" + (" nested" if nested_checkpoint else "")
@@ -813,7 +936,7 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
                 "activations": f"saved activations alive then ({where})",
                 "cast_weights": f"autocast copies alive then ({where})"}
     if rs:
-        formulas["reduce_scatter"] += " (during the backward only)"
+        formulas["reduce_scatter"] += f" (in flight then: {where})" if queue else " (during the backward only)"
     return dataclasses.replace(state, grads=grads, activations=float(activations), cast_weights=float(copies),
                                total=total, formulas=formulas, peak_at=where, reduce_scatter=float(rs_then),
                                loss_buffers=float(lb_then))

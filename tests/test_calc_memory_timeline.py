@@ -9,7 +9,8 @@ and the int64 ids (8).
 
 import pytest
 
-from parallelism_calc.memory import CUDA_LIBRARY_WORKSPACES, PEAK_MODELS, activation_bytes_per_token, per_device_memory
+from parallelism_calc.memory import (CUDA_LIBRARY_WORKSPACES, PEAK_MODELS, activation_bytes_per_token,
+                                     per_device_memory, reduce_scatter_queue)
 from parallelism_calc.specs import MODELS, ModelSpec
 
 # D 8, F 16, H 2, 2 layers, V 10. P = 80 (embedding) + 2 x 656 (blocks) + 8 (final norm) + 80 (LM head) = 1,480.
@@ -204,7 +205,12 @@ FSDP_KW = dict(precision="bf16_autocast", attention="naive", gather_unit="layer"
 S_FSDP = P * 4 / 2 + P * 8 / 2  # fp32 weight shards + AdamW m and v, sharded over 2
 UNIT = 8 * 16  # the largest weight matrix (D x F = 128 > V x D = 80)
 GATHERED = 3 * UNIT * 2  # the unit in use + 2 prefetched, bf16: 768
-RS = UNIT * 2 * (1 + 3 * (1 + 1 / 2))  # unsharded gradient + 3 reduce-scatter inputs and outputs in flight: 1,408
+# A reduce-scatter in flight (kept: our FSDP's rank-major input and output piece, bf16 over 2 ranks) holds 2 x 1.5
+# = 3 bytes a parameter of its unit and keeps 2 (its fp32 sharded gradient, 4 / 2) unwritten until it lands. The
+# units in the backward's order: the LM head (V D = 80), the 7 matrices of block 1, of block 0 (each counted as the
+# largest, 128), the embedding (80). At block 1's backward the head's is in flight; at a block's reduce-scatter,
+# once its last matrix is launched, 3 (k + 1) of its matrices; at block 0's backward the last 2 of block 1's.
+HELD, UNLANDED = 3, 2
 
 
 def test_fsdp_buffers_at_the_forward_s_end_by_hand():
@@ -214,8 +220,9 @@ def test_fsdp_buffers_at_the_forward_s_end_by_hand():
     b = B_AUTO - 3 * 8 * 2
     loss_backward = 64 * 10 * 8  # the plain loss's two fp32 gradients of the logits: 5,120
     saved = 64 * (2 * b + E_AUTO)  # 68,864
-    block1 = G_TOP / 2 + 64 * 2 * b + RS  # 64,048
-    assert saved + loss_backward > block1
+    block1 = G_TOP / 2 + 80 * (HELD - UNLANDED) + 64 * 2 * b  # 62,720: the LM head's reduce-scatter in flight
+    block1_rs = G_TOP / 2 + G_BLOCK / 2 + 3 * UNIT * (HELD - UNLANDED) + 64 * b  # 33,104
+    assert saved + loss_backward > block1 > block1_rs
     assert (pred.peak_at, pred.total) == ("loss backward", S_FSDP + GATHERED + saved + loss_backward)
     assert pred.reduce_scatter == 0 and pred.cast_weights == 0
     # Without the compute-dtype stream the norm outputs are five autocast copies again (the JAX meshes' count)
@@ -224,21 +231,69 @@ def test_fsdp_buffers_at_the_forward_s_end_by_hand():
 
 
 def test_fsdp_buffers_in_the_backward_by_hand():
-    """T 2, 2 tokens a rank: the gradients win; at the backward's end the sharded gradients and the buffers R."""
+    """T 2, 2 tokens a rank: the gradients win; at the backward's end the sharded gradients, less the 3 units still
+    in flight (block 0's last two matrices and the embedding), and their buffers."""
     pred = per_device_memory(TOY, "fsdp", 2, 2 * 2, 2, **FSDP_KW)
     b = 72 + 2 * 8 * 2 + 64 + 128 + 2 * 2 * 6  # 320: naive probabilities over 2 keys
-    moments = {"forward's end": 2 * (2 * b + E_AUTO), "backward, block 1": G_TOP / 2 + 2 * 2 * b + RS,
-               "backward, block 0": G_TOP / 2 + G_BLOCK / 2 + 2 * b + RS, "backward's end": G_ALL / 2 + RS}
+    loss = 2 * 10 * (2 + 4), 2 * 10 * 8  # the plain loss's forward and backward buffers, 2 tokens
+    in_flight = {  # (held, unlanded) at each backward moment, from the units listed above FSDP_KW's
+        "backward, block 1": (80 * HELD, 80 * UNLANDED), "backward, block 1's reduce-scatter": (
+            3 * UNIT * HELD, 3 * UNIT * UNLANDED), "backward, block 0": (2 * UNIT * HELD, 2 * UNIT * UNLANDED),
+        "backward, block 0's reduce-scatter": (3 * UNIT * HELD, 3 * UNIT * UNLANDED),
+        "backward's end": ((2 * UNIT + 80) * HELD, (2 * UNIT + 80) * UNLANDED)}
+    written = {"backward, block 1": G_TOP / 2, "backward, block 1's reduce-scatter": (G_TOP + G_BLOCK) / 2,
+               "backward, block 0": (G_TOP + G_BLOCK) / 2, "backward, block 0's reduce-scatter": (
+                   G_TOP + 2 * G_BLOCK) / 2, "backward's end": G_ALL / 2}
+    live = {"backward, block 1": 2 * b, "backward, block 1's reduce-scatter": b, "backward, block 0": b,
+            "backward, block 0's reduce-scatter": 0, "backward's end": 0}
+    moments = {"forward's end": 2 * (2 * b + E_AUTO) + loss[0], "loss backward": 2 * (2 * b + E_AUTO) + loss[1],
+               **{m: written[m] - in_flight[m][1] + in_flight[m][0] + 2 * live[m] for m in live}}
+    assert moments == {"forward's end": 1600, "loss backward": 1640, "backward, block 1": 1536,
+                       "backward, block 1's reduce-scatter": 2512, "backward, block 0": 2384,
+                       "backward, block 0's reduce-scatter": 3184, "backward's end": 3296}
     assert pred.peak_at == max(moments, key=moments.get) == "backward's end"
-    assert pred.total == pytest.approx(S_FSDP + GATHERED + moments["backward's end"])
-    assert pred.reduce_scatter == pytest.approx(RS) and pred.grads == G_ALL / 2
-    # The sum model adds R to every other term; FSDP2's block unit with one reduce-scatter in flight
+    assert pred.total == S_FSDP + GATHERED + moments["backward's end"]
+    assert (pred.reduce_scatter, pred.grads) == (1008, G_ALL / 2 - 672)
+    # The sum model adds the most ever in flight (3 of the largest matrices) to every other term
     total = per_device_memory(TOY, "fsdp", 2, 2 * 2, 2, **{**FSDP_KW, "peak_model": "sum"})
-    assert total.reduce_scatter == pytest.approx(RS)
-    assert total.total == pytest.approx(S_FSDP + G_ALL / 2 + 2 * (2 * b + E_AUTO) + GATHERED + RS)
+    assert total.reduce_scatter == 3 * UNIT * HELD == 1152
+    assert total.total == S_FSDP + G_ALL / 2 + 2 * (2 * b + E_AUTO) + GATHERED + 1152
+    # FSDP2: a block a unit, one reduce-scatter in flight holding its input only (2 bytes a parameter; the output
+    # is cast into the sharded gradient at launch, the previous input released before): at block 1's backward
+    # nothing (its root is reduce-scattered last), at block 1's reduce-scatter and block 0's backward block 1's,
+    # at block 0's reduce-scatter block 0's: the peak, with every block's gradient written (G_TOP + 2 G_BLOCK).
     fsdp2 = per_device_memory(TOY, "fsdp", 2, 2 * 2, 2, **{**FSDP_KW, "gather_unit": "block", "prefetch_layers": 1,
-                                                          "reshard_root": False, "pending_reduce_scatters": 1})
-    assert fsdp2.reduce_scatter == pytest.approx(BLOCK * 2 * (1 + 2 * 1.5))
+                                                          "reshard_root": False, "pending_reduce_scatters": 1,
+                                                          "reduce_scatter_output": "landed"})
+    gathered2 = (2 * 80 + 8 + 2 * BLOCK) * 2
+    assert (fsdp2.peak_at, fsdp2.reduce_scatter, fsdp2.grads) == (
+        "backward, block 0's reduce-scatter", BLOCK * 2, (G_TOP + 2 * G_BLOCK) / 2)
+    assert fsdp2.total == S_FSDP + gathered2 + (G_TOP + 2 * G_BLOCK) / 2 + BLOCK * 2
+
+
+def test_reduce_scatters_in_flight_as_the_2xh200_snapshots_hold_them():
+    """CUDA allocator snapshots of the eager 2.7B 4 x 512 step (bf16 autocast) on 2 H200s at dc34675
+    (results/profiles/ddp_snapshots_2xh200_dc34675.tar.xz, notes/fidelity.md, session 42 (helper)), read with
+    ``analysis.snapshot``: the bytes the reduce-scatters in flight hold, as allocated. Ours (fsdp.py,
+    ``_reduce_scatter_grads``): a block's rank-major ``flat``, 209,715,200 (4 D^2 + 3 D F in bf16; the norm gains are
+    replicated), and its ``piece``, 104,857,600; the LM head's ``flat`` is autograd's gradient itself (V D = 25.6 M in
+    bf16, 51,200,000) and its piece 25,600,000. At the step's peak (28.11 GiB, block 29's backward: 30 blocks'
+    activations) two blocks' flat and piece, 629,145,600, and no unsharded gradient of the block in use; as a block's
+    is launched, three. FSDP2 (``foreach_reduce``): at its peak (28.16 GiB, block 30's backward) block 31's
+    ``reduce_scatter_input``, 209,725,440 (the block with its norm gains), its output already cast to fp32. The
+    formula before held u p (1 + 3 (1 + 1 / 2)) = 1,153,489,920 bytes (ours) at every moment of the backward."""
+    spec = MODELS["2.7B"]
+    flat, piece, head = 209_715_200, 104_857_600, 51_200_000 + 25_600_000
+    gains = 2 * spec.d_model * 2 * 1.5  # a block's norm gains: in the calculator's block unit, not in ours
+    ours = reduce_scatter_queue(spec, 2, 2, "bf16_autocast")
+    assert ours.after(ours.first_block)[0] == head  # block 31's backward: the LM head's alone
+    assert ours.after(ours.first_block + 1)[0] == head + flat + piece + gains  # block 30's
+    assert ours.after(ours.first_block + 2)[0] == 2 * (flat + piece + gains) == 629_176_320  # block 29's: the peak
+    assert ours.after(ours.first_block + 3, launching=True)[0] == 3 * (flat + piece + gains)  # block 29's launch
+    assert ours.most_held() == 3 * (flat + piece + gains) < spec.n_params_per_layer() * 2 * 5.5 == 1_153_489_920
+    fsdp2 = reduce_scatter_queue(spec, 1, 2, "bf16_autocast", reshard_root=False, output="landed")
+    assert fsdp2.after(0)[0] == 0 and fsdp2.after(1)[0] == fsdp2.after(2, launching=True)[0] == 209_725_440
+    assert fsdp2.unlanded_bytes == 0 and ours.unlanded_bytes == 4 / 2
 
 
 def test_reduce_scatter_buffers_need_stage_3():

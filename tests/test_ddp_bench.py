@@ -182,11 +182,10 @@ def test_predicted_memory_follows_the_strategy(records):
     assert ours["gathered"] == 2 * block * 4
     assert fsdp2["gathered"] == (2 * 512 * 64 + 64 + 2 * block) * 4
     assert ours["cast_weights"] == fsdp2["cast_weights"] == 0
-    # Reduce-scatter buffers (per_device_memory's pending_reduce_scatters), by hand, when the peak falls in the
-    # backward: the unit's unsharded gradient + (k + 1) reduce-scatter inputs and outputs (1 + 1 / 2) in flight;
-    # ours k = 2, FSDP2 k = 1, both over a block.
-    for pred, unit, k in ((ours, block, 2), (fsdp2, block, 1)):
-        assert pred["reduce_scatter"] in (0, pytest.approx(unit * 4 * (1 + (k + 1) * 1.5)))
+    # Reduce-scatter buffers (per_device_memory's pending_reduce_scatters): those in flight at the peak's moment, by
+    # hand at most ours 3 units (k = 2 in flight and one launched) of the largest, a block, each with its input and
+    # output piece (4 x (1 + 1 / 2) bytes a parameter); FSDP2's one, its input alone, the largest its root (2 V D + D).
+    assert ours["reduce_scatter"] <= 3 * block * 4 * 1.5 and fsdp2["reduce_scatter"] <= (2 * 512 * 64 + 64) * 4
     assert ours["total"] - ours["gathered"] - ours["reduce_scatter"] == pytest.approx(
         fsdp2["total"] - fsdp2["gathered"] - fsdp2["reduce_scatter"])
 

@@ -12,15 +12,21 @@ gathers (the negative control) save exactly the copies the calculator counts for
 FSDP2 (``fully_shard`` per block, then the root, ``MixedPrecisionPolicy(param_dtype=bfloat16)`` under
 autocast: ``torch_impl.parallelize.apply_data_parallel(..., "fsdp2", dtype="bf16")``): the root's parameters stay
 unsharded from the forward to the end of the backward while blocks are unsharded one at a time (``reshard_root=False``).
+
+Our FSDP's gradient reduce-scatters (``per_device_memory``'s ``pending_reduce_scatters``, ``ReduceScatterQueue``): the
+bytes its ``_pending_grads`` hold at each block's backward and at each launch, on a 4-block tiny model, are the
+calculator's queue to the norm gains (replicated by our FSDP, counted in the calculator's block unit).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import pytest
 import torch
 
-from parallelism_calc.memory import per_device_memory
+from parallelism_calc.memory import per_device_memory, reduce_scatter_queue
 from parallelism_calc.specs import MODELS
 from tests._dist import run_ranks
 
@@ -239,3 +245,82 @@ def test_fsdp2_keeps_its_root_gathered_and_blocks_one_at_a_time():
         # which lands in FSDP2's all-gather buffer (not yet a registered parameter) while one block computes.
         peak = max(nbytes for _, nbytes, _ in samples)
         assert peak == root + block == calc.gathered - block
+
+
+TINY4 = dataclasses.replace(TINY, name="tiny4", n_layers=4)  # 4 blocks: 2 reduce-scatters in flight, then steady
+
+
+def _reduce_scatter_body(rank: int, world_size: int, compute_dtype) -> dict:
+    """Bytes our FSDP's reduce-scatters in flight hold (``_pending_grads``: each unit's rank-major ``flat`` and its
+    ``piece``) when each block's backward starts (the gradient of the block's output is complete) and when each
+    unit's reduce-scatter is launched (the new ``flat`` and ``piece`` beside those still in flight)."""
+    import torch_impl.distributed.fsdp as fsdp_module
+    from torch_impl.distributed import FSDP
+    from torch_impl.model import TransformerLM, cross_entropy
+
+    torch.manual_seed(0)
+    fsdp = FSDP(TransformerLM(TINY4), compute_dtype=compute_dtype)
+
+    def held() -> int:
+        return sum(piece.nbytes + flat.nbytes for _, piece, _, flat in fsdp._pending_grads)
+
+    starts, launches = [], []
+
+    def on_output_gradient(module, args, out) -> None:
+        out.register_hook(lambda grad: starts.append(held()))
+
+    for block in fsdp.module.layers:
+        block.register_forward_hook(on_output_gradient)
+    real = fsdp_module._reduce_scatter_flat
+
+    def launching(piece, flat, *args, **kwargs):
+        launches.append(held() + piece.nbytes + flat.nbytes)
+        return real(piece, flat, *args, **kwargs)
+
+    fsdp_module._reduce_scatter_flat = launching
+    try:
+        tokens = torch.randint(V, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+        cross_entropy(fsdp(tokens[:, :-1]), tokens[:, 1:]).backward()
+        at_end = held()
+        fsdp.finish_gradient_synchronization()
+    finally:
+        fsdp_module._reduce_scatter_flat = real
+    return {"starts": starts, "launches": launches, "at_end": at_end}
+
+
+@pytest.mark.parametrize("compute_dtype, precision", [(None, "fp32"), (torch.bfloat16, "bf16_autocast")])
+def test_our_fsdp_reduce_scatters_in_flight_against_the_calculator(compute_dtype, precision):
+    """Units in the backward's order: the LM head (V D), blocks 3 .. 0 (B = 4 D^2 + 3 D F each), the embedding; each
+    in flight holds its input and its output piece, u p (1 + 1 / 2); at most 2 in flight between launches, 3 as one
+    is launched (the oldest lands after). So a block's backward starts with the last 2 units launched before it (the
+    head alone at block 3), not with the unit's own gradient and 3 reduce-scatters (the formula before, 5.5 u p at
+    every moment of the backward); that is where the calculator's timeline puts them, with B + its 2 D norm gains."""
+    p = 4 if compute_dtype is None else 2
+    head, block = V * D, 4 * D * D + 3 * D * F
+    r = p * (1 + 1 / WORLD)  # bytes a parameter in flight
+    starts = [head, head + block, 2 * block, 2 * block]  # blocks 3, 2, 1, 0
+    launches = [head, head + block, head + 2 * block, 3 * block, 3 * block, 2 * block + head]  # head .. embedding
+    results = run_ranks(_reduce_scatter_body, WORLD, compute_dtype, timeout_s=90)
+    for rank, res in enumerate(results):
+        assert res["starts"] == [n * r for n in starts], (rank, res)
+        assert res["launches"] == [n * r for n in launches], (rank, res)
+        assert res["at_end"] == (block + head) * r, (rank, res)  # the last 2, landed by finish_gradient_sync...
+    queue = reduce_scatter_queue(TINY4, 2, WORLD, precision)
+    gains = 2 * D  # a block's norm gains: in the calculator's block unit, replicated by our FSDP
+    calc_starts = [queue.after(queue.first_block + j)[0] for j in range(4)]
+    calc_launches = [queue.after(j, launching=True)[0] for j in range(1, len(queue.units) + 1)]
+    assert calc_starts == pytest.approx([(n + gains * (n // block)) * r for n in starts], rel=1e-12)
+    assert calc_launches == pytest.approx([(n + gains * (n // block)) * r for n in launches], rel=1e-12)
+    for measured, calc in zip(res["starts"] + res["launches"], calc_starts + calc_launches):
+        assert measured <= calc <= measured * (1 + gains / block)
+    # per_device_memory: the "sum" model adds the most ever in flight (3 blocks, as one is launched); the timeline's
+    # peak holds what the queue holds at that moment.
+    kw = dict(gather_unit="block", prefetch_layers=1, pending_reduce_scatters=2, compute_dtype_stream=True)
+    total = per_device_memory(TINY4, "fsdp", WORLD, WORLD * BATCH * SEQ, SEQ, precision, **kw)
+    assert total.reduce_scatter == pytest.approx(max(res["launches"]), rel=gains / block)
+    timeline = per_device_memory(TINY4, "fsdp", WORLD, WORLD * BATCH * SEQ, SEQ, precision, **kw,
+                                 peak_model="timeline")
+    moments = {**{f"backward, block {3 - j}": calc for j, calc in enumerate(calc_starts)},
+               **{f"backward, block {3 - j}'s reduce-scatter": calc_launches[1 + j] for j in range(4)},
+               "backward's end": calc_launches[-1], "forward's end": 0.0, "loss backward": 0.0}
+    assert timeline.reduce_scatter == moments[timeline.peak_at], timeline.peak_at
