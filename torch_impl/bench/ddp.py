@@ -54,8 +54,9 @@ units of their own, resharded after use); ``fsdp2`` a block at a time, 1 prefetc
 final norm, LM head), which FSDP2 does not reshard after forward (``reshard_root=False``); and
 ``comm_blocked_share`` = median comm / median step. Caveats: our FSDP shards the Linear / Embedding weights and
 replicates the norm gains (the calculator's "fsdp" shards all, a negligible difference); the reduce-scatters in
-flight (``MAX_PENDING_REDUCE_SCATTERS`` = 2 units' full-size gradients for ours, one block for FSDP2) are counted
-as ``pending_reduce_scatters`` (``analysis.data_parallel.FSDP_GATHERING``).
+flight (``MAX_PENDING_REDUCE_SCATTERS`` = 2 units for ours, each its input and output piece until it lands; one
+block's input for FSDP2) are placed moment by moment as ``pending_reduce_scatters`` and ``reduce_scatter_output``
+(``analysis.data_parallel.FSDP_GATHERING``, ``parallelism_calc.memory.reduce_scatter_queue``).
 
 Scaling efficiency: when ``--out`` already holds an ok ``none`` record (world size 1) with the same model,
 batch, seq, dtype, attention and device name, each new record gets ``metrics.scaling_efficiency`` =
