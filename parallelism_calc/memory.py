@@ -404,8 +404,8 @@ class MemoryBreakdown:
     # ("forward's end", "backward, block i" (0 = the first block), "backward's end"; see step_peak_memory).
     peak_at: str = "sum"
     buckets: float = 0.0  # DDP's persistent flat gradient buffers (gradient_buckets bytes a parameter)
-    # Stage 3: a unit's unsharded gradient and the reduce-scatter buffers in flight, alive during the backward
-    # (pending_reduce_scatters; see per_device_memory)
+    # Stage 3: the gradient reduce-scatters in flight during the backward, their inputs and kept output pieces
+    # (pending_reduce_scatters; see per_device_memory); the timeline's value is the peak moment's
     reduce_scatter: float = 0.0
     # The loss's working buffers (loss_buffer_bytes: the fused loss's; the plain loss's in the timeline)
     loss_buffers: float = 0.0
@@ -488,7 +488,7 @@ def reduce_scatter_queue(spec: ModelSpec, pending_reduce_scatters: int, n_shard:
     """Stage 3's gradient reduce-scatters as ``per_device_memory`` places them (its ``pending_reduce_scatters`` k and
     ``reduce_scatter_output``), p = ``precision.activation_bytes``:
 
-        held a parameter:      p (1 + 1 / N_shard) / tp  (kept: input and output piece)    p / tp  (landed)
+        held a parameter:      p (1 / tp + 1 / N_shard)  (kept: input and output piece)    p / tp  (landed)
         unlanded a parameter:  grad_bytes / N_shard      (kept; ``grad_bytes_per_param``)   0       (landed)
         at a launch:           k + 1 units               (kept: the oldest waited after)    max(k, 1)  (landed)
 
@@ -500,7 +500,7 @@ def reduce_scatter_queue(spec: ModelSpec, pending_reduce_scatters: int, n_shard:
         raise ValueError(f"pending_reduce_scatters={pending_reduce_scatters} >= 0, n_shard={n_shard} and tp={tp} >= 1")
     prec, kept, in_flight = get_precision(precision), output == "kept", pending_reduce_scatters
     at_launch = in_flight + 1 if kept else max(in_flight, 1)
-    held_bytes = prec.activation_bytes * (1 + (1 / n_shard if kept else 0)) / tp
+    held_bytes = prec.activation_bytes * (1 / tp + (1 / n_shard if kept else 0))  # N_shard counts tp already
     unlanded_bytes = (prec.grad_bytes / n_shard if grad_bytes_per_param is None else grad_bytes_per_param) if kept \
         else 0.0
     d, f = spec.d_model, spec.d_ff
@@ -620,14 +620,17 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
       (u p / N_shard), landed in the sharded gradient (``grads``) only when waited on; "landed": the output is cast
       into the sharded gradient as the reduce-scatter is launched and the input alone is held. A unit in flight:
 
-          r(u) = u p (1 + 1 / N_shard) / tp  (kept)        r(u) = u p / tp  (landed)
+          r(u) = u p (1 / tp + 1 / N_shard)  (kept)        r(u) = u p / tp  (landed)
+
+      (N_shard counts tp already: the output piece is u p / N_shard; the old formula divided it by tp again.)
 
       The units go in the backward's order (``ReduceScatterQueue``: the LM head's first when the root is resharded,
       the blocks', the embedding's or the root's last; each the size it has, "layer" a block's matrices at the
       largest). ``peak_model="timeline"`` places them: at block i's backward (its activations all alive, its weights
       gathered) the last k units launched before it are in flight, R_i = sum of their r(u), their kept pieces not
       yet in the gradients written so far; at its reduce-scatter (its activations freed, its gradient where its
-      gathered weights were) one more, k + 1 units (landed: the oldest released first, k); at the backward's end
+      gathered weights were) one more, k + 1 units (landed: the oldest released first, max(k, 1)); at the backward's
+      end
       the last units launched (``finish_gradient_synchronization`` lands ours). So the k units in flight coexist with
       all of a block's activations only from block L - 1 - k on: the peak is at block L - 1 (nothing but the LM head
       in flight) or at block L - 1 - k, whichever the activations a block frees (T b) and the buffers a unit holds
@@ -762,7 +765,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
         "cast_weights": f"P_matmul * {prec.activation_bytes} / tp" if prec.autocast and stage < 3 else "0",
         "buckets": f"P * {gradient_buckets}" + (f" / {s}" if stage >= 2 else ""),
         "reduce_scatter": (f"sum over the units in flight [k = {k_rs}, {gather_unit}, {reduce_scatter_output}] "
-                           f"u * {prec.activation_bytes}" + (f" * (1 + 1 / {n_shard})" if kept else "") + " / tp"
+                           f"u * {prec.activation_bytes} * (1 / tp" + (f" + 1 / {n_shard}" if kept else "") + ")"
                            if reduce_scatter else "0"),
         "N_shard": str(n_shard),
         "loss_buffers": ("0" if not loss_buffers.peak else "fused loss: max(c V (4 + 4), c V (4 + p) + V d 4)"
@@ -801,18 +804,18 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     The step frees gradients before its forward (``zero_grad(set_to_none=True)``, torch_impl/step.py), so no
     gradient exists while activations accumulate, and its backward frees each block's saved activations (and
     the autocast weight copies saved with them) as it writes that block's gradients. With S = params + master
-    + optimizer + gathered + buckets + workspaces (alive throughout), R = state.reduce_scatter (stage 3's unsharded
-    gradient and reduce-scatter buffers, during the backward only), per token b = one block's saved activations,
-    a = one block input (the residual stream: a checkpoint), e = the extras outside the blocks (final norm, fp32
-    log-softmax, token ids), c = one block's autocast weight copies, c_head = the LM head's, g = one block's
-    gradients, g_top = the LM head's and final norm's (written before any block's), G = all gradients, L blocks,
-    T = tokens:
+    + optimizer + gathered + buckets + workspaces (alive throughout), R = state.reduce_scatter (stage 3's
+    reduce-scatter buffers, during the backward only; placed moment by moment with a queue, below), per token
+    b = one block's saved activations, a = one block input (the residual stream: a checkpoint), e = the extras
+    outside the blocks (final norm, fp32 log-softmax, token ids), c = one block's autocast weight copies, c_head =
+    the LM head's, g = one block's gradients, g_top = the LM head's and final norm's (written before any block's),
+    G = all gradients, L blocks, T = tokens:
 
         peak = S + max(forward's end, backward at block i for i = L-1 .. 0, backward's end)
         forward's end      = T (L b + e) + L c + c_head           no checkpointing
                            = T (ceil(L / K) a + e) + c_head        checkpointing every K blocks
         backward, block i  = g_top + (L - 1 - i) g + R + T live_i + copies_i   (gradients written so far + live)
-        backward's end     = G + R
+        backward's end     = G + R                                            (- unlanded: see below)
 
     with block i in segment s = floor(i / K) and, at the moment block i's backward starts:
 
@@ -835,8 +838,8 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
 
         block i's reduce-scatter = g_top + (L - i) g - unlanded' + R'_i + T (live_i - b) + copies_i - c
 
-    with R'_i the queue's ``at_launch`` units up to block i's own (k + 1 kept; the oldest released first, k,
-    landed), its gradient standing where its gathered weights were (in S); the backward's end holds the last
+    with R'_i the queue's ``at_launch`` units up to block i's own (k + 1 kept; the oldest released first,
+    max(k, 1), landed), its gradient standing where its gathered weights were (in S); the backward's end holds the last
     ``at_launch`` units launched. Without a queue R = ``state.reduce_scatter`` at every backward moment.
 
     ``kept_attention`` (checkpointing every K, flat; ``torch_impl.activation_checkpointing``'s keep_attention):
@@ -918,14 +921,15 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
                 live, copies = (s + 1) * a + s * k * o + (i - s * k + 1) * b, (i - s * k + 1) * c
         done = queue.first_block + (n_layers - 1 - i) * queue.units_per_block if queue else 0
         held, unlanded = in_flight(done)
-        moments.append((f"backward, block {i}", g_top + (n_layers - 1 - i) * g - unlanded, tokens * live, copies,
-                        held, 0.0))
+        written = g_top + (n_layers - 1 - i) * g  # a kept piece's gradient is among them, unless "layer" overcounts
+        moments.append((f"backward, block {i}", written - min(unlanded, written), tokens * live, copies, held, 0.0))
         if queue:  # block i's units launched: its activations freed, its gradient written (or in flight)
             held, unlanded = in_flight(done + queue.units_per_block, launching=True)
-            moments.append((f"backward, block {i}'s reduce-scatter", g_top + (n_layers - i) * g - unlanded,
+            written = g_top + (n_layers - i) * g
+            moments.append((f"backward, block {i}'s reduce-scatter", written - min(unlanded, written),
                             tokens * (live - b), copies - c, held, 0.0))
     held, unlanded = in_flight(len(queue.units), launching=True) if queue else (rs, 0.0)
-    moments.append(("backward's end", state.grads - unlanded, 0.0, 0.0, held, 0.0))
+    moments.append(("backward's end", state.grads - min(unlanded, state.grads), 0.0, 0.0, held, 0.0))
     where, grads, activations, copies, rs_then, lb_then = max(moments, key=lambda m: sum(m[1:]))
     total = persistent + grads + activations + copies + rs_then + lb_then
     policy = ("none" if k is None else f"every {k}" + (" nested" if nested_checkpoint else "")
