@@ -313,7 +313,7 @@ def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[t
     if predicted is not None and leftover is not None:
         predicted += leftover[0]
         model += f"; + {leftover[0] / 2**30:.2f} GiB left allocated ({leftover[1]})"
-    graph_blocks = record.metrics.get("cuda_graph") == "blocks" or "cuda graph per block" in record.implementation
+    graph_blocks = _graphs(record) == "blocks"
     if predicted is not None and record.metrics.get("engine") == "copy_engines" and \
             record.metrics.get("impl") == "bucketed":
         model += f"; {COPY_ENGINE_STAGING}"
@@ -380,14 +380,18 @@ def _graphs(record: Record) -> str:
     return "blocks" if name.endswith("cuda graph per block") else "step" if name.endswith("cuda graph") else "off"
 
 
+def _benchmark(record: Record) -> str:
+    """The benchmark whose step a record times: its suite, the e2e benchmark's for its sweep's records."""
+    return "e2e" if record.suite == "e2e_sweep" else record.suite
+
+
 def _step(record: Record, kind: str) -> tuple:
-    """The step a record times, whichever commit ran it: its benchmark (the e2e benchmark's sweep runs the e2e
-    benchmark's step), backend, implementation, compilation, model, dtype, mode, ranks and device, its tokens,
-    micro-batches and CUDA graphs; for ``kind`` "memory" also the kind of peak it read (allocated or reserved)."""
+    """The step a record times, whichever commit ran it: its benchmark (``_benchmark``) and setup (``_setup``), its
+    tokens, micro-batches and CUDA graphs; for ``kind`` "memory" also the kind of peak it read (allocated or
+    reserved)."""
     r = record
-    return ("e2e" if r.suite == "e2e_sweep" else r.suite, r.backend, r.implementation, compiled_of(r), r.model,
-            r.dtype, r.mode, r.world_size, r.provenance.get("device_name"), r.batch_size, r.seq_len,
-            r.metrics.get("grad_accum") or 1, _graphs(r), r.metrics.get("peak_memory_kind") if kind == "memory" else "")
+    return (*_setup(r, _benchmark(r)), r.batch_size, r.seq_len, r.metrics.get("grad_accum") or 1, _graphs(r),
+            r.metrics.get("peak_memory_kind") if kind == "memory" else "")
 
 
 def _comparable(row: Row, other: Row, kind: str) -> bool:
@@ -449,7 +453,7 @@ def explain_trainer(rows: list[Row]) -> None:
     steps: dict[tuple, list[Row]] = {}
     for row in rows:
         r = row.record
-        if (r.suite in ("e2e", "e2e_sweep") and not r.implementation.startswith("stock") and r.world_size == 1
+        if (_benchmark(r) == "e2e" and not r.implementation.startswith("stock") and r.world_size == 1
                 and row.time_error is not None and (abs(row.time_error) <= TIME_BOUND or row.time_why)):
             steps.setdefault(_benchmark_step(r), []).append(row)
     for row in rows:
@@ -523,10 +527,16 @@ def plain_loss_buffers(record: Record) -> float:
 HOST_PACED_TOKENS, HOST_PACED_TIME = 2.0, 1.5
 
 
+def _setup(record: Record, suite: str) -> tuple:
+    """How a run was set up, its tokens apart: ``suite``, backend, implementation, compilation, model, dtype, mode,
+    ranks and device."""
+    return (suite, record.backend, record.implementation, compiled_of(record), record.model, record.dtype,
+            record.mode, record.world_size, record.provenance.get("device_name"))
+
+
 def _configuration(record: Record) -> tuple:
     """What two runs share to be siblings that differ only in tokens (batch, sequence length)."""
-    return (record.suite, record.backend, record.implementation, compiled_of(record), record.model, record.dtype,
-            record.mode, record.world_size, record.provenance.get("device_name"), record.provenance.get("git_commit"))
+    return (*_setup(record, record.suite), record.provenance.get("git_commit"))
 
 
 def _fixed_costs(row: Row, sibling: Row, tokens: dict[int, int]) -> tuple[float, float, float] | None:

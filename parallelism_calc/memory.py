@@ -921,15 +921,15 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
                 live, copies = (s + 1) * a + s * k * o + (i - s * k + 1) * b, (i - s * k + 1) * c
         done = queue.first_block + (n_layers - 1 - i) * queue.units_per_block if queue else 0
         held, unlanded = in_flight(done)
-        written = g_top + (n_layers - 1 - i) * g  # a kept piece's gradient is among them, unless "layer" overcounts
-        moments.append((f"backward, block {i}", written - min(unlanded, written), tokens * live, copies, held, 0.0))
+        # the gradients written so far, less the kept pieces' not landed (never below 0: "layer" overcounts units)
+        written = max(g_top + (n_layers - 1 - i) * g - unlanded, 0.0)
+        moments.append((f"backward, block {i}", written, tokens * live, copies, held, 0.0))
         if queue:  # block i's units launched: its activations freed, its gradient written (or in flight)
             held, unlanded = in_flight(done + queue.units_per_block, launching=True)
-            written = g_top + (n_layers - i) * g
-            moments.append((f"backward, block {i}'s reduce-scatter", written - min(unlanded, written),
+            moments.append((f"backward, block {i}'s reduce-scatter", max(g_top + (n_layers - i) * g - unlanded, 0.0),
                             tokens * (live - b), copies - c, held, 0.0))
     held, unlanded = in_flight(len(queue.units), launching=True) if queue else (rs, 0.0)
-    moments.append(("backward's end", state.grads - min(unlanded, state.grads), 0.0, 0.0, held, 0.0))
+    moments.append(("backward's end", max(state.grads - unlanded, 0.0), 0.0, 0.0, held, 0.0))
     where, grads, activations, copies, rs_then, lb_then = max(moments, key=lambda m: sum(m[1:]))
     total = persistent + grads + activations + copies + rs_then + lb_then
     policy = ("none" if k is None else f"every {k}" + (" nested" if nested_checkpoint else "")
