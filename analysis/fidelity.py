@@ -13,7 +13,8 @@ device name); a step record without them is listed, with the reason. Per row:
   step; ``measured / floor`` says how far above its floor a run is, and beyond 25% the row says why where the
   records show it (``explain_times``: host-paced, host-bound, eager, a fixed cost, attention at the matmul rate;
   ``explain_trainer``: the e2e benchmark's same step and what the trainer's loop adds to it;
-  ``explain_across_commits``: the same step, measured alike, at another commit within the bound or explained
+  ``explain_code_changes``: the changes of our code the run predates, ``CODE_CHANGES``, and the same step measured
+  since; ``explain_across_commits``: the same step, measured alike, at another commit within the bound or explained
   there), else it is counted without one in the summary;
 * memory: ``parallelism_calc.memory.per_device_memory`` recomputed from the record's spec and configuration
   (``memory_prediction``; so a fixed formula re-reads every committed record) against the measured peak per device
@@ -26,8 +27,9 @@ device name); a step record without them is listed, with the reason. Per row:
   weights and buckets of a wrapper that leaked before fc529ad), that is added and named. A record whose
   configuration the calculator cannot rebuild keeps the stored value, and the row's "memory model" says which;
   a peak the benchmark read as the allocator's reserved bytes (CUDA graph pools) says so there too; beyond 5% the
-  row says why where a known gap explains it (``explain_memory``) or the same step's peak at another commit does
-  (``explain_across_commits``), else it is counted without one;
+  row says why where a known gap explains it (``explain_memory``), a change of our code it predates does
+  (``explain_code_changes``) or the same step's peak at another commit does (``explain_across_commits``), else it is
+  counted without one;
 * communication: the floor's exposed communication against the record's ``comm`` phase, where it has one.
 
 Error = predicted / measured - 1 (negative: the prediction is below the measurement). The summary gives, per
@@ -40,14 +42,15 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from analysis.allreduce import ALLREDUCE_SUITE
 from analysis.attention import ATTENTION_SUITE
 from analysis.data_parallel import LEADERBOARD_SUITE, SUITE as DDP_SUITE, memory_terms, sharded_step_memory
-from analysis.harness import DTYPES, calculator_terms, compiled_activations, device_terms, recomputation
+from analysis.harness import (CUDA_GRAPH_MODES, DTYPES, calculator_terms, compiled_activations, device_terms,
+                              recomputation)
 from analysis.records import Record
 from analysis.training import TRAIN_SUITE
 from parallelism_calc.cli import ArgumentParser, error_boundary
@@ -96,6 +99,9 @@ class Row:
     why: str = ""
     time_why: str = ""  # why the time is beyond TIME_BOUND of the floor, where the records say (explain_times, ...)
     memory_why: str = ""  # why the memory is beyond MEMORY_BOUND of the prediction, where known (explain_memory, ...)
+    # the kinds ("time", "memory") whose why quotes other runs of the step (explain_code_changes,
+    # explain_across_commits): no evidence for a third run
+    borrowed: set[str] = field(default_factory=set)
 
     @property
     def time_error(self) -> float | None:
@@ -360,24 +366,32 @@ def is_step(record: Record) -> bool:
 def fidelity_rows(records: list[Record]) -> list[Row]:
     """A ``Row`` per GPU step record (``is_step``), predicted (``predict``), then its whys in order: each row's own
     records (``explain_times``), the e2e benchmark's same step for a trainer row (``explain_trainer``), known memory
-    gaps (``explain_memory``), then the same step at another commit (``explain_across_commits``)."""
+    gaps (``explain_memory``), changes of our code it ran before (``explain_code_changes``), then the same step at
+    another commit (``explain_across_commits``)."""
     ceilings, buses, leftovers = device_ceilings(records), bus_bandwidths(records), leftover_bytes(records)
     attention = attention_rates(records)
     rows = [predict(r, ceilings, buses, leftovers.get(id(r)), attention) for r in records if is_step(r)]
     explain_times(rows)
     explain_trainer(rows)
     explain_memory(rows)
+    explain_code_changes(rows)
     explain_across_commits(rows)
     return rows
 
 
 def _graphs(record: Record) -> str:
     """Which CUDA graphs a torch record's step replayed: ``metrics.cuda_graph`` ("off" before the metric existed),
-    else the e2e benchmark's implementation name ("..., cuda graph per block": blocks; "..., cuda graph": step)."""
+    else the e2e benchmark's implementation name (``CUDA_GRAPH_MODES``: "..., cuda graph per block": blocks;
+    "..., cuda graph": step)."""
     if record.metrics.get("cuda_graph"):
         return record.metrics["cuda_graph"]
-    name = record.implementation
-    return "blocks" if name.endswith("cuda graph per block") else "step" if name.endswith("cuda graph") else "off"
+    return next((mode for mode, suffix in CUDA_GRAPH_MODES.items() if suffix
+                 and record.implementation.endswith(suffix)), "off")
+
+
+def _implementation(record: Record) -> str:
+    """A record's implementation less what its CUDA graphs add to the name (``_graphs`` says which it replayed)."""
+    return record.implementation.removesuffix(CUDA_GRAPH_MODES[_graphs(record)])
 
 
 def _benchmark(record: Record) -> str:
@@ -394,6 +408,60 @@ def _step(record: Record, kind: str) -> tuple:
             r.metrics.get("peak_memory_kind") if kind == "memory" else "")
 
 
+# (kind, its bound, what the bound is of): the two measurements a row is held to
+KINDS = (("time", TIME_BOUND, "floor"), ("memory", MEMORY_BOUND, "prediction"))
+
+
+def _error(row: Row, kind: str) -> float | None:
+    return getattr(row, f"{kind}_error")
+
+
+def _why(row: Row, kind: str) -> str:
+    return getattr(row, f"{kind}_why")
+
+
+def _own_why(row: Row, kind: str) -> str:
+    """``row``'s why where its own records (or its siblings') give it, not one quoting the same step's other runs."""
+    return "" if kind in row.borrowed else _why(row, kind)
+
+
+def _borrow(rows: list[Row], kind: str, found: dict[int, str]) -> None:
+    """Set each row's ``kind`` why found in another run of its step (``found``: by ``id``)."""
+    for row in rows:
+        if id(row) in found:
+            setattr(row, f"{kind}_why", found[id(row)])
+            row.borrowed.add(kind)
+
+
+def _unexplained(row: Row, kind: str, bound: float) -> bool:
+    """Beyond ``bound`` of its floor (prediction), with no why yet."""
+    error = _error(row, kind)
+    return error is not None and abs(error) > bound and not _why(row, kind)
+
+
+def _date(row: Row) -> str:
+    return row.record.provenance.get("date", "")
+
+
+def _commit(row: Row) -> str:
+    return row.record.provenance.get("git_commit", "?")[:7]
+
+
+def _same_steps(rows: list[Row], kind: str) -> dict[tuple, list[Row]]:
+    """The rows by the step they time (``_step``), whichever commit ran them."""
+    same: dict[tuple, list[Row]] = {}
+    for row in rows:
+        same.setdefault(_step(row.record, kind), []).append(row)
+    return same
+
+
+def _at_commit(row: Row, kind: str, bound: float, against: str) -> str:
+    """What the same step measured at ``row``'s commit: its time (peak), and its why or its being within the bound."""
+    r = row.record
+    measured = f"takes {r.median_ms:.1f} ms" if kind == "time" else f"peaks at {r.peak_memory_bytes / 2**30:.1f} GiB"
+    return f"{measured} at {_commit(row)}: {_own_why(row, kind) or f'within {bound:.0%} of the {against}'}"
+
+
 def _comparable(row: Row, other: Row, kind: str) -> bool:
     """Whether ``other``'s measurement is within ``kind``'s bound of ``row``'s: evidence about a run like this one."""
     bound = TIME_BOUND if kind == "time" else MEMORY_BOUND
@@ -402,39 +470,81 @@ def _comparable(row: Row, other: Row, kind: str) -> bool:
     return bool(a and b) and abs(b / a - 1) <= bound
 
 
+@dataclass(frozen=True)
+class CodeChange:
+    """A change of our code, landed at ``date`` (its commit's, ISO 8601), that moved the steps it ``touches``: what
+    it changed, with where it was measured."""
+
+    commit: str
+    date: str
+    what: str
+    touches: Callable[[Record], bool]
+
+
+def _ours_compiled_per_region(record: Record) -> bool:
+    """Our torch model compiled region by region: from 1f645a5 (2026-11-23 09:37), one block a region."""
+    return (record.backend == "torch" and compiled_of(record) and not record.implementation.startswith("stock")
+            and record.provenance.get("date", "") >= "2026-11-23T09:37:07+00:00")
+
+
+# The changes of our code that moved a step some committed record ran before them, in the order they landed
+CODE_CHANGES = (
+    CodeChange("a0bf3a0", "2026-11-23T21:06:08+00:00", "the gradients clipped in multi-tensor launches, not one to "
+               "three a gradient: notes/train_step.md, session 8",
+               lambda r: r.suite == TRAIN_SUITE and bool(r.metrics.get("grad_clip"))),
+    CodeChange("d67f943", "2026-11-23T23:54:19+00:00", "4 blocks a compiled region, not one: ~0.2 ms of host a region "
+               "entered, notes/train_step.md, session 9", _ours_compiled_per_region),
+    CodeChange("fc529ad", "2026-11-25T16:56:36+00:00", "torch DDP's compiled regions no longer split at its buckets "
+               "by Dynamo's DDPOptimizer: notes/data_parallel.md, finding 3",
+               lambda r: r.metrics.get("impl") == "torch_ddp" and compiled_of(r)),
+)
+
+
+def explain_code_changes(rows: list[Row]) -> None:
+    """Set ``time_why`` (``memory_why``) of every row still beyond ``TIME_BOUND`` (``MEMORY_BOUND``) without one that
+    ran before changes of ``CODE_CHANGES`` that touch its step, where the same step (``_step``) ran after them all,
+    nearer its floor (prediction) than this row and within the bound or explained by its own records there: those
+    changes, and that run (the latest). Runs before ``explain_across_commits``, whose whys it does not read."""
+    for kind, bound, against in KINDS:
+        same, found = _same_steps(rows, kind), {}
+        for row in rows:
+            changes = [c for c in CODE_CHANGES if _date(row) < c.date and c.touches(row.record)]
+            if not _unexplained(row, kind, bound) or not changes or not _date(row):
+                continue
+            after = [s for s in same[_step(row.record, kind)] if _date(s) > changes[-1].date
+                     and _error(s, kind) is not None and abs(_error(s, kind)) < abs(_error(row, kind))
+                     and (abs(_error(s, kind)) <= bound or _own_why(s, kind))]
+            if after:
+                since = _at_commit(max(after, key=_date), kind, bound, against)
+                found[id(row)] = (f"run before {'; '.join(f'{c.commit} ({c.what})' for c in changes)}. "
+                                  f"Since, the same step {since}")
+        _borrow(rows, kind, found)
+
+
 def explain_across_commits(rows: list[Row]) -> None:
     """Set ``time_why`` (``memory_why``) of every row still beyond ``TIME_BOUND`` (``MEMORY_BOUND``) without one
     where the same step (``_step``) ran at another commit and measured within the bound of this row
     (``_comparable``): within the floor's (prediction's) bound there, that is said, naming the latest such commit;
     else explained there, that why, named with its commit. A step measured further off is no evidence for this row.
     Runs after the other rules; a why found here is never evidence for another row."""
-    for kind, bound, against in (("time", TIME_BOUND, "floor"), ("memory", MEMORY_BOUND, "prediction")):
-        same: dict[tuple, list[Row]] = {}
+    for kind, bound, against in KINDS:
+        same, found = _same_steps(rows, kind), {}
         for row in rows:
-            same.setdefault(_step(row.record, kind), []).append(row)
-        found = {}
-        for row in rows:
-            error = getattr(row, f"{kind}_error")
-            if error is None or abs(error) <= bound or getattr(row, f"{kind}_why"):
+            if not _unexplained(row, kind, bound):
                 continue
-            commit = row.record.provenance.get("git_commit")
-            others = sorted((s for s in same[_step(row.record, kind)] if s.record.provenance.get("git_commit") != commit
-                             and getattr(s, f"{kind}_error") is not None and _comparable(row, s, kind)),
-                            key=lambda s: s.record.provenance.get("date", ""))
-            within = [s for s in others if abs(getattr(s, f"{kind}_error")) <= bound]
-            explained = [s for s in others if getattr(s, f"{kind}_why")]
+            others = sorted((s for s in same[_step(row.record, kind)] if _commit(s) != _commit(row)
+                             and _error(s, kind) is not None and _comparable(row, s, kind)), key=_date)
+            within = [s for s in others if abs(_error(s, kind)) <= bound]
+            explained = [s for s in others if _own_why(s, kind)]
             if within:
                 s = within[-1]
                 measured = (f"takes {s.record.median_ms:.1f} ms" if kind == "time"
                             else f"peaks at {s.record.peak_memory_bytes / 2**30:.1f} GiB")
-                found[id(row)] = (f"at {s.record.provenance.get('git_commit', '?')[:7]} the same step {measured}, "
-                                  f"within {bound:.0%} of the {against}")
+                found[id(row)] = f"at {_commit(s)} the same step {measured}, within {bound:.0%} of the {against}"
             elif explained:
                 s = explained[-1]
-                found[id(row)] = (f"{getattr(s, f'{kind}_why')} (so measured at "
-                                  f"{s.record.provenance.get('git_commit', '?')[:7]})")
-        for row in rows:
-            setattr(row, f"{kind}_why", found.get(id(row), getattr(row, f"{kind}_why")))
+                found[id(row)] = f"{_own_why(s, kind)} (so measured at {_commit(s)})"
+        _borrow(rows, kind, found)
 
 
 def _benchmark_step(record: Record) -> tuple:
@@ -528,9 +638,9 @@ HOST_PACED_TOKENS, HOST_PACED_TIME = 2.0, 1.5
 
 
 def _setup(record: Record, suite: str) -> tuple:
-    """How a run was set up, its tokens apart: ``suite``, backend, implementation, compilation, model, dtype, mode,
-    ranks and device."""
-    return (suite, record.backend, record.implementation, compiled_of(record), record.model, record.dtype,
+    """How a run was set up, its tokens and CUDA graphs apart: ``suite``, backend, implementation (``_implementation``),
+    compilation, model, dtype, mode, ranks and device."""
+    return (suite, record.backend, _implementation(record), compiled_of(record), record.model, record.dtype,
             record.mode, record.world_size, record.provenance.get("device_name"))
 
 
@@ -556,7 +666,7 @@ def _fixed_costs(row: Row, sibling: Row, tokens: dict[int, int]) -> tuple[float,
 def explain_times(rows: list[Row]) -> None:
     """Set ``time_why`` of every row beyond ``TIME_BOUND`` of its floor that the records explain, in this order:
     host-paced (a sibling with ``HOST_PACED_TOKENS`` x the tokens in at most ``HOST_PACED_TIME`` x the time);
-    host-bound (the same step replayed as CUDA graphs, a sibling with ``metrics.cuda_graph`` on, in at most
+    host-bound (the same step replayed as CUDA graphs, a sibling with graphs (``_graphs``), in at most
     1 / ``HOST_PACED_TIME`` of the time); an eager torch step (each op a kernel launched by the host, none fused:
     the floor counts a fused step's elementwise bytes); a fixed cost a step (on the line through the row and its
     sibling with the most tokens, time = fixed + tokens x cost per token, the measured fixed part exceeds the
@@ -572,14 +682,13 @@ def explain_times(rows: list[Row]) -> None:
         if row.time_error is None or abs(row.time_error) <= TIME_BOUND:
             continue
         record = row.record
-        graph = record.metrics.get("cuda_graph")
-        mine = [s for s in siblings[_configuration(record)] if s.record.metrics.get("cuda_graph") == graph]
+        graph = _graphs(record)
+        mine = [s for s in siblings[_configuration(record)] if _graphs(s.record) == graph]
         paced = [s for s in mine if tokens[id(s)] >= HOST_PACED_TOKENS * tokens[id(row)]
                  and s.record.median_ms <= HOST_PACED_TIME * record.median_ms]
-        graphed = [] if graph not in (None, "off") else [
+        graphed = [] if graph != "off" else [
             s for s in siblings[_configuration(record)] if tokens[id(s)] == tokens[id(row)]
-            and s.record.metrics.get("cuda_graph") not in (None, "off")
-            and s.record.median_ms * HOST_PACED_TIME <= record.median_ms]
+            and _graphs(s.record) != "off" and s.record.median_ms * HOST_PACED_TIME <= record.median_ms]
         most = max(mine, key=lambda s: tokens[id(s)])  # the line of a fixed cost runs to it
         fixed = _fixed_costs(row, most, tokens)
         if paced:
@@ -589,7 +698,7 @@ def explain_times(rows: list[Row]) -> None:
                             f"({widest.record.batch_size} x {widest.record.seq_len})")
         elif graphed:
             fastest = min(graphed, key=lambda s: s.record.median_ms)
-            row.time_why = (f"host-bound: replayed as CUDA graphs ({fastest.record.metrics['cuda_graph']}), the same "
+            row.time_why = (f"host-bound: replayed as CUDA graphs ({_graphs(fastest.record)}), the same "
                             f"step takes {fastest.record.median_ms / record.median_ms:.2f}x the time")
         elif record.backend == "torch" and not compiled_of(record):
             row.time_why = "eager: every op launched by the host, none fused (the floor counts a fused step's bytes)"

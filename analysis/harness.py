@@ -66,6 +66,9 @@ def recomputation(checkpoint_every: int | None, nested_checkpoint: bool, keep_at
     return {"recompute_blocks": blocks, "loss": loss or "plain", "kept_attention": bool(keep_attention)}
 
 
+# torch e2e --cuda-graph: each mode and what it adds to the implementation's name (none, one per compiled block, one
+# step); the DDP benchmark and the trainer record theirs as metrics.cuda_graph
+CUDA_GRAPH_MODES = {"off": "", "blocks": ", cuda graph per block", "step": ", cuda graph"}
 LOSS_METRICS = ("losses", "train_losses", "val_loss")  # metrics holding losses: one not finite = "diverged"
 
 

@@ -326,3 +326,55 @@ def test_a_trainer_step_quotes_the_e2e_benchmark_s_same_step():
     assert rows[0].time_why.startswith("host-paced")
     assert rows[2].time_why == (f"the trainer's loop adds 5.0 ms a step to the e2e benchmark's same step, "
                                 f"{3 * floor:.1f} ms at bbbbbbb: {rows[0].time_why}")
+
+
+def test_an_e2e_step_replayed_as_graphs_is_the_same_step_s_sibling():
+    """The e2e benchmark names its CUDA graphs in the implementation ("..., cuda graph"): a step without them whose
+    graphed sibling (same tokens and commit) takes under 1 / HOST_PACED_TIME of its time is host-bound."""
+    floor = fidelity_rows([*_ceilings(), _attention(512, 300.0), _record()])[0].floor_ms
+    plain, graphed = _record(median=3 * floor), _record(implementation="compiled sdpa_cudnn, cuda graph",
+                                                         median=1.2 * floor)
+    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), plain, graphed])
+    assert rows[0].time_why == "host-bound: replayed as CUDA graphs (step), the same step takes 0.40x the time"
+
+
+def test_a_step_run_before_a_change_of_our_code_says_so(monkeypatch):
+    """A row beyond its bounds, run before changes of ``CODE_CHANGES`` that touch it, names them and the same step's
+    latest run after them all where that run is nearer its floor (prediction) and within the bound or explained;
+    a row run after the change, one the change does not touch, or whose step did not get nearer, gets no why."""
+    import analysis.fidelity as fidelity
+
+    monkeypatch.setattr(fidelity, "CODE_CHANGES", (
+        fidelity.CodeChange("ccccccc", "2026-11-05", "what it changed", lambda r: r.batch_size == 4),
+        fidelity.CodeChange("eeeeeee", "2026-11-07", "not this step", lambda r: False)))
+    floor, predicted = (lambda row: (row.floor_ms, row.predicted_memory))(
+        fidelity_rows([*_ceilings(), _attention(512, 300.0), _record()])[0])
+
+    def run(median: float, memory: float, commit: str, date: str, batch_size: int = 4) -> Record:
+        record = _record(median=median * floor, peak_memory_bytes=memory * predicted, batch_size=batch_size)
+        return _at(record, commit, date)
+
+    before, after, later = (run(2.0, 1.1, "aaaaaaa", "2026-11-01"), run(1.1, 1.01, "bbbbbbb", "2026-11-10"),
+                            run(1.8, 1.09, "ddddddd", "2026-11-08"))
+    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), before, after, later])
+    assert rows[0].time_why == (f"run before ccccccc (what it changed). Since, the same step takes "
+                                f"{1.1 * floor:.1f} ms at bbbbbbb: within 25% of the floor")
+    assert rows[0].memory_why == (f"run before ccccccc (what it changed). Since, the same step peaks at "
+                                  f"{1.01 * predicted / 2**30:.1f} GiB at bbbbbbb: within 5% of the prediction")
+    assert rows[2].time_why == rows[2].memory_why == ""  # run after the change
+    untouched, faster = (run(2.0, 1.0, "fffffff", "2026-11-01", batch_size=8),
+                         run(1.1, 1.0, "ggggggg", "2026-11-10", batch_size=8))
+    slower = run(2.5, 1.0, "bbbbbbb", "2026-11-10")
+    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), untouched, faster, before, slower])
+    assert rows[0].time_why == ""  # the change does not touch 8 x 512
+    assert rows[2].time_why == ""  # the step ran slower after the change: no evidence it moved
+
+
+def test_the_code_changes_are_dated_in_the_order_they_landed():
+    from datetime import datetime
+
+    from analysis.fidelity import CODE_CHANGES
+
+    dates = [datetime.fromisoformat(c.date) for c in CODE_CHANGES]
+    assert dates == sorted(dates) and all(d.tzinfo is not None for d in dates)
+    assert all(len(c.commit) == 7 and c.what for c in CODE_CHANGES)

@@ -19,8 +19,9 @@ bf16 the stock way (autocast, fused AdamW) and its record says ``bf16``.
 ``--compile`` compiles ours a span of blocks at a time (``torch_impl.parallelize.parallelize``; the record's
 ``metrics.blocks_per_graph``) and its loss. ``--loss fused`` fuses ours' LM head with its cross-entropy, chunked
 over tokens (``torch_impl.linear_cross_entropy``: never the batch x seq x vocab logits; custom ops that
-``--compile`` leaves as they are); the record's ``metrics.loss`` and implementation (", fused loss") say which. ``--cuda-graph`` names how ours replays CUDA graphs, one record each,
-in the given order: ``off`` (none), ``blocks`` (each compiled span's graph, Inductor's CUDA graph trees: needs
+``--compile`` leaves as they are); the record's ``metrics.loss`` and implementation (", fused loss") say which.
+``--cuda-graph`` names how ours replays CUDA graphs (``analysis.harness.CUDA_GRAPH_MODES``), one record each, in the
+given order: ``off`` (none), ``blocks`` (each compiled span's graph, Inductor's CUDA graph trees: needs
 ``--compile``; the records keep the name "cuda graph per block"), ``step`` (the whole step, forward,
 backward and AdamW, as one graph: ``torch_impl.timing.capture_step``); e.g. ``--cuda-graph off,blocks,step``.
 
@@ -41,8 +42,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from analysis.harness import (StepConfig, StepRun, calculator_terms, compiled_activations, device_terms, failure_record,
-                              fixed_batch, frozen_gc, resolve_spec, run_benchmark, step_record)
+from analysis.harness import (CUDA_GRAPH_MODES, StepConfig, StepRun, calculator_terms, compiled_activations,
+                              device_terms, failure_record, fixed_batch, frozen_gc, resolve_spec, run_benchmark,
+                              step_record)
 from analysis.records import Record
 from parallelism_calc.checkpointing import checkpointed_activation_bytes
 from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
@@ -55,9 +57,6 @@ from torch_impl.profiling import memory_history, profile_metrics, profile_steps
 from torch_impl.step import StepParts, for_loss, train_step
 from torch_impl.stock import SDPA_BACKENDS, StockTransformerLM
 from torch_impl.timing import PhaseTimer, capture_step
-
-# --cuda-graph: each mode and what it adds to the implementation's name (none, one per compiled block, one step)
-CUDA_GRAPH_MODES = {"off": "", "blocks": ", cuda graph per block", "step": ", cuda graph"}
 
 
 def synchronize(device: torch.device) -> None:
