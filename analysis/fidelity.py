@@ -385,13 +385,15 @@ def _graphs(record: Record) -> str:
     "..., cuda graph": step)."""
     if record.metrics.get("cuda_graph"):
         return record.metrics["cuda_graph"]
-    return next((mode for mode, suffix in CUDA_GRAPH_MODES.items() if suffix
-                 and record.implementation.endswith(suffix)), "off")
+    parts = record.implementation.split(", ")[1:]  # the graphs' part may come before others (", fused loss")
+    return next((mode for mode, name in CUDA_GRAPH_MODES.items() if name and name.removeprefix(", ") in parts), "off")
 
 
 def _implementation(record: Record) -> str:
     """A record's implementation less what its CUDA graphs add to the name (``_graphs`` says which it replayed)."""
-    return record.implementation.removesuffix(CUDA_GRAPH_MODES[_graphs(record)])
+    graphs = CUDA_GRAPH_MODES[_graphs(record)].removeprefix(", ")
+    first, *rest = record.implementation.split(", ")
+    return ", ".join([first, *(part for part in rest if part != graphs)])
 
 
 def _benchmark(record: Record) -> str:
@@ -439,12 +441,17 @@ def _unexplained(row: Row, kind: str, bound: float) -> bool:
     return error is not None and abs(error) > bound and not _why(row, kind)
 
 
+def _run_date(record: Record) -> str:
+    """When a record was made (ISO 8601, UTC, as ``analysis.records`` writes it); "" where it does not say."""
+    return record.provenance.get("date") or ""
+
+
 def _date(row: Row) -> str:
-    return row.record.provenance.get("date", "")
+    return _run_date(row.record)
 
 
 def _commit(row: Row) -> str:
-    return row.record.provenance.get("git_commit", "?")[:7]
+    return (row.record.provenance.get("git_commit") or "?")[:7]
 
 
 def _same_steps(rows: list[Row], kind: str) -> dict[tuple, list[Row]]:
@@ -455,11 +462,10 @@ def _same_steps(rows: list[Row], kind: str) -> dict[tuple, list[Row]]:
     return same
 
 
-def _at_commit(row: Row, kind: str, bound: float, against: str) -> str:
-    """What the same step measured at ``row``'s commit: its time (peak), and its why or its being within the bound."""
+def _measured(row: Row, kind: str) -> str:
+    """What ``row`` measured, as a why quotes it: "takes X ms" (time) or "peaks at X GiB" (memory)."""
     r = row.record
-    measured = f"takes {r.median_ms:.1f} ms" if kind == "time" else f"peaks at {r.peak_memory_bytes / 2**30:.1f} GiB"
-    return f"{measured} at {_commit(row)}: {_own_why(row, kind) or f'within {bound:.0%} of the {against}'}"
+    return f"takes {r.median_ms:.1f} ms" if kind == "time" else f"peaks at {r.peak_memory_bytes / 2**30:.1f} GiB"
 
 
 def _comparable(row: Row, other: Row, kind: str) -> bool:
@@ -481,22 +487,27 @@ class CodeChange:
     touches: Callable[[Record], bool]
 
 
-def _ours_compiled_per_region(record: Record) -> bool:
-    """Our torch model compiled region by region: from 1f645a5 (2026-11-23 09:37), one block a region."""
+# When our model's blocks began to be compiled one region each (1f645a5; before, the whole model at once)
+REGIONAL_COMPILATION = "2026-11-23T09:37:07+00:00"
+
+
+def _ours_in_regions(record: Record) -> bool:
+    """Our torch model compiled region by region, not replayed as one whole-step CUDA graph."""
     return (record.backend == "torch" and compiled_of(record) and not record.implementation.startswith("stock")
-            and record.provenance.get("date", "") >= "2026-11-23T09:37:07+00:00")
+            and _run_date(record) >= REGIONAL_COMPILATION and _graphs(record) != "step")
 
 
 # The changes of our code that moved a step some committed record ran before them, in the order they landed
 CODE_CHANGES = (
     CodeChange("a0bf3a0", "2026-11-23T21:06:08+00:00", "the gradients clipped in multi-tensor launches, not one to "
                "three a gradient: notes/train_step.md, session 8",
-               lambda r: r.suite == TRAIN_SUITE and bool(r.metrics.get("grad_clip"))),
+               lambda r: r.suite == TRAIN_SUITE and r.backend == "torch" and bool(r.metrics.get("grad_clip"))),
     CodeChange("d67f943", "2026-11-23T23:54:19+00:00", "4 blocks a compiled region, not one: ~0.2 ms of host a region "
-               "entered, notes/train_step.md, session 9", _ours_compiled_per_region),
+               "entered, notes/train_step.md, session 9", _ours_in_regions),
     CodeChange("fc529ad", "2026-11-25T16:56:36+00:00", "torch DDP's compiled regions no longer split at its buckets "
-               "by Dynamo's DDPOptimizer: notes/data_parallel.md, finding 3",
-               lambda r: r.metrics.get("impl") == "torch_ddp" and compiled_of(r)),
+               "by Dynamo's DDPOptimizer: 331.6 -> 173.8 ms (notes/data_parallel.md, finding 3) and 50.9 -> 47.2 GiB "
+               "at xl 4 x 1,024 on 2 H100s (results/ddp_overlap_2xh100_{5a320bd,fc529ad}.jsonl)",
+               lambda r: r.backend == "torch" and r.metrics.get("impl") == "torch_ddp" and compiled_of(r)),
 )
 
 
@@ -504,7 +515,8 @@ def explain_code_changes(rows: list[Row]) -> None:
     """Set ``time_why`` (``memory_why``) of every row still beyond ``TIME_BOUND`` (``MEMORY_BOUND``) without one that
     ran before changes of ``CODE_CHANGES`` that touch its step, where the same step (``_step``) ran after them all,
     nearer its floor (prediction) than this row and within the bound or explained by its own records there: those
-    changes, and that run (the latest). Runs before ``explain_across_commits``, whose whys it does not read."""
+    changes, and that run (the first after them, the nearest to the changes in the code it ran). Runs before
+    ``explain_across_commits``, whose whys it does not read."""
     for kind, bound, against in KINDS:
         same, found = _same_steps(rows, kind), {}
         for row in rows:
@@ -515,9 +527,10 @@ def explain_code_changes(rows: list[Row]) -> None:
                      and _error(s, kind) is not None and abs(_error(s, kind)) < abs(_error(row, kind))
                      and (abs(_error(s, kind)) <= bound or _own_why(s, kind))]
             if after:
-                since = _at_commit(max(after, key=_date), kind, bound, against)
-                found[id(row)] = (f"run before {'; '.join(f'{c.commit} ({c.what})' for c in changes)}. "
-                                  f"Since, the same step {since}")
+                s = min(after, key=_date)
+                found[id(row)] = (f"run before {'; '.join(f'{c.commit} ({c.what})' for c in changes)}. Since, the "
+                                  f"same step {_measured(s, kind)} at {_commit(s)}: "
+                                  f"{_own_why(s, kind) or f'within {bound:.0%} of the {against}'}")
         _borrow(rows, kind, found)
 
 
@@ -538,9 +551,8 @@ def explain_across_commits(rows: list[Row]) -> None:
             explained = [s for s in others if _own_why(s, kind)]
             if within:
                 s = within[-1]
-                measured = (f"takes {s.record.median_ms:.1f} ms" if kind == "time"
-                            else f"peaks at {s.record.peak_memory_bytes / 2**30:.1f} GiB")
-                found[id(row)] = f"at {_commit(s)} the same step {measured}, within {bound:.0%} of the {against}"
+                found[id(row)] = (f"at {_commit(s)} the same step {_measured(s, kind)}, within {bound:.0%} of the "
+                                  f"{against}")
             elif explained:
                 s = explained[-1]
                 found[id(row)] = f"{_own_why(s, kind)} (so measured at {_commit(s)})"

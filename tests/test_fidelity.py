@@ -336,38 +336,58 @@ def test_an_e2e_step_replayed_as_graphs_is_the_same_step_s_sibling():
                                                          median=1.2 * floor)
     rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), plain, graphed])
     assert rows[0].time_why == "host-bound: replayed as CUDA graphs (step), the same step takes 0.40x the time"
+    # the graphs' part of the name may come before others
+    from analysis.fidelity import _graphs, _implementation
+
+    fused = _record(implementation="compiled sdpa_cudnn, cuda graph per block, fused loss")
+    assert (_graphs(fused), _implementation(fused)) == ("blocks", "compiled sdpa_cudnn, fused loss")
 
 
 def test_a_step_run_before_a_change_of_our_code_says_so(monkeypatch):
     """A row beyond its bounds, run before changes of ``CODE_CHANGES`` that touch it, names them and the same step's
-    latest run after them all where that run is nearer its floor (prediction) and within the bound or explained;
-    a row run after the change, one the change does not touch, or whose step did not get nearer, gets no why."""
+    first run after them all that is nearer its floor (prediction) and within the bound or explained by its own
+    records; a run between the changes, after them, one they do not touch, an undated one, and a run further off
+    lend or get nothing, nor does a why found so."""
     import analysis.fidelity as fidelity
 
     monkeypatch.setattr(fidelity, "CODE_CHANGES", (
         fidelity.CodeChange("ccccccc", "2026-11-05", "what it changed", lambda r: r.batch_size == 4),
-        fidelity.CodeChange("eeeeeee", "2026-11-07", "not this step", lambda r: False)))
+        fidelity.CodeChange("eeeeeee", "2026-11-07", "and more", lambda r: r.batch_size == 4),
+        fidelity.CodeChange("hhhhhhh", "2026-11-08", "not this step", lambda r: False)))
     floor, predicted = (lambda row: (row.floor_ms, row.predicted_memory))(
         fidelity_rows([*_ceilings(), _attention(512, 300.0), _record()])[0])
 
-    def run(median: float, memory: float, commit: str, date: str, batch_size: int = 4) -> Record:
+    def run(median: float, memory: float, commit: str, date: str | None, batch_size: int = 4) -> Record:
         record = _record(median=median * floor, peak_memory_bytes=memory * predicted, batch_size=batch_size)
         return _at(record, commit, date)
 
-    before, after, later = (run(2.0, 1.1, "aaaaaaa", "2026-11-01"), run(1.1, 1.01, "bbbbbbb", "2026-11-10"),
-                            run(1.8, 1.09, "ddddddd", "2026-11-08"))
-    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), before, after, later])
-    assert rows[0].time_why == (f"run before ccccccc (what it changed). Since, the same step takes "
-                                f"{1.1 * floor:.1f} ms at bbbbbbb: within 25% of the floor")
-    assert rows[0].memory_why == (f"run before ccccccc (what it changed). Since, the same step peaks at "
-                                  f"{1.01 * predicted / 2**30:.1f} GiB at bbbbbbb: within 5% of the prediction")
-    assert rows[2].time_why == rows[2].memory_why == ""  # run after the change
+    before, between = run(2.0, 1.1, "aaaaaaa", "2026-11-01"), run(1.0, 1.0, "bbbbbbb", "2026-11-06")
+    first, latest = run(1.1, 1.01, "ddddddd", "2026-11-10"), run(1.0, 1.0, "fffffff", "2026-11-12")
+    later = run(1.8, 1.09, "ggggggg", "2026-11-09")  # after the changes, comparable to `before`
+    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), before, between, first, latest, later])
+    assert rows[0].time_why == (f"run before ccccccc (what it changed); eeeeeee (and more). Since, the same step "
+                                f"takes {1.1 * floor:.1f} ms at ddddddd: within 25% of the floor")
+    assert rows[0].memory_why == (f"run before ccccccc (what it changed); eeeeeee (and more). Since, the same step "
+                                  f"peaks at {1.01 * predicted / 2**30:.1f} GiB at ddddddd: within 5% of the "
+                                  "prediction")
+    assert rows[4].time_why == rows[4].memory_why == ""  # run after the changes; `before`'s why is not its evidence
+
+    # a run after the changes explained by its own records (host-paced) lends that why, if nearer its floor
+    paced, doubled = run(1.9, 1.0, "ddddddd", "2026-11-10"), run(2.0, 1.0, "ddddddd", "2026-11-10", batch_size=8)
+    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), before, paced, doubled])
+    assert rows[1].time_why.startswith("host-paced")
+    assert rows[0].time_why.endswith(f"takes {1.9 * floor:.1f} ms at ddddddd: {rows[1].time_why}")
+    nearer = run(1.5, 1.0, "aaaaaaa", "2026-11-01")  # the explained run after the changes is further off
+    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), nearer, paced, doubled])
+    assert rows[0].time_why == ""
+
     untouched, faster = (run(2.0, 1.0, "fffffff", "2026-11-01", batch_size=8),
                          run(1.1, 1.0, "ggggggg", "2026-11-10", batch_size=8))
-    slower = run(2.5, 1.0, "bbbbbbb", "2026-11-10")
-    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), untouched, faster, before, slower])
-    assert rows[0].time_why == ""  # the change does not touch 8 x 512
-    assert rows[2].time_why == ""  # the step ran slower after the change: no evidence it moved
+    undated, no_commit = run(2.0, 1.0, "aaaaaaa", None), run(2.0, 1.0, None, "2026-11-01")
+    rows = fidelity_rows([*_ceilings(), _attention(512, 300.0), untouched, faster, undated, first, no_commit])
+    assert rows[0].time_why == ""  # the changes do not touch 8 x 512
+    assert rows[2].time_why == ""  # undated: not known to be run before the changes
+    assert rows[4].time_why.startswith("run before ccccccc")  # a record without its commit
 
 
 def test_the_code_changes_are_dated_in_the_order_they_landed():
@@ -375,6 +395,6 @@ def test_the_code_changes_are_dated_in_the_order_they_landed():
 
     from analysis.fidelity import CODE_CHANGES
 
-    dates = [datetime.fromisoformat(c.date) for c in CODE_CHANGES]
-    assert dates == sorted(dates) and all(d.tzinfo is not None for d in dates)
+    dates = [datetime.fromisoformat(c.date) for c in CODE_CHANGES]  # compared as text with the records' UTC dates
+    assert dates == sorted(dates) and all(c.date.endswith("+00:00") and len(c.date) == 25 for c in CODE_CHANGES)
     assert all(len(c.commit) == 7 and c.what for c in CODE_CHANGES)
