@@ -57,6 +57,12 @@ BF16_HOOK_COPY_BYTES = 2
 BUCKETED_IMPLS = ("bucketed", "zero1", "torch_ddp")
 
 
+def calculator_strategy(impl: str) -> str:
+    """What ``parallelism_calc`` calls a data-parallel implementation (``parallelism_calc.memory.STRATEGIES``): ddp,
+    zero1, zero2 or fsdp."""
+    return impl if impl in ("zero1", "zero2") else "fsdp" if impl in ("fsdp", "fsdp2") else "ddp"
+
+
 def memory_terms(impl: str, grad_bytes: int, comm_dtype: str = "grad", *, n_devices: int) -> dict:
     """What ``per_device_memory`` takes for an implementation of the benchmark on ``n_devices``, beside its strategy,
     all with the peak placed in the step (``"timeline"``, as for one process): the FSDPs' gathered working set,

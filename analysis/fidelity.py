@@ -48,7 +48,8 @@ from typing import Any, Callable
 
 from analysis.allreduce import ALLREDUCE_SUITE
 from analysis.attention import ATTENTION_SUITE
-from analysis.data_parallel import LEADERBOARD_SUITE, SUITE as DDP_SUITE, memory_terms, sharded_step_memory
+from analysis.data_parallel import (LEADERBOARD_SUITE, SUITE as DDP_SUITE, calculator_strategy, memory_terms,
+                                    sharded_step_memory)
 from analysis.harness import (CUDA_GRAPH_MODES, DTYPES, calculator_terms, compiled_activations, device_terms,
                               recomputation)
 from analysis.records import Record
@@ -183,6 +184,13 @@ def data_parallel(record: Record) -> tuple[str, int, int]:
     return strategy, ranks, batch
 
 
+def strategy_of(record: Record) -> str:
+    """How a run spread its step, as its benchmark names it: the DDP benchmark's ``metrics.impl``, the trainer's and
+    the leaderboard's ``metrics.dist``, JAX's ``metrics.strategy`` (its mesh's); "none" on one device otherwise."""
+    m = record.metrics
+    return str(m.get("impl") or m.get("dist") or m.get("strategy") or "none")
+
+
 def attention_of(record: Record) -> str:
     """The attention backend a torch record ran: ``metrics.attention``, else the implementation's name
     ('compiled sdpa_cudnn, cuda graph' -> 'sdpa_cudnn'; 'stock eager sdpa' -> 'sdpa')."""
@@ -198,21 +206,30 @@ def compiled_of(record: Record) -> bool:
     return bool(record.metrics.get("compiled")) or record.implementation.removeprefix("stock ").startswith("compiled")
 
 
+# When our model's RMSNorm became ``F.rms_norm``'s fused kernel (9e6f324): before, the norm written out kept its
+# normalized value too (``per_device_memory``'s fused_norm=False; the e2e small-model records of f56be06: -4.6 ...
+# -11.2% with the fused count, -0.2 ... -3.0% with this)
+FUSED_RMS_NORM = "2026-11-23T10:27:47+00:00"
+
+
 def memory_breakdown(record: Record) -> tuple[MemoryBreakdown | None, str]:
     """The calculator's per-device peak for a step record (``parallelism_calc.memory.per_device_memory``'s
     ``MemoryBreakdown``, recomputed from the record's configuration) and how it was made:
 
-    * PyTorch on one device (``torch_impl.bench.e2e``, the DDP benchmark's one-GPU baseline): ``peak_model=
-      "timeline"`` with the record's precision, attention and checkpointing (``metrics.checkpoint_every``,
-      ``nested_checkpoint``), and the e2e benchmark's compiled plain loss (``compiled_loss``) -> "timeline";
+    * PyTorch on one device (``torch_impl.bench.e2e``, the DDP benchmark's one-GPU baseline, the trainer):
+      ``peak_model="timeline"`` with the record's precision, attention, checkpointing (``metrics.checkpoint_every``,
+      ``nested_checkpoint``) and micro-batches (``grad_accum``), the e2e benchmark's compiled plain loss
+      (``compiled_loss``) and our RMSNorm as the model had it then (``FUSED_RMS_NORM``) -> "timeline";
     * the leaderboard step (``torch_impl.bench.leaderboard``, any number of ranks): its call,
       ``analysis.data_parallel.sharded_step_memory`` -> "timeline";
-    * PyTorch over several ranks (``torch_impl.bench.ddp``): that benchmark's call
-      (``analysis.data_parallel.memory_terms``): the peak in the step with the DDP family's gradient buckets or the
-      FSDPs' gathered window and reduce-scatter buffers -> "timeline";
-    * JAX (``jax_impl.bench.e2e``): that benchmark's call, the mesh strategy and the remat policy -> "sum";
+    * PyTorch over several ranks (``torch_impl.bench.ddp``, the trainer): the DDP benchmark's call
+      (``analysis.data_parallel.memory_terms``) for its implementation (the trainer's ``metrics.dist``): the peak in
+      the step with the DDP family's gradient buckets or the FSDPs' gathered window and reduce-scatter buffers ->
+      "timeline";
+    * JAX (``jax_impl.bench.e2e``, the trainer): that benchmark's call, the mesh strategy and the remat policy ->
+      "sum";
 
-    (None, "") where the calculator refuses the configuration or the record lacks what it needs.
+    (None, why not) where the calculator refuses the configuration or the record lacks what it needs.
     """
     m = record.metrics
     try:
@@ -227,22 +244,27 @@ def memory_breakdown(record: Record) -> tuple[MemoryBreakdown | None, str]:
                                            precision, attention, m.get("checkpoint_every"),
                                            bool(m.get("nested_checkpoint")), m["loss"],
                                            bool(m.get("keep_attention"))), "timeline"
-            step_terms = dict(attention=attention, compiled=compiled, **device_terms("cuda"))  # a GPU's record
+            # a GPU's record, a step of grad_accum micro-batches (the trainer's; the batch is one micro-batch); our
+            # RMSNorm written out before FUSED_RMS_NORM
+            step_terms = dict(attention=attention, compiled=compiled, grad_accum=int(m.get("grad_accum") or 1),
+                              **device_terms("cuda"))
+            if "" < _run_date(record) < FUSED_RMS_NORM:
+                step_terms["fused_norm"] = False
             if record.world_size == 1:
-                # the e2e benchmark compiles our plain loss with --compile (the stock model's and the DDP
-                # benchmark's run eagerly)
+                # the e2e benchmark compiles our plain loss with --compile (the stock model's, the DDP benchmark's
+                # and the trainer's run eagerly)
                 loss, stock = m.get("loss", "plain"), record.implementation.startswith("stock")
-                compiled_loss = compiled_of(record) and not stock and record.suite != DDP_SUITE and loss == "plain"
+                compiled_loss = (compiled_of(record) and not stock and record.suite not in (DDP_SUITE, TRAIN_SUITE)
+                                 and loss == "plain")
                 pred = per_device_memory(spec, "ddp", 1, record.batch_size * seq, seq, precision, peak_model="timeline",
                                          checkpoint_every=m.get("checkpoint_every"),
                                          nested_checkpoint=bool(m.get("nested_checkpoint")), loss=loss,
                                          compiled_loss=compiled_loss, **step_terms)
                 return pred, "timeline" + label
-            n = record.world_size  # the DDP benchmark's batch is per rank
-            terms = memory_terms(m["impl"], get_precision(precision).grad_bytes, m.get("comm_dtype", "grad"),
-                                 n_devices=n)
-            pred = per_device_memory(spec, m["strategy"], n, n * record.batch_size * seq, seq, precision, **step_terms,
-                                     **terms)
+            n, impl = record.world_size, m.get("impl") or m["dist"]  # the batch is per rank (a micro-batch)
+            terms = memory_terms(impl, get_precision(precision).grad_bytes, m.get("comm_dtype", "grad"), n_devices=n)
+            pred = per_device_memory(spec, m.get("strategy") or calculator_strategy(impl), n,
+                                     n * record.batch_size * seq, seq, precision, **step_terms, **terms)
             return pred, terms.get("peak_model", "sum") + label
         if record.backend == "jax":
             precision, attention = calculator_terms(record.dtype, m["attention"])
@@ -251,20 +273,24 @@ def memory_breakdown(record: Record) -> tuple[MemoryBreakdown | None, str]:
             return per_device_memory(spec, strategy, parallel, record.batch_size * seq, seq, precision,
                                      checkpointing=m.get("remat", "none"), attention=attention,
                                      fused_norm=False), "sum"  # jax_impl's RMSNorm is written out (keeps x / rms)
-    except (ValueError, KeyError, TypeError):
-        pass
-    return None, ""
+    except KeyError as err:
+        return None, f"not predicted: the record has no {err}"
+    except (ValueError, TypeError) as err:
+        return None, f"not predicted: {err}"
+    return None, f"not predicted: the calculator has no model of a {record.backend} step"
 
 
 def memory_prediction(record: Record) -> tuple[float | None, str]:
-    """(predicted peak bytes per device, how it was made) for a step record whose benchmark predicted one at run
-    time: ``memory_breakdown``'s total, otherwise the stored prediction -> "stored at run time"; no prediction
-    stored: (None, "")."""
-    stored = next((record.metrics[k] for k in PREDICTED_MEMORY if record.metrics.get(k)), None)
-    if stored is None:
+    """(predicted peak bytes per device, how it was made) for a step record with a measured peak:
+    ``memory_breakdown``'s total, else what its benchmark predicted at run time -> "stored at run time", else
+    (None, why not); (None, "") without a measured peak."""
+    if not record.peak_memory_bytes:
         return None, ""
     breakdown, model = memory_breakdown(record)
-    return (breakdown.total, model) if breakdown is not None else (stored, "stored at run time")
+    stored = next((record.metrics[k] for k in PREDICTED_MEMORY if record.metrics.get(k)), None)
+    if breakdown is None and stored is not None:
+        return stored, "stored at run time"
+    return (breakdown.total if breakdown is not None else None), model
 
 
 def leftover_bytes(records: list[Record]) -> dict[int, tuple[float, str]]:
@@ -603,7 +629,8 @@ def explain_memory(rows: list[Row]) -> None:
     held gradients (``COPY_ENGINE_STAGING``, ``INDIVIDUAL_HELD_GRADIENTS``), or XLA's buffer assignment (its
     temporaries and reuse, not modelled); over it, compiled blocks under checkpointing (the calculator counts the
     eager model's saved tensors there: its compiled count was measured without checkpointing); the stock reference
-    model (``torch_impl.stock``, another model's code: the calculator counts ours tensor by tensor); and either way
+    model (``torch_impl.stock``, another model's code: the calculator counts ours tensor by tensor); under, ranks
+    whose peaks differ where one is within the bound (``_nearest_rank``: the calculator's ranks alike); and either way
     the measurement's kind where the record names it (reserved bytes under, allocated outside a CUDA graph pool over).
     Under by no more than the plain loss's working buffers (``plain_loss_buffers``), outside the timeline (which
     counts them): those. Others stay ""."""
@@ -627,6 +654,20 @@ def explain_memory(rows: list[Row]) -> None:
             row.memory_why = "compiled blocks under checkpointing: the eager model's saved tensors are counted"
         elif record.implementation.startswith("stock"):
             row.memory_why = "the stock reference model: the calculator counts our model's saved tensors"
+        elif error < 0 and (nearest := _nearest_rank(record, row.predicted_memory)) is not None:
+            rank, peak = nearest
+            row.memory_why = (f"the ranks differ: rank {rank} peaks at {peak / 2**30:.2f} GiB, within "
+                              f"{MEMORY_BOUND:.0%} of the prediction; the record's (the worst rank's) is "
+                              f"{(record.peak_memory_bytes - peak) / 2**30:.2f} GiB more (the calculator's ranks are "
+                              "alike)")
+
+
+def _nearest_rank(record: Record, predicted: float) -> tuple[int, float] | None:
+    """(rank, peak) of the rank whose measured peak (``metrics.per_rank_peak_memory_bytes``) is nearest the
+    prediction, where it is within ``MEMORY_BOUND`` of it; else None."""
+    peaks = [(rank, p) for rank, p in enumerate(record.metrics.get("per_rank_peak_memory_bytes") or []) if p]
+    rank, peak = min(peaks, key=lambda rp: abs(predicted / rp[1] - 1), default=(None, None))
+    return (rank, peak) if peak and abs(predicted / peak - 1) <= MEMORY_BOUND else None
 
 
 def plain_loss_buffers(record: Record) -> float:
@@ -734,7 +775,7 @@ def _frame(rows: list[Row]):
     return pd.DataFrame([{
         "suite": row.record.suite, "backend": row.record.backend, "implementation": row.record.implementation,
         "model": row.record.model, "batch x seq": f"{row.record.batch_size} x {row.record.seq_len}",
-        "dtype": row.record.dtype, "devices": row.record.world_size,
+        "dtype": row.record.dtype, "strategy": strategy_of(row.record), "devices": row.record.world_size,
         "device": row.record.provenance.get("device_name"), "commit": row.record.provenance.get("git_commit"),
         "measured ms": row.record.median_ms, "floor ms": row.floor_ms, "time error": row.time_error,
         "measured / floor": row.record.median_ms / row.floor_ms if row.floor_ms else None,
@@ -749,13 +790,13 @@ def _frame(rows: list[Row]):
 
 
 def summary(frame) -> Any:
-    """Per suite: rows, the median and worst |error| of time and memory, how many are within the bounds, and how
-    many beyond them have no why (``fidelity_rows``' passes)."""
+    """Per suite and strategy (``strategy_of``): rows, the median and worst |error| of time and memory, how many
+    are within the bounds, and how many beyond them have no why (``fidelity_rows``' passes)."""
     import pandas as pd
 
     out = []
-    for suite, group in frame.groupby("suite", sort=True):
-        entry: dict[str, Any] = {"suite": suite, "rows": len(group)}
+    for (suite, strategy), group in frame.groupby(["suite", "strategy"], sort=True):
+        entry: dict[str, Any] = {"suite": suite, "strategy": strategy, "rows": len(group)}
         for what, bound in (("time", TIME_BOUND), ("memory", MEMORY_BOUND)):
             errors = group[f"{what} error"].dropna().abs()
             entry[f"{what}: predicted"] = len(errors)
@@ -814,9 +855,10 @@ def report(sources: list, out: Path) -> str:
              f"{len(frame)} GPU train-step records; {len(predicted)} with a time floor, "
              f"{frame['memory error'].notna().sum()} with a memory prediction (`python -m analysis.fidelity`; "
              "the floor: `parallelism_calc.roofline`).", "",
-             f"![predicted against measured]({chart.name})", "", "## By suite", "",
+             f"![predicted against measured]({chart.name})", "", "## By suite and strategy", "",
              markdown_table(table := summary(frame), list(table.columns)), "", "## Every record", "",
-             markdown_table(frame, [c for c in frame.columns if c not in ("device", "not predicted")])]
+             markdown_table(frame, [c for c in frame.columns if c not in ("device", "not predicted")],
+                            max_chars=None)]  # the whys whole
     unpredicted = frame[frame["not predicted"] != ""]
     if len(unpredicted):
         lines += ["", "## Not predicted", "", markdown_table(unpredicted, ["suite", "implementation", "model",

@@ -552,7 +552,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                       compute_dtype_stream: bool = False, loss: str = "plain",
                       loss_chunk: int | None = None, kept_attention: bool = False,
                       fused_norm: bool = True, compiled_loss: bool = False,
-                      workspaces: float = 0.0, reduce_scatter_output: str = "kept") -> MemoryBreakdown:
+                      workspaces: float = 0.0, reduce_scatter_output: str = "kept",
+                      grad_accum: int = 1) -> MemoryBreakdown:
     """Bytes per device of a training step with AdamW (ZeRO paper, Rajbhandari et al. 2020).
 
     P = spec.n_params(); per-parameter bytes from ``precision``; N_shard = the sharding degree.
@@ -678,7 +679,9 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     so far, one block's (or recomputed segment's) activations and the checkpoints left during the backward),
     which is what the measured single-GPU PyTorch peaks follow (notes/fidelity.md). ``checkpoint_every`` K
     (``torch_impl.activation_checkpointing``: segments of K blocks recomputed in the backward, each block too
-    if ``nested_checkpoint``) needs "timeline" and ``checkpointing="none"``.
+    if ``nested_checkpoint``) needs "timeline" and ``checkpointing="none"``. ``grad_accum`` micro-batches a step
+    (``batch_tokens`` is one micro-batch's): beyond one, the timeline holds every gradient at every moment (the
+    later micro-batches add into them: ``step_peak_memory``'s ``accumulated``); the sum model counts them anyway.
     """
     _check_choice("strategy", strategy, STRATEGIES)
     _check_choice("gather_unit", gather_unit, GATHER_UNITS)
@@ -699,6 +702,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                                                                                                  "fsdp_tp")):
         raise ValueError(f"pending_reduce_scatters={pending_reduce_scatters}: reduce-scatters in flight >= 0, with "
                          f"a stage-3 strategy (zero3, fsdp, fsdp_tp); got {strategy!r}")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum={grad_accum}: micro-batches a step, >= 1")
     if batch_tokens < 1 or seq_len < 1 or prefetch_layers < 0:
         raise ValueError(f"batch_tokens={batch_tokens}, seq_len={seq_len} must be >= 1, "
                          f"prefetch_layers={prefetch_layers} >= 0")
@@ -780,7 +785,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     if peak_model == "timeline":
         return step_peak_memory(spec, breakdown, tokens, seq_len, prec, checkpointing, attention, tp,
                                 checkpoint_every, nested_checkpoint, compiled, stream, loss, loss_buffers,
-                                kept_attention, fused_norm, reduce_scatters=queue)
+                                kept_attention, fused_norm, reduce_scatters=queue, accumulated=grad_accum > 1)
     if kept_attention:
         raise ValueError("kept attention outputs are counted by the timeline peak model only (peak_model='timeline')")
     return breakdown
@@ -796,7 +801,8 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
                      nested_checkpoint: bool = False, compiled: bool = False,
                      compute_dtype_stream: bool = False, loss: str = "plain",
                      loss_buffers: LossBuffers | None = None, kept_attention: bool = False,
-                     fused_norm: bool = True, reduce_scatters: ReduceScatterQueue | None = None) -> MemoryBreakdown:
+                     fused_norm: bool = True, reduce_scatters: ReduceScatterQueue | None = None,
+                     accumulated: bool = False) -> MemoryBreakdown:
     """The peak of one training step over its moments, from the terms of ``state`` (a "sum" breakdown of
     ``per_device_memory``, whose sharding of gradients and optimizer state it keeps) for ``tokens`` tokens per
     device. ``per_device_memory(..., peak_model="timeline")`` calls it; notes/fidelity.md has the evidence.
@@ -846,6 +852,10 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
     each block's attention output and fp32 log-sum-exp, o = D p + 4 H a token (over tp), stay from the forward
     to the block's recomputation, where they are among b's tensors: the forward's end adds L o, block i's
     backward s K o (the blocks of the segments not yet recomputed).
+
+    ``accumulated`` (a step of several micro-batches, ``per_device_memory``'s ``grad_accum`` > 1): from the second
+    micro-batch on, every gradient is alive at every moment (each backward adds into it in place), so G stands for
+    the gradients written by then: peak = S + G + max(the activations, copies, buffers of each moment).
 
     ``loss_buffers`` (``loss_buffer_bytes``): its forward buffers are added to the forward's end, and one more
     moment, the loss's backward (before any block's), holds the forward's end activations with its backward buffers
@@ -930,13 +940,16 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
                             tokens * (live - b), copies - c, held, 0.0))
     held, unlanded = in_flight(len(queue.units), launching=True) if queue else (rs, 0.0)
     moments.append(("backward's end", max(state.grads - unlanded, 0.0), 0.0, 0.0, held, 0.0))
+    if accumulated:  # a later micro-batch: the gradients accumulated so far are alive throughout
+        moments = [(where, state.grads, *rest) for where, _, *rest in moments]
     where, grads, activations, copies, rs_then, lb_then = max(moments, key=lambda m: sum(m[1:]))
     total = persistent + grads + activations + copies + rs_then + lb_then
     policy = ("none" if k is None else f"every {k}" + (" nested" if nested_checkpoint else "")
               + (", attention kept" if kept_attention else ""))
     formulas = {**state.formulas,
                 "peak": f"S + max(forward's end, backward at each block, backward's end) [checkpointing {policy}]",
-                "grads": f"gradients written by then ({where})",
+                "grads": ("every gradient (accumulated over micro-batches)" if accumulated
+                          else f"gradients written by then ({where})"),
                 "activations": f"saved activations alive then ({where})",
                 "cast_weights": f"autocast copies alive then ({where})"}
     if rs:

@@ -52,11 +52,14 @@ def test_floor_and_memory_errors_are_the_calculator_s():
 
 
 def test_memory_prediction_falls_back_to_the_stored_value_and_says_so():
-    # A JAX record without the metrics the calculator needs keeps what its benchmark stored; none stored: no cell.
+    # A JAX record without the metrics the calculator needs keeps what its benchmark stored; none stored: the row
+    # says why not; a record whose benchmark stored none is predicted all the same; no measured peak: nothing to hold.
     unknown = _record(backend="jax", metrics={"predicted_memory_bytes": 3 * 2**30})
-    nothing = _record(metrics={})
     assert memory_prediction(unknown) == (3 * 2**30, "stored at run time")
-    assert memory_prediction(nothing) == (None, "")
+    assert memory_prediction(_record(backend="jax", metrics={})) == (None, "not predicted: the record has no "
+                                                                           "'attention'")
+    assert memory_prediction(_record(metrics={}))[1] == "timeline, compiled"
+    assert memory_prediction(_record(metrics={}, peak_memory_bytes=None)) == (None, "")
     jax = _record(backend="jax", mesh={"dp": 1, "fsdp": 1, "tp": 1},
                   metrics={"predicted_memory_bytes": 1.0, "attention": "dot_product_cudnn", "strategy": "dp",
                            "remat": "full"})
@@ -256,7 +259,9 @@ def test_memory_beyond_the_bound_says_why_where_a_known_gap_explains_it():
     assert rows[1].memory_why == (f"the plain loss's working buffers, up to {buffers / 2**30:.1f} GiB, are not counted "
                                   "(notes/leaderboard.md)")
     assert rows[2].memory_why == rows[3].memory_why == ""
-    assert summary(_frame(rows)).loc[0, "memory: beyond 5%, no why"] == 2
+    table = summary(_frame(rows))  # by suite and strategy: the JAX row's "dp" apart from the torch rows' "none"
+    assert table[["suite", "strategy"]].values.tolist() == [["e2e", "dp"], ["e2e", "none"]]
+    assert table.set_index("strategy").loc["none", "memory: beyond 5%, no why"] == 2
     # the stock reference model is another model's code: the calculator's count is ours
     stock = _record(implementation="stock compiled sdpa_cudnn", batch_size=batch)
     stock, = fidelity_rows([*_ceilings(), dataclasses.replace(

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from analysis.data_parallel import calculator_strategy
 from torch_impl.activation_checkpointing import apply_activation_checkpointing
 from torch_impl.distributed.copy_engines import ENGINES  # how the wrappers move bytes between GPUs
 from torch_impl.distributed.ddp import MEANS  # where bucketed DDP's means are computed
@@ -174,7 +175,7 @@ class DataParallelConfig:
     @property
     def strategy(self) -> str:
         """What ``parallelism_calc`` calls it (``parallelism_calc.memory.STRATEGIES``): ddp, zero1, zero2 or fsdp."""
-        return self.impl if self.impl in ("zero1", "zero2") else "fsdp" if self.impl in ("fsdp", "fsdp2") else "ddp"
+        return calculator_strategy(self.impl)
 
     @property
     def name(self) -> str:
