@@ -57,7 +57,7 @@ from analysis.training import TRAIN_SUITE
 from parallelism_calc.cli import ArgumentParser, error_boundary
 from parallelism_calc.memory import (CUDA_LIBRARY_WORKSPACES, MemoryBreakdown, get_precision, mesh_memory_strategy,
                                      per_device_memory)
-from parallelism_calc.roofline import Ceilings, step_time_floor
+from parallelism_calc.roofline import Ceilings, causal_core_flops, step_time_floor
 from parallelism_calc.specs import ModelSpec
 
 MEMORY_BOUND, TIME_BOUND = 0.05, 0.25  # the bounds the summary counts rows within
@@ -96,6 +96,7 @@ class Row:
     comm_floor_ms: float | None = None
     predicted_memory: float | None = None
     attention_flops: float | None = None  # the attention kernel's measured rate the floor used (attention_rate)
+    attention_at_matmul_ms: float = 0.0  # without one: the attention core's time in the floor, at the matmul rate
     memory_model: str = ""  # how predicted_memory was made (see memory_prediction)
     why: str = ""
     time_why: str = ""  # why the time is beyond TIME_BOUND of the floor, where the records say (explain_times, ...)
@@ -151,6 +152,16 @@ def attention_rates(records: list[Record]) -> dict[tuple[str, str, int], dict[in
             key = (r.provenance.get("device_name", "?"), r.implementation, r.metrics["head_dim"])
             rates.setdefault(key, {})[r.seq_len] = r.tflops * 1e12
     return rates
+
+
+def slowest_attention_share(records: list[Record], ceilings: dict[str, dict[str, float]]) -> float | None:
+    """The slowest measured attention rate as a share of its device's bf16 matmul rate (``attention_rates``' records,
+    any kernel and shape): how slow an attention the floors without a measured rate could be missing."""
+    shares = [r.tflops * 1e12 / ceilings[device]["bf16"] for r in records
+              if r.suite == ATTENTION_SUITE and r.mode == "forward_backward" and r.status == "ok" and r.tflops
+              and r.dtype == "bf16" and r.metrics.get("causal")
+              and "bf16" in ceilings.get(device := r.provenance.get("device_name", "?"), {})]
+    return min(shares, default=None)
 
 
 def attention_rate(record: Record, spec: ModelSpec, rates: dict[tuple[str, str, int], dict[int, float]]
@@ -380,6 +391,10 @@ def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[t
         row.why = str(err)
         return row
     row.floor_ms, row.comm_floor_ms = floor.total_s * 1e3, floor.comm_s * 1e3
+    if row.attention_flops is None and spec.arch == "transformer":
+        passes = 3 + (0 if recomputed["kept_attention"] else recomputed["recompute_blocks"])  # as the floor counts
+        row.attention_at_matmul_ms = (spec.n_layers * causal_core_flops(spec, batch, record.seq_len) * passes
+                                      / measured[compute_dtype] * 1e3)
     return row
 
 
@@ -397,7 +412,7 @@ def fidelity_rows(records: list[Record]) -> list[Row]:
     ceilings, buses, leftovers = device_ceilings(records), bus_bandwidths(records), leftover_bytes(records)
     attention = attention_rates(records)
     rows = [predict(r, ceilings, buses, leftovers.get(id(r)), attention) for r in records if is_step(r)]
-    explain_times(rows)
+    explain_times(rows, slowest_attention_share(records, ceilings))
     explain_trainer(rows)
     explain_memory(rows)
     explain_code_changes(rows)
@@ -716,7 +731,7 @@ def _fixed_costs(row: Row, sibling: Row, tokens: dict[int, int]) -> tuple[float,
     return row.record.median_ms - slope * n, row.floor_ms - floor_slope * n, floor_slope / slope
 
 
-def explain_times(rows: list[Row]) -> None:
+def explain_times(rows: list[Row], slowest_attention: float | None = None) -> None:
     """Set ``time_why`` of every row beyond ``TIME_BOUND`` of its floor that the records explain, in this order:
     host-paced (a sibling with ``HOST_PACED_TOKENS`` x the tokens in at most ``HOST_PACED_TIME`` x the time);
     host-bound (the same step replayed as CUDA graphs, a sibling with graphs (``_graphs``), in at most
@@ -725,8 +740,9 @@ def explain_times(rows: list[Row]) -> None:
     sibling with the most tokens, time = fixed + tokens x cost per token, the measured fixed part exceeds the
     floor's by at least half the gap while the cost per token is within ``TIME_BOUND`` of the floor's:
     ``_fixed_costs``); the attention at the matmul rate (no measured rate for the record's kernel on its device:
-    XLA's, or any on a device the attention benchmark did not run on). Others are left to the passes after it
-    (``fidelity_rows``)."""
+    XLA's, or any on a device the attention benchmark did not run on), where it could make the gap: at
+    ``slowest_attention`` of the matmul rate (``slowest_attention_share``) the floor's attention time would grow
+    by at least the gap. Others are left to the passes after it (``fidelity_rows``)."""
     tokens = {id(row): row.record.batch_size * row.record.seq_len for row in rows}
     siblings: dict[tuple, list[Row]] = {}
     for row in rows:
@@ -760,10 +776,13 @@ def explain_times(rows: list[Row]) -> None:
             row.time_why = (f"a fixed cost: {fixed[0]:.0f} ms a step against the floor's {fixed[1]:.0f} (host, "
                             f"launches); per token within {abs(fixed[2] - 1):.0%} of the floor (time = fixed + "
                             f"tokens x cost, with {most.record.batch_size} x {most.record.seq_len})")
-        elif row.attention_flops is None and record.model_dims.get("arch", "transformer") == "transformer":
-            row.time_why = ("attention at the matmul rate: no measured rate for "
-                            f"{'XLA' if record.backend == 'jax' else attention_of(record)} on "
-                            f"{record.provenance.get('device_name', '?')}")
+        elif slowest_attention and (record.median_ms - row.floor_ms
+                                    <= row.attention_at_matmul_ms * (1 / slowest_attention - 1)):
+            row.time_why = (f"attention at the matmul rate: {row.attention_at_matmul_ms:.1f} ms in the floor, no "
+                            f"measured rate for {'XLA' if record.backend == 'jax' else attention_of(record)} on "
+                            f"{record.provenance.get('device_name', '?')} (at the slowest measured, "
+                            f"{slowest_attention:.0%} of the matmul rate, it would take "
+                            f"{row.attention_at_matmul_ms / slowest_attention:.1f})")
 
 
 def _frame(rows: list[Row]):

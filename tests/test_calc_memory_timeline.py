@@ -305,3 +305,19 @@ def test_reduce_scatter_buffers_need_stage_3():
     kw = dict(precision="bf16_autocast", attention="naive", peak_model="timeline")
     assert per_device_memory(TOY, "ddp", 2, 4 * 16, 16, compute_dtype_stream=True, **kw) == \
         per_device_memory(TOY, "ddp", 2, 4 * 16, 16, **kw)
+
+
+def test_accumulated_micro_batches_hold_every_gradient_by_hand():
+    """A step of several micro-batches (``grad_accum``): from the second on, every gradient is alive at every moment,
+    so the loss's backward, the largest moment of one micro-batch, holds G too; one micro-batch is unchanged; the
+    sum model counts G anyway; a count below one is refused."""
+    t = 64
+    saved = t * (2 * B_AUTO + E_AUTO) + 2 * C_BLOCK + C_HEAD  # the forward's end (see the first test)
+    one, four = _timeline(), _timeline(grad_accum=4)
+    assert four.total == S_DDP + G_ALL + saved + t * 10 * 8 == one.total + G_ALL
+    assert (four.peak_at, four.grads) == ("loss backward", G_ALL) and four.formulas["grads"].startswith("every")
+    assert _timeline(grad_accum=1).total == one.total
+    summed = dict(strategy="ddp", n_devices=1, batch_tokens=64, seq_len=16, attention="naive")
+    assert per_device_memory(TOY, **summed, grad_accum=4).total == per_device_memory(TOY, **summed).total
+    with pytest.raises(ValueError, match="grad_accum=0"):
+        _timeline(grad_accum=0)
