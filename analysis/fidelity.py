@@ -18,23 +18,25 @@ device name); a step record without them is listed, with the reason. Per row:
   there), else it is counted without one in the summary;
 * memory: ``parallelism_calc.memory.per_device_memory`` recomputed from the record's spec and configuration
   (``memory_prediction``; so a fixed formula re-reads every committed record) against the measured peak per device
-  (``peak_memory_bytes``), for every record whose benchmark made a prediction at run time
-  (``metrics.predicted_peak_bytes`` or ``predicted_memory_bytes``). One PyTorch device: the peak placed in the step
+  (``peak_memory_bytes``), for every record with one. One PyTorch device: the peak placed in the step
   (``peak_model="timeline"``: forward's end, each block's backward with its checkpointing, backward's end); several
   PyTorch ranks: the benchmark's own call (the DDP family: timeline with its gradient buckets; the FSDPs: timeline
   with their gathered window and reduce-scatter buffers); every JAX run: its benchmark's call ("sum"); where an
   earlier configuration of the DDP benchmark's launch left memory allocated (``leftover_bytes``: measured, or the
   weights and buckets of a wrapper that leaked before fc529ad), that is added and named. A record whose
-  configuration the calculator cannot rebuild keeps the stored value, and the row's "memory model" says which;
+  configuration the calculator cannot rebuild keeps what its benchmark predicted at run time (``metrics.
+  predicted_peak_bytes`` or ``predicted_memory_bytes``), or, with none, the row's "memory model" says why not;
   a peak the benchmark read as the allocator's reserved bytes (CUDA graph pools) says so there too; beyond 5% the
-  row says why where a known gap explains it (``explain_memory``), a change of our code it predates does
+  row says why where a known gap explains it (``explain_memory``), the run's later epochs do
+  (``explain_first_epoch``), a change of our code it predates does
   (``explain_code_changes``) or the same step's peak at another commit does (``explain_across_commits``), else it is
   counted without one;
 * communication: the floor's exposed communication against the record's ``comm`` phase, where it has one.
 
 Error = predicted / measured - 1 (negative: the prediction is below the measurement). The summary gives, per
-suite, the rows, the median and the worst |error| of each, and how many rows are within the issue's bounds (5% for
-memory, 25% for time). The chart plots predicted against measured, log-log, one point per row.
+suite and strategy (``strategy_of``), the rows, the median and the worst |error| of each, and how many rows are
+within the issue's bounds (5% for memory, 25% for time). The chart plots predicted against measured, log-log, one
+point per row.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from analysis.training import TRAIN_SUITE
 from parallelism_calc.cli import ArgumentParser, error_boundary
 from parallelism_calc.memory import (CUDA_LIBRARY_WORKSPACES, MemoryBreakdown, get_precision, mesh_memory_strategy,
                                      per_device_memory)
-from parallelism_calc.roofline import Ceilings, causal_core_flops, step_time_floor
+from parallelism_calc.roofline import Ceilings, step_time_floor
 from parallelism_calc.specs import ModelSpec
 
 MEMORY_BOUND, TIME_BOUND = 0.05, 0.25  # the bounds the summary counts rows within
@@ -97,6 +99,7 @@ class Row:
     predicted_memory: float | None = None
     attention_flops: float | None = None  # the attention kernel's measured rate the floor used (attention_rate)
     attention_at_matmul_ms: float = 0.0  # without one: the attention core's time in the floor, at the matmul rate
+    attention_kernel_at_matmul_ms: float = 0.0  # and a fused kernel's FLOPs for it (``attention_flops``) at that rate
     memory_model: str = ""  # how predicted_memory was made (see memory_prediction)
     why: str = ""
     time_why: str = ""  # why the time is beyond TIME_BOUND of the floor, where the records say (explain_times, ...)
@@ -259,7 +262,7 @@ def memory_breakdown(record: Record) -> tuple[MemoryBreakdown | None, str]:
             # RMSNorm written out before FUSED_RMS_NORM
             step_terms = dict(attention=attention, compiled=compiled, grad_accum=int(m.get("grad_accum") or 1),
                               **device_terms("cuda"))
-            if "" < _run_date(record) < FUSED_RMS_NORM:
+            if "" < _run_date(record) < FUSED_RMS_NORM and not record.implementation.startswith("stock"):
                 step_terms["fused_norm"] = False
             if record.world_size == 1:
                 # the e2e benchmark compiles our plain loss with --compile (the stock model's, the DDP benchmark's
@@ -392,9 +395,13 @@ def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[t
         return row
     row.floor_ms, row.comm_floor_ms = floor.total_s * 1e3, floor.comm_s * 1e3
     if row.attention_flops is None and spec.arch == "transformer":
-        passes = 3 + (0 if recomputed["kept_attention"] else recomputed["recompute_blocks"])  # as the floor counts
-        row.attention_at_matmul_ms = (spec.n_layers * causal_core_flops(spec, batch, record.seq_len) * passes
-                                      / measured[compute_dtype] * 1e3)
+        # the same floor with an attention kernel at the matmul rate: its products without the core, and the
+        # kernel's own FLOPs (FlashAttention's backward recomputes the scores) at that rate
+        rate = measured[compute_dtype]
+        kernel = step_time_floor(spec, batch, record.seq_len, record.mode, DTYPES[record.dtype],
+                                 Ceilings(rate, measured["copy"], bus, rate), strategy, ranks, **recomputed)
+        row.attention_at_matmul_ms = (floor.matmul_s - kernel.matmul_s) * 1e3
+        row.attention_kernel_at_matmul_ms = kernel.attention_s * 1e3
     return row
 
 
@@ -407,14 +414,16 @@ def is_step(record: Record) -> bool:
 def fidelity_rows(records: list[Record]) -> list[Row]:
     """A ``Row`` per GPU step record (``is_step``), predicted (``predict``), then its whys in order: each row's own
     records (``explain_times``), the e2e benchmark's same step for a trainer row (``explain_trainer``), known memory
-    gaps (``explain_memory``), changes of our code it ran before (``explain_code_changes``), then the same step at
-    another commit (``explain_across_commits``)."""
+    gaps (``explain_memory``), the run's later epochs for a trainer's first (``explain_first_epoch``), changes of our
+    code it ran before (``explain_code_changes``), then the same step at another commit (``explain_across_commits``).
+    """
     ceilings, buses, leftovers = device_ceilings(records), bus_bandwidths(records), leftover_bytes(records)
     attention = attention_rates(records)
     rows = [predict(r, ceilings, buses, leftovers.get(id(r)), attention) for r in records if is_step(r)]
     explain_times(rows, slowest_attention_share(records, ceilings))
     explain_trainer(rows)
     explain_memory(rows)
+    explain_first_epoch(rows)
     explain_code_changes(rows)
     explain_across_commits(rows)
     return rows
@@ -552,6 +561,28 @@ CODE_CHANGES = (
 )
 
 
+def explain_first_epoch(rows: list[Row]) -> None:
+    """Set ``memory_why`` of every trainer row of a run's first epoch still beyond ``MEMORY_BOUND`` without one whose
+    run (its step, ``_step``, attention and ``metrics.run``, by the same command at the same commit) has later
+    epochs, each within the bound: their peaks, and how much more the first epoch held (what its start held is not
+    in the calculator's step)."""
+    runs: dict[tuple, list[Row]] = {}
+    for row in rows:
+        r = row.record
+        if r.suite == TRAIN_SUITE and row.memory_error is not None:
+            runs.setdefault((_step(r, "memory"), attention_of(r), r.metrics.get("run"), _commit(row),
+                             r.provenance.get("command")), []).append(row)
+    for run in runs.values():
+        later = [s for s in run if (s.record.metrics.get("epoch") or 1) > 1]
+        for row in run:
+            if ((row.record.metrics.get("epoch") or 1) == 1 and later and _unexplained(row, "memory", MEMORY_BOUND)
+                    and all(abs(s.memory_error) <= MEMORY_BOUND for s in later)):
+                peaks = sorted(s.record.peak_memory_bytes / 2**30 for s in later)
+                row.memory_why = (f"the run's first epoch: its {len(later)} later epochs peak at "
+                                  f"{peaks[0]:.2f}-{peaks[-1]:.2f} GiB, within {MEMORY_BOUND:.0%} of the prediction; "
+                                  f"this one {row.record.peak_memory_bytes / 2**30 - peaks[-1]:.2f} GiB more")
+
+
 def explain_code_changes(rows: list[Row]) -> None:
     """Set ``time_why`` (``memory_why``) of every row still beyond ``TIME_BOUND`` (``MEMORY_BOUND``) without one that
     ran before changes of ``CODE_CHANGES`` that touch its step, where the same step (``_step``) ran after them all,
@@ -644,8 +675,7 @@ def explain_memory(rows: list[Row]) -> None:
     held gradients (``COPY_ENGINE_STAGING``, ``INDIVIDUAL_HELD_GRADIENTS``), or XLA's buffer assignment (its
     temporaries and reuse, not modelled); over it, compiled blocks under checkpointing (the calculator counts the
     eager model's saved tensors there: its compiled count was measured without checkpointing); the stock reference
-    model (``torch_impl.stock``, another model's code: the calculator counts ours tensor by tensor); under, ranks
-    whose peaks differ where one is within the bound (``_nearest_rank``: the calculator's ranks alike); and either way
+    model (``torch_impl.stock``, another model's code: the calculator counts ours tensor by tensor); and either way
     the measurement's kind where the record names it (reserved bytes under, allocated outside a CUDA graph pool over).
     Under by no more than the plain loss's working buffers (``plain_loss_buffers``), outside the timeline (which
     counts them): those. Others stay ""."""
@@ -669,20 +699,6 @@ def explain_memory(rows: list[Row]) -> None:
             row.memory_why = "compiled blocks under checkpointing: the eager model's saved tensors are counted"
         elif record.implementation.startswith("stock"):
             row.memory_why = "the stock reference model: the calculator counts our model's saved tensors"
-        elif error < 0 and (nearest := _nearest_rank(record, row.predicted_memory)) is not None:
-            rank, peak = nearest
-            row.memory_why = (f"the ranks differ: rank {rank} peaks at {peak / 2**30:.2f} GiB, within "
-                              f"{MEMORY_BOUND:.0%} of the prediction; the record's (the worst rank's) is "
-                              f"{(record.peak_memory_bytes - peak) / 2**30:.2f} GiB more (the calculator's ranks are "
-                              "alike)")
-
-
-def _nearest_rank(record: Record, predicted: float) -> tuple[int, float] | None:
-    """(rank, peak) of the rank whose measured peak (``metrics.per_rank_peak_memory_bytes``) is nearest the
-    prediction, where it is within ``MEMORY_BOUND`` of it; else None."""
-    peaks = [(rank, p) for rank, p in enumerate(record.metrics.get("per_rank_peak_memory_bytes") or []) if p]
-    rank, peak = min(peaks, key=lambda rp: abs(predicted / rp[1] - 1), default=(None, None))
-    return (rank, peak) if peak and abs(predicted / peak - 1) <= MEMORY_BOUND else None
 
 
 def plain_loss_buffers(record: Record) -> float:
@@ -776,13 +792,13 @@ def explain_times(rows: list[Row], slowest_attention: float | None = None) -> No
             row.time_why = (f"a fixed cost: {fixed[0]:.0f} ms a step against the floor's {fixed[1]:.0f} (host, "
                             f"launches); per token within {abs(fixed[2] - 1):.0%} of the floor (time = fixed + "
                             f"tokens x cost, with {most.record.batch_size} x {most.record.seq_len})")
-        elif slowest_attention and (record.median_ms - row.floor_ms
-                                    <= row.attention_at_matmul_ms * (1 / slowest_attention - 1)):
+        elif slowest_attention and (record.median_ms - row.floor_ms <= row.attention_kernel_at_matmul_ms
+                                    / slowest_attention - row.attention_at_matmul_ms):
             row.time_why = (f"attention at the matmul rate: {row.attention_at_matmul_ms:.1f} ms in the floor, no "
                             f"measured rate for {'XLA' if record.backend == 'jax' else attention_of(record)} on "
-                            f"{record.provenance.get('device_name', '?')} (at the slowest measured, "
-                            f"{slowest_attention:.0%} of the matmul rate, it would take "
-                            f"{row.attention_at_matmul_ms / slowest_attention:.1f})")
+                            f"{record.provenance.get('device_name', '?')} (a kernel at the slowest measured, "
+                            f"{slowest_attention:.0%} of the matmul rate, would take "
+                            f"{row.attention_kernel_at_matmul_ms / slowest_attention:.1f})")
 
 
 def _frame(rows: list[Row]):

@@ -681,7 +681,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     (``torch_impl.activation_checkpointing``: segments of K blocks recomputed in the backward, each block too
     if ``nested_checkpoint``) needs "timeline" and ``checkpointing="none"``. ``grad_accum`` micro-batches a step
     (``batch_tokens`` is one micro-batch's): beyond one, the timeline holds every gradient at every moment (the
-    later micro-batches add into them: ``step_peak_memory``'s ``accumulated``); the sum model counts them anyway.
+    later micro-batches add into them: ``step_peak_memory``'s ``accumulated``); the sum model counts them anyway;
+    not with zero2 (refused: the implementations differ).
     """
     _check_choice("strategy", strategy, STRATEGIES)
     _check_choice("gather_unit", gather_unit, GATHER_UNITS)
@@ -702,8 +703,11 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                                                                                                  "fsdp_tp")):
         raise ValueError(f"pending_reduce_scatters={pending_reduce_scatters}: reduce-scatters in flight >= 0, with "
                          f"a stage-3 strategy (zero3, fsdp, fsdp_tp); got {strategy!r}")
-    if grad_accum < 1:
-        raise ValueError(f"grad_accum={grad_accum}: micro-batches a step, >= 1")
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum={grad_accum}: micro-batches a step, an integer >= 1")
+    if grad_accum > 1 and strategy == "zero2":
+        raise ValueError("grad_accum > 1 with zero2: how its micro-batches' gradients are held (whole, or reduced "
+                         "to slices each time) depends on the implementation; not modelled")
     if batch_tokens < 1 or seq_len < 1 or prefetch_layers < 0:
         raise ValueError(f"batch_tokens={batch_tokens}, seq_len={seq_len} must be >= 1, "
                          f"prefetch_layers={prefetch_layers} >= 0")

@@ -310,7 +310,7 @@ def test_reduce_scatter_buffers_need_stage_3():
 def test_accumulated_micro_batches_hold_every_gradient_by_hand():
     """A step of several micro-batches (``grad_accum``): from the second on, every gradient is alive at every moment,
     so the loss's backward, the largest moment of one micro-batch, holds G too; one micro-batch is unchanged; the
-    sum model counts G anyway; a count below one is refused."""
+    sum model counts G anyway; a count that is not an integer >= 1 is refused, and so is zero2's."""
     t = 64
     saved = t * (2 * B_AUTO + E_AUTO) + 2 * C_BLOCK + C_HEAD  # the forward's end (see the first test)
     one, four = _timeline(), _timeline(grad_accum=4)
@@ -319,5 +319,8 @@ def test_accumulated_micro_batches_hold_every_gradient_by_hand():
     assert _timeline(grad_accum=1).total == one.total
     summed = dict(strategy="ddp", n_devices=1, batch_tokens=64, seq_len=16, attention="naive")
     assert per_device_memory(TOY, **summed, grad_accum=4).total == per_device_memory(TOY, **summed).total
-    with pytest.raises(ValueError, match="grad_accum=0"):
-        _timeline(grad_accum=0)
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match=f"grad_accum={bad}"):
+            _timeline(grad_accum=bad)
+    with pytest.raises(ValueError, match="zero2"):  # ours holds whole gradients under no_sync: not modelled
+        _timeline(strategy="zero2", n_devices=2, grad_accum=2)
