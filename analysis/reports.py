@@ -1,18 +1,20 @@
 """``python -m analysis.reports [results] [--out results/reports]``: every table and figure, from the records.
 
 Reads each ``*.jsonl`` record file in a folder and, per suite, writes its report into ``--out``, from the suite's
-own module: the attention suites their latency / TFLOP/s tables, speed-ups and plots
-(``analysis.attention``), the all-reduce suite its bus-bandwidth plot and table (``analysis.allreduce``; the JAX
-collectives suite likewise, ``analysis.collectives``), the data-parallel suite its table with scaling efficiency
-and a throughput plot (``analysis.data_parallel``), the single-GPU suites "memory", "kernels" and "checkpointing"
-their tables and plots (``analysis.single_gpu``), the precision suite its two tables, and every other suite (e2e,
-foundation, ddp, ...) a table of its records; where some configuration was measured in both backends, the
-PyTorch-vs-JAX report (``analysis.side_by_side``) into ``side_by_side/``; where the device's measured ceilings are
-among the records, every GPU step against its predicted floor and memory (``analysis.fidelity``) into
-``fidelity.md``; where both backends trained from the same saved weights, their losses step by step
-(``analysis.loss_parity``) into ``loss_parity.md``; where a run was launched as several nodes or processes, or
-restarted, beside the same run on one host, the two side by side (``analysis.multihost``) into ``multihost.md``; the
-training matrix and the accumulation study
+own module: the attention suites their latency / TFLOP/s tables, speed-ups and plots (``analysis.attention``), the
+all-reduce suite its bus-bandwidth plot and table (``analysis.allreduce``; the JAX collectives suite likewise,
+``analysis.collectives``), the data-parallel suite its table with scaling efficiency and a throughput plot
+(``analysis.data_parallel``), the single-GPU suites "memory", "kernels" and "checkpointing" their tables and plots
+(``analysis.single_gpu``), the precision suite its two tables, and every other suite (e2e, foundation, ddp, ...) a
+table of its records, with charts for some (``SUITE_CHARTS``: a step benchmark's time, throughput, MFU, memory and
+scaling, the trainer's throughput and losses per run, the measured ceilings); where some configuration was measured
+in both backends, the PyTorch-vs-JAX report (``analysis.side_by_side``) into ``side_by_side/``; where the device's
+measured ceilings are among the records, every GPU step against its predicted floor and memory
+(``analysis.fidelity``) into ``fidelity.md``; where both backends trained from the same saved weights, their losses
+step by step (``analysis.loss_parity``) into ``loss_parity.md``; where a run was launched as several nodes or
+processes, or restarted, beside the same run on one host, the two side by side (``analysis.multihost``) into
+``multihost.md``; where JAX collectives and NCCL all-reduce were measured at one commit, their bus bandwidths' ratio
+(``analysis.collectives``) into ``collectives_vs_nccl.md``; the training matrix and the accumulation study
 (``analysis.training``) into a folder per record file; the single-GPU studies' answer pages (``analysis.answers``,
 one page per study, each answer computed from its records, beside the reference sheet's figures) into ``answers/``.
 For a paper: every Markdown table also as LaTeX (booktabs, ``DataFrame.to_latex``) and Typst (``#table``), in
@@ -40,17 +42,20 @@ from typing import Callable, Sequence
 from analysis.answers import write_answers
 from analysis.allreduce import ALLREDUCE_SUITE, REPORT_METRICS as ALLREDUCE_METRICS, write_allreduce_report
 from analysis.attention import REPORT_METRICS as ATTENTION_METRICS, write_attention_report
-from analysis.collectives import COLLECTIVES_SUITE, REPORT_METRICS as COLLECTIVES_METRICS, write_collectives_report
+from analysis.collectives import (COLLECTIVES_SUITE, REPORT_METRICS as COLLECTIVES_METRICS, comparison_frame,
+                                  write_collectives_report, write_nccl_comparison)
 from analysis.data_parallel import SUITE as DDP_SUITE, write_ddp_report
 from analysis.fidelity import CEILINGS_SUITE, fidelity_rows, report as fidelity_report
 from analysis.records import Record, read_records
 from analysis.loss_parity import loss_parity, write_loss_parity
 from analysis.multihost import multihost_table, write_multihost
-from analysis.side_by_side import head_to_head, side_by_side_frame, write_side_by_side
+from analysis.plots import bar_plot
+from analysis.side_by_side import head_to_head, plot_side_by_side, side_by_side_frame, write_side_by_side
 from analysis.single_gpu import REPORTS as SINGLE_GPU_REPORTS
 from analysis.tables import (export_markdown_file, exports_folder, load_records, markdown_table, records_frame,
                              records_table)
-from analysis.training import ACCUM_SUITE, MATRIX_SUITE, TRAIN_SUITE, write_accum_report, write_matrix_report
+from analysis.training import (ACCUM_SUITE, MATRIX_SUITE, TRAIN_SUITE, plot_train_runs, write_accum_report,
+                               write_matrix_report)
 from parallelism_calc.cli import ArgumentParser, error_boundary
 
 PROG = "python -m analysis.reports"
@@ -67,7 +72,7 @@ REPORT_METRICS = {
 SECTIONS = {
     "PyTorch vs JAX, side by side": ("side_by_side", "jax_vs_torch"),
     "Attention leaderboard": ATTENTION_SUITES,
-    "Data-parallel family": (DDP_SUITE, ALLREDUCE_SUITE, COLLECTIVES_SUITE),
+    "Data-parallel family": (DDP_SUITE, ALLREDUCE_SUITE, COLLECTIVES_SUITE, "collectives_vs_nccl"),
     "Several hosts against one": ("multihost", "processes"),
     "Training matrix and accumulation study": (MATRIX_SUITE, ACCUM_SUITE, TRAIN_SUITE),
     "Predicted against measured (fidelity)": ("fidelity", CEILINGS_SUITE),
@@ -121,9 +126,40 @@ def suite_report(path: Path, suite: str, records: list[Record], out_dir: Path) -
         text = precision_markdown(records)
     else:
         text = markdown_table(records_frame(records), metrics=_scalar_metrics(records))
+    charts = SUITE_CHARTS[suite](records, out_dir / stem) if suite in SUITE_CHARTS else []
+    images = "".join(f"![{p.stem}]({p.name})\n\n" for p in charts)
     markdown = out_dir / f"{stem}.md"
-    markdown.write_text(f"# {suite}: {path.name}\n\nGenerated by `python -m analysis.reports`.\n\n{text}\n")
-    return [markdown]
+    markdown.write_text(f"# {suite}: {path.name}\n\nGenerated by `python -m analysis.reports`.\n\n{images}{text}\n")
+    return [markdown, *charts]
+
+
+def _step_charts(records: list[Record], prefix: Path) -> list[Path]:
+    """A step-benchmark file's charts: each backend's fastest run per configuration and the scaling
+    (``analysis.side_by_side.plot_side_by_side``)."""
+    frame = side_by_side_frame(records)
+    return plot_side_by_side(frame, prefix, both_only=False) if not frame.empty else []
+
+
+def _ceilings_chart(records: list[Record], prefix: Path) -> list[Path]:
+    """The device's measured ceilings (matmul TFLOP/s, copy GB/s), a panel each, at ``<prefix>_ceilings.png``."""
+    import pandas as pd
+
+    rows = [{"measured": r.implementation, "dtype": r.dtype, **(
+        {"quantity": "TFLOP/s", "value": r.tflops} if r.tflops else
+        {"quantity": "GB/s", "value": r.metrics.get("bytes_per_s", float("nan")) / 1e9})}
+        for r in records if r.status == "ok" and (r.tflops or r.metrics.get("bytes_per_s"))]
+    if not rows:
+        return []
+    out = prefix.with_name(f"{prefix.name}_ceilings.png")
+    bar_plot(pd.DataFrame(rows), "measured", "value", hue="dtype", col="quantity", xlabel="", ylabel="measured",
+             title=f"measured ceilings: {records[0].provenance.get('device_name')}", out=out)
+    return [out]
+
+
+# Charts beside the table of a suite without a report of its own: (its records, out_dir / stem) -> the PNGs written.
+SUITE_CHARTS: dict[str, Callable[[list[Record], Path], list[Path]]] = {
+    "jax_vs_torch": _step_charts, "side_by_side": _step_charts, TRAIN_SUITE: plot_train_runs,
+    CEILINGS_SUITE: _ceilings_chart}
 
 
 def _scalar_metrics(records: list[Record]) -> list[str]:
@@ -161,6 +197,13 @@ def _loss_parity(records: list[Record], out_dir: Path) -> None:
         write_loss_parity(records, out_dir / "loss_parity.md")
 
 
+def _collectives_vs_nccl(records: list[Record], out_dir: Path) -> None:
+    """The JAX collectives over NCCL all-reduce of the same size, devices and commit (``analysis.collectives``) into
+    ``out_dir/collectives_vs_nccl.md`` (and its chart) when the records hold such pairs."""
+    if not comparison_frame(records).empty:
+        write_nccl_comparison(records, out_dir / "collectives_vs_nccl.md")
+
+
 def _multihost(records: list[Record], out_dir: Path) -> None:
     """Runs launched as several nodes or processes, or restarted, beside one host's (``analysis.multihost``) into
     ``out_dir/multihost.md`` when the records hold such a pair."""
@@ -170,7 +213,7 @@ def _multihost(records: list[Record], out_dir: Path) -> None:
 
 # The reports across suites, each from every record: (records, out_dir) -> None, writing only where it applies.
 CROSS_REPORTS = {"side_by_side": _side_by_side, "fidelity": _fidelity, "loss_parity": _loss_parity,
-                 "multihost": _multihost}
+                 "multihost": _multihost, "collectives_vs_nccl": _collectives_vs_nccl}
 
 
 def check_suite(path: Path, suite: str, records: list[Record]) -> None:

@@ -13,9 +13,10 @@ Writes into ``--out``:
   peak memory where the benchmark recorded ``parallelism_calc``'s prediction, and the weak-scaling
   efficiency of multi-device runs (``scaling``: tokens/s over devices x the fastest 1-device run of the same
   backend at the per-device batch);
-* ``side_by_side_throughput.png`` and ``side_by_side_memory.png``: bars per configuration measured in both
-  backends (all configurations where none is, device count included), one per backend for its fastest run
-  (every implementation of every configuration made a figure thousands of inches wide).
+* ``side_by_side_throughput.png``, ``_time.png``, ``_mfu.png`` and ``_memory.png`` (``plot_side_by_side``): bars
+  per configuration measured in both backends (all configurations where none is, device count included), one per
+  backend for its fastest run (every implementation of every configuration made a figure thousands of inches
+  wide); ``side_by_side_scaling.png``: each backend's best weak-scaling efficiency per configuration.
 
 Nothing is typed by hand: rerun it after adding records. References: the record format in DESIGN.md.
 """
@@ -113,32 +114,62 @@ def _config_label(row: pd.Series) -> str:
     return f"{row['model']} {row['global_batch']}x{row['seq_len']} {row['dtype']}"
 
 
+# The bar charts of each backend's fastest run per configuration: column -> (axis label, chart name).
+BAR_CHARTS = {"tokens_per_s": ("tokens / s", "throughput"), "median_ms": ("step time (ms)", "time"),
+              "mfu": ("MFU", "mfu"), "peak_gib": ("peak memory per device (GiB)", "memory")}
+
+
+def plot_side_by_side(frame: pd.DataFrame, prefix: str | Path, both_only: bool = True) -> list[Path]:
+    """Charts of ``side_by_side_frame`` rows at ``<prefix>_<name>.png`` (and PDF), bars per configuration and backend
+    (only configurations measured in both backends, where some are and ``both_only``): its fastest ok run's
+    ``BAR_CHARTS`` and its best weak-scaling efficiency (``scaling``); the PNGs written."""
+    prefix = Path(prefix)
+    ok = frame[frame["status"] == "ok"]
+    bars = _best_per_backend(ok, list(CONFIG_KEYS), "median_ms", True, both_only)
+    bars = bars.assign(peak_gib=bars["peak_memory_bytes"] / 2**30)
+    charts = {column: (bars, label, f"each one's fastest run: {name}", name)
+              for column, (label, name) in BAR_CHARTS.items()}
+    weak = scaling(frame)
+    if not weak.empty:
+        keys = ["model", "seq_len", "dtype", "global_batch", "devices"]
+        charts["scaling_efficiency"] = (_best_per_backend(weak, keys, "scaling_efficiency", False, both_only),
+                                        "weak-scaling efficiency", "each one's best scaling", "scaling")
+    written = []
+    for column, (rows, label, title, name) in charts.items():
+        path = prefix.with_name(f"{prefix.name}_{name}.png")
+        if rows.empty or not rows[column].notna().any():
+            continue  # CPU-only records carry no allocator peak (nor MFU)
+        bar_plot(rows, "config", column, hue="run", note="status" if "status" in rows else None, ylabel=label,
+                 xlabel="", title=f"PyTorch vs JAX, {title}", out=path)
+        written.append(path)
+    return written
+
+
+def _best_per_backend(rows: pd.DataFrame, keys: list[str], by: str, ascending: bool, both_only: bool) -> pd.DataFrame:
+    """Per configuration (``keys``) and backend the row first by ``by``, labelled for the charts (``config``,
+    ``run``); only configurations of both backends where some are and ``both_only``."""
+    rows = rows.sort_values([*keys, "backend", by], ascending=[True] * (len(keys) + 1) + [ascending],
+                            na_position="last").groupby([*keys, "backend"], dropna=False, sort=False).head(1)
+    both = rows.groupby(keys, dropna=False)["backend"].transform("nunique") == 2
+    rows = rows[both] if both_only and both.any() else rows
+    if rows.empty:
+        return rows.assign(config=None, run=None)
+    devices = rows["devices"].map(lambda n: f", {n} device{'s' if n != 1 else ''}")
+    return rows.assign(config=rows.apply(_config_label, axis=1) + devices,
+                       run=rows["backend"].map({"torch": "PyTorch", "jax": "JAX"}).fillna(rows["backend"]))
+
+
 def write_side_by_side(sources: RecordSource | Iterable[RecordSource], out_dir: str | Path,
                        mode: str | None = "train_step") -> list[Path]:
-    """The Markdown report and two plots (module docstring); the files written."""
+    """The Markdown report and its charts (module docstring, ``plot_side_by_side``); the files written."""
     frame = side_by_side_frame(sources, mode)
     if frame.empty:
         raise ValueError(f"no step-benchmark records{f' in mode {mode}' if mode else ''} to compare")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pairs = head_to_head(frame)
+    written = plot_side_by_side(frame, out / "side_by_side")
     frame = frame.sort_values([*CONFIG_KEYS, "backend", "median_ms"], na_position="last")
-    fastest = frame[frame["status"] == "ok"].groupby([*CONFIG_KEYS, "backend"], dropna=False, sort=False).head(1)
-    both = fastest.groupby(list(CONFIG_KEYS), dropna=False)["backend"].transform("nunique") == 2
-    shown = fastest[both] if both.any() else fastest
-    bars = shown.assign(config=shown.apply(_config_label, axis=1) + shown["devices"].map(
-                            lambda n: f", {n} device{'s' if n != 1 else ''}"),
-                        run=shown["backend"].map({"torch": "PyTorch", "jax": "JAX"}).fillna(shown["backend"]),
-                        peak_gib=shown["peak_memory_bytes"] / 2**30)
-    plots = {"tokens_per_s": ("tokens / s", "throughput"), "peak_gib": ("peak memory per device (GiB)", "memory")}
-    written = []
-    for column, (label, name) in plots.items():
-        path = out / f"side_by_side_{name}.png"
-        if bars.empty or column == "peak_gib" and not bars[column].notna().any():
-            continue  # CPU-only records carry no allocator peak
-        bar_plot(bars, "config", column, hue="run", note="status", ylabel=label, xlabel="",
-                 title=f"PyTorch vs JAX, each one's fastest run: {name}", out=path)
-        written.append(path)
     lines = ["# PyTorch vs JAX, side by side", "", "Generated by `python -m analysis.side_by_side` from the records.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in written] + [""]
     lines += ["## Head to head (fastest implementation of each backend)", ""]

@@ -12,6 +12,8 @@
   the latest summary per setting: ``accum_study.md`` (the table, and the best setting by tokens/s) and two
   charts, ``accum_phases.png`` (ms per step per phase, grouped bars per setting) and ``accum_throughput.png``
   (tokens/s per setting).
+* Any file's epoch records (suite "train"), ``plot_train_runs``: tokens/s per run and, where a run has several
+  epochs, its losses against epoch (``python -m analysis.reports`` draws them beside the file's table).
 
 Stdlib only until a report is drawn (pandas, matplotlib), so the sweeps import it for the suite names.
 """
@@ -89,13 +91,63 @@ def _frames(summaries: list[Record], epochs: list[Record]):
                            "status": s.status, "tokens_per_s": s.tokens_per_s,
                            "peak_memory_gib": s.peak_memory_bytes / 2**30 if s.peak_memory_bytes else None,
                            "samples_per_epoch": s.metrics.get("samples_per_epoch")} for s in summaries])
+    return cells, _epoch_rows(epochs, [_cell(r) for r in epochs])
+
+
+def _epoch_rows(epochs: list[Record], labels: list[str]):
+    """The loss charts' rows: per epoch record (its line's label), its training and (if any) validation loss."""
+    import pandas as pd
+
     rows = []
-    for r in epochs:
-        base = {"cell": _cell(r), "epoch": r.metrics["epoch"], "epoch_s": r.metrics["epoch_s"]}
+    for r, label in zip(epochs, labels):
+        base = {"cell": label, "epoch": r.metrics["epoch"], "epoch_s": r.metrics["epoch_s"]}
         rows.append({**base, "split": "train", "loss": r.metrics["train_loss"]})
         if r.metrics.get("val_loss") is not None:
             rows.append({**base, "split": "validation", "loss": r.metrics["val_loss"]})
-    return cells, pd.DataFrame(rows, columns=["cell", "epoch", "epoch_s", "split", "loss"])
+    return pd.DataFrame(rows, columns=["cell", "epoch", "epoch_s", "split", "loss"])
+
+
+def run_labels(epochs: list[Record]) -> list[str]:
+    """A label per epoch record of suite "train": its run's name (else backend, implementation and batch), "#k" on
+    the k-th run of that name where several are (a run restarts where its epoch number does not grow)."""
+    keys, starts = [], {}
+    for r in epochs:
+        name = r.metrics.get("run") or f"{r.backend} {r.implementation}, batch {r.batch_size}"
+        runs = starts.setdefault(name, [])
+        if not runs or r.metrics["epoch"] <= runs[-1]:
+            runs.append(0)
+        runs[-1] = r.metrics["epoch"]
+        keys.append((name, len(runs)))
+    return [name if len(starts[name]) == 1 else f"{name} #{k}" for name, k in keys]
+
+
+def plot_train_runs(records: list[Record], prefix: str | os.PathLike) -> list[Path]:
+    """Charts of the trainer's epoch records (suite "train") at ``<prefix>_<name>.png`` (and PDF): ``throughput``,
+    tokens/s of each run's last epoch (bars, one colour per backend), and, where a run has 2+ epochs, ``loss``
+    (training and validation loss against epoch, one line per run); the PNGs written."""
+    import pandas as pd
+
+    from analysis.plots import bar_plot, line_plot
+
+    prefix = Path(prefix)
+    epochs = [r for r in records if r.suite == TRAIN_SUITE and r.status == "ok"
+              and {"epoch", "epoch_s", "train_loss"} <= r.metrics.keys()]
+    labels = run_labels(epochs)
+    last = pd.DataFrame([{"run": label, "backend": r.backend, "tokens_per_s": r.tokens_per_s}
+                         for r, label in zip(epochs, labels)]).drop_duplicates("run", keep="last")
+    written = []
+    if not last.empty and last["tokens_per_s"].notna().any():
+        path = prefix.with_name(f"{prefix.name}_throughput.png")
+        bar_plot(last, "run", "tokens_per_s", hue="backend", x_order=list(last["run"]), xlabel="run",
+                 ylabel="tokens/s (last epoch)", title="training throughput per run", out=path)
+        written.append(path)
+    losses = _epoch_rows(epochs, labels)
+    if not losses.empty and losses.groupby("cell")["epoch"].nunique().max() > 1:
+        path = prefix.with_name(f"{prefix.name}_loss.png")
+        line_plot(losses, "epoch", "loss", hue="cell", col="split", col_order=("train", "validation"),
+                  hue_order=list(dict.fromkeys(labels)), ylabel="loss (nats/token)", title="loss per run", out=path)
+        written.append(path)
+    return written
 
 
 def write_matrix_report(jsonl: str | os.PathLike, out_dir: str | os.PathLike) -> str:

@@ -150,3 +150,68 @@ def test_a_refused_record_leaves_the_reports_as_they_were(tmp_path):
     with pytest.raises(ValueError, match="zz_misfiled.jsonl: a 'attention' record"):
         reports.write_reports(tmp_path, out)
     assert [p.name for p in out.rglob("*")] == ["old.md"]
+
+
+def test_named_sections_tables_have_charts(tmp_path):
+    """Each table of the PyTorch-vs-JAX (with scaling), training, fidelity and data-parallel sections comes with a
+    chart from its records, as PNG and PDF, shown in its page and linked from the index."""
+    from analysis.records import timing_stats
+
+    fixture_results(tmp_path)
+    gpu = {"device_name": "NVIDIA H100", "git_commit": "abc"}
+    step = dict(model="tiny", seq_len=16, dtype="bf16", mode="train_step", provenance=gpu)
+    append_records(tmp_path / "jax_vs_torch_gpu.jsonl", [
+        Record(suite="jax_vs_torch", backend=backend, implementation=impl, batch_size=batch, world_size=n,
+               timing=timing_stats([ms]), tokens_per_s=batch * 16 / ms * 1e3, mfu=0.3, peak_memory_bytes=2**30,
+               **step)
+        for backend, impl, batch, n, ms in (("torch", "eager", 2, 1, 2.0), ("jax", "jit", 2, 1, 1.8),
+                                            ("torch", "ddp", 4, 2, 2.2), ("jax", "jit dp", 4, 2, 2.0))])
+    append_records(tmp_path / "train_gpu.jsonl", [
+        Record(suite="train", backend="torch", implementation="none", batch_size=2, tokens_per_s=100.0 + n,
+               metrics={"run": run, "epoch": n, "epoch_s": 1.0, "train_loss": 5.0 - n, "val_loss": 5.5 - n})
+        for run in ("first", "second") for n in (1, 2)])
+    append_records(tmp_path / "ceilings_gpu.jsonl", [
+        Record(suite="ceilings", backend="torch", implementation="matmul 64x64x64", dtype="bf16", tflops=500.0,
+               timing=timing_stats([1.0]), provenance=gpu),
+        Record(suite="ceilings", backend="torch", implementation="copy 1 MiB", dtype="fp32", timing=timing_stats([1.0]),
+               metrics={"bytes": 2**20, "bytes_per_s": 2e12}, provenance=gpu)])
+    size = {"bytes": 2**20, "size": "1MB", "algbw_gbps": 100.0}
+    append_records(tmp_path / "collectives_gpu.jsonl", [
+        Record(suite="collectives", backend="jax", implementation=op, world_size=2, timing=timing_stats([0.1]),
+               metrics={"op": op, "axis": "fsdp", "busbw_gbps": 80.0, "raw_busbw_gbps": 90.0, **size}, provenance=gpu)
+        for op in ("all_reduce", "all_gather")])
+    append_records(tmp_path / "allreduce_nccl_gpu.jsonl", [
+        Record(suite="allreduce", backend="torch", implementation="nccl all_reduce", world_size=2,
+               timing=timing_stats([0.1]), provenance=gpu,
+               metrics={"comm_backend": "nccl", "busbw_gbps": 100.0, "raw_busbw_gbps": 120.0, "raw_loop_ms": 0.1,
+                        "raw_algbw_gbps": 120.0, "busbw_over_raw": 0.8, **size})])
+    out = tmp_path / "reports"
+    reports.write_reports(tmp_path, out)
+    index = (out / "index.md").read_text()
+    sections = dict(zip(re.findall(r"^## (.+)$", index, re.M), re.split(r"^## .+$", index, flags=re.M)[1:]))
+    expected = {
+        "PyTorch vs JAX, side by side": {
+            "jax_vs_torch_gpu.md": [f"jax_vs_torch_gpu_{n}"
+                                    for n in ("throughput", "time", "mfu", "memory", "scaling")],
+            "side_by_side/side_by_side.md": [f"side_by_side_{n}" for n in ("throughput", "time", "scaling")]},
+        "Training matrix and accumulation study": {
+            "train_gpu.md": ["train_gpu_throughput", "train_gpu_loss"],
+            "matrix_cpu_train.md": ["matrix_cpu_train_loss"]},
+        "Predicted against measured (fidelity)": {"ceilings_gpu.md": ["ceilings_gpu_ceilings"]},
+        "Data-parallel family": {"collectives_vs_nccl.md": ["collectives_vs_nccl"]},
+    }
+    for title, pages in expected.items():
+        for page, charts in pages.items():
+            text = (out / page).read_text()
+            for chart in charts:
+                png = (out / page).with_name(f"{chart}.png")
+                assert png.stat().st_size > 0 and png.with_suffix(".pdf").read_bytes()[:5] == b"%PDF-", png
+                assert f"]({png.name})" in text, (page, chart)
+                for suffix in (".png", ".pdf"):
+                    link = png.with_suffix(suffix).relative_to(out).as_posix()
+                    assert f"]({link})" in sections[title], (title, chart)
+    assert re.search(r"\|\s+0\.8 \|.*\|\s+0\.75 \|", (out / "collectives_vs_nccl.md").read_text())  # 80/100, 90/120
+    # The index's sections: every report with a table there has a chart.
+    for title in expected:
+        for entry in re.split(r"^- ", sections[title], flags=re.M)[1:]:
+            assert "charts:" in entry or "tables:" not in entry, entry
