@@ -54,7 +54,7 @@ from analysis.data_parallel import (LEADERBOARD_SUITE, SUITE as DDP_SUITE, calcu
                                     sharded_step_memory)
 from analysis.harness import (CUDA_GRAPH_MODES, DTYPES, calculator_terms, compiled_activations, device_terms,
                               recomputation)
-from analysis.records import Record
+from analysis.records import Record, read_records
 from analysis.training import TRAIN_SUITE
 from parallelism_calc.cli import ArgumentParser, error_boundary
 from parallelism_calc.memory import (CUDA_LIBRARY_WORKSPACES, MemoryBreakdown, get_precision, mesh_memory_strategy,
@@ -100,6 +100,7 @@ class Row:
     attention_flops: float | None = None  # the attention kernel's measured rate the floor used (attention_rate)
     attention_at_matmul_ms: float = 0.0  # without one: the attention core's time in the floor, at the matmul rate
     attention_kernel_at_matmul_ms: float = 0.0  # and a fused kernel's FLOPs for it (``attention_flops``) at that rate
+    products_floor_ms: float = 0.0  # the floor's matrix products and attention kernels (the rest: its bytes, comm)
     memory_model: str = ""  # how predicted_memory was made (see memory_prediction)
     why: str = ""
     time_why: str = ""  # why the time is beyond TIME_BOUND of the floor, where the records say (explain_times, ...)
@@ -394,6 +395,7 @@ def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[t
         row.why = str(err)
         return row
     row.floor_ms, row.comm_floor_ms = floor.total_s * 1e3, floor.comm_s * 1e3
+    row.products_floor_ms = (floor.matmul_s + floor.attention_s) * 1e3
     if row.attention_flops is None and spec.arch == "transformer":
         # the same floor with an attention kernel at the matmul rate: its products without the core, and the
         # kernel's own FLOPs (FlashAttention's backward recomputes the scores) at that rate
@@ -411,16 +413,18 @@ def is_step(record: Record) -> bool:
             and bool(record.model_dims) and record.provenance.get("device_name", "cpu") != "cpu")
 
 
-def fidelity_rows(records: list[Record]) -> list[Row]:
+def fidelity_rows(records: list[Record], profiles: list[Record] = ()) -> list[Row]:
     """A ``Row`` per GPU step record (``is_step``), predicted (``predict``), then its whys in order: each row's own
-    records (``explain_times``), the e2e benchmark's same step for a trainer row (``explain_trainer``), known memory
-    gaps (``explain_memory``), the run's later epochs for a trainer's first (``explain_first_epoch``), changes of our
-    code it ran before (``explain_code_changes``), then the same step at another commit (``explain_across_commits``).
-    """
+    records (``explain_times``), the kernels of its program's profile (``explain_kernels``; ``profiles``: profiled
+    records that are evidence, not rows, ``profile_records``), the e2e benchmark's same step for a trainer row
+    (``explain_trainer``), known memory gaps (``explain_memory``), the run's later epochs for a trainer's first
+    (``explain_first_epoch``), changes of our code it ran before (``explain_code_changes``), then the same step at
+    another commit (``explain_across_commits``)."""
     ceilings, buses, leftovers = device_ceilings(records), bus_bandwidths(records), leftover_bytes(records)
     attention = attention_rates(records)
     rows = [predict(r, ceilings, buses, leftovers.get(id(r)), attention) for r in records if is_step(r)]
     explain_times(rows, slowest_attention_share(records, ceilings))
+    explain_kernels(rows, profiles)
     explain_trainer(rows)
     explain_memory(rows)
     explain_first_epoch(rows)
@@ -800,6 +804,87 @@ def explain_times(rows: list[Row], slowest_attention: float | None = None) -> No
                             f"{slowest_attention:.0%} of the matmul rate, would take "
                             f"{row.attention_kernel_at_matmul_ms / slowest_attention:.1f})")
 
+# The benchmarks' kernel times by category (``analysis.kernels``: the JAX e2e benchmark's ``--profile`` records
+# ``time_ms.<category>`` a step); "matmul" holds the GEMMs and the attention kernels
+KERNEL_TIME_PREFIX = "time_ms."
+PRODUCT_KERNELS = "matmul"
+PROFILES_FOLDER = "profiles"  # a results folder's profiled runs (``profile_records``)
+PROFILE_COVERAGE = 0.75  # a profile explains a step only where its kernels and idle time cover this much of it
+
+
+def kernel_times(record: Record) -> dict[str, float]:
+    """{category: GPU ms a step} of a profiled record's kernels (``time_ms.<category>``); {} where not profiled."""
+    return {k.removeprefix(KERNEL_TIME_PREFIX): float(v) for k, v in record.metrics.items()
+            if k.startswith(KERNEL_TIME_PREFIX) and v is not None}
+
+
+def profile_records(sources: list) -> list[Record]:
+    """The profiled GPU step records (``kernel_times``, ``is_step``) in the ``profiles/`` folder of each folder
+    among ``sources``: evidence for ``explain_kernels``, not rows. That folder holds probes' own formats beside
+    records: a file that is not records is passed over."""
+    found = []
+    for source in sources:
+        if isinstance(source, (str, Path)) and Path(source).is_dir():
+            for path in sorted((Path(source) / PROFILES_FOLDER).glob("*.jsonl")):
+                try:
+                    found += [r for r in read_records(path) if kernel_times(r) and is_step(r)]
+                except ValueError:  # a probe's rows, not records
+                    continue
+    return found
+
+
+def _program(record: Record) -> tuple:
+    """The program a step record ran, whichever benchmark and commit ran it: ``_step`` less the benchmark, with the
+    options a JAX run compiled it under (``metrics.xla_flags``, ``compiler_options``, ``blocks_per_program``)."""
+    m = record.metrics
+    return (*_step(record, "time")[1:], repr(m.get("xla_flags")), repr(m.get("compiler_options")),
+            m.get("blocks_per_program"))
+
+
+def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
+    """Set ``time_why`` of every row still beyond ``TIME_BOUND`` without one whose program (``_program``) was
+    profiled: its own record's kernel times (``kernel_times``), else the profiled run of the same program (among
+    ``profiles`` and the rows) measured nearest it, within ``TIME_BOUND`` of its time, at its commit if one was. The
+    why is where that profile's step went against the floor's terms: GPU time in the products (GEMMs and attention
+    kernels) against the floor's matmul and attention terms, in the other kernels (elementwise, reductions, copies)
+    against its bytes (and communication), and the GPU's idle time a step (``gpu_idle_ms``, the host's), with the
+    term furthest beyond its floor named. Only where the kernels and the idle time cover ``PROFILE_COVERAGE`` of the
+    profiled step. A profile of another run is that run's evidence: its why lends to no third run (``borrowed``)."""
+    profiled: dict[tuple, list[Record]] = {}
+    for record in [*profiles, *(row.record for row in rows)]:
+        if kernel_times(record):
+            profiled.setdefault(_program(record), []).append(record)
+    for row in rows:
+        record = row.record
+        if not _unexplained(row, "time", TIME_BOUND) or not row.products_floor_ms:
+            continue
+        near = sorted((p for p in profiled.get(_program(record), ())
+                       if abs(p.median_ms / record.median_ms - 1) <= TIME_BOUND),
+                      key=lambda p: (p is not record, p.provenance.get("git_commit") != record.provenance.get(
+                          "git_commit"), abs(math.log(p.median_ms / record.median_ms))))
+        if not near:
+            continue
+        p = near[0]
+        times = kernel_times(p)
+        products = times.get(PRODUCT_KERNELS, 0.0)
+        rest = sum(ms for category, ms in times.items() if category != PRODUCT_KERNELS)
+        idle = float(p.metrics.get("gpu_idle_ms") or 0.0)
+        if products + rest + idle < PROFILE_COVERAGE * p.median_ms:
+            continue
+        rest_floor = row.floor_ms - row.products_floor_ms
+        beyond = {"the products": products - row.products_floor_ms, "the kernels between them": rest - rest_floor,
+                  "the GPU idle (the host's pace)": idle}
+        whose = ("its profile" if p is record else
+                 f"the same program's profile at {(p.provenance.get('git_commit') or '?')[:7]} ({p.suite}, "
+                 f"{p.median_ms:.1f} ms)")
+        row.time_why = (f"kernels a step ({whose}): GEMMs and attention {products:.0f} ms against the floor's "
+                        f"{row.products_floor_ms:.0f}, the others (elementwise, reductions, copies) {rest:.0f} "
+                        f"against its {rest_floor:.0f} (bytes at the copy rate, communication)"
+                        + (f", GPU idle {idle:.0f}" if idle else "")
+                        + f"; most beyond the floor: {max(beyond, key=beyond.get)}")
+        if p is not record:
+            row.borrowed.add("time")
+
 
 def _frame(rows: list[Row]):
     import pandas as pd
@@ -874,13 +959,14 @@ def plot(frame, path: Path) -> None:
     save_figure(fig, path)
 
 
-def report(sources: list, out: Path) -> str:
+def report(sources: list, out: Path, profiles: list[Record] | None = None) -> str:
     """Write the fidelity report (Markdown, and its chart as PNG and PDF beside it) of ``sources`` (records, or
-    files and folders of them); returns the text."""
+    files and folders of them), with the profiled runs ``profiles`` as evidence (default: those of the folders'
+    ``profiles/``, ``profile_records``); returns the text."""
     from analysis.tables import load_records, markdown_table
 
     records = load_records(sources)
-    rows = fidelity_rows(records)
+    rows = fidelity_rows(records, profile_records(sources) if profiles is None else profiles)
     if not rows:
         raise ValueError(f"{', '.join(map(str, sources))}: no GPU train-step records")
     frame = _frame(rows)

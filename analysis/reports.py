@@ -36,6 +36,7 @@ import argparse
 import os
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -45,7 +46,7 @@ from analysis.attention import REPORT_METRICS as ATTENTION_METRICS, write_attent
 from analysis.collectives import (COLLECTIVES_SUITE, REPORT_METRICS as COLLECTIVES_METRICS, comparison_frame,
                                   write_collectives_report, write_nccl_comparison)
 from analysis.data_parallel import SUITE as DDP_SUITE, write_ddp_report
-from analysis.fidelity import CEILINGS_SUITE, fidelity_rows, report as fidelity_report
+from analysis.fidelity import CEILINGS_SUITE, fidelity_rows, profile_records, report as fidelity_report
 from analysis.records import Record, read_records
 from analysis.loss_parity import loss_parity, write_loss_parity
 from analysis.multihost import multihost_table, write_multihost
@@ -183,11 +184,12 @@ def _side_by_side(records: list[Record], out_dir: Path) -> None:
         write_side_by_side(records, out_dir / "side_by_side")
 
 
-def _fidelity(records: list[Record], out_dir: Path) -> None:
+def _fidelity(records: list[Record], out_dir: Path, profiles: Sequence[Record] = ()) -> None:
     """Predicted against measured (``analysis.fidelity``) into ``out_dir/fidelity.md`` (and its chart) when the
-    records hold measured ceilings and GPU train steps."""
+    records hold measured ceilings and GPU train steps; ``profiles``: profiled runs as evidence
+    (``analysis.fidelity.profile_records``)."""
     if any(r.suite == CEILINGS_SUITE for r in records) and fidelity_rows(records):
-        fidelity_report(records, out_dir / "fidelity.md")
+        fidelity_report(records, out_dir / "fidelity.md", list(profiles))
 
 
 def _loss_parity(records: list[Record], out_dir: Path) -> None:
@@ -263,7 +265,8 @@ def write_reports(results: Path, out_dir: Path) -> list[Path]:
                     raise ValueError(f"{path}: its {suite!r} records do not fit the {suite} report "
                                      f"({type(err).__name__}: {err}): are they filed under the right suite?") from None
         every = load_records(files)  # the reports across suites read every file once
-        entries += [(name, _staged(staging, report, every, staging)) for name, report in CROSS_REPORTS.items()]
+        cross = {**CROSS_REPORTS, "fidelity": partial(_fidelity, profiles=profile_records([results]))}
+        entries += [(name, _staged(staging, report, every, staging)) for name, report in cross.items()]
         entries.append(("answers", _staged(staging, write_answers, results, staging / "answers")))
         entries = [(key, written) for key, written in entries if written]
         index = staging / "index.md"

@@ -26,10 +26,14 @@
 #     -> OUT_DIR/train_jax_vs_torch.jsonl: both training loops from the same weights on the same data (below).
 #   RESULTS_GIT_COMMIT=<commit> XLA_SETS="--a=1 --b=2;--c=3" bash scripts/gpu_jax.sh OUT_DIR xla
 #     -> OUT_DIR/jax_xla.jsonl: the xl step under each set of XLA options, with its kernel table (below).
+#   RESULTS_GIT_COMMIT=<commit> [FIDELITY_SET=1|2] bash scripts/gpu_jax.sh OUT_DIR fidelity
+#     -> OUT_DIR/jax_fidelity.jsonl: every step the fidelity report had no profile for, profiled (kernel time by
+#        category, the GPU's idle time: evidence for analysis.fidelity.explain_kernels); set 1 the scanned xl and
+#        2.7B steps, set 2 the xl 4 x 512 and small ones (both sets, one after the other, if unset).
 # Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
 # limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
 set -uo pipefail
-usage="usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|per_block|per_block_profile|parity|layout|mixed|trainers|xla"
+usage="usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|per_block|per_block_profile|parity|layout|mixed|trainers|xla|fidelity"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -50,6 +54,35 @@ jax_e2e() {  # jax_e2e SECONDS ARGS...: one benchmark process, its wall time pri
   echo "wall $((SECONDS - start)) s: $*"
 }
 case "$phase" in
+fidelity)
+  # The configurations of the committed JAX step records the fidelity report had no profile of, each profiled
+  # (--profile: time_ms.<category>, gpu_busy_ms, gpu_idle_ms in its record; the trace itself not kept).
+  runs="$out/jax_fidelity.jsonl"
+  common=(--warmup 3 --steps 10 --suite jax_fidelity --out "$runs")
+  profiled() { jax_e2e "$@" "${common[@]}" --profile "$out/profile"; rm -rf "$out/profile"; }
+  if [ "${FIDELITY_SET:-1}" = 1 ]; then
+    for remat in dots_attention qkv_mlp_norms; do
+      profiled 150 --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed --remat "$remat"
+    done
+    for remat in qkv_mlp full; do
+      profiled 150 --model 2.7B --batch-size 2 --seq-len 2048 --dtype bf16_mixed --remat "$remat"
+    done
+    profiled 150 --model xl --batch-size 4 --seq-len 2048 --remat full
+    profiled 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat full
+  fi
+  if [ "${FIDELITY_SET:-2}" = 2 ]; then
+    profiled 120 --model xl --batch-size 4 --seq-len 512 --dtype bf16_mixed --remat dots_attention
+    profiled 120 --model xl --batch-size 4 --seq-len 512 --remat dots_attention
+    profiled 120 --model xl --batch-size 4 --seq-len 512 --dtype bf16_mixed --block-loop per_block \
+      --blocks-per-program 4
+    for shape in "4 512" "16 1024"; do  # the foundation's JAX steps (scripts/gpu_foundation.sh)
+      read -r batch seq <<<"$shape"
+      for attention in naive dot_product; do
+        profiled 120 --model small --batch-size "$batch" --seq-len "$seq" --attention "$attention"
+      done
+    done
+  fi
+  ;;
 scan)
   runs="$out/jax_scan.jsonl"
   common=(--warmup 3 --steps 10 --suite jax_scan --out "$runs")
