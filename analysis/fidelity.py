@@ -387,7 +387,7 @@ def predict(record: Record, ceilings: dict[str, dict[str, float]], buses: dict[t
         batch *= int(m.get("grad_accum") or 1)  # the trainer's step: A micro-batches, one update
         row.attention_flops = attention_rate(record, spec, attention or {})
         recomputed = recomputation(m.get("checkpoint_every"), m.get("nested_checkpoint"), m.get("keep_attention"),
-                                   m.get("loss"))
+                                   m.get("loss"), m.get("remat"))
         floor = step_time_floor(spec, batch, record.seq_len, record.mode, DTYPES[record.dtype],
                                 Ceilings(measured[compute_dtype], measured["copy"], bus, row.attention_flops),
                                 strategy, ranks, **recomputed)
@@ -872,7 +872,7 @@ def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
         if products + rest + idle < PROFILE_COVERAGE * p.median_ms:
             continue
         rest_floor = row.floor_ms - row.products_floor_ms
-        beyond = {"the products": products - row.products_floor_ms, "the kernels between them": rest - rest_floor,
+        beyond = {"the products": products - row.products_floor_ms, "the other kernels": rest - rest_floor,
                   "the GPU idle (the host's pace)": idle}
         whose = ("its profile" if p is record else
                  f"the same program's profile at {(p.provenance.get('git_commit') or '?')[:7]} ({p.suite}, "

@@ -58,12 +58,21 @@ def compiled_activations(compiled: bool, attention: str, checkpoint_every: int |
     return bool(compiled) and attention == "flash" and not checkpoint_every
 
 
+# What the JAX step's remat policies (``jax_impl.train.REMAT_POLICIES``, by name) recompute, as ``recomputation``'s
+# terms: "full" every block's forward; "dots" the attention core (its products have batch dimensions, which
+# dots_with_no_batch_dims does not save, and cuDNN's fused kernel is no dot). The others keep every product but,
+# under "qkv_mlp", the output projection's (2 N d^2 a block, not counted: the floor stays below the step)
+JAX_REMAT_RECOMPUTES: dict[str, dict[str, Any]] = {"full": {"recompute_blocks": 1}, "dots": {"selective": True}}
+
+
 def recomputation(checkpoint_every: int | None, nested_checkpoint: bool, keep_attention: bool,
-                  loss: str | None) -> dict[str, Any]:
+                  loss: str | None, remat: str | None = None) -> dict[str, Any]:
     """What a step's backward recomputes, as ``parallelism_calc.roofline.step_time_floor`` takes it: each
-    checkpointed block's forward (twice if nested) without the attention it kept, and the fused loss's logits."""
+    checkpointed block's forward (twice if nested) without the attention it kept, and the fused loss's logits; for
+    a JAX step, what its ``remat`` policy recomputes (``JAX_REMAT_RECOMPUTES``)."""
     blocks = 0 if not checkpoint_every else 2 if nested_checkpoint else 1
-    return {"recompute_blocks": blocks, "loss": loss or "plain", "kept_attention": bool(keep_attention)}
+    return {"recompute_blocks": blocks, "loss": loss or "plain", "kept_attention": bool(keep_attention),
+            **JAX_REMAT_RECOMPUTES.get(remat or "none", {})}
 
 
 # torch e2e --cuda-graph: each mode and what it adds to the implementation's name (none, one per compiled block, one

@@ -26,10 +26,10 @@
 #     -> OUT_DIR/train_jax_vs_torch.jsonl: both training loops from the same weights on the same data (below).
 #   RESULTS_GIT_COMMIT=<commit> XLA_SETS="--a=1 --b=2;--c=3" bash scripts/gpu_jax.sh OUT_DIR xla
 #     -> OUT_DIR/jax_xla.jsonl: the xl step under each set of XLA options, with its kernel table (below).
-#   RESULTS_GIT_COMMIT=<commit> [FIDELITY_SET=1|2] bash scripts/gpu_jax.sh OUT_DIR fidelity
+#   RESULTS_GIT_COMMIT=<commit> [FIDELITY_SET=1|2|3] bash scripts/gpu_jax.sh OUT_DIR fidelity
 #     -> OUT_DIR/jax_fidelity.jsonl: every step the fidelity report had no profile for, profiled (kernel time by
 #        category, the GPU's idle time: evidence for analysis.fidelity.explain_kernels); set 1 the scanned xl and
-#        2.7B steps, set 2 the xl 4 x 512 and small ones (both sets, one after the other, if unset).
+#        2.7B steps, set 2 the xl 4 x 512 and small ones, set 3 2.7B under two more policies (all, if unset).
 # Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
 # limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
 set -uo pipefail
@@ -69,6 +69,11 @@ fidelity)
     done
     profiled 150 --model xl --batch-size 4 --seq-len 2048 --remat full
     profiled 150 --model 2.7B --batch-size 2 --seq-len 2048 --remat full
+  fi
+  if [ "${FIDELITY_SET:-3}" = 3 ]; then
+    for remat in dots_attention qkv_mlp_norms; do
+      profiled 150 --model 2.7B --batch-size 2 --seq-len 2048 --dtype bf16_mixed --remat "$remat"
+    done
   fi
   if [ "${FIDELITY_SET:-2}" = 2 ]; then
     profiled 120 --model xl --batch-size 4 --seq-len 512 --dtype bf16_mixed --remat dots_attention

@@ -7,7 +7,9 @@ import pytest
 
 from analysis.allreduce import ALLREDUCE_SUITE
 from analysis.fidelity import (COPY_ENGINE_STAGING, HOST_PACED_TIME, INDIVIDUAL_HELD_GRADIENTS, attention_of,
-                               fidelity_rows, main, memory_breakdown, memory_prediction, predict, summary, _frame)
+                               fidelity_rows, main, memory_breakdown, memory_prediction, predict, profile_records,
+                               summary, _frame)
+from analysis.harness import JAX_REMAT_RECOMPUTES
 from analysis.records import Record, save_records, timing_stats
 from parallelism_calc.roofline import Ceilings, step_time_floor
 from parallelism_calc.memory import CUDA_LIBRARY_WORKSPACES, per_device_memory
@@ -446,3 +448,63 @@ def test_the_trainer_s_memory_and_the_model_as_it_was():
                                   f"{0.09 * expected.total / 2**30:.2f} GiB more")
     other_run = dataclasses.replace(first, metrics={**first.metrics, "run": "s"})
     assert fidelity_rows([*_ceilings(), other_run, *later])[0].memory_why == ""
+
+
+def _profiled(record: Record, matmul: float, rest: float, idle: float | None = None) -> Record:
+    """``record`` with the kernel times the JAX benchmark's --profile writes (``time_ms.<category>``)."""
+    metrics = {**record.metrics, "time_ms.matmul": matmul, "time_ms.elementwise": rest / 2, "time_ms.other": rest / 2}
+    if idle is not None:
+        metrics["gpu_idle_ms"] = idle
+    return dataclasses.replace(record, metrics=metrics)
+
+
+def test_a_profile_of_the_row_s_program_says_where_its_step_went(tmp_path):
+    """A row beyond the bound whose program was profiled (its own record, else a profiled run of the same program in
+    ``results/profiles`` measured within 25% of it) says how much of the step went to the products, the other
+    kernels and the GPU's idle time against the floor's terms, naming the furthest beyond; a profile that covers
+    too little of its step, of another program or measured far off explains nothing; the folder's files that are not
+    records are passed over."""
+    jax = dict(backend="jax", implementation="jit dot_product_cudnn remat:dots_attention",
+               metrics={"remat": "dots_attention", "predicted_peak_bytes": 2.5 * 2**30})
+    floor = fidelity_rows([*_ceilings(), _record(**jax)])[0]
+    products, rest = floor.products_floor_ms, floor.floor_ms - floor.products_floor_ms
+    assert 0 < products < floor.floor_ms
+    median = floor.floor_ms * 2
+    own = _profiled(_record(median=median, **jax), products + 1, rest + median / 2, idle=1.0)
+    other = _at(_record(suite="jax_vs_torch", median=median * 1.1, **jax), "b" * 40, "2026-11-27T00:00:00+00:00")
+    profile = _at(_profiled(_record(suite="jax_profile", median=median, **jax), products, rest, idle=median - products
+                            - rest), "c" * 40, "2026-11-26T00:00:00+00:00")
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    save_records(folder / "jax_profile.jsonl", [profile, _record(**jax)])  # the second: not profiled
+    (folder / "probe.jsonl").write_text('{"kernel": "gemm", "median_us": 3.0}\n')
+    profiles = profile_records([tmp_path])
+    assert [p.suite for p in profiles] == ["jax_profile"]
+    far = _record(suite="jax_far", median=median * 2, **jax)
+    thin = _record(suite="jax_thin", backend="jax", implementation="jit dot_product_cudnn", median=median,
+                   metrics={"time_ms.matmul": 1.0, "predicted_peak_bytes": 2.5 * 2**30})
+    rows = fidelity_rows([*_ceilings(), own, other, far, thin], profiles)
+    assert rows[0].time_why == (f"kernels a step (its profile): GEMMs and attention {products + 1:.0f} ms against the "
+                                f"floor's {products:.0f}, the others (elementwise, reductions, copies) "
+                                f"{rest + median / 2:.0f} against its {rest:.0f} (bytes at the copy rate, "
+                                f"communication), GPU idle 1; most beyond the floor: the other kernels")
+    assert rows[1].time_why.startswith("kernels a step (the same program's profile at ccccccc (jax_profile, ")
+    assert rows[1].time_why.endswith("most beyond the floor: the GPU idle (the host's pace)")
+    assert "time" in rows[1].borrowed and "time" not in rows[0].borrowed
+    assert rows[2].time_why == "" and rows[3].time_why == ""  # 2x the profiled runs' time; kernels cover 1 ms
+
+
+def test_a_jax_step_s_floor_counts_what_its_remat_policy_recomputes():
+    """Full rematerialization recomputes every block's forward, "dots" the attention core (``JAX_REMAT_RECOMPUTES``);
+    the policies that keep every product recompute none: the floor is the calculator's for each."""
+    ceilings = Ceilings(700e12, 3e12)
+    rows = fidelity_rows([*_ceilings(), *(_record(backend="jax", implementation=f"jit naive remat:{remat}",
+                                                  metrics={"remat": remat}) for remat in ("full", "dots", "qkv_mlp"))])
+    expected = [step_time_floor(SPEC, 4, 512, "train_step", "bf16_autocast", ceilings, **terms).total_s * 1e3
+                for terms in ({"recompute_blocks": 1}, {"selective": True}, {})]
+    assert [row.floor_ms for row in rows] == pytest.approx(expected)
+    assert expected[0] > expected[1] > expected[2]
+    pytest.importorskip("jax")
+    from jax_impl.train import REMAT_POLICIES
+
+    assert set(JAX_REMAT_RECOMPUTES) <= set(REMAT_POLICIES)  # the names are the JAX step's
