@@ -54,6 +54,7 @@ from analysis.data_parallel import (LEADERBOARD_SUITE, SUITE as DDP_SUITE, calcu
                                     sharded_step_memory)
 from analysis.harness import (CUDA_GRAPH_MODES, DTYPES, calculator_terms, compiled_activations, device_terms,
                               recomputation)
+from analysis.overlap import RANK_PROFILES
 from analysis.records import Record, read_records
 from analysis.training import TRAIN_SUITE
 from parallelism_calc.cli import ArgumentParser, error_boundary
@@ -818,8 +819,14 @@ def kernel_times(record: Record) -> dict[str, float]:
             if k.startswith(KERNEL_TIME_PREFIX) and v is not None}
 
 
+def is_profiled(record: Record) -> bool:
+    """Whether a record holds its step's profile: kernel times (JAX) or each rank's split (the DDP benchmark's
+    ``analysis.overlap.RANK_PROFILES``)."""
+    return bool(kernel_times(record)) or any(record.metrics.get(RANK_PROFILES) or ())
+
+
 def profile_records(sources: list) -> list[Record]:
-    """The profiled GPU step records (``kernel_times``, ``is_step``) in the ``profiles/`` folder of each folder
+    """The profiled GPU step records (``is_profiled``, ``is_step``) in the ``profiles/`` folder of each folder
     among ``sources``: evidence for ``explain_kernels``, not rows. That folder holds probes' own formats beside
     records: a file that is not records is passed over."""
     found = []
@@ -827,7 +834,7 @@ def profile_records(sources: list) -> list[Record]:
         if isinstance(source, (str, Path)) and Path(source).is_dir():
             for path in sorted((Path(source) / PROFILES_FOLDER).glob("*.jsonl")):
                 try:
-                    found += [r for r in read_records(path) if kernel_times(r) and is_step(r)]
+                    found += [r for r in read_records(path) if is_profiled(r) and is_step(r)]
                 except ValueError:  # a probe's rows, not records
                     continue
     return found
@@ -841,18 +848,51 @@ def _program(record: Record) -> tuple:
             m.get("blocks_per_program"))
 
 
+def profile_split(profiled: Record, row: Row) -> tuple[str, dict[str, float], float] | None:
+    """Where ``profiled``'s step went against ``row``'s floor: (the terms as a why says them, each term's ms beyond
+    its floor, the ms a step the profile accounts for). Kernel times (JAX): the products (GEMMs and attention
+    kernels) against the floor's matmul and attention, the other kernels against the rest of the floor, and the
+    GPU's idle time. Each rank's split (the DDP benchmark): its compute kernels against the floor less its
+    communication, its collectives running alone (a peer's wait inside them included) against the floor's
+    communication, and its idle time. None for a record with neither."""
+    times = kernel_times(profiled)
+    if times:
+        products = times.get(PRODUCT_KERNELS, 0.0)
+        rest = sum(ms for category, ms in times.items() if category != PRODUCT_KERNELS)
+        idle = float(profiled.metrics.get("gpu_idle_ms") or 0.0)
+        rest_floor = row.floor_ms - row.products_floor_ms
+        text = (f"GEMMs and attention {products:.0f} ms against the floor's {row.products_floor_ms:.0f}, the others "
+                f"(elementwise, reductions, copies) {rest:.0f} against its {rest_floor:.0f} (bytes at the copy rate, "
+                f"communication)" + (f", GPU idle {idle:.0f}" if idle else ""))
+        return text, {"the products": products - row.products_floor_ms, "the other kernels": rest - rest_floor,
+                      "the GPU idle (the host's pace)": idle}, products + rest + idle
+    ranks = [(rank, split) for rank, split in enumerate(profiled.metrics.get(RANK_PROFILES) or ()) if split]
+    if not ranks:
+        return None
+    compute_floor, comm_floor = row.floor_ms - (row.comm_floor_ms or 0.0), row.comm_floor_ms or 0.0
+    parts, beyond = [], {}
+    for rank, split in ranks:
+        alone = split["comm_ms"] - split["both_ms"]
+        parts.append(f"rank {rank} compute {split['compute_ms']:.0f} ms, collectives alone {alone:.0f}, idle "
+                     f"{split['idle_ms']:.0f}")
+        beyond.update({f"rank {rank}'s compute": split["compute_ms"] - compute_floor,
+                       f"rank {rank}'s collectives": alone - comm_floor,
+                       f"the GPU idle on rank {rank} (its host's pace)": split["idle_ms"]})
+    covered = max(s["compute_ms"] + s["comm_ms"] - s["both_ms"] + s["idle_ms"] for _, s in ranks)
+    return (f"{'; '.join(parts)} (the floor: compute {compute_floor:.0f}, communication {comm_floor:.0f})", beyond,
+            covered)
+
+
 def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
     """Set ``time_why`` of every row still beyond ``TIME_BOUND`` without one whose program (``_program``) was
-    profiled: its own record's kernel times (``kernel_times``), else the profiled run of the same program (among
-    ``profiles`` and the rows) measured nearest it, within ``TIME_BOUND`` of its time, at its commit if one was. The
-    why is where that profile's step went against the floor's terms: GPU time in the products (GEMMs and attention
-    kernels) against the floor's matmul and attention terms, in the other kernels (elementwise, reductions, copies)
-    against its bytes (and communication), and the GPU's idle time a step (``gpu_idle_ms``, the host's), with the
-    term furthest beyond its floor named. Only where the kernels and the idle time cover ``PROFILE_COVERAGE`` of the
-    profiled step. A profile of another run is that run's evidence: its why lends to no third run (``borrowed``)."""
+    profiled (``is_profiled``): its own record, else the profiled run of the same program (among ``profiles`` and
+    the rows) measured nearest it, within ``TIME_BOUND`` of its time, at its commit if one was. The why is where that
+    profile's step went against the floor's terms (``profile_split``), the term furthest beyond its floor named;
+    only where the profile accounts for ``PROFILE_COVERAGE`` of the profiled step. A profile of another run is that
+    run's evidence: its why lends to no third run (``borrowed``)."""
     profiled: dict[tuple, list[Record]] = {}
     for record in [*profiles, *(row.record for row in rows)]:
-        if kernel_times(record):
+        if is_profiled(record):
             profiled.setdefault(_program(record), []).append(record)
     for row in rows:
         record = row.record
@@ -862,26 +902,14 @@ def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
                        if abs(p.median_ms / record.median_ms - 1) <= TIME_BOUND),
                       key=lambda p: (p is not record, p.provenance.get("git_commit") != record.provenance.get(
                           "git_commit"), abs(math.log(p.median_ms / record.median_ms))))
-        if not near:
+        split = profile_split(near[0], row) if near else None
+        if split is None or split[2] < PROFILE_COVERAGE * near[0].median_ms:
             continue
-        p = near[0]
-        times = kernel_times(p)
-        products = times.get(PRODUCT_KERNELS, 0.0)
-        rest = sum(ms for category, ms in times.items() if category != PRODUCT_KERNELS)
-        idle = float(p.metrics.get("gpu_idle_ms") or 0.0)
-        if products + rest + idle < PROFILE_COVERAGE * p.median_ms:
-            continue
-        rest_floor = row.floor_ms - row.products_floor_ms
-        beyond = {"the products": products - row.products_floor_ms, "the other kernels": rest - rest_floor,
-                  "the GPU idle (the host's pace)": idle}
+        p, (text, beyond, _) = near[0], split
         whose = ("its profile" if p is record else
                  f"the same program's profile at {(p.provenance.get('git_commit') or '?')[:7]} ({p.suite}, "
                  f"{p.median_ms:.1f} ms)")
-        row.time_why = (f"kernels a step ({whose}): GEMMs and attention {products:.0f} ms against the floor's "
-                        f"{row.products_floor_ms:.0f}, the others (elementwise, reductions, copies) {rest:.0f} "
-                        f"against its {rest_floor:.0f} (bytes at the copy rate, communication)"
-                        + (f", GPU idle {idle:.0f}" if idle else "")
-                        + f"; most beyond the floor: {max(beyond, key=beyond.get)}")
+        row.time_why = f"profiled a step ({whose}): {text}; most beyond the floor: {max(beyond, key=beyond.get)}"
         if p is not record:
             row.borrowed.add("time")
 

@@ -60,10 +60,12 @@
 # snapshot: issue 16's memory rows: the eager step (bf16 autocast, cuDNN attention) of xl at 4 x 1,024 and of 2.7B at
 #   4 x 512 a rank, on one GPU and as our FSDP, FSDP2 and bucketed DDP over all GPUs, each with one more step's CUDA
 #   allocator history recorded on every rank (OUT_DIR/snapshots.tar.xz; `python -m analysis.snapshot` reads them).
+# fidelity: our FSDP and FSDP2 at xl 4 x 1,024 a rank (compiled blocks) beside one GPU, each rank's step split
+#   (compute, collectives, idle; analysis.overlap) in its record: the fidelity report's evidence.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
 phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, engines, variants, matrix, accum, leaderboard,
-  nodes, processes, reshard, launch, snapshot"
+  nodes, processes, reshard, launch, snapshot, fidelity"
 phase=${2:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE; phases: $phases}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -217,6 +219,15 @@ nodes)
     echo "$(basename "$log"): $(grep -o ' via [A-Za-z0-9/_]*' "$log" | sort | uniq -c | tr -s ' \n' ' ')"
   done > "$out/nodes_nccl.txt"
   python3 -m analysis.multihost "$out/nodes_train.jsonl" "$out/nodes_ddp.jsonl" --out "$out/nodes.md" ;;
+fidelity)
+  # The FSDP steps the fidelity report had no profile of (analysis.fidelity.explain_kernels): our FSDP and FSDP2 at
+  # xl 4 x 1,024 a rank (bf16 autocast, cuDNN attention, compiled blocks) over all GPUs beside one GPU, profiled:
+  # each rank's compute, collectives and idle time a step in the records (per_rank_profile_ms; the traces dropped).
+  ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
+       --compile --out "$out/ddp_fidelity.jsonl")
+  python3 "${ddp[@]}" --dist none
+  "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2 --profile "$out/profiles"
+  rm -rf "$out/profiles" ;;
 processes)
   [[ $n -ge 2 ]] || { echo "processes: needs 2 GPUs, this machine has $n" >&2; exit 1; }
   export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95

@@ -314,3 +314,19 @@ def test_reports_draw_the_ddp_suite(records, tmp_path):
     assert {"ddp.md", "ddp_tokens.png", "index.md"} <= names
     text = (tmp_path / "ddp.md").read_text()
     assert "scaling_efficiency" in text and "![throughput](ddp_tokens.png)" in text
+
+
+def test_a_profiled_run_splits_each_rank_s_step_where_its_trace_has_kernels(tmp_path, monkeypatch):
+    """``--profile`` keeps each rank's trace, and each rank's ``analysis.overlap.step_split`` of it goes into the
+    record as ``per_rank_profile_ms``: none on the CPU (no kernels); a split where the trace has one (here the split
+    stood in for, as a CUDA trace would give)."""
+    import torch_impl.bench.ddp as ddp
+
+    out, profiles = tmp_path / "ddp.jsonl", tmp_path / "profiles"
+    assert main([*COMMON, "--dist", "none", "--profile", str(profiles), "--out", str(out)]) == 0
+    assert (profiles / "none_rank0_trace.json").exists()
+    assert "per_rank_profile_ms" not in read_records(out)[0].metrics
+    split = {"span_ms": 3.0, "compute_ms": 2.0, "comm_ms": 0.0, "both_ms": 0.0, "idle_ms": 1.0}
+    monkeypatch.setattr(ddp, "step_split", lambda path, steps: split if Path(path).exists() else None)
+    assert main([*COMMON, "--dist", "none", "--profile", str(profiles), "--out", str(out)]) == 0
+    assert read_records(out)[1].metrics["per_rank_profile_ms"] == [split]

@@ -484,11 +484,11 @@ def test_a_profile_of_the_row_s_program_says_where_its_step_went(tmp_path):
     thin = _record(suite="jax_thin", backend="jax", implementation="jit dot_product_cudnn", median=median,
                    metrics={"time_ms.matmul": 1.0, "predicted_peak_bytes": 2.5 * 2**30})
     rows = fidelity_rows([*_ceilings(), own, other, far, thin], profiles)
-    assert rows[0].time_why == (f"kernels a step (its profile): GEMMs and attention {products + 1:.0f} ms against the "
+    assert rows[0].time_why == (f"profiled a step (its profile): GEMMs and attention {products + 1:.0f} ms against the "
                                 f"floor's {products:.0f}, the others (elementwise, reductions, copies) "
                                 f"{rest + median / 2:.0f} against its {rest:.0f} (bytes at the copy rate, "
                                 f"communication), GPU idle 1; most beyond the floor: the other kernels")
-    assert rows[1].time_why.startswith("kernels a step (the same program's profile at ccccccc (jax_profile, ")
+    assert rows[1].time_why.startswith("profiled a step (the same program's profile at ccccccc (jax_profile, ")
     assert rows[1].time_why.endswith("most beyond the floor: the GPU idle (the host's pace)")
     assert "time" in rows[1].borrowed and "time" not in rows[0].borrowed
     assert rows[2].time_why == "" and rows[3].time_why == ""  # 2x the profiled runs' time; kernels cover 1 ms
@@ -508,3 +508,28 @@ def test_a_jax_step_s_floor_counts_what_its_remat_policy_recomputes():
     from jax_impl.train import REMAT_POLICIES
 
     assert set(JAX_REMAT_RECOMPUTES) <= set(REMAT_POLICIES)  # the names are the JAX step's
+
+
+def test_each_rank_s_profile_says_where_a_data_parallel_step_went():
+    """A DDP-benchmark row beyond the bound with each rank's split in its record (``per_rank_profile_ms``) says, rank
+    by rank, its compute, its collectives running alone and its idle time against the floor's compute and
+    communication, naming the furthest beyond: here one rank's GPU waiting for its host."""
+    bus = Record(suite=ALLREDUCE_SUITE, backend="torch", implementation="nccl", world_size=2,
+                 metrics={"comm_backend": "nccl", "bytes": 10**9, "busbw_gbps": 300.0})
+    bus.provenance["device_name"] = H100
+    fsdp = dict(suite="ddp", world_size=2, mesh={"fsdp": 2}, metrics={"impl": "fsdp", "strategy": "fsdp"})
+    floor = fidelity_rows([*_ceilings(), bus, _record(**fsdp)])[0]
+    median = floor.floor_ms * 3
+    compute, comm = floor.floor_ms - floor.comm_floor_ms, floor.comm_floor_ms
+    ranks = [{"span_ms": median, "compute_ms": compute, "comm_ms": median - compute, "both_ms": 0.0, "idle_ms": 0.0},
+             {"span_ms": median, "compute_ms": compute, "comm_ms": comm, "both_ms": comm,
+              "idle_ms": median - compute}]
+    profiled = _record(median=median, **{**fsdp, "metrics": {**fsdp["metrics"], "per_rank_profile_ms": ranks}})
+    row = fidelity_rows([*_ceilings(), bus, profiled])[0]
+    assert row.time_why == (
+        f"profiled a step (its profile): rank 0 compute {compute:.0f} ms, collectives alone {median - compute:.0f}, "
+        f"idle 0; rank 1 compute {compute:.0f} ms, collectives alone 0, idle {median - compute:.0f} (the floor: "
+        f"compute {compute:.0f}, communication {comm:.0f}); most beyond the floor: the GPU idle on rank 1 (its "
+        f"host's pace)")
+    unprofiled = fidelity_rows([*_ceilings(), bus, _record(median=median, **fsdp)])[0]
+    assert unprofiled.time_why == ""

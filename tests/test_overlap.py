@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from analysis.overlap import analyze, main, markdown, medians, merged, traces
+from analysis.overlap import analyze, main, markdown, medians, merged, step_split, traces
 
 
 def _kernel(name: str, start: float, dur: float) -> dict:
@@ -34,6 +34,17 @@ def test_times_by_hand():
     with_base = analyze(EVENTS, "t", steps=2, baseline={"gemm": 5.0})
     assert with_base.span_ms == pytest.approx(0.020)  # per step
     assert next(k for k in with_base.kernels if k.name == "gemm").slowdown == pytest.approx(2.0)
+
+
+def test_a_trace_s_step_split_is_analyze_s_per_step(tmp_path):
+    """``step_split`` (what the DDP benchmark's --profile puts in each rank's record) is ``analyze``'s split per
+    step; a trace without kernels (a CPU run) has none."""
+    path = tmp_path / "fsdp_rank0_trace.json"
+    path.write_text(json.dumps({"traceEvents": EVENTS}))
+    assert step_split(path, steps=2) == pytest.approx(
+        {"span_ms": 0.020, "compute_ms": 0.0125, "comm_ms": 0.011, "both_ms": 0.0075, "idle_ms": 0.004})
+    path.write_text(json.dumps({"traceEvents": EVENTS[-1:]}))
+    assert step_split(path, steps=2) is None
 
 
 def test_copies_between_gpus_are_communication():

@@ -20,7 +20,8 @@ runs individual and bucketed once with bf16_mixed's optimizer stepping each buck
 all (``torch_impl.step.OPTIMIZER_STEPS``; the record's ``optimizer_step`` says which ran); ``--mean bucket,optimizer``
 runs bucketed on the copy engines once averaging each bucket and once leaving the means to the optimizer, which reads
 every rank's gradients (``torch_impl.distributed.ddp.MEANS``); ``--profile DIR`` profiles
-``PROFILED_STEPS`` more steps of each configuration on every rank (read them with ``python -m analysis.overlap``).
+``PROFILED_STEPS`` more steps of each configuration on every rank (read them with ``python -m analysis.overlap``;
+each rank's compute, collectives, both and idle time a step go into the record as ``per_rank_profile_ms``).
 
 Phases of a step (ms), ``torch_impl.step.train_step``'s (``analysis.records.STEP_PHASES``): ``forward`` (model +
 loss), ``backward`` (``loss.backward()``), ``comm`` (time blocked in ``finish_gradient_synchronization()``: the
@@ -88,6 +89,7 @@ from analysis.harness import (DTYPES, StepConfig, StepRun, calculator_terms, com
                               fixed_batch, resolve_spec, step_record)
 from analysis.data_parallel import (PHASES, SUITE, add_scaling_efficiency, baseline_key, memory_terms, report,
                                      single_process_baselines)
+from analysis.overlap import RANK_PROFILES, step_split
 from analysis.records import Record, read_records, save_records
 from parallelism_calc.cli import (ArgumentParser, error_boundary, nonnegative_float, nonnegative_int, parse_list,
                                   positive_float, positive_int, writable_path)
@@ -226,10 +228,12 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
     # does not count
     peak = peak_of(device) + getattr(wrapper, "symmetric_bytes", 0) if device.type == "cuda" else None
     tag = re.sub(r"[^A-Za-z0-9._-]+", "_", cfg.name)  # 'bucketed 25MB, bf16 comm' -> bucketed_25MB_bf16_comm
+    split = None
     if args.profile:  # after the timed steps, so the profiler's own cost is in no timing
         from torch_impl.profiling import profile_steps
 
         profile_steps(lambda: step(PhaseTimer(device)), PROFILED_STEPS, args.profile, tag=f"{tag}_rank{rank}")
+        split = step_split(os.path.join(args.profile, f"{tag}_rank{rank}_trace.json"), PROFILED_STEPS)
     if args.memory_snapshot:  # one more step, after the timed ones: what is alive at its peak, and made where
         from torch_impl.profiling import memory_history
 
@@ -237,7 +241,8 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
             step(PhaseTimer(device))
     overlapped = parts.overlapped and cfg.impl in OPTIMIZER_STEP_MODES  # the wrapper's parts, stepped as they land
     return {"step_ms": step_ms, "phases_ms": phases_ms, "peak": peak, "losses": losses, "error": None,
-            "allocated_before": allocated_before, "optimizer_step": "overlapped" if overlapped else "after"}
+            "allocated_before": allocated_before, "optimizer_step": "overlapped" if overlapped else "after",
+            "profile": split}
 
 
 # ----------------------------------------------------------------------------- records (rank 0)
@@ -299,6 +304,8 @@ def make_record(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, world_siz
             "losses": gathered[0]["losses"],
             "optimizer_step": gathered[0]["optimizer_step"],
         })
+        if any(g.get("profile") for g in gathered):  # --profile on GPUs: each rank's step split (analysis.overlap)
+            metrics[RANK_PROFILES] = [g.get("profile") for g in gathered]
         record = step_record(run, spec, seq_len, step_times_ms=step_ms, phases_ms=phases_ms,
                              peak_memory_bytes=None if None in peaks else max(peaks), metrics=metrics, **common)
         record.tokens_per_s = world_size * args.batch_size * seq_len / (record.timing["median_ms"] / 1e3)
