@@ -810,7 +810,6 @@ def explain_times(rows: list[Row], slowest_attention: float | None = None) -> No
 KERNEL_TIME_PREFIX = "time_ms."
 PRODUCT_KERNELS = "matmul"
 PROFILES_FOLDER = "profiles"  # a results folder's profiled runs (``profile_records``)
-PROFILE_COVERAGE = 0.75  # a profile explains a step only where its kernels and idle time cover this much of it
 
 
 def kernel_times(record: Record) -> dict[str, float]:
@@ -879,8 +878,9 @@ def profile_split(profiled: Record, row: Row) -> tuple[str, dict[str, float], fl
                        f"rank {rank}'s collectives": alone - comm_floor,
                        f"the GPU idle on rank {rank} (its host's pace)": split["idle_ms"]})
     covered = max(s["compute_ms"] + s["comm_ms"] - s["both_ms"] + s["idle_ms"] for _, s in ranks)
-    return (f"{'; '.join(parts)} (the floor: compute {compute_floor:.0f}, communication {comm_floor:.0f})", beyond,
-            covered)
+    span = max(s["span_ms"] for _, s in ranks)
+    return (f"{'; '.join(parts)} (the floor: compute {compute_floor:.0f}, communication {comm_floor:.0f}; the "
+            f"profiled steps {span:.0f} ms a step)", beyond, covered)
 
 
 def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
@@ -888,8 +888,9 @@ def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
     profiled (``is_profiled``): its own record, else the profiled run of the same program (among ``profiles`` and
     the rows) measured nearest it, within ``TIME_BOUND`` of its time, at its commit if one was. The why is where that
     profile's step went against the floor's terms (``profile_split``), the term furthest beyond its floor named;
-    only where the profile accounts for ``PROFILE_COVERAGE`` of the profiled step. A profile of another run is that
-    run's evidence: its why lends to no third run (``borrowed``)."""
+    only where the time the profile accounts for is within ``TIME_BOUND`` of its run's timed step (neither a
+    profile of a part nor one the profiler slowed). A profile of another run is that run's evidence: its why lends
+    to no third run (``borrowed``)."""
     profiled: dict[tuple, list[Record]] = {}
     for record in [*profiles, *(row.record for row in rows)]:
         if is_profiled(record):
@@ -903,7 +904,7 @@ def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
                       key=lambda p: (p is not record, p.provenance.get("git_commit") != record.provenance.get(
                           "git_commit"), abs(math.log(p.median_ms / record.median_ms))))
         split = profile_split(near[0], row) if near else None
-        if split is None or split[2] < PROFILE_COVERAGE * near[0].median_ms:
+        if split is None or abs(split[2] / near[0].median_ms - 1) > TIME_BOUND:
             continue
         p, (text, beyond, _) = near[0], split
         whose = ("its profile" if p is record else

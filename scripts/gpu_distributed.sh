@@ -222,11 +222,13 @@ nodes)
 fidelity)
   # The FSDP steps the fidelity report had no profile of (analysis.fidelity.explain_kernels): our FSDP and FSDP2 at
   # xl 4 x 1,024 a rank (bf16 autocast, cuDNN attention, compiled blocks) over all GPUs beside one GPU, profiled:
-  # each rank's compute, collectives and idle time a step in the records (per_rank_profile_ms; the traces dropped).
+  # each rank's compute, collectives and idle time a step in the records (per_rank_profile_ms; the traces dropped),
+  # the GPU's kernels alone (--profile-host off: with the host's ops recorded too, the profiled steps ran 1.3-1.6x
+  # the timed ones at e3c301a).
   ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
        --compile --out "$out/ddp_fidelity.jsonl")
   python3 "${ddp[@]}" --dist none
-  "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2 --profile "$out/profiles"
+  "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2 --profile "$out/profiles" --profile-host off
   rm -rf "$out/profiles" ;;
 processes)
   [[ $n -ge 2 ]] || { echo "processes: needs 2 GPUs, this machine has $n" >&2; exit 1; }

@@ -529,7 +529,11 @@ def test_each_rank_s_profile_says_where_a_data_parallel_step_went():
     assert row.time_why == (
         f"profiled a step (its profile): rank 0 compute {compute:.0f} ms, collectives alone {median - compute:.0f}, "
         f"idle 0; rank 1 compute {compute:.0f} ms, collectives alone 0, idle {median - compute:.0f} (the floor: "
-        f"compute {compute:.0f}, communication {comm:.0f}); most beyond the floor: the GPU idle on rank 1 (its "
-        f"host's pace)")
+        f"compute {compute:.0f}, communication {comm:.0f}; the profiled steps {median:.0f} ms a step); most beyond "
+        f"the floor: the GPU idle on rank 1 (its host's pace)")
     unprofiled = fidelity_rows([*_ceilings(), bus, _record(median=median, **fsdp)])[0]
     assert unprofiled.time_why == ""
+    # a profile whose steps ran 1.5x the timed ones (the profiler's host cost) stands for no step
+    slowed = [{**split, "span_ms": split["span_ms"] * 1.5, "idle_ms": split["idle_ms"] + median / 2} for split in ranks]
+    profiled.metrics["per_rank_profile_ms"] = slowed
+    assert fidelity_rows([*_ceilings(), bus, profiled])[0].time_why == ""

@@ -63,10 +63,13 @@ def profile_metrics(rows: list[KernelRow], calls: dict[str, float]) -> dict[str,
 
 
 def profile_steps(step: Callable[[], object], n_steps: int, out_dir: str | Path | None, tag: str,
-                  calls: dict[str, float] | None = None) -> list[KernelRow]:
+                  calls: dict[str, float] | None = None, host: bool = True) -> list[KernelRow]:
     """Profile ``n_steps`` calls of ``step``; write ``<tag>_trace.json`` and ``<tag>_kernels.md`` in ``out_dir``
-    (None: the kernel table alone, nothing written); ``calls``, if given, gets each kernel's launches per step."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    (None: the kernel table alone, nothing written); ``calls``, if given, gets each kernel's launches per step.
+    ``host=False`` records the GPU's activity alone where there is CUDA (no host ops in the trace): the profiler's
+    host cost per op, which slows a host-bound step, mostly left out."""
+    cuda = torch.cuda.is_available()
+    activities = ([ProfilerActivity.CPU] if host or not cuda else []) + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(n_steps):
             step()

@@ -116,6 +116,7 @@ class DDPBenchConfig(StepConfig):
     cuda_graph: str
     timeout: float
     profile: str | None
+    profile_host: str
     memory_snapshot: str | None
     report_only: str | None
 
@@ -232,7 +233,8 @@ def _measure(cfg: Config, args: DDPBenchConfig, spec, seq_len: int, device, rank
     if args.profile:  # after the timed steps, so the profiler's own cost is in no timing
         from torch_impl.profiling import profile_steps
 
-        profile_steps(lambda: step(PhaseTimer(device)), PROFILED_STEPS, args.profile, tag=f"{tag}_rank{rank}")
+        profile_steps(lambda: step(PhaseTimer(device)), PROFILED_STEPS, args.profile, tag=f"{tag}_rank{rank}",
+                      host=args.profile_host == "on")
         split = step_split(os.path.join(args.profile, f"{tag}_rank{rank}_trace.json"), PROFILED_STEPS)
     if args.memory_snapshot:  # one more step, after the timed ones: what is alive at its peak, and made where
         from torch_impl.profiling import memory_history
@@ -488,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"after timing, {PROFILED_STEPS} steps per configuration under torch.profiler on every "
                              "rank: a Chrome trace <impl>_rank<r>_trace.json and a kernel table in DIR (the NCCL "
                              "kernels beside the compute ones: where overlap slows the backward)")
+    parser.add_argument("--profile-host", choices=("on", "off"), default="on",
+                        help="--profile records the host's ops too (on, the default) or the GPU's kernels alone "
+                             "(off: the profiler's host cost, which slows a host-bound step, mostly left out)")
     parser.add_argument("--memory-snapshot", metavar="DIR",
                         help="after timing, one more step per configuration with the CUDA allocator's history "
                              "recorded on every rank: DIR/<configuration>_rank<r>.pickle.gz, e.g. "
