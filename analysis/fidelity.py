@@ -50,8 +50,8 @@ from typing import Any, Callable
 
 from analysis.allreduce import ALLREDUCE_SUITE
 from analysis.attention import ATTENTION_SUITE
-from analysis.data_parallel import (LEADERBOARD_SUITE, SUITE as DDP_SUITE, calculator_strategy, memory_terms,
-                                    sharded_step_memory)
+from analysis.data_parallel import (LEADERBOARD_SUITE, PHASES, SUITE as DDP_SUITE, baseline_key, calculator_strategy,
+                                    memory_terms, sharded_step_memory)
 from analysis.harness import (CUDA_GRAPH_MODES, DTYPES, calculator_terms, compiled_activations, device_terms,
                               recomputation)
 from analysis.overlap import RANK_PROFILES
@@ -417,7 +417,8 @@ def is_step(record: Record) -> bool:
 def fidelity_rows(records: list[Record], profiles: list[Record] = ()) -> list[Row]:
     """A ``Row`` per GPU step record (``is_step``), predicted (``predict``), then its whys in order: each row's own
     records (``explain_times``), the kernels of its program's profile (``explain_kernels``; ``profiles``: profiled
-    records that are evidence, not rows, ``profile_records``), the e2e benchmark's same step for a trainer row
+    records that are evidence, not rows, ``profile_records``), a data-parallel step against the one-GPU step of its
+    launch (``explain_ranks``), the e2e benchmark's same step for a trainer row
     (``explain_trainer``), known memory gaps (``explain_memory``), the run's later epochs for a trainer's first
     (``explain_first_epoch``), changes of our code it ran before (``explain_code_changes``), then the same step at
     another commit (``explain_across_commits``)."""
@@ -426,6 +427,7 @@ def fidelity_rows(records: list[Record], profiles: list[Record] = ()) -> list[Ro
     rows = [predict(r, ceilings, buses, leftovers.get(id(r)), attention) for r in records if is_step(r)]
     explain_times(rows, slowest_attention_share(records, ceilings))
     explain_kernels(rows, profiles)
+    explain_ranks(rows)
     explain_trainer(rows)
     explain_memory(rows)
     explain_first_epoch(rows)
@@ -913,6 +915,38 @@ def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
         row.time_why = f"profiled a step ({whose}): {text}; most beyond the floor: {max(beyond, key=beyond.get)}"
         if p is not record:
             row.borrowed.add("time")
+
+
+
+def explain_ranks(rows: list[Row]) -> None:
+    """Set ``time_why`` of every DDP-benchmark row of several ranks still beyond ``TIME_BOUND`` without one, where
+    the one-GPU step of its launch (the ``none`` row of its commit and ``baseline_key``, the last measured before it)
+    is within ``TIME_BOUND`` of its own floor and at least half the row's gap lies beyond that step: each rank
+    computes what one GPU does, so that time is the ranks waiting (communication the step does not hide, or a
+    peer's host), held against the floor's communication, with the phases beside the one GPU's."""
+    singles: dict[tuple, list[Row]] = {}
+    for row in rows:
+        r = row.record
+        if (r.suite == DDP_SUITE and r.world_size == 1 and r.implementation == "none" and row.time_error is not None
+                and abs(row.time_error) <= TIME_BOUND):
+            singles.setdefault((baseline_key(r), _commit(row)), []).append(row)
+    for row in rows:
+        r = row.record
+        if r.suite != DDP_SUITE or r.world_size < 2 or not _unexplained(row, "time", TIME_BOUND):
+            continue
+        before = [s for s in singles.get((baseline_key(r), _commit(row)), ()) if _date(s) <= _date(row)]
+        if not before:
+            continue
+        one = max(before, key=_date).record
+        waiting = r.median_ms - one.median_ms
+        if waiting < (r.median_ms - row.floor_ms) / 2:
+            continue
+        phases = ", ".join(f"{p} {r.phases[p]['median_ms']:.0f} ({one.phases[p]['median_ms']:.0f})" for p in PHASES
+                           if p in (r.phases or {}) and p in (one.phases or {}))
+        row.time_why = (f"ranks waiting: {waiting:.0f} ms a step beyond the one-GPU step of its launch "
+                        f"({one.median_ms:.1f} ms, within {TIME_BOUND:.0%} of its floor), against the floor's "
+                        f"{row.comm_floor_ms or 0:.0f} ms of communication: communication the step does not hide, or a "
+                        f"peer's host (by phase, ms, one GPU's in brackets: {phases})")
 
 
 def _frame(rows: list[Row]):

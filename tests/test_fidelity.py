@@ -537,3 +537,36 @@ def test_each_rank_s_profile_says_where_a_data_parallel_step_went():
     slowed = [{**split, "span_ms": split["span_ms"] * 1.5, "idle_ms": split["idle_ms"] + median / 2} for split in ranks]
     profiled.metrics["per_rank_profile_ms"] = slowed
     assert fidelity_rows([*_ceilings(), bus, profiled])[0].time_why == ""
+
+
+def test_a_data_parallel_step_beyond_its_launch_s_one_gpu_step_is_its_ranks_waiting():
+    """A DDP-benchmark row of two ranks beyond the bound, whose launch's one-GPU step (same commit and baseline key,
+    measured before it) is within the bound of its floor, says how far beyond that step it is against the floor's
+    communication, phase by phase; without that step in its launch (another commit) it says nothing."""
+    bus = Record(suite=ALLREDUCE_SUITE, backend="torch", implementation="nccl", world_size=2,
+                 metrics={"comm_backend": "nccl", "bytes": 10**9, "busbw_gbps": 300.0})
+    bus.provenance["device_name"] = H100
+    common = dict(suite="ddp", metrics={"attention": "sdpa_cudnn", "compiled": True})
+    one_floor = fidelity_rows([*_ceilings(), _record(implementation="none", **common)])[0].floor_ms
+    phases = {"forward": 30.0, "backward": 60.0, "comm": 0.0, "optimizer": 10.0}
+
+    def step(impl, median, world, commit, date, scale):
+        record = _at(_record(implementation=impl, median=median, world_size=world,
+                             metrics={**common["metrics"], "impl": impl, "strategy": "fsdp" if world > 1 else "none"},
+                             suite="ddp", mesh={"fsdp": world} if world > 1 else None), commit, date)
+        record.phases = {p: {"median_ms": ms * scale} for p, ms in phases.items()}
+        return record
+
+    one = step("none", one_floor * 1.1, 1, "a" * 40, "2026-11-27T00:00:00+00:00", 1.0)
+    fsdp_floor = fidelity_rows([*_ceilings(), bus, step("fsdp", 1.0, 2, "a" * 40, "2026-11-27T01:00:00+00:00",
+                                                         1.0)])[0].floor_ms
+    sharded = step("fsdp", fsdp_floor * 2, 2, "a" * 40, "2026-11-27T01:00:00+00:00", 2.0)
+    elsewhere = step("fsdp", fsdp_floor * 3, 2, "b" * 40, "2026-11-27T02:00:00+00:00", 2.0)  # not like the first
+    rows = fidelity_rows([*_ceilings(), bus, one, sharded, elsewhere])
+    waiting = sharded.median_ms - one.median_ms
+    assert rows[1].time_why == (
+        f"ranks waiting: {waiting:.0f} ms a step beyond the one-GPU step of its launch ({one.median_ms:.1f} ms, "
+        f"within 25% of its floor), against the floor's {rows[1].comm_floor_ms:.0f} ms of communication: "
+        f"communication the step does not hide, or a peer's host (by phase, ms, one GPU's in brackets: forward 60 "
+        f"(30), backward 120 (60), comm 0 (0), optimizer 20 (10))")
+    assert rows[2].time_why == ""
