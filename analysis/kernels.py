@@ -125,25 +125,34 @@ def hlo_kernel_details(hlo_text: str) -> dict[str, str]:
 
 def _stream_kernels(path: str | os.PathLike) -> list[tuple[str, float, float]]:
     """``(name, start us, duration us)`` of every kernel on the GPU stream timelines of a Chrome-format trace
-    (``.json`` or ``.json.gz``). ValueError if the trace has no GPU timeline."""
+    (``.json`` or ``.json.gz``), of its first GPU (by name, ``/device:GPU:0``) where it holds several: a program
+    over a mesh runs the same kernels on each, and one device's time a step is what a step takes. ValueError if the
+    trace has no GPU timeline."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         events = json.load(f).get("traceEvents", [])
 
-    def named(kind: str, prefix: str) -> set:
-        return {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"] for e in events
-                if e.get("ph") == "M" and e.get("name") == kind
-                and str(e.get("args", {}).get("name", "")).startswith(prefix)}
+    def named(kind: str, prefix: str) -> dict[tuple, str]:
+        """{(pid, tid): name} of the ``kind`` metadata events (process or thread names) starting ``prefix``."""
+        return {(e["pid"], e.get("tid")): str(e["args"]["name"]) for e in events if e.get("ph") == "M"
+                and e.get("name") == kind and str(e.get("args", {}).get("name", "")).startswith(prefix)}
 
     gpus = named("process_name", "/device:GPU")
+    first = min(gpus, key=lambda key: _device_order(gpus[key]))[0] if gpus else None
     # Kernels are on the "Stream #N" threads; the same process's "XLA Ops" / "XLA Modules" threads repeat
     # their time per HLO op and per program, so counting those too would count it twice.
-    streams = {key for key in named("thread_name", "Stream") if key[0] in gpus}
+    streams = {key for key in named("thread_name", "Stream") if key[0] == first}
     if not streams:
         raise ValueError(f"{path}: no GPU stream timeline in the trace (was it recorded on a GPU?)")
     return [(_kernel_key(e["name"], e.get("args", {}).get("hlo_module")), float(e["ts"]), float(e["dur"]))
             for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams and e.get("dur")]
+
+
+def _device_order(name: str) -> tuple[int, str]:
+    """``/device:GPU:10 ...`` after ``/device:GPU:2``: the device's number, then its name."""
+    match = re.match(r"/device:GPU:(\d+)", name)
+    return (int(match.group(1)) if match else 1 << 30, name)
 
 
 def trace_kernel_times(path: str | os.PathLike) -> dict[str, float]:

@@ -61,7 +61,8 @@
 #   4 x 512 a rank, on one GPU and as our FSDP, FSDP2 and bucketed DDP over all GPUs, each with one more step's CUDA
 #   allocator history recorded on every rank (OUT_DIR/snapshots.tar.xz; `python -m analysis.snapshot` reads them).
 # fidelity: our FSDP and FSDP2 at xl 4 x 1,024 a rank (compiled blocks) beside one GPU, each rank's step split
-#   (compute, collectives, idle; analysis.overlap) in its record: the fidelity report's evidence.
+#   (compute, collectives, idle; analysis.overlap) in its record, and the processes study's JAX steps profiled:
+#   the fidelity report's evidence.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_distributed.sh OUT_DIR PHASE}
 phases="allreduce, ddp, seed, overlap, graphs, sharded, scaling, zero2, engines, variants, matrix, accum, leaderboard,
@@ -225,11 +226,25 @@ fidelity)
   # each rank's compute, collectives and idle time a step in the records (per_rank_profile_ms; the traces dropped),
   # the GPU's kernels alone (--profile-host off: with the host's ops recorded too, the profiled steps ran 1.3-1.6x
   # the timed ones at e3c301a).
-  ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
-       --compile --out "$out/ddp_fidelity.jsonl")
-  python3 "${ddp[@]}" --dist none
-  "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2 --profile "$out/profiles" --profile-host off
-  rm -rf "$out/profiles" ;;
+  # FIDELITY_PART=ddp or jax runs one part (default both).
+  if [[ "${FIDELITY_PART:-ddp}" == ddp ]]; then
+    ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
+         --compile --out "$out/ddp_fidelity.jsonl")
+    python3 "${ddp[@]}" --dist none
+    "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2 --profile "$out/profiles" --profile-host off
+    rm -rf "$out/profiles"
+  fi
+  # The JAX steps of the processes study (xl, FSDP over 2 GPUs, one process and one per GPU) and of its trainer
+  # (small, naive attention), profiled: one device's kernel time by category and idle time in the records.
+  if [[ "${FIDELITY_PART:-jax}" == jax ]]; then
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+    jax=(-m jax_impl.bench.e2e --dtype bf16 --mesh fsdp=2 --warmup 5 --steps 20 --suite jax_fidelity
+         --out "$out/jax_fidelity.jsonl" --profile "$out/jax_profile")
+    timeout 200 python3 "${jax[@]}" --model xl --batch-size 8 --seq-len 1024 --attention dot_product_cudnn
+    timeout 200 "${run[@]}" 2 "${jax[@]}" --model xl --batch-size 8 --seq-len 1024 --attention dot_product_cudnn
+    timeout 200 python3 "${jax[@]}" --model small --batch-size 16 --seq-len 512 --attention naive
+    rm -rf "$out/jax_profile"
+  fi ;;
 processes)
   [[ $n -ge 2 ]] || { echo "processes: needs 2 GPUs, this machine has $n" >&2; exit 1; }
   export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95

@@ -66,6 +66,21 @@ def test_jax_trace_kernel_table_counts_stream_kernels_once(tmp_path):
         trace_kernel_times(path)
 
 
+def test_a_trace_of_several_gpus_counts_its_first_gpu_s_kernels(tmp_path):
+    """A program over a mesh traced in one process: each GPU runs the step's kernels, and one device's time is the
+    step's (the first by number: GPU:2 before GPU:10); its idle time is that GPU's too."""
+    events = []
+    for pid, device, dur in ((3, "/device:GPU:10", 700.0), (2, "/device:GPU:2", 500.0), (4, "/device:GPU:11", 9.0)):
+        events += [_meta("process_name", pid, device), _meta("thread_name", pid, "Stream #1", tid=1),
+                   {"ph": "X", "pid": pid, "tid": 1, "ts": 0.0, "dur": dur, "name": "gemm_fusion_dot"},
+                   {"ph": "X", "pid": pid, "tid": 1, "ts": 1000.0, "dur": dur, "name": "loop_add_fusion"}]
+    path = tmp_path / "mesh.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert trace_kernel_times(path) == {"gemm_fusion_dot": 0.5, "loop_add_fusion": 0.5}
+    assert trace_gpu_idle(path).idle_ms == pytest.approx(0.5)
+
+
 def test_jax_trace_kernels_of_several_programs_keep_their_program(tmp_path):
     """The per-block step runs several XLA programs whose fusions share names: each kernel is keyed with its
     program (the event's ``hlo_module``), categorized by its own name, and described from that program's HLO."""

@@ -43,6 +43,7 @@ JAX_PROCESS_ID) runs one program over every host's devices; process 0 writes the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import queue
@@ -235,8 +236,9 @@ def profile_steps(step: Callable[[], jax.Array], hlo_text: str, out_dir: str, ta
     """``PROFILED_STEPS`` calls of ``step`` under ``jax.profiler.trace(out_dir)``, enqueued back to back as the
     timed steps are; on a GPU also the kernel table by category (``analysis.kernels``; what each kernel computes
     from ``hlo_text``, the compiled step's optimized HLO) as ``out_dir/<tag>_kernels.md`` and its shares as
-    metrics."""
-    with jax.profiler.trace(out_dir):
+    metrics: one device's (the first), from process 0's trace (the others run the steps untraced)."""
+    # one trace, process 0's (each process of a launch runs the steps; several tracing into one folder collide)
+    with jax.profiler.trace(out_dir) if jax.process_index() == 0 else contextlib.nullcontext():
         jax.block_until_ready([step() for _ in range(PROFILED_STEPS)])
     metrics: dict[str, Any] = {"profile_dir": out_dir}
     traces = sorted(Path(out_dir).glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
