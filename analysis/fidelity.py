@@ -855,7 +855,9 @@ def profile_split(profiled: Record, row: Row) -> tuple[str, dict[str, float], fl
     kernels) against the floor's matmul and attention, the other kernels against the rest of the floor, and the
     GPU's idle time. Each rank's split (the DDP benchmark): its compute kernels against the floor less its
     communication, its collectives running alone (a peer's wait inside them included) against the floor's
-    communication, and its idle time. None for a record with neither."""
+    communication, and its idle time. The time accounted for: busy (the kernels' union, where recorded: a mesh's
+    collectives run beside the other kernels, whose times add up beyond the step) plus idle. None for a record with
+    neither."""
     times = kernel_times(profiled)
     if times:
         products = times.get(PRODUCT_KERNELS, 0.0)
@@ -863,10 +865,11 @@ def profile_split(profiled: Record, row: Row) -> tuple[str, dict[str, float], fl
         idle = float(profiled.metrics.get("gpu_idle_ms") or 0.0)
         rest_floor = row.floor_ms - row.products_floor_ms
         text = (f"GEMMs and attention {products:.0f} ms against the floor's {row.products_floor_ms:.0f}, the others "
-                f"(elementwise, reductions, copies) {rest:.0f} against its {rest_floor:.0f} (bytes at the copy rate, "
+                f"(elementwise, reductions, copies, collectives) {rest:.0f} against its {rest_floor:.0f} (bytes at the copy rate, "
                 f"communication)" + (f", GPU idle {idle:.0f}" if idle else ""))
+        busy = profiled.metrics.get("gpu_busy_ms")  # the kernels' union: collectives overlap the rest on a mesh
         return text, {"the products": products - row.products_floor_ms, "the other kernels": rest - rest_floor,
-                      "the GPU idle (the host's pace)": idle}, products + rest + idle
+                      "the GPU idle (the host's pace)": idle}, (busy or products + rest) + idle
     ranks = [(rank, split) for rank, split in enumerate(profiled.metrics.get(RANK_PROFILES) or ()) if split]
     if not ranks:
         return None

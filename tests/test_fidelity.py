@@ -485,13 +485,19 @@ def test_a_profile_of_the_row_s_program_says_where_its_step_went(tmp_path):
                    metrics={"time_ms.matmul": 1.0, "predicted_peak_bytes": 2.5 * 2**30})
     rows = fidelity_rows([*_ceilings(), own, other, far, thin], profiles)
     assert rows[0].time_why == (f"profiled a step (its profile): GEMMs and attention {products + 1:.0f} ms against the "
-                                f"floor's {products:.0f}, the others (elementwise, reductions, copies) "
-                                f"{rest + median / 2:.0f} against its {rest:.0f} (bytes at the copy rate, "
-                                f"communication), GPU idle 1; most beyond the floor: the other kernels")
+                                f"floor's {products:.0f}, the others (elementwise, reductions, copies, "
+                                f"collectives) {rest + median / 2:.0f} against its {rest:.0f} (bytes at the copy "
+                                f"rate, communication), GPU idle 1; most beyond the floor: the other kernels")
     assert rows[1].time_why.startswith("profiled a step (the same program's profile at ccccccc (jax_profile, ")
     assert rows[1].time_why.endswith("most beyond the floor: the GPU idle (the host's pace)")
     assert "time" in rows[1].borrowed and "time" not in rows[0].borrowed
     assert rows[2].time_why == "" and rows[3].time_why == ""  # 2x the profiled runs' time; kernels cover 1 ms
+    # on a mesh the collectives run beside the other kernels: their times add up beyond the step, the union (busy)
+    # does not
+    mesh = _profiled(_record(suite="jax_mesh", median=median, **jax), products, rest + median, idle=1.0)
+    assert fidelity_rows([*_ceilings(), mesh])[0].time_why == ""
+    mesh.metrics["gpu_busy_ms"] = median - 1.0
+    assert fidelity_rows([*_ceilings(), mesh])[0].time_why.startswith("profiled a step (its profile): ")
 
 
 def test_a_jax_step_s_floor_counts_what_its_remat_policy_recomputes():
