@@ -865,8 +865,8 @@ def profile_split(profiled: Record, row: Row) -> tuple[str, dict[str, float], fl
         idle = float(profiled.metrics.get("gpu_idle_ms") or 0.0)
         rest_floor = row.floor_ms - row.products_floor_ms
         text = (f"GEMMs and attention {products:.0f} ms against the floor's {row.products_floor_ms:.0f}, the others "
-                f"(elementwise, reductions, copies, collectives) {rest:.0f} against its {rest_floor:.0f} (bytes at the copy rate, "
-                f"communication)" + (f", GPU idle {idle:.0f}" if idle else ""))
+                f"(elementwise, reductions, copies, collectives) {rest:.0f} against its {rest_floor:.0f} (bytes at the "
+                f"copy rate, communication)" + (f", GPU idle {idle:.0f}" if idle else ""))
         busy = profiled.metrics.get("gpu_busy_ms")  # the kernels' union: collectives overlap the rest on a mesh
         return text, {"the products": products - row.products_floor_ms, "the other kernels": rest - rest_floor,
                       "the GPU idle (the host's pace)": idle}, (busy or products + rest) + idle
