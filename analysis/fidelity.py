@@ -54,7 +54,7 @@ from analysis.data_parallel import (LEADERBOARD_SUITE, PHASES, SUITE as DDP_SUIT
                                     memory_terms, sharded_step_memory)
 from analysis.harness import (CUDA_GRAPH_MODES, DTYPES, calculator_terms, compiled_activations, device_terms,
                               recomputation)
-from analysis.overlap import RANK_PROFILES
+from analysis.overlap import RANK_PROFILES, SPLIT_KEYS
 from analysis.records import Record, read_records
 from analysis.training import TRAIN_SUITE
 from parallelism_calc.cli import ArgumentParser, error_boundary
@@ -507,8 +507,13 @@ def _date(row: Row) -> str:
     return _run_date(row.record)
 
 
+def _commit_of(record: Record) -> str:
+    """A record's commit as its first 7 characters (records name it by 7 or by 40)."""
+    return (record.provenance.get("git_commit") or "?")[:7]
+
+
 def _commit(row: Row) -> str:
-    return (row.record.provenance.get("git_commit") or "?")[:7]
+    return _commit_of(row.record)
 
 
 def _same_steps(rows: list[Row], kind: str) -> dict[tuple, list[Row]]:
@@ -639,27 +644,35 @@ def explain_across_commits(rows: list[Row]) -> None:
 
 
 def _benchmark_step(record: Record) -> tuple:
-    """What a trainer's epoch record and an e2e benchmark record of the same step share (one device, one micro-batch
-    a step): backend, model, dtype, tokens, device, attention kernel, compilation and CUDA graphs."""
-    return (record.backend, record.model, record.dtype, record.batch_size, record.seq_len,
+    """What a trainer's epoch record and an e2e benchmark record of the same step share (one micro-batch a step):
+    backend, model, dtype, tokens, devices, device, attention kernel, compilation and CUDA graphs."""
+    return (record.backend, record.model, record.dtype, record.batch_size, record.seq_len, record.world_size,
             record.provenance.get("device_name"), attention_of(record), compiled_of(record), _graphs(record))
 
 
+def _from_e2e_benchmark(record: Record) -> bool:
+    """Timed by an e2e benchmark: torch's (suites e2e and e2e_sweep) or JAX's (whatever its suite)."""
+    command = record.provenance.get("command") or ""
+    return _benchmark(record) == "e2e" or record.backend == "jax" and (
+        "jax_impl/bench/e2e" in command or "jax_impl.bench.e2e" in command)
+
+
 def explain_trainer(rows: list[Row]) -> None:
-    """Set ``time_why`` of every trainer row (one device, one micro-batch a step) still beyond ``TIME_BOUND`` without
-    one whose step the e2e benchmark ran too (``_benchmark_step``, our model, at any commit: the latest), within the
-    bound or explained there, and no slower than the trainer's by more than the bound: that why, and what the
-    trainer's loop around the step adds where it is slower (its data on the host, the loss read every step, the
-    clipping). Runs after ``explain_times``, whose whys it quotes."""
+    """Set ``time_why`` of every trainer row (one micro-batch a step) still beyond ``TIME_BOUND`` without one whose
+    step an e2e benchmark ran too (``_from_e2e_benchmark``, ``_benchmark_step``, our model, at any commit: the
+    latest), within the bound or explained there by its own records, and no slower than the trainer's by more than
+    the bound: that why, and what the trainer's loop around the step adds where it is slower (its data on the host,
+    the loss read every step, the clipping). Runs after ``explain_times`` and ``explain_kernels``, whose whys it
+    quotes."""
     steps: dict[tuple, list[Row]] = {}
     for row in rows:
         r = row.record
-        if (_benchmark(r) == "e2e" and not r.implementation.startswith("stock") and r.world_size == 1
-                and row.time_error is not None and (abs(row.time_error) <= TIME_BOUND or row.time_why)):
+        if (_from_e2e_benchmark(r) and not r.implementation.startswith("stock")
+                and row.time_error is not None and (abs(row.time_error) <= TIME_BOUND or _own_why(row, "time"))):
             steps.setdefault(_benchmark_step(r), []).append(row)
     for row in rows:
         r = row.record
-        if (r.suite != TRAIN_SUITE or r.world_size != 1 or (r.metrics.get("grad_accum") or 1) != 1
+        if (r.suite != TRAIN_SUITE or (r.metrics.get("grad_accum") or 1) != 1
                 or row.time_error is None or abs(row.time_error) <= TIME_BOUND or row.time_why):
             continue
         candidates = [s for s in steps.get(_benchmark_step(r), [])
@@ -672,7 +685,7 @@ def explain_trainer(rows: list[Row]) -> None:
                 "to " if extra > 0 else "as ")
         row.time_why = (f"{loop}the e2e benchmark's same step, {step.record.median_ms:.1f} ms at "
                         f"{step.record.provenance.get('git_commit', '?')[:7]}: "
-                        f"{step.time_why or f'within {TIME_BOUND:.0%} of the floor'}")
+                        f"{_own_why(step, 'time') or f'within {TIME_BOUND:.0%} of the floor'}")
 
 
 def explain_memory(rows: list[Row]) -> None:
@@ -842,11 +855,12 @@ def profile_records(sources: list) -> list[Record]:
 
 
 def _program(record: Record) -> tuple:
-    """The program a step record ran, whichever benchmark and commit ran it: ``_step`` less the benchmark, with the
+    """The program a step record ran, whichever benchmark and commit ran it: ``_step`` less the benchmark, with its
+    attention kernel (``attention_of``), whether it clips its gradients (``metrics.grad_clip``) and the
     options a JAX run compiled it under (``metrics.xla_flags``, ``compiler_options``, ``blocks_per_program``)."""
     m = record.metrics
-    return (*_step(record, "time")[1:], repr(m.get("xla_flags")), repr(m.get("compiler_options")),
-            m.get("blocks_per_program"))
+    return (*_step(record, "time")[1:], attention_of(record), m.get("grad_clip"),
+            repr(m.get("xla_flags")), repr(m.get("compiler_options")), m.get("blocks_per_program"))
 
 
 def profile_split(profiled: Record, row: Row) -> tuple[str, dict[str, float], float] | None:
@@ -870,7 +884,8 @@ def profile_split(profiled: Record, row: Row) -> tuple[str, dict[str, float], fl
         busy = profiled.metrics.get("gpu_busy_ms")  # the kernels' union: collectives overlap the rest on a mesh
         return text, {"the products": products - row.products_floor_ms, "the other kernels": rest - rest_floor,
                       "the GPU idle (the host's pace)": idle}, (busy or products + rest) + idle
-    ranks = [(rank, split) for rank, split in enumerate(profiled.metrics.get(RANK_PROFILES) or ()) if split]
+    ranks = [(rank, split) for rank, split in enumerate(profiled.metrics.get(RANK_PROFILES) or ())
+             if isinstance(split, dict) and all(isinstance(split.get(k), (int, float)) for k in SPLIT_KEYS)]
     if not ranks:
         return None
     compute_floor, comm_floor = row.floor_ms - (row.comm_floor_ms or 0.0), row.comm_floor_ms or 0.0
@@ -888,32 +903,39 @@ def profile_split(profiled: Record, row: Row) -> tuple[str, dict[str, float], fl
             f"profiled steps {span:.0f} ms a step)", beyond, covered)
 
 
+def _slower_than_bound(row: Row) -> bool:
+    """Slower than its floor by more than ``TIME_BOUND``, with no why yet (a step faster than its floor points at
+    the floor's ceilings, not at where the step's time went)."""
+    return _unexplained(row, "time", TIME_BOUND) and row.time_error < 0
+
+
 def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
-    """Set ``time_why`` of every row still beyond ``TIME_BOUND`` without one whose program (``_program``) was
+    """Set ``time_why`` of every row still slower than ``TIME_BOUND`` without one whose program (``_program``) was
     profiled (``is_profiled``): its own record, else the profiled run of the same program (among ``profiles`` and
     the rows) measured nearest it, within ``TIME_BOUND`` of its time, at its commit if one was. The why is where that
     profile's step went against the floor's terms (``profile_split``), the term furthest beyond its floor named;
-    only where the time the profile accounts for is within ``TIME_BOUND`` of its run's timed step (neither a
-    profile of a part nor one the profiler slowed). A profile of another run is that run's evidence: its why lends
-    to no third run (``borrowed``)."""
+    only a profile whose accounted time is within ``TIME_BOUND`` of its run's timed step counts (neither a profile
+    of a part nor one the profiler slowed; the next nearest is tried). A profile of another run is that run's
+    evidence: its why lends to no third run (``borrowed``)."""
     profiled: dict[tuple, list[Record]] = {}
     for record in [*profiles, *(row.record for row in rows)]:
         if is_profiled(record):
             profiled.setdefault(_program(record), []).append(record)
     for row in rows:
         record = row.record
-        if not _unexplained(row, "time", TIME_BOUND) or not row.products_floor_ms:
+        if not _slower_than_bound(row) or not row.products_floor_ms:
             continue
         near = sorted((p for p in profiled.get(_program(record), ())
-                       if abs(p.median_ms / record.median_ms - 1) <= TIME_BOUND),
-                      key=lambda p: (p is not record, p.provenance.get("git_commit") != record.provenance.get(
-                          "git_commit"), abs(math.log(p.median_ms / record.median_ms))))
-        split = profile_split(near[0], row) if near else None
-        if split is None or abs(split[2] / near[0].median_ms - 1) > TIME_BOUND:
+                       if p.median_ms and abs(p.median_ms / record.median_ms - 1) <= TIME_BOUND),
+                      key=lambda p: (p is not record, _commit_of(p) != _commit(row),
+                                     abs(math.log(p.median_ms / record.median_ms))))
+        found = next(((p, split) for p in near if (split := profile_split(p, row))
+                      and abs(split[2] / p.median_ms - 1) <= TIME_BOUND), None)
+        if found is None:
             continue
-        p, (text, beyond, _) = near[0], split
+        p, (text, beyond, _) = found
         whose = ("its profile" if p is record else
-                 f"the same program's profile at {(p.provenance.get('git_commit') or '?')[:7]} ({p.suite}, "
+                 f"the same program's profile at {_commit_of(p)} ({p.suite}, "
                  f"{p.median_ms:.1f} ms)")
         row.time_why = f"profiled a step ({whose}): {text}; most beyond the floor: {max(beyond, key=beyond.get)}"
         if p is not record:
@@ -922,34 +944,42 @@ def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
 
 
 def explain_ranks(rows: list[Row]) -> None:
-    """Set ``time_why`` of every DDP-benchmark row of several ranks still beyond ``TIME_BOUND`` without one, where
-    the one-GPU step of its launch (the ``none`` row of its commit and ``baseline_key``, the last measured before it)
-    is within ``TIME_BOUND`` of its own floor and at least half the row's gap lies beyond that step: each rank
-    computes what one GPU does, so that time is the ranks waiting (communication the step does not hide, or a
-    peer's host), held against the floor's communication, with the phases beside the one GPU's."""
+    """Set ``time_why`` of every DDP-benchmark row of several ranks still slower than ``TIME_BOUND`` without one,
+    where the one-GPU step of its launch (the ``none`` row of its commit and ``baseline_key``, the last measured
+    before it) is within ``TIME_BOUND`` of its own floor and at least half the row's gap lies beyond that step: each
+    rank computes what one GPU does, so that time is the ranks waiting (communication the step does not hide, or a
+    peer's host), held against the floor's communication, with the phases beside the one GPU's. Records that do not
+    name their commit are left out (no launch to pair them by)."""
     singles: dict[tuple, list[Row]] = {}
     for row in rows:
         r = row.record
         if (r.suite == DDP_SUITE and r.world_size == 1 and r.implementation == "none" and row.time_error is not None
-                and abs(row.time_error) <= TIME_BOUND):
+                and abs(row.time_error) <= TIME_BOUND and r.provenance.get("git_commit")):
             singles.setdefault((baseline_key(r), _commit(row)), []).append(row)
     for row in rows:
         r = row.record
-        if r.suite != DDP_SUITE or r.world_size < 2 or not _unexplained(row, "time", TIME_BOUND):
+        if (r.suite != DDP_SUITE or r.world_size < 2 or not _slower_than_bound(row)
+                or not r.provenance.get("git_commit")):
             continue
         before = [s for s in singles.get((baseline_key(r), _commit(row)), ()) if _date(s) <= _date(row)]
         if not before:
             continue
         one = max(before, key=_date).record
         waiting = r.median_ms - one.median_ms
-        if waiting < (r.median_ms - row.floor_ms) / 2:
+        if waiting <= 0 or waiting < (r.median_ms - row.floor_ms) / 2:
             continue
-        phases = ", ".join(f"{p} {r.phases[p]['median_ms']:.0f} ({one.phases[p]['median_ms']:.0f})" for p in PHASES
-                           if p in (r.phases or {}) and p in (one.phases or {}))
+        mine, its = _phase_medians(r), _phase_medians(one)
+        phases = ", ".join(f"{p} {mine[p]:.0f} ({its[p]:.0f})" for p in PHASES if p in mine and p in its)
         row.time_why = (f"ranks waiting: {waiting:.0f} ms a step beyond the one-GPU step of its launch "
                         f"({one.median_ms:.1f} ms, within {TIME_BOUND:.0%} of its floor), against the floor's "
                         f"{row.comm_floor_ms or 0:.0f} ms of communication: communication the step does not hide, or a "
-                        f"peer's host (by phase, ms, one GPU's in brackets: {phases})")
+                        f"peer's host" + (f" (by phase, ms, one GPU's in brackets: {phases})" if phases else ""))
+
+
+def _phase_medians(record: Record) -> dict[str, float]:
+    """{phase: median ms} of a record's phases that have a number."""
+    return {p: stats["median_ms"] for p, stats in (record.phases or {}).items()
+            if isinstance(stats, dict) and isinstance(stats.get("median_ms"), (int, float))}
 
 
 def _frame(rows: list[Row]):

@@ -174,18 +174,18 @@ def analyze(events: list[dict], name: str, steps: int, top: int = 12,
 
 # The DDP benchmark's --profile: each rank's ``step_split`` in its record, rank by rank (read by analysis.fidelity)
 RANK_PROFILES = "per_rank_profile_ms"
+SPLIT_KEYS = ("span_ms", "compute_ms", "comm_ms", "both_ms", "idle_ms")  # a ``step_split``'s, ms a step
 
 
 def step_split(path: str | Path, steps: int) -> dict[str, float] | None:
-    """A trace's step as ``analyze`` splits it, ms a step: {"span_ms", "compute_ms", "comm_ms", "both_ms",
-    "idle_ms"}; None where the trace has no kernels (a CPU run)."""
+    """A trace's step as ``analyze`` splits it, ms a step: {key: ms} for ``SPLIT_KEYS``; None where the trace has
+    no kernels (a CPU run)."""
     name, events = next(traces(path))
     try:
         o = analyze(events, name, steps)
     except ValueError:  # no kernel events
         return None
-    return {"span_ms": o.span_ms, "compute_ms": o.compute_ms, "comm_ms": o.comm_ms, "both_ms": o.both_ms,
-            "idle_ms": o.idle_ms}
+    return {key: getattr(o, key) for key in SPLIT_KEYS}
 
 
 def traces(path: str | Path) -> Iterator[tuple[str, list[dict]]]:

@@ -227,11 +227,13 @@ fidelity)
   # the GPU's kernels alone (--profile-host off: with the host's ops recorded too, the profiled steps ran 1.3-1.6x
   # the timed ones at e3c301a).
   # FIDELITY_PART=ddp or jax runs one part (default both).
+  [[ $n -ge 2 ]] || { echo "fidelity: needs 2 GPUs, this machine has $n" >&2; exit 1; }
+  [[ "${FIDELITY_PART:-ddp}" =~ ^(ddp|jax)$ ]] || { echo "FIDELITY_PART=$FIDELITY_PART: ddp or jax" >&2; exit 2; }
   if [[ "${FIDELITY_PART:-ddp}" == ddp ]]; then
     ddp=(-m torch_impl.bench.ddp --model xl --batch-size 4 --seq-len 1024 --dtype bf16 --attention sdpa_cudnn
          --compile --out "$out/ddp_fidelity.jsonl")
-    python3 "${ddp[@]}" --dist none
-    "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2 --profile "$out/profiles" --profile-host off
+    timeout 200 python3 "${ddp[@]}" --dist none
+    timeout 300 "${run[@]}" "$n" "${ddp[@]}" --dist fsdp,fsdp2 --profile "$out/profiles" --profile-host off
     rm -rf "$out/profiles"
   fi
   # The JAX steps of the processes study (xl, FSDP over 2 GPUs, one process and one per GPU) and of its trainer

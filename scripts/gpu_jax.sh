@@ -26,14 +26,16 @@
 #     -> OUT_DIR/train_jax_vs_torch.jsonl: both training loops from the same weights on the same data (below).
 #   RESULTS_GIT_COMMIT=<commit> XLA_SETS="--a=1 --b=2;--c=3" bash scripts/gpu_jax.sh OUT_DIR xla
 #     -> OUT_DIR/jax_xla.jsonl: the xl step under each set of XLA options, with its kernel table (below).
-#   RESULTS_GIT_COMMIT=<commit> [FIDELITY_SET=1|2|3] bash scripts/gpu_jax.sh OUT_DIR fidelity
+#   RESULTS_GIT_COMMIT=<commit> [FIDELITY_SET=1|2|3|4] bash scripts/gpu_jax.sh OUT_DIR fidelity
 #     -> OUT_DIR/jax_fidelity.jsonl: every step the fidelity report had no profile for, profiled (kernel time by
 #        category, the GPU's idle time: evidence for analysis.fidelity.explain_kernels); set 1 the scanned xl and
-#        2.7B steps, set 2 the xl 4 x 512 and small ones, set 3 2.7B under two more policies (all, if unset).
+#        2.7B steps, set 2 the xl 4 x 512 and small ones, set 3 2.7B under two more policies, set 4 the
+#        trainers' small 8 x 512 step (all, if unset).
 # Every run is its own process (a fresh JAX: init and compile times are what a user waits for) under a time
 # limit, so one that hangs or runs out of memory leaves a row (the benchmark records failures) and the rest run.
 set -uo pipefail
-usage="usage: scripts/gpu_jax.sh OUT_DIR scan|profile|records|per_block|per_block_profile|parity|layout|mixed|trainers|xla|fidelity"
+phases="scan|profile|records|per_block|per_block_profile|parity|layout|mixed|trainers|xla|fidelity"
+usage="usage: scripts/gpu_jax.sh OUT_DIR $phases"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -57,6 +59,7 @@ case "$phase" in
 fidelity)
   # The configurations of the committed JAX step records the fidelity report had no profile of, each profiled
   # (--profile: time_ms.<category>, gpu_busy_ms, gpu_idle_ms in its record; the trace itself not kept).
+  [[ "${FIDELITY_SET:-1}" =~ ^[1-4]$ ]] || { echo "FIDELITY_SET=$FIDELITY_SET: 1 to 4 (unset: all)" >&2; exit 2; }
   runs="$out/jax_fidelity.jsonl"
   common=(--warmup 3 --steps 10 --suite jax_fidelity --out "$runs")
   profiled() { jax_e2e "$@" "${common[@]}" --profile "$out/profile"; rm -rf "$out/profile"; }
@@ -74,6 +77,9 @@ fidelity)
     for remat in dots_attention qkv_mlp_norms; do
       profiled 150 --model 2.7B --batch-size 2 --seq-len 2048 --dtype bf16_mixed --remat "$remat"
     done
+  fi
+  if [ "${FIDELITY_SET:-4}" = 4 ]; then  # the trainers' step (jax_impl.trainer, small 8 x 512)
+    profiled 120 --model small --batch-size 8 --seq-len 512 --dtype bf16_mixed
   fi
   if [ "${FIDELITY_SET:-2}" = 2 ]; then
     profiled 120 --model xl --batch-size 4 --seq-len 512 --dtype bf16_mixed --remat dots_attention

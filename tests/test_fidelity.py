@@ -498,6 +498,20 @@ def test_a_profile_of_the_row_s_program_says_where_its_step_went(tmp_path):
     assert fidelity_rows([*_ceilings(), mesh])[0].time_why == ""
     mesh.metrics["gpu_busy_ms"] = median - 1.0
     assert fidelity_rows([*_ceilings(), mesh])[0].time_why.startswith("profiled a step (its profile): ")
+    # a row faster than its floor: its time went nowhere the floor missed (the ceilings are in question)
+    fast = _profiled(_record(suite="jax_fast", median=floor.floor_ms / 2, **jax), products / 4, rest / 4, idle=0.0)
+    assert fidelity_rows([*_ceilings(), fast])[0].time_error > 0.25
+    assert fidelity_rows([*_ceilings(), fast])[0].time_why == ""
+    # the row's own profile ran 1.5x its step (the profiler's host cost): the next profile of the program counts; a
+    # commit named by 40 characters is the one named by 7
+    slowed = _at(_profiled(_record(suite="jax_slowed", median=median, **jax), products, rest, idle=median),
+                 "d" * 40, "2026-11-28T00:00:00+00:00")
+    same = _at(_profiled(_record(suite="jax_same", median=median * 1.1, **jax), products, rest,
+                         idle=median * 1.1 - products - rest), "d" * 7, "2026-11-28T00:00:00+00:00")
+    other_commit = _at(_profiled(_record(suite="jax_near", median=median, **jax), products, rest,
+                                 idle=median - products - rest), "e" * 40, "2026-11-28T00:00:00+00:00")
+    why = fidelity_rows([*_ceilings(), slowed], [other_commit, same])[0].time_why
+    assert why.startswith("profiled a step (the same program's profile at ddddddd (jax_same, ")
 
 
 def test_a_jax_step_s_floor_counts_what_its_remat_policy_recomputes():
@@ -568,7 +582,20 @@ def test_a_data_parallel_step_beyond_its_launch_s_one_gpu_step_is_its_ranks_wait
                                                          1.0)])[0].floor_ms
     sharded = step("fsdp", fsdp_floor * 2, 2, "a" * 40, "2026-11-27T01:00:00+00:00", 2.0)
     elsewhere = step("fsdp", fsdp_floor * 3, 2, "b" * 40, "2026-11-27T02:00:00+00:00", 2.0)  # not like the first
-    rows = fidelity_rows([*_ceilings(), bus, one, sharded, elsewhere])
+    early = step("fsdp", fsdp_floor * 2, 2, "a" * 40, "2026-11-26T01:00:00+00:00", 2.0)  # before the one-GPU step
+    faster = step("fsdp", fsdp_floor / 3, 2, "a" * 40, "2026-11-27T01:00:00+00:00", 0.3)  # faster than its floor
+    rows = fidelity_rows([*_ceilings(), bus, one, sharded, elsewhere, early, faster])
+    assert rows[3].time_why == "" and rows[4].time_error > 0.25 and rows[4].time_why == ""
+    # where less than half the gap lies beyond the one-GPU step (here on a bus so fast the floors nearly meet), the
+    # rest is the one GPU's own and the ranks are not its why
+    fast = dataclasses.replace(bus, metrics={**bus.metrics, "busbw_gbps": 1e6})
+    slow_one = step("none", one_floor * 1.24, 1, "c" * 40, "2026-11-27T00:00:00+00:00", 1.0)
+    floor = fidelity_rows([*_ceilings(), fast, step("fsdp", 1.0, 2, "c" * 40, "2026-11-27T01:00:00+00:00",
+                                                    1.0)])[0].floor_ms
+    median = (floor / 0.75 + 2 * slow_one.median_ms - floor) / 2
+    assert floor / 0.75 < median < 2 * slow_one.median_ms - floor
+    little = step("fsdp", median, 2, "c" * 40, "2026-11-27T01:00:00+00:00", 1.0)
+    assert fidelity_rows([*_ceilings(), fast, slow_one, little])[1].time_why == ""
     waiting = sharded.median_ms - one.median_ms
     assert rows[1].time_why == (
         f"ranks waiting: {waiting:.0f} ms a step beyond the one-GPU step of its launch ({one.median_ms:.1f} ms, "

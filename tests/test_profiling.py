@@ -200,3 +200,31 @@ def test_attention_parts_records_each_pass_with_its_flops(tmp_path):
     assert forward.metrics["matmul_flops"] == 4 * entries * 16 and both.metrics["matmul_flops"] == 12 * entries * 16
     assert forward.metrics["softmax_flops"] == 5 * entries and both.metrics["softmax_flops"] == 9 * entries
     assert forward.metrics["matmul_ms"] > 0
+
+
+def test_profile_steps_without_the_host_records_the_gpu_alone(monkeypatch):
+    """``host=False`` hands the profiler CUDA activity alone where there is CUDA (the profiler's per-op host cost
+    left out), and the host's where there is not (nothing else to record)."""
+    import torch_impl.profiling as profiling
+
+    asked = []
+
+    class FakeProfile:
+        def __init__(self, activities):
+            asked.append(activities)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(profiling, "profile", FakeProfile)
+    monkeypatch.setattr(profiling, "kernel_table", lambda prof, n, calls=None: [])
+    monkeypatch.setattr(profiling.torch.cuda, "synchronize", lambda: None)
+    for cuda in (True, False):
+        monkeypatch.setattr(profiling.torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        for host in (True, False):
+            profiling.profile_steps(lambda: None, 1, None, "t", host=host)
+    cpu, gpu = profiling.ProfilerActivity.CPU, profiling.ProfilerActivity.CUDA
+    assert asked == [[cpu, gpu], [gpu], [cpu], [cpu]]

@@ -241,6 +241,8 @@ def profile_steps(step: Callable[[], jax.Array], hlo_text: str, out_dir: str, ta
     with jax.profiler.trace(out_dir) if jax.process_index() == 0 else contextlib.nullcontext():
         jax.block_until_ready([step() for _ in range(PROFILED_STEPS)])
     metrics: dict[str, Any] = {"profile_dir": out_dir}
+    if jax.process_index() != 0:  # process 0's trace may still be being written; its record is process 0's
+        return metrics
     traces = sorted(Path(out_dir).glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     try:
         rows = kernel_table(trace_kernel_times(traces[-1]), PROFILED_STEPS) if traces else None
