@@ -208,11 +208,14 @@ def strategy_of(record: Record) -> str:
 
 
 def attention_of(record: Record) -> str:
-    """The attention backend a torch record ran: ``metrics.attention``, else the implementation's name
-    ('compiled sdpa_cudnn, cuda graph' -> 'sdpa_cudnn'; 'stock eager sdpa' -> 'sdpa')."""
+    """The attention backend a record ran: ``metrics.attention``, else the implementation's name
+    ('compiled sdpa_cudnn, cuda graph' -> 'sdpa_cudnn'; 'stock eager sdpa' -> 'sdpa'; JAX's 'jit naive fsdp' ->
+    'naive')."""
     if record.metrics.get("attention"):
         return record.metrics["attention"]
     words = record.implementation.removeprefix("stock ").split(",")[0].split()
+    if record.backend == "jax":
+        return words[1] if len(words) > 1 and words[0] == "jit" else words[0]
     return words[1] if len(words) > 1 and words[0] in ("eager", "compiled") else words[-1]
 
 
@@ -566,6 +569,10 @@ CODE_CHANGES = (
                lambda r: r.suite == TRAIN_SUITE and r.backend == "torch" and bool(r.metrics.get("grad_clip"))),
     CodeChange("d67f943", "2026-11-23T23:54:19+00:00", "4 blocks a compiled region, not one: ~0.2 ms of host a region "
                "entered, notes/train_step.md, session 9", _ours_in_regions),
+    CodeChange("e9bb371", "2026-11-24T15:10:10+00:00", "the embedding's gradient summed in float32 "
+               "(jax_impl.model.lookup): with bf16 weights XLA's scatter-add of the trainer's text, its ids on few "
+               "rows, serialized and took 13.8 ms of a 30.6 ms step at small 8 x 512 (notes/jax.md, session 12)",
+               lambda r: r.backend == "jax" and r.suite == TRAIN_SUITE and r.dtype == "bf16_mixed"),
     CodeChange("fc529ad", "2026-11-25T16:56:36+00:00", "torch DDP's compiled regions no longer split at its buckets "
                "by Dynamo's DDPOptimizer: 331.6 -> 173.8 ms (notes/data_parallel.md, finding 3) and 50.9 -> 47.2 GiB "
                "at xl 4 x 1,024 on 2 H100s (results/ddp_overlap_2xh100_{5a320bd,fc529ad}.jsonl)",
@@ -683,9 +690,11 @@ def explain_trainer(rows: list[Row]) -> None:
         extra, data = r.median_ms - step.record.median_ms, ((r.phases or {}).get("data") or {}).get("median_ms")
         loop = (f"the trainer's loop adds {extra:.1f} ms a step{f' (data on the host {data:.1f})' if data else ''} "
                 "to " if extra > 0 else "as ")
+        changes = [c for c in CODE_CHANGES if _date(row) < c.date and c.touches(r)]  # what the loop held then
         row.time_why = (f"{loop}the e2e benchmark's same step, {step.record.median_ms:.1f} ms at "
                         f"{step.record.provenance.get('git_commit', '?')[:7]}: "
-                        f"{_own_why(step, 'time') or f'within {TIME_BOUND:.0%} of the floor'}")
+                        f"{_own_why(step, 'time') or f'within {TIME_BOUND:.0%} of the floor'}"
+                        + "".join(f"; the trainer ran before {c.commit} ({c.what})" for c in changes))
 
 
 def explain_memory(rows: list[Row]) -> None:

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from analysis.allreduce import ALLREDUCE_SUITE
-from analysis.fidelity import (COPY_ENGINE_STAGING, HOST_PACED_TIME, INDIVIDUAL_HELD_GRADIENTS, attention_of,
+from analysis.fidelity import (CODE_CHANGES, COPY_ENGINE_STAGING, HOST_PACED_TIME, INDIVIDUAL_HELD_GRADIENTS, attention_of,
                                fidelity_rows, main, memory_breakdown, memory_prediction, predict, profile_records,
                                summary, _frame)
 from analysis.harness import JAX_REMAT_RECOMPUTES
@@ -346,6 +346,37 @@ def test_a_trainer_step_quotes_the_e2e_benchmark_s_same_step():
     assert rows[0].time_why.startswith("host-paced")
     assert rows[2].time_why == (f"the trainer's loop adds 5.0 ms a step to the e2e benchmark's same step, "
                                 f"{3 * floor:.1f} ms at bbbbbbb: {rows[0].time_why}")
+
+
+
+def test_a_jax_trainer_step_quotes_jax_s_e2e_benchmark_on_as_many_devices():
+    """JAX's e2e benchmark (whatever its suite: its command says which benchmark) ran the trainer's step on as many
+    devices: the trainer quotes its own why, and names a change of our code the trainer ran before; an e2e step whose
+    why was borrowed from another run is not quoted, nor one on another number of devices."""
+    jax = dict(backend="jax", implementation="jit naive fsdp", world_size=2, mesh={"fsdp": 2})
+    bus = Record(suite=ALLREDUCE_SUITE, backend="torch", implementation="nccl", world_size=2,
+                 metrics={"comm_backend": "nccl", "bytes": 10**9, "busbw_gbps": 300.0})
+    bus.provenance["device_name"] = H100
+    floor = fidelity_rows([*_ceilings(), bus, _record(**jax)])[0].floor_ms
+    e2e = _at(_profiled(_record(suite="jax_fidelity", median=floor * 2, **jax), floor / 2, floor * 1.4, idle=0.1),
+              "b" * 40, "2026-11-28T00:00:00+00:00")
+    e2e.provenance["command"] = "python3 -m jax_impl.bench.e2e --model small --mesh fsdp=2"
+    trainer = _at(_record(suite="train", median=floor * 2.2, dtype="bf16_mixed",
+                          **{**jax, "metrics": {"grad_clip": 1.0, "attention": "naive"}}),
+                  "a" * 40, "2026-11-24T00:00:00+00:00")
+    e2e_mixed = dataclasses.replace(e2e, dtype="bf16_mixed", provenance=dict(e2e.provenance))
+    rows = fidelity_rows([*_ceilings(), bus, e2e_mixed, trainer])
+    assert rows[0].time_why.startswith("profiled a step (its profile): ")
+    assert rows[1].time_why == (f"the trainer's loop adds {floor * 0.2:.1f} ms a step to the e2e benchmark's same "
+                                f"step, {floor * 2:.1f} ms at bbbbbbb: {rows[0].time_why}; the trainer ran before "
+                                f"e9bb371 ({CODE_CHANGES[2].what})")
+    one_device = dataclasses.replace(e2e_mixed, world_size=1, mesh=None, provenance=dict(e2e.provenance))
+    assert fidelity_rows([*_ceilings(), bus, one_device, trainer])[1].time_why == ""
+    # the e2e step's why borrowed from another run's profile: no evidence for a third
+    plain = _at(dataclasses.replace(e2e_mixed, metrics={}, provenance=dict(e2e.provenance)), "c" * 40,
+                "2026-11-28T00:00:00+00:00")
+    rows = fidelity_rows([*_ceilings(), bus, plain, trainer], [e2e_mixed])
+    assert "time" in rows[0].borrowed and rows[1].time_why == ""
 
 
 def test_an_e2e_step_replayed_as_graphs_is_the_same_step_s_sibling():
