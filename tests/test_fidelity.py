@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 
 from analysis.allreduce import ALLREDUCE_SUITE
-from analysis.fidelity import (CODE_CHANGES, COPY_ENGINE_STAGING, HOST_PACED_TIME, INDIVIDUAL_HELD_GRADIENTS, attention_of,
-                               fidelity_rows, main, memory_breakdown, memory_prediction, predict, profile_records,
-                               summary, _frame)
+from analysis.fidelity import (CODE_CHANGES, COPY_ENGINE_STAGING, HOST_PACED_TIME, INDIVIDUAL_HELD_GRADIENTS,
+                               attention_of, fidelity_rows, main, memory_breakdown, memory_prediction, predict,
+                               profile_records, summary, _frame)
 from analysis.harness import JAX_REMAT_RECOMPUTES
 from analysis.records import Record, save_records, timing_stats
 from parallelism_calc.roofline import Ceilings, step_time_floor
