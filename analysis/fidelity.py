@@ -12,7 +12,9 @@ device name); a step record without them is listed, with the reason. Per row:
   device at its head dim, that kernel's rate at the nearest sequence length: ``attention_rate``) against the median
   step; ``measured / floor`` says how far above its floor a run is, and beyond 25% the row says why where the
   records show it (``explain_times``: host-paced, host-bound, eager, a fixed cost, attention at the matmul rate;
-  ``explain_trainer``: the e2e benchmark's same step and what the trainer's loop adds to it;
+  ``explain_kernels``: a profile of the step's program, its own or one of ``results/profiles`` (``profile_records``),
+  where its time went against the floor's terms; ``explain_ranks``: a data-parallel step against the one-GPU step of
+  its launch; ``explain_trainer``: an e2e benchmark's same step and what the trainer's loop adds to it;
   ``explain_code_changes``: the changes of our code the run predates, ``CODE_CHANGES``, and the same step measured
   since; ``explain_across_commits``: the same step, measured alike, at another commit within the bound or explained
   there), else it is counted without one in the summary;
@@ -829,6 +831,7 @@ def explain_times(rows: list[Row], slowest_attention: float | None = None) -> No
                             f"{slowest_attention:.0%} of the matmul rate, would take "
                             f"{row.attention_kernel_at_matmul_ms / slowest_attention:.1f})")
 
+
 # The benchmarks' kernel times by category (``analysis.kernels``: the JAX e2e benchmark's ``--profile`` records
 # ``time_ms.<category>`` a step); "matmul" holds the GEMMs and the attention kernels
 KERNEL_TIME_PREFIX = "time_ms."
@@ -944,12 +947,10 @@ def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
             continue
         p, (text, beyond, _) = found
         whose = ("its profile" if p is record else
-                 f"the same program's profile at {_commit_of(p)} ({p.suite}, "
-                 f"{p.median_ms:.1f} ms)")
+                 f"the same program's profile at {_commit_of(p)} ({p.suite}, {p.median_ms:.1f} ms)")
         row.time_why = f"profiled a step ({whose}): {text}; most beyond the floor: {max(beyond, key=beyond.get)}"
         if p is not record:
             row.borrowed.add("time")
-
 
 
 def explain_ranks(rows: list[Row]) -> None:
