@@ -56,6 +56,7 @@ from analysis.data_parallel import (LEADERBOARD_SUITE, PHASES, SUITE as DDP_SUIT
                                     memory_terms, sharded_step_memory)
 from analysis.harness import (CUDA_GRAPH_MODES, DTYPES, calculator_terms, compiled_activations, device_terms,
                               recomputation)
+from analysis.kernels import KERNEL_TIME_PREFIX
 from analysis.overlap import RANK_PROFILES, SPLIT_KEYS
 from analysis.records import Record, read_records
 from analysis.training import TRAIN_SUITE
@@ -689,7 +690,7 @@ def explain_trainer(rows: list[Row]) -> None:
         if not candidates:
             continue
         step = max(candidates, key=lambda s: s.record.provenance.get("date", ""))
-        extra, data = r.median_ms - step.record.median_ms, ((r.phases or {}).get("data") or {}).get("median_ms")
+        extra, data = r.median_ms - step.record.median_ms, _phase_medians(r).get("data")
         loop = (f"the trainer's loop adds {extra:.1f} ms a step{f' (data on the host {data:.1f})' if data else ''} "
                 "to " if extra > 0 else "as ")
         changes = [c for c in CODE_CHANGES if _date(row) < c.date and c.touches(r)]  # what the loop held then
@@ -832,10 +833,7 @@ def explain_times(rows: list[Row], slowest_attention: float | None = None) -> No
                             f"{row.attention_kernel_at_matmul_ms / slowest_attention:.1f})")
 
 
-# The benchmarks' kernel times by category (``analysis.kernels``: the JAX e2e benchmark's ``--profile`` records
-# ``time_ms.<category>`` a step); "matmul" holds the GEMMs and the attention kernels
-KERNEL_TIME_PREFIX = "time_ms."
-PRODUCT_KERNELS = "matmul"
+PRODUCT_KERNELS = "matmul"  # the category of ``analysis.kernels.CATEGORIES`` holding the GEMMs and attention kernels
 PROFILES_FOLDER = "profiles"  # a results folder's profiled runs (``profile_records``)
 
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CATEGORIES = ("matmul", "reduction-softmax", "elementwise", "other")
+# A record's GPU time a step in one category, as a metric: "time_ms.<category>" (the JAX e2e benchmark's --profile)
+KERNEL_TIME_PREFIX = "time_ms."
 _PATTERNS = (  # checked in order: a GEMM kernel named "..._reduce..." is still a GEMM
     ("other", r"nccl|allreduce|allgather|reducescatter|all-reduce|all-gather|reduce-scatter|memcpy|memset"),
     ("matmul", r"gemm|matmul|\bmm\b|addmm|bmm|cutlass|xmma|wgmma|gemv|cublas|nvjet|linear|_attn_fwd|flash|sdpa|"

@@ -46,7 +46,7 @@ from analysis.attention import REPORT_METRICS as ATTENTION_METRICS, write_attent
 from analysis.collectives import (COLLECTIVES_SUITE, REPORT_METRICS as COLLECTIVES_METRICS, comparison_frame,
                                   write_collectives_report, write_nccl_comparison)
 from analysis.data_parallel import SUITE as DDP_SUITE, write_ddp_report
-from analysis.fidelity import CEILINGS_SUITE, fidelity_rows, profile_records, report as fidelity_report
+from analysis.fidelity import CEILINGS_SUITE, is_step, profile_records, report as fidelity_report
 from analysis.records import Record, read_records
 from analysis.loss_parity import loss_parity, write_loss_parity
 from analysis.multihost import multihost_table, write_multihost
@@ -188,7 +188,7 @@ def _fidelity(records: list[Record], out_dir: Path, profiles: Sequence[Record] =
     """Predicted against measured (``analysis.fidelity``) into ``out_dir/fidelity.md`` (and its chart) when the
     records hold measured ceilings and GPU train steps; ``profiles``: profiled runs as evidence
     (``analysis.fidelity.profile_records``)."""
-    if any(r.suite == CEILINGS_SUITE for r in records) and fidelity_rows(records):
+    if any(r.suite == CEILINGS_SUITE for r in records) and any(is_step(r) for r in records):
         fidelity_report(records, out_dir / "fidelity.md", list(profiles))
 
 

@@ -61,7 +61,8 @@ from jax.sharding import PartitionSpec as P
 
 from analysis.harness import (StepConfig, StepRun, calculator_terms, failure_record, fixed_batch, frozen_gc,
                               resolve_spec, run_benchmark, step_parser, step_record)
-from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_gpu_idle, trace_kernel_times
+from analysis.kernels import (KERNEL_TIME_PREFIX, hlo_kernel_details, kernel_table, markdown, trace_gpu_idle,
+                              trace_kernel_times)
 from analysis.records import Record
 from jax_impl.device import device_name, mesh_from_flags, peak_memory_bytes
 from jax_impl.distributed import initialize_from_env, process_layout
@@ -253,7 +254,7 @@ def profile_steps(step: Callable[[], jax.Array], hlo_text: str, out_dir: str, ta
         text = markdown(rows, f"{tag}: GPU time per step by kernel category", hlo_kernel_details(hlo_text))
         Path(out_dir, f"{tag}_kernels.md").write_text(f"{text}\n\n{idle.markdown(PROFILED_STEPS)}\n")
         metrics.update({f"time_share.{row.category}": row.fraction for row in rows})
-        metrics.update({f"time_ms.{row.category}": row.time_ms for row in rows})
+        metrics.update({f"{KERNEL_TIME_PREFIX}{row.category}": row.time_ms for row in rows})
         metrics.update(gpu_busy_ms=idle.busy_ms / PROFILED_STEPS, gpu_idle_ms=idle.idle_ms / PROFILED_STEPS)
     return metrics
 
