@@ -33,11 +33,13 @@
 # tables (step_probe.py, OUT_DIR/step_probe.{json,log}), and each product of the step at 32,768 tokens
 # (OUT_DIR/gemm/gemm_probe.json). fidelity_e2e: e2e's step at the trainer's small configurations
 # (small 8, 16 and 64 x 512, bf16_mixed, cuDNN SDPA, compiled, without and with each block's graph;
-# OUT_DIR/e2e_<gpu>.jsonl): the step without the trainer's loop around it.
+# OUT_DIR/e2e_<gpu>.jsonl): the step without the trainer's loop around it. qkv: q, k and v as one product whose
+# backward packs their gradients in one kernel (torch_impl.qkv_projection) against the three products (+apart), xl
+# 4 x 2,048 with spans of 4 and their graphs (OUT_DIR/step_probe.{json,log}), then the e2e record against stock.
 set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
 flash_graphs|fidelity_ddp|fidelity_train|\
-fidelity_profile|fidelity_e2e"
+fidelity_profile|fidelity_e2e|qkv"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -60,6 +62,11 @@ ddp_one_gpu() {  # extra flags: the DDP benchmark's one-GPU baseline, xl 2 x 512
     --out "$out/ddp_one_gpu_${GPU_TAG}.jsonl" "$@"
 }
 case "$phase" in
+qkv)
+  python3 -m pytest -q tests/test_qkv_projection.py 2>&1 | tail -3 | tee "$out/gpu_tests_qkv.txt"
+  python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
+    --variants ours_span4+ro+mixed,ours_span4+ro+mixed+apart 2>&1 | tee "$out/step_probe.log"
+  step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks ;;
 records)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
   step 2.7B 2 2048 --dtype bf16_mixed --cuda-graph off,blocks,step

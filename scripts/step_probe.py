@@ -35,7 +35,9 @@ from torch_impl.timing import capture_step
 # +cpp (Inductor's C++ wrapper), +fuse (fused projections: fuse_projections), +mixed (bf16 parameters with
 # MasterAdamW's fp32 masters: --dtype bf16_mixed), +ind:NAME=INT (an Inductor option for the blocks, e.g.
 # +ind:triton.mix_order_reduction=0; several may be given), +skipguard (after the warm-up, Dynamo checks only the
-# guards that tell its compiled graphs apart: torch.compiler.set_stance(skip_guard_eval_unsafe=True))
+# guards that tell its compiled graphs apart: torch.compiler.set_stance(skip_guard_eval_unsafe=True)), +apart (ours
+# with q, k and v as three products, the model before torch_impl.qkv_projection: its route when a projection's call
+# is hooked)
 VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager",
             "ours_spanK")  # block: each block compiled; spanK: K consecutive blocks as one region (apply_compile)
 
@@ -75,6 +77,10 @@ def build(variant: str, spec, attention: str):
         fuse_projections()
     torch.manual_seed(0)
     model = TransformerLM(spec, attention=attention, device="cuda")
+    if "+apart" in variant:  # a no-op hook on each projection: project_qkv calls the three modules one by one
+        for block in model.layers:
+            for projection in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
+                projection.register_forward_pre_hook(lambda module, args: None)
     if variant.startswith("stock"):
         stock = StockTransformerLM(spec, attention=attention, device="cuda")
         stock.load_state_dict(model.state_dict())

@@ -31,6 +31,7 @@ from parallelism_calc.specs import ModelSpec
 from torch_impl import nvtx
 from torch_impl.attention import get_attention
 from torch_impl.linear_cross_entropy import LOSSES, linear_cross_entropy
+from torch_impl.qkv_projection import Rotate, project_qkv
 
 
 class Linear(nn.Module):
@@ -107,41 +108,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().to(table_dtype), persistent=False)
         self.register_buffer("sin", angles.sin().to(table_dtype), persistent=False)
 
+    def tables(self, seq: int, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, d_head / 2) for positions (T,) (default 0..seq-1)."""
+        if positions is None:  # a slice, not a gather: the compiled kernel reads the tables directly
+            return self.cos[:seq], self.sin[:seq]
+        return self.cos[positions], self.sin[positions]
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """x: (..., T, H, d_head), positions: (T,) (default 0..T-1) -> x rotated, same shape and dtype."""
-        if positions is None:  # a slice, not a gather: the compiled kernel reads the tables directly
-            cos, sin = self.cos[: x.shape[-3]], self.sin[: x.shape[-3]]  # (T, d/2)
-        else:
-            cos, sin = self.cos[positions], self.sin[positions]
-        return _Rotate.apply(x, cos[:, None], sin[:, None])  # tables (T, 1, d/2): broadcast over the heads
-
-
-def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the adjacent pairs (2k, 2k+1) of x's last dim by the angles whose cos and sin are given
-    (broadcasting against x's pairs), in at least float32; the result has x's dtype."""
-    wide = x.to(torch.promote_types(x.dtype, cos.dtype))
-    x_even, x_odd = wide[..., 0::2], wide[..., 1::2]
-    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1).flatten(-2)
-    # No `.to` that returns its input: torch 2.11 compiled an autograd.Function whose forward ends in one (a
-    # float32 model's rotation) into a zero gradient for x (measured, notes/flash_attention.md, session 7).
-    return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
-
-
-class _Rotate(torch.autograd.Function):
-    """RoPE with its backward written out: a rotation's transpose is the rotation by minus the angle, so the
-    gradient is rotated by (cos, -sin), the same formula at the same precision. Autograd's own backward of
-    the stack and slices made Inductor write one of dq, dk in float32 and cast it in a kernel of its own
-    (1.1 ms a step at xl 4 x 2,048; notes/train_step.md)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        return rotate_pairs(x, cos, sin)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        cos, sin = ctx.saved_tensors
-        return rotate_pairs(grad, cos, -sin), None, None
+        return Rotate.apply(x, *self.tables(x.shape[-3], positions))
 
 
 class CausalSelfAttention(nn.Module):
@@ -161,14 +136,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, d_model = x.shape
-
-        def heads(t: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T, H, d_head), a view
-            return t.view(batch, seq, self.n_heads, d_model // self.n_heads)
-
-        # RoPE in the (B, T, H, d_head) layout; the kernels take (B, H, T, d_head) views of it.
-        q = self.rope(heads(self.q_proj(x)), positions).transpose(1, 2)
-        k = self.rope(heads(self.k_proj(x)), positions).transpose(1, 2)
-        v = heads(self.v_proj(x)).transpose(1, 2)
+        # q, k and v as one product (torch_impl.qkv_projection), RoPE in the (B, T, H, d_head) layout; the kernels
+        # take (B, H, T, d_head) views of it.
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        heads = project_qkv(x, projections, self.n_heads, *self.rope.tables(seq, positions))
+        q, k, v = (t.transpose(1, 2) for t in heads)
         with nvtx.range(f"attention {self.attention_name}"):
             out = self.attention(q, k, v, is_causal=True)  # (B, H, T, d_head)
         return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))

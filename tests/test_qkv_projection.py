@@ -1,0 +1,134 @@
+"""q, k and v as one product with RoPE (torch_impl.qkv_projection): its gradients against float64 references on fresh
+random inputs, the packing kernel (under the Triton interpreter without a GPU) against the PyTorch ops, and the
+model's route (one product, or the modules called one by one when something hooks them)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallelism_calc.specs import MODELS
+from torch_impl.model import RotaryEmbedding, TransformerLM
+from torch_impl.qkv_projection import QKVProjection, _launch_pack, pack_rotated_grads, rotate_pairs
+
+TINY = MODELS["tiny"]
+
+
+def fresh_generator() -> tuple[torch.Generator, int]:
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    return torch.Generator().manual_seed(seed), seed
+
+
+def three_products(x, w_q, w_k, w_v, cos, sin, n_heads):
+    """The reference: three products, each head rotated by RoPE, autograd's own gradients."""
+    q, k, v = (F.linear(x, w).unflatten(-1, (n_heads, -1)) for w in (w_q, w_k, w_v))
+    return rotate_pairs(q, cos[:, None], sin[:, None]), rotate_pairs(k, cos[:, None], sin[:, None]), v
+
+
+def inputs(generator, batch=2, seq=7, n_heads=3, d_head=8, dtype=torch.float64, positions=None):
+    d = n_heads * d_head
+    x = torch.randn(batch, seq, d, dtype=dtype, generator=generator, requires_grad=True)
+    weights = [torch.randn(d, d, dtype=dtype, generator=generator, requires_grad=True) for _ in range(3)]
+    cos, sin = RotaryEmbedding(d_head, 32, 10_000.0, dtype=dtype).tables(seq, positions)
+    return x, weights, cos, sin, n_heads
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_one_product_is_the_three_products_in_float64(shuffled):
+    generator, seed = fresh_generator()
+    positions = torch.randperm(32, generator=generator)[:7] if shuffled else None
+    x, weights, cos, sin, n_heads = inputs(generator, positions=positions)
+    assert torch.autograd.gradcheck(lambda *t: QKVProjection.apply(*t, cos, sin, n_heads), (x, *weights)), seed
+    grads_out = [torch.randn(2, 7, n_heads, 8, dtype=torch.float64, generator=generator) for _ in range(3)]
+    ours = QKVProjection.apply(x, *weights, cos, sin, n_heads)
+    ours_grads = torch.autograd.grad(ours, (x, *weights), grads_out)
+    reference = three_products(x, *weights, cos, sin, n_heads)
+    reference_grads = torch.autograd.grad(reference, (x, *weights), grads_out)
+    for got, want in zip((*ours, *ours_grads), (*reference, *reference_grads)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"seed {seed}")
+
+
+def test_under_autocast_the_product_and_gradients_are_cast_as_f_linear_casts_them():
+    generator, seed = fresh_generator()
+    x, weights, cos, sin, n_heads = inputs(generator, dtype=torch.float32)
+    grads_out = [torch.randn(2, 7, n_heads, 8, generator=generator).bfloat16() for _ in range(3)]
+    results = []
+    for route in (QKVProjection.apply, three_products):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = route(x, *weights, cos, sin, n_heads)
+        results.append((out, torch.autograd.grad(out, (x, *weights), grads_out)))
+    (ours, ours_grads), (reference, reference_grads) = results
+    assert [t.dtype for t in ours] == [torch.bfloat16] * 3 and [g.dtype for g in ours_grads] == [torch.float32] * 4
+    for got, want in zip((*ours, *ours_grads), (*reference, *reference_grads)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2, msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "heads_first"])
+def test_packing_kernel_is_the_pytorch_packing(dtype, layout):
+    """The Triton kernel (interpreted without a GPU) against the op's PyTorch ops, with dq laid out as the
+    attention kernels may return it ((B, H, T, d) storage seen as (B, T, H, d)), and d_head 12 below its tile."""
+    generator, seed = fresh_generator()
+    batch, seq, n_heads, d_head = 2, 5, 3, 12
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def grad():
+        t = torch.randn(batch, n_heads, seq, d_head, generator=generator).to(dtype)
+        return (t.transpose(1, 2) if layout == "heads_first" else t.transpose(1, 2).contiguous()).to(device)
+
+    dq, dk, dv = grad(), grad(), grad()
+    cos, sin = (t.to(device) for t in RotaryEmbedding(d_head, 16, 10_000.0).tables(seq))
+    expected = pack_rotated_grads(dq.cpu(), dk.cpu(), dv.cpu(), cos.cpu(), sin.cpu())
+    got = _launch_pack(dq, dk, dv, cos, sin).cpu()
+    assert got.shape == (batch, seq, 3, n_heads, d_head) and got.dtype == dtype
+    ulp = 0 if dtype == torch.float32 else 2.0 ** -7  # one bf16 unit: the interpreter's rounding, FMA contraction
+    torch.testing.assert_close(got.float(), expected.float(), rtol=ulp + 1e-6, atol=1e-6, msg=f"seed {seed}")
+    torch.testing.assert_close(got[:, :, 2], dv.cpu(), rtol=0, atol=0)
+
+
+def test_packing_rejects_what_it_cannot_pack():
+    dq = torch.zeros(2, 5, 3, 8)
+    cos = torch.zeros(5, 4)
+    with pytest.raises(ValueError, match=r"cos and sin must be \(T, d_head / 2\)"):
+        pack_rotated_grads(dq, dq, dq, cos[:4], cos)
+    with pytest.raises(ValueError, match="share a dtype"):
+        pack_rotated_grads(dq, dq.double(), dq, cos, cos)
+    with pytest.raises(ValueError, match="d_head even"):
+        pack_rotated_grads(torch.zeros(2, 5, 3, 7), torch.zeros(2, 5, 3, 7), torch.zeros(2, 5, 3, 7), cos, cos)
+
+
+def test_model_gradients_match_the_modules_called_one_by_one():
+    """The model's one product against the route a hook forces (each projection called): same loss, same
+    gradient for every parameter, float64."""
+    generator, seed = fresh_generator()
+    torch.manual_seed(seed)
+    model = TransformerLM(TINY, dtype=torch.float64)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 9), generator=generator)
+    grads = []
+    for hooked in (False, True):
+        handles = [m.register_forward_pre_hook(lambda *a: None) for m in model.modules() if hooked and
+                   m.__class__.__name__ == "Linear"]
+        model.zero_grad(set_to_none=True)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        for handle in handles:
+            handle.remove()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-10, atol=1e-12, msg=f"{name} {seed}")
+
+
+def test_compiled_block_matches_eager():
+    """torch.compile(fullgraph=True) traces the autograd.Function and the packing op with no graph break."""
+    generator, seed = fresh_generator()
+    torch.manual_seed(seed)
+    model = TransformerLM(TINY)
+    block = model.layers[0]
+    x = torch.randn(2, 9, TINY.d_model, generator=generator, requires_grad=True)
+    eager_out = block(x)
+    eager_grads = torch.autograd.grad(eager_out.square().sum(), (x, *block.parameters()))
+    compiled = torch.compile(block, fullgraph=True, dynamic=False)
+    out = compiled(x)
+    grads = torch.autograd.grad(out.square().sum(), (x, *block.parameters()))
+    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+    for got, want in zip(grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"seed {seed}")

@@ -1,0 +1,183 @@
+"""q, k and v as one product, with RoPE, and a backward that packs their gradients in one kernel.
+
+The attention's three projections of the same input run as one GEMM on the concatenated weights (3d x d): the
+wider GEMM runs nearer the matmul ceiling, and the input's gradient is one GEMM (K = 3d) where three GEMMs and their
+sum were. The backward of that product needs the gradient of the packed (B, T, 3, H, d_head) output: dq and dk
+rotated back by RoPE (a rotation's transpose is the rotation by minus the angle), dv beside them. Inductor writes
+that as a pointwise concatenation at a third of the copy bandwidth (7.2 ms a step at xl 4 x 2,048 where a copy takes
+~2.5: notes/train_step.md, sessions 8, 17 and 42), so the backward is written out here (``QKVProjection``) and the
+packing is one Triton kernel, ``pack_rotated_grads``: an opaque op to torch.compile (PyTorch's ops off CUDA).
+
+The parameters stay the three projections' (their names cross to the Flax model); ``project_qkv`` takes the packed
+route only where nothing hooks the projections' own calls (our FSDP with per-layer units or a compute dtype does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the adjacent pairs (2k, 2k+1) of x's last dim by the angles whose cos and sin are given
+    (broadcasting against x's pairs), in at least float32; the result has x's dtype."""
+    wide = x.to(torch.promote_types(x.dtype, cos.dtype))
+    x_even, x_odd = wide[..., 0::2], wide[..., 1::2]
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1).flatten(-2)
+    # No `.to` that returns its input: torch 2.11 compiled an autograd.Function whose forward ends in one (a
+    # float32 model's rotation) into a zero gradient for x (measured, notes/flash_attention.md, session 7).
+    return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
+
+
+@triton.jit
+def _rotated_back(src, rows, seq, head, stride_b, stride_t, stride_h, cos_rows, sin_rows, cols, mask):
+    """A (rows, d_head) tile of one head of dq or dk, rotated by minus RoPE's angle in the tables' precision:
+    even column x_2k cos + x_2k+1 sin, odd column x_2k+1 cos - x_2k sin."""
+    base = src + (rows // seq)[:, None] * stride_b + (rows % seq)[:, None] * stride_t + head * stride_h
+    cos = tl.load(cos_rows, mask=mask)
+    x = tl.load(base + cols[None, :], mask=mask).to(cos.dtype)
+    partner = tl.load(base + (cols ^ 1)[None, :], mask=mask).to(cos.dtype)
+    sign = tl.where(cols % 2 == 0, 1.0, -1.0).to(cos.dtype)[None, :]
+    return x * cos + sign * (partner * tl.load(sin_rows, mask=mask))
+
+
+@triton.jit
+def _pack_kernel(dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
+                 q_b, q_t, q_h, k_b, k_t, k_h, v_b, v_t, v_h, table_t,
+                 HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head of BLOCK_ROWS rows (b, t): out[b, t, :, head] = (dq rotated back, dk rotated back, dv)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (cols < HEAD_DIM)[None, :]
+    table = (rows % seq)[:, None] * table_t + (cols // 2)[None, :]
+    row_width = n_heads * HEAD_DIM
+    dst = out + (rows * 3)[:, None].to(tl.int64) * row_width + head * HEAD_DIM + cols[None, :]
+    d_q = _rotated_back(dq, rows, seq, head, q_b, q_t, q_h, cos + table, sin + table, cols, mask)
+    tl.store(dst, d_q.to(out.dtype.element_ty), mask=mask)
+    d_k = _rotated_back(dk, rows, seq, head, k_b, k_t, k_h, cos + table, sin + table, cols, mask)
+    tl.store(dst + row_width, d_k.to(out.dtype.element_ty), mask=mask)
+    v_rows = dv + (rows // seq)[:, None] * v_b + (rows % seq)[:, None] * v_t + head * v_h
+    tl.store(dst + 2 * row_width, tl.load(v_rows + cols[None, :], mask=mask), mask=mask)
+
+
+PACK_BLOCK_ROWS = 32  # rows (b, t) of one head a program: 3 x 32 x d_head elements in and out
+
+
+def _launch_pack(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """The Triton packing (any strides of dq, dk, dv whose last dim is contiguous)."""
+    batch, seq, n_heads, d_head = dq.shape
+    dq, dk, dv = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = dq.new_empty(batch, seq, 3, n_heads, d_head)
+    n_rows = batch * seq
+    grid = (triton.cdiv(n_rows, PACK_BLOCK_ROWS), n_heads)
+    _pack_kernel[grid](dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
+                       *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], cos.stride(0),
+                       HEAD_DIM=d_head, BLOCK_ROWS=PACK_BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(d_head))
+    return out
+
+
+def check_pack_inputs(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> None:
+    """dq, dk, dv (B, T, H, d_head) alike, d_head even; cos, sin (T, d_head / 2)."""
+    if dq.ndim != 4 or dk.shape != dq.shape or dv.shape != dq.shape or dq.shape[-1] % 2:
+        raise ValueError(f"pack_rotated_grads: dq, dk, dv must be (B, T, H, d_head) alike with d_head even; got "
+                         f"{tuple(dq.shape)}, {tuple(dk.shape)}, {tuple(dv.shape)}")
+    if len({dq.dtype, dk.dtype, dv.dtype}) != 1:
+        raise ValueError(f"pack_rotated_grads: dq, dk, dv must share a dtype; got {dq.dtype}, {dk.dtype}, {dv.dtype}")
+    tables = (dq.shape[1], dq.shape[-1] // 2)
+    if tuple(cos.shape) != tables or tuple(sin.shape) != tables:
+        raise ValueError(f"pack_rotated_grads: cos and sin must be (T, d_head / 2) = {tables}; "
+                         f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
+
+
+@torch.library.custom_op("torch_impl::pack_rotated_grads", mutates_args=())
+def pack_rotated_grads(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
+    """dq, dk, dv (B, T, H, d_head) -> (B, T, 3, H, d_head): dq and dk rotated by minus RoPE's angles (tables
+    cos, sin of shape (T, d_head / 2)), dv as it is. PyTorch's ops here; one Triton kernel on CUDA."""
+    check_pack_inputs(dq, dk, dv, cos, sin)
+    cos, minus_sin = cos[:, None], -sin[:, None]  # (T, 1, d/2): broadcast over the heads
+    return torch.stack((rotate_pairs(dq, cos, minus_sin), rotate_pairs(dk, cos, minus_sin), dv), dim=2)
+
+
+@pack_rotated_grads.register_kernel("cuda")
+def _(dq, dk, dv, cos, sin):
+    check_pack_inputs(dq, dk, dv, cos, sin)
+    return _launch_pack(dq, dk, dv, cos, sin)
+
+
+@pack_rotated_grads.register_fake
+def _(dq, dk, dv, cos, sin):
+    check_pack_inputs(dq, dk, dv, cos, sin)
+    batch, seq, n_heads, d_head = dq.shape
+    return dq.new_empty(batch, seq, 3, n_heads, d_head)
+
+
+class QKVProjection(torch.autograd.Function):
+    """(x, W_q, W_k, W_v, cos, sin, n_heads) -> (q, k, v), each (B, T, H, d_head): x [W_q; W_k; W_v]^T as one
+    product, q and k rotated by RoPE. Under autocast x and the weights are cast as F.linear would cast them.
+    Backward: ``pack_rotated_grads``, then the input's and the weights' gradients as one GEMM each."""
+
+    @staticmethod
+    def forward(ctx, x, w_q, w_k, w_v, cos, sin, n_heads: int):
+        weight = torch.cat((w_q, w_k, w_v))  # (3d, d)
+        ctx.dtypes = x.dtype, w_q.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+        batch, seq, d_model = x.shape
+        q, k, v = F.linear(x, weight).view(batch, seq, 3, n_heads, d_model // n_heads).unbind(2)
+        ctx.save_for_backward(x, weight, cos, sin)
+        cos, sin = cos[:, None], sin[:, None]
+        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin), v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        x, weight, cos, sin = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        dy = torch.ops.torch_impl.pack_rotated_grads(dq, dk, dv, cos, sin).flatten(2)  # (B, T, 3d)
+        dx = (dy @ weight).to(x_dtype)
+        dw = (dy.flatten(0, 1).T @ x.flatten(0, 1)).to(w_dtype)  # (3d, d)
+        return (dx, *dw.chunk(3), None, None, None)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Does anything hook this module's calls (its own hooks, or every module's)?"""
+    from torch.nn.modules import module as module_hooks
+
+    return bool(module._forward_pre_hooks or module._forward_hooks or module_hooks._global_forward_pre_hooks
+                or module_hooks._global_forward_hooks)
+
+
+def project_qkv(x: torch.Tensor, projections: tuple[nn.Module, nn.Module, nn.Module], n_heads: int,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (B, T, H, d_head) of x (B, T, d) by the three projection modules, q and k rotated by RoPE's tables
+    cos, sin (T, d_head / 2): one product (``QKVProjection``) unless a projection's call is hooked, then each
+    module called as it is."""
+    if any(_hooked(p) for p in projections):
+        q, k, v = (p(x).unflatten(-1, (n_heads, -1)) for p in projections)
+        return Rotate.apply(q, cos, sin), Rotate.apply(k, cos, sin), v
+    return QKVProjection.apply(x, *(p.weight for p in projections), cos, sin, n_heads)
+
+
+class Rotate(torch.autograd.Function):
+    """RoPE of q or k (B, T, H, d_head) by tables cos, sin (T, d_head / 2), its backward written out: the rotation
+    by minus the angle, the same formula at the same precision. Autograd's own backward of the stack and slices
+    made Inductor write one of dq, dk in float32 and cast it in a kernel of its own (1.1 ms a step at xl 4 x 2,048;
+    notes/train_step.md)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return rotate_pairs(x, cos[:, None], sin[:, None])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return rotate_pairs(grad, cos[:, None], -sin[:, None]), None, None
