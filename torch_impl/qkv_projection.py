@@ -6,7 +6,7 @@ sum were. The backward of that product needs the gradient of the packed (B, T, 3
 rotated back by RoPE (a rotation's transpose is the rotation by minus the angle), dv beside them. Inductor writes
 that as a pointwise concatenation at a third of the copy bandwidth (7.2 ms a step at xl 4 x 2,048 where a copy takes
 ~2.5: notes/train_step.md, sessions 8, 17 and 42), so the backward is written out here (``QKVProjection``) and the
-packing is one Triton kernel, ``pack_rotated_grads``: an opaque op to torch.compile (PyTorch's ops off CUDA).
+packing is one Triton kernel (``torch_impl.qkv_pack_triton``) behind ``pack_rotated_grads``, an opaque op to torch.compile (PyTorch's ops off CUDA).
 
 The parameters stay the three projections' (their names cross to the Flax model); ``project_qkv`` takes the packed
 route only where nothing hooks the projections' own calls (our FSDP with per-layer units or a compute dtype does).
@@ -17,8 +17,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -30,56 +28,6 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     # No `.to` that returns its input: torch 2.11 compiled an autograd.Function whose forward ends in one (a
     # float32 model's rotation) into a zero gradient for x (measured, notes/flash_attention.md, session 7).
     return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
-
-
-@triton.jit
-def _rotated_back(src, rows, seq, head, stride_b, stride_t, stride_h, cos_rows, sin_rows, cols, mask):
-    """A (rows, d_head) tile of one head of dq or dk, rotated by minus RoPE's angle in the tables' precision:
-    even column x_2k cos + x_2k+1 sin, odd column x_2k+1 cos - x_2k sin."""
-    base = src + (rows // seq)[:, None] * stride_b + (rows % seq)[:, None] * stride_t + head * stride_h
-    cos = tl.load(cos_rows, mask=mask)
-    x = tl.load(base + cols[None, :], mask=mask).to(cos.dtype)
-    partner = tl.load(base + (cols ^ 1)[None, :], mask=mask).to(cos.dtype)
-    sign = tl.where(cols % 2 == 0, 1.0, -1.0).to(cos.dtype)[None, :]
-    return x * cos + sign * (partner * tl.load(sin_rows, mask=mask))
-
-
-@triton.jit
-def _pack_kernel(dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
-                 q_b, q_t, q_h, k_b, k_t, k_h, v_b, v_t, v_h, table_t,
-                 HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One head of BLOCK_ROWS rows (b, t): out[b, t, :, head] = (dq rotated back, dk rotated back, dv)."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    head = tl.program_id(1)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows < n_rows)[:, None] & (cols < HEAD_DIM)[None, :]
-    table = (rows % seq)[:, None] * table_t + (cols // 2)[None, :]
-    row_width = n_heads * HEAD_DIM
-    dst = out + (rows * 3)[:, None].to(tl.int64) * row_width + head * HEAD_DIM + cols[None, :]
-    d_q = _rotated_back(dq, rows, seq, head, q_b, q_t, q_h, cos + table, sin + table, cols, mask)
-    tl.store(dst, d_q.to(out.dtype.element_ty), mask=mask)
-    d_k = _rotated_back(dk, rows, seq, head, k_b, k_t, k_h, cos + table, sin + table, cols, mask)
-    tl.store(dst + row_width, d_k.to(out.dtype.element_ty), mask=mask)
-    v_rows = dv + (rows // seq)[:, None] * v_b + (rows % seq)[:, None] * v_t + head * v_h
-    tl.store(dst + 2 * row_width, tl.load(v_rows + cols[None, :], mask=mask), mask=mask)
-
-
-PACK_BLOCK_ROWS = 32  # rows (b, t) of one head a program: 3 x 32 x d_head elements in and out
-
-
-def _launch_pack(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:
-    """The Triton packing (any strides of dq, dk, dv whose last dim is contiguous)."""
-    batch, seq, n_heads, d_head = dq.shape
-    dq, dk, dv = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv))
-    cos, sin = cos.contiguous(), sin.contiguous()
-    out = dq.new_empty(batch, seq, 3, n_heads, d_head)
-    n_rows = batch * seq
-    grid = (triton.cdiv(n_rows, PACK_BLOCK_ROWS), n_heads)
-    _pack_kernel[grid](dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
-                       *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], cos.stride(0),
-                       HEAD_DIM=d_head, BLOCK_ROWS=PACK_BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(d_head))
-    return out
 
 
 def check_pack_inputs(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
@@ -108,8 +56,10 @@ def pack_rotated_grads(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos
 
 @pack_rotated_grads.register_kernel("cuda")
 def _(dq, dk, dv, cos, sin):
+    from torch_impl.qkv_pack_triton import launch_pack  # Triton on first use: it reads TRITON_INTERPRET on import
+
     check_pack_inputs(dq, dk, dv, cos, sin)
-    return _launch_pack(dq, dk, dv, cos, sin)
+    return launch_pack(dq, dk, dv, cos, sin)
 
 
 @pack_rotated_grads.register_fake

@@ -1,0 +1,59 @@
+"""The Triton kernel of ``torch_impl.qkv_projection.pack_rotated_grads``: dq and dk rotated back by RoPE and dv, packed
+side by side as the (B, T, 3, H, d_head) gradient of the one q, k, v product, in one pass at the copy bandwidth."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotated_back(x, cos, sin):
+    """A (rows, d_head) tile of dq or dk rotated by minus RoPE's angles (tables (rows, d_head / 2)) in the tables'
+    precision: even column x_2k cos + x_2k+1 sin, odd column x_2k+1 cos - x_2k sin."""
+    x_even, x_odd = tl.split(tl.reshape(x.to(cos.dtype), (x.shape[0], x.shape[1] // 2, 2)))
+    rotated = tl.join(x_even * cos + x_odd * sin, x_odd * cos - x_even * sin)
+    return tl.reshape(rotated, x.shape)
+
+
+@triton.jit
+def _pack_kernel(dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
+                 q_b, q_t, q_h, k_b, k_t, k_h, v_b, v_t, v_h, table_t,
+                 HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head of BLOCK_ROWS rows (b, t): out[b, t, :, head] = (dq rotated back, dk rotated back, dv)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    head = tl.program_id(1)
+    batch, position = rows // seq, rows % seq
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (cols < HEAD_DIM)[None, :]
+    pairs = tl.arange(0, BLOCK_D // 2)
+    table = position[:, None] * table_t + pairs[None, :]
+    table_mask = (rows < n_rows)[:, None] & (pairs < HEAD_DIM // 2)[None, :]
+    cos_tile, sin_tile = tl.load(cos + table, mask=table_mask), tl.load(sin + table, mask=table_mask)
+    row_width = n_heads * HEAD_DIM
+    dst = out + (rows.to(tl.int64) * 3 * row_width + head * HEAD_DIM)[:, None] + cols[None, :]
+    q_tile = tl.load(dq + (batch * q_b + position * q_t + head * q_h)[:, None] + cols[None, :], mask=mask)
+    tl.store(dst, _rotated_back(q_tile, cos_tile, sin_tile).to(out.dtype.element_ty), mask=mask)
+    k_tile = tl.load(dk + (batch * k_b + position * k_t + head * k_h)[:, None] + cols[None, :], mask=mask)
+    tl.store(dst + row_width, _rotated_back(k_tile, cos_tile, sin_tile).to(out.dtype.element_ty), mask=mask)
+    v_tile = tl.load(dv + (batch * v_b + position * v_t + head * v_h)[:, None] + cols[None, :], mask=mask)
+    tl.store(dst + 2 * row_width, v_tile, mask=mask)
+
+
+PACK_BLOCK_ROWS = 64  # rows (b, t) of one head a program: 3 x 64 x d_head elements in and out
+
+
+def launch_pack(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """The Triton packing (any strides of dq, dk, dv whose last dim is contiguous)."""
+    batch, seq, n_heads, d_head = dq.shape
+    dq, dk, dv = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = dq.new_empty(batch, seq, 3, n_heads, d_head)
+    n_rows = batch * seq
+    grid = (triton.cdiv(n_rows, PACK_BLOCK_ROWS), n_heads)
+    _pack_kernel[grid](dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
+                       *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], cos.stride(0),
+                       HEAD_DIM=d_head, BLOCK_ROWS=PACK_BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(d_head))
+    return out
