@@ -36,10 +36,12 @@
 # OUT_DIR/e2e_<gpu>.jsonl): the step without the trainer's loop around it. qkv: q, k and v as one product whose
 # backward packs their gradients in one kernel (torch_impl.qkv_projection) against the three products (+apart), xl
 # 4 x 2,048 with spans of 4 and their graphs (OUT_DIR/step_probe.{json,log}), then the e2e record against stock.
+# records_graphs: the records phase's three configurations with each block's graph only, then ours with our
+# FlashAttention (flash_triton) at xl 4 x 2,048 against its own stock reference (~8 minutes).
 set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
 flash_graphs|fidelity_ddp|fidelity_train|\
-fidelity_profile|fidelity_e2e|qkv"
+fidelity_profile|fidelity_e2e|qkv|records_graphs"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -67,6 +69,9 @@ qkv)
   python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
     --variants ours_span4+ro+mixed,ours_span4+ro+mixed+apart 2>&1 | tee "$out/step_probe.log"
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks ;;
+records_graphs)
+  for config in "xl 4 2048" "2.7B 2 2048" "xl 4 512"; do step $config --dtype bf16_mixed --cuda-graph blocks; done
+  step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks --attention flash_triton ;;
 records)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
   step 2.7B 2 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
