@@ -42,6 +42,8 @@ def test_one_product_is_the_three_products_in_float64(shuffled):
     assert torch.autograd.gradcheck(lambda *t: QKVProjection.apply(*t, cos, sin, n_heads), (x, *weights)), seed
     grads_out = [torch.randn(2, 7, n_heads, 8, dtype=torch.float64, generator=generator) for _ in range(3)]
     ours = QKVProjection.apply(x, *weights, cos, sin, n_heads)
+    # v in an allocation of its own: a view would keep the whole product alive while the attention keeps v
+    assert ours[2].untyped_storage().nbytes() == ours[2].numel() * ours[2].element_size()
     ours_grads = torch.autograd.grad(ours, (x, *weights), grads_out)
     reference = three_products(x, *weights, cos, sin, n_heads)
     reference_grads = torch.autograd.grad(reference, (x, *weights), grads_out)

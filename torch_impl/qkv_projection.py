@@ -72,7 +72,9 @@ def _(dq, dk, dv, cos, sin):
 class QKVProjection(torch.autograd.Function):
     """(x, W_q, W_k, W_v, cos, sin, n_heads) -> (q, k, v), each (B, T, H, d_head): x [W_q; W_k; W_v]^T as one
     product, q and k rotated by RoPE. Under autocast x and the weights are cast as F.linear would cast them.
-    Backward: ``pack_rotated_grads``, then the input's and the weights' gradients as one GEMM each."""
+    Backward: ``pack_rotated_grads``, then the input's and the weights' gradients as one GEMM each. Saved: x (as
+    three products save it) and the concatenated weight (3 d^2 elements a block more than three products of bf16
+    parameters keep; under autocast they keep their bf16 casts, as many bytes)."""
 
     @staticmethod
     def forward(ctx, x, w_q, w_k, w_v, cos, sin, n_heads: int):
@@ -85,7 +87,9 @@ class QKVProjection(torch.autograd.Function):
         q, k, v = F.linear(x, weight).view(batch, seq, 3, n_heads, d_model // n_heads).unbind(2)
         ctx.save_for_backward(x, weight, cos, sin)
         cos, sin = cos[:, None], sin[:, None]
-        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin), v
+        # v copied out of the product (in RoPE's kernel, compiled): as a view it kept the whole product alive as
+        # long as the attention kept v, 3x its bytes (+2.5 GB at xl 4 x 2,048: notes/train_step.md, session 45)
+        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin), v.contiguous()
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
