@@ -152,11 +152,32 @@ def _best_per_backend(rows: pd.DataFrame, keys: list[str], by: str, ascending: b
                             na_position="last").groupby([*keys, "backend"], dropna=False, sort=False).head(1)
     both = rows.groupby(keys, dropna=False)["backend"].transform("nunique") == 2
     rows = rows[both] if both_only and both.any() else rows
+    return _labelled(rows, rows["backend"].map(BACKEND_NAMES).fillna(rows["backend"]) if not rows.empty else None)
+
+
+BACKEND_NAMES = {"torch": "PyTorch", "jax": "JAX"}
+
+
+def _labelled(rows: pd.DataFrame, run: pd.Series | None) -> pd.DataFrame:
+    """``rows`` with the charts' labels: ``config`` (model, batch x seq, dtype, devices) and ``run``."""
     if rows.empty:
         return rows.assign(config=None, run=None)
     devices = rows["devices"].map(lambda n: f", {n} device{'s' if n != 1 else ''}")
-    return rows.assign(config=rows.apply(_config_label, axis=1) + devices,
-                       run=rows["backend"].map({"torch": "PyTorch", "jax": "JAX"}).fillna(rows["backend"]))
+    return rows.assign(config=rows.apply(_config_label, axis=1) + devices, run=run)
+
+
+def plot_implementations(frame: pd.DataFrame, prefix: str | Path, title: str) -> list[Path]:
+    """The chart of ``side_by_side_frame`` rows at ``<prefix>_time.png`` (and PDF): per configuration, a bar for
+    every implementation's latest step time (a failed run shows its status where its bar would be), as a step
+    suite's own table lists them (with MFU and memory); the PNGs written (none for rows without a time)."""
+    if frame.empty or not frame["median_ms"].notna().any():
+        return []
+    backends = frame["backend"].map(BACKEND_NAMES).fillna(frame["backend"])
+    label, name = BAR_CHARTS["median_ms"]
+    path = Path(prefix).with_name(f"{Path(prefix).name}_{name}.png")
+    bar_plot(_labelled(frame, backends + " " + frame["implementation"]), "config", "median_ms", hue="run",
+             note="status", ylabel=label, xlabel="", title=f"{title}: {label}", out=path)
+    return [path]
 
 
 def write_side_by_side(sources: RecordSource | Iterable[RecordSource], out_dir: str | Path,

@@ -215,3 +215,29 @@ def test_named_sections_tables_have_charts(tmp_path):
     for title in expected:
         for entry in re.split(r"^- ", sections[title], flags=re.M)[1:]:
             assert "charts:" in entry or "tables:" not in entry, entry
+
+
+def test_other_step_suites_get_each_implementations_time_chart(tmp_path):
+    """A step suite outside the named sections (e2e: stock and ours) gets a chart of every implementation's step time
+    per configuration, a failed run's status written where its bar would be; a suite of other records gets none."""
+    from analysis.records import timing_stats
+    from analysis.side_by_side import plot_implementations, side_by_side_frame
+
+    step = dict(model="tiny", batch_size=2, seq_len=16, dtype="bf16", mode="train_step",
+                provenance={"device_name": "NVIDIA H100"})
+    records = [Record(suite="e2e", backend="torch", implementation=impl, timing=timing_stats([ms]), **step)
+               for impl, ms in (("stock compiled", 3.0), ("compiled, cuda graph per block", 2.5))]
+    records.append(Record(suite="e2e", backend="torch", implementation="eager", status="oom", error="CUDA OOM",
+                          **step))
+    append_records(tmp_path / "e2e_gpu.jsonl", records)
+    append_records(tmp_path / "misc_cpu.jsonl", [Record(suite="misc", backend="jax", implementation="x",
+                                                        metrics={"value": 1.5})])
+    out = tmp_path / "reports"
+    reports.write_reports(tmp_path, out)
+    index = (out / "index.md").read_text()
+    assert "](e2e_gpu_time.png)" in (out / "e2e_gpu.md").read_text()
+    assert "e2e_gpu_time.png" in index and "e2e_gpu_time.pdf" in index
+    assert not list(out.glob("misc_cpu*.png"))
+    frame = side_by_side_frame(records)
+    assert sorted(frame["implementation"]) == ["compiled, cuda graph per block", "eager", "stock compiled"]
+    assert plot_implementations(frame[frame["status"] != "ok"], tmp_path / "failed", "e2e") == []  # no time: no chart

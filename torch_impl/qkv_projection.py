@@ -6,7 +6,8 @@ sum were. The backward of that product needs the gradient of the packed (B, T, 3
 rotated back by RoPE (a rotation's transpose is the rotation by minus the angle), dv beside them. Inductor writes
 that as a pointwise concatenation at a third of the copy bandwidth (7.2 ms a step at xl 4 x 2,048 where a copy takes
 ~2.5: notes/train_step.md, sessions 8, 17 and 42), so the backward is written out here (``QKVProjection``) and the
-packing is one Triton kernel (``torch_impl.qkv_pack_triton``) behind ``pack_rotated_grads``, an opaque op to torch.compile (PyTorch's ops off CUDA).
+packing is one Triton kernel (``torch_impl.qkv_pack_triton``) behind ``pack_rotated_grads``, an opaque op to
+torch.compile (PyTorch's ops off CUDA).
 
 The parameters stay the three projections' (their names cross to the Flax model); ``project_qkv`` takes the packed
 route only where nothing hooks the projections' own calls (our FSDP with per-layer units or a compute dtype does).
