@@ -17,7 +17,7 @@ from typing import Any, Callable
 import pandas as pd
 
 from analysis.kernels import categorize
-from analysis.plots import line_plot
+from analysis.plots import bar_plot, line_plot
 from analysis.records import Record, read_records, timing_stats
 from analysis.single_gpu import _rows as single_gpu_rows, best_k_lines
 from analysis.snapshot import load_snapshot, markdown as snapshot_markdown, peak_allocations
@@ -110,6 +110,14 @@ def benchmarking(records: list[Record], out: Path, reference: dict | None) -> li
         frame = pd.DataFrame(rows)
         if not frame.empty:
             lines += [f"## {dtype} (ms)", "", markdown_table(frame, list(frame.columns)), ""]
+    steps = pd.DataFrame([{"model": m, "context": n, "run": f"{d}, {'compiled' if c else 'eager'}",
+                           "step ms": r.timing["mean_ms"]} for (d, c, m, n), r in sweep.items() if r.status == "ok"])
+    if not steps.empty:
+        plot = out / "benchmarking_step.png"
+        line_plot(steps, "context", "step ms", hue="model", col="run", hue_order=models, logx=2, logy=True,
+                  xlabel="context", ylabel="step time (ms)", title="training step time by model size and context",
+                  out=plot)
+        lines += [f"![step time]({plot.name})", ""]
     lines += ["## Answers", ""]
     for dtype in ("fp32", "bf16"):
         for compiled in (False, True):
@@ -207,7 +215,17 @@ def profiling(records: list[Record], out: Path, reference: dict | None) -> list[
                          "largest kernel": f"`{largest[-1]}`", "its ms": top_ms,
                          "its launches": (m.get("kernel_calls") or {}).get(top)})
         frame = pd.DataFrame(rows)
-        lines += ["## Measured against profiled, and the shares", "", markdown_table(frame, list(frame.columns)), ""]
+        shares = frame.melt(id_vars=["model", "dtype", "mode"], value_vars=[c for c in frame if c.endswith(" share")],
+                            var_name="category", value_name="share").dropna(subset=["share"])
+        lines += ["## Measured against profiled, and the shares", ""]
+        if not shares.empty:
+            plot = out / "profiling_shares.png"
+            bar_plot(shares.assign(run=shares["model"] + " " + shares["dtype"] + " " + shares["mode"],
+                                   category=shares["category"].str.removesuffix(" share")),
+                     "run", "share", hue="category", xlabel="", ylabel="share of the kernels' time",
+                     title="where the GPU's time goes, by kernel category", out=plot)
+            lines += [f"![kernel shares]({plot.name})", ""]
+        lines += [markdown_table(frame, list(frame.columns)), ""]
         lines += ["## Answers", ""]
         for r, row, top in zip(kernels, rows, largest):
             if r.mode == "forward":
@@ -401,12 +419,22 @@ def naive_attention(records: list[Record], out: Path, reference: dict | None) ->
     if not rows:
         return []
     frame = pd.DataFrame(rows).sort_values(["head dim", "seq"])
+    times = pd.DataFrame([{"head dim": int(row["head dim"]), "seq": row["seq"], "run": f"{label} {phase}",
+                           "ms": row[f"{label} {phase} ms"]}
+                          for _, row in frame.iterrows() for label in ("eager", "compiled")
+                          for phase in ("forward", "backward")])
+    times = times[pd.to_numeric(times["ms"], errors="coerce").notna()].astype({"ms": float})
+    plot = out / "naive_attention_time.png"
+    if not times.empty:
+        line_plot(times, "seq", "ms", hue="head dim", col="run", logx=2, logy=True, xlabel="sequence length",
+                  ylabel="ms", title="naive attention: time by sequence length and head dim", out=plot)
     oom = [r for r in runs if r.status == "oom"]
     r = runs[0]
     lines = ["# Naive attention: time and memory by head dim and sequence length", "",
              f"Batch {r.batch_size}, one head, fp32 (no TF32), `triton.testing.do_bench` medians; 'saved MiB' is "
              "the memory allocated before the backward (`memory_before_backward_bytes`), 'computed MiB' the n x n "
              "softmax probabilities the backward reads plus q, k, v and the output.", "",
+             *([f"![time]({plot.name})", ""] if not times.empty else []),
              markdown_table(frame, list(frame.columns)), "",
              f"- {len(oom)} of {len(runs)} runs ran out of memory" + (
                  ": " + ", ".join(f"{o.implementation} {o.mode} d {o.metrics.get('head_dim')} n {o.seq_len}"
@@ -464,10 +492,17 @@ def checkpointing(records: list[Record], out: Path, reference: dict | None) -> l
     fastest = ok.loc[ok["median_ms"].idxmin()]
     none = frame[frame["policy"] == "none"]
     none_fits = "was not run" if none.empty else "runs out of memory" if none["status"].iloc[0] == "oom" else "fits"
+    peaks = frame.melt(id_vars=["policy", "status"], value_vars=["peak GiB", "predicted GiB"], var_name="peak",
+                       value_name="GiB")
+    plot = out / "checkpointing_peak.png"
+    bar_plot(peaks.assign(peak=peaks["peak"].map({"peak GiB": "measured", "predicted GiB": "predicted"})), "policy",
+             "GiB", hue="peak", note="status", xlabel="policy", ylabel="peak memory (GiB)",
+             title=f"{r.model} {r.batch_size} x {r.seq_len}: peak memory by checkpointing policy", out=plot)
     lines = [f"# Activation checkpointing: {r.model}, batch {r.batch_size} x {r.seq_len}, {r.dtype}, "
              f"{r.implementation.split(',')[0]}", "",
              "Recompute every segment of k blocks in the backward (flat), or also each block inside its segment "
              "(nested); measured peak against `parallelism_calc.checkpointing`.", "",
+             f"![peak memory]({plot.name})", "",
              markdown_table(frame, ["policy", "status", "median_ms", "peak GiB", "predicted GiB"]), "",
              *best_k_lines(frame, ModelSpec(**r.model_dims), r.seq_len, "bf16_autocast", "flash"),
              f"- Without checkpointing the step {none_fits}; the fastest policy is {fastest['policy']} "

@@ -65,8 +65,10 @@ def test_answer_pages_follow_the_records(tmp_path):
              for dtype in ("fp32", "bf16") for compiled in (False, True)}
     _write_sweep(results, times)
     written = write_answers(results, out)
-    assert {p.name for p in written} == {"benchmarking.md", "mixed_precision.md"}
+    assert {p.name for p in written} == {"benchmarking.md", "mixed_precision.md", "benchmarking_step.png",
+                                         "benchmarking_step.pdf"}
     page = (out / "benchmarking.md").read_text()
+    assert "](benchmarking_step.png)" in page  # the step times' chart, in the page that tabulates them
     eager_fp32 = times[("fp32", False)][("small", 128)]
     assert f"{eager_fp32:.1f} ± {eager_fp32 / 50:.1f}" in page  # the step's mean ± std, as recorded
     assert "the backward takes 2.00x the forward" in page
