@@ -19,7 +19,7 @@ import pandas as pd
 from analysis.kernels import categorize
 from analysis.plots import bar_plot, line_plot
 from analysis.records import Record, read_records, timing_stats
-from analysis.single_gpu import _rows as single_gpu_rows, best_k_lines
+from analysis.single_gpu import _rows as single_gpu_rows, best_k_lines, plot_shares
 from analysis.snapshot import load_snapshot, markdown as snapshot_markdown, peak_allocations
 from analysis.tables import markdown_table
 from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
@@ -215,15 +215,13 @@ def profiling(records: list[Record], out: Path, reference: dict | None) -> list[
                          "largest kernel": f"`{largest[-1]}`", "its ms": top_ms,
                          "its launches": (m.get("kernel_calls") or {}).get(top)})
         frame = pd.DataFrame(rows)
-        shares = frame.melt(id_vars=["model", "dtype", "mode"], value_vars=[c for c in frame if c.endswith(" share")],
-                            var_name="category", value_name="share").dropna(subset=["share"])
+        shares = frame.assign(run=frame["model"] + " " + frame["dtype"] + " " + frame["mode"]).melt(
+            id_vars=["run"], value_vars=[c for c in frame if c.endswith(" share")], var_name="category",
+            value_name="share")
         lines += ["## Measured against profiled, and the shares", ""]
-        if not shares.empty:
-            plot = out / "profiling_shares.png"
-            bar_plot(shares.assign(run=shares["model"] + " " + shares["dtype"] + " " + shares["mode"],
-                                   category=shares["category"].str.removesuffix(" share")),
-                     "run", "share", hue="category", xlabel="", ylabel="share of the kernels' time",
-                     title="where the GPU's time goes, by kernel category", out=plot)
+        if shares["share"].notna().any():
+            plot = plot_shares(shares.assign(category=shares["category"].str.removesuffix(" share")),
+                               out / "profiling_shares.png")
             lines += [f"![kernel shares]({plot.name})", ""]
         lines += [markdown_table(frame, list(frame.columns)), ""]
         lines += ["## Answers", ""]
@@ -295,9 +293,14 @@ def mixed_precision(records: list[Record], out: Path, reference: dict | None) ->
         wide = frame.pivot_table(index="model", columns=["compiled", "context"], values="step x", sort=False)
         wide.columns = [f"{'compiled' if c else 'eager'} {n}" for c, n in wide.columns]
         wide = wide.reset_index()
+        plot = out / "mixed_precision_speedup.png"
+        line_plot(frame.assign(run=frame["compiled"].map({False: "eager", True: "compiled"})), "context", "step x",
+                  hue="model", col="run", hue_order=list(dict.fromkeys(frame["model"])), logx=2,
+                  xlabel="context", ylabel="fp32 step / bf16 step", title="bf16 autocast's speed-up over fp32",
+                  out=plot)
         lines += ["## bf16 (autocast) against fp32: step speed-up by model size and context", "",
                   "fp32 step time / bf16 step time, same configuration, from the benchmarking sweep.", "",
-                  markdown_table(wide, list(wide.columns)), ""]
+                  f"![speed-up]({plot.name})", "", markdown_table(wide, list(wide.columns)), ""]
         for compiled in (False, True):
             part = frame[frame["compiled"] == compiled]
             if not part.empty:

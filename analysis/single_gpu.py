@@ -93,10 +93,23 @@ def kernel_report(sources: RecordSource | Iterable[RecordSource], out_dir: str |
     out.mkdir(parents=True, exist_ok=True)
     columns = ["model", "batch_size", "seq_len", "dtype", "mode", "implementation", "median_ms", *shares]
     text = markdown_table(frame, columns)
+    long = frame.assign(run=frame["model"] + " " + frame["dtype"] + " " + frame["mode"]).melt(
+        id_vars=["run"], value_vars=shares, var_name="category", value_name="share")
+    charts = [plot_shares(long.assign(category=long["category"].str.removesuffix("_share")),
+                          out / f"{stem}_shares.png")] if long["share"].notna().any() else []
     report = out / f"{stem}.md"
     report.write_text("# Share of GPU time per kernel category\n\nFrom `torch.profiler` (`e2e --profile`): "
-                      "self device time per kernel, grouped by `analysis.kernels`.\n\n" + text + "\n")
-    return [report]
+                      "self device time per kernel, grouped by `analysis.kernels`.\n\n"
+                      + "".join(f"![kernel shares]({c.name})\n\n" for c in charts) + text + "\n")
+    return [report, *charts]
+
+
+def plot_shares(shares: pd.DataFrame, out: Path) -> Path:
+    """Each run's share of its kernels' time by category (``analysis.kernels.CATEGORIES``): bars at ``out`` from a
+    frame of columns run, category, share (rows without a share left out)."""
+    bar_plot(shares.dropna(subset=["share"]), "run", "share", hue="category", hue_order=CATEGORIES, xlabel="",
+             ylabel="share of the kernels' time", title="where the GPU's time goes, by kernel category", out=out)
+    return out
 
 
 def best_k_lines(frame: pd.DataFrame, spec: ModelSpec, seq_len: int, precision: str, attention: str) -> list[str]:

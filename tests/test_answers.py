@@ -65,8 +65,8 @@ def test_answer_pages_follow_the_records(tmp_path):
              for dtype in ("fp32", "bf16") for compiled in (False, True)}
     _write_sweep(results, times)
     written = write_answers(results, out)
-    assert {p.name for p in written} == {"benchmarking.md", "mixed_precision.md", "benchmarking_step.png",
-                                         "benchmarking_step.pdf"}
+    assert {p.name for p in written} == {"benchmarking.md", "mixed_precision.md", *(
+        f"{chart}.{kind}" for chart in ("benchmarking_step", "mixed_precision_speedup") for kind in ("png", "pdf"))}
     page = (out / "benchmarking.md").read_text()
     assert "](benchmarking_step.png)" in page  # the step times' chart, in the page that tabulates them
     eager_fp32 = times[("fp32", False)][("small", 128)]
