@@ -232,6 +232,9 @@ def compiled_of(record: Record) -> bool:
 # normalized value too (``per_device_memory``'s fused_norm=False; the e2e small-model records of f56be06: -4.6 ...
 # -11.2% with the fused count, -0.2 ... -3.0% with this)
 FUSED_RMS_NORM = "2026-11-23T10:27:47+00:00"
+# When q, k and v became one product (767b604, torch_impl.qkv_projection): before, under autocast each of the three
+# kept its own bf16 copy of the norm's output (``per_device_memory``'s qkv_product=False)
+QKV_PRODUCT = "2026-11-28T09:37:58+00:00"
 
 
 def memory_breakdown(record: Record) -> tuple[MemoryBreakdown | None, str]:
@@ -241,7 +244,8 @@ def memory_breakdown(record: Record) -> tuple[MemoryBreakdown | None, str]:
     * PyTorch on one device (``torch_impl.bench.e2e``, the DDP benchmark's one-GPU baseline, the trainer):
       ``peak_model="timeline"`` with the record's precision, attention, checkpointing (``metrics.checkpoint_every``,
       ``nested_checkpoint``) and micro-batches (``grad_accum``), the e2e benchmark's compiled plain loss
-      (``compiled_loss``) and our RMSNorm as the model had it then (``FUSED_RMS_NORM``) -> "timeline";
+      (``compiled_loss``) and our RMSNorm and q, k, v products as the model had them then (``FUSED_RMS_NORM``,
+      ``QKV_PRODUCT``; the stock model's three products) -> "timeline";
     * the leaderboard step (``torch_impl.bench.leaderboard``, any number of ranks): its call,
       ``analysis.data_parallel.sharded_step_memory`` -> "timeline";
     * PyTorch over several ranks (``torch_impl.bench.ddp``, the trainer): the DDP benchmark's call
@@ -272,6 +276,8 @@ def memory_breakdown(record: Record) -> tuple[MemoryBreakdown | None, str]:
                               **device_terms("cuda"))
             if "" < _run_date(record) < FUSED_RMS_NORM and not record.implementation.startswith("stock"):
                 step_terms["fused_norm"] = False
+            if record.implementation.startswith("stock") or "" < _run_date(record) < QKV_PRODUCT:
+                step_terms["qkv_product"] = False  # the stock model's three products, or ours before 767b604
             if record.world_size == 1:
                 # the e2e benchmark compiles our plain loss with --compile (the stock model's, the DDP benchmark's
                 # and the trainer's run eagerly)
@@ -294,7 +300,8 @@ def memory_breakdown(record: Record) -> tuple[MemoryBreakdown | None, str]:
             strategy, parallel = mesh_memory_strategy(m["strategy"], *(mesh.get(a, 1) for a in ("dp", "fsdp", "tp")))
             return per_device_memory(spec, strategy, parallel, record.batch_size * seq, seq, precision,
                                      checkpointing=m.get("remat", "none"), attention=attention,
-                                     fused_norm=False), "sum"  # jax_impl's RMSNorm is written out (keeps x / rms)
+                                     fused_norm=False, qkv_product=False), "sum"  # jax_impl's RMSNorm is written
+            # out (keeps x / rms); its q, k and v are three products
     except KeyError as err:
         return None, f"not predicted: the record has no {err}"
     except (ValueError, TypeError) as err:

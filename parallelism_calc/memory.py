@@ -14,9 +14,10 @@ textbook count, the difference is real and named in ``ActivationBreakdown.terms`
   as ``F.rms_norm``'s fused CUDA kernel does (CUDA memory snapshots of the xl and 2.7B steps, notes/fidelity.md,
   session 40); written out (the CPU's ``F.rms_norm``, ``fused_norm=False``) it also keeps the normalized value
   ``x * rsqrt(mean(x^2) + eps)`` before the gain (fp32, for the gain's gradient).
-* Under autocast (fp32 parameters, bf16 compute) every linear casts its input itself, so the fp32 output of
-  a norm is not kept but each of its consumers keeps its own bf16 copy (q, k, v: 3; w1, w3: 2; lm_head: 1),
-  and every matmul keeps a bf16 copy of its weight (``MemoryBreakdown.cast_weights``; autocast caches casts
+* Under autocast (fp32 parameters, bf16 compute) every product casts its input itself, so the fp32 output of
+  a norm is not kept but each of its consumers keeps its own bf16 copy (the q, k, v product: 1, as
+  ``torch_impl.qkv_projection`` makes them one; w1, w3: 2; lm_head: 1), and every matmul keeps a bf16 copy of
+  its weight (``MemoryBreakdown.cast_weights``; autocast caches casts
   of leaf tensors only and our ``Linear`` multiplies by ``weight.T``, a view). On CUDA, autocast runs softmax
   in fp32, so naive attention keeps fp32 probabilities and the bf16 copy the value product casts.
   Stage-3 sharding (ZeRO-3 / FSDP) instead gathers the weights in the compute dtype and frees them after
@@ -173,13 +174,13 @@ def _check_choice(what: str, value: str, accepted: tuple[str, ...]) -> None:
 
 def _transformer_block_terms(spec: ModelSpec, seq_len: int, precision: Precision, attention: str,
                              selective: bool, tp: int, compute_dtype_stream: bool = False,
-                             fused_norm: bool = True) -> dict[str, int]:
+                             fused_norm: bool = True, qkv_product: bool = True) -> dict[str, int]:
     """Bytes per token one ``TransformerBlock`` saves for backward (see ``activation_bytes_per_token``)."""
     d, f, h, p = spec.d_model, spec.d_ff, spec.n_heads, precision.activation_bytes
-    # Consumers of each norm's output: q, k, v read RMSNorm1's; w1, w3 read RMSNorm2's. In the model dtype
-    # they share one saved tensor; under autocast each consuming linear keeps its own cast copy.
+    # Consumers of each norm's output: the q, k, v product reads RMSNorm1's; w1, w3 read RMSNorm2's. In the model
+    # dtype they share one saved tensor; under autocast each consuming product keeps its own cast copy.
     # A residual stream already in the compute dtype (compute_dtype_stream) gives norm outputs in it: shared too.
-    norm_output_copies = 5 if precision.autocast and not compute_dtype_stream else 2
+    norm_output_copies = (1 if qkv_product else 3) + 2 if precision.autocast and not compute_dtype_stream else 2
     terms = {
         # RMSNorm1 and RMSNorm2 inputs, in fp32 (the norm upcasts; replicated under TP).
         "layer.norm_inputs": 2 * d * FP32,
@@ -300,7 +301,7 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
                                checkpointing: str = "none", attention: str = "naive",
                                tp: int = 1, compiled: bool = False,
                                compute_dtype_stream: bool = False, loss: str = "plain",
-                               fused_norm: bool = True) -> ActivationBreakdown:
+                               fused_norm: bool = True, qkv_product: bool = True) -> ActivationBreakdown:
     """Bytes saved for backward per token of a forward over sequences of ``seq_len`` tokens.
 
     Transformer (``spec.arch == "transformer"``), per layer per token, p = precision.activation_bytes,
@@ -309,7 +310,8 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
     * two RMSNorms, each: fp32 input (4 D) and fp32 rsqrt (4), as the fused kernel of ``F.rms_norm`` on CUDA
       keeps them (``fused_norm``; the formula written out, as on the CPU or in JAX, also keeps the fp32 normalized
       value before the gain, 4 D: ``fused_norm=False``); each norm's output in p bytes (D p; under autocast one
-      cast copy per consuming linear: 3 D p + 2 D p);
+      cast copy per consuming product: D p + 2 D p, the q, k, v product one (``qkv_product``; three products,
+      ``qkv_product=False`` as our model had them before torch_impl.qkv_projection: 3 D p + 2 D p));
     * q and k after RoPE, v, and the attention output (output_proj's input): 4 D p;
     * SwiGLU: w1 output a, SiLU(a), w3 output b, SiLU(a) * b: 4 F p;
     * attention core: "naive" keeps the softmax probabilities, H T elements per token, p bytes each
@@ -366,7 +368,7 @@ def activation_bytes_per_token(spec: ModelSpec, seq_len: int, precision: str | P
             raise ValueError(f"tp={tp} must divide n_heads={spec.n_heads} and d_ff={f} of {spec.name!r}")
         block = (_compiled_block_terms(spec, prec, tp) if compiled else
                  _transformer_block_terms(spec, seq_len, prec, attention, checkpointing == "selective", tp,
-                                          compute_dtype_stream, fused_norm))
+                                          compute_dtype_stream, fused_norm, qkv_product))
         extra = _transformer_extra_terms(spec, prec, loss, fused_norm)
     block_bytes = sum(block.values())
     if checkpointing == "full":
@@ -553,7 +555,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
                       loss_chunk: int | None = None, kept_attention: bool = False,
                       fused_norm: bool = True, compiled_loss: bool = False,
                       workspaces: float = 0.0, reduce_scatter_output: str = "kept",
-                      grad_accum: int = 1) -> MemoryBreakdown:
+                      grad_accum: int = 1, qkv_product: bool = True) -> MemoryBreakdown:
     """Bytes per device of a training step with AdamW (ZeRO paper, Rajbhandari et al. 2020).
 
     P = spec.n_params(); per-parameter bytes from ``precision``; N_shard = the sharding degree.
@@ -652,13 +654,16 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     * ``compute_dtype_stream``: the stage-3 wrappers gather the embedding in the compute dtype too (our
       ``FSDP(compute_dtype=bfloat16)``, FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16)``), so under autocast
       the residual stream, hence each RMSNorm's output (``.to(x.dtype)``), is already bf16: the q, k, v and w1, w3
-      linears share it instead of casting a copy each, 2 D p a layer per token instead of 5 D p
+      linears share it instead of casting a copy each, 2 D p a layer per token instead of 3 D p (5 D p with three
+      q, k, v products)
       (``activation_bytes_per_token(compute_dtype_stream=True)``; the norms' fp32 internals and autocast's fp32
       softmax are unchanged). Off for the JAX meshes, whose FSDP rows this was not checked against.
 
     ``fused_norm``: each RMSNorm keeps its fp32 input and rsqrt, as ``F.rms_norm``'s fused CUDA kernel does (the
     default: the torch step on a GPU; checked by CUDA memory snapshots, notes/fidelity.md, session 40); False: the
     formula written out keeps its normalized value too (the CPU's ``F.rms_norm``, the JAX model's RMSNorm).
+    ``qkv_product``: q, k and v as one product (``torch_impl.qkv_projection``: under autocast one cast copy of the
+    norm's output for the three); False: three products, a copy each.
 
     ``loss``: "plain" (the default) counts the fp32 log-softmax the loss saves (in the activations) and, in the
     timeline, its logits' working buffers (N V (p + 4) forward, N V 8 backward: ``loss_buffer_bytes``; lm8b at
@@ -737,7 +742,7 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     # weights in that dtype (one shared norm output, no autocast copy per consuming linear).
     stream = compute_dtype_stream and stage == 3 and prec.autocast
     act = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled, stream, loss,
-                                     fused_norm)
+                                     fused_norm, qkv_product)
     activations = float(act.total_bytes * tokens)
     resident, unit = _gather_working_set(spec, gather_unit, reshard_root)
     # Stage 3: the resident root + the unit in use + prefetch_layers units ahead, gathered in the compute
@@ -789,7 +794,8 @@ def per_device_memory(spec: ModelSpec, strategy: str, n_devices: int | ParallelS
     if peak_model == "timeline":
         return step_peak_memory(spec, breakdown, tokens, seq_len, prec, checkpointing, attention, tp,
                                 checkpoint_every, nested_checkpoint, compiled, stream, loss, loss_buffers,
-                                kept_attention, fused_norm, reduce_scatters=queue, accumulated=grad_accum > 1)
+                                kept_attention, fused_norm, reduce_scatters=queue, accumulated=grad_accum > 1,
+                                qkv_product=qkv_product)
     if kept_attention:
         raise ValueError("kept attention outputs are counted by the timeline peak model only (peak_model='timeline')")
     return breakdown
@@ -806,7 +812,7 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
                      compute_dtype_stream: bool = False, loss: str = "plain",
                      loss_buffers: LossBuffers | None = None, kept_attention: bool = False,
                      fused_norm: bool = True, reduce_scatters: ReduceScatterQueue | None = None,
-                     accumulated: bool = False) -> MemoryBreakdown:
+                     accumulated: bool = False, qkv_product: bool = True) -> MemoryBreakdown:
     """The peak of one training step over its moments, from the terms of ``state`` (a "sum" breakdown of
     ``per_device_memory``, whose sharding of gradients and optimizer state it keeps) for ``tokens`` tokens per
     device. ``per_device_memory(..., peak_model="timeline")`` calls it; notes/fidelity.md has the evidence.
@@ -885,7 +891,7 @@ def step_peak_memory(spec: ModelSpec, state: MemoryBreakdown, tokens: int, seq_l
         checkpointing, checkpoint_every, nested_checkpoint = "none", 1, False
     n_layers, d = spec.n_layers, spec.d_model
     saved = activation_bytes_per_token(spec, seq_len, prec, checkpointing, attention, tp, compiled,
-                                       compute_dtype_stream, loss, fused_norm)
+                                       compute_dtype_stream, loss, fused_norm, qkv_product)
     b, e = saved.per_layer_bytes, saved.extra_bytes  # one block's saved activations; the extras, per token
     # One checkpoint: a block's input, the residual stream in the model dtype (FFN-only: the compute dtype).
     a = d * (prec.param_bytes if spec.arch == "transformer" else prec.activation_bytes)

@@ -65,7 +65,7 @@ ddp_one_gpu() {  # extra flags: the DDP benchmark's one-GPU baseline, xl 2 x 512
 }
 case "$phase" in
 qkv)
-  python3 -m pytest -q --tb=short tests/test_qkv_projection.py 2>&1 | tail -40 | tee "$out/gpu_tests_qkv.txt"
+  python3 -m pytest -q tests/test_qkv_projection.py 2>&1 | tail -40 | tee "$out/gpu_tests_qkv.txt"
   python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
     --variants ours_span4+ro+mixed,ours_span4+ro+mixed+apart 2>&1 | tee "$out/step_probe.log"
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks ;;

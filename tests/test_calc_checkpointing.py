@@ -44,12 +44,12 @@ def test_limits_match_the_uniform_policies():
 
 
 def test_best_k_by_brute_force():
-    # Blocks keep ~14.5x their input, under the 16x that makes k = 2 cost more than k = 1 (32 a + b against
+    # Blocks keep ~13.5x their input, under the 16x that makes k = 2 cost more than k = 1 (32 a + b against
     # 16 a + 2 b), so flat checkpointing is best at k = 2; nested near sqrt(32) ~ 5.7.
     a, b, e = _abe()
     brute_flat = min(range(1, 33), key=lambda k: (math.ceil(32 / k) * a + k * b, k))
     brute_nested = min(range(1, 33), key=lambda k: (math.ceil(32 / k) * a + (k - 1) * a + b, k))
-    assert 14 < b / a < 15
+    assert 13 < b / a < 14
     assert best_checkpoint_every(SPEC, 2048, "bf16_autocast", False, "flash") == brute_flat == 2
     assert best_checkpoint_every(SPEC, 2048, "bf16_autocast", True, "flash") == brute_nested
     assert 4 <= brute_nested <= 8

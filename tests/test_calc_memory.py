@@ -82,7 +82,7 @@ def test_min_fsdp_degree_small_case_by_hand():
 def hand_transformer_per_token(D, F, H, V, L, T, p, autocast=False, fused_norm=True):
     """Our model's saved bytes per token, fp32 norms and naive attention, written out term by term."""
     norm = 4 * D + 4 + (0 if fused_norm else 4 * D)  # fp32 input, fp32 rsqrt (written out: fp32 normalized too)
-    norm_outs = (3 + 2) * D * p if autocast else 2 * D * p  # per consumer under autocast, else shared
+    norm_outs = (1 + 2) * D * p if autocast else 2 * D * p  # per product under autocast (q, k, v one), else shared
     probs = H * T * ((4 + p) if autocast else p)
     layer = 2 * norm + norm_outs + 4 * D * p + 4 * F * p + probs
     final = norm + D * p

@@ -66,7 +66,7 @@ def test_memory_prediction_falls_back_to_the_stored_value_and_says_so():
                   metrics={"predicted_memory_bytes": 1.0, "attention": "dot_product_cudnn", "strategy": "dp",
                            "remat": "full"})
     expected = per_device_memory(SPEC, "ddp", ParallelSpec(dp=1), 4 * 512, 512, "bf16_autocast", "full", "flash",
-                                 fused_norm=False)  # JAX's RMSNorm is written out
+                                 fused_norm=False, qkv_product=False)  # JAX's RMSNorm written out, 3 products
     assert memory_prediction(jax) == (expected.total, "sum")
     # Eager blocks keep the eager count; compiled ones (by name, or the DDP benchmark's metric) Inductor's
     assert memory_prediction(_record(implementation="eager sdpa_cudnn"))[1] == "timeline"
@@ -462,8 +462,8 @@ def test_the_trainer_s_memory_and_the_model_as_it_was():
     expected = per_device_memory(SPEC, "ddp", 2, 2 * 4 * 512, 512, "bf16_autocast", grad_accum=4, **terms)
     assert memory_prediction(trainer) == (expected.total, "timeline")
     old = _at(_record(implementation="eager sdpa", metrics={}), "aaaaaaa", "2026-11-22T00:00:00+00:00")
-    written_out = per_device_memory(SPEC, "ddp", 1, 4 * 512, 512, "bf16_autocast", **{**terms, "fused_norm": False,
-                                                                                        "gradient_buckets": 0})
+    written_out = per_device_memory(SPEC, "ddp", 1, 4 * 512, 512, "bf16_autocast", **{
+        **terms, "fused_norm": False, "qkv_product": False, "gradient_buckets": 0})  # the model before both
     assert memory_prediction(old)[0] == written_out.total > memory_prediction(_record(implementation="eager sdpa",
                                                                                       metrics={}))[0]
     # a one-GPU compiled trainer's plain loss runs eagerly: its buffers are counted (the e2e benchmark compiles it)

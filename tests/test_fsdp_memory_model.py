@@ -89,11 +89,12 @@ class _CopyOnWait:
 
 
 def _weight_copies_saved(compute_dtype) -> int:
-    """Bytes of the bf16 tensors shaped like a Linear weight (or its transpose) that autograd saves as plain
-    tensors (FSDP's pack hook replaces views of its gathered weights by a re-gather recipe) in a forward under
-    autocast: autocast's weight copies. Unique storages."""
+    """Bytes of the bf16 tensors shaped like a Linear weight (its transpose, q, k and v's concatenated) that autograd
+    saves as plain tensors (FSDP's pack hook replaces views of its gathered weights by a re-gather recipe) in a
+    forward under autocast: autocast's weight copies. Unique storages."""
     fsdp = _wrap(compute_dtype)
     shapes = {tuple(w.shape) for w in fsdp._weights} | {tuple(w.shape)[::-1] for w in fsdp._weights}
+    shapes.add((3 * TINY.d_model, TINY.d_model))  # the q, k, v product's one weight copy (torch_impl.qkv_projection)
     copies: dict[int, int] = {}
     pack = fsdp._pack
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from analysis.data_parallel import LEADERBOARD_SUITE
-from analysis.fidelity import memory_breakdown, memory_prediction
+from analysis.fidelity import QKV_PRODUCT, memory_breakdown, memory_prediction
 from analysis.harness import calculator_terms
 from analysis.records import read_records
 from analysis.tables import load_records
@@ -42,7 +42,8 @@ def _predict(record):
                              record.seq_len, precision, attention=attention, peak_model="timeline",
                              checkpoint_every=record.metrics.get("checkpoint_every"),
                              nested_checkpoint=bool(record.metrics.get("nested_checkpoint")),
-                             workspaces=CUDA_LIBRARY_WORKSPACES)
+                             workspaces=CUDA_LIBRARY_WORKSPACES,
+                             qkv_product=record.provenance.get("date", "") >= QKV_PRODUCT)  # the model as it ran
 
 
 @pytest.mark.parametrize("name", FILES)

@@ -142,3 +142,43 @@ def test_compiled_block_matches_eager():
     torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
     for got, want in zip(grads, eager_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_it_saves_the_weights_themselves_or_autocasts_one_copy(autocast):
+    """Without autocast the saved weights are the parameters themselves (a wrapper that frees gathered weights after
+    the forward, our FSDP or FSDP2, frees them: a saved concatenation would keep every block's whole weight alive);
+    under autocast one bf16 copy of the concatenation and one of x, where three products kept three of each."""
+    generator, _ = fresh_generator()
+    x, weights, cos, sin, n_heads = inputs(generator, dtype=torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            QKVProjection.apply(x, *weights, cos, sin, n_heads)
+    d = x.shape[-1]
+    if autocast:
+        assert [tuple(t.shape) for t in saved if t.dtype == torch.bfloat16] == [tuple(x.shape), (3 * d, d)]
+    else:
+        assert all(any(t is w for t in saved) for w in weights) and not [t for t in saved if t.shape == (3 * d, d)]
+
+
+def test_float64_under_autocast_stays_float64():
+    """Autocast leaves float64 alone, so does the product (a float64 model under autocast runs as without it)."""
+    generator, seed = fresh_generator()
+    x, weights, cos, sin, n_heads = inputs(generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = QKVProjection.apply(x, *weights, cos, sin, n_heads)
+    for a, b in zip(got, QKVProjection.apply(x, *weights, cos, sin, n_heads)):
+        assert a.dtype == torch.float64 and torch.equal(a, b), seed
+
+
+@pytest.mark.parametrize("n_heads, d_head", [(3, 6), (2, 8)])
+def test_weight_gradients_start_aligned(n_heads, d_head):
+    """The three weights' gradients are views of one product where each starts at a multiple of 16 elements
+    (MasterAdamW's kernel needs it), else each its own allocation (d = 18: d^2 = 324)."""
+    generator, _ = fresh_generator()
+    x, weights, cos, sin, _ = inputs(generator, n_heads=n_heads, d_head=d_head, dtype=torch.float32)
+    grads = torch.autograd.grad(sum(t.sum() for t in QKVProjection.apply(x, *weights, cos, sin, n_heads)), weights)
+    shared = len({g.untyped_storage().data_ptr() for g in grads}) == 1
+    assert shared == ((n_heads * d_head) ** 2 % 16 == 0)
+    assert all(g.storage_offset() % 16 == 0 for g in grads)

@@ -22,7 +22,7 @@ def _pack_kernel(dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
                  q_b, q_t, q_h, k_b, k_t, k_h, v_b, v_t, v_h, table_t,
                  HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """One head of BLOCK_ROWS rows (b, t): out[b, t, :, head] = (dq rotated back, dk rotated back, dv)."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # offsets may pass 2^31
     head = tl.program_id(1)
     batch, position = rows // seq, rows % seq
     cols = tl.arange(0, BLOCK_D)
@@ -32,7 +32,7 @@ def _pack_kernel(dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
     table_mask = (rows < n_rows)[:, None] & (pairs < HEAD_DIM // 2)[None, :]
     cos_tile, sin_tile = tl.load(cos + table, mask=table_mask), tl.load(sin + table, mask=table_mask)
     row_width = n_heads * HEAD_DIM
-    dst = out + (rows.to(tl.int64) * 3 * row_width + head * HEAD_DIM)[:, None] + cols[None, :]
+    dst = out + (rows * 3 * row_width + head * HEAD_DIM)[:, None] + cols[None, :]
     q_tile = tl.load(dq + (batch * q_b + position * q_t + head * q_h)[:, None] + cols[None, :], mask=mask)
     tl.store(dst, _rotated_back(q_tile, cos_tile, sin_tile).to(out.dtype.element_ty), mask=mask)
     k_tile = tl.load(dk + (batch * k_b + position * k_t + head * k_h)[:, None] + cols[None, :], mask=mask)

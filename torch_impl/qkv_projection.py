@@ -70,44 +70,62 @@ def _(dq, dk, dv, cos, sin):
     return dq.new_empty(batch, seq, 3, n_heads, d_head)
 
 
+AUTOCAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts (never float64)
+GRADIENT_ALIGN = 16  # elements: each weight's gradient starts at a multiple (MasterAdamW's kernel needs it)
+
+
+def _autocast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """t as F.linear under autocast to ``dtype`` (None: autocast off) would take it."""
+    return t.to(dtype) if dtype is not None and t.dtype in AUTOCAST_DTYPES else t
+
+
 class QKVProjection(torch.autograd.Function):
     """(x, W_q, W_k, W_v, cos, sin, n_heads) -> (q, k, v), each (B, T, H, d_head): x [W_q; W_k; W_v]^T as one
-    product, q and k rotated by RoPE. Under autocast x and the weights are cast as F.linear would cast them.
-    Backward: ``pack_rotated_grads``, then the input's and the weights' gradients as one GEMM each. Saved: x (as
-    three products save it) and the concatenated weight (3 d^2 elements a block more than three products of bf16
-    parameters keep; under autocast they keep their bf16 casts, as many bytes)."""
+    product, q and k rotated by RoPE, v a tensor of its own. Under autocast x and the weights are cast as F.linear
+    casts them. Backward: ``pack_rotated_grads``, then the input's and the weights' gradients as one GEMM each.
+
+    Saved as three products save them: x once (they kept a cast copy each under autocast), and under autocast the
+    weights' cast copy (here one, concatenated), else the weights themselves, concatenated again in the backward,
+    so that a wrapper that frees gathered weights after the forward and gathers them again (our FSDP, FSDP2) does
+    (a saved concatenation would keep every block's whole weight alive on every rank)."""
 
     @staticmethod
     def forward(ctx, x, w_q, w_k, w_v, cos, sin, n_heads: int):
-        weight = torch.cat((w_q, w_k, w_v))  # (3d, d)
         ctx.dtypes = x.dtype, w_q.dtype
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight = x.to(dtype), weight.to(dtype)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+        x, weight = _autocast(x, dtype), _autocast(torch.cat((w_q, w_k, w_v)), dtype)  # weight (3d, d)
         batch, seq, d_model = x.shape
         q, k, v = F.linear(x, weight).view(batch, seq, 3, n_heads, d_model // n_heads).unbind(2)
-        ctx.save_for_backward(x, weight, cos, sin)
+        cast = weight.dtype != w_q.dtype
+        ctx.save_for_backward(x, *((weight,) if cast else (w_q, w_k, w_v)), cos, sin)
         cos, sin = cos[:, None], sin[:, None]
-        # v copied out of the product (in RoPE's kernel, compiled): as a view it kept the whole product alive as
+        # v copied out of the product (a kernel of its own, compiled): as a view it kept the whole product alive as
         # long as the attention kept v, 3x its bytes (+2.5 GB at xl 4 x 2,048: notes/train_step.md, session 45)
         return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin), v.contiguous()
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        x, weight, cos, sin = ctx.saved_tensors
+        x, *weights, cos, sin = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
         dy = torch.ops.torch_impl.pack_rotated_grads(dq, dk, dv, cos, sin).flatten(2)  # (B, T, 3d)
-        dx = (dy @ weight).to(x_dtype)
-        dw = (dy.flatten(0, 1).T @ x.flatten(0, 1)).to(w_dtype)  # (3d, d)
-        return (dx, *dw.chunk(3), None, None, None)
+        dx = (dy @ weight).to(x_dtype) if ctx.needs_input_grad[0] else None
+        dws = (None,) * 3
+        if any(ctx.needs_input_grad[1:4]):
+            dws = (dy.flatten(0, 1).T @ x.flatten(0, 1)).to(w_dtype).chunk(3)  # views of one (3d, d) product
+            if dws[0].numel() % GRADIENT_ALIGN:  # a view would start unaligned: each its own allocation
+                dws = tuple(dw.clone() for dw in dws)
+        return (dx, *dws, None, None, None)
 
 
 def _hooked(module: nn.Module) -> bool:
-    """Does anything hook this module's calls (its own hooks, or every module's)?"""
+    """Does anything hook this module's calls or its backward (its own hooks, or every module's)?"""
     from torch.nn.modules import module as module_hooks
 
-    return bool(module._forward_pre_hooks or module._forward_hooks or module_hooks._global_forward_pre_hooks
-                or module_hooks._global_forward_hooks)
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
+                or module._backward_hooks or module_hooks._global_forward_pre_hooks
+                or module_hooks._global_forward_hooks or module_hooks._global_backward_pre_hooks
+                or module_hooks._global_backward_hooks)
 
 
 def project_qkv(x: torch.Tensor, projections: tuple[nn.Module, nn.Module, nn.Module], n_heads: int,
