@@ -215,13 +215,9 @@ def profiling(records: list[Record], out: Path, reference: dict | None) -> list[
                          "largest kernel": f"`{largest[-1]}`", "its ms": top_ms,
                          "its launches": (m.get("kernel_calls") or {}).get(top)})
         frame = pd.DataFrame(rows)
-        shares = frame.assign(run=frame["model"] + " " + frame["dtype"] + " " + frame["mode"]).melt(
-            id_vars=["run"], value_vars=[c for c in frame if c.endswith(" share")], var_name="category",
-            value_name="share")
         lines += ["## Measured against profiled, and the shares", ""]
-        if shares["share"].notna().any():
-            plot = plot_shares(shares.assign(category=shares["category"].str.removesuffix(" share")),
-                               out / "profiling_shares.png")
+        if frame[[c for c in frame if c.endswith(" share")]].notna().any(axis=None):
+            plot = plot_shares(frame, "{} share", out / "profiling_shares.png")
             lines += [f"![kernel shares]({plot.name})", ""]
         lines += [markdown_table(frame, list(frame.columns)), ""]
         lines += ["## Answers", ""]

@@ -152,18 +152,21 @@ def _best_per_backend(rows: pd.DataFrame, keys: list[str], by: str, ascending: b
                             na_position="last").groupby([*keys, "backend"], dropna=False, sort=False).head(1)
     both = rows.groupby(keys, dropna=False)["backend"].transform("nunique") == 2
     rows = rows[both] if both_only and both.any() else rows
-    return _labelled(rows, rows["backend"].map(BACKEND_NAMES).fillna(rows["backend"]) if not rows.empty else None)
+    return _labelled(rows)
 
 
 BACKEND_NAMES = {"torch": "PyTorch", "jax": "JAX"}
 
 
-def _labelled(rows: pd.DataFrame, run: pd.Series | None) -> pd.DataFrame:
-    """``rows`` with the charts' labels: ``config`` (model, batch x seq, dtype, devices) and ``run``."""
+def _labelled(rows: pd.DataFrame, implementation: bool = False) -> pd.DataFrame:
+    """``rows`` with the charts' labels: ``config`` (model, batch x seq, dtype, devices) and ``run`` (the backend,
+    and with ``implementation`` its implementation)."""
     if rows.empty:
         return rows.assign(config=None, run=None)
     devices = rows["devices"].map(lambda n: f", {n} device{'s' if n != 1 else ''}")
-    return rows.assign(config=rows.apply(_config_label, axis=1) + devices, run=run)
+    run = rows["backend"].map(BACKEND_NAMES).fillna(rows["backend"])
+    return rows.assign(config=rows.apply(_config_label, axis=1) + devices,
+                       run=run + " " + rows["implementation"] if implementation else run)
 
 
 def plot_implementations(frame: pd.DataFrame, prefix: str | Path, title: str) -> list[Path]:
@@ -172,11 +175,10 @@ def plot_implementations(frame: pd.DataFrame, prefix: str | Path, title: str) ->
     suite's own table lists them (with MFU and memory); the PNGs written (none for rows without a time)."""
     if frame.empty or not frame["median_ms"].notna().any():
         return []
-    backends = frame["backend"].map(BACKEND_NAMES).fillna(frame["backend"])
     label, name = BAR_CHARTS["median_ms"]
     path = Path(prefix).with_name(f"{Path(prefix).name}_{name}.png")
-    bar_plot(_labelled(frame, backends + " " + frame["implementation"]), "config", "median_ms", hue="run",
-             note="status", ylabel=label, xlabel="", title=f"{title}: {label}", out=path)
+    bar_plot(_labelled(frame, implementation=True), "config", "median_ms", hue="run", note="status", ylabel=label,
+             xlabel="", title=f"{title}: {label}", out=path)
     return [path]
 
 

@@ -93,10 +93,8 @@ def kernel_report(sources: RecordSource | Iterable[RecordSource], out_dir: str |
     out.mkdir(parents=True, exist_ok=True)
     columns = ["model", "batch_size", "seq_len", "dtype", "mode", "implementation", "median_ms", *shares]
     text = markdown_table(frame, columns)
-    long = frame.assign(run=frame["model"] + " " + frame["dtype"] + " " + frame["mode"]).melt(
-        id_vars=["run"], value_vars=shares, var_name="category", value_name="share")
-    charts = [plot_shares(long.assign(category=long["category"].str.removesuffix("_share")),
-                          out / f"{stem}_shares.png")] if long["share"].notna().any() else []
+    charts = [plot_shares(frame, "{}_share", out / f"{stem}_shares.png")] if frame[shares].notna().any(axis=None) \
+        else []
     report = out / f"{stem}.md"
     report.write_text("# Share of GPU time per kernel category\n\nFrom `torch.profiler` (`e2e --profile`): "
                       "self device time per kernel, grouped by `analysis.kernels`.\n\n"
@@ -104,11 +102,16 @@ def kernel_report(sources: RecordSource | Iterable[RecordSource], out_dir: str |
     return [report, *charts]
 
 
-def plot_shares(shares: pd.DataFrame, out: Path) -> Path:
-    """Each run's share of its kernels' time by category (``analysis.kernels.CATEGORIES``): bars at ``out`` from a
-    frame of columns run, category, share (rows without a share left out)."""
-    bar_plot(shares.dropna(subset=["share"]), "run", "share", hue="category", hue_order=CATEGORIES, xlabel="",
-             ylabel="share of the kernels' time", title="where the GPU's time goes, by kernel category", out=out)
+def plot_shares(frame: pd.DataFrame, column: str, out: Path) -> Path:
+    """Each run's (``frame``'s model, dtype and mode) share of its kernels' time by category
+    (``analysis.kernels.CATEGORIES``, each share in the column ``column.format(category)`` where ``frame`` has it):
+    bars at ``out`` (rows without a share left out)."""
+    columns = {column.format(c): c for c in CATEGORIES if column.format(c) in frame}
+    shares = frame.assign(run=frame["model"] + " " + frame["dtype"] + " " + frame["mode"]).melt(
+        id_vars=["run"], value_vars=list(columns), var_name="category", value_name="share")
+    bar_plot(shares.assign(category=shares["category"].map(columns)).dropna(subset=["share"]), "run", "share",
+             hue="category", hue_order=CATEGORIES, xlabel="", ylabel="share of the kernels' time",
+             title="where the GPU's time goes, by kernel category", out=out)
     return out
 
 

@@ -18,6 +18,12 @@ def _rotated_back(x, cos, sin):
 
 
 @triton.jit
+def _head_tile(src, batch, position, head, stride_b, stride_t, stride_h, cols, mask):
+    """The (rows, d_head) tile of one head of a (B, T, H, d_head) tensor of these strides (last dim contiguous)."""
+    return tl.load(src + (batch * stride_b + position * stride_t + head * stride_h)[:, None] + cols[None, :], mask=mask)
+
+
+@triton.jit
 def _pack_kernel(dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
                  q_b, q_t, q_h, k_b, k_t, k_h, v_b, v_t, v_h, table_t,
                  HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -33,19 +39,18 @@ def _pack_kernel(dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
     cos_tile, sin_tile = tl.load(cos + table, mask=table_mask), tl.load(sin + table, mask=table_mask)
     row_width = n_heads * HEAD_DIM
     dst = out + (rows * 3 * row_width + head * HEAD_DIM)[:, None] + cols[None, :]
-    q_tile = tl.load(dq + (batch * q_b + position * q_t + head * q_h)[:, None] + cols[None, :], mask=mask)
+    q_tile = _head_tile(dq, batch, position, head, q_b, q_t, q_h, cols, mask)
     tl.store(dst, _rotated_back(q_tile, cos_tile, sin_tile).to(out.dtype.element_ty), mask=mask)
-    k_tile = tl.load(dk + (batch * k_b + position * k_t + head * k_h)[:, None] + cols[None, :], mask=mask)
+    k_tile = _head_tile(dk, batch, position, head, k_b, k_t, k_h, cols, mask)
     tl.store(dst + row_width, _rotated_back(k_tile, cos_tile, sin_tile).to(out.dtype.element_ty), mask=mask)
-    v_tile = tl.load(dv + (batch * v_b + position * v_t + head * v_h)[:, None] + cols[None, :], mask=mask)
-    tl.store(dst + 2 * row_width, v_tile, mask=mask)
+    tl.store(dst + 2 * row_width, _head_tile(dv, batch, position, head, v_b, v_t, v_h, cols, mask), mask=mask)
 
 
 PACK_BLOCK_ROWS = 64  # rows (b, t) of one head a program: 3 x 64 x d_head elements in and out
 
 
 def launch_pack(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:
+                sin: torch.Tensor) -> torch.Tensor:
     """The Triton packing (any strides of dq, dk, dv whose last dim is contiguous)."""
     batch, seq, n_heads, d_head = dq.shape
     dq, dk, dv = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv))
