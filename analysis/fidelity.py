@@ -68,6 +68,7 @@ from parallelism_calc.specs import ModelSpec
 
 MEMORY_BOUND, TIME_BOUND = 0.05, 0.25  # the bounds the summary counts rows within
 CEILINGS_SUITE = "ceilings"
+SIDE_BY_SIDE_SUITE = "side_by_side"  # scripts/gpu_side_by_side.sh's records (--suite side_by_side)
 PREDICTED_MEMORY = ("predicted_peak_bytes", "predicted_memory_bytes")  # what the benchmarks call their prediction
 # The DDP benchmark's wrappers whose gradient hooks kept their model alive after their configuration, until fc529ad
 # (notes/data_parallel.md, finding 2; tests/test_ddp.py::test_a_dropped_wrapper_frees_its_model_and_buckets): the
@@ -929,7 +930,9 @@ def _slower_than_bound(row: Row) -> bool:
 def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
     """Set ``time_why`` of every row still slower than ``TIME_BOUND`` without one whose program (``_program``) was
     profiled (``is_profiled``): its own record, else the profiled run of the same program (among ``profiles`` and
-    the rows) measured nearest it, within ``TIME_BOUND`` of its time, at its commit if one was. The why is where that
+    the rows) measured nearest it, within ``TIME_BOUND`` of its time, at its commit if one was, else the slowest of
+    those that ran it faster than that (the same kernels: the rest of this run's step is the GPU waiting on the host,
+    or running slower, which the why says). The why is where that
     profile's step went against the floor's terms (``profile_split``), the term furthest beyond its floor named;
     only a profile whose accounted time is within ``TIME_BOUND`` of its run's timed step counts (neither a profile
     of a part nor one the profiler slowed; the next nearest is tried). A profile of another run is that run's
@@ -942,11 +945,13 @@ def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
         record = row.record
         if not _slower_than_bound(row) or not row.products_floor_ms:
             continue
-        near = sorted((p for p in profiled.get(_program(record), ())
-                       if p.median_ms and abs(p.median_ms / record.median_ms - 1) <= TIME_BOUND),
+        same = [p for p in profiled.get(_program(record), ()) if p.median_ms]
+        near = sorted((p for p in same if abs(p.median_ms / record.median_ms - 1) <= TIME_BOUND),
                       key=lambda p: (p is not record, _commit_of(p) != _commit(row),
                                      abs(math.log(p.median_ms / record.median_ms))))
-        found = next(((p, split) for p in near if (split := profile_split(p, row))
+        faster = sorted((p for p in same if record.median_ms > (1 + TIME_BOUND) * p.median_ms),
+                        key=lambda p: -p.median_ms)  # the program ran faster elsewhere: the nearest such run
+        found = next(((p, split) for p in [*near, *faster] if (split := profile_split(p, row))
                       and abs(split[2] / p.median_ms - 1) <= TIME_BOUND), None)
         if found is None:
             continue
@@ -954,13 +959,31 @@ def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
         whose = ("its profile" if p is record else
                  f"the same program's profile at {_commit_of(p)} ({p.suite}, {p.median_ms:.1f} ms)")
         row.time_why = f"profiled a step ({whose}): {text}; most beyond the floor: {max(beyond, key=beyond.get)}"
+        if p.median_ms * (1 + TIME_BOUND) < record.median_ms:
+            row.time_why += (f"; this run took {record.median_ms - p.median_ms:.0f} ms a step more with the same "
+                             f"kernels: its GPU waiting on the host or running slower (its steps "
+                             f"{record.timing.get('min_ms', 0):.0f} to {record.timing.get('max_ms', 0):.0f} ms)")
         if p is not record:
             row.borrowed.add("time")
 
 
+def _one_gpu_step(record: Record) -> tuple | None:
+    """``baseline_key`` of a one-GPU torch step a data-parallel launch may time before its ranks: the DDP
+    benchmark's ``none`` run, or the e2e benchmark's step of the side-by-side launch
+    (``scripts/gpu_side_by_side.sh mesh``); None for any other record."""
+    if record.world_size != 1 or record.backend != "torch":
+        return None
+    if record.suite == DDP_SUITE and record.implementation == "none":
+        return baseline_key(record)
+    if record.suite == SIDE_BY_SIDE_SUITE and not record.implementation.startswith("stock "):
+        return (record.model, record.batch_size, record.seq_len, record.dtype, attention_of(record),
+                compiled_of(record), _graphs(record), record.provenance.get("device_name"))
+    return None
+
+
 def explain_ranks(rows: list[Row]) -> None:
     """Set ``time_why`` of every DDP-benchmark row of several ranks still slower than ``TIME_BOUND`` without one,
-    where the one-GPU step of its launch (the ``none`` row of its commit and ``baseline_key``, the last measured
+    where the one-GPU step of its launch (``_one_gpu_step``, of its commit and ``baseline_key``, the last measured
     before it) is within ``TIME_BOUND`` of its own floor and at least half the row's gap lies beyond that step: each
     rank computes what one GPU does, so that time is the ranks waiting (communication the step does not hide, or a
     peer's host), held against the floor's communication, with the phases beside the one GPU's. Records that do not
@@ -968,9 +991,10 @@ def explain_ranks(rows: list[Row]) -> None:
     singles: dict[tuple, list[Row]] = {}
     for row in rows:
         r = row.record
-        if (r.suite == DDP_SUITE and r.world_size == 1 and r.implementation == "none" and row.time_error is not None
-                and abs(row.time_error) <= TIME_BOUND and r.provenance.get("git_commit")):
-            singles.setdefault((baseline_key(r), _commit(row)), []).append(row)
+        key = _one_gpu_step(r)
+        if (key is not None and row.time_error is not None and abs(row.time_error) <= TIME_BOUND
+                and r.provenance.get("git_commit")):
+            singles.setdefault((key, _commit(row)), []).append(row)
     for row in rows:
         r = row.record
         if (r.suite != DDP_SUITE or r.world_size < 2 or not _slower_than_bound(row)

@@ -491,10 +491,10 @@ def _profiled(record: Record, matmul: float, rest: float, idle: float | None = N
 
 def test_a_profile_of_the_row_s_program_says_where_its_step_went(tmp_path):
     """A row beyond the bound whose program was profiled (its own record, else a profiled run of the same program in
-    ``results/profiles`` measured within 25% of it) says how much of the step went to the products, the other
-    kernels and the GPU's idle time against the floor's terms, naming the furthest beyond; a profile that covers
-    too little of its step, of another program or measured far off explains nothing; the folder's files that are not
-    records are passed over."""
+    ``results/profiles`` measured within 25% of it, else one that ran faster) says how much of the step went to the
+    products, the other kernels and the GPU's idle time against the floor's terms, naming the furthest beyond, and
+    what a slower run took beyond that profile; a profile that covers too little of its step, of another program or
+    measured slower than the row explains nothing; the folder's files that are not records are passed over."""
     jax = dict(backend="jax", implementation="jit dot_product_cudnn remat:dots_attention",
                metrics={"remat": "dots_attention", "predicted_peak_bytes": 2.5 * 2**30})
     floor = fidelity_rows([*_ceilings(), _record(**jax)])[0]
@@ -514,7 +514,8 @@ def test_a_profile_of_the_row_s_program_says_where_its_step_went(tmp_path):
     far = _record(suite="jax_far", median=median * 2, **jax)
     thin = _record(suite="jax_thin", backend="jax", implementation="jit dot_product_cudnn", median=median,
                    metrics={"time_ms.matmul": 1.0, "predicted_peak_bytes": 2.5 * 2**30})
-    rows = fidelity_rows([*_ceilings(), own, other, far, thin], profiles)
+    quick = _record(suite="jax_quick", median=median * 0.7, **jax)  # the profiled runs took 1.4x its step
+    rows = fidelity_rows([*_ceilings(), own, other, far, thin, quick], profiles)
     assert rows[0].time_why == (f"profiled a step (its profile): GEMMs and attention {products + 1:.0f} ms against the "
                                 f"floor's {products:.0f}, the others (elementwise, reductions, copies, "
                                 f"collectives) {rest + median / 2:.0f} against its {rest:.0f} (bytes at the copy "
@@ -522,7 +523,13 @@ def test_a_profile_of_the_row_s_program_says_where_its_step_went(tmp_path):
     assert rows[1].time_why.startswith("profiled a step (the same program's profile at ccccccc (jax_profile, ")
     assert rows[1].time_why.endswith("most beyond the floor: the GPU idle (the host's pace)")
     assert "time" in rows[1].borrowed and "time" not in rows[0].borrowed
-    assert rows[2].time_why == "" and rows[3].time_why == ""  # 2x the profiled runs' time; kernels cover 1 ms
+    # twice the profiled run's time: the same kernels, the rest of its step waiting; a run faster than any profile
+    # of its program, or one whose kernels cover 1 ms, is not explained by them
+    assert rows[2].time_why.startswith("profiled a step (the same program's profile at ccccccc (jax_profile, ")
+    assert rows[2].time_why.endswith(f"; this run took {median:.0f} ms a step more with the same kernels: its GPU "
+                                     f"waiting on the host or running slower (its steps {median * 2:.0f} to "
+                                     f"{median * 2:.0f} ms)")
+    assert rows[3].time_why == "" and rows[4].time_error < -0.25 and rows[4].time_why == ""
     # on a mesh the collectives run beside the other kernels: their times add up beyond the step, the union (busy)
     # does not
     mesh = _profiled(_record(suite="jax_mesh", median=median, **jax), products, rest + median, idle=1.0)
@@ -634,3 +641,32 @@ def test_a_data_parallel_step_beyond_its_launch_s_one_gpu_step_is_its_ranks_wait
         f"communication the step does not hide, or a peer's host (by phase, ms, one GPU's in brackets: forward 60 "
         f"(30), backward 120 (60), comm 0 (0), optimizer 20 (10))")
     assert rows[2].time_why == ""
+
+
+def test_the_side_by_side_launch_s_e2e_step_is_its_ranks_one_gpu_step():
+    """The side-by-side launch times our one-GPU step with the e2e benchmark before the DDP benchmark's ranks: that
+    step (same commit, configuration and device) is the ranks' one-GPU step; the stock reference, JAX's step or
+    another configuration's is not."""
+    bus = Record(suite=ALLREDUCE_SUITE, backend="torch", implementation="nccl", world_size=2,
+                 metrics={"comm_backend": "nccl", "bytes": 10**9, "busbw_gbps": 300.0})
+    bus.provenance["device_name"] = H100
+    commit = "a" * 40
+    one_floor = fidelity_rows([*_ceilings(), _record(implementation="compiled sdpa_cudnn")])[0].floor_ms
+
+    def single(implementation, backend="torch", batch_size=4):
+        return _at(_record(suite="side_by_side", implementation=implementation, backend=backend,
+                           batch_size=batch_size, median=one_floor * 1.1), commit, "2026-11-27T00:00:00+00:00")
+
+    def sharded(median):
+        return _at(_record(suite="ddp", implementation="fsdp2", world_size=2, mesh={"fsdp": 2}, median=median,
+                           metrics={"attention": "sdpa_cudnn", "compiled": True, "impl": "fsdp2", "strategy": "fsdp"}),
+                   commit, "2026-11-27T01:00:00+00:00")
+
+    ranks = sharded(fidelity_rows([*_ceilings(), bus, sharded(1.0)])[0].floor_ms * 3)
+    ours = single("compiled sdpa_cudnn")
+    assert fidelity_rows([*_ceilings(), bus, ours, ranks])[1].time_why.startswith(
+        f"ranks waiting: {ranks.median_ms - ours.median_ms:.0f} ms a step beyond the one-GPU step of its launch "
+        f"({ours.median_ms:.1f} ms")
+    for other in (single("stock compiled sdpa_cudnn"), single("jit dot_product_cudnn", backend="jax"),
+                  single("eager sdpa_cudnn"), single("compiled sdpa_cudnn", batch_size=8)):
+        assert fidelity_rows([*_ceilings(), bus, other, ranks])[1].time_why == ""
