@@ -162,6 +162,26 @@ def test_it_saves_the_weights_themselves_or_autocasts_one_copy(autocast):
         assert all(any(t is w for t in saved) for w in weights) and not [t for t in saved if t.shape == (3 * d, d)]
 
 
+def test_compiled_it_saves_the_weights_not_their_concatenation():
+    """Compiled, AOTAutograd's partitioner saves what the backward needs: the backward's concatenation must not be
+    one it can share with the forward's (it would save that in place of the weights: measured before 2026-11-28's
+    fix), so the compiled product saves the weights, as eager does (bf16 weights, no autocast: FSDP2's case)."""
+    generator, _ = fresh_generator()
+    x, weights, cos, sin, n_heads = inputs(generator, dtype=torch.float32)
+    x = x.to(torch.bfloat16).requires_grad_()
+    weights = [torch.nn.Parameter(w.detach().to(torch.bfloat16)) for w in weights]  # a model's: Dynamo's parameters
+    d = x.shape[-1]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: QKVProjection.apply(x, *weights, cos, sin, n_heads),
+                             backend="aot_eager_decomp_partition", fullgraph=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        q, k, v = compiled(x)
+    (q.float().sum() + k.float().sum() + v.float().sum()).backward()
+    assert (3 * d, d) not in saved and saved.count((d, d)) == 3, saved
+    assert all(w.grad is not None for w in weights)
+
+
 def test_float64_under_autocast_stays_float64():
     """Autocast leaves float64 alone, so does the product (a float64 model under autocast runs as without it)."""
     generator, seed = fresh_generator()

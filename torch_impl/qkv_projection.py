@@ -87,7 +87,9 @@ class QKVProjection(torch.autograd.Function):
     Saved as three products save them: x once (they kept a cast copy each under autocast), and under autocast the
     weights' cast copy (here one, concatenated), else the weights themselves, concatenated again in the backward,
     so that a wrapper that frees gathered weights after the forward and gathers them again (our FSDP, FSDP2) does
-    (a saved concatenation would keep every block's whole weight alive on every rank)."""
+    (a saved concatenation would keep every block's whole weight alive on every rank). The backward concatenates
+    their transposes, which compiled is no op the forward ran: the partitioner then saves the weights, where it saved
+    the forward's concatenation for a backward that repeated it."""
 
     @staticmethod
     def forward(ctx, x, w_q, w_k, w_v, cos, sin, n_heads: int):
@@ -107,9 +109,11 @@ class QKVProjection(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         x, *weights, cos, sin = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        # the concatenation again, as its transpose: compiled, the forward's (3d, d) cat would be shared with this one
+        # and saved in place of the weights (AOTAutograd's partitioner), which a sharding wrapper could not free
+        weight_t = weights[0].T if len(weights) == 1 else torch.cat([w.T for w in weights], dim=1)  # (d, 3d)
         dy = torch.ops.torch_impl.pack_rotated_grads(dq, dk, dv, cos, sin).flatten(2)  # (B, T, 3d)
-        dx = (dy @ weight).to(x_dtype) if ctx.needs_input_grad[0] else None
+        dx = (dy @ weight_t.T).to(x_dtype) if ctx.needs_input_grad[0] else None
         dws = (None,) * 3
         if any(ctx.needs_input_grad[1:4]):
             dws = (dy.flatten(0, 1).T @ x.flatten(0, 1)).to(w_dtype).chunk(3)  # views of one (3d, d) product
