@@ -128,11 +128,11 @@ def line_plot(
                 ax.set_xlabel(xlabel or x)
             if j == 0:
                 ax.set_ylabel(ylabel or y)
-    return _finish(fig, handles, [h for h in hues if h in handles] if hue else [], hue, title, out)
+    return finish_plot(fig, handles, [h for h in hues if h in handles] if hue else [], hue, title, out)
 
 
-def _finish(fig: Figure, handles: dict[Any, Any], order: Sequence[Any], legend_title: str | None,
-            title: str | None, out: str | os.PathLike | None) -> Figure:
+def finish_plot(fig: Figure, handles: dict[Any, Any], order: Sequence[Any], legend_title: str | None,
+                title: str | None, out: str | os.PathLike | None) -> Figure:
     """A figure's shared ending: the legend right of the panels (``order`` of ``handles``), the title, and
     the PNG (and PDF) at ``out`` (``save_figure``)."""
     if order:
@@ -210,7 +210,7 @@ def bar_plot(
         ax.set_xlabel(x if xlabel is None else xlabel)
         ax.set_title(str(col_value) if col else "", fontsize=9)
     axes[0].set_ylabel(y if ylabel is None else ylabel)
-    return _finish(fig, handles, [h for h in hues if h in handles], hue, title, out)
+    return finish_plot(fig, handles, [h for h in hues if h in handles], hue, title, out)
 
 
 # Old home of the suites' reports (until they moved to their own modules): kept importable for one release.

@@ -5,9 +5,10 @@ own module: the attention suites their latency / TFLOP/s tables, speed-ups and p
 all-reduce suite its bus-bandwidth plot and table (``analysis.allreduce``; the JAX collectives suite likewise,
 ``analysis.collectives``), the data-parallel suite its table with scaling efficiency and a throughput plot
 (``analysis.data_parallel``), the single-GPU suites "memory", "kernels" and "checkpointing" their tables and plots
-(``analysis.single_gpu``), the precision suite its two tables, and every other suite (e2e, foundation, ddp, ...) a
-table of its records, with charts for some (``SUITE_CHARTS``: a step benchmark's time, throughput, MFU, memory and
-scaling, the trainer's throughput and losses per run, the measured ceilings); where some configuration was measured
+(``analysis.single_gpu``), and every other suite (e2e, foundation, ddp, precision, ...) a table of its records (the
+precision suite its two), with charts for some (``SUITE_CHARTS``: a step benchmark's time, throughput, MFU, memory
+and scaling, the trainer's throughput and losses per run, the measured ceilings, the precision suite's accumulation
+error, the attention parts' time per part); where some configuration was measured
 in both backends, the PyTorch-vs-JAX report (``analysis.side_by_side``) into ``side_by_side/``; where the device's
 measured ceilings are among the records, every GPU step against its predicted floor and memory
 (``analysis.fidelity``) into ``fidelity.md``; where both backends trained from the same saved weights, their losses
@@ -23,7 +24,8 @@ For a paper: every Markdown table also as LaTeX (booktabs, ``DataFrame.to_latex`
 ``index.md`` lists the reports by section (``SECTIONS``: PyTorch vs JAX, the attention leaderboard, the
 data-parallel family, several hosts, the training matrix and accumulation study, fidelity, loss parity, then the
 other suites),
-linking each one's Markdown, charts and exports. Nothing is typed by hand: rerun it after adding records.
+linking each one's Markdown, exports and charts: under each page the charts it shows (its ``![...](file.png)``
+links), a chart no page shows under the report's last page. Nothing is typed by hand: rerun it after adding records.
 
 ``python -m analysis.reports table FILES... [--suite S] [--columns a,b] [--metrics m] [--out FILE.md]`` prints one
 Markdown table of the records in some files, globs or folders instead (``table_main``; formerly
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 from functools import partial
@@ -50,10 +53,10 @@ from analysis.fidelity import CEILINGS_SUITE, is_step, profile_records, report a
 from analysis.records import Record, read_records
 from analysis.loss_parity import loss_parity, write_loss_parity
 from analysis.multihost import multihost_table, write_multihost
-from analysis.plots import bar_plot
+from analysis.plots import bar_plot, save_figure
 from analysis.side_by_side import (head_to_head, plot_implementations, plot_side_by_side, side_by_side_frame,
                                    write_side_by_side)
-from analysis.single_gpu import REPORTS as SINGLE_GPU_REPORTS
+from analysis.single_gpu import REPORTS as SINGLE_GPU_REPORTS, plot_shares
 from analysis.tables import (export_markdown_file, exports_folder, load_records, markdown_table, records_frame,
                              records_table)
 from analysis.training import (ACCUM_SUITE, MATRIX_SUITE, TRAIN_SUITE, plot_train_runs, write_accum_report,
@@ -98,6 +101,7 @@ def precision_markdown(records: list[Record]) -> str:
                   "|:--|" + "--|" * len(autocast)]
         lines += [f"| {key} | " + " | ".join(str(r.metrics.get(key)) for r in autocast) + " |"
                   for key in autocast[0].metrics]
+        lines += ["", "No chart of this table: its cells are dtype names, not quantities."]
     return "\n".join(lines)
 
 
@@ -164,11 +168,44 @@ def _ceilings_chart(records: list[Record], prefix: Path) -> list[Path]:
     return [out]
 
 
+def _precision_chart(records: list[Record], prefix: Path) -> list[Path]:
+    """The accumulation's absolute error by accumulator and addend, on a log axis, at ``<prefix>_error.png``
+    (an exact sum, error 0, has no bar there; the table shows it)."""
+    import pandas as pd
+
+    rows = pd.DataFrame([r.metrics for r in records if r.implementation == "accumulation"
+                         and (r.metrics.get("abs_error") or 0) > 0])
+    if rows.empty:
+        return []
+    out = prefix.with_name(f"{prefix.name}_error.png")
+    fig = bar_plot(rows, "addend", "abs_error", hue="accumulator", x_order=list(dict.fromkeys(rows["addend"])),
+                   hue_order=list(dict.fromkeys(rows["accumulator"])), xlabel="addend", ylabel="absolute error",
+                   title=f"accumulating 0.01 one thousand times: {records[0].provenance.get('device_name')}")
+    for ax in fig.axes:
+        ax.set_yscale("log")
+    fig.tight_layout()
+    save_figure(fig, out)
+    return [out]
+
+
+def _attention_parts_chart(records: list[Record], prefix: Path) -> list[Path]:
+    """Each pass's time in each part of the attention (matmul, softmax, elementwise, other: ``analysis.kernels``)
+    by shape, at ``<prefix>_parts.png`` (``analysis.single_gpu.plot_shares``)."""
+    frame = records_frame([r for r in records if r.status == "ok"])
+    if frame.empty or not frame.columns.str.fullmatch(r"metrics\..+_ms").any():
+        return []
+    shape = frame["model"] + " " + frame["batch_size"].astype(str) + " x " + frame["seq_len"].astype(str)
+    out = prefix.with_name(f"{prefix.name}_parts.png")
+    plot_shares(frame.assign(model=shape), "metrics.{}_ms", out, ylabel="ms per call",
+                title=f"{records[0].suite}: time of each part, by shape, dtype and pass")
+    return [out]
+
+
 # Charts beside the table of a suite without a report of its own: (its records, out_dir / stem) -> the PNGs written;
 # a suite not named here gets ``_implementation_charts``.
 SUITE_CHARTS: dict[str, Callable[[list[Record], Path], list[Path]]] = {
     "jax_vs_torch": _step_charts, "side_by_side": _step_charts, TRAIN_SUITE: plot_train_runs,
-    CEILINGS_SUITE: _ceilings_chart}
+    CEILINGS_SUITE: _ceilings_chart, "precision": _precision_chart, "attention_parts": _attention_parts_chart}
 
 
 def _scalar_metrics(records: list[Record]) -> list[str]:
@@ -309,8 +346,14 @@ def index_markdown(entries: Sequence[tuple[str, Sequence[Path]]], root: Path, re
     return "\n".join(lines)
 
 
+def _shown(markdown: Path) -> set[Path]:
+    """The images a Markdown page shows (``![...](file)``), as paths beside it."""
+    return {markdown.parent / link for link in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", markdown.read_text())}
+
+
 def _index_entry(written: Sequence[Path], root: Path) -> list[str]:
-    """One report in the index: a line per Markdown file with its title and tables, then its charts."""
+    """One report in the index: a line per Markdown file with its title and tables, then the charts it shows (a
+    chart no page of the report shows goes under its last page)."""
     files = set(written)
 
     def link(path: Path, text: str | None = None) -> str:
@@ -321,8 +364,16 @@ def _index_entry(written: Sequence[Path], root: Path) -> list[str]:
         return ", ".join(link(path.with_suffix(suffix), name) for suffix, name in kinds.items()
                          if path.with_suffix(suffix) in files)
 
+    def chart_line(charts: list[Path], head: str) -> list[str]:
+        return [head + "; ".join(f"{p.stem} ({formats(p, {'.png': 'PNG', '.pdf': 'PDF'})})" for p in charts)] \
+            if charts else []
+
     lines = []
     markdowns = [p for p in written if p.suffix == ".md"]
+    charts = [p for p in written if p.suffix == ".png"]
+    shown = {markdown: _shown(markdown) for markdown in markdowns}
+    owner = {chart: next((m for m in markdowns if chart in shown[m]), markdowns[-1] if markdowns else None)
+             for chart in charts}
     for markdown in markdowns:
         heading = next((line[2:] for line in markdown.read_text().splitlines() if line.startswith("# ")), None)
         lines.append(f"- {link(markdown)}" + (f": {heading}" if heading else ""))
@@ -331,11 +382,8 @@ def _index_entry(written: Sequence[Path], root: Path) -> list[str]:
         if tables:
             lines.append("  - tables: " + "; ".join(
                 f"{p.stem} ({formats(p, {'.tex': 'LaTeX', '.typ': 'Typst'})})" for p in tables))
-    charts = [p for p in written if p.suffix == ".png"]
-    if charts:
-        lines.append(("  - charts: " if markdowns else "- charts: ") + "; ".join(
-            f"{p.stem} ({formats(p, {'.png': 'PNG', '.pdf': 'PDF'})})" for p in charts))
-    return lines
+        lines += chart_line([p for p in charts if owner[p] == markdown], "  - charts: ")
+    return lines + chart_line([p for p in charts if owner[p] is None], "- charts: ")
 
 
 def _names(text: str) -> list[str]:

@@ -102,16 +102,16 @@ def kernel_report(sources: RecordSource | Iterable[RecordSource], out_dir: str |
     return [report, *charts]
 
 
-def plot_shares(frame: pd.DataFrame, column: str, out: Path) -> Path:
+def plot_shares(frame: pd.DataFrame, column: str, out: Path, ylabel: str = "share of the kernels' time",
+                title: str = "where the GPU's time goes, by kernel category") -> Path:
     """Each run's (``frame``'s model, dtype and mode) share of its kernels' time by category
     (``analysis.kernels.CATEGORIES``, each share in the column ``column.format(category)`` where ``frame`` has it):
-    bars at ``out`` (rows without a share left out)."""
+    bars at ``out`` (rows without a share left out). Any quantity per category plots alike (say its ``ylabel``)."""
     columns = {column.format(c): c for c in CATEGORIES if column.format(c) in frame}
     shares = frame.assign(run=frame["model"] + " " + frame["dtype"] + " " + frame["mode"]).melt(
         id_vars=["run"], value_vars=list(columns), var_name="category", value_name="share")
     bar_plot(shares.assign(category=shares["category"].map(columns)).dropna(subset=["share"]), "run", "share",
-             hue="category", hue_order=CATEGORIES, xlabel="", ylabel="share of the kernels' time",
-             title="where the GPU's time goes, by kernel category", out=out)
+             hue="category", hue_order=CATEGORIES, xlabel="", ylabel=ylabel, title=title, out=out)
     return out
 
 

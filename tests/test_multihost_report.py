@@ -86,7 +86,9 @@ def test_cli_writes_the_table_or_says_what_is_missing(tmp_path, capsys):
     path = tmp_path / "runs.jsonl"
     append_records(path, [_e2e(1, [5.0, 4.0], 100.0), _e2e(2, [5.0, 4.0], 100.0)])
     assert main([str(path), "--out", str(tmp_path / "m.md")]) == 0
-    assert "identical (2 steps)" in (tmp_path / "m.md").read_text()
+    text = (tmp_path / "m.md").read_text()
+    assert "identical (2 steps)" in text and "](m.png)" in text  # the chart beside the table, shown in it
+    assert (tmp_path / "m.png").stat().st_size > 0 and (tmp_path / "m.pdf").read_bytes()[:5] == b"%PDF-"
     append_records(tmp_path / "alone.jsonl", [_e2e(1, [5.0], 1.0)])
     with pytest.raises(SystemExit):
         main([str(tmp_path / "alone.jsonl"), "--out", str(tmp_path / "n.md")])
@@ -105,3 +107,13 @@ def test_trainer_runs_are_compared_over_the_epochs_both_ran():
     assert table["x one host"].tolist() == [1.0, pytest.approx(44.0 / 40.0)]  # against the reference's epoch 1
     assert table["epochs"].tolist() == ["1-2", "1"]
     assert multihost_table([_epoch("stopped", 1, epochs[0]), _epoch("resumed", 2, epochs[1])]).empty
+
+
+def test_the_chart_needs_a_step_time_beside_the_reference(tmp_path):
+    """No run with both step times: no chart, and the page says why in one line."""
+    from analysis.multihost import plot_multihost, write_multihost
+
+    records = [_e2e(1, [5.0, 4.0], 100.0), _e2e(2, [5.0, 4.0], 100.0)]
+    records[1].timing = None
+    assert plot_multihost(multihost_table(records), tmp_path / "x.png") is None and not list(tmp_path.iterdir())
+    assert "No chart: no run has a step time" in write_multihost(records, tmp_path / "m.md").read_text()

@@ -241,3 +241,53 @@ def test_other_step_suites_get_each_implementations_time_chart(tmp_path):
     frame = side_by_side_frame(records)
     assert sorted(frame["implementation"]) == ["compiled, cuda graph per block", "eager", "stock compiled"]
     assert plot_implementations(frame[frame["status"] != "ok"], tmp_path / "failed", "e2e") == []  # no time: no chart
+
+
+def _index_entries(index: str) -> dict[str, str]:
+    """Each page's entry in ``index.md``: its link -> its lines (title, tables, charts)."""
+    entries = re.split(r"^(?=- \[|## )", index, flags=re.M)
+    return {re.match(r"- \[[^\]]+\]\(([^)]+)\)", e).group(1): e for e in entries if e.startswith("- [")}
+
+
+def test_every_page_lists_its_charts_and_the_chartless_tables_get_one(tmp_path):
+    """Each page's index entry lists, as PNG and PDF, every chart the page shows (the answer pages, several reports
+    in one, included); the precision, attention-parts and several-hosts tables get a chart of their own."""
+    from tests.test_answers import _write_sweep
+    from tests.test_multihost_report import _e2e
+
+    fixture_results(tmp_path)
+    configs = [(model, seq) for model in ("small", "large") for seq in (128, 256)]
+    _write_sweep(tmp_path, {(dtype, compiled): {c: 100.0 + 10 * i for i, c in enumerate(configs)}
+                            for dtype in ("fp32", "bf16") for compiled in (False, True)})
+    cpu = {"provenance": {"device_name": "cpu"}}
+    append_records(tmp_path / "precision_cpu.jsonl", [
+        *(Record(suite="precision", backend="torch", implementation="accumulation", dtype=acc, **cpu,
+                 metrics={"accumulator": acc, "addend": add, "result": 10 + err, "abs_error": err})
+          for acc, add, err in (("fp32", "fp32", 1e-4), ("fp16", "fp16", 5e-2), ("fp32", "bf16", 1e-2))),
+        Record(suite="precision", backend="torch", implementation="autocast", dtype="bf16", **cpu,
+               metrics={"logits": "torch.bfloat16", "loss": "torch.float32"})])
+    append_records(tmp_path / "attention_parts_cpu.jsonl", [
+        Record(suite="attention_parts", backend="torch", implementation="naive attention, one layer", model="tiny",
+               batch_size=2, seq_len=16, dtype="fp32", mode=mode, **cpu,
+               metrics={"matmul_ms": 0.2 * k, "reduction-softmax_ms": 0.1 * k, "elementwise_ms": 0.1 * k,
+                        "other_ms": 0.05 * k, "heads": 2, "head_dim": 8})
+        for mode, k in (("forward", 1), ("forward_backward", 3))])
+    append_records(tmp_path / "processes_gpu.jsonl", [_e2e(1, [5.0, 4.0], 100.0), _e2e(2, [5.0, 4.0], 110.0)])
+    out = tmp_path / "reports"
+    reports.write_reports(tmp_path, out)
+    entries = _index_entries((out / "index.md").read_text())
+    pages = [p for p in out.rglob("*.md") if p.name != "index.md"]
+    assert {"answers/benchmarking.md", "answers/mixed_precision.md"} <= set(entries)
+    for page in pages:
+        entry = entries[page.relative_to(out).as_posix()]
+        for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text()):
+            png = (page.parent / image).relative_to(out).as_posix()
+            assert f"[PNG]({png})" in entry and f"[PDF]({png[:-4]}.pdf)" in entry, (page, image)
+    for page, chart in (("precision_cpu.md", "precision_cpu_error"), ("multihost.md", "multihost"),
+                        ("attention_parts_cpu.md", "attention_parts_cpu_parts"),
+                        ("answers/benchmarking.md", "answers/benchmarking_step")):
+        png = out / f"{chart}.png"
+        assert png.stat().st_size > 0 and png.with_suffix(".pdf").read_bytes()[:5] == b"%PDF-", chart
+        assert f"]({png.name})" in (out / page).read_text(), page
+        assert f"[PNG]({chart}.png)" in entries[page] and "  - charts: " in entries[page], page
+    assert "No chart of this table: its cells are dtype names" in (out / "precision_cpu.md").read_text()
