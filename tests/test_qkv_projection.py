@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from parallelism_calc.specs import MODELS
 from torch_impl.model import RotaryEmbedding, TransformerLM
-from torch_impl.qkv_pack_triton import launch_pack
-from torch_impl.qkv_projection import QKVProjection, pack_rotated_grads, rotate_pairs
+from torch_impl.qkv_pack_triton import launch_pack, launch_split
+from torch_impl.qkv_projection import QKVProjection, pack_rotated_grads, rotate_pairs, rotate_split
 
 TINY = MODELS["tiny"]
 
@@ -94,6 +94,43 @@ def test_packing_kernel_is_the_pytorch_packing(dtype, layout):
     ulp = 0 if dtype == torch.float32 else 2.0 ** -7  # one bf16 unit: the interpreter's rounding, FMA contraction
     torch.testing.assert_close(got.float(), expected.float(), rtol=ulp + 1e-6, atol=1e-6, msg=f"seed {seed}")
     torch.testing.assert_close(got[:, :, 2], dv.cpu(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ["contiguous", "strided"])
+def test_split_kernel_is_the_pytorch_split(dtype, rows):
+    """The forward's Triton kernel (interpreted without a GPU) against the op's PyTorch ops and against RoPE of the
+    three parts: q and k rotated, v equal to its part, each contiguous in an allocation of its own; d_head 12 below
+    its tile, the product's rows strided (a view of a wider buffer) or not, one row (where v's part is contiguous)."""
+    generator, seed = fresh_generator()
+    n_heads, d_head = 3, 12
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for batch, seq in ((2, 5), (1, 1)):
+        wide = torch.randn(batch, seq, 3 * n_heads * d_head + (4 if rows == "strided" else 0), generator=generator)
+        product = wide[..., :3 * n_heads * d_head].to(dtype).to(device)
+        cos, sin = (t.to(device) for t in RotaryEmbedding(d_head, 16, 10_000.0).tables(seq))
+        expected = rotate_split(product.cpu(), cos.cpu(), sin.cpu(), n_heads)
+        got = [t.cpu() for t in launch_split(product, cos, sin, n_heads)]
+        parts = product.cpu().unflatten(-1, (3, n_heads, d_head)).unbind(2)
+        for t in expected:
+            assert t.is_contiguous() and t.shape == (batch, seq, n_heads, d_head) and t.dtype == dtype
+            assert t.untyped_storage().data_ptr() != product.untyped_storage().data_ptr()
+        torch.testing.assert_close(expected[0], rotate_pairs(parts[0], cos[:, None], sin[:, None]), rtol=0, atol=0)
+        torch.testing.assert_close(expected[2], parts[2], rtol=0, atol=0)
+        ulp = 0 if dtype == torch.float32 else 2.0 ** -7  # one bf16 unit: the interpreter's rounding, FMA contraction
+        for g, e in zip(got, expected):
+            assert g.shape == e.shape and g.dtype == dtype and g.is_contiguous()
+            torch.testing.assert_close(g.float(), e.float(), rtol=ulp + 1e-6, atol=1e-6, msg=f"seed {seed}")
+
+
+def test_split_rejects_what_it_cannot_split():
+    cos = torch.zeros(5, 4)
+    with pytest.raises(ValueError, match=r"\(B, T, 3 x n_heads x d_head\) with d_head even"):
+        rotate_split(torch.zeros(2, 5, 70), cos, cos, 3)
+    with pytest.raises(ValueError, match=r"\(B, T, 3 x n_heads x d_head\) with d_head even"):
+        rotate_split(torch.zeros(2, 5, 63), cos, cos, 3)  # d_head 7
+    with pytest.raises(ValueError, match=r"cos and sin must be \(T, d_head / 2\)"):
+        rotate_split(torch.zeros(2, 5, 72), cos[:4], cos, 3)
 
 
 def test_packing_rejects_what_it_cannot_pack():

@@ -9,6 +9,8 @@ that as a pointwise concatenation at a third of the copy bandwidth (7.2 ms a ste
 packing is one Triton kernel (``torch_impl.qkv_pack_triton``) behind ``pack_rotated_grads``, an opaque op to
 torch.compile (PyTorch's ops off CUDA).
 
+The forward's RoPE (q and k rotated, v copied out beside them) is one kernel too, behind ``rotate_split``.
+
 The parameters stay the three projections' (their names cross to the Flax model); ``project_qkv`` takes the packed
 route only where nothing hooks the projections' own calls (our FSDP with per-layer units or a compute dtype does).
 """
@@ -43,6 +45,48 @@ def check_pack_inputs(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos:
     if tuple(cos.shape) != tables or tuple(sin.shape) != tables:
         raise ValueError(f"pack_rotated_grads: cos and sin must be (T, d_head / 2) = {tables}; "
                          f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
+
+
+def check_split_inputs(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -> int:
+    """product (B, T, 3 H d_head), d_head even; cos, sin (T, d_head / 2); returns d_head."""
+    if product.ndim != 3 or n_heads < 1 or product.shape[-1] % (3 * n_heads) or product.shape[-1] // (3 * n_heads) % 2:
+        raise ValueError(f"rotate_split: the product must be (B, T, 3 x n_heads x d_head) with d_head even; got "
+                         f"{tuple(product.shape)} for {n_heads} heads")
+    d_head = product.shape[-1] // (3 * n_heads)
+    tables = (product.shape[1], d_head // 2)
+    if tuple(cos.shape) != tables or tuple(sin.shape) != tables:
+        raise ValueError(f"rotate_split: cos and sin must be (T, d_head / 2) = {tables}; "
+                         f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    return d_head
+
+
+@torch.library.custom_op("torch_impl::rotate_split", mutates_args=())
+def rotate_split(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (B, T, 3 d) product of x and [W_q; W_k; W_v] -> q, k, v, each (B, T, H, d_head) in an allocation of its
+    own: q and k rotated by RoPE (tables cos, sin of shape (T, d_head / 2)), v as it is. PyTorch's ops here; one
+    Triton kernel on CUDA, where Inductor wrote RoPE at half the copy bandwidth and copied v in a kernel of its own
+    (notes/train_step.md, session 46)."""
+    check_split_inputs(product, cos, sin, n_heads)
+    q, k, v = product.unflatten(-1, (3, n_heads, -1)).unbind(2)
+    cos, sin = cos[:, None], sin[:, None]  # (T, 1, d/2): broadcast over the heads
+    return (rotate_pairs(q, cos, sin).contiguous(), rotate_pairs(k, cos, sin).contiguous(),
+            v.clone(memory_format=torch.contiguous_format))  # never the input's storage (one row: v is contiguous)
+
+
+@rotate_split.register_kernel("cuda")
+def _(product, cos, sin, n_heads):
+    from torch_impl.qkv_pack_triton import launch_split  # Triton on first use: it reads TRITON_INTERPRET on import
+
+    check_split_inputs(product, cos, sin, n_heads)
+    return launch_split(product, cos, sin, n_heads)
+
+
+@rotate_split.register_fake
+def _(product, cos, sin, n_heads):
+    d_head = check_split_inputs(product, cos, sin, n_heads)
+    batch, seq, _ = product.shape
+    return tuple(product.new_empty(batch, seq, n_heads, d_head) for _ in range(3))
 
 
 @torch.library.custom_op("torch_impl::pack_rotated_grads", mutates_args=())
@@ -96,14 +140,11 @@ class QKVProjection(torch.autograd.Function):
         ctx.dtypes = x.dtype, w_q.dtype
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
         x, weight = _autocast(x, dtype), _autocast(torch.cat((w_q, w_k, w_v)), dtype)  # weight (3d, d)
-        batch, seq, d_model = x.shape
-        q, k, v = F.linear(x, weight).view(batch, seq, 3, n_heads, d_model // n_heads).unbind(2)
         cast = weight.dtype != w_q.dtype
         ctx.save_for_backward(x, *((weight,) if cast else (w_q, w_k, w_v)), cos, sin)
-        cos, sin = cos[:, None], sin[:, None]
-        # v copied out of the product (a kernel of its own, compiled): as a view it kept the whole product alive as
-        # long as the attention kept v, 3x its bytes (+2.5 GB at xl 4 x 2,048: notes/train_step.md, session 45)
-        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin), v.contiguous()
+        # v in an allocation of its own: as a view of the product it kept the whole product alive as long as the
+        # attention kept v, 3x its bytes (+2.5 GB at xl 4 x 2,048: notes/train_step.md, session 45)
+        return torch.ops.torch_impl.rotate_split(F.linear(x, weight), cos, sin, n_heads)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
