@@ -115,7 +115,8 @@ def test_split_kernel_is_the_pytorch_split(dtype, rows):
         for t in expected:
             assert t.is_contiguous() and t.shape == (batch, seq, n_heads, d_head) and t.dtype == dtype
             assert t.untyped_storage().data_ptr() != product.untyped_storage().data_ptr()
-        torch.testing.assert_close(expected[0], rotate_pairs(parts[0], cos[:, None], sin[:, None]), rtol=0, atol=0)
+        rotated = rotate_pairs(parts[0], cos.cpu()[:, None], sin.cpu()[:, None])
+        torch.testing.assert_close(expected[0], rotated, rtol=0, atol=0)
         torch.testing.assert_close(expected[2], parts[2], rtol=0, atol=0)
         ulp = 0 if dtype == torch.float32 else 2.0 ** -7  # one bf16 unit: the interpreter's rounding, FMA contraction
         for g, e in zip(got, expected):
