@@ -930,9 +930,9 @@ def _slower_than_bound(row: Row) -> bool:
 def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
     """Set ``time_why`` of every row still slower than ``TIME_BOUND`` without one whose program (``_program``) was
     profiled (``is_profiled``): its own record, else the profiled run of the same program (among ``profiles`` and
-    the rows) measured nearest it, within ``TIME_BOUND`` of its time, at its commit if one was, else the slowest of
-    those that ran it faster than that (the same kernels: the rest of this run's step is the GPU waiting on the host,
-    or running slower, which the why says). The why is where that
+    the rows) measured nearest it, within ``TIME_BOUND`` of its time, at its commit if one was, else of those that ran
+    it faster than that the slowest (at its commit if one was): its kernels, the rest of this run's step the GPU
+    waiting on the host or running slower, a term of its own in the why. The why is where that
     profile's step went against the floor's terms (``profile_split``), the term furthest beyond its floor named;
     only a profile whose accounted time is within ``TIME_BOUND`` of its run's timed step counts (neither a profile
     of a part nor one the profiler slowed; the next nearest is tried). A profile of another run is that run's
@@ -949,8 +949,8 @@ def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
         near = sorted((p for p in same if abs(p.median_ms / record.median_ms - 1) <= TIME_BOUND),
                       key=lambda p: (p is not record, _commit_of(p) != _commit(row),
                                      abs(math.log(p.median_ms / record.median_ms))))
-        faster = sorted((p for p in same if record.median_ms > (1 + TIME_BOUND) * p.median_ms),
-                        key=lambda p: -p.median_ms)  # the program ran faster elsewhere: the nearest such run
+        faster = sorted((p for p in same if record.median_ms > (1 + TIME_BOUND) * p.median_ms),  # ran faster
+                        key=lambda p: (_commit_of(p) != _commit(row), -p.median_ms))  # its commit's, the nearest
         found = next(((p, split) for p in [*near, *faster] if (split := profile_split(p, row))
                       and abs(split[2] / p.median_ms - 1) <= TIME_BOUND), None)
         if found is None:
@@ -958,11 +958,13 @@ def explain_kernels(rows: list[Row], profiles: list[Record] = ()) -> None:
         p, (text, beyond, _) = found
         whose = ("its profile" if p is record else
                  f"the same program's profile at {_commit_of(p)} ({p.suite}, {p.median_ms:.1f} ms)")
+        slower = p.median_ms * (1 + TIME_BOUND) < record.median_ms
+        if slower:
+            text += (f"; this run took {record.median_ms - p.median_ms:.0f} ms a step more, with the kernels profiled "
+                     f"at {_commit_of(p)}: its GPU waiting on the host or running slower (its steps "
+                     f"{record.timing.get('min_ms', 0):.0f} to {record.timing.get('max_ms', 0):.0f} ms)")
+            beyond = {**beyond, "this run beyond the profiled step": record.median_ms - p.median_ms}
         row.time_why = f"profiled a step ({whose}): {text}; most beyond the floor: {max(beyond, key=beyond.get)}"
-        if p.median_ms * (1 + TIME_BOUND) < record.median_ms:
-            row.time_why += (f"; this run took {record.median_ms - p.median_ms:.0f} ms a step more with the same "
-                             f"kernels: its GPU waiting on the host or running slower (its steps "
-                             f"{record.timing.get('min_ms', 0):.0f} to {record.timing.get('max_ms', 0):.0f} ms)")
         if p is not record:
             row.borrowed.add("time")
 

@@ -25,7 +25,7 @@ For a paper: every Markdown table also as LaTeX (booktabs, ``DataFrame.to_latex`
 data-parallel family, several hosts, the training matrix and accumulation study, fidelity, loss parity, then the
 other suites),
 linking each one's Markdown, exports and charts: under each page the charts it shows (its ``![...](file.png)``
-links), a chart no page shows under the report's last page. Nothing is typed by hand: rerun it after adding records.
+links), then the report's charts that no page shows. Nothing is typed by hand: rerun it after adding records.
 
 ``python -m analysis.reports table FILES... [--suite S] [--columns a,b] [--metrics m] [--out FILE.md]`` prints one
 Markdown table of the records in some files, globs or folders instead (``table_main``; formerly
@@ -49,6 +49,7 @@ from analysis.attention import REPORT_METRICS as ATTENTION_METRICS, write_attent
 from analysis.collectives import (COLLECTIVES_SUITE, REPORT_METRICS as COLLECTIVES_METRICS, comparison_frame,
                                   write_collectives_report, write_nccl_comparison)
 from analysis.data_parallel import SUITE as DDP_SUITE, write_ddp_report
+from analysis.kernels import CATEGORIES
 from analysis.fidelity import CEILINGS_SUITE, is_step, profile_records, report as fidelity_report
 from analysis.records import Record, read_records
 from analysis.loss_parity import loss_parity, write_loss_parity
@@ -192,7 +193,7 @@ def _attention_parts_chart(records: list[Record], prefix: Path) -> list[Path]:
     """Each pass's time in each part of the attention (matmul, softmax, elementwise, other: ``analysis.kernels``)
     by shape, at ``<prefix>_parts.png`` (``analysis.single_gpu.plot_shares``)."""
     frame = records_frame([r for r in records if r.status == "ok"])
-    if frame.empty or not frame.columns.str.fullmatch(r"metrics\..+_ms").any():
+    if frame.empty or not any(f"metrics.{c}_ms" in frame for c in CATEGORIES):
         return []
     shape = frame["model"] + " " + frame["batch_size"].astype(str) + " x " + frame["seq_len"].astype(str)
     out = prefix.with_name(f"{prefix.name}_parts.png")
@@ -352,8 +353,8 @@ def _shown(markdown: Path) -> set[Path]:
 
 
 def _index_entry(written: Sequence[Path], root: Path) -> list[str]:
-    """One report in the index: a line per Markdown file with its title and tables, then the charts it shows (a
-    chart no page of the report shows goes under its last page)."""
+    """One report in the index: a line per Markdown file with its title, its tables and the charts it shows, then the
+    report's charts that no page shows."""
     files = set(written)
 
     def link(path: Path, text: str | None = None) -> str:
@@ -372,8 +373,7 @@ def _index_entry(written: Sequence[Path], root: Path) -> list[str]:
     markdowns = [p for p in written if p.suffix == ".md"]
     charts = [p for p in written if p.suffix == ".png"]
     shown = {markdown: _shown(markdown) for markdown in markdowns}
-    owner = {chart: next((m for m in markdowns if chart in shown[m]), markdowns[-1] if markdowns else None)
-             for chart in charts}
+    unshown = [p for p in charts if not any(p in pictures for pictures in shown.values())]
     for markdown in markdowns:
         heading = next((line[2:] for line in markdown.read_text().splitlines() if line.startswith("# ")), None)
         lines.append(f"- {link(markdown)}" + (f": {heading}" if heading else ""))
@@ -382,8 +382,10 @@ def _index_entry(written: Sequence[Path], root: Path) -> list[str]:
         if tables:
             lines.append("  - tables: " + "; ".join(
                 f"{p.stem} ({formats(p, {'.tex': 'LaTeX', '.typ': 'Typst'})})" for p in tables))
-        lines += chart_line([p for p in charts if owner[p] == markdown], "  - charts: ")
-    return lines + chart_line([p for p in charts if owner[p] is None], "- charts: ")
+        lines += chart_line([p for p in charts if p in shown[markdown]], "  - charts: ")
+    if markdowns:
+        return lines + chart_line(unshown, "  - other charts: ")  # shown in no page of the report
+    return chart_line(charts, "- charts: ")
 
 
 def _names(text: str) -> list[str]:

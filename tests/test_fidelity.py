@@ -8,7 +8,7 @@ import pytest
 from analysis.allreduce import ALLREDUCE_SUITE
 from analysis.fidelity import (CODE_CHANGES, COPY_ENGINE_STAGING, HOST_PACED_TIME, INDIVIDUAL_HELD_GRADIENTS,
                                attention_of, fidelity_rows, main, memory_breakdown, memory_prediction, predict,
-                               profile_records, summary, _frame)
+                               profile_records, summary, _commit_of, _frame)
 from analysis.harness import JAX_REMAT_RECOMPUTES
 from analysis.records import Record, save_records, timing_stats
 from parallelism_calc.roofline import Ceilings, step_time_floor
@@ -525,10 +525,12 @@ def test_a_profile_of_the_row_s_program_says_where_its_step_went(tmp_path):
     assert "time" in rows[1].borrowed and "time" not in rows[0].borrowed
     # twice the profiled run's time: the same kernels, the rest of its step waiting; a run faster than any profile
     # of its program, or one whose kernels cover 1 ms, is not explained by them
-    assert rows[2].time_why.startswith("profiled a step (the same program's profile at ccccccc (jax_profile, ")
-    assert rows[2].time_why.endswith(f"; this run took {median:.0f} ms a step more with the same kernels: its GPU "
-                                     f"waiting on the host or running slower (its steps {median * 2:.0f} to "
-                                     f"{median * 2:.0f} ms)")
+    commit = _commit_of(own)  # the row's own commit's profile first (own, a row profiled at it)
+    assert rows[2].time_why.startswith(f"profiled a step (the same program's profile at {commit} (")
+    assert rows[2].time_why.endswith(f"; this run took {median:.0f} ms a step more, with the kernels profiled at "
+                                     f"{commit}: its GPU waiting on the host or running slower (its steps "
+                                     f"{median * 2:.0f} to {median * 2:.0f} ms); most beyond the floor: this run "
+                                     f"beyond the profiled step")
     assert rows[3].time_why == "" and rows[4].time_error < -0.25 and rows[4].time_why == ""
     # on a mesh the collectives run beside the other kernels: their times add up beyond the step, the union (busy)
     # does not

@@ -291,3 +291,13 @@ def test_every_page_lists_its_charts_and_the_chartless_tables_get_one(tmp_path):
         assert f"]({png.name})" in (out / page).read_text(), page
         assert f"[PNG]({chart}.png)" in entries[page] and "  - charts: " in entries[page], page
     assert "No chart of this table: its cells are dtype names" in (out / "precision_cpu.md").read_text()
+
+
+def test_attention_parts_without_part_times_get_no_chart(tmp_path):
+    """An attention_parts record without any kernel category's time (``metrics.<category>_ms``) gets its table and
+    no chart, not an error that would end the whole report."""
+    from analysis.reports import _attention_parts_chart
+
+    record = Record(suite="attention_parts", backend="torch", implementation="naive", model="tiny", batch_size=1,
+                    seq_len=16, dtype="bf16", mode="forward", metrics={"total_ms": 1.0})
+    assert _attention_parts_chart([record], tmp_path / "attention_parts") == []
