@@ -384,7 +384,7 @@ def _index_entry(written: Sequence[Path], root: Path) -> list[str]:
                 f"{p.stem} ({formats(p, {'.tex': 'LaTeX', '.typ': 'Typst'})})" for p in tables))
         lines += chart_line([p for p in charts if p in shown[markdown]], "  - charts: ")
     if markdowns:
-        return lines + chart_line(unshown, "  - other charts: ")  # shown in no page of the report
+        return lines + chart_line(unshown, "  - the report's other charts: ")  # shown in no page of it
     return chart_line(charts, "- charts: ")
 
 

@@ -101,14 +101,20 @@ def test_packing_kernel_is_the_pytorch_packing(dtype, layout):
 def test_split_kernel_is_the_pytorch_split(dtype, rows):
     """The forward's Triton kernel (interpreted without a GPU) against the op's PyTorch ops and against RoPE of the
     three parts: q and k rotated, v equal to its part, each contiguous in an allocation of its own; d_head 12 below
-    its tile, the product's rows strided (a view of a wider buffer) or not, one row (where v's part is contiguous)."""
+    its tile, the product's rows strided (a view of a wider buffer, or batch-major storage seen as (B, T, 3d)) or
+    not, more rows than a program's block, one row (where v's part is contiguous), one position of several batches."""
     generator, seed = fresh_generator()
     n_heads, d_head = 3, 12
+    width = 3 * n_heads * d_head
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for batch, seq in ((2, 5), (1, 1)):
-        wide = torch.randn(batch, seq, 3 * n_heads * d_head + (4 if rows == "strided" else 0), generator=generator)
-        product = wide[..., :3 * n_heads * d_head].to(dtype).to(device)
-        cos, sin = (t.to(device) for t in RotaryEmbedding(d_head, 16, 10_000.0).tables(seq))
+    for batch, seq in ((2, 5), (3, 30), (1, 1), (3, 1)):
+        if rows == "strided" and seq == 1:  # (T, B, 3d) storage: the batch's stride is not T x the position's
+            wide = torch.randn(seq, batch, width, generator=generator).to(dtype).to(device).transpose(0, 1)
+        else:
+            wide = torch.randn(batch, seq, width + (4 if rows == "strided" else 0), generator=generator)
+            wide = wide.to(dtype).to(device)
+        product = wide[..., :width]
+        cos, sin = (t.to(device) for t in RotaryEmbedding(d_head, 32, 10_000.0).tables(seq))
         expected = rotate_split(product.cpu(), cos.cpu(), sin.cpu(), n_heads)
         got = [t.cpu() for t in launch_split(product, cos, sin, n_heads)]
         parts = product.cpu().unflatten(-1, (3, n_heads, d_head)).unbind(2)
@@ -132,6 +138,29 @@ def test_split_rejects_what_it_cannot_split():
         rotate_split(torch.zeros(2, 5, 63), cos, cos, 3)  # d_head 7
     with pytest.raises(ValueError, match=r"cos and sin must be \(T, d_head / 2\)"):
         rotate_split(torch.zeros(2, 5, 72), cos[:4], cos, 3)
+    for product, n_heads in ((torch.zeros(5, 72), 3), (torch.zeros(2, 5, 72), 0), (torch.zeros(2, 5, 0), 3)):
+        with pytest.raises(ValueError, match="with d_head even and positive"):
+            rotate_split(product, cos, cos, n_heads)
+    with pytest.raises(ValueError, match="must share a device"):
+        rotate_split(torch.zeros(2, 5, 72), cos.to("meta"), cos, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_split_and_packing_are_custom_ops_with_each_other_as_backward(dtype):
+    """torch.library.opcheck of both ops (schema, fake against real, autograd registration, AOT dispatch) on fresh
+    inputs, and in float64 gradcheck: each op's backward is the other (a rotation's adjoint is the rotation back)."""
+    generator, seed = fresh_generator()
+    batch, seq, n_heads, d_head = 2, 5, 3, 8
+    cos, sin = (t.to(torch.float64 if dtype == torch.float64 else torch.float32)
+                for t in RotaryEmbedding(d_head, 16, 10_000.0).tables(seq))
+    product = torch.randn(batch, seq, 3 * n_heads * d_head, generator=generator).to(dtype).requires_grad_()
+    grads = [torch.randn(batch, seq, n_heads, d_head, generator=generator).to(dtype).requires_grad_()
+             for _ in range(3)]
+    torch.library.opcheck(torch.ops.torch_impl.rotate_split.default, (product, cos, sin, n_heads))
+    torch.library.opcheck(torch.ops.torch_impl.pack_rotated_grads.default, (*grads, cos, sin))
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(lambda p: rotate_split(p, cos, sin, n_heads), (product,)), seed
+        assert torch.autograd.gradcheck(lambda *g: pack_rotated_grads(*g, cos, sin), grads), seed
 
 
 def test_packing_rejects_what_it_cannot_pack():

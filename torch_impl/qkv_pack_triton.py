@@ -51,14 +51,20 @@ def _pack_kernel(dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
 PACK_BLOCK_ROWS = 64  # rows (b, t) of one head a program: 3 x 64 x d_head elements in and out
 
 
+def _tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's tables, contiguous, in the precision ``rotate_pairs`` computes in: the wider of theirs and ``dtype``."""
+    wide = torch.promote_types(cos.dtype, dtype)
+    return cos.to(wide).contiguous(), sin.to(wide).contiguous()
+
+
 @triton.jit
-def _split_kernel(product, cos, sin, q, k, v, n_rows, seq, n_heads, row_stride, table_t,
+def _split_kernel(product, cos, sin, q, k, v, n_rows, seq, n_heads, stride_b, stride_t, table_t,
                   HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """One head of BLOCK_ROWS rows (b, t) of the (B, T, 3 d) product: q and k rotated by RoPE's angles (the rotation
     back by minus them), v as it is, each into its contiguous (B, T, H, d_head) output."""
     rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # offsets may pass 2^31
     head = tl.program_id(1)
-    position = rows % seq
+    batch, position = rows // seq, rows % seq
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < HEAD_DIM)[None, :]
     pairs = tl.arange(0, BLOCK_D // 2)
@@ -66,7 +72,7 @@ def _split_kernel(product, cos, sin, q, k, v, n_rows, seq, n_heads, row_stride, 
     table_mask = (rows < n_rows)[:, None] & (pairs < HEAD_DIM // 2)[None, :]
     cos_tile, minus_sin = tl.load(cos + table, mask=table_mask), -tl.load(sin + table, mask=table_mask)
     row_width = n_heads * HEAD_DIM
-    src = product + (rows * row_stride + head * HEAD_DIM)[:, None] + cols[None, :]
+    src = product + (batch * stride_b + position * stride_t + head * HEAD_DIM)[:, None] + cols[None, :]
     dst = (rows * row_width + head * HEAD_DIM)[:, None] + cols[None, :]
     q_tile = tl.load(src, mask=mask)
     tl.store(q + dst, _rotated_back(q_tile, cos_tile, minus_sin).to(q.dtype.element_ty), mask=mask)
@@ -77,16 +83,15 @@ def _split_kernel(product, cos, sin, q, k, v, n_rows, seq, n_heads, row_stride, 
 
 def launch_split(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton split (a (B, T, 3 d) product whose rows may be strided, its last dim contiguous)."""
+    """The Triton split (a (B, T, 3 d) product of any strides whose last dim is contiguous)."""
     batch, seq, width = product.shape
     d_head = width // (3 * n_heads)
-    if product.stride(-1) != 1 or product.stride(0) != seq * product.stride(1):
-        product = product.contiguous()
-    cos, sin = cos.contiguous(), sin.contiguous()
+    product = product if product.stride(-1) == 1 else product.contiguous()
+    cos, sin = _tables(cos, sin, product.dtype)
     q, k, v = (product.new_empty(batch, seq, n_heads, d_head) for _ in range(3))
     n_rows = batch * seq
     grid = (triton.cdiv(n_rows, PACK_BLOCK_ROWS), n_heads)
-    _split_kernel[grid](product, cos, sin, q, k, v, n_rows, seq, n_heads, product.stride(1), cos.stride(0),
+    _split_kernel[grid](product, cos, sin, q, k, v, n_rows, seq, n_heads, *product.stride()[:2], cos.stride(0),
                         HEAD_DIM=d_head, BLOCK_ROWS=PACK_BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(d_head))
     return q, k, v
 
@@ -96,7 +101,7 @@ def launch_pack(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch
     """The Triton packing (any strides of dq, dk, dv whose last dim is contiguous)."""
     batch, seq, n_heads, d_head = dq.shape
     dq, dk, dv = (t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv))
-    cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = _tables(cos, sin, dq.dtype)
     out = dq.new_empty(batch, seq, 3, n_heads, d_head)
     n_rows = batch * seq
     grid = (triton.cdiv(n_rows, PACK_BLOCK_ROWS), n_heads)

@@ -49,14 +49,18 @@ def check_pack_inputs(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos:
 
 def check_split_inputs(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -> int:
     """product (B, T, 3 H d_head), d_head even; cos, sin (T, d_head / 2); returns d_head."""
-    if product.ndim != 3 or n_heads < 1 or product.shape[-1] % (3 * n_heads) or product.shape[-1] // (3 * n_heads) % 2:
-        raise ValueError(f"rotate_split: the product must be (B, T, 3 x n_heads x d_head) with d_head even; got "
-                         f"{tuple(product.shape)} for {n_heads} heads")
-    d_head = product.shape[-1] // (3 * n_heads)
+    width = product.shape[-1] if product.ndim == 3 else 0
+    if n_heads < 1 or not width or width % (3 * n_heads) or width // (3 * n_heads) % 2:
+        raise ValueError(f"rotate_split: the product must be (B, T, 3 x n_heads x d_head) with d_head even and "
+                         f"positive; got {tuple(product.shape)} for {n_heads} heads")
+    d_head = width // (3 * n_heads)
     tables = (product.shape[1], d_head // 2)
     if tuple(cos.shape) != tables or tuple(sin.shape) != tables:
         raise ValueError(f"rotate_split: cos and sin must be (T, d_head / 2) = {tables}; "
                          f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if len({product.device, cos.device, sin.device}) != 1:
+        raise ValueError(f"rotate_split: the product and the tables must share a device; got {product.device}, "
+                         f"{cos.device}, {sin.device}")
     return d_head
 
 
@@ -89,6 +93,20 @@ def _(product, cos, sin, n_heads):
     return tuple(product.new_empty(batch, seq, n_heads, d_head) for _ in range(3))
 
 
+def _setup_tables(ctx, inputs, output) -> None:
+    """Keep RoPE's tables (the inputs after the first ones) for the backward of either op."""
+    ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)][-2:])
+
+
+def _split_backward(ctx, dq, dk, dv):
+    """``rotate_split``'s adjoint: the three gradients packed back into the product's, dq and dk rotated back."""
+    cos, sin = ctx.saved_tensors
+    return torch.ops.torch_impl.pack_rotated_grads(dq, dk, dv, cos, sin).flatten(2), None, None, None
+
+
+rotate_split.register_autograd(_split_backward, setup_context=_setup_tables)
+
+
 @torch.library.custom_op("torch_impl::pack_rotated_grads", mutates_args=())
 def pack_rotated_grads(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor) -> torch.Tensor:
@@ -112,6 +130,15 @@ def _(dq, dk, dv, cos, sin):
     check_pack_inputs(dq, dk, dv, cos, sin)
     batch, seq, n_heads, d_head = dq.shape
     return dq.new_empty(batch, seq, 3, n_heads, d_head)
+
+
+def _pack_backward(ctx, grad):
+    """``pack_rotated_grads``' adjoint: the packed gradient split, dq and dk rotated forward (``rotate_split``)."""
+    cos, sin = ctx.saved_tensors
+    return (*torch.ops.torch_impl.rotate_split(grad.flatten(2), cos, sin, grad.shape[3]), None, None)
+
+
+pack_rotated_grads.register_autograd(_pack_backward, setup_context=_setup_tables)
 
 
 AUTOCAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts (never float64)
