@@ -140,3 +140,21 @@ def test_pipelined_step_times_time_each_step_from_the_last_completion():
     assert losses == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert len(times) == 5 and all(t >= 0 for t in times)
     assert sum(times) <= wall
+
+
+def test_the_stock_reference_s_prediction_counts_three_q_k_v_products():
+    """Under autocast our one q, k, v product casts and saves x once where the stock reference's three products keep
+    a copy each: the e2e benchmark predicts each model's own (``parallelism_calc.memory``'s ``qkv_product``)."""
+    from analysis.harness import calculator_terms
+    from parallelism_calc.memory import activation_bytes_per_token
+    from parallelism_calc.specs import MODELS
+    from torch_impl.bench.e2e import TorchStepConfig, predicted_memory
+
+    spec = MODELS["tiny"]
+    args = TorchStepConfig(model="tiny", batch_size=2, seq_len=16, dtype="bf16", attention="sdpa", device="cpu")
+    ours, stock = (predicted_memory(args, spec, 16, stock=s) for s in (False, True))
+    precision, attention = calculator_terms("bf16", "sdpa")
+    three = activation_bytes_per_token(spec, 16, precision, "none", attention, fused_norm=False,
+                                       qkv_product=False).for_tokens(32)
+    assert stock["predicted_activation_bytes"] == three > ours["predicted_activation_bytes"]
+    assert stock["predicted_peak_bytes"] > ours["predicted_peak_bytes"]

@@ -112,8 +112,9 @@ def predicted_memory(spec: ModelSpec, args: JaxStepConfig, seq_len: int, mesh: M
     precision, attention = calculator_terms(args.dtype, args.attention)
     try:
         pred = per_device_memory(spec, calc[0], calc[1], args.batch_size * seq_len, seq_len, precision,
-                                 checkpointing=args.remat, attention=attention,
-                                 fused_norm=False)  # our RMSNorm is the formula written out: its vjp keeps x / rms
+                                 checkpointing=args.remat, attention=attention, fused_norm=False,
+                                 qkv_product=False)  # the RMSNorm written out (its vjp keeps x / rms), q, k and
+        # v three products: the torch model's one product is not this one's
     except ValueError as err:
         return {"predicted_memory_error": str(err)}
     return {"predicted_memory_bytes": pred.total, "predicted_strategy": calc[0]}

@@ -228,8 +228,8 @@ def predicted_memory(args: TorchStepConfig, spec, seq_len: int, stock: bool = Fa
     notes/fidelity.md). Forward-only runs save nothing for backward: None. ``--loss fused``: the calculator's fused
     loss (an fp32 log-sum-exp a token, a chunk of logits and dW's accumulator, ``memory.loss_buffer_bytes``), except
     under ``--ac-every``, whose count (``checkpointing.checkpointed_activation_bytes``) keeps the plain loss's. With
-    ``--compile`` our plain loss is compiled (``compiled_loss``), the ``stock`` model's runs eagerly; the device's
-    terms: ``analysis.harness.device_terms``."""
+    ``--compile`` our plain loss is compiled (``compiled_loss``), the ``stock`` model's runs eagerly, and its q, k
+    and v are three products (ours one: ``qkv_product``); the device's terms: ``analysis.harness.device_terms``."""
     if args.mode == "forward":
         return {"predicted_activation_bytes": None, "predicted_peak_bytes": None}
     precision, attention = calculator_terms(args.dtype, args.attention)
@@ -242,14 +242,16 @@ def predicted_memory(args: TorchStepConfig, spec, seq_len: int, stock: bool = Fa
                                                     fused_norm=terms["fused_norm"]).for_tokens(tokens)
     else:
         activations = activation_bytes_per_token(spec, seq_len, precision, "none", attention, compiled=compiled,
-                                                 loss=args.loss, fused_norm=terms["fused_norm"]).for_tokens(tokens)
+                                                 loss=args.loss, fused_norm=terms["fused_norm"],
+                                                 qkv_product=not stock).for_tokens(tokens)
     peak = None
     if args.mode == "train_step":
         compiled_loss = args.compile and not stock and args.loss == "plain"
         peak = int(per_device_memory(spec, "ddp", 1, tokens, seq_len, precision, attention=attention,
                                      peak_model="timeline", checkpoint_every=args.checkpoint_every,
                                      nested_checkpoint=args.nested_checkpoint, compiled=compiled,
-                                     loss=args.loss, compiled_loss=compiled_loss, **terms).total)
+                                     loss=args.loss, compiled_loss=compiled_loss, qkv_product=not stock,
+                                     **terms).total)
     return {"predicted_activation_bytes": activations, "predicted_peak_bytes": peak}
 
 
