@@ -26,19 +26,28 @@ def _head_tile(src, batch, position, head, stride_b, stride_t, stride_h, cols, m
 
 
 @triton.jit
-def _pack_kernel(dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
-                 q_b, q_t, q_h, k_b, k_t, k_h, v_b, v_t, v_h, table_t,
-                 HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One head of BLOCK_ROWS rows (b, t): out[b, t, :, head] = (dq rotated back, dk rotated back, dv)."""
-    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # offsets may pass 2^31
-    head = tl.program_id(1)
+def _program_rows(cos, sin, n_rows, seq, table_t, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """This program's rows (b, t) and head, as (rows, head, batch, position, cols, mask, cos, sin): int64 rows (offsets
+    may pass 2^31), the (rows, d_head) tile's mask, and RoPE's tables' (rows, d_head / 2) tiles at the positions."""
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     batch, position = rows // seq, rows % seq
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < HEAD_DIM)[None, :]
     pairs = tl.arange(0, BLOCK_D // 2)
     table = position[:, None] * table_t + pairs[None, :]
     table_mask = (rows < n_rows)[:, None] & (pairs < HEAD_DIM // 2)[None, :]
-    cos_tile, sin_tile = tl.load(cos + table, mask=table_mask), tl.load(sin + table, mask=table_mask)
+    return (rows, tl.program_id(1), batch, position, cols, mask, tl.load(cos + table, mask=table_mask),
+            tl.load(sin + table, mask=table_mask))
+
+
+@triton.jit
+def _pack_kernel(dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
+                 q_b, q_t, q_h, k_b, k_t, k_h, v_b, v_t, v_h, table_t,
+                 HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head of BLOCK_ROWS rows (b, t): out[b, t, :, head] = (dq rotated back, dk rotated back, dv)."""
+    rows, head, batch, position, cols, mask, cos_tile, sin_tile = _program_rows(
+        cos, sin, n_rows, seq, table_t, HEAD_DIM, BLOCK_ROWS, BLOCK_D)
     row_width = n_heads * HEAD_DIM
     dst = out + (rows * 3 * row_width + head * HEAD_DIM)[:, None] + cols[None, :]
     q_tile = _head_tile(dq, batch, position, head, q_b, q_t, q_h, cols, mask)
@@ -62,23 +71,16 @@ def _split_kernel(product, cos, sin, q, k, v, n_rows, seq, n_heads, stride_b, st
                   HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """One head of BLOCK_ROWS rows (b, t) of the (B, T, 3 d) product: q and k rotated by RoPE's angles (the rotation
     back by minus them), v as it is, each into its contiguous (B, T, H, d_head) output."""
-    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # offsets may pass 2^31
-    head = tl.program_id(1)
-    batch, position = rows // seq, rows % seq
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows < n_rows)[:, None] & (cols < HEAD_DIM)[None, :]
-    pairs = tl.arange(0, BLOCK_D // 2)
-    table = position[:, None] * table_t + pairs[None, :]
-    table_mask = (rows < n_rows)[:, None] & (pairs < HEAD_DIM // 2)[None, :]
-    cos_tile, minus_sin = tl.load(cos + table, mask=table_mask), -tl.load(sin + table, mask=table_mask)
+    rows, head, batch, position, cols, mask, cos_tile, sin_tile = _program_rows(
+        cos, sin, n_rows, seq, table_t, HEAD_DIM, BLOCK_ROWS, BLOCK_D)
     row_width = n_heads * HEAD_DIM
-    src = product + (batch * stride_b + position * stride_t + head * HEAD_DIM)[:, None] + cols[None, :]
     dst = (rows * row_width + head * HEAD_DIM)[:, None] + cols[None, :]
-    q_tile = tl.load(src, mask=mask)
-    tl.store(q + dst, _rotated_back(q_tile, cos_tile, minus_sin).to(q.dtype.element_ty), mask=mask)
-    k_tile = tl.load(src + row_width, mask=mask)
-    tl.store(k + dst, _rotated_back(k_tile, cos_tile, minus_sin).to(k.dtype.element_ty), mask=mask)
-    tl.store(v + dst, tl.load(src + 2 * row_width, mask=mask), mask=mask)
+    q_tile = _head_tile(product, batch, position, head, stride_b, stride_t, HEAD_DIM, cols, mask)
+    tl.store(q + dst, _rotated_back(q_tile, cos_tile, -sin_tile).to(q.dtype.element_ty), mask=mask)
+    k_tile = _head_tile(product + row_width, batch, position, head, stride_b, stride_t, HEAD_DIM, cols, mask)
+    tl.store(k + dst, _rotated_back(k_tile, cos_tile, -sin_tile).to(k.dtype.element_ty), mask=mask)
+    v_tile = _head_tile(product + 2 * row_width, batch, position, head, stride_b, stride_t, HEAD_DIM, cols, mask)
+    tl.store(v + dst, v_tile, mask=mask)
 
 
 def launch_split(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

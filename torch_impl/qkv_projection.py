@@ -33,6 +33,14 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
 
 
+def check_tables(op: str, cos: torch.Tensor, sin: torch.Tensor, seq: int, d_head: int) -> None:
+    """RoPE's tables cos, sin of ``op``'s inputs: (T, d_head / 2) each."""
+    tables = (seq, d_head // 2)
+    if tuple(cos.shape) != tables or tuple(sin.shape) != tables:
+        raise ValueError(f"{op}: cos and sin must be (T, d_head / 2) = {tables}; "
+                         f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
+
+
 def check_pack_inputs(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor) -> None:
     """dq, dk, dv (B, T, H, d_head) alike, d_head even; cos, sin (T, d_head / 2)."""
@@ -41,10 +49,7 @@ def check_pack_inputs(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos:
                          f"{tuple(dq.shape)}, {tuple(dk.shape)}, {tuple(dv.shape)}")
     if len({dq.dtype, dk.dtype, dv.dtype}) != 1:
         raise ValueError(f"pack_rotated_grads: dq, dk, dv must share a dtype; got {dq.dtype}, {dk.dtype}, {dv.dtype}")
-    tables = (dq.shape[1], dq.shape[-1] // 2)
-    if tuple(cos.shape) != tables or tuple(sin.shape) != tables:
-        raise ValueError(f"pack_rotated_grads: cos and sin must be (T, d_head / 2) = {tables}; "
-                         f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    check_tables("pack_rotated_grads", cos, sin, dq.shape[1], dq.shape[-1])
 
 
 def check_split_inputs(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -> int:
@@ -54,10 +59,7 @@ def check_split_inputs(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         raise ValueError(f"rotate_split: the product must be (B, T, 3 x n_heads x d_head) with d_head even and "
                          f"positive; got {tuple(product.shape)} for {n_heads} heads")
     d_head = width // (3 * n_heads)
-    tables = (product.shape[1], d_head // 2)
-    if tuple(cos.shape) != tables or tuple(sin.shape) != tables:
-        raise ValueError(f"rotate_split: cos and sin must be (T, d_head / 2) = {tables}; "
-                         f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    check_tables("rotate_split", cos, sin, product.shape[1], d_head)
     if len({product.device, cos.device, sin.device}) != 1:
         raise ValueError(f"rotate_split: the product and the tables must share a device; got {product.device}, "
                          f"{cos.device}, {sin.device}")
