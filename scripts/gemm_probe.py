@@ -27,13 +27,22 @@ from torch_impl.timing import median_ms
 
 # the step's weights as (name, N, K, uses per step); names in parentheses are alternatives, not in the step's sum
 def weights(spec, pad: int) -> list[tuple[str, int, int, int]]:
-    """(name, N, K, uses per step) for every weight of the step, then alternatives: q, k, v as one product, the
-    head padded to a multiple of ``pad``."""
+    """(name, N, K, uses per step) for every weight of the step (q, k and v as one product:
+    torch_impl.qkv_projection), then alternatives: the three products apart, the head padded to a multiple of
+    ``pad``."""
     d, f, layers, vocab = spec.d_model, spec.d_ff, spec.n_layers, spec.vocab_size
     padded = -(-vocab // pad) * pad
-    return [("q|k|v|o", d, d, 4 * layers), ("w1|w3", f, d, 2 * layers), ("w2", d, f, layers),
-            (f"head {vocab}", vocab, d, 1), ("(q+k+v as one)", 3 * d, d, layers),
+    return [("q+k+v", 3 * d, d, layers), ("o", d, d, layers), ("w1|w3", f, d, 2 * layers), ("w2", d, f, layers),
+            (f"head {vocab}", vocab, d, 1), ("(q|k|v apart)", d, d, 3 * layers),
             (f"(head padded {padded})", padded, d, 1)]
+
+
+def split_k(a: torch.Tensor, b: torch.Tensor, splits: int) -> torch.Tensor:
+    """a @ b (a: M x K, b: K x N) as ``splits`` products over slices of K in one batched GEMM, summed in fp32 and
+    cast: more tiles for a small output (a weight's gradient: K is the tokens)."""
+    parts = torch.bmm(a.unflatten(1, (splits, -1)).transpose(0, 1), b.unflatten(0, (splits, -1)),
+                      out_dtype=torch.float32)
+    return parts.sum(0).to(a.dtype)
 
 
 def gemm_rows(spec, tokens: int, pad: int, reps: int) -> list[dict]:
@@ -41,11 +50,20 @@ def gemm_rows(spec, tokens: int, pad: int, reps: int) -> list[dict]:
     for name, n, k, uses in weights(spec, pad):
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        w_stored_t = w.t().contiguous().t()  # the same (N, K) matrix, column-major: cuBLAS's other layout
         dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
         for product, fn in (("forward x W^T", lambda: x @ w.t()), ("input grad dy W", lambda: dy @ w),
                             ("weight grad dy^T x", lambda: dy.t() @ x),
-                            ("(weight grad (x^T dy)^T)", lambda: (x.t() @ dy).t())):
-            ms = median_ms(fn, reps)
+                            ("(weight grad (x^T dy)^T)", lambda: (x.t() @ dy).t()),
+                            ("(input grad, W column-major)", lambda: dy @ w_stored_t),
+                            ("(weight grad, split-K 2)", lambda: split_k(dy.t(), x, 2)),
+                            ("(weight grad, split-K 4)", lambda: split_k(dy.t(), x, 4))):
+            try:
+                ms = median_ms(fn, reps)
+            except RuntimeError as error:  # an alternative this torch or GPU lacks: a row that says so
+                rows.append({"weight": name, "product": product, "M": tokens, "N": n, "K": k, "uses": uses,
+                             "error": str(error).splitlines()[0]})
+                continue
             rows.append({"weight": name, "product": product, "M": tokens, "N": n, "K": k, "uses": uses, "ms": ms,
                          "tflops": 2 * tokens * n * k / ms / 1e9, "ms_per_step": ms * uses})
         del x, w, dy
@@ -113,9 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     gemms = gemm_rows(spec, args.tokens, args.pad, args.reps)
     print(f"{'weight':>22} {'product':>20} {'M x N x K':>20} {'ms':>8} {'TFLOP/s':>8} {'ms/step':>8}")
     for r in gemms:
+        if "error" in r:
+            print(f"{r['weight']:>22} {r['product']:>20}: {r['error']}")
+            continue
         print(f"{r['weight']:>22} {r['product']:>20} {r['M']}x{r['N']}x{r['K']:>6} {r['ms']:8.3f} {r['tflops']:8.1f}"
               f" {r['ms_per_step']:8.2f}")
-    in_step = [r for r in gemms if "(" not in r["weight"] + r["product"]]
+    in_step = [r for r in gemms if "(" not in r["weight"] + r["product"] and "error" not in r]
     print(f"the step's GEMMs: {sum(r['ms_per_step'] for r in in_step):.1f} ms per step")
     heads = head_rows(spec, args.tokens, args.pad, args.reps)
     for r in heads:

@@ -36,12 +36,16 @@
 # OUT_DIR/e2e_<gpu>.jsonl): the step without the trainer's loop around it. qkv: q, k and v as one product whose
 # backward packs their gradients in one kernel (torch_impl.qkv_projection) against the three products (+apart), xl
 # 4 x 2,048 with spans of 4 and their graphs (OUT_DIR/step_probe.{json,log}), then the e2e record against stock.
+# levers: the step's small levers checked in one call (~7 minutes): the product's and FlashAttention's GPU tests
+# (OUT_DIR/gpu_tests_levers.txt), every GEMM of the step with the alternatives (the input gradient's weight
+# column-major, weight gradients split over K: OUT_DIR/gemm_probe.{json,log}), then the qkv phase's probe with cuDNN
+# and ours alone with flash_triton (OUT_DIR/flash/step_probe.{json,log}), each with its kernel table.
 # records_graphs: the records phase's three configurations with each block's graph only, then ours with our
 # FlashAttention (flash_triton) at xl 4 x 2,048 against its own stock reference (~8 minutes).
 set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
 flash_graphs|fidelity_ddp|fidelity_train|\
-fidelity_profile|fidelity_e2e|qkv|records_graphs"
+fidelity_profile|fidelity_e2e|qkv|levers|records_graphs"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -69,6 +73,16 @@ qkv)
   python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
     --variants ours_span4+ro+mixed,ours_span4+ro+mixed+apart 2>&1 | tee "$out/step_probe.log"
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks ;;
+levers)
+  { python3 -m pytest -q tests/test_qkv_projection.py 2>&1 | tail -3
+    python3 -m pytest -q -m gpu tests/test_flash_triton_op.py tests/test_flash_attention.py -k "not long_sequences" \
+      2>&1 | tail -5; } | tee "$out/gpu_tests_levers.txt"
+  python3 scripts/gemm_probe.py "$out" 2>&1 | tee "$out/gemm_probe.log"
+  python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
+    --variants ours_span4+ro+mixed,ours_span4+ro+mixed+apart 2>&1 | tee "$out/step_probe.log"
+  mkdir -p "$out/flash"
+  python3 scripts/step_probe.py "$out/flash" --configs xl:4:2048 --steps 10 --attention flash_triton \
+    --variants ours_span4+ro+mixed 2>&1 | tee "$out/flash/step_probe.log" ;;
 records_graphs)
   for config in "xl 4 2048" "2.7B 2 2048" "xl 4 512"; do step $config --dtype bf16_mixed --cuda-graph blocks; done
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks --attention flash_triton ;;
@@ -165,7 +179,8 @@ fidelity_e2e)
       --attention sdpa_cudnn --compile --cuda-graph off,blocks --warmup 3 --steps 10 --out "$out/e2e_${GPU_TAG}.jsonl"
   done ;;
 *) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, \
-gaps, flash, flash_graphs, fidelity_ddp, fidelity_train, fidelity_profile, fidelity_e2e" >&2
+gaps, flash, flash_graphs, fidelity_ddp, fidelity_train, fidelity_profile, fidelity_e2e, qkv, levers, \
+records_graphs" >&2
    exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi
