@@ -36,8 +36,8 @@
 # OUT_DIR/e2e_<gpu>.jsonl): the step without the trainer's loop around it. qkv: q, k and v as one product whose
 # backward packs their gradients in one kernel (torch_impl.qkv_projection) against the three products (+apart), xl
 # 4 x 2,048 with spans of 4 and their graphs (OUT_DIR/step_probe.{json,log}), then the e2e record against stock.
-# levers: the step's small levers checked in one call (~7 minutes): the product's and FlashAttention's GPU tests
-# (OUT_DIR/gpu_tests_levers.txt), every GEMM of the step with the alternatives (the input gradient's weight
+# levers: the step's small levers checked in one call (~7 minutes): FlashAttention's backward GPU tests on short
+# sequences (OUT_DIR/gpu_tests_levers.txt), every GEMM of the step with the alternatives (the input gradient's weight
 # column-major, weight gradients split over K: OUT_DIR/gemm_probe.{json,log}), then the qkv phase's probe with cuDNN
 # and ours alone with flash_triton (OUT_DIR/flash/step_probe.{json,log}), each with its kernel table.
 # records_graphs: the records phase's three configurations with each block's graph only, then ours with our
@@ -74,9 +74,10 @@ qkv)
     --variants ours_span4+ro+mixed,ours_span4+ro+mixed+apart 2>&1 | tee "$out/step_probe.log"
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks ;;
 levers)
-  { python3 -m pytest -q tests/test_qkv_projection.py 2>&1 | tail -3
-    python3 -m pytest -q -m gpu tests/test_flash_triton_op.py tests/test_flash_attention.py -k "not long_sequences" \
-      2>&1 | tail -5; } | tee "$out/gpu_tests_levers.txt"
+  # the GPU tests of FlashAttention's backward on short sequences and GQA only, at most 90 s (the whole GPU suite of
+  # tests/test_flash_attention.py takes over 8 minutes in one process: scripts/gpu_flash.sh runs it)
+  timeout 90 python3 -m pytest -q -m gpu tests/test_flash_attention.py \
+    -k "short_sequences or grouped_query or deterministic_backward" 2>&1 | tail -3 | tee "$out/gpu_tests_levers.txt"
   python3 scripts/gemm_probe.py "$out" 2>&1 | tee "$out/gemm_probe.log"
   python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
     --variants ours_span4+ro+mixed,ours_span4+ro+mixed+apart 2>&1 | tee "$out/step_probe.log"
