@@ -37,14 +37,6 @@ def weights(spec, pad: int) -> list[tuple[str, int, int, int]]:
             (f"(head padded {padded})", padded, d, 1)]
 
 
-def split_k(a: torch.Tensor, b: torch.Tensor, splits: int) -> torch.Tensor:
-    """a @ b (a: M x K, b: K x N) as ``splits`` products over slices of K in one batched GEMM, summed in fp32 and
-    cast: more tiles for a small output (a weight's gradient: K is the tokens)."""
-    parts = torch.bmm(a.unflatten(1, (splits, -1)).transpose(0, 1), b.unflatten(0, (splits, -1)),
-                      out_dtype=torch.float32)
-    return parts.sum(0).to(a.dtype)
-
-
 def gemm_rows(spec, tokens: int, pad: int, reps: int) -> list[dict]:
     rows = []
     for name, n, k, uses in weights(spec, pad):
@@ -55,9 +47,7 @@ def gemm_rows(spec, tokens: int, pad: int, reps: int) -> list[dict]:
         for product, fn in (("forward x W^T", lambda: x @ w.t()), ("input grad dy W", lambda: dy @ w),
                             ("weight grad dy^T x", lambda: dy.t() @ x),
                             ("(weight grad (x^T dy)^T)", lambda: (x.t() @ dy).t()),
-                            ("(input grad, W column-major)", lambda: dy @ w_stored_t),
-                            ("(weight grad, split-K 2)", lambda: split_k(dy.t(), x, 2)),
-                            ("(weight grad, split-K 4)", lambda: split_k(dy.t(), x, 4))):
+                            ("(input grad, W column-major)", lambda: dy @ w_stored_t)):
             try:
                 ms = median_ms(fn, reps)
             except RuntimeError as error:  # an alternative this torch or GPU lacks: a row that says so

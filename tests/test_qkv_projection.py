@@ -269,11 +269,3 @@ def test_weight_gradients_start_aligned(n_heads, d_head):
     shared = len({g.untyped_storage().data_ptr() for g in grads}) == 1
     assert shared == ((n_heads * d_head) ** 2 % 16 == 0)
     assert all(g.storage_offset() % 16 == 0 for g in grads)
-
-
-def test_concat_rows_is_torch_cat_behind_an_opaque_op():
-    """``concat_rows`` (the backward's [W_q; W_k; W_v]) is torch.cat, and a well-formed custom op."""
-    generator, seed = fresh_generator()
-    weights = [torch.randn(5, 4, generator=generator, dtype=torch.float64) for _ in range(3)]
-    assert torch.equal(torch.ops.torch_impl.concat_rows(weights), torch.cat(weights)), seed
-    torch.library.opcheck(torch.ops.torch_impl.concat_rows.default, (weights,))

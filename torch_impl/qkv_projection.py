@@ -95,21 +95,6 @@ def _(product, cos, sin, n_heads):
     return tuple(product.new_empty(batch, seq, n_heads, d_head) for _ in range(3))
 
 
-@torch.library.custom_op("torch_impl::concat_rows", mutates_args=())
-def concat_rows(weights: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(weights)``, opaque to torch.compile: the backward's [W_q; W_k; W_v]. Compiled, an ``aten.cat`` of
-    the same weights there is one AOTAutograd's partitioner shares with the forward's and saves in place of the
-    weights (a sharding wrapper then cannot free a block's gathered weights until its backward); the concatenation of
-    their transposes avoided that but gave cuBLAS the (3d, d) weight transposed, ~1.5 ms a step slower at xl
-    4 x 2,048 on an H200 (notes/train_step.md, sessions 46 and 47)."""
-    return torch.cat(weights)
-
-
-@concat_rows.register_fake
-def _(weights):
-    return torch.cat(weights)  # fake tensors: shapes, dtype and device only
-
-
 def _setup_tables(ctx, inputs, output) -> None:
     """Keep RoPE's tables (the inputs after the first ones) for the backward of either op."""
     ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)][-2:])
@@ -176,8 +161,8 @@ class QKVProjection(torch.autograd.Function):
     weights' cast copy (here one, concatenated), else the weights themselves, concatenated again in the backward,
     so that a wrapper that frees gathered weights after the forward and gathers them again (our FSDP, FSDP2) does
     (a saved concatenation would keep every block's whole weight alive on every rank). The backward concatenates
-    them by ``concat_rows``, which compiled is no op the forward ran: the partitioner then saves the weights, where it
-    saved the forward's concatenation for a backward that repeated it."""
+    their transposes, which compiled is no op the forward ran: the partitioner then saves the weights, where it saved
+    the forward's concatenation for a backward that repeated it."""
 
     @staticmethod
     def forward(ctx, x, w_q, w_k, w_v, cos, sin, n_heads: int):
@@ -194,9 +179,13 @@ class QKVProjection(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         x, *weights, cos, sin = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        weight = weights[0] if len(weights) == 1 else torch.ops.torch_impl.concat_rows(weights)  # (3d, d)
+        # the concatenation again, as its transpose: compiled, the forward's (3d, d) cat would be shared with this one
+        # and saved in place of the weights (AOTAutograd's partitioner), which a sharding wrapper could not free; cuBLAS
+        # runs dx on this column-major weight faster than on its rows, 0.199 against 0.210 ms at xl 4 x 2,048 on an
+        # H200 (the rows through an op opaque to the partitioner: notes/train_step.md, session 47)
+        weight_t = weights[0].T if len(weights) == 1 else torch.cat([w.T for w in weights], dim=1)  # (d, 3d)
         dy = torch.ops.torch_impl.pack_rotated_grads(dq, dk, dv, cos, sin).flatten(2)  # (B, T, 3d)
-        dx = (dy @ weight).to(x_dtype) if ctx.needs_input_grad[0] else None
+        dx = (dy @ weight_t.T).to(x_dtype) if ctx.needs_input_grad[0] else None
         dws = (None,) * 3
         if any(ctx.needs_input_grad[1:4]):
             dws = (dy.flatten(0, 1).T @ x.flatten(0, 1)).to(w_dtype).chunk(3)  # views of one (3d, d) product
