@@ -39,13 +39,15 @@
 # levers: the step's small levers checked in one call (~7 minutes): FlashAttention's backward GPU tests on short
 # sequences (OUT_DIR/gpu_tests_levers.txt), every GEMM of the step with the alternatives (the input gradient's weight
 # column-major, weight gradients split over K: OUT_DIR/gemm_probe.{json,log}), then the qkv phase's probe with cuDNN
-# and ours alone with flash_triton (OUT_DIR/flash/step_probe.{json,log}), each with its kernel table.
+# and ours alone with flash_triton (OUT_DIR/flash/step_probe.{json,log}), each with its kernel table. swiglu: SwiGLU in
+# the epilogue of its GEMM (one Triton kernel) against cuBLAS's two products and the compiled SwiGLU, xl
+# (scripts/swiglu_probe.py: OUT_DIR/swiglu_probe.{json,log}, ~2 minutes).
 # records_graphs: the records phase's three configurations with each block's graph only, then ours with our
 # FlashAttention (flash_triton) at xl 4 x 2,048 against its own stock reference (~8 minutes).
 set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
 flash_graphs|fidelity_ddp|fidelity_train|\
-fidelity_profile|fidelity_e2e|qkv|levers|records_graphs"
+fidelity_profile|fidelity_e2e|qkv|levers|swiglu|records_graphs"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -84,6 +86,8 @@ levers)
   mkdir -p "$out/flash"
   python3 scripts/step_probe.py "$out/flash" --configs xl:4:2048 --steps 10 --attention flash_triton \
     --variants ours_span4+ro+mixed 2>&1 | tee "$out/flash/step_probe.log" ;;
+swiglu)
+  python3 scripts/swiglu_probe.py "$out" 2>&1 | tee "$out/swiglu_probe.log" ;;
 records_graphs)
   for config in "xl 4 2048" "2.7B 2 2048" "xl 4 512"; do step $config --dtype bf16_mixed --cuda-graph blocks; done
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks --attention flash_triton ;;
@@ -181,7 +185,7 @@ fidelity_e2e)
   done ;;
 *) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, \
 gaps, flash, flash_graphs, fidelity_ddp, fidelity_train, fidelity_profile, fidelity_e2e, qkv, levers, \
-records_graphs" >&2
+swiglu, records_graphs" >&2
    exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi

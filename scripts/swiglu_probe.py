@@ -1,0 +1,153 @@
+"""Does SwiGLU pay in the epilogue of its GEMM? A one-call probe for the step issue (GPU):
+``python3 scripts/swiglu_probe.py OUT [--model xl] [--tokens 8192]``.
+
+The step computes h1 = x W1^T and h3 = x W3^T with cuBLAS, then g = SiLU(h1) * h3 in an Inductor kernel that reads
+both back (3.5 ms a step at xl 4 x 2,048 on an H200, at the copy bandwidth: notes/train_step.md, session 47). Here
+one Triton kernel (``swiglu_gemm``) computes a tile of h1 and the same tile of h3 from one read of x's tile, then
+writes h1, h3 (the backward reads them) and g from its registers. Times, in bf16 with CUDA events (median of
+``--reps``), cuBLAS's two products plus the compiled SwiGLU against the fused kernel at each tile configuration,
+with pointer loads and with TMA descriptors, and each one's largest difference from the unfused g. Prints a
+table; writes OUT/swiglu_probe.json. Not a record: it finds whether the lever exists (notes/train_step.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): two (BLOCK_M, BLOCK_N) fp32 accumulators a program
+CONFIGS = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+           (128, 128, 32, 8, 5), (128, 64, 64, 8, 5))
+
+
+@triton.jit
+def _swiglu_gemm_kernel(x, w1, w3, h1, h3, g, M, N, K,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, TMA: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of h1 = x W1^T, h3 = x W3^T (x (M, K), W1 and W3 (N, K), all contiguous) and
+    g = SiLU(h1) * h3, h1 and h3 rounded to the output dtype first, as the unfused step rounds them. Programs run
+    GROUP_M row tiles down a column of tiles before the next (the weights' tiles stay in L2)."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * tiles_n
+    first_m = (pid // group) * GROUP_M
+    rows_in_group = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % rows_in_group
+    pid_n = (pid % group) // rows_in_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if TMA:
+        x_desc = tl.make_tensor_descriptor(x, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
+        w1_desc = tl.make_tensor_descriptor(w1, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
+        w3_desc = tl.make_tensor_descriptor(w3, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if TMA:  # out-of-bounds rows and columns read as zeros
+            a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b1 = w1_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+            b3 = w3_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+        else:
+            cols = k * BLOCK_K + offs_k
+            a = tl.load(x + offs_m[:, None] * K + cols[None, :],
+                        mask=(offs_m[:, None] < M) & (cols[None, :] < K), other=0.0)
+            w_mask = (offs_n[:, None] < N) & (cols[None, :] < K)
+            b1 = tl.load(w1 + offs_n[:, None] * K + cols[None, :], mask=w_mask, other=0.0)
+            b3 = tl.load(w3 + offs_n[:, None] * K + cols[None, :], mask=w_mask, other=0.0)
+        acc1 = tl.dot(a, tl.trans(b1), acc1)
+        acc3 = tl.dot(a, tl.trans(b3), acc3)
+    out = h1.dtype.element_ty
+    gate, up = acc1.to(out), acc3.to(out)
+    gate32 = gate.to(tl.float32)
+    product = (gate32 * tl.sigmoid(gate32) * up.to(tl.float32)).to(out)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    at = offs_m[:, None] * N + offs_n[None, :]
+    tl.store(h1 + at, gate, mask=mask)
+    tl.store(h3 + at, up, mask=mask)
+    tl.store(g + at, product, mask=mask)
+
+
+def _descriptor_memory(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the kernels' TMA descriptors (Triton's allocator hook)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONFIGS[0], tma: bool = False):
+    """(h1, h3, g) of x (M, K) and W1, W3 (N, K), contiguous, one kernel."""
+    (m, k), n = x.shape, w1.shape[0]
+    block_m, block_n, block_k, warps, stages = config
+    h1, h3, g = (x.new_empty(m, n) for _ in range(3))
+    if tma:
+        triton.set_allocator(_descriptor_memory)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _swiglu_gemm_kernel[grid](x, w1, w3, h1, h3, g, m, n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                              GROUP_M=8, TMA=tma, num_warps=warps, num_stages=stages)
+    return h1, h3, g
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--model", default="xl")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per step (batch x sequence)")
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("swiglu_probe: needs a CUDA device", file=sys.stderr)
+        return 2
+    from parallelism_calc.specs import get_model
+    from torch_impl.timing import median_ms
+
+    spec = get_model(args.model)
+    d, f, uses = spec.d_model, spec.d_ff, spec.n_layers
+    x = torch.randn(args.tokens, d, device="cuda", dtype=torch.bfloat16)
+    w1, w3 = (torch.randn(f, d, device="cuda", dtype=torch.bfloat16) / d ** 0.5 for _ in range(2))
+    swiglu = torch.compile(lambda a, b: F.silu(a) * b)
+
+    def unfused():
+        a, b = x @ w1.t(), x @ w3.t()
+        return a, b, swiglu(a, b)
+
+    flops = 2 * 2 * args.tokens * d * f
+    rows = []
+
+    def add(row: dict) -> None:  # printed as measured: a call cut short still shows what it had
+        rows.append(row)
+        if "error" in row:
+            print(f"{row['variant']:>40} {row['error']}", flush=True)
+            return
+        row.update(tflops=flops / row["ms"] / 1e9, ms_per_step=row["ms"] * uses)
+        print(f"{row['variant']:>40} {row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s {row['ms_per_step']:7.2f} "
+              f"ms/step  max diff {row.get('max_diff', float('nan')):.2e}", flush=True)
+
+    reference = unfused()[2].float()
+    add({"variant": "cuBLAS x2 + compiled SwiGLU", "ms": median_ms(unfused, args.reps), "max_diff": 0.0})
+    add({"variant": "(cuBLAS x2 alone)", "ms": median_ms(lambda: (x @ w1.t(), x @ w3.t()), args.reps)})
+    h1, h3 = x @ w1.t(), x @ w3.t()
+    add({"variant": "(compiled SwiGLU alone)", "ms": median_ms(lambda: swiglu(h1, h3), args.reps)})
+    for tma in (False, True):
+        for config in CONFIGS:
+            name = f"fused {'TMA' if tma else 'pointers'} {'x'.join(map(str, config[:3]))} w{config[3]} s{config[4]}"
+            try:
+                ms = median_ms(lambda: swiglu_gemm(x, w1, w3, config, tma), args.reps)
+                diff = (swiglu_gemm(x, w1, w3, config, tma)[2].float() - reference).abs().max().item()
+                add({"variant": name, "ms": ms, "max_diff": diff})
+            except Exception as error:  # noqa: BLE001 (a config this GPU or Triton refuses, e.g. out of shared memory)
+                add({"variant": name, "error": f"{type(error).__name__}: {str(error).splitlines()[0]}"})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "swiglu_probe.json").write_text(json.dumps(
+        {"model": args.model, "tokens": args.tokens, "device": torch.cuda.get_device_name(),
+         "torch": torch.__version__, "triton": triton.__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
