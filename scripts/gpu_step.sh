@@ -40,8 +40,9 @@
 # sequences (OUT_DIR/gpu_tests_levers.txt), every GEMM of the step with the alternatives (the input gradient's weight
 # column-major, weight gradients split over K: OUT_DIR/gemm_probe.{json,log}), then the qkv phase's probe with cuDNN
 # and ours alone with flash_triton (OUT_DIR/flash/step_probe.{json,log}), each with its kernel table. swiglu: SwiGLU in
-# the epilogue of its GEMM (one Triton kernel) against cuBLAS's two products and the compiled SwiGLU, xl
-# (scripts/swiglu_probe.py: OUT_DIR/swiglu_probe.{json,log}, ~2 minutes).
+# the epilogue of its GEMM (one Triton kernel, then the persistent warp-specialized Gluon one of
+# scripts/swiglu_gluon.py on sm_90) against cuBLAS's two products and the compiled SwiGLU, xl
+# (scripts/swiglu_probe.py: OUT_DIR/swiglu_probe.{json,log}, ~1 minute).
 # records_graphs: the records phase's three configurations with each block's graph only, then ours with our
 # FlashAttention (flash_triton) at xl 4 x 2,048 against its own stock reference (~8 minutes).
 set -uo pipefail

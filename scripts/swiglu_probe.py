@@ -6,8 +6,9 @@ both back (3.5 ms a step at xl 4 x 2,048 on an H200, at the copy bandwidth: note
 one Triton kernel (``swiglu_gemm``) computes a tile of h1 and the same tile of h3 from one read of x's tile, then
 writes h1, h3 (the backward reads them) and g from its registers. Times, in bf16 with CUDA events (median of
 ``--reps``), cuBLAS's two products plus the compiled SwiGLU against the fused kernel at each tile configuration,
-with pointer loads and with TMA descriptors, and each one's largest difference from the unfused g. Prints a
-table; writes OUT/swiglu_probe.json. Not a record: it finds whether the lever exists (notes/train_step.md).
+with pointer loads and with TMA descriptors, then the persistent warp-specialized Gluon kernel of
+scripts/swiglu_gluon.py (sm_90) at each of its configurations, and each one's largest difference from the unfused
+g. Prints a table; writes OUT/swiglu_probe.json. Not a record: it finds whether the lever exists (notes/train_step.md).
 """
 
 from __future__ import annotations
@@ -93,6 +94,20 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
     return h1, h3, g
 
 
+def gluon_configs() -> tuple:
+    """The Gluon kernel's configurations (scripts/swiglu_gluon.py) where it can run: sm_90 and a Triton with
+    Gluon's Hopper API; else none."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        return ()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:
+        from swiglu_gluon import CONFIGS
+    except (ImportError, AttributeError) as error:
+        print(f"swiglu_probe: no Gluon kernel here ({error})", file=sys.stderr)
+        return ()
+    return CONFIGS
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -133,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     add({"variant": "(cuBLAS x2 alone)", "ms": median_ms(lambda: (x @ w1.t(), x @ w3.t()), args.reps)})
     h1, h3 = x @ w1.t(), x @ w3.t()
     add({"variant": "(compiled SwiGLU alone)", "ms": median_ms(lambda: swiglu(h1, h3), args.reps)})
+    for config in gluon_configs():
+        name = f"gluon {'x'.join(map(str, config[0]))} s{config[1]} r{config[2]}"
+        try:
+            from swiglu_gluon import swiglu_gemm as gluon_gemm
+
+            ms = median_ms(lambda: gluon_gemm(x, w1, w3, config), args.reps)
+            diff = (gluon_gemm(x, w1, w3, config)[2].float() - reference).abs().max().item()
+            add({"variant": name, "ms": ms, "max_diff": diff})
+        except Exception as error:  # noqa: BLE001 (a config that does not compile, fit or run: a row)
+            add({"variant": name, "error": f"{type(error).__name__}: {str(error).splitlines()[-1][:300]}"})
     for tma in (False, True):
         for config in CONFIGS:
             name = f"fused {'TMA' if tma else 'pointers'} {'x'.join(map(str, config[:3]))} w{config[3]} s{config[4]}"

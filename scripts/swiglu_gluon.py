@@ -1,0 +1,172 @@
+"""SwiGLU in the epilogue of a persistent, warp-specialized Hopper GEMM written in Gluon: the kernel behind
+``scripts/swiglu_probe.py``'s ``gluon`` rows (sm_90, Triton 3.6's Gluon; imported only there).
+
+Triton's own pipelining ran the fused product at ~510 TFLOP/s where cuBLAS runs the two products at ~730
+(notes/train_step.md, session 47), so the structure here is the one Hopper GEMMs at cuBLAS's speed use (CUTLASS's
+"ping-pong"; scripts/gluon_probe.py is its non-persistent ancestor): a one-warp producer TMA-loads x's, W1's and
+W3's k-tiles into a ring of shared-memory stages, and two consumer warpgroups take the program's output tiles in
+turn, so that one's epilogue (SiLU, the product, three TMA stores) runs while the other's wgmmas run. A consumer's
+tile is (BLOCK_M, BLOCK_N) of h1 and the same of h3: two accumulators, one read of x's tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# TMA's copies: Triton 3.6's names (the GPU image), then 3.7's
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+CONSUMERS = gl.constexpr(2)  # consumer warpgroups a program
+
+
+@gluon.jit
+def _tile_at(tile, tiles_m, tiles_n, GROUP_M: gl.constexpr):
+    """Output tile ``tile`` -> (row tile, column tile): GROUP_M row tiles down a column before the next column (the
+    weights' tiles stay in L2 while x's rows stream)."""
+    group = GROUP_M * tiles_n
+    first_m = (tile // group) * GROUP_M
+    rows = gl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (tile % group) % rows, (tile % group) // rows
+
+
+@gluon.jit
+def _load(x_desc, w1_desc, w3_desc, x_bufs, w1_bufs, w3_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
+          GROUP_M: gl.constexpr):
+    """The producer (one warp): the program's tiles in order, each tile's k-tiles into the ring; the j-th k-tile
+    of the program goes to stage j % STAGES once its (j // STAGES)-th previous use is freed."""
+    stages: gl.constexpr = x_bufs.type.shape[0]
+    block_m: gl.constexpr = x_desc.block_type.shape[0]
+    block_k: gl.constexpr = x_desc.block_type.shape[1]
+    block_n: gl.constexpr = w1_desc.block_type.shape[0]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes
+    j = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        pid_m, pid_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
+        for k in range(k_tiles):
+            stage = j % stages
+            mbarrier.wait(free.index(stage), ((j // stages) & 1) ^ 1)  # barriers start as if phase 1 had completed
+            mbarrier.expect(ready.index(stage), nbytes)
+            _tma_load(x_desc, [pid_m * block_m, k * block_k], ready.index(stage), x_bufs.index(stage))
+            _tma_load(w1_desc, [pid_n * block_n, k * block_k], ready.index(stage), w1_bufs.index(stage))
+            _tma_load(w3_desc, [pid_n * block_n, k * block_k], ready.index(stage), w3_bufs.index(stage))
+            j += 1
+
+
+@gluon.jit
+def _consume(x_bufs, w1_bufs, w3_bufs, ready, free, out_bufs, h1_desc, h3_desc, g_desc, n_tiles, tiles_m, tiles_n,
+             k_tiles, CONSUMER: gl.constexpr, GROUP_M: gl.constexpr, acc_layout: gl.constexpr):
+    """Consumer CONSUMER (one warpgroup): the program's tiles CONSUMER, CONSUMER + 2, ...; two wgmmas a k-tile in
+    flight at most, a stage freed once both that read it are done; then h1, h3 rounded, g = SiLU(h1) h3 from the
+    rounded h1 and h3 (as the unfused step computes it), all three out by TMA while the next tile starts."""
+    stages: gl.constexpr = x_bufs.type.shape[0]
+    block_m: gl.constexpr = h1_desc.block_type.shape[0]
+    block_n: gl.constexpr = h1_desc.block_type.shape[1]
+    dtype: gl.constexpr = h1_desc.dtype
+    i = CONSUMER  # the tile's index among the program's tiles
+    for tile in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), n_tiles, CONSUMERS * gl.num_programs(0)):
+        pid_m, pid_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
+        acc1 = gl.zeros((block_m, block_n), dtype=gl.float32, layout=acc_layout)
+        acc3 = gl.zeros((block_m, block_n), dtype=gl.float32, layout=acc_layout)
+        first = i * k_tiles
+        for k in range(k_tiles):
+            j = first + k
+            stage = j % stages
+            mbarrier.wait(ready.index(stage), (j // stages) & 1)
+            x = x_bufs.index(stage)
+            acc1 = warpgroup_mma(x, w1_bufs.index(stage).permute((1, 0)), acc1, is_async=True)
+            acc3 = warpgroup_mma(x, w3_bufs.index(stage).permute((1, 0)), acc3, is_async=True)
+            acc1, acc3 = warpgroup_mma_wait(num_outstanding=2, deps=(acc1, acc3))  # k-tile k - 1's are done
+            mbarrier.arrive(free.index((j + stages - 1) % stages), count=1, pred=k > 0)
+        acc1, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc3))
+        mbarrier.arrive(free.index((first + k_tiles - 1) % stages), count=1)  # the tile's last stage
+        h1 = acc1.to(dtype)
+        h3 = acc3.to(dtype)
+        gate = h1.to(gl.float32)
+        g = (gate / (1.0 + gl.exp(-gate)) * h3.to(gl.float32)).to(dtype)
+        tma.store_wait(pendings=0)  # this consumer's last tile's stores have read its buffers
+        out_bufs.index(0).store(h1)
+        out_bufs.index(1).store(h3)
+        out_bufs.index(2).store(g)
+        fence_async_shared()
+        _tma_store(h1_desc, [pid_m * block_m, pid_n * block_n], out_bufs.index(0))
+        _tma_store(h3_desc, [pid_m * block_m, pid_n * block_n], out_bufs.index(1))
+        _tma_store(g_desc, [pid_m * block_m, pid_n * block_n], out_bufs.index(2))
+        i += CONSUMERS
+    tma.store_wait(pendings=0)
+
+
+@triton.constexpr_function
+def _acc_layout(block_m, block_n):
+    """wgmma's accumulator layout for one warpgroup (4 warps stacked along M, 16 rows an instruction) and the
+    widest instruction that divides block_n."""
+    n = 256
+    while n > block_n or block_n % n:
+        n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP_M: gl.constexpr,
+                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """h1 = x W1^T, h3 = x W3^T, g = SiLU(h1) h3 for x (M, K), W1 and W3 (N, K); a program per SM, its tiles
+    the grid's program_id, + num_programs, ...; whole tiles only (M, N multiples of the tile, K of BLOCK_K)."""
+    block_m: gl.constexpr = h1_desc.block_type.shape[0]
+    block_n: gl.constexpr = h1_desc.block_type.shape[1]
+    block_k: gl.constexpr = x_desc.block_type.shape[1]
+    tiles_m = gl.cdiv(x_desc.shape[0], block_m)
+    tiles_n = gl.cdiv(w1_desc.shape[0], block_n)
+    k_tiles = gl.cdiv(x_desc.shape[1], block_k)
+    n_tiles = tiles_m * tiles_n
+
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w1_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES] + w1_desc.block_type.shape, w1_desc.layout)
+    w3_bufs = gl.allocate_shared_memory(w3_desc.dtype, [STAGES] + w3_desc.block_type.shape, w3_desc.layout)
+    out0 = gl.allocate_shared_memory(h1_desc.dtype, [3] + h1_desc.block_type.shape, h1_desc.layout)
+    out1 = gl.allocate_shared_memory(h1_desc.dtype, [3] + h1_desc.block_type.shape, h1_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=1)
+
+    acc_layout: gl.constexpr = _acc_layout(block_m, block_n)
+    gl.warp_specialize([
+        (_consume, (x_bufs, w1_bufs, w3_bufs, ready, free, out0, h1_desc, h3_desc, g_desc, n_tiles, tiles_m, tiles_n,
+                    k_tiles, 0, GROUP_M, acc_layout)),
+        (_consume, (x_bufs, w1_bufs, w3_bufs, ready, free, out1, h1_desc, h3_desc, g_desc, n_tiles, tiles_m, tiles_n,
+                    k_tiles, 1, GROUP_M, acc_layout)),
+        (_load, (x_desc, w1_desc, w3_desc, x_bufs, w1_bufs, w3_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
+                 GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers: a consumer's tile is (BLOCK_M, BLOCK_N) of h1 and of
+# h3. Shared memory (sm_90: 227 KB a block): the stages (x's, W1's and W3's k-tiles) and each consumer's three output
+# tiles; the first takes 224 KB. Compiled for sm_90 with Triton 3.6 on a CPU host: 168 registers, no spills.
+CONFIGS = (((128, 64, 64), 4, 232), ((128, 64, 64), 3, 232), ((128, 64, 32), 6, 232), ((64, 128, 64), 3, 232))
+
+
+def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONFIGS[0]):
+    """(h1, h3, g) of x (M, K) and W1, W3 (N, K), contiguous bf16, whole tiles."""
+    (m, k), n = x.shape, w1.shape[0]
+    (block_m, block_n, block_k), stages, regs = config
+    if m % block_m or n % block_n or k % block_k:
+        raise ValueError(f"swiglu_gemm: M, N, K must be multiples of the tile {config[0]}; got {m}, {n}, {k}")
+    h1, h3, g = (x.new_empty(m, n) for _ in range(3))
+    programs = min(torch.cuda.get_device_properties(x.device).multi_processor_count,
+                   (m // block_m) * (n // block_n))
+    swiglu_gemm_kernel[(programs,)](
+        _descriptor(x, [block_m, block_k]), _descriptor(w1, [block_n, block_k]), _descriptor(w3, [block_n, block_k]),
+        *(_descriptor(t, [block_m, block_n]) for t in (h1, h3, g)), GROUP_M=8, STAGES=stages, CONSUMER_REGS=regs,
+        num_warps=4)
+    return h1, h3, g
