@@ -42,7 +42,8 @@
 # and ours alone with flash_triton (OUT_DIR/flash/step_probe.{json,log}), each with its kernel table. swiglu: SwiGLU in
 # the epilogue of its GEMM (one Triton kernel, then the persistent warp-specialized Gluon one of
 # scripts/swiglu_gluon.py on sm_90) against cuBLAS's two products and the compiled SwiGLU, xl
-# (scripts/swiglu_probe.py: OUT_DIR/swiglu_probe.{json,log}, ~1 minute).
+# (scripts/swiglu_probe.py: OUT_DIR/swiglu_probe.{json,log}), then ours at xl 4 x 2,048 without and with the Gluon
+# kernel in the step (+gsw; OUT_DIR/step_probe.{json,log}; ~4 minutes).
 # records_graphs: the records phase's three configurations with each block's graph only, then ours with our
 # FlashAttention (flash_triton) at xl 4 x 2,048 against its own stock reference (~8 minutes).
 set -uo pipefail
@@ -88,7 +89,9 @@ levers)
   python3 scripts/step_probe.py "$out/flash" --configs xl:4:2048 --steps 10 --attention flash_triton \
     --variants ours_span4+ro+mixed 2>&1 | tee "$out/flash/step_probe.log" ;;
 swiglu)
-  python3 scripts/swiglu_probe.py "$out" 2>&1 | tee "$out/swiglu_probe.log" ;;
+  python3 scripts/swiglu_probe.py "$out" 2>&1 | tee "$out/swiglu_probe.log"
+  python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
+    --variants ours_span4+ro+mixed,ours_span4+ro+mixed+gsw 2>&1 | tee "$out/step_probe.log" ;;
 records_graphs)
   for config in "xl 4 2048" "2.7B 2 2048" "xl 4 512"; do step $config --dtype bf16_mixed --cuda-graph blocks; done
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks --attention flash_triton ;;

@@ -37,7 +37,8 @@ from torch_impl.timing import capture_step
 # +ind:triton.mix_order_reduction=0; several may be given), +skipguard (after the warm-up, Dynamo checks only the
 # guards that tell its compiled graphs apart: torch.compiler.set_stance(skip_guard_eval_unsafe=True)), +apart (ours
 # with q, k and v as three products, the model before torch_impl.qkv_projection: its route when a projection's call
-# is hooked)
+# is hooked), +gsw (SwiGLU's W1 and W3 products with SiLU(h1) h3 in the epilogue of one persistent Gluon GEMM:
+# scripts/swiglu_gluon.py, sm_90)
 VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager",
             "ours_spanK")  # block: each block compiled; spanK: K consecutive blocks as one region (apply_compile)
 
@@ -77,6 +78,14 @@ def build(variant: str, spec, attention: str):
         fuse_projections()
     torch.manual_seed(0)
     model = TransformerLM(spec, attention=attention, device="cuda")
+    if "+gsw" in variant:  # SwiGLU's two products and SiLU(h1) h3 as one Gluon kernel (scripts/swiglu_gluon.py)
+        import types
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from swiglu_gluon import fused_forward
+
+        for block in model.layers:
+            block.ffn.forward = types.MethodType(fused_forward, block.ffn)
     if "+apart" in variant:  # a no-op hook on each projection: project_qkv calls the three modules one by one
         for block in model.layers:
             for projection in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):

@@ -7,6 +7,9 @@ Triton's own pipelining ran the fused product at ~510 TFLOP/s where cuBLAS runs 
 W3's k-tiles into a ring of shared-memory stages, and two consumer warpgroups take the program's output tiles in
 turn, so that one's epilogue (SiLU, the product, three TMA stores) runs while the other's wgmmas run. A consumer's
 tile is (BLOCK_M, BLOCK_N) of h1 and the same of h3: two accumulators, one read of x's tile.
+
+``swiglu_product`` is the kernel as an op opaque to torch.compile, with its backward, and ``fused_forward`` the
+model's SwiGLU through it: scripts/step_probe.py's ``+gsw`` puts it into the compiled step.
 """
 
 from __future__ import annotations
@@ -170,3 +173,55 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
         *(_descriptor(t, [block_m, block_n]) for t in (h1, h3, g)), GROUP_M=8, STAGES=stages, CONSUMER_REGS=regs,
         num_warps=4)
     return h1, h3, g
+
+
+def _whole_tiles(x: torch.Tensor, w1: torch.Tensor, config=CONFIGS[0]) -> bool:
+    (block_m, block_n, block_k), _, _ = config
+    return x.shape[0] % block_m == 0 and w1.shape[0] % block_n == 0 and x.shape[1] % block_k == 0
+
+
+@torch.library.custom_op("swiglu_probe::swiglu_product", mutates_args=())
+def swiglu_product(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+    """(h1, h3, g) = (x W1^T, x W3^T, SiLU(h1) h3) of x (M, K) and W1, W3 (N, K): ``swiglu_gemm`` on an sm_90 GPU
+    with bf16 inputs in whole tiles, else PyTorch's ops; an opaque op to torch.compile, so that scripts/step_probe.py
+    (``+gsw``) can put it into the compiled step."""
+    if (x.is_cuda and x.dtype == w1.dtype == w3.dtype == torch.bfloat16 and _whole_tiles(x, w1)
+            and torch.cuda.get_device_capability(x.device) == (9, 0)):
+        return swiglu_gemm(x.contiguous(), w1.contiguous(), w3.contiguous())
+    h1, h3 = x @ w1.T, x @ w3.T
+    return h1, h3, torch.nn.functional.silu(h1) * h3
+
+
+@swiglu_product.register_fake
+def _(x, w1, w3):
+    return tuple(x.new_empty(x.shape[0], w1.shape[0]) for _ in range(3))
+
+
+def _save(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs, *output[:2])  # x, W1, W3, h1, h3: what the unfused step saves
+
+
+def _backward(ctx, dh1, dh3, dg):
+    """SwiGLU's backward in fp32 (float64 for float64; Inductor writes it as one pointwise kernel), then dx as one
+    GEMM accumulating into the other's output (cuBLAS's beta = 1) and the weights' gradients. h1 and h3 are
+    outputs too: their own gradients (None where unused) add in."""
+    x, w1, w3, h1, h3 = ctx.saved_tensors
+    wide = torch.promote_types(h1.dtype, torch.float32)  # fp32, or float64 for float64 inputs
+    gate, up, grad = h1.to(wide), h3.to(wide), dg.to(wide)
+    sigmoid = torch.sigmoid(gate)
+    d_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
+    d_up = grad * gate * sigmoid
+    d_gate = (d_gate if dh1 is None else d_gate + dh1.to(wide)).to(x.dtype)
+    d_up = (d_up if dh3 is None else d_up + dh3.to(wide)).to(x.dtype)
+    return torch.addmm(d_gate @ w1, d_up, w3), d_gate.T @ x, d_up.T @ x
+
+
+swiglu_product.register_autograd(_backward, setup_context=_save)
+
+
+def fused_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``torch_impl.model.SwiGLU.forward`` with W1's and W3's products and SiLU(h1) h3 as one ``swiglu_product``
+    (bound to a module by scripts/step_probe.py's ``+gsw``; the parameters stay the module's)."""
+    _, _, g = swiglu_product(x.flatten(0, -2), self.w1.weight, self.w3.weight)
+    return self.w2(g.unflatten(0, x.shape[:-1]))

@@ -29,3 +29,41 @@ def test_fused_swiglu_gemm_matches_float64(m, n, k):
     tolerance = 1e-2 if device == "cuda" else 1e-4  # a GPU's fp32 dot may run in TF32
     for got, want in ((h1, ref1), (h3, ref3), (g, F.silu(ref1) * ref3)):
         torch.testing.assert_close(got.double().cpu(), want, rtol=tolerance, atol=tolerance, msg=f"seed {seed}")
+
+
+def _swiglu_gluon():
+    """scripts/swiglu_gluon.py (its Gluon kernel runs on sm_90 only; the op's PyTorch path everywhere)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    spec = importlib.util.spec_from_file_location(
+        "swiglu_gluon", Path(__file__).resolve().parents[1] / "scripts" / "swiglu_gluon.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fused_swiglu_module_matches_the_model_in_float64():
+    """``fused_forward`` bound to the model's SwiGLU (step_probe's ``+gsw``) gives the model's output and the
+    gradients of x and of all three weights, float64 on fresh random inputs, compiled too (fullgraph); the op passes
+    opcheck."""
+    import types
+
+    from torch_impl.model import SwiGLU
+
+    swiglu_gluon = _swiglu_gluon()
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    module = SwiGLU(16, 24, dtype=torch.float64)
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    want = module(x)
+    want_grads = torch.autograd.grad(want.square().sum(), (x, *module.parameters()))
+    module.forward = types.MethodType(swiglu_gluon.fused_forward, module)
+    got = module(x)
+    got_grads = torch.autograd.grad(got.square().sum(), (x, *module.parameters()))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"seed {seed}")
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"seed {seed}")
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")  # the op traces with no graph break
+    torch.testing.assert_close(compiled(x), want, rtol=1e-12, atol=1e-12, msg=f"seed {seed}")
+    inputs = [torch.randn(6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    inputs[1:] = [t[:5].detach().requires_grad_() for t in inputs[1:]]
+    torch.library.opcheck(swiglu_gluon.swiglu_product, tuple(inputs))
