@@ -4,6 +4,7 @@ on shapes that are not multiples of its tiles."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import random
 from pathlib import Path
@@ -31,6 +32,7 @@ def test_fused_swiglu_gemm_matches_float64(m, n, k):
         torch.testing.assert_close(got.double().cpu(), want, rtol=tolerance, atol=tolerance, msg=f"seed {seed}")
 
 
+@functools.cache  # its op registers once a process
 def _swiglu_gluon():
     """scripts/swiglu_gluon.py (its Gluon kernel runs on sm_90 only; the op's PyTorch path everywhere)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
