@@ -25,38 +25,41 @@ from torch_impl.model import cross_entropy
 from torch_impl.timing import median_ms
 
 
-# the step's weights as (name, N, K, uses per step); names in parentheses are alternatives, not in the step's sum
-def weights(spec, pad: int) -> list[tuple[str, int, int, int]]:
-    """(name, N, K, uses per step) for every weight of the step (q, k and v as one product:
-    torch_impl.qkv_projection), then alternatives: the three products apart, the head padded to a multiple of
-    ``pad``."""
+# the step's weights as (name, N, K, uses per step, whether the step's dx takes W column-major); names in
+# parentheses are alternatives, not in the step's sum
+def weights(spec, pad: int) -> list[tuple[str, int, int, int, bool]]:
+    """(name, N, K, uses per step, dx on W column-major) for every weight of the step (q, k and v as one product,
+    whose backward concatenates the weights' transposes: torch_impl.qkv_projection), then alternatives: the three
+    products apart, the head padded to a multiple of ``pad``."""
     d, f, layers, vocab = spec.d_model, spec.d_ff, spec.n_layers, spec.vocab_size
     padded = -(-vocab // pad) * pad
-    return [("q+k+v", 3 * d, d, layers), ("o", d, d, layers), ("w1|w3", f, d, 2 * layers), ("w2", d, f, layers),
-            (f"head {vocab}", vocab, d, 1), ("(q|k|v apart)", d, d, 3 * layers),
-            (f"(head padded {padded})", padded, d, 1)]
+    return [("q+k+v", 3 * d, d, layers, True), ("o", d, d, layers, False), ("w1|w3", f, d, 2 * layers, False),
+            ("w2", d, f, layers, False), (f"head {vocab}", vocab, d, 1, False),
+            ("(q|k|v apart)", d, d, 3 * layers, False), (f"(head padded {padded})", padded, d, 1, False)]
 
 
 def gemm_rows(spec, tokens: int, pad: int, reps: int) -> list[dict]:
     rows = []
-    for name, n, k, uses in weights(spec, pad):
+    for name, n, k, uses, column_major_dx in weights(spec, pad):
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        w_stored_t = w.t().contiguous().t()  # the same (N, K) matrix, column-major: cuBLAS's other layout
+        w_other = w.t().contiguous().t()  # the same (N, K) matrix, column-major: cuBLAS's other layout
+        dx_w, other_w = (w_other, w) if column_major_dx else (w, w_other)
         dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-        for product, fn in (("forward x W^T", lambda: x @ w.t()), ("input grad dy W", lambda: dy @ w),
+        for product, fn in (("forward x W^T", lambda: x @ w.t()), ("input grad dy W", lambda: dy @ dx_w),
                             ("weight grad dy^T x", lambda: dy.t() @ x),
                             ("(weight grad (x^T dy)^T)", lambda: (x.t() @ dy).t()),
-                            ("(input grad, W column-major)", lambda: dy @ w_stored_t)):
+                            (f"(input grad, W {'in rows' if column_major_dx else 'column-major'})",
+                             lambda: dy @ other_w)):
             try:
                 ms = median_ms(fn, reps)
             except RuntimeError as error:  # an alternative this torch or GPU lacks: a row that says so
                 rows.append({"weight": name, "product": product, "M": tokens, "N": n, "K": k, "uses": uses,
-                             "error": str(error).splitlines()[0]})
+                             "error": (str(error).splitlines() or [repr(error)])[0]})
                 continue
             rows.append({"weight": name, "product": product, "M": tokens, "N": n, "K": k, "uses": uses, "ms": ms,
                          "tflops": 2 * tokens * n * k / ms / 1e9, "ms_per_step": ms * uses})
-        del x, w, dy
+        del x, w, w_other, dx_w, other_w, dy
     return rows
 
 

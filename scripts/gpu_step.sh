@@ -36,14 +36,14 @@
 # OUT_DIR/e2e_<gpu>.jsonl): the step without the trainer's loop around it. qkv: q, k and v as one product whose
 # backward packs their gradients in one kernel (torch_impl.qkv_projection) against the three products (+apart), xl
 # 4 x 2,048 with spans of 4 and their graphs (OUT_DIR/step_probe.{json,log}), then the e2e record against stock.
-# levers: the step's small levers checked in one call (~7 minutes): FlashAttention's backward GPU tests on short
-# sequences (OUT_DIR/gpu_tests_levers.txt), every GEMM of the step with the alternatives (the input gradient's weight
-# column-major, weight gradients split over K: OUT_DIR/gemm_probe.{json,log}), then the qkv phase's probe with cuDNN
-# and ours alone with flash_triton (OUT_DIR/flash/step_probe.{json,log}), each with its kernel table. swiglu: SwiGLU in
-# the epilogue of its GEMM (one Triton kernel, then the persistent warp-specialized Gluon one of
-# scripts/swiglu_gluon.py on sm_90) against cuBLAS's two products and the compiled SwiGLU, xl
-# (scripts/swiglu_probe.py: OUT_DIR/swiglu_probe.{json,log}), then ours at xl 4 x 2,048 without and with the Gluon
-# kernel in the step (+gsw; OUT_DIR/step_probe.{json,log}; ~4 minutes).
+# levers: the step's small levers checked in one call (~7 minutes): FlashAttention's backward GPU tests in 8
+# processes (OUT_DIR/gpu_tests_parallel.log), every GEMM of the step with the alternatives (the input gradient's
+# weight in the other layout: OUT_DIR/gemm_probe.{json,log}), then the qkv phase's probe with cuDNN and ours alone
+# with flash_triton (OUT_DIR/flash/step_probe.{json,log}), each with its kernel table. swiglu: the GPU tests of the
+# fused kernels (OUT_DIR/gpu_tests_swiglu.txt), SwiGLU in the epilogue of its GEMM (one Triton kernel, then the
+# persistent warp-specialized Gluon one of scripts/swiglu_gluon.py on sm_90) against cuBLAS's two products and the
+# compiled SwiGLU, xl (scripts/swiglu_probe.py: OUT_DIR/swiglu_probe.{json,log}), then ours at xl 4 x 2,048 without
+# and with the Gluon kernel in the step (+gsw; OUT_DIR/step_probe.{json,log}; ~5 minutes).
 # records_graphs: the records phase's three configurations with each block's graph only, then ours with our
 # FlashAttention (flash_triton) at xl 4 x 2,048 against its own stock reference (~8 minutes).
 set -uo pipefail
@@ -78,19 +78,21 @@ qkv)
     --variants ours_span4+ro+mixed,ours_span4+ro+mixed+apart 2>&1 | tee "$out/step_probe.log"
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks ;;
 levers)
-  # the GPU tests of FlashAttention's backward on short sequences and GQA only, at most 90 s (the whole GPU suite of
-  # tests/test_flash_attention.py takes over 8 minutes in one process: scripts/gpu_flash.sh runs it)
-  timeout 90 python3 -m pytest -q -m gpu tests/test_flash_attention.py \
-    -k "short_sequences or grouped_query or deterministic_backward" 2>&1 | tail -3 | tee "$out/gpu_tests_levers.txt"
+  # FlashAttention's backward GPU tests in 8 processes (~90 s; the whole GPU suite of tests/test_flash_attention.py
+  # takes over 8 minutes in one process)
+  TEST_IDS=results/profiles/gpu_tests_flash_backward_ids_1ef2595.txt SHARDS=8 SHARD_TIMEOUT=140 \
+    bash scripts/gpu_flash.sh "$out" tests_parallel
   python3 scripts/gemm_probe.py "$out" 2>&1 | tee "$out/gemm_probe.log"
   python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
     --variants ours_span4+ro+mixed,ours_span4+ro+mixed+apart 2>&1 | tee "$out/step_probe.log"
   mkdir -p "$out/flash"
   python3 scripts/step_probe.py "$out/flash" --configs xl:4:2048 --steps 10 --attention flash_triton \
     --variants ours_span4+ro+mixed 2>&1 | tee "$out/flash/step_probe.log" ;;
-swiglu)
-  python3 scripts/swiglu_probe.py "$out" 2>&1 | tee "$out/swiglu_probe.log"
-  python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
+swiglu)  # each part under a timeout: a kernel new to the device may hang, and the call must still bring the rest back
+  timeout 150 python3 -m pytest -q -m gpu tests/test_swiglu_probe.py 2>&1 | tail -5 > "$out/gpu_tests_swiglu.txt"
+  echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$out/gpu_tests_swiglu.txt"
+  timeout 180 python3 scripts/swiglu_probe.py "$out" 2>&1 | tee "$out/swiglu_probe.log"
+  timeout 240 python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
     --variants ours_span4+ro+mixed,ours_span4+ro+mixed+gsw 2>&1 | tee "$out/step_probe.log" ;;
 records_graphs)
   for config in "xl 4 2048" "2.7B 2 2048" "xl 4 512"; do step $config --dtype bf16_mixed --cuda-graph blocks; done

@@ -1,5 +1,5 @@
 """SwiGLU in the epilogue of a persistent, warp-specialized Hopper GEMM written in Gluon: the kernel behind
-``scripts/swiglu_probe.py``'s ``gluon`` rows (sm_90, Triton 3.6's Gluon; imported only there).
+``scripts/swiglu_probe.py``'s ``gluon`` rows and ``scripts/step_probe.py``'s ``+gsw`` (sm_90, Triton 3.6's Gluon).
 
 Triton's own pipelining ran the fused product at ~510 TFLOP/s where cuBLAS runs the two products at ~730
 (notes/train_step.md, session 47), so the structure here is the one Hopper GEMMs at cuBLAS's speed use (CUTLASS's
@@ -62,21 +62,27 @@ def _load(x_desc, w1_desc, w3_desc, x_bufs, w1_bufs, w3_bufs, ready, free, n_til
 
 
 @gluon.jit
-def _consume(x_bufs, w1_bufs, w3_bufs, ready, free, out_bufs, h1_desc, h3_desc, g_desc, n_tiles, tiles_m, tiles_n,
-             k_tiles, CONSUMER: gl.constexpr, GROUP_M: gl.constexpr, acc_layout: gl.constexpr):
+def _consume(x_bufs, w1_bufs, w3_bufs, ready, free, turn, out_bufs, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
+             tiles_n, k_tiles, CONSUMER: gl.constexpr, GROUP_M: gl.constexpr, acc_layout: gl.constexpr):
     """Consumer CONSUMER (one warpgroup): the program's tiles CONSUMER, CONSUMER + 2, ...; two wgmmas a k-tile in
     flight at most, a stage freed once both that read it are done; then h1, h3 rounded, g = SiLU(h1) h3 from the
-    rounded h1 and h3 (as the unfused step computes it), all three out by TMA while the next tile starts."""
+    rounded h1 and h3 (as the unfused step computes it), all three out by TMA while the next tile starts.
+    A consumer starts a tile's k-tiles only once the other has finished the program's tile before it (``turn``, the
+    ordering barrier of CUTLASS's ping-pong): both read one ring, and a wait on a stage's barrier tells its fills
+    apart only by their parity, so a consumer waiting two or more fills ahead would take another tile's data."""
     stages: gl.constexpr = x_bufs.type.shape[0]
     block_m: gl.constexpr = h1_desc.block_type.shape[0]
     block_n: gl.constexpr = h1_desc.block_type.shape[1]
     dtype: gl.constexpr = h1_desc.dtype
     i = CONSUMER  # the tile's index among the program's tiles
+    r = 0  # this consumer's tiles so far
     for tile in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), n_tiles, CONSUMERS * gl.num_programs(0)):
         pid_m, pid_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
         acc1 = gl.zeros((block_m, block_n), dtype=gl.float32, layout=acc_layout)
         acc3 = gl.zeros((block_m, block_n), dtype=gl.float32, layout=acc_layout)
         first = i * k_tiles
+        # the other consumer's r-th (consumer 1) or (r - 1)-th (consumer 0) tile is done: consumer 0 goes first
+        mbarrier.wait(turn.index(CONSUMER), (r & 1) ^ (1 - CONSUMER))
         for k in range(k_tiles):
             j = first + k
             stage = j % stages
@@ -88,6 +94,7 @@ def _consume(x_bufs, w1_bufs, w3_bufs, ready, free, out_bufs, h1_desc, h3_desc, 
             mbarrier.arrive(free.index((j + stages - 1) % stages), count=1, pred=k > 0)
         acc1, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc3))
         mbarrier.arrive(free.index((first + k_tiles - 1) % stages), count=1)  # the tile's last stage
+        mbarrier.arrive(turn.index(1 - CONSUMER), count=1)  # the other consumer may start its next tile
         h1 = acc1.to(dtype)
         h3 = acc3.to(dtype)
         gate = h1.to(gl.float32)
@@ -101,6 +108,7 @@ def _consume(x_bufs, w1_bufs, w3_bufs, ready, free, out_bufs, h1_desc, h3_desc, 
         _tma_store(h3_desc, [pid_m * block_m, pid_n * block_n], out_bufs.index(1))
         _tma_store(g_desc, [pid_m * block_m, pid_n * block_n], out_bufs.index(2))
         i += CONSUMERS
+        r += 1
     tma.store_wait(pendings=0)
 
 
@@ -134,16 +142,19 @@ def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP
     out1 = gl.allocate_shared_memory(h1_desc.dtype, [3] + h1_desc.block_type.shape, h1_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())  # ``_consume``'s order
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(free.index(s), count=1)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(turn.index(c), count=1)
 
     acc_layout: gl.constexpr = _acc_layout(block_m, block_n)
     gl.warp_specialize([
-        (_consume, (x_bufs, w1_bufs, w3_bufs, ready, free, out0, h1_desc, h3_desc, g_desc, n_tiles, tiles_m, tiles_n,
-                    k_tiles, 0, GROUP_M, acc_layout)),
-        (_consume, (x_bufs, w1_bufs, w3_bufs, ready, free, out1, h1_desc, h3_desc, g_desc, n_tiles, tiles_m, tiles_n,
-                    k_tiles, 1, GROUP_M, acc_layout)),
+        (_consume, (x_bufs, w1_bufs, w3_bufs, ready, free, turn, out0, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
+                    tiles_n, k_tiles, 0, GROUP_M, acc_layout)),
+        (_consume, (x_bufs, w1_bufs, w3_bufs, ready, free, turn, out1, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
+                    tiles_n, k_tiles, 1, GROUP_M, acc_layout)),
         (_load, (x_desc, w1_desc, w3_desc, x_bufs, w1_bufs, w3_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
                  GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -200,6 +211,7 @@ def _(x, w1, w3):
 
 def _save(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs, *output[:2])  # x, W1, W3, h1, h3: what the unfused step saves
+    ctx.set_materialize_grads(False)  # h1's and h3's gradients None where unused, not zeros added in
 
 
 def _backward(ctx, dh1, dh3, dg):
@@ -208,7 +220,8 @@ def _backward(ctx, dh1, dh3, dg):
     outputs too: their own gradients (None where unused) add in."""
     x, w1, w3, h1, h3 = ctx.saved_tensors
     wide = torch.promote_types(h1.dtype, torch.float32)  # fp32, or float64 for float64 inputs
-    gate, up, grad = h1.to(wide), h3.to(wide), dg.to(wide)
+    gate, up = h1.to(wide), h3.to(wide)
+    grad = torch.zeros_like(gate) if dg is None else dg.to(wide)
     sigmoid = torch.sigmoid(gate)
     d_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
     d_up = grad * gate * sigmoid

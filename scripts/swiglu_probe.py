@@ -7,8 +7,9 @@ one Triton kernel (``swiglu_gemm``) computes a tile of h1 and the same tile of h
 writes h1, h3 (the backward reads them) and g from its registers. Times, in bf16 with CUDA events (median of
 ``--reps``), cuBLAS's two products plus the compiled SwiGLU against the fused kernel at each tile configuration,
 with pointer loads and with TMA descriptors, then the persistent warp-specialized Gluon kernel of
-scripts/swiglu_gluon.py (sm_90) at each of its configurations, and each one's largest difference from the unfused
-g. Prints a table; writes OUT/swiglu_probe.json. Not a record: it finds whether the lever exists (notes/train_step.md).
+scripts/swiglu_gluon.py (sm_90) at each of its configurations; each fused kernel's largest difference from the
+unfused g first (a wrong one is not timed). Prints the rows and writes OUT/swiglu_probe.json as it measures them.
+Not a record: it finds whether the lever exists (notes/train_step.md).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ CONFIGS = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64,
 @triton.jit
 def _swiglu_gemm_kernel(x, w1, w3, h1, h3, g, M, N, K,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, TMA: tl.constexpr):
+                        GROUP_M: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile of h1 = x W1^T, h3 = x W3^T (x (M, K), W1 and W3 (N, K), all contiguous) and
     g = SiLU(h1) * h3, h1 and h3 rounded to the output dtype first, as the unfused step rounds them. Programs run
     GROUP_M row tiles down a column of tiles before the next (the weights' tiles stay in L2)."""
@@ -63,8 +64,8 @@ def _swiglu_gemm_kernel(x, w1, w3, h1, h3, g, M, N, K,
             w_mask = (offs_n[:, None] < N) & (cols[None, :] < K)
             b1 = tl.load(w1 + offs_n[:, None] * K + cols[None, :], mask=w_mask, other=0.0)
             b3 = tl.load(w3 + offs_n[:, None] * K + cols[None, :], mask=w_mask, other=0.0)
-        acc1 = tl.dot(a, tl.trans(b1), acc1)
-        acc3 = tl.dot(a, tl.trans(b3), acc3)
+        acc1 = tl.dot(a, tl.trans(b1), acc1, input_precision=PRECISION)
+        acc3 = tl.dot(a, tl.trans(b3), acc3, input_precision=PRECISION)
     out = h1.dtype.element_ty
     gate, up = acc1.to(out), acc3.to(out)
     gate32 = gate.to(tl.float32)
@@ -82,7 +83,10 @@ def _descriptor_memory(size: int, alignment: int, stream) -> torch.Tensor:
 
 
 def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONFIGS[0], tma: bool = False):
-    """(h1, h3, g) of x (M, K) and W1, W3 (N, K), contiguous, one kernel."""
+    """(h1, h3, g) of x (M, K) and W1, W3 (N, K), contiguous, one kernel (fp32 inputs multiply in IEEE fp32, not
+    TF32: bf16 and fp16 ignore it)."""
+    if not all(t.is_contiguous() for t in (x, w1, w3)):
+        raise ValueError("swiglu_gemm: x, W1 and W3 must be contiguous")
     (m, k), n = x.shape, w1.shape[0]
     block_m, block_n, block_k, warps, stages = config
     h1, h3, g = (x.new_empty(m, n) for _ in range(3))
@@ -90,7 +94,7 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
         triton.set_allocator(_descriptor_memory)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _swiglu_gemm_kernel[grid](x, w1, w3, h1, h3, g, m, n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                              GROUP_M=8, TMA=tma, num_warps=warps, num_stages=stages)
+                              GROUP_M=8, TMA=tma, PRECISION="ieee", num_warps=warps, num_stages=stages)
     return h1, h3, g
 
 
@@ -133,44 +137,45 @@ def main(argv: list[str] | None = None) -> int:
 
     flops = 2 * 2 * args.tokens * d * f
     rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
 
-    def add(row: dict) -> None:  # printed as measured: a call cut short still shows what it had
+    def add(row: dict) -> None:  # printed and written as measured: a call cut short keeps what it had
         rows.append(row)
         if "error" in row:
             print(f"{row['variant']:>40} {row['error']}", flush=True)
-            return
-        row.update(tflops=flops / row["ms"] / 1e9, ms_per_step=row["ms"] * uses)
-        print(f"{row['variant']:>40} {row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s {row['ms_per_step']:7.2f} "
-              f"ms/step  max diff {row.get('max_diff', float('nan')):.2e}", flush=True)
+        else:
+            if not row["variant"].startswith("(compiled SwiGLU"):  # the rows that run both products
+                row["tflops"] = flops / row["ms"] / 1e9
+            row["ms_per_step"] = row["ms"] * uses
+            print(f"{row['variant']:>40} {row['ms']:8.3f} ms {row.get('tflops', float('nan')):7.1f} TFLOP/s "
+                  f"{row['ms_per_step']:7.2f} ms/step  max diff {row.get('max_diff', float('nan')):.2e}", flush=True)
+        (args.out / "swiglu_probe.json").write_text(json.dumps(
+            {"model": args.model, "tokens": args.tokens, "device": torch.cuda.get_device_name(),
+             "torch": torch.__version__, "triton": triton.__version__, "rows": rows}, indent=1))
 
     reference = unfused()[2].float()
+
+    def fused(name: str, fn) -> None:
+        """A fused kernel's row: its g against the unfused one first (a wrong kernel is not timed), then its time."""
+        try:
+            diff = (fn()[2].float() - reference).abs().max().item()
+            add({"variant": name, "ms": median_ms(fn, args.reps), "max_diff": diff})
+        except Exception as error:  # noqa: BLE001 (a config that does not compile, fit or run: a row)
+            message = (str(error).splitlines() or [repr(error)])[-1][:300]
+            add({"variant": name, "error": f"{type(error).__name__}: {message}"})
+
     add({"variant": "cuBLAS x2 + compiled SwiGLU", "ms": median_ms(unfused, args.reps), "max_diff": 0.0})
     add({"variant": "(cuBLAS x2 alone)", "ms": median_ms(lambda: (x @ w1.t(), x @ w3.t()), args.reps)})
     h1, h3 = x @ w1.t(), x @ w3.t()
     add({"variant": "(compiled SwiGLU alone)", "ms": median_ms(lambda: swiglu(h1, h3), args.reps)})
-    for config in gluon_configs():
-        name = f"gluon {'x'.join(map(str, config[0]))} s{config[1]} r{config[2]}"
-        try:
-            from swiglu_gluon import swiglu_gemm as gluon_gemm
-
-            ms = median_ms(lambda: gluon_gemm(x, w1, w3, config), args.reps)
-            diff = (gluon_gemm(x, w1, w3, config)[2].float() - reference).abs().max().item()
-            add({"variant": name, "ms": ms, "max_diff": diff})
-        except Exception as error:  # noqa: BLE001 (a config that does not compile, fit or run: a row)
-            add({"variant": name, "error": f"{type(error).__name__}: {str(error).splitlines()[-1][:300]}"})
     for tma in (False, True):
         for config in CONFIGS:
-            name = f"fused {'TMA' if tma else 'pointers'} {'x'.join(map(str, config[:3]))} w{config[3]} s{config[4]}"
-            try:
-                ms = median_ms(lambda: swiglu_gemm(x, w1, w3, config, tma), args.reps)
-                diff = (swiglu_gemm(x, w1, w3, config, tma)[2].float() - reference).abs().max().item()
-                add({"variant": name, "ms": ms, "max_diff": diff})
-            except Exception as error:  # noqa: BLE001 (a config this GPU or Triton refuses, e.g. out of shared memory)
-                add({"variant": name, "error": f"{type(error).__name__}: {str(error).splitlines()[0]}"})
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "swiglu_probe.json").write_text(json.dumps(
-        {"model": args.model, "tokens": args.tokens, "device": torch.cuda.get_device_name(),
-         "torch": torch.__version__, "triton": triton.__version__, "rows": rows}, indent=1))
+            fused(f"fused {'TMA' if tma else 'pointers'} {'x'.join(map(str, config[:3]))} w{config[3]} s{config[4]}",
+                  lambda: swiglu_gemm(x, w1, w3, config, tma))
+    for config in gluon_configs():  # last: a kernel new to the device may hang, and the call's timeout ends it
+        from swiglu_gluon import swiglu_gemm as gluon_gemm
+
+        fused(f"gluon {'x'.join(map(str, config[0]))} s{config[1]} r{config[2]}", lambda: gluon_gemm(x, w1, w3, config))
     return 0
 
 

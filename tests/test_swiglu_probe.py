@@ -19,17 +19,21 @@ swiglu_probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(swiglu_probe)
 
 
-@pytest.mark.parametrize("m, n, k", [(40, 24, 48), (17, 70, 33)])
-def test_fused_swiglu_gemm_matches_float64(m, n, k):
+# (M, N, K): partial tiles in every dimension; M = 150 is 10 row tiles of 16, more than GROUP_M (8): two groups
+@pytest.mark.parametrize("m, n, k", [(40, 24, 48), (17, 70, 36), (150, 40, 20)])
+@pytest.mark.parametrize("tma", [False, True])
+def test_fused_swiglu_gemm_matches_float64(m, n, k, tma):
+    """In fp32 (IEEE products, also on a GPU), pointer loads and TMA descriptors (rows of 16-byte multiples)."""
     seed = random.randrange(2**31)
     generator = torch.Generator().manual_seed(seed)
     x, w1, w3 = (torch.randn(*shape, generator=generator) for shape in ((m, k), (n, k), (n, k)))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    h1, h3, g = swiglu_probe.swiglu_gemm(*(t.to(device) for t in (x, w1, w3)), config=(16, 16, 16, 4, 2))
+    if tma and device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need sm_90")
+    h1, h3, g = swiglu_probe.swiglu_gemm(*(t.to(device) for t in (x, w1, w3)), config=(16, 16, 16, 4, 2), tma=tma)
     ref1, ref3 = x.double() @ w1.double().T, x.double() @ w3.double().T
-    tolerance = 1e-2 if device == "cuda" else 1e-4  # a GPU's fp32 dot may run in TF32
     for got, want in ((h1, ref1), (h3, ref3), (g, F.silu(ref1) * ref3)):
-        torch.testing.assert_close(got.double().cpu(), want, rtol=tolerance, atol=tolerance, msg=f"seed {seed}")
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-4, msg=f"seed {seed}")
 
 
 @functools.cache  # its op registers once a process
@@ -69,3 +73,22 @@ def test_fused_swiglu_module_matches_the_model_in_float64():
     inputs = [torch.randn(6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     inputs[1:] = [t[:5].detach().requires_grad_() for t in inputs[1:]]
     torch.library.opcheck(swiglu_gluon.swiglu_product, tuple(inputs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", range(4))
+def test_gpu_gluon_swiglu_gemm_matches_float64(config):
+    """The Gluon kernel (sm_90) at each configuration, on a shape of 416 tiles (three or more a program: both
+    consumers take turns on the ring), bf16 against float64 from the same bf16 inputs."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs sm_90")
+    swiglu_gluon = _swiglu_gluon()
+    seed = random.randrange(2**31)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    x, w1, w3 = (torch.randn(*shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+                 for shape in ((2048, 256), (1664, 256), (1664, 256)))
+    got = swiglu_gluon.swiglu_gemm(x, w1, w3, swiglu_gluon.CONFIGS[config])
+    ref1, ref3 = x.double() @ w1.double().T, x.double() @ w3.double().T
+    for a, b in zip(got, (ref1, ref3, F.silu(ref1) * ref3)):
+        error = ((a.double() - b).norm() / b.norm()).item()
+        assert error < 1e-2, (config, seed, error)  # bf16 outputs: ~2e-3

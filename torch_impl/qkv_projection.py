@@ -181,8 +181,8 @@ class QKVProjection(torch.autograd.Function):
         x_dtype, w_dtype = ctx.dtypes
         # the concatenation again, as its transpose: compiled, the forward's (3d, d) cat would be shared with this one
         # and saved in place of the weights (AOTAutograd's partitioner), which a sharding wrapper could not free; cuBLAS
-        # runs dx on this column-major weight faster than on its rows, 0.199 against 0.210 ms at xl 4 x 2,048 on an
-        # H200 (the rows through an op opaque to the partitioner: notes/train_step.md, session 47)
+        # runs dx on this column-major weight faster than on its rows, 0.197 against 0.204 ms at xl 4 x 2,048 on an
+        # H200 (scripts/gemm_probe.py; the rows through an op opaque to the partitioner: notes/train_step.md, 47)
         weight_t = weights[0].T if len(weights) == 1 else torch.cat([w.T for w in weights], dim=1)  # (d, 3d)
         dy = torch.ops.torch_impl.pack_rotated_grads(dq, dk, dv, cos, sin).flatten(2)  # (B, T, 3d)
         dx = (dy @ weight_t.T).to(x_dtype) if ctx.needs_input_grad[0] else None

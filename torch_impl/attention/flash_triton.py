@@ -185,7 +185,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sm_scale,
 def _scale_cast_kernel(SRC, DST, n, scale, BLOCK: tl.constexpr):
     """DST = SRC * scale in DST's dtype, both contiguous with n elements: the fused backward's fp32 dQ accumulator
     into dQ at copy bandwidth (ATen's mul into a bf16 ``out`` ran at ~2.4 TB/s on an H200: 1.57 ms a step at xl
-    4 x 2,048 against cuDNN's 1.20 for the same conversion; notes/train_step.md, session 46)."""
+    4 x 2,048 against cuDNN's 1.21 for the same conversion; notes/train_step.md, session 46)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     tl.store(DST + offs, (tl.load(SRC + offs, mask=mask) * scale).to(DST.dtype.element_ty), mask=mask)
