@@ -80,7 +80,7 @@ qkv)
 levers)
   # FlashAttention's backward GPU tests in 8 processes (~90 s; the whole GPU suite of tests/test_flash_attention.py
   # takes over 8 minutes in one process)
-  TEST_IDS=results/profiles/gpu_tests_flash_backward_ids_1ef2595.txt SHARDS=8 SHARD_TIMEOUT=140 \
+  TEST_IDS=results/profiles/gpu_tests_flash_backward_ids_1ef2595.txt SHARDS=8 SHARD_TIMEOUT=140 RERUN_TIMEOUT=60 \
     bash scripts/gpu_flash.sh "$out" tests_parallel
   python3 scripts/gemm_probe.py "$out" 2>&1 | tee "$out/gemm_probe.log"
   python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
@@ -89,10 +89,10 @@ levers)
   python3 scripts/step_probe.py "$out/flash" --configs xl:4:2048 --steps 10 --attention flash_triton \
     --variants ours_span4+ro+mixed 2>&1 | tee "$out/flash/step_probe.log" ;;
 swiglu)  # each part under a timeout: a kernel new to the device may hang, and the call must still bring the rest back
-  timeout 150 python3 -m pytest -q -m gpu tests/test_swiglu_probe.py 2>&1 | tail -5 > "$out/gpu_tests_swiglu.txt"
+  timeout 150 python3 -m pytest -q -rfE tests/test_swiglu_probe.py > "$out/gpu_tests_swiglu.txt" 2>&1
   echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$out/gpu_tests_swiglu.txt"
-  timeout 180 python3 scripts/swiglu_probe.py "$out" 2>&1 | tee "$out/swiglu_probe.log"
-  timeout 240 python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
+  timeout -k 10 150 python3 scripts/swiglu_probe.py "$out" 2>&1 | tee "$out/swiglu_probe.log"
+  timeout -k 10 240 python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
     --variants ours_span4+ro+mixed,ours_span4+ro+mixed+gsw 2>&1 | tee "$out/step_probe.log" ;;
 records_graphs)
   for config in "xl 4 2048" "2.7B 2 2048" "xl 4 512"; do step $config --dtype bf16_mixed --cuda-graph blocks; done

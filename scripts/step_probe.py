@@ -81,6 +81,9 @@ def build(variant: str, spec, attention: str):
     if "+gsw" in variant:  # SwiGLU's two products and SiLU(h1) h3 as one Gluon kernel (scripts/swiglu_gluon.py)
         import types
 
+        if variant.startswith("stock") or not ("+mixed" in variant or "+bf16" in variant):
+            raise ValueError(f"{variant}: +gsw takes ours with bf16 weights (+mixed or +bf16), which the kernel needs")
+
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from swiglu_gluon import fused_forward
 

@@ -92,9 +92,10 @@ def _consume(x_bufs, w1_bufs, w3_bufs, ready, free, turn, out_bufs, h1_desc, h3_
             acc3 = warpgroup_mma(x, w3_bufs.index(stage).permute((1, 0)), acc3, is_async=True)
             acc1, acc3 = warpgroup_mma_wait(num_outstanding=2, deps=(acc1, acc3))  # k-tile k - 1's are done
             mbarrier.arrive(free.index((j + stages - 1) % stages), count=1, pred=k > 0)
+        # every k-tile's wait has passed: the other consumer may start its next tile while these products finish
+        mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
         acc1, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc3))
         mbarrier.arrive(free.index((first + k_tiles - 1) % stages), count=1)  # the tile's last stage
-        mbarrier.arrive(turn.index(1 - CONSUMER), count=1)  # the other consumer may start its next tile
         h1 = acc1.to(dtype)
         h3 = acc3.to(dtype)
         gate = h1.to(gl.float32)
@@ -130,6 +131,7 @@ def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP
     block_m: gl.constexpr = h1_desc.block_type.shape[0]
     block_n: gl.constexpr = h1_desc.block_type.shape[1]
     block_k: gl.constexpr = x_desc.block_type.shape[1]
+    gl.static_assert(STAGES >= 2, "a ring of one stage deadlocks: a stage is freed only after the next one's wait")
     tiles_m = gl.cdiv(x_desc.shape[0], block_m)
     tiles_n = gl.cdiv(w1_desc.shape[0], block_n)
     k_tiles = gl.cdiv(x_desc.shape[1], block_k)
@@ -174,6 +176,9 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
     """(h1, h3, g) of x (M, K) and W1, W3 (N, K), contiguous bf16, whole tiles."""
     (m, k), n = x.shape, w1.shape[0]
     (block_m, block_n, block_k), stages, regs = config
+    if w1.shape != w3.shape or x.shape[1] != w1.shape[1] or not m * n * k:
+        raise ValueError(f"swiglu_gemm: x (M, K) and W1, W3 (N, K) of one K, none empty; got {tuple(x.shape)}, "
+                         f"{tuple(w1.shape)}, {tuple(w3.shape)}")
     if m % block_m or n % block_n or k % block_k:
         raise ValueError(f"swiglu_gemm: M, N, K must be multiples of the tile {config[0]}; got {m}, {n}, {k}")
     h1, h3, g = (x.new_empty(m, n) for _ in range(3))
@@ -188,7 +193,8 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
 
 def _whole_tiles(x: torch.Tensor, w1: torch.Tensor, config=CONFIGS[0]) -> bool:
     (block_m, block_n, block_k), _, _ = config
-    return x.shape[0] % block_m == 0 and w1.shape[0] % block_n == 0 and x.shape[1] % block_k == 0
+    return (x.numel() > 0 and w1.numel() > 0 and x.shape[0] % block_m == 0 and w1.shape[0] % block_n == 0
+            and x.shape[1] % block_k == 0)
 
 
 @torch.library.custom_op("swiglu_probe::swiglu_product", mutates_args=())
@@ -197,7 +203,8 @@ def swiglu_product(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor) -> tuple
     """(h1, h3, g) = (x W1^T, x W3^T, SiLU(h1) h3) of x (M, K) and W1, W3 (N, K): ``swiglu_gemm`` on an sm_90 GPU
     with bf16 inputs in whole tiles, else PyTorch's ops; an opaque op to torch.compile, so that scripts/step_probe.py
     (``+gsw``) can put it into the compiled step."""
-    if (x.is_cuda and x.dtype == w1.dtype == w3.dtype == torch.bfloat16 and _whole_tiles(x, w1)
+    if (x.is_cuda and x.dtype == w1.dtype == w3.dtype == torch.bfloat16 and w1.shape == w3.shape
+            and x.shape[1] == w1.shape[1] and _whole_tiles(x, w1)
             and torch.cuda.get_device_capability(x.device) == (9, 0)):
         return swiglu_gemm(x.contiguous(), w1.contiguous(), w3.contiguous())
     h1, h3 = x @ w1.T, x @ w3.T
