@@ -172,15 +172,21 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 CONFIGS = (((128, 64, 64), 4, 232), ((128, 64, 64), 3, 232), ((128, 64, 32), 6, 232), ((64, 128, 64), 3, 232))
 
 
+def _fits(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONFIGS[0]) -> bool:
+    """x (M, K) and W1, W3 (N, K) of one K, none empty, M, N and K whole tiles of ``config``."""
+    (block_m, block_n, block_k), _, _ = config
+    (m, k), n = x.shape, w1.shape[0]
+    return (w1.shape == w3.shape and k == w1.shape[1] and m * n * k > 0
+            and not (m % block_m or n % block_n or k % block_k))
+
+
 def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONFIGS[0]):
     """(h1, h3, g) of x (M, K) and W1, W3 (N, K), contiguous bf16, whole tiles."""
+    if not _fits(x, w1, w3, config):
+        raise ValueError(f"swiglu_gemm: x (M, K) and W1, W3 (N, K) of one K, none empty, M, N, K multiples of the "
+                         f"tile {config[0]}; got {tuple(x.shape)}, {tuple(w1.shape)}, {tuple(w3.shape)}")
     (m, k), n = x.shape, w1.shape[0]
     (block_m, block_n, block_k), stages, regs = config
-    if w1.shape != w3.shape or x.shape[1] != w1.shape[1] or not m * n * k:
-        raise ValueError(f"swiglu_gemm: x (M, K) and W1, W3 (N, K) of one K, none empty; got {tuple(x.shape)}, "
-                         f"{tuple(w1.shape)}, {tuple(w3.shape)}")
-    if m % block_m or n % block_n or k % block_k:
-        raise ValueError(f"swiglu_gemm: M, N, K must be multiples of the tile {config[0]}; got {m}, {n}, {k}")
     h1, h3, g = (x.new_empty(m, n) for _ in range(3))
     programs = min(torch.cuda.get_device_properties(x.device).multi_processor_count,
                    (m // block_m) * (n // block_n))
@@ -191,20 +197,13 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
     return h1, h3, g
 
 
-def _whole_tiles(x: torch.Tensor, w1: torch.Tensor, config=CONFIGS[0]) -> bool:
-    (block_m, block_n, block_k), _, _ = config
-    return (x.numel() > 0 and w1.numel() > 0 and x.shape[0] % block_m == 0 and w1.shape[0] % block_n == 0
-            and x.shape[1] % block_k == 0)
-
-
 @torch.library.custom_op("swiglu_probe::swiglu_product", mutates_args=())
 def swiglu_product(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                                  torch.Tensor]:
     """(h1, h3, g) = (x W1^T, x W3^T, SiLU(h1) h3) of x (M, K) and W1, W3 (N, K): ``swiglu_gemm`` on an sm_90 GPU
     with bf16 inputs in whole tiles, else PyTorch's ops; an opaque op to torch.compile, so that scripts/step_probe.py
     (``+gsw``) can put it into the compiled step."""
-    if (x.is_cuda and x.dtype == w1.dtype == w3.dtype == torch.bfloat16 and w1.shape == w3.shape
-            and x.shape[1] == w1.shape[1] and _whole_tiles(x, w1)
+    if (x.is_cuda and x.dtype == w1.dtype == w3.dtype == torch.bfloat16 and _fits(x, w1, w3)
             and torch.cuda.get_device_capability(x.device) == (9, 0)):
         return swiglu_gemm(x.contiguous(), w1.contiguous(), w3.contiguous())
     h1, h3 = x @ w1.T, x @ w3.T

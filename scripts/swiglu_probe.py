@@ -24,6 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from torch_impl.attention.flash_triton import _descriptor_memory  # Triton's allocator for in-kernel descriptors
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): two (BLOCK_M, BLOCK_N) fp32 accumulators a program
 CONFIGS = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
            (128, 128, 32, 8, 5), (128, 64, 64, 8, 5))
@@ -75,11 +77,6 @@ def _swiglu_gemm_kernel(x, w1, w3, h1, h3, g, M, N, K,
     tl.store(h1 + at, gate, mask=mask)
     tl.store(h3 + at, up, mask=mask)
     tl.store(g + at, product, mask=mask)
-
-
-def _descriptor_memory(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global memory for the kernels' TMA descriptors (Triton's allocator hook)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONFIGS[0], tma: bool = False):
