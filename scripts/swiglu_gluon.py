@@ -6,7 +6,10 @@ Triton's own pipelining ran the fused product at ~510 TFLOP/s where cuBLAS runs 
 "ping-pong"; scripts/gluon_probe.py is its non-persistent ancestor): a one-warp producer TMA-loads x's, W1's and
 W3's k-tiles into a ring of shared-memory stages, and two consumer warpgroups take the program's output tiles in
 turn, so that one's epilogue (SiLU, the product, three TMA stores) runs while the other's wgmmas run. A consumer's
-tile is (BLOCK_M, BLOCK_N) of h1 and the same of h3: two accumulators, one read of x's tile.
+tile is (BLOCK_M, BLOCK_N) of h1 and the same of h3, computed as one product: a stage holds W1's k-tile above W3's,
+so each wgmma is 2 BLOCK_N wide (session 48: two BLOCK_N = 64 wide wgmmas a k-tile ran at ~377 TFLOP/s, where
+wgmma's shared-memory reads of x's tile, once per instruction, bound a narrow instruction; the tutorials' Hopper GEMMs
+reach cuBLAS's speed with 256 wide ones).
 
 ``swiglu_product`` is the kernel as an op opaque to torch.compile, with its backward, and ``fused_forward`` the
 model's SwiGLU through it: scripts/step_probe.py's ``+gsw`` puts it into the compiled step.
@@ -39,10 +42,11 @@ def _tile_at(tile, tiles_m, tiles_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _load(x_desc, w1_desc, w3_desc, x_bufs, w1_bufs, w3_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
+def _load(x_desc, w1_desc, w3_desc, x_bufs, w_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
           GROUP_M: gl.constexpr):
     """The producer (one warp): the program's tiles in order, each tile's k-tiles into the ring; the j-th k-tile
-    of the program goes to stage j % STAGES once its (j // STAGES)-th previous use is freed."""
+    of the program goes to stage j % STAGES once its (j // STAGES)-th previous use is freed, W1's k-tile in the
+    top half of the stage's weight buffer and W3's in the bottom half."""
     stages: gl.constexpr = x_bufs.type.shape[0]
     block_m: gl.constexpr = x_desc.block_type.shape[0]
     block_k: gl.constexpr = x_desc.block_type.shape[1]
@@ -56,16 +60,18 @@ def _load(x_desc, w1_desc, w3_desc, x_bufs, w1_bufs, w3_bufs, ready, free, n_til
             mbarrier.wait(free.index(stage), ((j // stages) & 1) ^ 1)  # barriers start as if phase 1 had completed
             mbarrier.expect(ready.index(stage), nbytes)
             _tma_load(x_desc, [pid_m * block_m, k * block_k], ready.index(stage), x_bufs.index(stage))
-            _tma_load(w1_desc, [pid_n * block_n, k * block_k], ready.index(stage), w1_bufs.index(stage))
-            _tma_load(w3_desc, [pid_n * block_n, k * block_k], ready.index(stage), w3_bufs.index(stage))
+            w = w_bufs.index(stage)
+            _tma_load(w1_desc, [pid_n * block_n, k * block_k], ready.index(stage), w.slice(0, block_n))
+            _tma_load(w3_desc, [pid_n * block_n, k * block_k], ready.index(stage), w.slice(block_n, block_n))
             j += 1
 
 
 @gluon.jit
-def _consume(x_bufs, w1_bufs, w3_bufs, ready, free, turn, out_bufs, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
+def _consume(x_bufs, w_bufs, ready, free, turn, out_bufs, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
              tiles_n, k_tiles, CONSUMER: gl.constexpr, GROUP_M: gl.constexpr, acc_layout: gl.constexpr):
-    """Consumer CONSUMER (one warpgroup): the program's tiles CONSUMER, CONSUMER + 2, ...; two wgmmas a k-tile in
-    flight at most, a stage freed once both that read it are done; then h1, h3 rounded, g = SiLU(h1) h3 from the
+    """Consumer CONSUMER (one warpgroup): the program's tiles CONSUMER, CONSUMER + 2, ...; one wgmma a k-tile, two in
+    flight at most, a stage freed once the one that read it is done; then h1, h3 rounded and split apart in registers
+    (a thread holds column c of both), g = SiLU(h1) h3 from the
     rounded h1 and h3 (as the unfused step computes it), all three out by TMA while the next tile starts.
     A consumer starts a tile's k-tiles only once the other has finished the program's tile before it (``turn``, the
     ordering barrier of CUTLASS's ping-pong): both read one ring, and a wait on a stage's barrier tells its fills
@@ -78,8 +84,7 @@ def _consume(x_bufs, w1_bufs, w3_bufs, ready, free, turn, out_bufs, h1_desc, h3_
     r = 0  # this consumer's tiles so far
     for tile in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), n_tiles, CONSUMERS * gl.num_programs(0)):
         pid_m, pid_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
-        acc1 = gl.zeros((block_m, block_n), dtype=gl.float32, layout=acc_layout)
-        acc3 = gl.zeros((block_m, block_n), dtype=gl.float32, layout=acc_layout)
+        acc = gl.zeros((block_m, 2 * block_n), dtype=gl.float32, layout=acc_layout)
         first = i * k_tiles
         # the other consumer's r-th (consumer 1) or (r - 1)-th (consumer 0) tile is done: consumer 0 goes first
         mbarrier.wait(turn.index(CONSUMER), (r & 1) ^ (1 - CONSUMER))
@@ -87,17 +92,14 @@ def _consume(x_bufs, w1_bufs, w3_bufs, ready, free, turn, out_bufs, h1_desc, h3_
             j = first + k
             stage = j % stages
             mbarrier.wait(ready.index(stage), (j // stages) & 1)
-            x = x_bufs.index(stage)
-            acc1 = warpgroup_mma(x, w1_bufs.index(stage).permute((1, 0)), acc1, is_async=True)
-            acc3 = warpgroup_mma(x, w3_bufs.index(stage).permute((1, 0)), acc3, is_async=True)
-            acc1, acc3 = warpgroup_mma_wait(num_outstanding=2, deps=(acc1, acc3))  # k-tile k - 1's are done
+            acc = warpgroup_mma(x_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # k-tile k - 1's is done
             mbarrier.arrive(free.index((j + stages - 1) % stages), count=1, pred=k > 0)
         # every k-tile's wait has passed: the other consumer may start its next tile while these products finish
         mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
-        acc1, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, acc3))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(free.index((first + k_tiles - 1) % stages), count=1)  # the tile's last stage
-        h1 = acc1.to(dtype)
-        h3 = acc3.to(dtype)
+        h1, h3 = gl.split(gl.permute(gl.reshape(acc.to(dtype), (block_m, 2, block_n)), (0, 2, 1)))
         gate = h1.to(gl.float32)
         g = (gate / (1.0 + gl.exp(-gate)) * h3.to(gl.float32)).to(dtype)
         tma.store_wait(pendings=0)  # this consumer's last tile's stores have read its buffers
@@ -138,8 +140,8 @@ def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP
     n_tiles = tiles_m * tiles_n
 
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    w1_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES] + w1_desc.block_type.shape, w1_desc.layout)
-    w3_bufs = gl.allocate_shared_memory(w3_desc.dtype, [STAGES] + w3_desc.block_type.shape, w3_desc.layout)
+    # a stage's weights: W1's k-tile above W3's (an NVMMA layout is one per row width, not per shape)
+    w_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, 2 * block_n, block_k], w1_desc.layout)
     out0 = gl.allocate_shared_memory(h1_desc.dtype, [3] + h1_desc.block_type.shape, h1_desc.layout)
     out1 = gl.allocate_shared_memory(h1_desc.dtype, [3] + h1_desc.block_type.shape, h1_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -151,13 +153,13 @@ def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(turn.index(c), count=1)
 
-    acc_layout: gl.constexpr = _acc_layout(block_m, block_n)
+    acc_layout: gl.constexpr = _acc_layout(block_m, 2 * block_n)
     gl.warp_specialize([
-        (_consume, (x_bufs, w1_bufs, w3_bufs, ready, free, turn, out0, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
+        (_consume, (x_bufs, w_bufs, ready, free, turn, out0, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
                     tiles_n, k_tiles, 0, GROUP_M, acc_layout)),
-        (_consume, (x_bufs, w1_bufs, w3_bufs, ready, free, turn, out1, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
+        (_consume, (x_bufs, w_bufs, ready, free, turn, out1, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
                     tiles_n, k_tiles, 1, GROUP_M, acc_layout)),
-        (_load, (x_desc, w1_desc, w3_desc, x_bufs, w1_bufs, w3_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
+        (_load, (x_desc, w1_desc, w3_desc, x_bufs, w_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
                  GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
@@ -168,8 +170,9 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 # (BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers: a consumer's tile is (BLOCK_M, BLOCK_N) of h1 and of
 # h3. Shared memory (sm_90: 227 KB a block): the stages (x's, W1's and W3's k-tiles) and each consumer's three output
-# tiles; the first takes 224 KB. Compiled for sm_90 with Triton 3.6 on a CPU host: 168 registers, no spills.
-CONFIGS = (((128, 64, 64), 4, 232), ((128, 64, 64), 3, 232), ((128, 64, 32), 6, 232), ((64, 128, 64), 3, 232))
+# tiles; the first takes 224 KB. Compiled for sm_90 with Triton 3.6 on a CPU host: 168 registers, no spills; wgmmas
+# 128 wide for BLOCK_N = 64, 256 wide for BLOCK_N = 128.
+CONFIGS = (((128, 64, 64), 4, 232), ((64, 128, 64), 3, 232), ((128, 64, 32), 6, 232), ((64, 128, 32), 6, 232))
 
 
 def _fits(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONFIGS[0]) -> bool:
