@@ -102,17 +102,25 @@ def _consume(x_bufs, w_bufs, ready, free, turn, out_bufs, h1_desc, h3_desc, g_de
         h1, h3 = gl.split(gl.permute(gl.reshape(acc.to(dtype), (block_m, 2, block_n)), (0, 2, 1)))
         gate = h1.to(gl.float32)
         g = (gate / (1.0 + gl.exp(-gate)) * h3.to(gl.float32)).to(dtype)
-        tma.store_wait(pendings=0)  # this consumer's last tile's stores have read its buffers
-        out_bufs.index(0).store(h1)
-        out_bufs.index(1).store(h3)
-        out_bufs.index(2).store(g)
-        fence_async_shared()
-        _tma_store(h1_desc, [pid_m * block_m, pid_n * block_n], out_bufs.index(0))
-        _tma_store(h3_desc, [pid_m * block_m, pid_n * block_n], out_bufs.index(1))
-        _tma_store(g_desc, [pid_m * block_m, pid_n * block_n], out_bufs.index(2))
+        _store_out(h1, h1_desc, out_bufs, 3 * r, pid_m * block_m, pid_n * block_n)
+        _store_out(h3, h3_desc, out_bufs, 3 * r + 1, pid_m * block_m, pid_n * block_n)
+        _store_out(g, g_desc, out_bufs, 3 * r + 2, pid_m * block_m, pid_n * block_n)
         i += CONSUMERS
         r += 1
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _store_out(value, desc, out_bufs, q, off_m, off_n):
+    """A consumer's q-th output tile out by TMA through its buffer q % OUT_BUFS, once the store that used the buffer
+    OUT_BUFS tiles before has read it (bulk stores complete in order). One buffer waits for each store; its drain
+    hides under the other consumer's wgmmas, and the shared memory it frees deepens the ring."""
+    buffers: gl.constexpr = out_bufs.type.shape[0]
+    tma.store_wait(pendings=buffers - 1)
+    buf = out_bufs.index(q % buffers)
+    buf.store(value)
+    fence_async_shared()
+    _tma_store(desc, [off_m, off_n], buf)
 
 
 @triton.constexpr_function
@@ -127,7 +135,7 @@ def _acc_layout(block_m, block_n):
 
 @gluon.jit
 def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, OUT_BUFS: gl.constexpr):
     """h1 = x W1^T, h3 = x W3^T, g = SiLU(h1) h3 for x (M, K), W1 and W3 (N, K); a program per SM, its tiles
     the grid's program_id, + num_programs, ...; whole tiles only (M, N multiples of the tile, K of BLOCK_K)."""
     block_m: gl.constexpr = h1_desc.block_type.shape[0]
@@ -142,8 +150,8 @@ def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     # a stage's weights: W1's k-tile above W3's (an NVMMA layout is one per row width, not per shape)
     w_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, 2 * block_n, block_k], w1_desc.layout)
-    out0 = gl.allocate_shared_memory(h1_desc.dtype, [3] + h1_desc.block_type.shape, h1_desc.layout)
-    out1 = gl.allocate_shared_memory(h1_desc.dtype, [3] + h1_desc.block_type.shape, h1_desc.layout)
+    out0 = gl.allocate_shared_memory(h1_desc.dtype, [OUT_BUFS] + h1_desc.block_type.shape, h1_desc.layout)
+    out1 = gl.allocate_shared_memory(h1_desc.dtype, [OUT_BUFS] + h1_desc.block_type.shape, h1_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())  # ``_consume``'s order
@@ -168,16 +176,18 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers: a consumer's tile is (BLOCK_M, BLOCK_N) of h1 and of
-# h3. Shared memory (sm_90: 227 KB a block): the stages (x's, W1's and W3's k-tiles) and each consumer's three output
-# tiles; the first takes 224 KB. Compiled for sm_90 with Triton 3.6 on a CPU host: 168 registers, no spills; wgmmas
-# 128 wide for BLOCK_N = 64, 256 wide for BLOCK_N = 128.
-CONFIGS = (((128, 64, 64), 4, 232), ((64, 128, 64), 3, 232), ((128, 64, 32), 6, 232), ((64, 128, 32), 6, 232))
+# (BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers, a consumer's output buffers: a consumer's tile is
+# (BLOCK_M, BLOCK_N) of h1 and of h3. Shared memory (sm_90: 227 KB a block): the stages (x's, W1's and W3's k-tiles)
+# and each consumer's output buffers, at most 224 KB here. Compiled for sm_90 with Triton 3.6 on a CPU host: 168
+# registers, no spills; wgmmas 128 wide for BLOCK_N = 64, 256 wide for BLOCK_N = 128. The first ran at 542 TFLOP/s
+# at xl's 8,192 x 1,600 x 2 x 6,400 on the H200 (session 48), where cuBLAS's two products ran at 657.
+CONFIGS = (((128, 64, 64), 4, 232, 3), ((128, 64, 64), 6, 232, 1), ((128, 64, 64), 5, 232, 2),
+           ((128, 64, 32), 12, 232, 1), ((64, 128, 64), 4, 232, 1))
 
 
 def _fits(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONFIGS[0]) -> bool:
     """x (M, K) and W1, W3 (N, K) of one K, none empty, M, N and K whole tiles of ``config``."""
-    (block_m, block_n, block_k), _, _ = config
+    block_m, block_n, block_k = config[0]
     (m, k), n = x.shape, w1.shape[0]
     return (w1.shape == w3.shape and k == w1.shape[1] and m * n * k > 0
             and not (m % block_m or n % block_n or k % block_k))
@@ -189,14 +199,14 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
         raise ValueError(f"swiglu_gemm: x (M, K) and W1, W3 (N, K) of one K, none empty, M, N, K multiples of the "
                          f"tile {config[0]}; got {tuple(x.shape)}, {tuple(w1.shape)}, {tuple(w3.shape)}")
     (m, k), n = x.shape, w1.shape[0]
-    (block_m, block_n, block_k), stages, regs = config
+    (block_m, block_n, block_k), stages, regs, out_bufs = config
     h1, h3, g = (x.new_empty(m, n) for _ in range(3))
     programs = min(torch.cuda.get_device_properties(x.device).multi_processor_count,
                    (m // block_m) * (n // block_n))
     swiglu_gemm_kernel[(programs,)](
         _descriptor(x, [block_m, block_k]), _descriptor(w1, [block_n, block_k]), _descriptor(w3, [block_n, block_k]),
         *(_descriptor(t, [block_m, block_n]) for t in (h1, h3, g)), GROUP_M=8, STAGES=stages, CONSUMER_REGS=regs,
-        num_warps=4)
+        OUT_BUFS=out_bufs, num_warps=4)
     return h1, h3, g
 
 
