@@ -68,44 +68,53 @@ def _load(x_desc, w1_desc, w3_desc, x_bufs, w_bufs, ready, free, n_tiles, tiles_
 
 @gluon.jit
 def _consume(x_bufs, w_bufs, ready, free, turn, out_bufs, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
-             tiles_n, k_tiles, CONSUMER: gl.constexpr, GROUP_M: gl.constexpr, acc_layout: gl.constexpr):
-    """Consumer CONSUMER (one warpgroup): the program's tiles CONSUMER, CONSUMER + 2, ...; one wgmma a k-tile, two in
-    flight at most, a stage freed once the one that read it is done; then h1, h3 rounded and split apart in registers
-    (a thread holds column c of both), g = SiLU(h1) h3 from the
-    rounded h1 and h3 (as the unfused step computes it), all three out by TMA while the next tile starts.
-    A consumer starts a tile's k-tiles only once the other has finished the program's tile before it (``turn``, the
+             tiles_n, k_tiles, CONSUMER: gl.constexpr, GROUP_M: gl.constexpr, acc_layout: gl.constexpr,
+             COOPERATIVE: gl.constexpr):
+    """Consumer CONSUMER (one warpgroup). Ping-pong: the program's tiles CONSUMER, CONSUMER + 2, ..., whole. A
+    consumer starts a tile's k-tiles only once the other has finished the program's tile before it (``turn``, the
     ordering barrier of CUTLASS's ping-pong): both read one ring, and a wait on a stage's barrier tells its fills
-    apart only by their parity, so a consumer waiting two or more fills ahead would take another tile's data."""
+    apart only by their parity, so a consumer waiting two or more fills ahead would take another tile's data.
+    Cooperative: every tile of the program, its half of the tile's rows; a stage is freed once both have read it.
+    One wgmma a k-tile, two in flight at most, a stage freed once the one that read it is done; then h1, h3 rounded
+    and split apart in registers (a thread holds column c of both), g = SiLU(h1) h3 from the rounded h1 and h3 (as
+    the unfused step computes it), all three out by TMA while the next tile starts."""
     stages: gl.constexpr = x_bufs.type.shape[0]
-    block_m: gl.constexpr = h1_desc.block_type.shape[0]
+    block_m: gl.constexpr = x_bufs.type.shape[1]  # the program's tile's rows
+    rows: gl.constexpr = h1_desc.block_type.shape[0]  # this consumer's: block_m, or half of it
     block_n: gl.constexpr = h1_desc.block_type.shape[1]
     dtype: gl.constexpr = h1_desc.dtype
-    i = CONSUMER  # the tile's index among the program's tiles
+    takers: gl.constexpr = 1 if COOPERATIVE else CONSUMERS  # consumers a tile goes round
+    i = 0 if COOPERATIVE else CONSUMER  # the tile's index among the program's tiles
     r = 0  # this consumer's tiles so far
-    for tile in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), n_tiles, CONSUMERS * gl.num_programs(0)):
+    first_tile = gl.program_id(0) + (0 if COOPERATIVE else CONSUMER) * gl.num_programs(0)
+    for tile in range(first_tile, n_tiles, takers * gl.num_programs(0)):
         pid_m, pid_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
-        acc = gl.zeros((block_m, 2 * block_n), dtype=gl.float32, layout=acc_layout)
+        acc = gl.zeros((rows, 2 * block_n), dtype=gl.float32, layout=acc_layout)
         first = i * k_tiles
-        # the other consumer's r-th (consumer 1) or (r - 1)-th (consumer 0) tile is done: consumer 0 goes first
-        mbarrier.wait(turn.index(CONSUMER), (r & 1) ^ (1 - CONSUMER))
+        if not COOPERATIVE:  # the other's r-th (consumer 1) or (r - 1)-th (consumer 0) tile is done: 0 goes first
+            mbarrier.wait(turn.index(CONSUMER), (r & 1) ^ (1 - CONSUMER))
         for k in range(k_tiles):
             j = first + k
             stage = j % stages
             mbarrier.wait(ready.index(stage), (j // stages) & 1)
-            acc = warpgroup_mma(x_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+            x = x_bufs.index(stage)
+            if COOPERATIVE:
+                x = x.slice(CONSUMER * rows, rows)
+            acc = warpgroup_mma(x, w_bufs.index(stage).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # k-tile k - 1's is done
             mbarrier.arrive(free.index((j + stages - 1) % stages), count=1, pred=k > 0)
-        # every k-tile's wait has passed: the other consumer may start its next tile while these products finish
-        mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
+        if not COOPERATIVE:  # every k-tile's wait has passed: the other may start its next tile while these finish
+            mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(free.index((first + k_tiles - 1) % stages), count=1)  # the tile's last stage
-        h1, h3 = gl.split(gl.permute(gl.reshape(acc.to(dtype), (block_m, 2, block_n)), (0, 2, 1)))
+        h1, h3 = gl.split(gl.permute(gl.reshape(acc.to(dtype), (rows, 2, block_n)), (0, 2, 1)))
         gate = h1.to(gl.float32)
         g = (gate / (1.0 + gl.exp(-gate)) * h3.to(gl.float32)).to(dtype)
-        _store_out(h1, h1_desc, out_bufs, 3 * r, pid_m * block_m, pid_n * block_n)
-        _store_out(h3, h3_desc, out_bufs, 3 * r + 1, pid_m * block_m, pid_n * block_n)
-        _store_out(g, g_desc, out_bufs, 3 * r + 2, pid_m * block_m, pid_n * block_n)
-        i += CONSUMERS
+        off_m = pid_m * block_m + (CONSUMER * rows if COOPERATIVE else 0)
+        _store_out(h1, h1_desc, out_bufs, 3 * r, off_m, pid_n * block_n)
+        _store_out(h3, h3_desc, out_bufs, 3 * r + 1, off_m, pid_n * block_n)
+        _store_out(g, g_desc, out_bufs, 3 * r + 2, off_m, pid_n * block_n)
+        i += takers
         r += 1
     tma.store_wait(pendings=0)
 
@@ -135,10 +144,14 @@ def _acc_layout(block_m, block_n):
 
 @gluon.jit
 def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, OUT_BUFS: gl.constexpr):
+                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, OUT_BUFS: gl.constexpr,
+                       COOPERATIVE: gl.constexpr):
     """h1 = x W1^T, h3 = x W3^T, g = SiLU(h1) h3 for x (M, K), W1 and W3 (N, K); a program per SM, its tiles
-    the grid's program_id, + num_programs, ...; whole tiles only (M, N multiples of the tile, K of BLOCK_K)."""
-    block_m: gl.constexpr = h1_desc.block_type.shape[0]
+    the grid's program_id, + num_programs, ...; whole tiles only (M, N multiples of the tile, K of BLOCK_K). The
+    outputs' blocks are a consumer's: (BLOCK_M, BLOCK_N) in ping-pong, (BLOCK_M / 2, BLOCK_N) cooperative."""
+    block_m: gl.constexpr = x_desc.block_type.shape[0]
+    rows: gl.constexpr = h1_desc.block_type.shape[0]
+    gl.static_assert(rows * (2 if COOPERATIVE else 1) == block_m, "a consumer's output block: its share of the rows")
     block_n: gl.constexpr = h1_desc.block_type.shape[1]
     block_k: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(STAGES >= 2, "a ring of one stage deadlocks: a stage is freed only after the next one's wait")
@@ -157,16 +170,16 @@ def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP
     turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())  # ``_consume``'s order
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(free.index(s), count=1)
+        mbarrier.init(free.index(s), count=CONSUMERS if COOPERATIVE else 1)
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(turn.index(c), count=1)
 
-    acc_layout: gl.constexpr = _acc_layout(block_m, 2 * block_n)
+    acc_layout: gl.constexpr = _acc_layout(rows, 2 * block_n)
     gl.warp_specialize([
         (_consume, (x_bufs, w_bufs, ready, free, turn, out0, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
-                    tiles_n, k_tiles, 0, GROUP_M, acc_layout)),
+                    tiles_n, k_tiles, 0, GROUP_M, acc_layout, COOPERATIVE)),
         (_consume, (x_bufs, w_bufs, ready, free, turn, out1, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
-                    tiles_n, k_tiles, 1, GROUP_M, acc_layout)),
+                    tiles_n, k_tiles, 1, GROUP_M, acc_layout, COOPERATIVE)),
         (_load, (x_desc, w1_desc, w3_desc, x_bufs, w_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
                  GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -176,13 +189,14 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers, a consumer's output buffers: a consumer's tile is
-# (BLOCK_M, BLOCK_N) of h1 and of h3. Shared memory (sm_90: 227 KB a block): the stages (x's, W1's and W3's k-tiles)
-# and each consumer's output buffers, at most 224 KB here. Compiled for sm_90 with Triton 3.6 on a CPU host: 168
-# registers, no spills; wgmmas 128 wide for BLOCK_N = 64, 256 wide for BLOCK_N = 128. The first ran at 542 TFLOP/s
-# at xl's 8,192 x 1,600 x 2 x 6,400 on the H200 (session 48), where cuBLAS's two products ran at 657.
-CONFIGS = (((128, 64, 64), 4, 232, 3), ((128, 64, 64), 6, 232, 1), ((128, 64, 64), 5, 232, 2),
-           ((128, 64, 32), 12, 232, 1), ((64, 128, 64), 4, 232, 1))
+# (BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers, a consumer's output buffers, cooperative: a program's
+# tile is (BLOCK_M, BLOCK_N) of h1 and of h3. Shared memory (sm_90: 227 KB a block): the stages (x's, W1's and W3's
+# k-tiles) and each consumer's output buffers, at most 224 KB here. Compiled for sm_90 with Triton 3.6 on a CPU host:
+# 168 registers, no spills; wgmmas 2 BLOCK_N wide. At xl's 8,192 x 1,600 x 2 x 6,400 on the H200 (session 48), ping-pong
+# 128 x 64 x 64 ran at 545 TFLOP/s with 4 stages and three buffers, 588 with 6 stages and one, against cuBLAS's
+# two products at 736 and with the compiled SwiGLU at 628 in the same run; 32 wide k-tiles and 64-row tiles, <= 412.
+CONFIGS = (((128, 64, 64), 6, 232, 1, False), ((128, 64, 64), 5, 232, 2, False), ((128, 128, 64), 4, 232, 1, True),
+           ((128, 128, 64), 3, 232, 2, True), ((256, 64, 64), 4, 232, 1, True))
 
 
 def _fits(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONFIGS[0]) -> bool:
@@ -199,14 +213,15 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
         raise ValueError(f"swiglu_gemm: x (M, K) and W1, W3 (N, K) of one K, none empty, M, N, K multiples of the "
                          f"tile {config[0]}; got {tuple(x.shape)}, {tuple(w1.shape)}, {tuple(w3.shape)}")
     (m, k), n = x.shape, w1.shape[0]
-    (block_m, block_n, block_k), stages, regs, out_bufs = config
+    (block_m, block_n, block_k), stages, regs, out_bufs, cooperative = config
+    rows = block_m // 2 if cooperative else block_m  # a consumer's
     h1, h3, g = (x.new_empty(m, n) for _ in range(3))
     programs = min(torch.cuda.get_device_properties(x.device).multi_processor_count,
                    (m // block_m) * (n // block_n))
     swiglu_gemm_kernel[(programs,)](
         _descriptor(x, [block_m, block_k]), _descriptor(w1, [block_n, block_k]), _descriptor(w3, [block_n, block_k]),
-        *(_descriptor(t, [block_m, block_n]) for t in (h1, h3, g)), GROUP_M=8, STAGES=stages, CONSUMER_REGS=regs,
-        OUT_BUFS=out_bufs, num_warps=4)
+        *(_descriptor(t, [rows, block_n]) for t in (h1, h3, g)), GROUP_M=8, STAGES=stages, CONSUMER_REGS=regs,
+        OUT_BUFS=out_bufs, COOPERATIVE=cooperative, num_warps=4)
     return h1, h3, g
 
 

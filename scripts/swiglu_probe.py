@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     for config in gluon_configs():  # last: a kernel new to the device may hang, and the call's timeout ends it
         from swiglu_gluon import swiglu_gemm as gluon_gemm
 
-        fused(f"gluon {'x'.join(map(str, config[0]))} s{config[1]} r{config[2]} b{config[3]}",
+        fused(f"gluon {'x'.join(map(str, config[0]))} s{config[1]} r{config[2]} b{config[3]}"
+              f"{' cooperative' if config[4] else ' ping-pong'}",
               lambda: gluon_gemm(x, w1, w3, config))
     return 0
 
