@@ -207,8 +207,9 @@ def _fits(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONFIGS[0]
             and not (m % block_m or n % block_n or k % block_k))
 
 
-def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONFIGS[0]):
-    """(h1, h3, g) of x (M, K) and W1, W3 (N, K), contiguous bf16, whole tiles."""
+def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONFIGS[0], group_m: int = 8):
+    """(h1, h3, g) of x (M, K) and W1, W3 (N, K), contiguous bf16, whole tiles; ``group_m`` row tiles down a
+    column before the next (``_tile_at``)."""
     if not _fits(x, w1, w3, config):
         raise ValueError(f"swiglu_gemm: x (M, K) and W1, W3 (N, K) of one K, none empty, M, N, K multiples of the "
                          f"tile {config[0]}; got {tuple(x.shape)}, {tuple(w1.shape)}, {tuple(w3.shape)}")
@@ -220,7 +221,7 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
                    (m // block_m) * (n // block_n))
     swiglu_gemm_kernel[(programs,)](
         _descriptor(x, [block_m, block_k]), _descriptor(w1, [block_n, block_k]), _descriptor(w3, [block_n, block_k]),
-        *(_descriptor(t, [rows, block_n]) for t in (h1, h3, g)), GROUP_M=8, STAGES=stages, CONSUMER_REGS=regs,
+        *(_descriptor(t, [rows, block_n]) for t in (h1, h3, g)), GROUP_M=group_m, STAGES=stages, CONSUMER_REGS=regs,
         OUT_BUFS=out_bufs, COOPERATIVE=cooperative, num_warps=4)
     return h1, h3, g
 

@@ -175,12 +175,18 @@ def main(argv: list[str] | None = None) -> int:
         for config in CONFIGS:
             fused(f"fused {'TMA' if tma else 'pointers'} {'x'.join(map(str, config[:3]))} w{config[3]} s{config[4]}",
                   lambda: swiglu_gemm(x, w1, w3, config, tma))
-    for config in gluon_configs():  # last: a kernel new to the device may hang, and the call's timeout ends it
+    configs = gluon_configs()  # last: a kernel new to the device may hang, and the call's timeout ends it
+    if configs:
         from swiglu_gluon import swiglu_gemm as gluon_gemm
 
-        fused(f"gluon {'x'.join(map(str, config[0]))} s{config[1]} r{config[2]} b{config[3]}"
-              f"{' cooperative' if config[4] else ' ping-pong'}",
-              lambda: gluon_gemm(x, w1, w3, config))
+    def gluon_name(config) -> str:
+        return (f"gluon {'x'.join(map(str, config[0]))} s{config[1]} r{config[2]} b{config[3]} "
+                f"{'cooperative' if config[4] else 'ping-pong'}")
+
+    for config in configs:
+        fused(gluon_name(config), lambda: gluon_gemm(x, w1, w3, config))
+    for group_m in (1, 4, 16) if configs else ():  # the first configuration's tile order (8 above)
+        fused(f"{gluon_name(configs[0])} group_m {group_m}", lambda: gluon_gemm(x, w1, w3, configs[0], group_m))
     return 0
 
 
