@@ -46,12 +46,13 @@ def _load(x_desc, w1_desc, w3_desc, x_bufs, w_bufs, ready, free, n_tiles, tiles_
           GROUP_M: gl.constexpr):
     """The producer (one warp): the program's tiles in order, each tile's k-tiles into the ring; the j-th k-tile
     of the program goes to stage j % STAGES once its (j // STAGES)-th previous use is freed, W1's k-tile in the
-    top half of the stage's weight buffer and W3's in the bottom half."""
+    top half of the stage's weight buffer and W3's in the bottom half; without W3 (``None``), W1 is stored (K, N)
+    (the backward's W2) and its k-tile is the stage's weight buffer."""
     stages: gl.constexpr = x_bufs.type.shape[0]
     block_m: gl.constexpr = x_desc.block_type.shape[0]
     block_k: gl.constexpr = x_desc.block_type.shape[1]
-    block_n: gl.constexpr = w1_desc.block_type.shape[0]
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes
+    block_n: gl.constexpr = w1_desc.block_type.shape[1 if w3_desc is None else 0]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + (1 if w3_desc is None else 2) * w1_desc.block_type.nbytes
     j = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
@@ -61,8 +62,11 @@ def _load(x_desc, w1_desc, w3_desc, x_bufs, w_bufs, ready, free, n_tiles, tiles_
             mbarrier.expect(ready.index(stage), nbytes)
             _tma_load(x_desc, [pid_m * block_m, k * block_k], ready.index(stage), x_bufs.index(stage))
             w = w_bufs.index(stage)
-            _tma_load(w1_desc, [pid_n * block_n, k * block_k], ready.index(stage), w.slice(0, block_n))
-            _tma_load(w3_desc, [pid_n * block_n, k * block_k], ready.index(stage), w.slice(block_n, block_n))
+            if w3_desc is None:
+                _tma_load(w1_desc, [k * block_k, pid_n * block_n], ready.index(stage), w)
+            else:
+                _tma_load(w1_desc, [pid_n * block_n, k * block_k], ready.index(stage), w.slice(0, block_n))
+                _tma_load(w3_desc, [pid_n * block_n, k * block_k], ready.index(stage), w.slice(block_n, block_n))
             j += 1
 
 
@@ -78,7 +82,6 @@ def _consume(x_bufs, w_bufs, ready, free, turn, out_bufs, h1_desc, h3_desc, g_de
     One wgmma a k-tile, two in flight at most, a stage freed once the one that read it is done; then h1, h3 rounded
     and split apart in registers (a thread holds column c of both), g = SiLU(h1) h3 from the rounded h1 and h3 (as
     the unfused step computes it), all three out by TMA while the next tile starts."""
-    stages: gl.constexpr = x_bufs.type.shape[0]
     block_m: gl.constexpr = x_bufs.type.shape[1]  # the program's tile's rows
     rows: gl.constexpr = h1_desc.block_type.shape[0]  # this consumer's: block_m, or half of it
     block_n: gl.constexpr = h1_desc.block_type.shape[1]
@@ -89,25 +92,9 @@ def _consume(x_bufs, w_bufs, ready, free, turn, out_bufs, h1_desc, h3_desc, g_de
     first_tile = gl.program_id(0) + (0 if COOPERATIVE else CONSUMER) * gl.num_programs(0)
     for tile in range(first_tile, n_tiles, takers * gl.num_programs(0)):
         pid_m, pid_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
-        acc = gl.zeros((rows, 2 * block_n), dtype=gl.float32, layout=acc_layout)
-        first = i * k_tiles
-        if not COOPERATIVE:  # the other's r-th (consumer 1) or (r - 1)-th (consumer 0) tile is done: 0 goes first
-            mbarrier.wait(turn.index(CONSUMER), (r & 1) ^ (1 - CONSUMER))
-        for k in range(k_tiles):
-            j = first + k
-            stage = j % stages
-            mbarrier.wait(ready.index(stage), (j // stages) & 1)
-            x = x_bufs.index(stage)
-            if COOPERATIVE:
-                x = x.slice(CONSUMER * rows, rows)
-            acc = warpgroup_mma(x, w_bufs.index(stage).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # k-tile k - 1's is done
-            mbarrier.arrive(free.index((j + stages - 1) % stages), count=1, pred=k > 0)
-        if not COOPERATIVE:  # every k-tile's wait has passed: the other may start its next tile while these finish
-            mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(free.index((first + k_tiles - 1) % stages), count=1)  # the tile's last stage
-        h1, h3 = gl.split(gl.permute(gl.reshape(acc.to(dtype), (rows, 2, block_n)), (0, 2, 1)))
+        acc = _products(x_bufs, w_bufs, ready, free, turn, gl.zeros((rows, 2 * block_n), gl.float32, acc_layout),
+                        i * k_tiles, k_tiles, r, CONSUMER, COOPERATIVE, False)
+        h1, h3 = _halves(acc.to(dtype))
         gate = h1.to(gl.float32)
         g = (gate / (1.0 + gl.exp(-gate)) * h3.to(gl.float32)).to(dtype)
         off_m = pid_m * block_m + (CONSUMER * rows if COOPERATIVE else 0)
@@ -117,6 +104,88 @@ def _consume(x_bufs, w_bufs, ready, free, turn, out_bufs, h1_desc, h3_desc, g_de
         i += takers
         r += 1
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _products(x_bufs, w_bufs, ready, free, turn, acc, first, k_tiles, r, CONSUMER: gl.constexpr,
+              COOPERATIVE: gl.constexpr, W_KN: gl.constexpr):
+    """``acc`` plus one output tile's products, from the program's k-tiles first, first + 1, ... of the ring: one
+    wgmma a k-tile, two in flight at most, a stage freed once the wgmma that read it is done. In ping-pong the
+    consumer waits for its turn first (its r-th tile) and passes it on once its last k-tile's wait has passed
+    (``_consume``); cooperative, it reads its share of x's rows. The weight buffer is (N, K), read transposed, or
+    (K, N) with ``W_KN``."""
+    stages: gl.constexpr = x_bufs.type.shape[0]
+    rows: gl.constexpr = acc.type.shape[0]
+    if not COOPERATIVE:  # the other's r-th (consumer 1) or (r - 1)-th (consumer 0) tile is done: 0 goes first
+        mbarrier.wait(turn.index(CONSUMER), (r & 1) ^ (1 - CONSUMER))
+    for k in range(k_tiles):
+        j = first + k
+        stage = j % stages
+        mbarrier.wait(ready.index(stage), (j // stages) & 1)
+        x = x_bufs.index(stage)
+        if COOPERATIVE:
+            x = x.slice(CONSUMER * rows, rows)
+        w = w_bufs.index(stage)
+        if not W_KN:
+            w = w.permute((1, 0))
+        acc = warpgroup_mma(x, w, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # k-tile k - 1's is done
+        mbarrier.arrive(free.index((j + stages - 1) % stages), count=1, pred=k > 0)
+    if not COOPERATIVE:  # every k-tile's wait has passed: the other may start its next tile while these finish
+        mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(free.index((first + k_tiles - 1) % stages), count=1)  # the tile's last stage
+    return acc
+
+
+@gluon.jit
+def _consume_backward(dy_bufs, w_bufs, ready, free, turn, h1_ptr, h3_ptr, dgate_ptr, dup_ptr, n, n_tiles, tiles_m,
+                      tiles_n, k_tiles, CONSUMER: gl.constexpr, GROUP_M: gl.constexpr, acc_layout: gl.constexpr):
+    """Consumer CONSUMER of the backward (ping-pong, ``_consume``): a tile of dg = dy W2 rounded to bf16 as the
+    unfused step's product is, then SwiGLU's backward from the forward's h1 and h3 read in the accumulator's
+    layout (the loads and stores run under the other consumer's wgmmas): d_gate = dg h3 s (1 + h1 (1 - s)) and
+    d_up = dg h1 s, s = sigmoid(h1), in fp32, as ``_backward`` computes them."""
+    block_m: gl.constexpr = dy_bufs.type.shape[1]
+    block_n: gl.constexpr = w_bufs.type.shape[2]
+    dtype: gl.constexpr = dy_bufs.dtype
+    half_layout: gl.constexpr = _acc_layout(block_m, block_n // 2)
+    i = CONSUMER  # the tile's index among the program's tiles
+    r = 0  # this consumer's tiles so far
+    for tile in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), n_tiles, CONSUMERS * gl.num_programs(0)):
+        pid_m, pid_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
+        acc = _products(dy_bufs, w_bufs, ready, free, turn, gl.zeros((block_m, block_n), gl.float32, acc_layout),
+                        i * k_tiles, k_tiles, r, CONSUMER, False, True)
+        # dg rounded as the unfused product is, a half at a time (fewer registers), each half in the layout of a
+        # half as wide an accumulator (the same registers: no data moves), whose pairs of columns load as one
+        left, right = _halves(acc.to(dtype))
+        _dswiglu(gl.convert_layout(left, half_layout), pid_m * block_m, pid_n * block_n, n, h1_ptr, h3_ptr,
+                 dgate_ptr, dup_ptr)
+        _dswiglu(gl.convert_layout(right, half_layout), pid_m * block_m, pid_n * block_n + block_n // 2, n, h1_ptr,
+                 h3_ptr, dgate_ptr, dup_ptr)
+        i += CONSUMERS
+        r += 1
+
+
+@gluon.jit
+def _halves(t):
+    """A (rows, columns) tensor's left and right halves, in registers (a thread holds column c of both)."""
+    return gl.split(gl.permute(gl.reshape(t, (t.shape[0], 2, t.shape[1] // 2)), (0, 2, 1)))
+
+
+@gluon.jit
+def _dswiglu(grad, row, col, n, h1_ptr, h3_ptr, dgate_ptr, dup_ptr):
+    """SwiGLU's backward on the block of (M, n) matrices at (row, col) from dg (``grad``) and the forward's h1, h3,
+    in fp32 as ``_backward``."""
+    layout: gl.constexpr = grad.type.layout
+    rows = row + gl.arange(0, grad.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = col + gl.arange(0, grad.shape[1], layout=gl.SliceLayout(0, layout))
+    offsets = rows[:, None] * n + cols[None, :]
+    grad = grad.to(gl.float32)
+    gate = gl.load(h1_ptr + offsets).to(gl.float32)
+    up = gl.load(h3_ptr + offsets).to(gl.float32)
+    sigmoid = 1.0 / (1.0 + gl.exp(-gate))
+    gl.store(dgate_ptr + offsets, (grad * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))).to(dgate_ptr.dtype.element_ty))
+    gl.store(dup_ptr + offsets, (grad * gate * sigmoid).to(dup_ptr.dtype.element_ty))
 
 
 @gluon.jit
@@ -143,6 +212,21 @@ def _acc_layout(block_m, block_n):
 
 
 @gluon.jit
+def _barriers(STAGES: gl.constexpr, READERS: gl.constexpr):
+    """The ring's barriers: a stage's ``ready`` (its TMA loads landed) and ``free`` (its READERS consumers are done
+    with it), and the consumers' ``turn`` (``_products``)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=READERS)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(turn.index(c), count=1)
+    return ready, free, turn
+
+
+@gluon.jit
 def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP_M: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, OUT_BUFS: gl.constexpr,
                        COOPERATIVE: gl.constexpr):
@@ -165,15 +249,7 @@ def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP
     w_bufs = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, 2 * block_n, block_k], w1_desc.layout)
     out0 = gl.allocate_shared_memory(h1_desc.dtype, [OUT_BUFS] + h1_desc.block_type.shape, h1_desc.layout)
     out1 = gl.allocate_shared_memory(h1_desc.dtype, [OUT_BUFS] + h1_desc.block_type.shape, h1_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())  # ``_consume``'s order
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(free.index(s), count=CONSUMERS if COOPERATIVE else 1)
-    for c in gl.static_range(CONSUMERS):
-        mbarrier.init(turn.index(c), count=1)
-
+    ready, free, turn = _barriers(STAGES, CONSUMERS if COOPERATIVE else 1)
     acc_layout: gl.constexpr = _acc_layout(rows, 2 * block_n)
     gl.warp_specialize([
         (_consume, (x_bufs, w_bufs, ready, free, turn, out0, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
@@ -181,6 +257,34 @@ def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP
         (_consume, (x_bufs, w_bufs, ready, free, turn, out1, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
                     tiles_n, k_tiles, 1, GROUP_M, acc_layout, COOPERATIVE)),
         (_load, (x_desc, w1_desc, w3_desc, x_bufs, w_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
+                 GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+@gluon.jit
+def swiglu_backward_kernel(dy_desc, w2_desc, h1_ptr, h3_ptr, dgate_ptr, dup_ptr, n, GROUP_M: gl.constexpr,
+                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """SwiGLU's backward in the epilogue of dg = dy W2, for dy (M, K), W2 (K, N) and the forward's h1, h3 (M, N),
+    all contiguous: d_gate and d_up (M, N) out, dg never written (``_consume_backward``); ping-pong, whole tiles.
+    ``n`` is N as an argument: Triton then knows it divisible by 16, and the epilogue loads two columns at once."""
+    block_m: gl.constexpr = dy_desc.block_type.shape[0]
+    block_k: gl.constexpr = dy_desc.block_type.shape[1]
+    block_n: gl.constexpr = w2_desc.block_type.shape[1]
+    gl.static_assert(STAGES >= 2, "a ring of one stage deadlocks: a stage is freed only after the next one's wait")
+    tiles_m = gl.cdiv(dy_desc.shape[0], block_m)
+    tiles_n = gl.cdiv(n, block_n)
+    k_tiles = gl.cdiv(dy_desc.shape[1], block_k)
+    n_tiles = tiles_m * tiles_n
+    dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES] + dy_desc.block_type.shape, dy_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w2_desc.dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout)
+    ready, free, turn = _barriers(STAGES, 1)
+    acc_layout: gl.constexpr = _acc_layout(block_m, block_n)
+    gl.warp_specialize([
+        (_consume_backward, (dy_bufs, w_bufs, ready, free, turn, h1_ptr, h3_ptr, dgate_ptr, dup_ptr, n, n_tiles,
+                             tiles_m, tiles_n, k_tiles, 0, GROUP_M, acc_layout)),
+        (_consume_backward, (dy_bufs, w_bufs, ready, free, turn, h1_ptr, h3_ptr, dgate_ptr, dup_ptr, n, n_tiles,
+                             tiles_m, tiles_n, k_tiles, 1, GROUP_M, acc_layout)),
+        (_load, (dy_desc, w2_desc, None, dy_bufs, w_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
                  GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
@@ -226,6 +330,32 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
     return h1, h3, g
 
 
+# The backward kernel's ((BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers): a consumer's tile is
+# (BLOCK_M, BLOCK_N) of dg; shared memory is the ring's alone (32 KB a stage at 128 x 128 x 64). Compiled for sm_90 with
+# Triton 3.6 on a CPU host: ~400 bytes of spills a thread in the epilogue.
+BACKWARD_CONFIGS = (((128, 128, 64), 6, 240), ((128, 128, 64), 7, 240), ((128, 128, 64), 4, 240))
+
+
+def swiglu_backward_gemm(dy: torch.Tensor, w2: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor,
+                         config=BACKWARD_CONFIGS[0], group_m: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) = ``swiglu_grads(dy W2, h1, h3)`` in bf16 for dy (M, K), W2 (K, N), h1 and h3 (M, N),
+    contiguous bf16, whole tiles, with dg = dy W2 rounded to bf16 in registers and never written."""
+    (block_m, block_n, block_k), stages, regs = config
+    (m, k), n = dy.shape, w2.shape[-1]
+    if (w2.shape != (k, n) or h1.shape != (m, n) or h3.shape != (m, n) or m * n * k == 0
+            or m % block_m or n % block_n or k % block_k or m * n >= 2**31):
+        raise ValueError(f"swiglu_backward_gemm: dy (M, K), W2 (K, N), h1 and h3 (M, N), none empty, M, N, K "
+                         f"multiples of the tile {config[0]}, M N < 2^31; got {tuple(dy.shape)}, {tuple(w2.shape)}, "
+                         f"{tuple(h1.shape)}, {tuple(h3.shape)}")
+    d_gate, d_up = torch.empty_like(h1), torch.empty_like(h3)
+    programs = min(torch.cuda.get_device_properties(dy.device).multi_processor_count,
+                   (m // block_m) * (n // block_n))
+    swiglu_backward_kernel[(programs,)](
+        _descriptor(dy, [block_m, block_k]), _descriptor(w2, [block_k, block_n]), h1, h3, d_gate, d_up, n,
+        GROUP_M=group_m, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
+    return d_gate, d_up
+
+
 @torch.library.custom_op("swiglu_probe::swiglu_product", mutates_args=())
 def swiglu_product(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                                  torch.Tensor]:
@@ -249,17 +379,22 @@ def _save(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # h1's and h3's gradients None where unused, not zeros added in
 
 
+def swiglu_grads(dg: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of h1 and h3 from g's for g = SiLU(h1) h3, in fp32 (float64 for float64): the formula of
+    ``_backward``, of ``swiglu_backward_gemm``'s epilogue, and of swiglu_probe.py's unfused backward."""
+    wide = torch.promote_types(h1.dtype, torch.float32)
+    gate, up, grad = h1.to(wide), h3.to(wide), dg.to(wide)
+    sigmoid = torch.sigmoid(gate)
+    return grad * up * sigmoid * (1 + gate * (1 - sigmoid)), grad * gate * sigmoid
+
+
 def _backward(ctx, dh1, dh3, dg):
     """SwiGLU's backward in fp32 (float64 for float64; Inductor writes it as one pointwise kernel), then dx as one
     GEMM accumulating into the other's output (cuBLAS's beta = 1) and the weights' gradients. h1 and h3 are
     outputs too: their own gradients (None where unused) add in."""
     x, w1, w3, h1, h3 = ctx.saved_tensors
-    wide = torch.promote_types(h1.dtype, torch.float32)  # fp32, or float64 for float64 inputs
-    gate, up = h1.to(wide), h3.to(wide)
-    grad = torch.zeros_like(gate) if dg is None else dg.to(wide)
-    sigmoid = torch.sigmoid(gate)
-    d_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
-    d_up = grad * gate * sigmoid
+    d_gate, d_up = swiglu_grads(torch.zeros_like(h1) if dg is None else dg, h1, h3)
+    wide = d_gate.dtype
     d_gate = (d_gate if dh1 is None else d_gate + dh1.to(wide)).to(x.dtype)
     d_up = (d_up if dh3 is None else d_up + dh3.to(wide)).to(x.dtype)
     return torch.addmm(d_gate @ w1, d_up, w3), d_gate.T @ x, d_up.T @ x

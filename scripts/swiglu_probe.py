@@ -8,7 +8,9 @@ writes h1, h3 (the backward reads them) and g from its registers. Times, in bf16
 ``--reps``), cuBLAS's two products plus the compiled SwiGLU against the fused kernel at each tile configuration,
 with pointer loads and with TMA descriptors, then the persistent warp-specialized Gluon kernel of
 scripts/swiglu_gluon.py (sm_90) at each of its configurations; each fused kernel's largest difference from the
-unfused g first (a wrong one is not timed). Prints the rows and writes OUT/swiglu_probe.json as it measures them.
+unfused g first, relative to g's largest magnitude (a wrong one is not timed). Then the backward: cuBLAS's
+dg = dy W2 plus the compiled SwiGLU backward against the Gluon kernel with that backward in dg's epilogue.
+Prints the rows and writes OUT/swiglu_probe.json as it measures them.
 Not a record: it finds whether the lever exists (notes/train_step.md).
 """
 
@@ -136,12 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)
 
-    def add(row: dict) -> None:  # printed and written as measured: a call cut short keeps what it had
-        rows.append(row)
+    def add(row: dict, flops: float | None = None) -> None:  # printed and written as measured: a call cut short
+        rows.append(row)                                          # keeps what it had
         if "error" in row:
             print(f"{row['variant']:>40} {row['error']}", flush=True)
         else:
-            if not row["variant"].startswith("(compiled SwiGLU"):  # the rows that run both products
+            if flops:  # the rows that run products
                 row["tflops"] = flops / row["ms"] / 1e9
             row["ms_per_step"] = row["ms"] * uses
             print(f"{row['variant']:>40} {row['ms']:8.3f} ms {row.get('tflops', float('nan')):7.1f} TFLOP/s "
@@ -150,33 +152,36 @@ def main(argv: list[str] | None = None) -> int:
             {"model": args.model, "tokens": args.tokens, "device": torch.cuda.get_device_name(),
              "torch": torch.__version__, "triton": triton.__version__, "rows": rows}, indent=1))
 
-    reference = unfused()[2].float()
-
-    tolerance = 0.05 * reference.abs().max().item()  # far above bf16's rounding, far below a wrong tile's error
-
-    def fused(name: str, fn) -> None:
-        """A fused kernel's row: its g against the unfused one first (a wrong kernel is not timed), then its time."""
+    def fused(name: str, fn, expected: tuple, flops: float = flops) -> None:
+        """A fused kernel's row: its last outputs against the unfused ones (``expected``) first, each within 5% of
+        its largest magnitude (far above bf16's rounding, far below a wrong tile's error; a wrong kernel is not
+        timed), then its time."""
         try:
-            diff = (fn()[2].float() - reference).abs().max().item()
-            if diff > tolerance:
-                add({"variant": name, "error": f"wrong: g differs from the unfused one by {diff:.3g}",
+            got = fn()[-len(expected):]
+            diffs = [(a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
+                     for a, b in zip(got, expected)]
+            diff = max(diffs)
+            if diff > 0.05:
+                add({"variant": name, "error": f"wrong: differs from the unfused by {diff:.3g} of its largest",
                      "max_diff": diff})
                 return
-            add({"variant": name, "ms": median_ms(fn, args.reps), "max_diff": diff})
+            add({"variant": name, "ms": median_ms(fn, args.reps), "max_diff": diff}, flops)
         except Exception as error:  # noqa: BLE001 (a config that does not compile, fit or run: a row)
             message = (str(error).splitlines() or [repr(error)])[0][:300]  # CUDA's last line is boilerplate
             add({"variant": name, "error": f"{type(error).__name__}: {message}"})
 
-    add({"variant": "cuBLAS x2 + compiled SwiGLU", "ms": median_ms(unfused, args.reps), "max_diff": 0.0})
-    add({"variant": "(cuBLAS x2 alone)", "ms": median_ms(lambda: (x @ w1.t(), x @ w3.t()), args.reps)})
+    expected = unfused()[2:]
+    add({"variant": "cuBLAS x2 + compiled SwiGLU", "ms": median_ms(unfused, args.reps), "max_diff": 0.0}, flops)
+    add({"variant": "(cuBLAS x2 alone)", "ms": median_ms(lambda: (x @ w1.t(), x @ w3.t()), args.reps)}, flops)
     h1, h3 = x @ w1.t(), x @ w3.t()
     add({"variant": "(compiled SwiGLU alone)", "ms": median_ms(lambda: swiglu(h1, h3), args.reps)})
     for tma in (False, True):
         for config in CONFIGS:
             fused(f"fused {'TMA' if tma else 'pointers'} {'x'.join(map(str, config[:3]))} w{config[3]} s{config[4]}",
-                  lambda: swiglu_gemm(x, w1, w3, config, tma))
+                  lambda: swiglu_gemm(x, w1, w3, config, tma), expected)
     configs = gluon_configs()  # last: a kernel new to the device may hang, and the call's timeout ends it
     if configs:
+        from swiglu_gluon import BACKWARD_CONFIGS, swiglu_backward_gemm, swiglu_grads
         from swiglu_gluon import swiglu_gemm as gluon_gemm
 
     def gluon_name(config) -> str:
@@ -184,9 +189,32 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'cooperative' if config[4] else 'ping-pong'}")
 
     for config in configs:
-        fused(gluon_name(config), lambda: gluon_gemm(x, w1, w3, config))
+        fused(gluon_name(config), lambda: gluon_gemm(x, w1, w3, config), expected)
     for group_m in (1, 4, 16) if configs else ():  # the first configuration's tile order (8 above)
-        fused(f"{gluon_name(configs[0])} group_m {group_m}", lambda: gluon_gemm(x, w1, w3, configs[0], group_m))
+        fused(f"{gluon_name(configs[0])} group_m {group_m}", lambda: gluon_gemm(x, w1, w3, configs[0], group_m),
+              expected)
+    if not configs:
+        return 0
+    # the backward: dg = dy W2 by cuBLAS, then SwiGLU's backward compiled, against the Gluon kernel that computes
+    # it in dg's epilogue (dg never written or read back)
+    dy = torch.randn(args.tokens, d, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(d, f, device="cuda", dtype=torch.bfloat16) / f ** 0.5
+    dswiglu = torch.compile(lambda dg, a, b: tuple(t.to(torch.bfloat16) for t in swiglu_grads(dg, a, b)))
+
+    def unfused_backward():
+        return dswiglu(dy @ w2, h1, h3)
+
+    backward_flops = flops / 2
+    expected = unfused_backward()
+    add({"variant": "backward: cuBLAS dg + compiled SwiGLU backward", "ms": median_ms(unfused_backward, args.reps),
+         "max_diff": 0.0}, backward_flops)
+    add({"variant": "(backward: cuBLAS dg alone)", "ms": median_ms(lambda: dy @ w2, args.reps)}, backward_flops)
+    dg = dy @ w2
+    add({"variant": "(backward: compiled SwiGLU backward alone)", "ms": median_ms(lambda: dswiglu(dg, h1, h3),
+                                                                                   args.reps)})
+    for config in BACKWARD_CONFIGS:
+        fused(f"backward: gluon {'x'.join(map(str, config[0]))} s{config[1]} r{config[2]} ping-pong",
+              lambda: swiglu_backward_gemm(dy, w2, h1, h3, config), expected, backward_flops)
     return 0
 
 

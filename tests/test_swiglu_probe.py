@@ -103,3 +103,43 @@ def test_gpu_gluon_swiglu_gemm_matches_float64(config, shape):
     for a, b in zip(got, (ref1, ref3, F.silu(ref1) * ref3)):
         bound = 2e-2 * b.abs() + 2e-2 * b.abs().mean()  # bf16 rounding of each output, with room
         assert ((a.double() - b).abs() <= bound).all(), (config, shape, seed, (a.double() - b).abs().max().item())
+
+
+def test_swiglu_grads_match_autograd_and_bad_shapes_are_refused():
+    """``swiglu_grads`` (the backward kernel's epilogue formula, the op's backward and the probe's unfused one)
+    against autograd through F.silu(h1) * h3 in float64; the backward kernel's host refuses shapes that are not
+    whole tiles with one line naming them, before any launch."""
+    swiglu_gluon = _swiglu_gluon()
+    seed = random.randrange(2**31)
+    generator = torch.Generator().manual_seed(seed)
+    h1, h3, dg = (torch.randn(7, 9, generator=generator, dtype=torch.float64) * 3 for _ in range(3))
+    h1.requires_grad_(True)
+    h3.requires_grad_(True)
+    want = torch.autograd.grad(F.silu(h1) * h3, (h1, h3), dg)
+    for a, b in zip(swiglu_gluon.swiglu_grads(dg, h1.detach(), h3.detach()), want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"seed {seed}")
+    dy, w2, h = torch.zeros(256, 96), torch.zeros(96, 256), torch.zeros(256, 256)  # K = 96: 1.5 k-tiles
+    with pytest.raises(ValueError, match=r"swiglu_backward_gemm: .*got \(256, 96\), \(96, 256\)"):
+        swiglu_gluon.swiglu_backward_gemm(dy, w2, h, h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2048, 1664, 256), (256, 256, 64)])
+@pytest.mark.parametrize("config", range(3))  # swiglu_gluon.BACKWARD_CONFIGS (imported on a GPU only)
+def test_gpu_gluon_swiglu_backward_gemm_matches_float64(config, shape):
+    """The backward kernel (sm_90) at each configuration: d_gate and d_up from dg = dy W2 and h1, h3, bf16 against
+    float64 from the same bf16 inputs, element by element; 208 tiles (ping-pong turns), and 4 tiles of one k-tile."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs sm_90")
+    swiglu_gluon = _swiglu_gluon()
+    assert len(swiglu_gluon.BACKWARD_CONFIGS) == 3  # the parametrization's range
+    m, n, k = shape
+    seed = random.randrange(2**31)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    dy, w2, h1, h3 = (torch.randn(*size, generator=generator, device="cuda", dtype=torch.bfloat16)
+                      for size in ((m, k), (k, n), (m, n), (m, n)))
+    got = swiglu_gluon.swiglu_backward_gemm(dy, w2, h1, h3, swiglu_gluon.BACKWARD_CONFIGS[config])
+    want = swiglu_gluon.swiglu_grads(dy.double() @ w2.double(), h1.double(), h3.double())
+    for a, b in zip(got, want):
+        bound = 2e-2 * b.abs() + 2e-2 * b.abs().mean()  # bf16 rounding of dg and of each output, with room
+        assert ((a.double() - b).abs() <= bound).all(), (config, shape, seed, (a.double() - b).abs().max().item())
