@@ -139,31 +139,47 @@ def _products(x_bufs, w_bufs, ready, free, turn, acc, first, k_tiles, r, CONSUME
 
 
 @gluon.jit
-def _consume_backward(dy_bufs, w_bufs, ready, free, turn, h1_ptr, h3_ptr, dgate_ptr, dup_ptr, n, n_tiles, tiles_m,
-                      tiles_n, k_tiles, CONSUMER: gl.constexpr, GROUP_M: gl.constexpr, acc_layout: gl.constexpr):
+def _consume_backward(dy_bufs, w_bufs, ready, free, turn, epi_bufs, epi_bar, h1_desc, h3_desc, dgate_desc, dup_desc,
+                      n_tiles, tiles_m, tiles_n, k_tiles, CONSUMER: gl.constexpr, GROUP_M: gl.constexpr,
+                      acc_layout: gl.constexpr):
     """Consumer CONSUMER of the backward (ping-pong, ``_consume``): a tile of dg = dy W2 rounded to bf16 as the
-    unfused step's product is, then SwiGLU's backward from the forward's h1 and h3 read in the accumulator's
-    layout (the loads and stores run under the other consumer's wgmmas): d_gate = dg h3 s (1 + h1 (1 - s)) and
-    d_up = dg h1 s, s = sigmoid(h1), in fp32, as ``_backward`` computes them."""
+    unfused step's product is, then SwiGLU's backward (``swiglu_grads``, in fp32) a half tile at a time: h1's and
+    h3's half tiles TMA-loaded into ``epi_bufs`` (the first half's while the tile's products run), read in the
+    accumulator's layout, d_gate and d_up written over them and TMA-stored (session 48: reading and writing them
+    in that layout from global memory was bound by its uncoalesced accesses)."""
     block_m: gl.constexpr = dy_bufs.type.shape[1]
-    block_n: gl.constexpr = w_bufs.type.shape[2]
+    half: gl.constexpr = h1_desc.block_type.shape[1]
     dtype: gl.constexpr = dy_bufs.dtype
-    half_layout: gl.constexpr = _acc_layout(block_m, block_n // 2)
+    half_layout: gl.constexpr = _acc_layout(block_m, half)
     i = CONSUMER  # the tile's index among the program's tiles
     r = 0  # this consumer's tiles so far
     for tile in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), n_tiles, CONSUMERS * gl.num_programs(0)):
         pid_m, pid_n = _tile_at(tile, tiles_m, tiles_n, GROUP_M)
-        acc = _products(dy_bufs, w_bufs, ready, free, turn, gl.zeros((block_m, block_n), gl.float32, acc_layout),
+        off_m = pid_m * block_m
+        off_n = pid_n * 2 * half
+        tma.store_wait(pendings=0)  # the last tile's outputs have left the buffers
+        _load_pair(h1_desc, h3_desc, epi_bufs, epi_bar, off_m, off_n)
+        acc = _products(dy_bufs, w_bufs, ready, free, turn, gl.zeros((block_m, 2 * half), gl.float32, acc_layout),
                         i * k_tiles, k_tiles, r, CONSUMER, False, True)
-        # dg rounded as the unfused product is, a half at a time (fewer registers), each half in the layout of a
-        # half as wide an accumulator (the same registers: no data moves), whose pairs of columns load as one
+        # each half in the layout of a half as wide accumulator: the same registers, no data moves
         left, right = _halves(acc.to(dtype))
-        _dswiglu(gl.convert_layout(left, half_layout), pid_m * block_m, pid_n * block_n, n, h1_ptr, h3_ptr,
-                 dgate_ptr, dup_ptr)
-        _dswiglu(gl.convert_layout(right, half_layout), pid_m * block_m, pid_n * block_n + block_n // 2, n, h1_ptr,
-                 h3_ptr, dgate_ptr, dup_ptr)
+        mbarrier.wait(epi_bar, 0)  # two loads a tile: the first's phase is 0, the second's 1
+        _dswiglu(gl.convert_layout(left, half_layout), epi_bufs, dgate_desc, dup_desc, off_m, off_n)
+        tma.store_wait(pendings=0)
+        _load_pair(h1_desc, h3_desc, epi_bufs, epi_bar, off_m, off_n + half)
+        mbarrier.wait(epi_bar, 1)
+        _dswiglu(gl.convert_layout(right, half_layout), epi_bufs, dgate_desc, dup_desc, off_m, off_n + half)
         i += CONSUMERS
         r += 1
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _load_pair(h1_desc, h3_desc, bufs, bar, off_m, off_n):
+    """h1's and h3's blocks at (off_m, off_n) into ``bufs`` by TMA, landing on ``bar``."""
+    mbarrier.expect(bar, 2 * h1_desc.block_type.nbytes)
+    _tma_load(h1_desc, [off_m, off_n], bar, bufs.index(0))
+    _tma_load(h3_desc, [off_m, off_n], bar, bufs.index(1))
 
 
 @gluon.jit
@@ -173,19 +189,18 @@ def _halves(t):
 
 
 @gluon.jit
-def _dswiglu(grad, row, col, n, h1_ptr, h3_ptr, dgate_ptr, dup_ptr):
-    """SwiGLU's backward on the block of (M, n) matrices at (row, col) from dg (``grad``) and the forward's h1, h3,
-    in fp32 as ``_backward``."""
-    layout: gl.constexpr = grad.type.layout
-    rows = row + gl.arange(0, grad.shape[0], layout=gl.SliceLayout(1, layout))
-    cols = col + gl.arange(0, grad.shape[1], layout=gl.SliceLayout(0, layout))
-    offsets = rows[:, None] * n + cols[None, :]
+def _dswiglu(grad, bufs, dgate_desc, dup_desc, off_m, off_n):
+    """SwiGLU's backward on one block from dg (``grad``) and the forward's h1, h3 in ``bufs``, in fp32 as
+    ``swiglu_grads``; d_gate and d_up written over h1 and h3, then out by TMA to (off_m, off_n)."""
     grad = grad.to(gl.float32)
-    gate = gl.load(h1_ptr + offsets).to(gl.float32)
-    up = gl.load(h3_ptr + offsets).to(gl.float32)
+    gate = bufs.index(0).load(grad.type.layout).to(gl.float32)
+    up = bufs.index(1).load(grad.type.layout).to(gl.float32)
     sigmoid = 1.0 / (1.0 + gl.exp(-gate))
-    gl.store(dgate_ptr + offsets, (grad * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))).to(dgate_ptr.dtype.element_ty))
-    gl.store(dup_ptr + offsets, (grad * gate * sigmoid).to(dup_ptr.dtype.element_ty))
+    bufs.index(0).store((grad * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))).to(dgate_desc.dtype))
+    bufs.index(1).store((grad * gate * sigmoid).to(dup_desc.dtype))
+    fence_async_shared()
+    _tma_store(dgate_desc, [off_m, off_n], bufs.index(0))
+    _tma_store(dup_desc, [off_m, off_n], bufs.index(1))
 
 
 @gluon.jit
@@ -262,28 +277,34 @@ def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP
 
 
 @gluon.jit
-def swiglu_backward_kernel(dy_desc, w2_desc, h1_ptr, h3_ptr, dgate_ptr, dup_ptr, n, GROUP_M: gl.constexpr,
+def swiglu_backward_kernel(dy_desc, w2_desc, h1_desc, h3_desc, dgate_desc, dup_desc, GROUP_M: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """SwiGLU's backward in the epilogue of dg = dy W2, for dy (M, K), W2 (K, N) and the forward's h1, h3 (M, N),
-    all contiguous: d_gate and d_up (M, N) out, dg never written (``_consume_backward``); ping-pong, whole tiles.
-    ``n`` is N as an argument: Triton then knows it divisible by 16, and the epilogue loads two columns at once."""
+    """SwiGLU's backward in the epilogue of dg = dy W2, for dy (M, K), W2 (K, N) and the forward's h1, h3 (M, N):
+    d_gate and d_up (M, N) out, dg never written (``_consume_backward``); ping-pong, whole tiles. The (M, N)
+    matrices' blocks are half a tile wide."""
     block_m: gl.constexpr = dy_desc.block_type.shape[0]
     block_k: gl.constexpr = dy_desc.block_type.shape[1]
     block_n: gl.constexpr = w2_desc.block_type.shape[1]
     gl.static_assert(STAGES >= 2, "a ring of one stage deadlocks: a stage is freed only after the next one's wait")
+    gl.static_assert(2 * h1_desc.block_type.shape[1] == block_n, "the epilogue's blocks: half a tile wide")
     tiles_m = gl.cdiv(dy_desc.shape[0], block_m)
-    tiles_n = gl.cdiv(n, block_n)
+    tiles_n = gl.cdiv(w2_desc.shape[1], block_n)
     k_tiles = gl.cdiv(dy_desc.shape[1], block_k)
     n_tiles = tiles_m * tiles_n
     dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES] + dy_desc.block_type.shape, dy_desc.layout)
     w_bufs = gl.allocate_shared_memory(w2_desc.dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout)
+    epi0 = gl.allocate_shared_memory(h1_desc.dtype, [2] + h1_desc.block_type.shape, h1_desc.layout)
+    epi1 = gl.allocate_shared_memory(h1_desc.dtype, [2] + h1_desc.block_type.shape, h1_desc.layout)
+    epi_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(epi_bars.index(c), count=1)
     ready, free, turn = _barriers(STAGES, 1)
     acc_layout: gl.constexpr = _acc_layout(block_m, block_n)
     gl.warp_specialize([
-        (_consume_backward, (dy_bufs, w_bufs, ready, free, turn, h1_ptr, h3_ptr, dgate_ptr, dup_ptr, n, n_tiles,
-                             tiles_m, tiles_n, k_tiles, 0, GROUP_M, acc_layout)),
-        (_consume_backward, (dy_bufs, w_bufs, ready, free, turn, h1_ptr, h3_ptr, dgate_ptr, dup_ptr, n, n_tiles,
-                             tiles_m, tiles_n, k_tiles, 1, GROUP_M, acc_layout)),
+        (_consume_backward, (dy_bufs, w_bufs, ready, free, turn, epi0, epi_bars.index(0), h1_desc, h3_desc,
+                             dgate_desc, dup_desc, n_tiles, tiles_m, tiles_n, k_tiles, 0, GROUP_M, acc_layout)),
+        (_consume_backward, (dy_bufs, w_bufs, ready, free, turn, epi1, epi_bars.index(1), h1_desc, h3_desc,
+                             dgate_desc, dup_desc, n_tiles, tiles_m, tiles_n, k_tiles, 1, GROUP_M, acc_layout)),
         (_load, (dy_desc, w2_desc, None, dy_bufs, w_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
                  GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -331,9 +352,9 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
 
 
 # The backward kernel's ((BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers): a consumer's tile is
-# (BLOCK_M, BLOCK_N) of dg; shared memory is the ring's alone (32 KB a stage at 128 x 128 x 64). Compiled for sm_90 with
-# Triton 3.6 on a CPU host: ~400 bytes of spills a thread in the epilogue.
-BACKWARD_CONFIGS = (((128, 128, 64), 6, 240), ((128, 128, 64), 7, 240), ((128, 128, 64), 4, 240))
+# (BLOCK_M, BLOCK_N) of dg. Shared memory: the ring (32 KB a stage at 128 x 128 x 64) and each consumer's h1 and h3
+# half tiles (32 KB). Compiled for sm_90 with Triton 3.6 on a CPU host.
+BACKWARD_CONFIGS = (((128, 128, 64), 5, 240), ((128, 128, 64), 4, 240), ((128, 128, 64), 3, 240))
 
 
 def swiglu_backward_gemm(dy: torch.Tensor, w2: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor,
@@ -343,16 +364,16 @@ def swiglu_backward_gemm(dy: torch.Tensor, w2: torch.Tensor, h1: torch.Tensor, h
     (block_m, block_n, block_k), stages, regs = config
     (m, k), n = dy.shape, w2.shape[-1]
     if (w2.shape != (k, n) or h1.shape != (m, n) or h3.shape != (m, n) or m * n * k == 0
-            or m % block_m or n % block_n or k % block_k or m * n >= 2**31):
+            or m % block_m or n % block_n or k % block_k):
         raise ValueError(f"swiglu_backward_gemm: dy (M, K), W2 (K, N), h1 and h3 (M, N), none empty, M, N, K "
-                         f"multiples of the tile {config[0]}, M N < 2^31; got {tuple(dy.shape)}, {tuple(w2.shape)}, "
+                         f"multiples of the tile {config[0]}; got {tuple(dy.shape)}, {tuple(w2.shape)}, "
                          f"{tuple(h1.shape)}, {tuple(h3.shape)}")
     d_gate, d_up = torch.empty_like(h1), torch.empty_like(h3)
     programs = min(torch.cuda.get_device_properties(dy.device).multi_processor_count,
                    (m // block_m) * (n // block_n))
     swiglu_backward_kernel[(programs,)](
-        _descriptor(dy, [block_m, block_k]), _descriptor(w2, [block_k, block_n]), h1, h3, d_gate, d_up, n,
-        GROUP_M=group_m, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
+        _descriptor(dy, [block_m, block_k]), _descriptor(w2, [block_k, block_n]),
+        *(_descriptor(t, [block_m, block_n // 2]) for t in (h1, h3, d_gate, d_up)), GROUP_M=group_m, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
     return d_gate, d_up
 
 
