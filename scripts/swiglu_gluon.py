@@ -43,15 +43,15 @@ def _tile_at(tile, tiles_m, tiles_n, GROUP_M: gl.constexpr):
 
 @gluon.jit
 def _load(x_desc, w1_desc, w3_desc, x_bufs, w_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
-          GROUP_M: gl.constexpr):
+          GROUP_M: gl.constexpr, W_KN: gl.constexpr):
     """The producer (one warp): the program's tiles in order, each tile's k-tiles into the ring; the j-th k-tile
     of the program goes to stage j % STAGES once its (j // STAGES)-th previous use is freed, W1's k-tile in the
-    top half of the stage's weight buffer and W3's in the bottom half; without W3 (``None``), W1 is stored (K, N)
-    (the backward's W2) and its k-tile is the stage's weight buffer."""
+    top half of the stage's weight buffer and W3's in the bottom half; without W3 (``None``), W1's k-tile is the
+    stage's weight buffer (the backward's W2, stored (K, N) with ``W_KN``, else (N, K))."""
     stages: gl.constexpr = x_bufs.type.shape[0]
     block_m: gl.constexpr = x_desc.block_type.shape[0]
     block_k: gl.constexpr = x_desc.block_type.shape[1]
-    block_n: gl.constexpr = w1_desc.block_type.shape[1 if w3_desc is None else 0]
+    block_n: gl.constexpr = w1_desc.block_type.shape[1 if W_KN else 0]
     nbytes: gl.constexpr = x_desc.block_type.nbytes + (1 if w3_desc is None else 2) * w1_desc.block_type.nbytes
     j = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -62,8 +62,10 @@ def _load(x_desc, w1_desc, w3_desc, x_bufs, w_bufs, ready, free, n_tiles, tiles_
             mbarrier.expect(ready.index(stage), nbytes)
             _tma_load(x_desc, [pid_m * block_m, k * block_k], ready.index(stage), x_bufs.index(stage))
             w = w_bufs.index(stage)
-            if w3_desc is None:
+            if W_KN:
                 _tma_load(w1_desc, [k * block_k, pid_n * block_n], ready.index(stage), w)
+            elif w3_desc is None:
+                _tma_load(w1_desc, [pid_n * block_n, k * block_k], ready.index(stage), w)
             else:
                 _tma_load(w1_desc, [pid_n * block_n, k * block_k], ready.index(stage), w.slice(0, block_n))
                 _tma_load(w3_desc, [pid_n * block_n, k * block_k], ready.index(stage), w.slice(block_n, block_n))
@@ -141,12 +143,13 @@ def _products(x_bufs, w_bufs, ready, free, turn, acc, first, k_tiles, r, CONSUME
 @gluon.jit
 def _consume_backward(dy_bufs, w_bufs, ready, free, turn, epi_bufs, epi_bar, h1_desc, h3_desc, dgate_desc, dup_desc,
                       n_tiles, tiles_m, tiles_n, k_tiles, CONSUMER: gl.constexpr, GROUP_M: gl.constexpr,
-                      acc_layout: gl.constexpr):
+                      acc_layout: gl.constexpr, W_KN: gl.constexpr, PLAIN: gl.constexpr):
     """Consumer CONSUMER of the backward (ping-pong, ``_consume``): a tile of dg = dy W2 rounded to bf16 as the
     unfused step's product is, then SwiGLU's backward (``swiglu_grads``, in fp32) a half tile at a time: h1's and
     h3's half tiles TMA-loaded into ``epi_bufs`` (the first half's while the tile's products run), read in the
     accumulator's layout, d_gate and d_up written over them and TMA-stored (session 48: reading and writing them
-    in that layout from global memory was bound by its uncoalesced accesses)."""
+    in that layout from global memory was bound by its uncoalesced accesses). ``PLAIN``: dg itself out as d_gate,
+    no loads and no SwiGLU (the same GEMM without its epilogue's work, for the probe)."""
     block_m: gl.constexpr = dy_bufs.type.shape[1]
     half: gl.constexpr = h1_desc.block_type.shape[1]
     dtype: gl.constexpr = dy_bufs.dtype
@@ -158,17 +161,25 @@ def _consume_backward(dy_bufs, w_bufs, ready, free, turn, epi_bufs, epi_bar, h1_
         off_m = pid_m * block_m
         off_n = pid_n * 2 * half
         tma.store_wait(pendings=0)  # the last tile's outputs have left the buffers
-        _load_pair(h1_desc, h3_desc, epi_bufs, epi_bar, off_m, off_n)
+        if not PLAIN:
+            _load_pair(h1_desc, h3_desc, epi_bufs, epi_bar, off_m, off_n)
         acc = _products(dy_bufs, w_bufs, ready, free, turn, gl.zeros((block_m, 2 * half), gl.float32, acc_layout),
-                        i * k_tiles, k_tiles, r, CONSUMER, False, True)
+                        i * k_tiles, k_tiles, r, CONSUMER, False, W_KN)
         # each half in the layout of a half as wide accumulator: the same registers, no data moves
         left, right = _halves(acc.to(dtype))
-        mbarrier.wait(epi_bar, 0)  # two loads a tile: the first's phase is 0, the second's 1
-        _dswiglu(gl.convert_layout(left, half_layout), epi_bufs, dgate_desc, dup_desc, off_m, off_n)
-        tma.store_wait(pendings=0)
-        _load_pair(h1_desc, h3_desc, epi_bufs, epi_bar, off_m, off_n + half)
-        mbarrier.wait(epi_bar, 1)
-        _dswiglu(gl.convert_layout(right, half_layout), epi_bufs, dgate_desc, dup_desc, off_m, off_n + half)
+        if PLAIN:
+            epi_bufs.index(0).store(gl.convert_layout(left, half_layout))
+            epi_bufs.index(1).store(gl.convert_layout(right, half_layout))
+            fence_async_shared()
+            _tma_store(dgate_desc, [off_m, off_n], epi_bufs.index(0))
+            _tma_store(dgate_desc, [off_m, off_n + half], epi_bufs.index(1))
+        else:
+            mbarrier.wait(epi_bar, 0)  # two loads a tile: the first's phase is 0, the second's 1
+            _dswiglu(gl.convert_layout(left, half_layout), epi_bufs, dgate_desc, dup_desc, off_m, off_n)
+            tma.store_wait(pendings=0)
+            _load_pair(h1_desc, h3_desc, epi_bufs, epi_bar, off_m, off_n + half)
+            mbarrier.wait(epi_bar, 1)
+            _dswiglu(gl.convert_layout(right, half_layout), epi_bufs, dgate_desc, dup_desc, off_m, off_n + half)
         i += CONSUMERS
         r += 1
     tma.store_wait(pendings=0)
@@ -272,23 +283,24 @@ def swiglu_gemm_kernel(x_desc, w1_desc, w3_desc, h1_desc, h3_desc, g_desc, GROUP
         (_consume, (x_bufs, w_bufs, ready, free, turn, out1, h1_desc, h3_desc, g_desc, n_tiles, tiles_m,
                     tiles_n, k_tiles, 1, GROUP_M, acc_layout, COOPERATIVE)),
         (_load, (x_desc, w1_desc, w3_desc, x_bufs, w_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
-                 GROUP_M)),
+                 GROUP_M, False)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
 @gluon.jit
 def swiglu_backward_kernel(dy_desc, w2_desc, h1_desc, h3_desc, dgate_desc, dup_desc, GROUP_M: gl.constexpr,
-                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """SwiGLU's backward in the epilogue of dg = dy W2, for dy (M, K), W2 (K, N) and the forward's h1, h3 (M, N):
-    d_gate and d_up (M, N) out, dg never written (``_consume_backward``); ping-pong, whole tiles. The (M, N)
-    matrices' blocks are half a tile wide."""
+                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, W_KN: gl.constexpr,
+                           PLAIN: gl.constexpr):
+    """SwiGLU's backward in the epilogue of dg = dy W2, for dy (M, K), W2 (K, N) (``W_KN``; else W2^T, (N, K)) and
+    the forward's h1, h3 (M, N): d_gate and d_up (M, N) out, dg never written (``_consume_backward``); ping-pong,
+    whole tiles. The (M, N) matrices' blocks are half a tile wide."""
     block_m: gl.constexpr = dy_desc.block_type.shape[0]
     block_k: gl.constexpr = dy_desc.block_type.shape[1]
-    block_n: gl.constexpr = w2_desc.block_type.shape[1]
+    block_n: gl.constexpr = w2_desc.block_type.shape[1 if W_KN else 0]
     gl.static_assert(STAGES >= 2, "a ring of one stage deadlocks: a stage is freed only after the next one's wait")
     gl.static_assert(2 * h1_desc.block_type.shape[1] == block_n, "the epilogue's blocks: half a tile wide")
     tiles_m = gl.cdiv(dy_desc.shape[0], block_m)
-    tiles_n = gl.cdiv(w2_desc.shape[1], block_n)
+    tiles_n = gl.cdiv(w2_desc.shape[1 if W_KN else 0], block_n)
     k_tiles = gl.cdiv(dy_desc.shape[1], block_k)
     n_tiles = tiles_m * tiles_n
     dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES] + dy_desc.block_type.shape, dy_desc.layout)
@@ -302,11 +314,13 @@ def swiglu_backward_kernel(dy_desc, w2_desc, h1_desc, h3_desc, dgate_desc, dup_d
     acc_layout: gl.constexpr = _acc_layout(block_m, block_n)
     gl.warp_specialize([
         (_consume_backward, (dy_bufs, w_bufs, ready, free, turn, epi0, epi_bars.index(0), h1_desc, h3_desc,
-                             dgate_desc, dup_desc, n_tiles, tiles_m, tiles_n, k_tiles, 0, GROUP_M, acc_layout)),
+                             dgate_desc, dup_desc, n_tiles, tiles_m, tiles_n, k_tiles, 0, GROUP_M, acc_layout, W_KN,
+                             PLAIN)),
         (_consume_backward, (dy_bufs, w_bufs, ready, free, turn, epi1, epi_bars.index(1), h1_desc, h3_desc,
-                             dgate_desc, dup_desc, n_tiles, tiles_m, tiles_n, k_tiles, 1, GROUP_M, acc_layout)),
+                             dgate_desc, dup_desc, n_tiles, tiles_m, tiles_n, k_tiles, 1, GROUP_M, acc_layout, W_KN,
+                             PLAIN)),
         (_load, (dy_desc, w2_desc, None, dy_bufs, w_bufs, ready, free, n_tiles, tiles_m, tiles_n, k_tiles,
-                 GROUP_M)),
+                 GROUP_M, W_KN)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -351,17 +365,20 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
     return h1, h3, g
 
 
-# The backward kernel's ((BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers): a consumer's tile is
-# (BLOCK_M, BLOCK_N) of dg. Shared memory: the ring (32 KB a stage at 128 x 128 x 64) and each consumer's h1 and h3
-# half tiles (32 KB). Compiled for sm_90 with Triton 3.6 on a CPU host.
-BACKWARD_CONFIGS = (((128, 128, 64), 5, 240), ((128, 128, 64), 4, 240), ((128, 128, 64), 3, 240))
+# The backward kernel's ((BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers, W2 read as W2^T (N, K)): a
+# consumer's tile is (BLOCK_M, BLOCK_N) of dg. Shared memory: the ring (32 KB a stage at 128 x 128 x 64) and each
+# consumer's h1 and h3 half tiles (32 KB). Compiled for sm_90 with Triton 3.6 on a CPU host: ~330 bytes of spills.
+BACKWARD_CONFIGS = (((128, 128, 64), 5, 240, False), ((128, 128, 64), 5, 240, True), ((128, 128, 64), 4, 240, True))
 
 
 def swiglu_backward_gemm(dy: torch.Tensor, w2: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor,
-                         config=BACKWARD_CONFIGS[0], group_m: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                         config=BACKWARD_CONFIGS[0], group_m: int = 8,
+                         plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate, d_up) = ``swiglu_grads(dy W2, h1, h3)`` in bf16 for dy (M, K), W2 (K, N), h1 and h3 (M, N),
-    contiguous bf16, whole tiles, with dg = dy W2 rounded to bf16 in registers and never written."""
-    (block_m, block_n, block_k), stages, regs = config
+    contiguous bf16, whole tiles, with dg = dy W2 rounded to bf16 in registers and never written (W2 copied to W2^T
+    first where ``config`` reads it so: its k-tiles as the forward's weights are). ``plain``: (dg, garbage), the
+    kernel's GEMM without its epilogue's work (the probe's yardstick)."""
+    (block_m, block_n, block_k), stages, regs, transposed = config
     (m, k), n = dy.shape, w2.shape[-1]
     if (w2.shape != (k, n) or h1.shape != (m, n) or h3.shape != (m, n) or m * n * k == 0
             or m % block_m or n % block_n or k % block_k):
@@ -372,8 +389,10 @@ def swiglu_backward_gemm(dy: torch.Tensor, w2: torch.Tensor, h1: torch.Tensor, h
     programs = min(torch.cuda.get_device_properties(dy.device).multi_processor_count,
                    (m // block_m) * (n // block_n))
     swiglu_backward_kernel[(programs,)](
-        _descriptor(dy, [block_m, block_k]), _descriptor(w2, [block_k, block_n]),
-        *(_descriptor(t, [block_m, block_n // 2]) for t in (h1, h3, d_gate, d_up)), GROUP_M=group_m, STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
+        _descriptor(dy, [block_m, block_k]),
+        _descriptor(w2.T.contiguous(), [block_n, block_k]) if transposed else _descriptor(w2, [block_k, block_n]),
+        *(_descriptor(t, [block_m, block_n // 2]) for t in (h1, h3, d_gate, d_up)), GROUP_M=group_m, STAGES=stages, CONSUMER_REGS=regs,
+        W_KN=not transposed, PLAIN=plain, num_warps=4)
     return d_gate, d_up
 
 

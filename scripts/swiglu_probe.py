@@ -213,8 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     add({"variant": "(backward: compiled SwiGLU backward alone)", "ms": median_ms(lambda: dswiglu(dg, h1, h3),
                                                                                    args.reps)})
     for config in BACKWARD_CONFIGS:
-        fused(f"backward: gluon {'x'.join(map(str, config[0]))} s{config[1]} r{config[2]} ping-pong",
+        fused(f"backward: gluon {'x'.join(map(str, config[0]))} s{config[1]} r{config[2]} "
+              f"{'W2^T' if config[3] else 'W2'} ping-pong",
               lambda: swiglu_backward_gemm(dy, w2, h1, h3, config), expected, backward_flops)
+    for config in BACKWARD_CONFIGS[:2]:  # the same GEMM with dg itself out: what the epilogue's work costs
+        fused(f"(backward: gluon {'x'.join(map(str, config[0]))} {'W2^T' if config[3] else 'W2'}, dg alone)",
+              lambda: swiglu_backward_gemm(dy, w2, h1, h3, config, plain=True)[:1], (dg,), backward_flops)
     return 0
 
 
