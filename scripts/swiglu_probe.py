@@ -111,12 +111,35 @@ def gluon_configs() -> tuple:
     return CONFIGS
 
 
+def _launch_once(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor) -> int:
+    """``--once``: x W1^T and dy W2 by cuBLAS, then the Gluon forward and backward (plain and with SwiGLU's
+    backward) at their first configurations, each launched once: what ``ncu -k regex:...`` profiles."""
+    configs = gluon_configs()
+    if not configs:
+        print("swiglu_probe: --once needs the Gluon kernels (sm_90)", file=sys.stderr)
+        return 2
+    from swiglu_gluon import BACKWARD_CONFIGS, swiglu_backward_gemm
+    from swiglu_gluon import swiglu_gemm as gluon_gemm
+
+    (m, d), f = x.shape, w1.shape[0]
+    dy = torch.randn(m, d, device=x.device, dtype=x.dtype)
+    w2 = torch.randn(d, f, device=x.device, dtype=x.dtype) / f ** 0.5
+    h1, h3 = x @ w1.T, dy @ w2
+    gluon_gemm(x, w1, w3, configs[0])
+    swiglu_backward_gemm(dy, w2, h1, h3, BACKWARD_CONFIGS[0], plain=True)
+    swiglu_backward_gemm(dy, w2, h1, h3, BACKWARD_CONFIGS[0])
+    torch.cuda.synchronize()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--model", default="xl")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per step (batch x sequence)")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--once", action="store_true", help="launch cuBLAS's products and the Gluon kernels' first "
+                        "configurations (the backward's plain too) once each, untimed, for Nsight Compute")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("swiglu_probe: needs a CUDA device", file=sys.stderr)
@@ -170,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             message = (str(error).splitlines() or [repr(error)])[0][:300]  # CUDA's last line is boilerplate
             add({"variant": name, "error": f"{type(error).__name__}: {message}"})
 
+    if args.once:
+        return _launch_once(x, w1, w3)
     expected = unfused()[2:]
     add({"variant": "cuBLAS x2 + compiled SwiGLU", "ms": median_ms(unfused, args.reps), "max_diff": 0.0}, flops)
     add({"variant": "(cuBLAS x2 alone)", "ms": median_ms(lambda: (x @ w1.t(), x @ w3.t()), args.reps)}, flops)
