@@ -391,8 +391,8 @@ def swiglu_backward_gemm(dy: torch.Tensor, w2: torch.Tensor, h1: torch.Tensor, h
     swiglu_backward_kernel[(programs,)](
         _descriptor(dy, [block_m, block_k]),
         _descriptor(w2.T.contiguous(), [block_n, block_k]) if transposed else _descriptor(w2, [block_k, block_n]),
-        *(_descriptor(t, [block_m, block_n // 2]) for t in (h1, h3, d_gate, d_up)), GROUP_M=group_m, STAGES=stages, CONSUMER_REGS=regs,
-        W_KN=not transposed, PLAIN=plain, num_warps=4)
+        *(_descriptor(t, [block_m, block_n // 2]) for t in (h1, h3, d_gate, d_up)), GROUP_M=group_m, STAGES=stages,
+        CONSUMER_REGS=regs, W_KN=not transposed, PLAIN=plain, num_warps=4)
     return d_gate, d_up
 
 
