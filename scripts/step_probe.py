@@ -38,7 +38,8 @@ from torch_impl.timing import capture_step
 # guards that tell its compiled graphs apart: torch.compiler.set_stance(skip_guard_eval_unsafe=True)), +apart (ours
 # with q, k and v as three products, the model before torch_impl.qkv_projection: its route when a projection's call
 # is hooked), +gsw (SwiGLU's W1 and W3 products with SiLU(h1) h3 in the epilogue of one persistent Gluon GEMM:
-# scripts/swiglu_gluon.py, sm_90)
+# scripts/swiglu_gluon.py, sm_90), +gsw2 (the whole MLP as one op: +gsw's forward, and SwiGLU's backward in the
+# epilogue of dg = dy W2)
 VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager",
             "ours_spanK")  # block: each block compiled; spanK: K consecutive blocks as one region (apply_compile)
 
@@ -78,17 +79,17 @@ def build(variant: str, spec, attention: str):
         fuse_projections()
     torch.manual_seed(0)
     model = TransformerLM(spec, attention=attention, device="cuda")
-    if "+gsw" in variant:  # SwiGLU's two products and SiLU(h1) h3 as one Gluon kernel (scripts/swiglu_gluon.py)
-        import types
+    if "+gsw" in variant:  # SwiGLU's two products and SiLU(h1) h3 as one Gluon kernel (scripts/swiglu_gluon.py);
+        import types      # +gsw2: the whole MLP as one op, its backward in the epilogue of dg = dy W2 too
 
         if variant.startswith("stock") or not ("+mixed" in variant or "+bf16" in variant):
             raise ValueError(f"{variant}: +gsw takes ours with bf16 weights (+mixed or +bf16), which the kernel needs")
 
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from swiglu_gluon import fused_forward
+        from swiglu_gluon import fused_forward, fused_mlp_forward
 
         for block in model.layers:
-            block.ffn.forward = types.MethodType(fused_forward, block.ffn)
+            block.ffn.forward = types.MethodType(fused_mlp_forward if "+gsw2" in variant else fused_forward, block.ffn)
     if "+apart" in variant:  # a no-op hook on each projection: project_qkv calls the three modules one by one
         for block in model.layers:
             for projection in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):

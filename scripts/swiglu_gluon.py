@@ -428,19 +428,89 @@ def swiglu_grads(dg: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor) -> tuple[
     return grad * up * sigmoid * (1 + gate * (1 - sigmoid)), grad * gate * sigmoid
 
 
-def _backward(ctx, dh1, dh3, dg):
-    """SwiGLU's backward in fp32 (float64 for float64; Inductor writes it as one pointwise kernel), then dx as one
-    GEMM accumulating into the other's output (cuBLAS's beta = 1) and the weights' gradients. h1 and h3 are
-    outputs too: their own gradients (None where unused) add in."""
-    x, w1, w3, h1, h3 = ctx.saved_tensors
+def _gate_up_grads(dg, dh1, dh3, h1, h3):
+    """The gradients of h1 and h3 in h1's dtype: SwiGLU's backward from g's gradient (None: zero) in fp32, with
+    h1's and h3's own gradients (outputs too; None where unused) added in."""
     d_gate, d_up = swiglu_grads(torch.zeros_like(h1) if dg is None else dg, h1, h3)
     wide = d_gate.dtype
-    d_gate = (d_gate if dh1 is None else d_gate + dh1.to(wide)).to(x.dtype)
-    d_up = (d_up if dh3 is None else d_up + dh3.to(wide)).to(x.dtype)
+    d_gate = d_gate if dh1 is None else d_gate + dh1.to(wide)
+    d_up = d_up if dh3 is None else d_up + dh3.to(wide)
+    return d_gate.to(h1.dtype), d_up.to(h1.dtype)
+
+
+def _input_grads(d_gate, d_up, x, w1, w3):
+    """dx as one GEMM accumulating into the other's output (cuBLAS's beta = 1), and W1's and W3's gradients."""
     return torch.addmm(d_gate @ w1, d_up, w3), d_gate.T @ x, d_up.T @ x
 
 
+def _backward(ctx, dh1, dh3, dg):
+    """SwiGLU's backward in fp32 (float64 for float64; Inductor writes it as one pointwise kernel), then the
+    inputs' gradients."""
+    x, w1, w3, h1, h3 = ctx.saved_tensors
+    return _input_grads(*_gate_up_grads(dg, dh1, dh3, h1, h3), x, w1, w3)
+
+
 swiglu_product.register_autograd(_backward, setup_context=_save)
+
+
+@torch.library.custom_op("swiglu_probe::swiglu_backward", mutates_args=())
+def swiglu_backward(dy: torch.Tensor, w2: torch.Tensor, h1: torch.Tensor,
+                    h3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) from y's gradient dy (M, K), W2 (K, N) and h1, h3 (M, N) of y = (SiLU(h1) h3) W2^T:
+    ``swiglu_backward_gemm`` on an sm_90 GPU with bf16 inputs in whole tiles, else dg = dy W2 and ``swiglu_grads``."""
+    (block_m, block_n, block_k) = BACKWARD_CONFIGS[0][0]
+    (m, k), n = dy.shape, w2.shape[-1]
+    if (dy.is_cuda and dy.dtype == w2.dtype == h1.dtype == h3.dtype == torch.bfloat16 and m * n * k > 0
+            and not (m % block_m or n % block_n or k % block_k)
+            and torch.cuda.get_device_capability(dy.device) == (9, 0)):
+        return swiglu_backward_gemm(dy.contiguous(), w2.contiguous(), h1.contiguous(), h3.contiguous())
+    return _gate_up_grads(dy @ w2, None, None, h1, h3)
+
+
+@swiglu_backward.register_fake
+def _(dy, w2, h1, h3):
+    return torch.empty_like(h1), torch.empty_like(h3)
+
+
+@torch.library.custom_op("swiglu_probe::swiglu_mlp", mutates_args=())
+def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+               w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h1, h3, g): SwiGLU's whole MLP, y = g W2^T with (h1, h3, g) as ``swiglu_product`` makes them, for x (M, K),
+    W1 and W3 (N, K), W2 (K, N). Its backward computes SwiGLU's backward in the epilogue of dg = dy W2
+    (``swiglu_backward``), so dg is never written; scripts/step_probe.py's ``+gsw2``."""
+    h1, h3, g = swiglu_product(x, w1, w3)
+    return g @ w2.T, h1, h3, g
+
+
+@swiglu_mlp.register_fake
+def _(x, w1, w3, w2):
+    return x.new_empty(x.shape[0], w2.shape[0]), *(x.new_empty(x.shape[0], w1.shape[0]) for _ in range(3))
+
+
+def _save_mlp(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs, *output[1:])  # x, W1, W3, W2, h1, h3, g
+    ctx.set_materialize_grads(False)
+
+
+def _backward_mlp(ctx, dy, dh1, dh3, dg):
+    """d_gate and d_up by ``swiglu_backward`` where only y has a gradient, else from dg = dy W2 plus g's own
+    gradient (``_gate_up_grads``); then the inputs' gradients and W2's, dy^T g."""
+    x, w1, w3, w2, h1, h3, g = ctx.saved_tensors
+    if dy is not None and dh1 is None and dh3 is None and dg is None:
+        d_gate, d_up = swiglu_backward(dy, w2, h1, h3)
+    else:
+        grad = dg if dy is None else dy @ w2 if dg is None else torch.addmm(dg, dy, w2)
+        d_gate, d_up = _gate_up_grads(grad, dh1, dh3, h1, h3)
+    return *_input_grads(d_gate, d_up, x, w1, w3), None if dy is None else dy.T @ g
+
+
+swiglu_mlp.register_autograd(_backward_mlp, setup_context=_save_mlp)
+
+
+def fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``torch_impl.model.SwiGLU.forward`` as one ``swiglu_mlp`` (scripts/step_probe.py's ``+gsw2``)."""
+    y, _, _, _ = swiglu_mlp(x.flatten(0, -2), self.w1.weight, self.w3.weight, self.w2.weight)
+    return y.unflatten(0, x.shape[:-1])
 
 
 def fused_forward(self, x: torch.Tensor) -> torch.Tensor:

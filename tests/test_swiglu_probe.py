@@ -143,3 +143,36 @@ def test_gpu_gluon_swiglu_backward_gemm_matches_float64(config, shape):
     for a, b in zip(got, want):
         bound = 2e-2 * b.abs() + 2e-2 * b.abs().mean()  # bf16 rounding of dg and of each output, with room
         assert ((a.double() - b).abs() <= bound).all(), (config, shape, seed, (a.double() - b).abs().max().item())
+
+
+def test_fused_mlp_matches_the_model_in_float64():
+    """``fused_mlp_forward`` bound to the model's SwiGLU (step_probe's ``+gsw2``) gives the model's output and all
+    gradients in float64, compiled too (fullgraph); both ops pass opcheck, and every output's gradient (y's, and
+    h1's, h3's and g's own, through the unfused branch) passes gradcheck."""
+    import types
+
+    from torch_impl.model import SwiGLU
+
+    swiglu_gluon = _swiglu_gluon()
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    module = SwiGLU(16, 24, dtype=torch.float64)
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    want = module(x)
+    want_grads = torch.autograd.grad(want.square().sum(), (x, *module.parameters()))
+    module.forward = types.MethodType(swiglu_gluon.fused_mlp_forward, module)
+    for run in (module, torch.compile(module, fullgraph=True, backend="aot_eager")):
+        got = run(x)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"seed {seed}")
+        for a, b in zip(torch.autograd.grad(got.square().sum(), (x, *module.parameters())), want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"seed {seed}")
+    inputs = (torch.randn(6, 4, dtype=torch.float64, requires_grad=True),
+              *(torch.randn(5, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)),
+              torch.randn(4, 5, dtype=torch.float64, requires_grad=True))
+    torch.library.opcheck(swiglu_gluon.swiglu_mlp, inputs)
+    torch.library.opcheck(swiglu_gluon.swiglu_backward, (torch.randn(6, 4, dtype=torch.float64), inputs[3].detach(),
+                                                         torch.randn(6, 5, dtype=torch.float64),
+                                                         torch.randn(6, 5, dtype=torch.float64)))
+    torch.autograd.gradcheck(swiglu_gluon.swiglu_mlp, inputs)
+    torch.autograd.gradcheck(lambda *t: swiglu_gluon.swiglu_mlp(*t)[0], inputs)
+    torch.autograd.gradcheck(lambda *t: swiglu_gluon.swiglu_mlp(*t)[3], inputs)
