@@ -93,7 +93,7 @@ swiglu)  # each part under a timeout: a kernel new to the device may hang, and t
   echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$out/gpu_tests_swiglu.txt"
   timeout -k 10 150 python3 scripts/swiglu_probe.py "$out" 2>&1 | tee "$out/swiglu_probe.log"
   timeout -k 10 240 python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
-    --variants ours_span4+ro+mixed,ours_span4+ro+mixed+gsw 2>&1 | tee "$out/step_probe.log" ;;
+    --variants ours_span4+ro+mixed,ours_span4+ro+mixed+gsw,ours_span4+ro+mixed+gsw2 2>&1 | tee "$out/step_probe.log" ;;
 records_graphs)
   for config in "xl 4 2048" "2.7B 2 2048" "xl 4 512"; do step $config --dtype bf16_mixed --cuda-graph blocks; done
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks --attention flash_triton ;;

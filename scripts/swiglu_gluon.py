@@ -1,5 +1,6 @@
-"""SwiGLU in the epilogue of a persistent, warp-specialized Hopper GEMM written in Gluon: the kernel behind
-``scripts/swiglu_probe.py``'s ``gluon`` rows and ``scripts/step_probe.py``'s ``+gsw`` (sm_90, Triton 3.6's Gluon).
+"""SwiGLU in the epilogues of persistent, warp-specialized Hopper GEMMs written in Gluon, forward and backward: the
+kernels behind ``scripts/swiglu_probe.py``'s ``gluon`` rows and ``scripts/step_probe.py``'s ``+gsw`` and ``+gsw2``
+(sm_90, Triton 3.6's Gluon).
 
 Triton's own pipelining ran the fused product at ~510 TFLOP/s where cuBLAS runs the two products at ~730
 (notes/train_step.md, session 47), so the structure here is the one Hopper GEMMs at cuBLAS's speed use (CUTLASS's
@@ -7,12 +8,17 @@ Triton's own pipelining ran the fused product at ~510 TFLOP/s where cuBLAS runs 
 W3's k-tiles into a ring of shared-memory stages, and two consumer warpgroups take the program's output tiles in
 turn, so that one's epilogue (SiLU, the product, three TMA stores) runs while the other's wgmmas run. A consumer's
 tile is (BLOCK_M, BLOCK_N) of h1 and the same of h3, computed as one product: a stage holds W1's k-tile above W3's,
-so each wgmma is 2 BLOCK_N wide (session 48: two BLOCK_N = 64 wide wgmmas a k-tile ran at ~377 TFLOP/s, where
-wgmma's shared-memory reads of x's tile, once per instruction, bound a narrow instruction; the tutorials' Hopper GEMMs
-reach cuBLAS's speed with 256 wide ones).
+so each wgmma is 2 BLOCK_N wide: a wgmma reads its x tile from shared memory once per instruction, so a wide
+instruction reads it less often per FLOP (Triton's Gluon tutorials reach cuBLAS's speed with 256 wide ones). Timed
+from CUDA graphs on the H200 at xl's shapes (notes/train_step.md, session 48), it runs both products and SwiGLU in
+cuBLAS's time for the two products alone: 1.16x cuBLAS's products with the compiled SwiGLU.
 
-``swiglu_product`` is the kernel as an op opaque to torch.compile, with its backward, and ``fused_forward`` the
-model's SwiGLU through it: scripts/step_probe.py's ``+gsw`` puts it into the compiled step.
+The backward's kernel (``swiglu_backward_kernel``) is the same ring for dg = dy W2, with SwiGLU's backward in its
+epilogue: 1.12x cuBLAS's dg with the compiled backward.
+
+``swiglu_product`` is the forward as an op opaque to torch.compile, with its backward, and ``fused_forward`` the
+model's SwiGLU through it (``+gsw``); ``swiglu_mlp`` is the whole MLP as one op whose backward uses the backward's
+kernel, and ``fused_mlp_forward`` the model's SwiGLU through it (``+gsw2``).
 """
 
 from __future__ import annotations
@@ -147,8 +153,8 @@ def _consume_backward(dy_bufs, w_bufs, ready, free, turn, epi_bufs, epi_bar, h1_
     """Consumer CONSUMER of the backward (ping-pong, ``_consume``): a tile of dg = dy W2 rounded to bf16 as the
     unfused step's product is, then SwiGLU's backward (``swiglu_grads``, in fp32) a half tile at a time: h1's and
     h3's half tiles TMA-loaded into ``epi_bufs`` (the first half's while the tile's products run), read in the
-    accumulator's layout, d_gate and d_up written over them and TMA-stored (session 48: reading and writing them
-    in that layout from global memory was bound by its uncoalesced accesses). ``PLAIN``: dg itself out as d_gate,
+    accumulator's layout, d_gate and d_up written over them and TMA-stored (each thread's few columns a row,
+    coalesced by TMA, not loaded and stored one pair at a time). ``PLAIN``: dg itself out as d_gate,
     no loads and no SwiGLU (the same GEMM without its epilogue's work, for the probe)."""
     block_m: gl.constexpr = dy_bufs.type.shape[1]
     half: gl.constexpr = h1_desc.block_type.shape[1]
@@ -331,9 +337,9 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 # (BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers, a consumer's output buffers, cooperative: a program's
 # tile is (BLOCK_M, BLOCK_N) of h1 and of h3. Shared memory (sm_90: 227 KB a block): the stages (x's, W1's and W3's
 # k-tiles) and each consumer's output buffers, at most 224 KB here. Compiled for sm_90 with Triton 3.6 on a CPU host:
-# 168 registers, no spills; wgmmas 2 BLOCK_N wide. At xl's 8,192 x 1,600 x 2 x 6,400 on the H200 (session 48), ping-pong
-# 128 x 64 x 64 ran at 545 TFLOP/s with 4 stages and three buffers, 588 with 6 stages and one, against cuBLAS's
-# two products at 736 and with the compiled SwiGLU at 628 in the same run; 32 wide k-tiles and 64-row tiles, <= 412.
+# 168 registers, no spills; wgmmas 2 BLOCK_N wide. At xl's 8,192 x 1,600 x 2 x 6,400 on the H200, timed from CUDA
+# graphs (session 48): the first 0.445 ms (754 TFLOP/s with SwiGLU), the second 0.461, the cooperative ones
+# 0.490-0.508, against cuBLAS's two products at 0.444 and with the compiled SwiGLU at 0.516 in the same run.
 CONFIGS = (((128, 64, 64), 6, 232, 1, False), ((128, 64, 64), 5, 232, 2, False), ((128, 128, 64), 4, 232, 1, True),
            ((128, 128, 64), 3, 232, 2, True), ((256, 64, 64), 4, 232, 1, True))
 
