@@ -298,8 +298,8 @@ def swiglu_backward_kernel(dy_desc, w2_desc, h1_desc, h3_desc, dgate_desc, dup_d
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, W_KN: gl.constexpr,
                            PLAIN: gl.constexpr):
     """SwiGLU's backward in the epilogue of dg = dy W2, for dy (M, K), W2 (K, N) (``W_KN``; else W2^T, (N, K)) and
-    the forward's h1, h3 (M, N): d_gate and d_up (M, N) out, dg never written (``_consume_backward``); ping-pong,
-    whole tiles. The (M, N) matrices' blocks are half a tile wide."""
+    the forward's h1, h3 (M, N): d_gate and d_up (M, N) out, dg never written (``_consume_backward``; ``PLAIN``:
+    dg itself out as d_gate); ping-pong, whole tiles. The (M, N) matrices' blocks are half a tile wide."""
     block_m: gl.constexpr = dy_desc.block_type.shape[0]
     block_k: gl.constexpr = dy_desc.block_type.shape[1]
     block_n: gl.constexpr = w2_desc.block_type.shape[1 if W_KN else 0]
@@ -336,8 +336,8 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 # (BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers, a consumer's output buffers, cooperative: a program's
 # tile is (BLOCK_M, BLOCK_N) of h1 and of h3. Shared memory (sm_90: 227 KB a block): the stages (x's, W1's and W3's
-# k-tiles) and each consumer's output buffers, at most 224 KB here. Compiled for sm_90 with Triton 3.6 on a CPU host:
-# 168 registers, no spills; wgmmas 2 BLOCK_N wide. At xl's 8,192 x 1,600 x 2 x 6,400 on the H200, timed from CUDA
+# k-tiles) and each consumer's output buffers, at most 224.3 KiB here. Compiled for sm_90 with Triton 3.6 on a CPU
+# host: 168 registers, no spills; wgmmas 2 BLOCK_N wide. At xl's 8,192 x 1,600 x 2 x 6,400 on the H200, timed from CUDA
 # graphs (session 48): the first 0.445 ms (754 TFLOP/s with SwiGLU), the second 0.461, the cooperative ones
 # 0.490-0.508, against cuBLAS's two products at 0.444 and with the compiled SwiGLU at 0.516 in the same run.
 CONFIGS = (((128, 64, 64), 6, 232, 1, False), ((128, 64, 64), 5, 232, 2, False), ((128, 128, 64), 4, 232, 1, True),
@@ -483,7 +483,8 @@ def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, h1, h3, g): SwiGLU's whole MLP, y = g W2^T with (h1, h3, g) as ``swiglu_product`` makes them, for x (M, K),
     W1 and W3 (N, K), W2 (K, N). Its backward computes SwiGLU's backward in the epilogue of dg = dy W2
-    (``swiglu_backward``), so dg is never written; scripts/step_probe.py's ``+gsw2``."""
+    (``swiglu_backward``), so dg is never written where that kernel runs and y alone has a gradient; no double
+    backward; scripts/step_probe.py's ``+gsw2``."""
     h1, h3, g = swiglu_product(x, w1, w3)
     return g @ w2.T, h1, h3, g
 

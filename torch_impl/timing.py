@@ -91,6 +91,8 @@ def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3, graph: bool 
     longer than the kernels (a Triton kernel with TMA descriptors built on the host: session 48 of
     notes/train_step.md), and what a step's CUDA graphs run."""
     if graph:
+        if warmup < 1:  # the capture would hold the first call's lazy set-up (compilation, cuBLAS's workspace)
+            raise ValueError(f"median_ms: graph=True needs warmup >= 1 (got {warmup})")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
