@@ -86,23 +86,14 @@ def enqueue_ms(fn: Callable[[], object], calls: int = 1, rounds: int = 1) -> flo
 def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3, graph: bool = False) -> float:
     """Median milliseconds of one ``fn()`` call over ``reps`` calls after ``warmup`` untimed ones, each timed
     alone between two CUDA events (what the probes in scripts/ measure a kernel or an optimizer step with). With
-    ``graph``, ``fn`` is captured once in a CUDA graph (after its warm-up, on a side stream) and the replays are
+    ``graph``, ``fn`` is captured by ``capture_step`` (after its warm-up, on a side stream) and the replays are
     timed: the device's time without the host's launch path, which the events would otherwise count where it is
     longer than the kernels (a Triton kernel with TMA descriptors built on the host: session 48 of
     notes/train_step.md), and what a step's CUDA graphs run."""
     if graph:
         if warmup < 1:  # the capture would hold the first call's lazy set-up (compilation, cuBLAS's workspace)
             raise ValueError(f"median_ms: graph=True needs warmup >= 1 (got {warmup})")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            fn()
-        fn = captured.replay
+        fn = capture_step(fn, warmup=warmup)
     for _ in range(warmup):
         fn()
     times = []
