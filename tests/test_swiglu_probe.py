@@ -83,6 +83,13 @@ def test_swiglu_product_passes_opcheck_and_gradcheck():
     torch.autograd.gradcheck(lambda *t: swiglu_gluon.swiglu_product(*t)[0], inputs)
 
 
+def _assert_within_bf16(got, want, context) -> None:
+    """Each kernel output element by element against its float64 reference: within bf16's rounding, with room."""
+    for a, b in zip(got, want, strict=True):
+        bound = 2e-2 * b.abs() + 2e-2 * b.abs().mean()
+        assert ((a.double() - b).abs() <= bound).all(), (*context, (a.double() - b).abs().max().item())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(2048, 1664, 256), (256, 256, 64)])
 @pytest.mark.parametrize("config", range(5))  # swiglu_gluon.CONFIGS (imported on a GPU only)
@@ -101,9 +108,7 @@ def test_gpu_gluon_swiglu_gemm_matches_float64(config, shape):
                  for size in ((m, k), (n, k), (n, k)))
     got = swiglu_gluon.swiglu_gemm(x, w1, w3, swiglu_gluon.CONFIGS[config])
     ref1, ref3 = x.double() @ w1.double().T, x.double() @ w3.double().T
-    for a, b in zip(got, (ref1, ref3, F.silu(ref1) * ref3)):
-        bound = 2e-2 * b.abs() + 2e-2 * b.abs().mean()  # bf16 rounding of each output, with room
-        assert ((a.double() - b).abs() <= bound).all(), (config, shape, seed, (a.double() - b).abs().max().item())
+    _assert_within_bf16(got, (ref1, ref3, F.silu(ref1) * ref3), (config, shape, seed))
 
 
 def test_swiglu_grads_match_autograd_and_bad_shapes_are_refused():
@@ -142,9 +147,7 @@ def test_gpu_gluon_swiglu_backward_gemm_matches_float64(config, shape):
                       for size in ((m, k), (k, n), (m, n), (m, n)))
     got = swiglu_gluon.swiglu_backward_gemm(dy, w2, h1, h3, swiglu_gluon.BACKWARD_CONFIGS[config])
     want = swiglu_gluon.swiglu_grads(dy.double() @ w2.double(), h1.double(), h3.double())
-    for a, b in zip(got, want):
-        bound = 2e-2 * b.abs() + 2e-2 * b.abs().mean()  # bf16 rounding of dg and of each output, with room
-        assert ((a.double() - b).abs() <= bound).all(), (config, shape, seed, (a.double() - b).abs().max().item())
+    _assert_within_bf16(got, want, (config, shape, seed))  # dg's rounding too
 
 
 def test_swiglu_mlp_passes_opcheck_and_gradcheck():
