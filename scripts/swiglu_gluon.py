@@ -377,6 +377,16 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
 BACKWARD_CONFIGS = (((128, 128, 64), 5, 240, False), ((128, 128, 64), 5, 240, True), ((128, 128, 64), 4, 240, True))
 
 
+def _backward_fits(dy: torch.Tensor, w2: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor,
+                   config=BACKWARD_CONFIGS[0]) -> bool:
+    """dy (M, K), W2 (K, N), h1 and h3 (M, N), none empty, M, N and K whole tiles of ``config`` (``_fits`` of the
+    backward)."""
+    block_m, block_n, block_k = config[0]
+    (m, k), n = dy.shape, w2.shape[-1]
+    return (w2.shape == (k, n) and h1.shape == h3.shape == (m, n) and m * n * k > 0
+            and not (m % block_m or n % block_n or k % block_k))
+
+
 def swiglu_backward_gemm(dy: torch.Tensor, w2: torch.Tensor, h1: torch.Tensor, h3: torch.Tensor,
                          config=BACKWARD_CONFIGS[0], group_m: int = 8,
                          plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -386,8 +396,7 @@ def swiglu_backward_gemm(dy: torch.Tensor, w2: torch.Tensor, h1: torch.Tensor, h
     kernel's GEMM without its epilogue's work (the probe's yardstick)."""
     (block_m, block_n, block_k), stages, regs, transposed = config
     (m, k), n = dy.shape, w2.shape[-1]
-    if (w2.shape != (k, n) or h1.shape != (m, n) or h3.shape != (m, n) or m * n * k == 0
-            or m % block_m or n % block_n or k % block_k):
+    if not _backward_fits(dy, w2, h1, h3, config):
         raise ValueError(f"swiglu_backward_gemm: dy (M, K), W2 (K, N), h1 and h3 (M, N), none empty, M, N, K "
                          f"multiples of the tile {config[0]}; got {tuple(dy.shape)}, {tuple(w2.shape)}, "
                          f"{tuple(h1.shape)}, {tuple(h3.shape)}")
@@ -464,10 +473,7 @@ def swiglu_backward(dy: torch.Tensor, w2: torch.Tensor, h1: torch.Tensor,
                     h3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate, d_up) from y's gradient dy (M, K), W2 (K, N) and h1, h3 (M, N) of y = (SiLU(h1) h3) W2^T:
     ``swiglu_backward_gemm`` on an sm_90 GPU with bf16 inputs in whole tiles, else dg = dy W2 and ``swiglu_grads``."""
-    (block_m, block_n, block_k) = BACKWARD_CONFIGS[0][0]
-    (m, k), n = dy.shape, w2.shape[-1]
-    if (dy.is_cuda and dy.dtype == w2.dtype == h1.dtype == h3.dtype == torch.bfloat16 and m * n * k > 0
-            and not (m % block_m or n % block_n or k % block_k)
+    if (dy.is_cuda and dy.dtype == w2.dtype == h1.dtype == h3.dtype == torch.bfloat16 and _backward_fits(dy, w2, h1, h3)
             and torch.cuda.get_device_capability(dy.device) == (9, 0)):
         return swiglu_backward_gemm(dy.contiguous(), w2.contiguous(), h1.contiguous(), h3.contiguous())
     return _gate_up_grads(dy @ w2, None, None, h1, h3)
