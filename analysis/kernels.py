@@ -13,8 +13,9 @@ elementwise / other, the numbers behind "what fraction of the step is GEMM".
   ``torch_impl.profiling``): events of the "Stream #N" threads of processes named ``/device:GPU:N``. A kernel
   of an XLA program is named with its program, ``loop_add_fusion [jit_forward]``: several programs (the
   per-block step's) each have a ``loop_add_fusion`` of their own.
-* ``trace_gpu_idle(path)``: the GPU's busy and idle time over a trace and its largest gaps, each with the kernels
-  either side (``GpuIdle``): whether the host or the device sets the step's pace.
+* ``gpu_idle(kernels)``: the GPU's busy and idle time among ``(name, start, duration)`` kernels, its largest gaps
+  each with the kernels either side, and the gaps summed per pair of neighbours (``GpuIdle``): whether the host or
+  the device sets the step's pace, and where it waits; ``trace_gpu_idle(path)``: the same of a trace's kernels.
 
 Never imports torch or jax. References: the torch.profiler and JAX profiling docs (trace formats).
 """
@@ -171,30 +172,37 @@ def trace_kernel_times(path: str | os.PathLike) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class GpuIdle:
-    """When the GPU ran no kernel between the trace's first kernel and its last: ``window_ms`` (first start to
-    last end), ``busy_ms`` (the union of the kernels' intervals, overlapping streams counted once),
-    ``idle_ms`` = window - busy, and the largest gaps as ``(ms, kernel before, kernel after)``."""
+    """When the GPU ran no kernel between the first kernel and the last: ``window_ms`` (first start to last end),
+    ``busy_ms`` (the union of the kernels' intervals, overlapping streams counted once), ``idle_ms`` = window -
+    busy, the largest gaps as ``(ms, kernel before, kernel after)``, and ``pairs``: the gaps summed per pair of
+    neighbours, ``(ms, gaps, kernel before, kernel after)``, largest first (many short gaps between the same two
+    kernels add up where no single one is large)."""
 
     window_ms: float
     busy_ms: float
     idle_ms: float
     gaps: tuple[tuple[float, str, str], ...]
+    pairs: tuple[tuple[float, int, str, str], ...] = ()
 
     def markdown(self, n_steps: int) -> str:
-        """The idle time per step and the largest gaps, for the kernel table's file."""
+        """The idle time per step, the largest gaps and the pairs' sums per step, for the kernel table's file."""
         lines = [f"GPU busy {self.busy_ms / n_steps:.3f} ms and idle {self.idle_ms / n_steps:.3f} ms per step "
                  f"(window {self.window_ms:.3f} ms over {n_steps} steps, the gaps between steps included).",
                  "", "| gap ms | kernel before | kernel after |", "|--:|:--|:--|"]
         lines += [f"| {ms:.3f} | `{before[:60]}` | `{after[:60]}` |" for ms, before, after in self.gaps]
+        lines += ["", "| idle ms per step | gaps per step | kernel before | kernel after |", "|--:|--:|:--|:--|"]
+        lines += [f"| {ms / n_steps:.3f} | {count / n_steps:g} | `{before[:60]}` | `{after[:60]}` |"
+                  for ms, count, before, after in self.pairs]
         return "\n".join(lines)
 
 
-def trace_gpu_idle(path: str | os.PathLike, largest: int = 20) -> GpuIdle:
-    """The GPU's idle time in a trace (``GpuIdle``): does the host, or the device, set the step's pace?"""
-    kernels = sorted(_stream_kernels(path), key=lambda k: k[1])
+def gpu_idle(kernels: list[tuple[str, float, float]], largest: int = 20) -> GpuIdle:
+    """The GPU's idle time (``GpuIdle``) among kernels given as ``(name, start us, duration us)``, on any streams:
+    does the host, or the device, set the step's pace, and between which kernels does the device wait?"""
+    kernels = sorted(kernels, key=lambda k: k[1])
     if not kernels:
-        raise ValueError(f"{path}: no kernels on the GPU timeline")
-    gaps, busy = [], 0.0
+        raise ValueError("no kernels on the GPU timeline")
+    gaps, busy, pairs = [], 0.0, {}
     name, start, dur = kernels[0]
     end, last = start + dur, name
     busy_start = start
@@ -202,9 +210,21 @@ def trace_gpu_idle(path: str | os.PathLike, largest: int = 20) -> GpuIdle:
         if start > end:
             busy += end - busy_start
             gaps.append(((start - end) / 1e3, last, name))
+            total, count = pairs.get((last, name), (0.0, 0))
+            pairs[(last, name)] = (total + (start - end) / 1e3, count + 1)
             busy_start = start
         if start + dur >= end:
             end, last = start + dur, name
     busy += end - busy_start
     window = (end - kernels[0][1]) / 1e3
-    return GpuIdle(window, busy / 1e3, window - busy / 1e3, tuple(sorted(gaps, reverse=True)[:largest]))
+    by_pair = sorted(((ms, count, before, after) for (before, after), (ms, count) in pairs.items()), reverse=True)
+    return GpuIdle(window, busy / 1e3, window - busy / 1e3, tuple(sorted(gaps, reverse=True)[:largest]),
+                   tuple(by_pair[:largest]))
+
+
+def trace_gpu_idle(path: str | os.PathLike, largest: int = 20) -> GpuIdle:
+    """``gpu_idle`` of the kernels on a Chrome-format trace's GPU timeline (``_stream_kernels``)."""
+    try:
+        return gpu_idle(_stream_kernels(path), largest)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None

@@ -6,8 +6,9 @@ eager, compiled per block, or compiled whole), times ``--steps`` full train step
 after 3 warm-up steps (the first's time is the compile time), one synchronization per step, phases from CUDA
 events; then the same variant with the device synchronized around every phase (the old harness); then a
 ``torch.profiler`` run of 2 steps: device-busy time per step against wall time (the gap is the CPU-bound idle
-time), the largest kernels and the host's self-CPU time per op. Prints a table; writes everything to
-OUT/step_probe.json. Not a record: the e2e benchmark makes those; this finds what to fix (notes/train_step.md).
+time), the device's idle time summed per pair of neighbouring kernels, the largest kernels and the host's self-CPU
+time per op. Prints a table; writes everything to OUT/step_probe.json. Not a record: the e2e benchmark makes
+those; this finds what to fix (notes/train_step.md).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from parallelism_calc.specs import get_model
 from torch_impl.model import TransformerLM, cross_entropy
 from torch_impl.optim import adamw_for
 from torch_impl.parallelize import apply_compile
-from torch_impl.profiling import is_kernel
+from analysis.kernels import gpu_idle
+from torch_impl.profiling import is_kernel, kernel_intervals
 from torch_impl.stock import StockTransformerLM
 from torch_impl.timing import capture_step
 
@@ -195,6 +197,10 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, attention: 
     kernels = sorted(((e.key, e.self_device_time_total / 2e3, e.count // 2) for e in prof.key_averages()
                       if is_kernel(e)), key=lambda k: -k[1])
     result["device_busy_ms"] = sum(k[1] for k in kernels)
+    idle = gpu_idle(kernel_intervals(prof), largest=12)  # where the device waits: gaps per pair of neighbours
+    result["device_idle_ms"] = idle.idle_ms / 2
+    result["idle_pairs"] = [(round(ms / 2, 3), count / 2, before[:60], after[:60])
+                            for ms, count, before, after in idle.pairs]
     result["top_kernels"] = [(name[:90], round(ms, 3), n) for name, ms, n in kernels[:25]]
     host = sorted(((e.key, e.self_cpu_time_total / 2e3, e.count // 2) for e in prof.key_averages()
                    if e.self_cpu_time_total > 0), key=lambda k: -k[1])
@@ -254,6 +260,10 @@ def main() -> int:
             print(f"\n{r['model']} {r['batch']}x{r['seq']} {r['variant']}: top kernels (ms/step, calls/step)")
             for name, ms, n in r["top_kernels"][:25]:
                 print(f"  {ms:8.3f} {n:4d}  {name}")
+            print(f"  device idle {r['device_idle_ms']:.2f} ms/step (gaps between steps too); largest by pair of "
+                  "neighbours (ms/step, gaps/step):")
+            for ms, count, before, after in r["idle_pairs"]:
+                print(f"  {ms:8.3f} {count:6g}  {before} -> {after}")
             print(f"  host (self CPU ms/step, calls/step), total {r['host_ms']:.1f} ms:")
             for name, ms, n in r["top_host"][:25]:
                 print(f"  {ms:8.3f} {n:4d}  {name}")

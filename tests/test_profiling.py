@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from analysis.kernels import hlo_kernel_details, kernel_table, markdown, trace_gpu_idle, trace_kernel_times
+from analysis.kernels import gpu_idle, hlo_kernel_details, kernel_table, markdown, trace_gpu_idle, trace_kernel_times
 from analysis.records import read_records
 from torch_impl.bench import e2e
 from torch_impl.profiling import CATEGORIES, categorize
@@ -127,6 +127,39 @@ def test_trace_gpu_idle_counts_overlaps_once_and_names_the_gaps(tmp_path):
     assert idle.idle_ms == pytest.approx(0.25)
     assert idle.gaps == ((pytest.approx(0.25), "side", "c"),)
     assert "idle 0.125 ms per step" in idle.markdown(n_steps=2)
+
+
+def test_gpu_idle_sums_the_gaps_per_pair_of_neighbours():
+    """Three short gaps between a and b outweigh one longer gap between b and c; overlaps are not gaps."""
+    kernels = [("a", 0, 10), ("b", 14, 10), ("a", 30, 10), ("b", 44, 10), ("c", 60, 10), ("a", 70, 10),
+               ("b", 84, 10), ("side", 85, 5)]
+    idle = gpu_idle(kernels, largest=2)
+    assert idle.idle_ms == pytest.approx(0.024) and idle.busy_ms == pytest.approx(0.070)
+    assert idle.pairs == ((pytest.approx(0.012), 3, "a", "b"), (pytest.approx(0.006), 1, "b", "c"))
+    assert idle.gaps == ((pytest.approx(0.006), "b", "c"), (pytest.approx(0.006), "b", "a"))
+    assert "| 0.006 | 1.5 | `a` | `b` |" in idle.markdown(n_steps=2)
+    with pytest.raises(ValueError, match="no kernels"):
+        gpu_idle([])
+
+
+def test_kernel_intervals_keep_the_device_kernels_alone():
+    """torch.profiler's events -> ``gpu_idle``'s kernels: host ops and annotations drawn on the device left out."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from torch_impl.profiling import kernel_intervals
+
+    def event(name, start, end, device_type=DeviceType.CUDA, annotation=False):
+        return FunctionEvent(id=0, name=name, thread=0, start_us=start, end_us=end, use_device="cuda",
+                             device_type=device_type, is_user_annotation=annotation)
+
+    class Prof:
+        def events(self):
+            return [event("aten::mm", 0, 50, DeviceType.CPU), event("gemm", 10, 30),
+                    event("step#1", 0, 90, annotation=True), event("silu", 34, 40)]
+
+    assert kernel_intervals(Prof()) == [("gemm", 10, 20), ("silu", 34, 6)]
+    assert gpu_idle(kernel_intervals(Prof())).idle_ms == pytest.approx(0.004)
 
 
 def test_hlo_kernel_details_name_kernels_as_traces_do():

@@ -50,6 +50,12 @@ def kernel_table(prof: profile, n_steps: int, calls: dict[str, float] | None = N
     return rows_by_category(times, n_steps)
 
 
+def kernel_intervals(prof: profile) -> list[tuple[str, float, float]]:
+    """``(name, start us, duration us)`` of each device kernel or copy the profiler saw, for
+    ``analysis.kernels.gpu_idle``: where, between which kernels, the device waits."""
+    return [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events() if is_kernel(e)]
+
+
 PROFILED_KERNELS = 30  # how many of the largest kernels a record names (the kernel table has all of them)
 
 
