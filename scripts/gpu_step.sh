@@ -41,15 +41,20 @@
 # weight in the other layout: OUT_DIR/gemm_probe.{json,log}), then the qkv phase's probe with cuDNN and ours alone
 # with flash_triton (OUT_DIR/flash/step_probe.{json,log}), each with its kernel table. swiglu: the GPU tests of the
 # fused kernels (OUT_DIR/gpu_tests_swiglu.txt), SwiGLU in the epilogue of its GEMM (one Triton kernel, then the
-# persistent warp-specialized Gluon one of scripts/swiglu_gluon.py on sm_90) against cuBLAS's two products and the
+# persistent warp-specialized Gluon one of torch_impl/swiglu_gluon.py on sm_90) against cuBLAS's two products and the
 # compiled SwiGLU, xl (scripts/swiglu_probe.py: OUT_DIR/swiglu_probe.{json,log}), then ours at xl 4 x 2,048 without
 # and with the Gluon kernel in the step (+gsw; OUT_DIR/step_probe.{json,log}; ~5 minutes).
 # records_graphs: the records phase's three configurations with each block's graph only, then ours with our
-# FlashAttention (flash_triton) at xl 4 x 2,048 against its own stock reference (~8 minutes).
+# FlashAttention (flash_triton) at xl 4 x 2,048 against its own stock reference (~8 minutes). records_best: xl
+# 4 x 2,048 with each block's graph, stock then ours with cuDNN, stock then ours at its best (flash_triton, --mlp
+# gluon). mlp: the Gluon MLP's GPU tests (OUT_DIR/gpu_tests_mlp.txt), then the trainer at xl 4 x 2,048 for 200 steps
+# on the built-in corpus (bf16 weights with fp32 masters, each block's graph; OUT_DIR/train_<gpu>.jsonl) with
+# flash_triton without and with --mlp gluon, and with cuDNN's attention: the loss curves' drift from other kernels'
+# bits, the scale against which the Gluon MLP's drift is read (~7 minutes).
 set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
 flash_graphs|fidelity_ddp|fidelity_train|\
-fidelity_profile|fidelity_e2e|qkv|levers|swiglu|records_graphs"
+fidelity_profile|fidelity_e2e|qkv|levers|swiglu|records_graphs|records_best|mlp"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -97,6 +102,18 @@ swiglu)  # each part under a timeout: a kernel new to the device may hang, and t
 records_graphs)
   for config in "xl 4 2048" "2.7B 2 2048" "xl 4 512"; do step $config --dtype bf16_mixed --cuda-graph blocks; done
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks --attention flash_triton ;;
+records_best)
+  step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks
+  step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks --attention flash_triton --mlp gluon ;;
+mlp)
+  timeout -k 5 120 python3 -m pytest -q -rfE -m gpu tests/test_swiglu_gluon.py > "$out/gpu_tests_mlp.txt" 2>&1
+  echo "pytest rc=$?" >> "$out/gpu_tests_mlp.txt"
+  for run in "flash_triton torch" "flash_triton gluon" "sdpa_cudnn torch"; do
+    read -r attention mlp <<< "$run"
+    timeout -k 10 170 python3 -m torch_impl.train --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
+      --attention "$attention" --mlp "$mlp" --compile --cuda-graph blocks --epochs 1 --steps-per-epoch 200 \
+      --val-batches 4 --device cuda --no-progress --cache-dir /tmp/data --out "$out/train_${GPU_TAG}.jsonl"
+  done ;;
 records)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
   step 2.7B 2 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
@@ -191,7 +208,7 @@ fidelity_e2e)
   done ;;
 *) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, \
 gaps, flash, flash_graphs, fidelity_ddp, fidelity_train, fidelity_profile, fidelity_e2e, qkv, levers, \
-swiglu, records_graphs" >&2
+swiglu, records_graphs, records_best, mlp" >&2
    exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi

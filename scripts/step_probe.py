@@ -40,8 +40,8 @@ from torch_impl.timing import capture_step
 # guards that tell its compiled graphs apart: torch.compiler.set_stance(skip_guard_eval_unsafe=True)), +apart (ours
 # with q, k and v as three products, the model before torch_impl.qkv_projection: its route when a projection's call
 # is hooked), +gsw (SwiGLU's W1 and W3 products with SiLU(h1) h3 in the epilogue of one persistent Gluon GEMM:
-# scripts/swiglu_gluon.py, sm_90), +gsw2 (the whole MLP as one op: +gsw's forward, and SwiGLU's backward in the
-# epilogue of dg = dy W2)
+# torch_impl.swiglu_gluon.swiglu_product, sm_90; its backward cuBLAS's and Inductor's), +gsw2 (the model's
+# mlp="gluon": the whole MLP as one op, +gsw's forward and SwiGLU's backward in the epilogue of dg = dy W2)
 VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager",
             "ours_spanK")  # block: each block compiled; spanK: K consecutive blocks as one region (apply_compile)
 
@@ -68,6 +68,15 @@ def fuse_projections() -> None:
     ours.CausalSelfAttention.forward, ours.SwiGLU.forward = attention, swiglu
 
 
+def product_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """+gsw: ``torch_impl.model.SwiGLU.forward`` with W1's and W3's products and SiLU(h1) h3 as one
+    ``swiglu_product`` (the parameters stay the module's)."""
+    from torch_impl.swiglu_gluon import swiglu_product
+
+    _, _, g = swiglu_product(x.flatten(0, -2), self.w1.weight, self.w3.weight)
+    return self.w2(g.unflatten(0, x.shape[:-1]))
+
+
 def inductor_option(text: str) -> tuple[str, bool | int]:
     """NAME=INT as Inductor's config wants it: a bool where its default is a bool."""
     import torch._inductor.config as inductor_config
@@ -80,18 +89,14 @@ def build(variant: str, spec, attention: str):
     if "+fuse" in variant:
         fuse_projections()
     torch.manual_seed(0)
-    model = TransformerLM(spec, attention=attention, device="cuda")
-    if "+gsw" in variant:  # SwiGLU's two products and SiLU(h1) h3 as one Gluon kernel (scripts/swiglu_gluon.py);
-        import types      # +gsw2: the whole MLP as one op, its backward in the epilogue of dg = dy W2 too
-
-        if variant.startswith("stock") or not ("+mixed" in variant or "+bf16" in variant):
-            raise ValueError(f"{variant}: +gsw takes ours with bf16 weights (+mixed or +bf16), which the kernel needs")
-
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from swiglu_gluon import fused_forward, fused_mlp_forward
+    model = TransformerLM(spec, attention=attention, device="cuda", mlp="gluon" if "+gsw2" in variant else "torch")
+    if "+gsw" in variant and (variant.startswith("stock") or not ("+mixed" in variant or "+bf16" in variant)):
+        raise ValueError(f"{variant}: +gsw takes ours with bf16 weights (+mixed or +bf16), which the kernels need")
+    if "+gsw" in variant and "+gsw2" not in variant:
+        import types
 
         for block in model.layers:
-            block.ffn.forward = types.MethodType(fused_mlp_forward if "+gsw2" in variant else fused_forward, block.ffn)
+            block.ffn.forward = types.MethodType(product_forward, block.ffn)
     if "+apart" in variant:  # a no-op hook on each projection: project_qkv calls the three modules one by one
         for block in model.layers:
             for projection in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):

@@ -7,7 +7,7 @@ one Triton kernel (``swiglu_gemm``) computes a tile of h1 and the same tile of h
 writes h1, h3 (the backward reads them) and g from its registers. Times, in bf16, each call replayed from a CUDA
 graph between CUDA events (median of ``--reps``; the host's launch path left out), cuBLAS's two products plus the
 compiled SwiGLU against the fused kernel at each tile configuration, with pointer loads and with TMA descriptors,
-then the persistent warp-specialized Gluon kernel of scripts/swiglu_gluon.py (sm_90) at each of its
+then the persistent warp-specialized Gluon kernel of torch_impl/swiglu_gluon.py (sm_90) at each of its
 configurations; each fused kernel's largest difference from the unfused g first, relative to g's largest
 magnitude (a wrong one is not timed). Then the backward: cuBLAS's dg = dy W2 plus the compiled SwiGLU backward
 against the Gluon kernel with that backward in dg's epilogue.
@@ -99,13 +99,12 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
 
 
 def gluon_configs() -> tuple:
-    """The Gluon kernel's configurations (scripts/swiglu_gluon.py) where it can run: sm_90 and a Triton with
+    """The Gluon kernel's configurations (torch_impl.swiglu_gluon) where it can run: sm_90 and a Triton with
     Gluon's Hopper API; else none."""
     if torch.cuda.get_device_capability() != (9, 0):
         return ()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     try:
-        from swiglu_gluon import CONFIGS
+        from torch_impl.swiglu_gluon import CONFIGS
     except (ImportError, AttributeError) as error:
         print(f"swiglu_probe: no Gluon kernel here ({error})", file=sys.stderr)
         return ()
@@ -119,8 +118,8 @@ def _launch_once(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor) -> int:
     if not configs:
         print("swiglu_probe: --once needs the Gluon kernels (sm_90)", file=sys.stderr)
         return 2
-    from swiglu_gluon import BACKWARD_CONFIGS, swiglu_backward_gemm
-    from swiglu_gluon import swiglu_gemm as gluon_gemm
+    from torch_impl.swiglu_gluon import BACKWARD_CONFIGS, swiglu_backward_gemm
+    from torch_impl.swiglu_gluon import swiglu_gemm as gluon_gemm
 
     (m, d), f = x.shape, w1.shape[0]
     dy = torch.randn(m, d, device=x.device, dtype=x.dtype)
@@ -210,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                   lambda: swiglu_gemm(x, w1, w3, config, tma), expected)
     configs = gluon_configs()  # last: a kernel new to the device may hang, and the call's timeout ends it
     if configs:
-        from swiglu_gluon import BACKWARD_CONFIGS, swiglu_backward_gemm, swiglu_grads
-        from swiglu_gluon import swiglu_gemm as gluon_gemm
+        from torch_impl.swiglu_gluon import BACKWARD_CONFIGS, swiglu_backward_gemm, swiglu_grads
+        from torch_impl.swiglu_gluon import swiglu_gemm as gluon_gemm
 
     def gluon_name(config) -> str:
         return (f"gluon {'x'.join(map(str, config[0]))} s{config[1]} r{config[2]} b{config[3]} "

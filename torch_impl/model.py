@@ -5,7 +5,9 @@ Attention is causal multi-head self-attention with rotary position embeddings (R
 adjacent pairs of features) and a backend chosen by name from ``torch_impl.attention``. No biases anywhere.
 ``model(token_ids)`` gives the logits; ``model(token_ids, targets)`` the mean cross-entropy, by the loss chosen at
 construction (``loss=``, ``torch_impl.linear_cross_entropy.LOSSES``): "plain", ``cross_entropy`` of the logits, or
-"fused", the LM head and the loss fused and chunked over tokens, never the (B, T, V) logits.
+"fused", the LM head and the loss fused and chunked over tokens, never the (B, T, V) logits. SwiGLU's MLP runs
+PyTorch's ops, or with ``mlp="gluon"`` (``MLPS``) our kernels with SwiGLU in the GEMMs' epilogues
+(``torch_impl.swiglu_gluon``, sm_90 in bf16; PyTorch's ops elsewhere): the same parameters, the same function.
 
 Single-device model code (like nanoGPT's model.py): parallelism is applied from outside by wrappers.
 Parameter names are stable (``token_embeddings.weight``, ``layers.{i}.attn.q_proj.weight``, ...): they key
@@ -32,6 +34,9 @@ from torch_impl import nvtx
 from torch_impl.attention import get_attention
 from torch_impl.linear_cross_entropy import LOSSES, linear_cross_entropy
 from torch_impl.qkv_projection import Rotate, project_qkv
+from torch_impl.swiglu_gluon import swiglu_mlp
+
+MLPS = ("torch", "gluon")  # SwiGLU's MLP: PyTorch's ops (compiled: Inductor's), or torch_impl.swiglu_gluon's op
 
 
 class Linear(nn.Module):
@@ -150,27 +155,37 @@ class CausalSelfAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """W2 (SiLU(W1 x) * W3 x)."""
+    """W2 (SiLU(W1 x) * W3 x); ``mlp`` (``MLPS``) "gluon": as one ``swiglu_gluon.swiglu_mlp`` op."""
 
-    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None, mlp: str = "torch"):
         super().__init__()
+        if mlp not in MLPS:
+            raise ValueError(f"SwiGLU: mlp {mlp!r}; accepted: {', '.join(MLPS)}")
+        self.mlp = mlp
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mlp == "gluon":
+            y, _, _, _ = swiglu_mlp(x.flatten(0, -2), self.w1.weight, self.w3.weight, self.w2.weight)
+            return y.unflatten(0, x.shape[:-1])
         return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+    def extra_repr(self) -> str:
+        return f"mlp={self.mlp!r}"
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(RMSNorm(x)), then + SwiGLU(RMSNorm(x))."""
 
-    def __init__(self, spec: ModelSpec, rope: RotaryEmbedding, attention: str, device=None, dtype=None):
+    def __init__(self, spec: ModelSpec, rope: RotaryEmbedding, attention: str, device=None, dtype=None,
+                 mlp: str = "torch"):
         super().__init__()
         self.ln1 = RMSNorm(spec.d_model, spec.norm_eps, device=device, dtype=dtype)
         self.attn = CausalSelfAttention(spec, rope, attention, device=device, dtype=dtype)
         self.ln2 = RMSNorm(spec.d_model, spec.norm_eps, device=device, dtype=dtype)
-        self.ffn = SwiGLU(spec.d_model, spec.d_ff, device=device, dtype=dtype)
+        self.ffn = SwiGLU(spec.d_model, spec.d_ff, device=device, dtype=dtype, mlp=mlp)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, d); positions (T,), default 0..T-1."""
@@ -220,10 +235,11 @@ class TransformerLM(nn.Module):
 
     ``loss``: how ``forward(token_ids, targets)`` computes it, "plain" (the logits, then ``cross_entropy``) or
     "fused" (``linear_cross_entropy``, ``loss_chunk`` tokens at a time, None: its default); both equal to fp32
-    round-off, in value and gradients (tests/test_linear_cross_entropy.py)."""
+    round-off, in value and gradients (tests/test_linear_cross_entropy.py). ``mlp``: each block's SwiGLU through
+    PyTorch's ops ("torch") or ``swiglu_gluon.swiglu_mlp`` ("gluon"; ``MLPS``)."""
 
     def __init__(self, spec: ModelSpec, attention: str = "naive", device=None, dtype=None, *, loss: str = "plain",
-                 loss_chunk: int | None = None):
+                 loss_chunk: int | None = None, mlp: str = "torch"):
         super().__init__()
         if spec.arch != "transformer":
             raise ValueError(f"TransformerLM needs arch='transformer'; spec {spec.name!r} is {spec.arch!r}")
@@ -239,7 +255,7 @@ class TransformerLM(nn.Module):
         rope = RotaryEmbedding(spec.d_head, spec.context_length, spec.rope_theta, device=device, dtype=dtype)
         self.token_embeddings = Embedding(spec.vocab_size, spec.d_model, device=device, dtype=dtype)
         self.layers = Blocks(
-            TransformerBlock(spec, rope, attention, device=device, dtype=dtype) for _ in range(spec.n_layers)
+            TransformerBlock(spec, rope, attention, device=device, dtype=dtype, mlp=mlp) for _ in range(spec.n_layers)
         )
         self.ln_final = RMSNorm(spec.d_model, spec.norm_eps, device=device, dtype=dtype)
         self.lm_head = Linear(spec.d_model, spec.vocab_size, device=device, dtype=dtype)

@@ -113,7 +113,7 @@ from torch_impl.device import pick_device  # noqa: E402
 from torch_impl.data import batch_at  # noqa: E402
 from torch_impl.distributed.process_group import (DistributedContext, free_port, init_distributed,  # noqa: E402
                                                    restart_count)
-from torch_impl.model import TransformerLM, cross_entropy  # noqa: E402
+from torch_impl.model import MLPS, TransformerLM, cross_entropy  # noqa: E402
 from torch_impl.parallelize import (CUDA_GRAPHS, WRAPPER_MODES as DIST_MODES, DataParallelConfig,  # noqa: E402
                                     check_cuda_graph, check_supported, data_parallel_configs, parallelize)
 from torch_impl.linear_cross_entropy import LOSSES  # noqa: E402
@@ -135,12 +135,15 @@ class TrainConfig(TrainSettings):
     timeout: float = 300.0
     auto_resume: bool = False
     loss: str = "plain"  # torch_impl.linear_cross_entropy.LOSSES
+    mlp: str = "torch"  # torch_impl.model.MLPS
 
     def __post_init__(self) -> None:
         if self.dist not in DIST_MODES:
             raise ValueError(f"--dist {self.dist!r}; accepted: {', '.join(DIST_MODES)}")
         if self.loss not in LOSSES:
             raise ValueError(f"--loss {self.loss!r}; accepted: {', '.join(LOSSES)}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"--mlp {self.mlp!r}; accepted: {', '.join(MLPS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}; accepted: {', '.join(DTYPES)}")
         check_supported([self.dist], self.dtype, flag="--dist ", cuda_graphs=self.cuda_graph == "blocks")
@@ -161,7 +164,7 @@ def build(cfg: TrainConfig, spec: ModelSpec, device: torch.device, world_size: i
     """The model, compiled with --compile (its CUDA graphs with --cuda-graph blocks), in its data-parallel wrapper
     with AdamW and the LR schedule (``torch_impl.parallelize.parallelize``): what ``train_step`` calls."""
     torch.manual_seed(cfg.seed)
-    model = TransformerLM(spec, attention=cfg.attention, device=device, loss=cfg.loss)
+    model = TransformerLM(spec, attention=cfg.attention, device=device, loss=cfg.loss, mlp=cfg.mlp)
     if cfg.init_weights:
         model.load_numpy_weights(dict(np.load(cfg.init_weights)))
     adamw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps, betas=cfg.betas,
@@ -416,7 +419,7 @@ def _epoch_record(cfg: TrainConfig, spec: ModelSpec, epoch: int, steps_per_epoch
     metrics = {
         **epoch_metrics(cfg, epoch=epoch, step=step, steps_per_epoch=steps_per_epoch, global_batch=global_batch,
                         losses=losses, val_loss=val_loss, data=data),
-        "compiled": cfg.compile, "cuda_graph": cfg.cuda_graph, "dist": cfg.dist, "loss": cfg.loss,
+        "compiled": cfg.compile, "cuda_graph": cfg.cuda_graph, "dist": cfg.dist, "loss": cfg.loss, "mlp": cfg.mlp,
         "grad_norms": stats.grad_norms,
         **worst, **times,
         "phase_totals_s": {p: max(g["phase_s"][p] for g in gathered) for p in STEP_PHASES},
@@ -452,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--loss", choices=LOSSES, default=d.loss,
       help="plain: the LM head's logits, then the cross-entropy (default); fused: the two fused, chunked over "
            "tokens, never the logits")
+    a("--mlp", choices=MLPS, default=d.mlp,
+      help="SwiGLU's MLP: torch (PyTorch's ops; default) or gluon (one op whose GEMMs compute SwiGLU and its backward "
+           "in their epilogues: sm_90, bf16)")
     a("--bucket-mb", type=positive_float, default=d.bucket_mb,
       help="bucket size in MiB for bucketed, zero1 and zero2 (default 25)")
     a("--device", default=d.device, help="auto (CUDA if available), cpu, or cuda")
@@ -469,7 +475,7 @@ def _failure_record(cfg: TrainConfig, err: BaseException, world_size: int) -> Re
                     world_size=world_size, status="oom" if oom else "error",
                     error=f"{type(err).__name__}: {err}".splitlines()[0],
                     metrics={"attention": cfg.attention, "compiled": cfg.compile, "dist": cfg.dist, "loss": cfg.loss,
-                             "grad_accum": cfg.grad_accum,
+                             "mlp": cfg.mlp, "grad_accum": cfg.grad_accum,
                              "run": cfg.run_name, "restarts": restart_count()})
     record.provenance["device_name"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return record

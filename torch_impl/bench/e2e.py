@@ -20,6 +20,8 @@ bf16 the stock way (autocast, fused AdamW) and its record says ``bf16``.
 ``metrics.blocks_per_graph``) and its loss. ``--loss fused`` fuses ours' LM head with its cross-entropy, chunked
 over tokens (``torch_impl.linear_cross_entropy``: never the batch x seq x vocab logits; custom ops that
 ``--compile`` leaves as they are); the record's ``metrics.loss`` and implementation (", fused loss") say which.
+``--mlp gluon`` runs ours' SwiGLU MLPs through ``torch_impl.swiglu_gluon`` (SwiGLU in the GEMMs' epilogues); the
+implementation says ", gluon mlp".
 ``--cuda-graph`` names how ours replays CUDA graphs (``analysis.harness.CUDA_GRAPH_MODES``), one record each, in the
 given order: ``off`` (none), ``blocks`` (each compiled span's graph, Inductor's CUDA graph trees: needs
 ``--compile``; the records keep the name "cuda graph per block"), ``step`` (the whole step, forward,
@@ -51,7 +53,7 @@ from parallelism_calc.memory import activation_bytes_per_token, per_device_memor
 from torch_impl import nvtx
 from torch_impl.device import device_name, pick_device
 from torch_impl.linear_cross_entropy import LOSSES
-from torch_impl.model import TransformerLM, cross_entropy
+from torch_impl.model import MLPS, TransformerLM, cross_entropy
 from torch_impl.parallelize import BLOCKS_PER_GRAPH, check_cuda_graph, parallelize
 from torch_impl.profiling import memory_history, profile_metrics, profile_steps
 from torch_impl.step import StepParts, for_loss, train_step
@@ -68,7 +70,8 @@ def build_model(args: TorchStepConfig, spec, device: torch.device, stock: bool) 
     """Our TransformerLM, or the stock reference with the same weights (``torch_impl.stock``). Same seed, same
     weights, whichever is built."""
     torch.manual_seed(args.seed)
-    model = TransformerLM(spec, attention=args.attention, device=device, loss="plain" if stock else args.loss)
+    model = TransformerLM(spec, attention=args.attention, device=device, loss="plain" if stock else args.loss,
+                          mlp="torch" if stock else args.mlp)
     if args.load_weights:
         model.load_numpy_weights(dict(np.load(args.load_weights)))
     if args.save_weights and not stock:
@@ -201,7 +204,7 @@ def _measure(args: TorchStepConfig, stock: bool, graph: str) -> Record:
         peak = getattr(torch.cuda, f"max_memory_{peak_kind}")(device)
     losses = [float(loss) for loss in losses]
     metrics = {"loss_first": losses[0], "loss_last": losses[-1], "losses": losses, "fused_adamw": fused,
-               "optimizer": type(optimizer).__name__, "loss": loss,
+               "optimizer": type(optimizer).__name__, "loss": loss, "mlp": "torch" if stock else args.mlp,
                "peak_memory_kind": peak_kind,
                "checkpoint_every": args.checkpoint_every, "nested_checkpoint": args.nested_checkpoint,
                "blocks_per_graph": BLOCKS_PER_GRAPH if args.compile and not stock else None,
@@ -257,7 +260,8 @@ def predicted_memory(args: TorchStepConfig, spec, seq_len: int, stock: bool = Fa
 
 def implementation_name(args: TorchStepConfig, stock: bool = False, graph: str = "off") -> str:
     """e.g. 'compiled sdpa, ckpt 2 nested', 'compiled sdpa_cudnn, cuda graph' (the whole step),
-    'compiled sdpa_cudnn, cuda graph per block', 'stock compiled sdpa_cudnn', 'compiled sdpa, fused loss'."""
+    'compiled sdpa_cudnn, cuda graph per block', 'stock compiled sdpa_cudnn', 'compiled sdpa, fused loss',
+    'compiled flash_triton, cuda graph per block, gluon mlp'."""
     name = f"{'compiled' if args.compile else 'eager'} {args.stock if stock else args.attention}"
     if stock:
         name = "stock " + name
@@ -267,6 +271,8 @@ def implementation_name(args: TorchStepConfig, stock: bool = False, graph: str =
         name += f", ckpt {args.checkpoint_every}" + (" nested" if args.nested_checkpoint else "")
     if args.loss == "fused" and not stock:
         name += ", fused loss"
+    if args.mlp != "torch" and not stock:
+        name += f", {args.mlp} mlp"
     return name
 
 
@@ -289,6 +295,7 @@ class TorchStepConfig(StepConfig):
     nested_checkpoint: bool = False
     fused_adamw: str = "auto"
     loss: str = "plain"  # torch_impl.linear_cross_entropy.LOSSES
+    mlp: str = "torch"  # torch_impl.model.MLPS
     profile: str | None = None
     memory_snapshot: str | None = None
 
@@ -316,6 +323,9 @@ def add_torch_arguments(parser: argparse.ArgumentParser) -> None:
     torch_flags.add_argument("--loss", choices=LOSSES, default="plain",
                              help="plain: the LM head's logits, then the cross-entropy (default); fused: the two "
                                   "fused, chunked over tokens, never the logits (not the stock reference)")
+    torch_flags.add_argument("--mlp", choices=MLPS, default="torch",
+                             help="SwiGLU's MLP: torch (PyTorch's ops; default) or gluon (one op whose GEMMs compute "
+                                  "SwiGLU and its backward in their epilogues: sm_90, bf16; not the stock reference)")
     torch_flags.add_argument("--profile", metavar="DIR",
                              help="after timing, profile 3 steps: Chrome trace and kernel table in DIR")
     torch_flags.add_argument("--memory-snapshot", metavar="PICKLE",

@@ -1,6 +1,14 @@
-"""SwiGLU in the epilogues of persistent, warp-specialized Hopper GEMMs written in Gluon, forward and backward: the
-kernels behind ``scripts/swiglu_probe.py``'s ``gluon`` rows and ``scripts/step_probe.py``'s ``+gsw`` and ``+gsw2``
-(sm_90, Triton 3.6's Gluon).
+"""SwiGLU's MLP in the epilogues of persistent, warp-specialized Hopper GEMMs written in Gluon, forward and backward
+(sm_90, Triton 3.6's Gluon): ``TransformerLM(..., mlp="gluon")``, the e2e benchmark's and the trainer's ``--mlp
+gluon``.
+
+* ``swiglu_mlp(x, W1, W3, W2)``: the whole MLP as one op opaque to torch.compile, y = (SiLU(x W1^T) x W3^T) W2^T
+  with h1, h3 and g beside it. Its forward is ``swiglu_product``: both products and SiLU(h1) h3 in one kernel
+  (``swiglu_gemm_kernel``). Its backward computes SwiGLU's backward in the epilogue of dg = dy W2
+  (``swiglu_backward``: ``swiglu_backward_kernel``), so dg is never written, then dx and the weights' gradients
+  with cuBLAS. Off sm_90, off bf16, or on shapes that are not whole tiles, each op runs PyTorch's ops instead.
+* ``swiglu_gemm`` and ``swiglu_backward_gemm``: the kernels' hosts; ``CONFIGS`` and ``BACKWARD_CONFIGS`` their
+  tilings, the first of each the default.
 
 Triton's own pipelining ran the fused product at ~510 TFLOP/s where cuBLAS runs the two products at ~730
 (notes/train_step.md, session 47), so the structure here is the one Hopper GEMMs at cuBLAS's speed use (CUTLASS's
@@ -9,18 +17,13 @@ W3's k-tiles into a ring of shared-memory stages, and two consumer warpgroups ta
 turn, so that one's epilogue (SiLU, the product, three TMA stores) runs while the other's wgmmas run. A consumer's
 tile is (BLOCK_M, BLOCK_N) of h1 and the same of h3, computed as one product: a stage holds W1's k-tile above W3's,
 so each wgmma is 2 BLOCK_N wide: a wgmma reads its x tile from shared memory once per instruction, so a wide
-instruction reads it less often per FLOP (Triton's Gluon tutorials reach cuBLAS's speed with 256 wide ones). Timed
-from CUDA graphs on the H200 at xl's shapes (notes/train_step.md, session 48), it runs both products and SwiGLU in
-cuBLAS's time for the two products alone: 1.16x cuBLAS's products with the compiled SwiGLU.
-
-The backward's kernel (``swiglu_backward_kernel``) is the same ring for dg = dy W2, with SwiGLU's backward in its
-epilogue: 1.12x cuBLAS's dg with the compiled backward.
-
-``swiglu_product`` is the forward as an op opaque to torch.compile, with its backward, and ``fused_forward`` the
-model's SwiGLU through it (``+gsw``); ``swiglu_mlp`` is the whole MLP as one op whose backward uses the backward's
-kernel, and ``fused_mlp_forward`` the model's SwiGLU through it (``+gsw2``).
+instruction reads it less often per FLOP (Triton's Gluon tutorials reach cuBLAS's speed with 256 wide ones). A
+COOPERATIVE configuration puts both consumers on each tile instead, half its rows each (slower at every
+configuration measured). Timed from CUDA graphs on the H200 at xl's shapes (notes/train_step.md, session 48): the
+forward runs both products and SwiGLU in cuBLAS's time for the two products alone, 1.16x cuBLAS's products with
+the compiled SwiGLU; the backward 1.12x cuBLAS's dg with the compiled backward. ``scripts/swiglu_probe.py`` times
+them, ``scripts/step_probe.py`` (``+gsw2``) puts them in the step.
 """
-
 from __future__ import annotations
 
 import torch
@@ -411,12 +414,11 @@ def swiglu_backward_gemm(dy: torch.Tensor, w2: torch.Tensor, h1: torch.Tensor, h
     return d_gate, d_up
 
 
-@torch.library.custom_op("swiglu_probe::swiglu_product", mutates_args=())
+@torch.library.custom_op("torch_impl::swiglu_product", mutates_args=())
 def swiglu_product(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                                  torch.Tensor]:
     """(h1, h3, g) = (x W1^T, x W3^T, SiLU(h1) h3) of x (M, K) and W1, W3 (N, K): ``swiglu_gemm`` on an sm_90 GPU
-    with bf16 inputs in whole tiles, else PyTorch's ops; an opaque op to torch.compile, so that scripts/step_probe.py
-    (``+gsw``) can put it into the compiled step."""
+    with bf16 inputs in whole tiles, else PyTorch's ops; an opaque op to torch.compile."""
     if (x.is_cuda and x.dtype == w1.dtype == w3.dtype == torch.bfloat16 and _fits(x, w1, w3)
             and torch.cuda.get_device_capability(x.device) == (9, 0)):
         return swiglu_gemm(x.contiguous(), w1.contiguous(), w3.contiguous())
@@ -453,7 +455,7 @@ def _gate_up_grads(dg, dh1, dh3, h1, h3):
     return d_gate.to(h1.dtype), d_up.to(h1.dtype)
 
 
-@torch.library.custom_op("swiglu_probe::sum_of_products", mutates_args=())
+@torch.library.custom_op("torch_impl::sum_of_products", mutates_args=())
 def sum_of_products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """a b + c d as two GEMMs, the second accumulating in place into the first's output (cuBLAS's beta = 1). An
     opaque op, since Inductor lowers ``torch.addmm(a @ b, c, d)`` out of place: a copy of a b (26 MB at xl 4 x 2,048,
@@ -481,7 +483,7 @@ def _backward(ctx, dh1, dh3, dg):
 swiglu_product.register_autograd(_backward, setup_context=_save)
 
 
-@torch.library.custom_op("swiglu_probe::swiglu_backward", mutates_args=())
+@torch.library.custom_op("torch_impl::swiglu_backward", mutates_args=())
 def swiglu_backward(dy: torch.Tensor, w2: torch.Tensor, h1: torch.Tensor,
                     h3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate, d_up) from y's gradient dy (M, K), W2 (K, N) and h1, h3 (M, N) of y = (SiLU(h1) h3) W2^T:
@@ -497,13 +499,13 @@ def _(dy, w2, h1, h3):
     return torch.empty_like(h1), torch.empty_like(h3)
 
 
-@torch.library.custom_op("swiglu_probe::swiglu_mlp", mutates_args=())
+@torch.library.custom_op("torch_impl::swiglu_mlp", mutates_args=())
 def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, h1, h3, g): SwiGLU's whole MLP, y = g W2^T with (h1, h3, g) as ``swiglu_product`` makes them, for x (M, K),
     W1 and W3 (N, K), W2 (K, N). Its backward computes SwiGLU's backward in the epilogue of dg = dy W2
     (``swiglu_backward``), so dg is never written where that kernel runs and y alone has a gradient; no double
-    backward; scripts/step_probe.py's ``+gsw2``."""
+    backward; ``TransformerLM(..., mlp="gluon")``'s MLP."""
     h1, h3, g = swiglu_product(x, w1, w3)
     return g @ w2.T, h1, h3, g
 
@@ -531,16 +533,3 @@ def _backward_mlp(ctx, dy, dh1, dh3, dg):
 
 
 swiglu_mlp.register_autograd(_backward_mlp, setup_context=_save_mlp)
-
-
-def fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """``torch_impl.model.SwiGLU.forward`` as one ``swiglu_mlp`` (scripts/step_probe.py's ``+gsw2``)."""
-    y, _, _, _ = swiglu_mlp(x.flatten(0, -2), self.w1.weight, self.w3.weight, self.w2.weight)
-    return y.unflatten(0, x.shape[:-1])
-
-
-def fused_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """``torch_impl.model.SwiGLU.forward`` with W1's and W3's products and SiLU(h1) h3 as one ``swiglu_product``
-    (bound to a module by scripts/step_probe.py's ``+gsw``; the parameters stay the module's)."""
-    _, _, g = swiglu_product(x.flatten(0, -2), self.w1.weight, self.w3.weight)
-    return self.w2(g.unflatten(0, x.shape[:-1]))

@@ -1,0 +1,165 @@
+"""SwiGLU's MLP in Gluon GEMMs' epilogues (``torch_impl.swiglu_gluon``, the model's ``mlp="gluon"``): the ops
+against float64 and finite differences on the CPU (their PyTorch path), the kernels on sm_90 against float64 from
+the same bf16 inputs, element by element, and the model with them against the model without."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallelism_calc.specs import get_model
+from torch_impl import swiglu_gluon
+from torch_impl.model import TransformerLM
+
+
+def test_the_gluon_mlp_matches_the_model_in_float64():
+    """``TransformerLM(..., mlp="gluon")`` (its MLPs as ``swiglu_mlp``, PyTorch's path off sm_90) gives the model's
+    loss and the gradient of every parameter, float64 on fresh random weights and tokens, eager and with each block
+    compiled (fullgraph: the op traces with no graph break)."""
+    spec = get_model("tiny")
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    ours = TransformerLM(spec, dtype=torch.float64)
+    fused = TransformerLM(spec, dtype=torch.float64, mlp="gluon")
+    fused.load_state_dict(ours.state_dict())
+    assert all(block.ffn.mlp == "gluon" for block in fused.layers)
+    tokens = torch.randint(0, spec.vocab_size, (2, 9))
+    want = ours(tokens[:, :-1], tokens[:, 1:])
+    want_grads = torch.autograd.grad(want, list(ours.parameters()))
+    for block in fused.layers:
+        block.compile(fullgraph=True, backend="aot_eager")
+    for model in (fused, fused):  # the second pass runs the compiled blocks
+        got = model(tokens[:, :-1], tokens[:, 1:])
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"seed {seed}")
+        for a, b in zip(torch.autograd.grad(got, list(model.parameters())), want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"seed {seed}")
+
+
+def test_an_unknown_mlp_is_refused_with_the_accepted_ones():
+    with pytest.raises(ValueError, match="mlp 'cuda'; accepted: torch, gluon"):
+        TransformerLM(get_model("tiny"), mlp="cuda")
+
+
+def test_swiglu_product_passes_opcheck_and_gradcheck():
+    """The forward's op: opcheck, and every output's gradient against finite differences (h1's and h3's own too,
+    and g's alone)."""
+    inputs = (torch.randn(6, 4, dtype=torch.float64, requires_grad=True),
+              *(torch.randn(5, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)))
+    torch.library.opcheck(swiglu_gluon.swiglu_product, inputs)
+    torch.autograd.gradcheck(swiglu_gluon.swiglu_product, inputs)
+    torch.autograd.gradcheck(lambda *t: swiglu_gluon.swiglu_product(*t)[2], inputs)
+    torch.autograd.gradcheck(lambda *t: swiglu_gluon.swiglu_product(*t)[0], inputs)
+
+
+def _assert_within_bf16(got, want, context) -> None:
+    """Each kernel output element by element against its float64 reference: within bf16's rounding, with room."""
+    for a, b in zip(got, want, strict=True):
+        bound = 2e-2 * b.abs() + 2e-2 * b.abs().mean()
+        assert ((a.double() - b).abs() <= bound).all(), (*context, (a.double() - b).abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2048, 1664, 256), (256, 256, 64)])
+@pytest.mark.parametrize("config", range(5))  # swiglu_gluon.CONFIGS (imported on a GPU only)
+def test_gpu_gluon_swiglu_gemm_matches_float64(config, shape):
+    """The Gluon kernel (sm_90) at each configuration, bf16 against float64 from the same bf16 inputs, element by
+    element: 208-416 tiles (one to four a program: in ping-pong both consumers take turns on the ring), and 4-8
+    tiles of one k-tile (fewer than the stages, a program of one tile)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs sm_90")
+    assert len(swiglu_gluon.CONFIGS) == 5  # the parametrization's range
+    m, n, k = shape
+    seed = random.randrange(2**31)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    x, w1, w3 = (torch.randn(*size, generator=generator, device="cuda", dtype=torch.bfloat16)
+                 for size in ((m, k), (n, k), (n, k)))
+    got = swiglu_gluon.swiglu_gemm(x, w1, w3, swiglu_gluon.CONFIGS[config])
+    ref1, ref3 = x.double() @ w1.double().T, x.double() @ w3.double().T
+    _assert_within_bf16(got, (ref1, ref3, F.silu(ref1) * ref3), (config, shape, seed))
+
+
+def test_swiglu_grads_match_autograd_and_bad_shapes_are_refused():
+    """``swiglu_grads`` (the backward kernel's epilogue formula, the op's backward and the probe's unfused one)
+    against autograd through F.silu(h1) * h3 in float64; the backward kernel's host refuses shapes that are not
+    whole tiles with one line naming them, before any launch."""
+    seed = random.randrange(2**31)
+    generator = torch.Generator().manual_seed(seed)
+    h1, h3, dg = (torch.randn(7, 9, generator=generator, dtype=torch.float64) * 3 for _ in range(3))
+    h1.requires_grad_(True)
+    h3.requires_grad_(True)
+    want = torch.autograd.grad(F.silu(h1) * h3, (h1, h3), dg)
+    for a, b in zip(swiglu_gluon.swiglu_grads(dg, h1.detach(), h3.detach()), want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"seed {seed}")
+    dy, w2, h = torch.zeros(256, 96), torch.zeros(96, 256), torch.zeros(256, 256)  # K = 96: 1.5 k-tiles
+    with pytest.raises(ValueError, match=r"swiglu_backward_gemm: .*got \(256, 96\), \(96, 256\)"):
+        swiglu_gluon.swiglu_backward_gemm(dy, w2, h, h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 1664, 256), (2048, 1664, 256), (256, 256, 64)])
+@pytest.mark.parametrize("config", range(3))  # swiglu_gluon.BACKWARD_CONFIGS (imported on a GPU only)
+def test_gpu_gluon_swiglu_backward_gemm_matches_float64(config, shape):
+    """The backward kernel (sm_90) at each configuration: d_gate and d_up from dg = dy W2 and h1, h3, bf16 against
+    float64 from the same bf16 inputs, element by element; 416 tiles (three or four a program: each consumer's
+    buffers and barriers reused, the turn passed back), 208 (one or two), and 4 tiles of one k-tile."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs sm_90")
+    assert len(swiglu_gluon.BACKWARD_CONFIGS) == 3  # the parametrization's range
+    m, n, k = shape
+    seed = random.randrange(2**31)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    dy, w2, h1, h3 = (torch.randn(*size, generator=generator, device="cuda", dtype=torch.bfloat16)
+                      for size in ((m, k), (k, n), (m, n), (m, n)))
+    got = swiglu_gluon.swiglu_backward_gemm(dy, w2, h1, h3, swiglu_gluon.BACKWARD_CONFIGS[config])
+    want = swiglu_gluon.swiglu_grads(dy.double() @ w2.double(), h1.double(), h3.double())
+    _assert_within_bf16(got, want, (config, shape, seed))  # dg's rounding too
+
+
+def test_swiglu_mlp_passes_opcheck_and_gradcheck():
+    """The whole MLP's op and its backward's op: opcheck, and every output's gradient against finite differences
+    (y's alone: the fused backward's branch; all four, and g's alone: the unfused one)."""
+    inputs = (torch.randn(6, 4, dtype=torch.float64, requires_grad=True),
+              *(torch.randn(5, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)),
+              torch.randn(4, 5, dtype=torch.float64, requires_grad=True))
+    torch.library.opcheck(swiglu_gluon.swiglu_mlp, inputs)
+    torch.library.opcheck(swiglu_gluon.swiglu_backward, (torch.randn(6, 4, dtype=torch.float64), inputs[3].detach(),
+                                                         torch.randn(6, 5, dtype=torch.float64),
+                                                         torch.randn(6, 5, dtype=torch.float64)))
+    torch.autograd.gradcheck(swiglu_gluon.swiglu_mlp, inputs)
+    torch.autograd.gradcheck(lambda *t: swiglu_gluon.swiglu_mlp(*t)[0], inputs)
+    torch.autograd.gradcheck(lambda *t: swiglu_gluon.swiglu_mlp(*t)[3], inputs)
+
+
+@pytest.mark.gpu
+def test_gpu_the_gluon_mlp_is_as_close_to_float64_as_the_model(monkeypatch):
+    """On sm_90, a bf16 model whose MLPs run both kernels (whole tiles: 256 tokens, d_model 256, d_ff 512): its loss
+    and every parameter's gradient are as close to the float64 model's (same weights and tokens) as the bf16 model's
+    without them, within a factor of two and bf16's rounding."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels need sm_90")
+    launches = []
+    for name in ("swiglu_gemm", "swiglu_backward_gemm"):
+        kernel = getattr(swiglu_gluon, name)
+        monkeypatch.setattr(swiglu_gluon, name, lambda *a, kernel=kernel, name=name, **k: (launches.append(name),
+                                                                                          kernel(*a, **k))[1])
+    spec = get_model("tiny").replace(d_model=256, d_ff=512, n_layers=2, context_length=128)
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    models = {mlp: TransformerLM(spec, device="cuda", dtype=torch.bfloat16, mlp=mlp) for mlp in ("torch", "gluon")}
+    models["float64"] = TransformerLM(spec, device="cuda", dtype=torch.float64)
+    for name in ("gluon", "float64"):  # the bf16 weights, in each
+        models[name].load_state_dict(models["torch"].state_dict())
+    tokens = torch.randint(0, spec.vocab_size, (2, 129), device="cuda")
+    results = {}
+    for name, model in models.items():
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        results[name] = (loss.double(), [g.double() for g in torch.autograd.grad(loss, list(model.parameters()))])
+    assert launches.count("swiglu_gemm") == launches.count("swiglu_backward_gemm") == spec.n_layers
+    (want, want_grads), (base, base_grads), (got, got_grads) = results["float64"], results["torch"], results["gluon"]
+    assert (got - want).abs() <= 2 * (base - want).abs() + 1e-2 * want.abs(), (seed, got, base, want)
+    for name, a, b, c in zip(dict(models["float64"].named_parameters()), got_grads, base_grads, want_grads,
+                             strict=True):
+        assert (a - c).norm() <= 2 * (b - c).norm() + 1e-2 * c.norm(), (seed, name, (a - c).norm(), (b - c).norm())
