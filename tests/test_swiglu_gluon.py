@@ -163,3 +163,34 @@ def test_gpu_the_gluon_mlp_is_as_close_to_float64_as_the_model(monkeypatch):
     for name, a, b, c in zip(dict(models["float64"].named_parameters()), got_grads, base_grads, want_grads,
                              strict=True):
         assert (a - c).norm() <= 2 * (b - c).norm() + 1e-2 * c.norm(), (seed, name, (a - c).norm(), (b - c).norm())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8192, 1600, 6400), (4096, 2560, 10240)])  # xl 4 x 2,048; 2.7B 2 x 2,048
+def test_gpu_the_mlp_op_at_the_models_shapes_is_as_close_to_float64_as_pytorchs(monkeypatch, shape):
+    """``swiglu_mlp`` forward and backward at the shapes the records run (25-40 k-tiles a tile, more than the ring's
+    stages): y and the gradients of x, W1, W3 and W2 from the kernels against float64 from the same bf16 inputs, as
+    close as the op's PyTorch path (cuBLAS in bf16, SwiGLU in fp32 rounded to bf16), in norm and element by element
+    (within twice its error, and bf16's rounding of the largest element): a wrong tile or k-tile would show."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels need sm_90")
+    m, d, f = shape
+    seed = random.randrange(2**31)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    inputs = [torch.randn(*size, generator=generator, device="cuda", dtype=torch.bfloat16) * scale
+              for size, scale in (((m, d), 1.0), ((f, d), d ** -0.5), ((f, d), d ** -0.5), ((d, f), f ** -0.5))]
+    dy = torch.randn(m, d, generator=generator, device="cuda", dtype=torch.bfloat16)
+
+    def run(dtype):
+        leaves = [t.to(dtype).requires_grad_(True) for t in inputs]
+        y = swiglu_gluon.swiglu_mlp(*leaves)[0]
+        return [y.detach().double(), *(g.double() for g in torch.autograd.grad(y, leaves, dy.to(dtype)))]
+
+    want, got = run(torch.float64), run(torch.bfloat16)
+    monkeypatch.setattr(swiglu_gluon, "_fits", lambda *args: False)  # the op's PyTorch path
+    monkeypatch.setattr(swiglu_gluon, "_backward_fits", lambda *args: False)
+    base = run(torch.bfloat16)
+    for name, a, b, c in zip(("y", "dx", "dW1", "dW3", "dW2"), got, base, want, strict=True):
+        assert (a - c).norm() <= 2 * (b - c).norm(), (seed, name, (a - c).norm() / c.norm(), (b - c).norm() / c.norm())
+        worst = (a - c).abs().max()
+        assert worst <= 2 * (b - c).abs().max() + 2**-8 * c.abs().max(), (seed, name, worst, (b - c).abs().max())
