@@ -12,8 +12,10 @@
   the latest summary per setting: ``accum_study.md`` (the table, and the best setting by tokens/s) and two
   charts, ``accum_phases.png`` (ms per step per phase, grouped bars per setting) and ``accum_throughput.png``
   (tokens/s per setting).
-* Any file's epoch records (suite "train"), ``plot_train_runs``: tokens/s per run and, where a run has several
-  epochs, its losses against epoch (``python -m analysis.reports`` draws them beside the file's table).
+* Any file's epoch records (suite "train"), ``plot_train_runs``: tokens/s per run, where a run has several
+  epochs its losses against epoch, else, where records hold each step's loss, the training loss against step
+  (``python -m analysis.reports`` draws them beside the file's table). A run without a name is labelled by its
+  backend, implementation and batch, and by the settings that differ between the file's runs (``RUN_SETTINGS``).
 
 Stdlib only until a report is drawn (pandas, matplotlib), so the sweeps import it for the suite names.
 """
@@ -107,12 +109,22 @@ def _epoch_rows(epochs: list[Record], labels: list[str]):
     return pd.DataFrame(rows, columns=["cell", "epoch", "epoch_s", "split", "loss"])
 
 
+RUN_SETTINGS = ("dtype", "attention", "mlp", "loss", "seed")  # what may tell unnamed runs apart in a label
+
+
 def run_labels(epochs: list[Record]) -> list[str]:
-    """A label per epoch record of suite "train": its run's name (else backend, implementation and batch), "#k" on
-    the k-th run of that name where several are (a run restarts where its epoch number does not grow)."""
+    """A label per epoch record of suite "train": its run's name (else backend, implementation and batch, then each
+    of ``RUN_SETTINGS`` whose value is not the same in every record, e.g. "attention flash_triton, mlp gluon"),
+    "#k" on the k-th run of that name where several are (a run restarts where its epoch number does not grow)."""
+
+    def setting(r: Record, key: str):
+        return r.dtype if key == "dtype" else r.metrics.get(key)
+
+    varying = [key for key in RUN_SETTINGS if len({str(setting(r, key)) for r in epochs}) > 1]
     keys, starts = [], {}
     for r in epochs:
-        name = r.metrics.get("run") or f"{r.backend} {r.implementation}, batch {r.batch_size}"
+        name = r.metrics.get("run") or ", ".join([f"{r.backend} {r.implementation}", f"batch {r.batch_size}",
+                                                  *(f"{key} {setting(r, key)}" for key in varying)])
         runs = starts.setdefault(name, [])
         if not runs or r.metrics["epoch"] <= runs[-1]:
             runs.append(0)
@@ -123,8 +135,10 @@ def run_labels(epochs: list[Record]) -> list[str]:
 
 def plot_train_runs(records: list[Record], prefix: str | os.PathLike) -> list[Path]:
     """Charts of the trainer's epoch records (suite "train") at ``<prefix>_<name>.png`` (and PDF): ``throughput``,
-    tokens/s of each run's last epoch (bars, one colour per backend), and, where a run has 2+ epochs, ``loss``
-    (training and validation loss against epoch, one line per run); the PNGs written."""
+    tokens/s of each run's last epoch (bars, one colour per backend), where a run has 2+ epochs, ``loss``
+    (training and validation loss against epoch, one line per run), else, where the records hold each step's loss
+    (``train_losses``), ``loss_steps`` (its mean over each ``STEP_WINDOW`` steps against the step, one line per
+    run: a step's loss alone is mostly its batch's); the PNGs written."""
     import pandas as pd
 
     from analysis.plots import bar_plot, line_plot
@@ -142,12 +156,39 @@ def plot_train_runs(records: list[Record], prefix: str | os.PathLike) -> list[Pa
                  ylabel="tokens/s (last epoch)", title="training throughput per run", out=path)
         written.append(path)
     losses = _epoch_rows(epochs, labels)
-    if not losses.empty and losses.groupby("cell")["epoch"].nunique().max() > 1:
+    by_epoch = not losses.empty and losses.groupby("cell")["epoch"].nunique().max() > 1
+    if by_epoch:
         path = prefix.with_name(f"{prefix.name}_loss.png")
         line_plot(losses, "epoch", "loss", hue="cell", col="split", col_order=("train", "validation"),
                   hue_order=list(dict.fromkeys(labels)), ylabel="loss (nats/token)", title="loss per run", out=path)
         written.append(path)
+    steps = _step_rows(epochs, labels)
+    if not by_epoch and not steps.empty:
+        path = prefix.with_name(f"{prefix.name}_loss_steps.png")
+        line_plot(steps, "step", "loss", hue="cell", hue_order=list(dict.fromkeys(labels)), xlabel="step",
+                  ylabel=f"training loss, mean of {STEP_WINDOW} steps", title="training loss per run",
+                  panel_size=(9.0, 5.0), out=path)
+        written.append(path)
     return written
+
+
+STEP_WINDOW = 10  # steps whose losses make one point of the loss_steps chart
+
+
+def _step_rows(epochs: list[Record], labels: list[str]):
+    """The loss_steps chart's rows: per run (label), the mean training loss of each ``STEP_WINDOW`` steps, at the
+    window's last step, over the run's epochs in order (steps counted from the run's first epoch's)."""
+    import pandas as pd
+
+    rows, done = [], {}
+    for r, label in zip(epochs, labels):
+        losses = r.metrics.get("train_losses") or []
+        first = done.get(label, 0)
+        for start in range(0, len(losses) - STEP_WINDOW + 1, STEP_WINDOW):
+            window = losses[start:start + STEP_WINDOW]
+            rows.append({"cell": label, "step": first + start + STEP_WINDOW, "loss": sum(window) / STEP_WINDOW})
+        done[label] = first + len(losses)
+    return pd.DataFrame(rows, columns=["cell", "step", "loss"])
 
 
 def write_matrix_report(jsonl: str | os.PathLike, out_dir: str | os.PathLike) -> str:

@@ -78,3 +78,29 @@ def test_flags_and_failure_lines(capsys):
             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n=====\n  error_file: <N/A>\n")
     assert failure_line(text) == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     assert failure_line("a\nb\n") == "b"
+
+
+def test_train_runs_are_labelled_by_what_differs_and_their_step_losses_drawn(tmp_path):
+    """Unnamed runs that differ only by MLP and seed get those in their labels (the same settings left out), and
+    each step's losses become the loss_steps chart's means of STEP_WINDOW steps, counted on over a run's epochs;
+    the chart is drawn where no run has two epochs (else the losses against epoch are)."""
+    from analysis.records import Record
+    from analysis.training import STEP_WINDOW, _step_rows, plot_train_runs, run_labels
+
+    def epoch(mlp, seed, number, losses):
+        return Record(suite="train", backend="torch", implementation="none", model="xl", batch_size=4, seq_len=2048,
+                      dtype="bf16_mixed", mode="train_step", tokens_per_s=1000.0,
+                      metrics={"epoch": number, "epoch_s": 1.0, "train_loss": losses[-1], "attention": "sdpa",
+                               "mlp": mlp, "seed": seed, "train_losses": losses})
+
+    losses = [float(i) for i in range(2 * STEP_WINDOW + 3)]
+    records = [epoch("torch", 0, 1, losses), epoch("torch", 0, 2, losses), epoch("gluon", 1, 1, losses)]
+    labels = run_labels(records)
+    assert labels == ["torch none, batch 4, mlp torch, seed 0"] * 2 + ["torch none, batch 4, mlp gluon, seed 1"]
+    rows = _step_rows(records, labels)
+    first = rows[rows.cell == labels[0]]
+    assert list(first.step) == [10, 20, 33, 43] and list(first.loss) == [4.5, 14.5, 4.5, 14.5]
+    written = plot_train_runs(records, tmp_path / "runs")  # two epochs in a run: the losses against epoch
+    assert [p.name for p in written] == ["runs_throughput.png", "runs_loss.png"]
+    written = plot_train_runs(records[1:], tmp_path / "one")  # one epoch a run: against the step instead
+    assert [p.name for p in written] == ["one_throughput.png", "one_loss_steps.png"]

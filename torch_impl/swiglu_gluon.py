@@ -89,10 +89,13 @@ def _consume(x_bufs, w_bufs, ready, free, turn, out_bufs, h1_desc, h3_desc, g_de
     consumer starts a tile's k-tiles only once the other has finished the program's tile before it (``turn``, the
     ordering barrier of CUTLASS's ping-pong): both read one ring, and a wait on a stage's barrier tells its fills
     apart only by their parity, so a consumer waiting two or more fills ahead would take another tile's data.
-    Cooperative: every tile of the program, its half of the tile's rows; a stage is freed once both have read it.
-    One wgmma a k-tile, two in flight at most, a stage freed once the one that read it is done; then h1, h3 rounded
-    and split apart in registers (a thread holds column c of both), g = SiLU(h1) h3 from the rounded h1 and h3 (as
-    the unfused step computes it), all three out by TMA while the next tile starts."""
+    Cooperative: every tile of the program, its half of the tile's rows; a stage is freed once both have read it,
+    so the producer cannot refill it before the slower one's wait has passed, and neither can be a fill ahead:
+    no ``turn``. One wgmma a k-tile, two in flight at most, a stage freed once the one that read it is done; then
+    h1, h3 rounded and split apart in registers (a thread holds column c of both), g = SiLU(h1) h3 from the rounded
+    h1 and h3 (as the unfused step computes it), each out by TMA through ``_store_out``: with one output buffer
+    (OUT_BUFS = 1) h1's and h3's stores are waited for before the next output is written, so only g's last store
+    runs while the next tile's products start."""
     block_m: gl.constexpr = x_bufs.type.shape[1]  # the program's tile's rows
     rows: gl.constexpr = h1_desc.block_type.shape[0]  # this consumer's: block_m, or half of it
     block_n: gl.constexpr = h1_desc.block_type.shape[1]
@@ -226,8 +229,9 @@ def _dswiglu(grad, bufs, dgate_desc, dup_desc, off_m, off_n):
 @gluon.jit
 def _store_out(value, desc, out_bufs, q, off_m, off_n):
     """A consumer's q-th output tile out by TMA through its buffer q % OUT_BUFS, once the store that used the buffer
-    OUT_BUFS tiles before has read it (bulk stores complete in order). One buffer waits for each store; its drain
-    hides under the other consumer's wgmmas, and the shared memory it frees deepens the ring."""
+    OUT_BUFS tiles before has read it (bulk stores complete in order). One buffer waits for each store; in
+    ping-pong its drain hides under the other consumer's wgmmas, and the shared memory it frees deepens the ring.
+    Cooperative, both consumers store at once and nothing runs under the drain."""
     buffers: gl.constexpr = out_bufs.type.shape[0]
     tma.store_wait(pendings=buffers - 1)
     buf = out_bufs.index(q % buffers)
