@@ -38,7 +38,8 @@ from parallelism_calc.cli import ArgumentParser, error_boundary
 GIB = 2**30
 # The metrics that must match for two launches to be the same run (the launch itself and the run's name aside).
 SAME_RUN_METRICS = ("attention", "dist", "strategy", "remat", "grad_accum", "seed", "steps_per_epoch", "epochs",
-                    "lr_max", "bucket_mb", "comm_dtype", "compiled", "cuda_graph", "loss")
+                    "lr_max", "bucket_mb", "comm_dtype", "compiled", "cuda_graph", "loss",
+                    "mlp")
 
 
 @dataclass

@@ -110,6 +110,7 @@ def _epoch_rows(epochs: list[Record], labels: list[str]):
 
 
 RUN_SETTINGS = ("dtype", "attention", "mlp", "loss", "seed")  # what may tell unnamed runs apart in a label
+_SETTING_DEFAULTS = {"mlp": "torch", "loss": "plain"}  # what records from before a setting existed ran
 
 
 def run_labels(epochs: list[Record]) -> list[str]:
@@ -118,7 +119,7 @@ def run_labels(epochs: list[Record]) -> list[str]:
     "#k" on the k-th run of that name where several are (a run restarts where its epoch number does not grow)."""
 
     def setting(r: Record, key: str):
-        return r.dtype if key == "dtype" else r.metrics.get(key)
+        return r.dtype if key == "dtype" else r.metrics.get(key, _SETTING_DEFAULTS.get(key))
 
     varying = [key for key in RUN_SETTINGS if len({str(setting(r, key)) for r in epochs}) > 1]
     keys, starts = [], {}

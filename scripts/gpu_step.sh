@@ -39,9 +39,10 @@
 # levers: the step's small levers checked in one call (~7 minutes): FlashAttention's backward GPU tests in 8
 # processes (OUT_DIR/gpu_tests_parallel.log), every GEMM of the step with the alternatives (the input gradient's
 # weight in the other layout: OUT_DIR/gemm_probe.{json,log}), then the qkv phase's probe with cuDNN and ours alone
-# with flash_triton (OUT_DIR/flash/step_probe.{json,log}), each with its kernel table. swiglu: the GPU tests of the
-# fused kernels (OUT_DIR/gpu_tests_swiglu.txt), SwiGLU in the epilogue of its GEMM (one Triton kernel, then the
-# persistent warp-specialized Gluon one of torch_impl/swiglu_gluon.py on sm_90) against cuBLAS's two products and the
+# with flash_triton (OUT_DIR/flash/step_probe.{json,log}), each with its kernel table. swiglu: the tests of the
+# fused kernels, the Triton probe's and the Gluon MLP's (OUT_DIR/gpu_tests_swiglu.txt), SwiGLU in the epilogue of its
+# GEMM (one Triton kernel, then the persistent warp-specialized Gluon one of torch_impl/swiglu_gluon.py on sm_90)
+# against cuBLAS's two products and the
 # compiled SwiGLU, xl (scripts/swiglu_probe.py: OUT_DIR/swiglu_probe.{json,log}), then ours at xl 4 x 2,048 without
 # and with the Gluon kernel in the step (+gsw; OUT_DIR/step_probe.{json,log}; ~5 minutes).
 # records_graphs: the records phase's three configurations with each block's graph only, then ours with our
@@ -94,7 +95,8 @@ levers)
   python3 scripts/step_probe.py "$out/flash" --configs xl:4:2048 --steps 10 --attention flash_triton \
     --variants ours_span4+ro+mixed 2>&1 | tee "$out/flash/step_probe.log" ;;
 swiglu)  # each part under a timeout: a kernel new to the device may hang, and the call must still bring the rest back
-  timeout 150 python3 -m pytest -q -rfE tests/test_swiglu_probe.py > "$out/gpu_tests_swiglu.txt" 2>&1
+  timeout 150 python3 -m pytest -q -rfE tests/test_swiglu_probe.py tests/test_swiglu_gluon.py \
+    > "$out/gpu_tests_swiglu.txt" 2>&1
   echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$out/gpu_tests_swiglu.txt"
   timeout -k 10 150 python3 scripts/swiglu_probe.py "$out" 2>&1 | tee "$out/swiglu_probe.log"
   timeout -k 10 240 python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from analysis.kernels import gpu_idle
 from parallelism_calc.specs import get_model
 from torch_impl.model import TransformerLM, cross_entropy
 from torch_impl.optim import adamw_for
 from torch_impl.parallelize import apply_compile
-from analysis.kernels import gpu_idle
 from torch_impl.profiling import is_kernel, kernel_intervals
 from torch_impl.stock import StockTransformerLM
 from torch_impl.timing import capture_step
@@ -88,10 +88,10 @@ def inductor_option(text: str) -> tuple[str, bool | int]:
 def build(variant: str, spec, attention: str):
     if "+fuse" in variant:
         fuse_projections()
-    torch.manual_seed(0)
-    model = TransformerLM(spec, attention=attention, device="cuda", mlp="gluon" if "+gsw2" in variant else "torch")
     if "+gsw" in variant and (variant.startswith("stock") or not ("+mixed" in variant or "+bf16" in variant)):
         raise ValueError(f"{variant}: +gsw takes ours with bf16 weights (+mixed or +bf16), which the kernels need")
+    torch.manual_seed(0)
+    model = TransformerLM(spec, attention=attention, device="cuda", mlp="gluon" if "+gsw2" in variant else "torch")
     if "+gsw" in variant and "+gsw2" not in variant:
         import types
 

@@ -14,6 +14,8 @@ from parallelism_calc.specs import get_model
 from torch_impl import swiglu_gluon
 from torch_impl.model import TransformerLM
 
+sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                          reason="the Gluon kernels need sm_90")
 
 def test_the_gluon_mlp_matches_the_model_in_float64():
     """``TransformerLM(..., mlp="gluon")`` (its MLPs as ``swiglu_mlp``, PyTorch's path off sm_90) gives the model's
@@ -29,18 +31,41 @@ def test_the_gluon_mlp_matches_the_model_in_float64():
     tokens = torch.randint(0, spec.vocab_size, (2, 9))
     want = ours(tokens[:, :-1], tokens[:, 1:])
     want_grads = torch.autograd.grad(want, list(ours.parameters()))
-    for block in fused.layers:
-        block.compile(fullgraph=True, backend="aot_eager")
-    for model in (fused, fused):  # the second pass runs the compiled blocks
-        got = model(tokens[:, :-1], tokens[:, 1:])
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"seed {seed}")
-        for a, b in zip(torch.autograd.grad(got, list(model.parameters())), want_grads, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"seed {seed}")
+    for compiled in (False, True):
+        if compiled:
+            for block in fused.layers:
+                block.compile(fullgraph=True, backend="aot_eager")
+        got = fused(tokens[:, :-1], tokens[:, 1:])
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"seed {seed}, compiled {compiled}")
+        for a, b in zip(torch.autograd.grad(got, list(fused.parameters())), want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"seed {seed}, compiled {compiled}")
 
 
 def test_an_unknown_mlp_is_refused_with_the_accepted_ones():
     with pytest.raises(ValueError, match="mlp 'cuda'; accepted: torch, gluon"):
         TransformerLM(get_model("tiny"), mlp="cuda")
+
+
+def test_e2e_and_the_trainer_take_the_mlp_under_autocast_too(tmp_path):
+    """``--mlp gluon`` in e2e: the record says so in its metrics and implementation, and under bf16 autocast (fp32
+    weights: the op's inputs cast as F.linear's are) its losses follow the PyTorch MLP's to bf16's rounding; the
+    trainer refuses an unknown MLP in one line."""
+    from analysis.records import read_records
+    from torch_impl.bench import e2e
+    from torch_impl.train import TrainConfig, build_parser
+
+    out = tmp_path / "runs.jsonl"
+    flags = ["--model", "tiny", "--batch-size", "2", "--seq-len", "24", "--warmup", "0", "--steps", "3",
+             "--dtype", "bf16", "--device", "cpu", "--out", str(out)]
+    assert e2e.main(flags) == 0
+    assert e2e.main([*flags, "--mlp", "gluon"]) == 0
+    plain, fused = read_records(out)
+    assert fused.status == "ok" and (plain.metrics["mlp"], fused.metrics["mlp"]) == ("torch", "gluon")
+    assert fused.implementation == plain.implementation + ", gluon mlp"
+    assert fused.metrics["losses"] == pytest.approx(plain.metrics["losses"], rel=2e-2)
+    assert build_parser().parse_args(["--mlp", "gluon"]).mlp == "gluon"
+    with pytest.raises(ValueError, match="--mlp 'cuda'; accepted: torch, gluon"):
+        TrainConfig(mlp="cuda", device="cpu")
 
 
 def test_swiglu_product_passes_opcheck_and_gradcheck():
@@ -62,14 +87,13 @@ def _assert_within_bf16(got, want, context) -> None:
 
 
 @pytest.mark.gpu
+@sm90
 @pytest.mark.parametrize("shape", [(2048, 1664, 256), (256, 256, 64)])
 @pytest.mark.parametrize("config", range(5))  # swiglu_gluon.CONFIGS (imported on a GPU only)
 def test_gpu_gluon_swiglu_gemm_matches_float64(config, shape):
     """The Gluon kernel (sm_90) at each configuration, bf16 against float64 from the same bf16 inputs, element by
     element: 208-416 tiles (one to four a program: in ping-pong both consumers take turns on the ring), and 4-8
     tiles of one k-tile (fewer than the stages, a program of one tile)."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel needs sm_90")
     assert len(swiglu_gluon.CONFIGS) == 5  # the parametrization's range
     m, n, k = shape
     seed = random.randrange(2**31)
@@ -99,14 +123,13 @@ def test_swiglu_grads_match_autograd_and_bad_shapes_are_refused():
 
 
 @pytest.mark.gpu
+@sm90
 @pytest.mark.parametrize("shape", [(4096, 1664, 256), (2048, 1664, 256), (256, 256, 64)])
 @pytest.mark.parametrize("config", range(3))  # swiglu_gluon.BACKWARD_CONFIGS (imported on a GPU only)
 def test_gpu_gluon_swiglu_backward_gemm_matches_float64(config, shape):
     """The backward kernel (sm_90) at each configuration: d_gate and d_up from dg = dy W2 and h1, h3, bf16 against
     float64 from the same bf16 inputs, element by element; 416 tiles (three or four a program: each consumer's
     buffers and barriers reused, the turn passed back), 208 (one or two), and 4 tiles of one k-tile."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel needs sm_90")
     assert len(swiglu_gluon.BACKWARD_CONFIGS) == 3  # the parametrization's range
     m, n, k = shape
     seed = random.randrange(2**31)
@@ -134,12 +157,11 @@ def test_swiglu_mlp_passes_opcheck_and_gradcheck():
 
 
 @pytest.mark.gpu
+@sm90
 def test_gpu_the_gluon_mlp_is_as_close_to_float64_as_the_model(monkeypatch):
     """On sm_90, a bf16 model whose MLPs run both kernels (whole tiles: 256 tokens, d_model 256, d_ff 512): its loss
     and every parameter's gradient are as close to the float64 model's (same weights and tokens) as the bf16 model's
     without them, within a factor of two and bf16's rounding."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernels need sm_90")
     launches = []
     for name in ("swiglu_gemm", "swiglu_backward_gemm"):
         kernel = getattr(swiglu_gluon, name)
@@ -166,14 +188,13 @@ def test_gpu_the_gluon_mlp_is_as_close_to_float64_as_the_model(monkeypatch):
 
 
 @pytest.mark.gpu
+@sm90
 @pytest.mark.parametrize("shape", [(8192, 1600, 6400), (4096, 2560, 10240)])  # xl 4 x 2,048; 2.7B 2 x 2,048
 def test_gpu_the_mlp_op_at_the_models_shapes_is_as_close_to_float64_as_pytorchs(monkeypatch, shape):
     """``swiglu_mlp`` forward and backward at the shapes the records run (25-40 k-tiles a tile, more than the ring's
     stages): y and the gradients of x, W1, W3 and W2 from the kernels against float64 from the same bf16 inputs, as
     close as the op's PyTorch path (cuBLAS in bf16, SwiGLU in fp32 rounded to bf16), in norm and element by element
     (within twice its error, and bf16's rounding of the largest element): a wrong tile or k-tile would show."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernels need sm_90")
     m, d, f = shape
     seed = random.randrange(2**31)
     generator = torch.Generator(device="cuda").manual_seed(seed)
@@ -197,14 +218,13 @@ def test_gpu_the_mlp_op_at_the_models_shapes_is_as_close_to_float64_as_pytorchs(
 
 
 @pytest.mark.gpu
+@sm90
 def test_gpu_the_kernels_give_the_same_bits_call_after_call():
     """Each output tile's sum runs in one fixed order, so the same inputs must give the same bits every call: 100
     calls of each kernel at xl's shapes (8,192 tokens, 1,600 -> 6,400), a cuBLAS product on a second stream
     beside every other one (the programs then start at other times), each against the first call, bit for bit. A
     race in the rings, the epilogue's buffers or the turn between the consumers would show as a call that
     differs."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernels need sm_90")
     m, d, f = 8192, 1600, 6400
     generator = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
     x, dy, noise = (torch.randn(m, d, generator=generator, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -34,7 +34,6 @@ from torch_impl import nvtx
 from torch_impl.attention import get_attention
 from torch_impl.linear_cross_entropy import LOSSES, linear_cross_entropy
 from torch_impl.qkv_projection import Rotate, project_qkv
-from torch_impl.swiglu_gluon import swiglu_mlp
 
 MLPS = ("torch", "gluon")  # SwiGLU's MLP: PyTorch's ops (compiled: Inductor's), or torch_impl.swiglu_gluon's op
 
@@ -161,6 +160,8 @@ class SwiGLU(nn.Module):
         super().__init__()
         if mlp not in MLPS:
             raise ValueError(f"SwiGLU: mlp {mlp!r}; accepted: {', '.join(MLPS)}")
+        if mlp == "gluon":  # registers torch.ops.torch_impl.swiglu_mlp; imported here, not with this module:
+            import torch_impl.swiglu_gluon  # noqa: F401  (Triton reads TRITON_INTERPRET when first imported)
         self.mlp = mlp
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
@@ -168,7 +169,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mlp == "gluon":
-            y, _, _, _ = swiglu_mlp(x.flatten(0, -2), self.w1.weight, self.w3.weight, self.w2.weight)
+            y, _, _, _ = torch.ops.torch_impl.swiglu_mlp(x.flatten(0, -2), self.w1.weight, self.w3.weight,
+                                                         self.w2.weight)
             return y.unflatten(0, x.shape[:-1])
         return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
 

@@ -537,3 +537,5 @@ def _backward_mlp(ctx, dy, dh1, dh3, dg):
 
 
 swiglu_mlp.register_autograd(_backward_mlp, setup_context=_save_mlp)
+for _device in ("cuda", "cpu"):  # under autocast, as F.linear: its inputs in bf16, the op itself run outside it
+    torch.library.register_autocast(swiglu_mlp, _device, torch.bfloat16)
