@@ -176,3 +176,23 @@ def test_cuda_bf16_autocast_close_to_float64_reference(attention):
     # LM head the errors add up to ~1e-2 of the logit scale, so 3e-2 leaves room without hiding a bug
     # (a wrong mask or rotation gives errors of order 1).
     assert np.abs(logits - expected).max() / np.abs(expected).max() < 3e-2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_embedding_gradient_sums_a_frequent_tokens_rows_in_fp32(device):
+    """A token's gradient is the sum of its rows' upstream gradients; with bf16 weights that sum must not be rounded
+    to bf16 row by row (CUDA's ``index_put_(accumulate=True)``, what ``weight[ids]``'s backward runs, does: past 256
+    rows of ~1 a bf16 running sum stops growing), only once at the end."""
+    from torch_impl.model import Embedding
+
+    seed = fresh_seed()
+    generator = torch.Generator().manual_seed(seed)
+    vocab, dim, rows = 64, 32, 8192
+    table = Embedding(vocab, dim, device=device, dtype=torch.bfloat16)
+    ids = torch.randint(0, 8, (rows,), generator=generator)  # ~1,000 rows a token
+    upstream = (1 + 0.1 * torch.randn(rows, dim, generator=generator)).to(torch.bfloat16)
+    table(ids.to(device)).backward(upstream.to(device))
+    want = torch.zeros(vocab, dim, dtype=torch.float64).index_add_(0, ids, upstream.double())
+    got = table.weight.grad.double().cpu()
+    # one rounding of each sum to bf16: at most 2^-9 relative per element
+    assert ((got - want).abs() <= 2.0 ** -8 * want.abs()).all(), f"seed {seed}"

@@ -68,7 +68,12 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    """A lookup table (vocab, d_model) ~ truncated normal, std 1 (the untruncated normal's, as ``Linear``), cut at 3."""
+    """A lookup table (vocab, d_model) ~ truncated normal, std 1 (the untruncated normal's, as ``Linear``), cut at 3.
+    Its gradient sums a token's rows in fp32 and rounds once: ``F.embedding``'s CUDA backward does; on the CPU
+    (which sums in the weight's dtype) a bf16 or fp16 table is looked up as fp32. Indexing (``weight[ids]``) sums by
+    ``index_put_(accumulate=True)``, which rounds after every row: with bf16 weights a running sum of ~1's stops
+    growing at 256, and the xl 4 x 2,048 step's embedding gradient was 20-26% off fp32's in norm
+    (scripts/grad_fidelity.py, notes/train_step.md session 50)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None):
         super().__init__()
@@ -76,7 +81,10 @@ class Embedding(nn.Module):
         nn.init.trunc_normal_(self.weight, std=1.0, a=-3.0, b=3.0)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[token_ids]
+        weight = self.weight
+        if weight.device.type != "cuda" and weight.dtype in (torch.bfloat16, torch.float16):
+            return F.embedding(token_ids, weight.float()).to(weight.dtype)  # the same values; the sums in fp32
+        return F.embedding(token_ids, weight)
 
 
 class RMSNorm(nn.Module):
