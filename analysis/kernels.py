@@ -223,8 +223,9 @@ def gpu_idle(kernels: list[tuple[str, float, float]], largest: int = 20) -> GpuI
 
 
 def trace_gpu_idle(path: str | os.PathLike, largest: int = 20) -> GpuIdle:
-    """``gpu_idle`` of the kernels on a Chrome-format trace's GPU timeline (``_stream_kernels``)."""
-    try:
-        return gpu_idle(_stream_kernels(path), largest)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+    """``gpu_idle`` of the kernels on a Chrome-format trace's GPU timeline (``_stream_kernels``, whose ValueError
+    already names the trace)."""
+    kernels = _stream_kernels(path)
+    if not kernels:
+        raise ValueError(f"{path}: no kernels on the GPU timeline")
+    return gpu_idle(kernels, largest)
