@@ -52,10 +52,16 @@
 # on the built-in corpus (bf16 weights with fp32 masters, each block's graph; OUT_DIR/train_<gpu>.jsonl) with
 # flash_triton without and with --mlp gluon, and with cuDNN's attention: the loss curves' drift from other kernels'
 # bits, the scale against which the Gluon MLP's drift is read (~7 minutes).
+# grads: the step's gradients per parameter kind against fp32 at the same weights, with PyTorch's and the Gluon MLP
+# (scripts/grad_fidelity.py: OUT_DIR/grads/), then the GPU tests of the model, the bf16 embedding's among them
+# (OUT_DIR/gpu_tests_embedding.txt; ~5 minutes). embedding: the trainer at xl 4 x 2,048 for 200 steps at lr 1e-4
+# (OUT_DIR/train_embedding_<gpu>.jsonl), seeds 0 and 1: the index lookup the model used before session 50
+# (weight[ids], run "index_lookup") against F.embedding, and PyTorch's MLP against the Gluon one (~7 minutes).
 set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
 flash_graphs|fidelity_ddp|fidelity_train|\
-fidelity_profile|fidelity_e2e|qkv|levers|swiglu|records_graphs|records_best|mlp"
+fidelity_profile|fidelity_e2e|qkv|levers|swiglu|records_graphs|records_best|mlp|grads|\
+embedding"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -115,6 +121,23 @@ mlp)
     timeout -k 10 170 python3 -m torch_impl.train --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
       --attention "$attention" --mlp "$mlp" --compile --cuda-graph blocks --epochs 1 --steps-per-epoch 200 \
       --val-batches 4 --device cuda --no-progress --cache-dir /tmp/data --out "$out/train_${GPU_TAG}.jsonl"
+  done ;;
+grads)
+  mkdir -p "$out/grads"
+  timeout -k 10 300 python3 scripts/grad_fidelity.py "$out/grads" --variants flash_triton:torch,flash_triton:gluon \
+    > "$out/grads/grad_fidelity.log" 2>&1
+  timeout -k 5 120 python3 -m pytest -q -rfE -m gpu tests/test_torch_model.py > "$out/gpu_tests_embedding.txt" 2>&1 ;;
+embedding)
+  index_lookup='import sys, torch_impl.model as m; m.Embedding.forward = lambda self, ids: self.weight[ids]
+from torch_impl.train import main; sys.exit(main(sys.argv[1:]))'
+  for run in "0 torch index" "0 torch" "0 gluon" "1 torch index" "1 torch" "1 gluon"; do
+    read -r seed mlp lookup <<< "$run"
+    train=(-m torch_impl.train)
+    [[ -n "$lookup" ]] && train=(-c "$index_lookup" --run-name index_lookup)
+    timeout -k 10 95 python3 "${train[@]}" --model xl --batch-size 4 --seq-len 2048 --dtype bf16_mixed \
+      --attention flash_triton --mlp "$mlp" --compile --cuda-graph blocks --epochs 1 --steps-per-epoch 200 \
+      --val-batches 4 --lr 1e-4 --seed "$seed" --device cuda --no-progress --cache-dir /tmp/data \
+      --out "$out/train_embedding_${GPU_TAG}.jsonl"
   done ;;
 records)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
@@ -210,7 +233,7 @@ fidelity_e2e)
   done ;;
 *) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, \
 gaps, flash, flash_graphs, fidelity_ddp, fidelity_train, fidelity_profile, fidelity_e2e, qkv, levers, \
-swiglu, records_graphs, records_best, mlp" >&2
+swiglu, records_graphs, records_best, mlp, grads, embedding" >&2
    exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi

@@ -81,7 +81,7 @@ def reference_grads(weights: dict[str, torch.Tensor], spec, batches, device) -> 
         for row in range(inputs.shape[0]):
             loss = cross_entropy(model(inputs[row:row + 1]), targets[row:row + 1]) / inputs.shape[0]
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         losses.append(total)
         grads.append({n: p.grad.detach().cpu() for n, p in model.named_parameters()})  # 6 GB a batch at xl
         model.zero_grad(set_to_none=True)
@@ -101,7 +101,7 @@ def variant_sums(cfg: TrainConfig, spec, points: dict[str, dict], batches, devic
             with autocast(cfg.dtype, device):
                 loss = cross_entropy(parts.forward(inputs), targets)
             loss.backward()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             for n, p in model.named_parameters():
                 s = sums(p.grad, ref_grads[n].to(device))
                 per_tensor[n] = {k: per_tensor.get(n, {}).get(k, 0.0) + v for k, v in s.items()}
