@@ -114,18 +114,21 @@ _SETTING_DEFAULTS = {"mlp": "torch", "loss": "plain"}  # what records from befor
 
 
 def run_labels(epochs: list[Record]) -> list[str]:
-    """A label per epoch record of suite "train": its run's name (else backend, implementation and batch, then each
-    of ``RUN_SETTINGS`` whose value is not the same in every record, e.g. "attention flash_triton, mlp gluon"),
-    "#k" on the k-th run of that name where several are (a run restarts where its epoch number does not grow)."""
+    """A label per epoch record of suite "train": its run's name (else backend, implementation and batch), then each
+    of ``RUN_SETTINGS`` whose value is not the same in every record of that name (e.g. "attention flash_triton, mlp
+    gluon"), "#k" on the k-th run of that label where several are (a run restarts where its epoch number does not
+    grow)."""
 
     def setting(r: Record, key: str):
         return r.dtype if key == "dtype" else r.metrics.get(key, _SETTING_DEFAULTS.get(key))
 
-    varying = [key for key in RUN_SETTINGS if len({str(setting(r, key)) for r in epochs}) > 1]
+    bases = [r.metrics.get("run") or f"{r.backend} {r.implementation}, batch {r.batch_size}" for r in epochs]
+    varying = {base: [key for key in RUN_SETTINGS
+                      if len({str(setting(r, key)) for r, b in zip(epochs, bases) if b == base}) > 1]
+               for base in set(bases)}
     keys, starts = [], {}
-    for r in epochs:
-        name = r.metrics.get("run") or ", ".join([f"{r.backend} {r.implementation}", f"batch {r.batch_size}",
-                                                  *(f"{key} {setting(r, key)}" for key in varying)])
+    for r, base in zip(epochs, bases):
+        name = ", ".join([base, *(f"{key} {setting(r, key)}" for key in varying[base])])
         runs = starts.setdefault(name, [])
         if not runs or r.metrics["epoch"] <= runs[-1]:
             runs.append(0)

@@ -97,6 +97,11 @@ def test_train_runs_are_labelled_by_what_differs_and_their_step_losses_drawn(tmp
     records = [epoch("torch", 0, 1, losses), epoch("torch", 0, 2, losses), epoch("gluon", 1, 1, losses)]
     labels = run_labels(records)
     assert labels == ["torch none, batch 4, mlp torch, seed 0"] * 2 + ["torch none, batch 4, mlp gluon, seed 1"]
+    named = [epoch("torch", seed, 1, losses) for seed in (0, 1)]
+    for r in named:
+        r.metrics["run"] = "index_lookup"
+    assert run_labels(named + records[2:]) == ["index_lookup, seed 0", "index_lookup, seed 1",
+                                               "torch none, batch 4"]  # what varies within a name
     rows = _step_rows(records, labels)
     first = rows[rows.cell == labels[0]]
     assert list(first.step) == [10, 20, 33, 43] and list(first.loss) == [4.5, 14.5, 4.5, 14.5]
