@@ -4,8 +4,9 @@ do what it does on one?
 Issue 23's check, from the records alone: each run launched as several torchrun nodes (its records' per-rank
 ``metrics.placement``: host, node rank, local rank), as several JAX processes (``metrics.processes``), or restarted
 by ``torchrun --max-restarts`` after a rank died (``metrics.restarts``) is set beside the same configuration
-launched on one node, in one process, uninterrupted: the reference, the first such run of the same commit, suite,
-backend, implementation, model, batch, sequence length, dtype, world size and settings (``SAME_RUN_METRICS``).
+launched on one node, in one process, uninterrupted: the reference, the first such run of the same commit, program
+(``program``: a ``python -c`` run that patched the code is another), suite, backend, implementation, model, batch,
+sequence length, dtype, world size and settings (``SAME_RUN_METRICS``).
 Other one-host runs of the configuration (a repeat, other threads or GPUs visible: rank 0's ``OMP_NUM_THREADS``
 and ``CUDA_VISIBLE_DEVICES`` are in the launch's words; a run stopped early) are set beside it too. A run is a
 step benchmark's record, or a trainer's epoch records joined by ``metrics.run`` (``--run-name``), the latest
@@ -105,6 +106,15 @@ def launch(record: Record) -> tuple[str, bool]:
     return text, len(nodes) == 1
 
 
+def program(record: Record) -> str:
+    """What the record's process ran, from its command: the script (its last two path parts, so one module run from
+    two checkouts is one program), or ``-c`` for a program given inline (e.g. one that patched the code first)."""
+    for word in str(record.provenance.get("command") or "").split():
+        if word == "-c" or word.endswith(".py"):
+            return "/".join(Path(word).parts[-2:])
+    return ""
+
+
 def runs(records: Iterable[Record]) -> list[Run]:
     """Every successful run of the records that says how it was launched (a step benchmark's record, or a trainer's
     epochs by run name)."""
@@ -114,7 +124,7 @@ def runs(records: Iterable[Record]) -> list[Run]:
             continue  # failed, or from before records said how they were launched
         words, single = launch(r)
         same = tuple(str(r.metrics.get(k)) for k in SAME_RUN_METRICS)
-        key = (r.provenance.get("git_commit"), r.suite, r.backend, r.implementation, r.model, r.batch_size,
+        key = (r.provenance.get("git_commit"), program(r), r.suite, r.backend, r.implementation, r.model, r.batch_size,
                r.seq_len, r.dtype, r.world_size, same)
         trainer = "epoch" in r.metrics
         name = str(r.metrics.get("run") or "") if trainer else ""

@@ -20,13 +20,13 @@ def _placement(nodes: int, per_node: int) -> list[dict]:
 
 
 def _epoch(run: str, epoch: int, losses: list[float], nodes: int = 1, restarts: int = 0, ms: float = 50.0,
-           settings: dict | None = None) -> Record:
+           settings: dict | None = None, command: str = "python3 /repo/torch_impl/train.py") -> Record:
     return Record(suite="train", backend="torch", implementation="bucketed 25MB", model="small", batch_size=8,
                   seq_len=512, dtype="bf16", mode="train_step", world_size=2, timing=timing_stats([ms, ms]),
                   peak_memory_bytes=3 * 2**30,
                   metrics={"run": run, "epoch": epoch, "train_losses": losses, "val_loss": losses[-1] + 1,
                            "placement": _placement(nodes, 2 // nodes), "restarts": restarts, "dist": "bucketed"},
-                  provenance={"git_commit": COMMIT, "settings": settings or {}})
+                  provenance={"git_commit": COMMIT, "settings": settings or {}, "command": command})
 
 
 def _e2e(processes: int, losses: list[float], ms: float) -> Record:
@@ -43,7 +43,8 @@ def test_launches_are_set_beside_one_host_and_their_losses_compared():
     rng = random.Random()
     epochs = [[rng.uniform(2, 9) for _ in range(4)] for _ in range(3)]
     other = [x + 0.5 for x in epochs[2]]
-    records = [_epoch("one_node", e + 1, epochs[e], settings={"OMP_NUM_THREADS": "1"}) for e in range(3)]
+    records = [_epoch("one_node", e + 1, epochs[e], settings={"OMP_NUM_THREADS": "1"},
+                      command="torchrun --nproc-per-node 2 /other/checkout/torch_impl/train.py") for e in range(3)]
     records += [_epoch("two_nodes", e + 1, epochs[e], nodes=2, ms=60.0,
                        settings={"CUDA_VISIBLE_DEVICES": "0"}) for e in range(3)]
     # the restarted run: epoch 2 recorded by the killed attempt (other losses), then again after the restart
@@ -52,6 +53,7 @@ def test_launches_are_set_beside_one_host_and_their_losses_compared():
     records += [_e2e(1, [5.0, 4.0], 100.0), _e2e(2, [5.0, 4.5], 110.0)]
     records.append(_epoch("alone", 1, epochs[0], nodes=2))  # no one-host run of its configuration: no row
     records[-1].model = "xl"
+    records.append(_epoch("patched", 1, other, nodes=2, command="python3 -c --seed 0"))  # other code: no row
 
     table = multihost_table(records)
     rows = {(r["suite"], r["run"], r["launch"]): r for r in table.to_dict("records")}
