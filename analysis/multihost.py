@@ -124,8 +124,8 @@ def runs(records: Iterable[Record]) -> list[Run]:
             continue  # failed, or from before records said how they were launched
         words, single = launch(r)
         same = tuple(str(r.metrics.get(k)) for k in SAME_RUN_METRICS)
-        key = (r.provenance.get("git_commit"), program(r), r.suite, r.backend, r.implementation, r.model, r.batch_size,
-               r.seq_len, r.dtype, r.world_size, same)
+        key = (r.provenance.get("git_commit"), program(r), r.suite, r.backend, r.implementation, r.model,
+               r.batch_size, r.seq_len, r.dtype, r.world_size, same)
         trainer = "epoch" in r.metrics
         name = str(r.metrics.get("run") or "") if trainer else ""
         record_id = None if trainer else i  # a step benchmark's record: a run of its own

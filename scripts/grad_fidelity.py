@@ -6,7 +6,7 @@ graphs, 150 steps on the built-in corpus) and keeps its weights. Then, at the in
 ones, for each variant (ATTENTION:MLP, default the four of flash_triton and sdpa_cudnn with the torch and gluon MLP)
 builds the step as the trainer does (``torch_impl.train.build``) and computes the loss and the gradients on
 ``--batches`` fresh training batches, and the same in fp32 as the reference (products in full fp32, no TF32,
-sdpa_efficient's attention, eager, one sequence at a time). Per parameter kind (``mlp.w1``, ``attn.q_proj``, ...)
+sdpa_efficient's attention, eager, one sequence at a time). Per parameter kind (``ffn.w1``, ``attn.q_proj``, ...)
 and variant, over the batches: the relative error ||g - r|| / ||r||, the cosine of g and r, the scale of g along
 r, <g, r> / <r, r> - 1 (a systematic shrink or growth, which rounding noise does not make), and the share of
 elements whose sign differs from r's (what AdamW's normalized step sees); and the loss's difference from the
@@ -42,8 +42,8 @@ SUMS = ("err2", "ref2", "dot", "got2", "sign_diff", "elements")
 
 
 def kind(name: str) -> str:
-    """A parameter's kind: its name without the block index and the ``.weight`` (``layers.3.mlp.w1.weight`` ->
-    ``mlp.w1``)."""
+    """A parameter's kind: its name without the block index and the ``.weight`` (``layers.3.ffn.w1.weight`` ->
+    ``ffn.w1``)."""
     return re.sub(r"\.weight$", "", re.sub(r"^layers\.\d+\.", "", name))
 
 
@@ -136,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     args, train_args = parser.parse_known_args(argv)
     cfg = TrainConfig(**vars(build_parser().parse_args(train_args or DEFAULT_TRAIN)))
     variants = [tuple(v.split(":")) for v in args.variants.split(",")]
-    if any(len(v) != 2 for v in variants) or args.batches < 1:
-        print("grad_fidelity: --variants as ATTENTION:MLP,... and --batches >= 1", file=sys.stderr)
+    if any(len(v) != 2 for v in variants) or args.batches < 1 or cfg.loss != "plain":
+        print("grad_fidelity: --variants as ATTENTION:MLP,..., --batches >= 1 and --loss plain (the logits' "
+              "cross-entropy) are accepted", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
