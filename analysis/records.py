@@ -74,7 +74,8 @@ def library_versions() -> dict[str, str]:
 # Environment variables that choose what code runs (our kernels' switches, Triton's, Inductor's, XLA's, NCCL's) or
 # how a process runs it (its CPU threads, the GPUs it sees): a record keeps the ones set (``provenance``'
 # "settings"), since the same command measures different code with them.
-SETTINGS_PREFIXES = ("FLASH_", "TRITON_", "TORCHINDUCTOR_", "XLA_", "NCCL_", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+SETTINGS_PREFIXES = ("FLASH_", "TRITON_", "TORCHINDUCTOR_", "XLA_", "NCCL_", "TORCH_BLAS_", "CUBLAS", "OMP_NUM_THREADS",
+                     "CUDA_VISIBLE_DEVICES")
 
 
 @functools.cache
