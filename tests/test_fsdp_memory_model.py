@@ -5,7 +5,7 @@ Our FSDP, with its default units of a block (``gather_unit="block"``, ``prefetch
 unit (``"layer"``, 2 prefetched): its measured ``peak_gathered_bytes`` after one forward + backward, in fp32 and
 with ``compute_dtype=bfloat16``, once gloo's transient reference is taken out, equals the peak derived by hand from
 FSDP's prefetch logic and is at most the calculator's ``gathered``; with gloo's own buffers, at most one finished
-gather more.
+gather more per gloo worker thread.
 Under autocast, bf16 gathers leave no bf16 weight copy saved for backward (``cast_weights`` = 0), while fp32
 gathers (the negative control) save exactly the copies the calculator counts for ZeRO-1/2.
 
@@ -110,6 +110,13 @@ def _weight_copies_saved(compute_dtype) -> int:
     return sum(copies.values())
 
 
+def _gloo_threads() -> int:
+    """gloo's worker threads in the default group (``options.threads``, 2 by default): each runs one collective at
+    a time and keeps it, and so its output, until it gets the CPU back after waking ``wait()``."""
+    backend = torch.distributed.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return getattr(getattr(backend, "options", None), "_threads", 2)
+
+
 def _ours_body(rank: int, world_size: int) -> dict:
     import torch_impl.distributed.fsdp as fsdp_module
 
@@ -129,6 +136,7 @@ def _ours_body(rank: int, world_size: int) -> dict:
             out[f"settled_{unit}_{name}"] = fsdp.peak_gathered_bytes
     finally:
         fsdp_module._all_gather_flat = real
+    out["gloo_threads"] = _gloo_threads()
     out["copies_bf16_gather"] = _weight_copies_saved(torch.bfloat16)
     out["copies_fp32_gather"] = _weight_copies_saved(None)
     return out
@@ -137,11 +145,13 @@ def _ours_body(rank: int, world_size: int) -> dict:
 def _check_peaks(res: dict, unit: str, name: str, exact: int, calc_gathered: float, largest_unit: int) -> None:
     """What FSDP keeps, with gloo's transient reference taken out (_ScratchGather), is exactly ``exact`` and
     within the calculator's bound. Measured with gloo's own buffers: at least that (the instant happens on every
-    run) and at most one finished gather more, which gloo's worker thread may still hold for a moment after
-    ``wait()`` (seen: an F D matrix, and a whole block: 3 blocks' weights on one rank of one CI run)."""
+    run) and at most one finished gather more per gloo worker thread: a worker keeps the work it ran, and so its
+    output, until it gets the CPU back after waking ``wait()`` (seen: an F D matrix, a whole block: 3 blocks'
+    weights on one rank of one CI run, and both threads at once: 3 blocks + the V D embedding, 366,592 bytes in
+    bf16, on a loaded CI machine)."""
     settled, peak = res[f"settled_{unit}_{name}"], res[f"peak_{unit}_{name}"]
     assert settled == exact <= calc_gathered, (unit, name, res)
-    assert exact <= peak <= exact + largest_unit, (unit, name, res)
+    assert exact <= peak <= exact + res["gloo_threads"] * largest_unit, (unit, name, res)
 
 
 def test_our_fsdp_peak_gathered_against_the_calculator():
