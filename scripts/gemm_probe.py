@@ -8,6 +8,10 @@ input gradient dy W and the weight gradient dy^T x, with their TFLOP/s and their
 50,257 leaves every logits row at an odd address: cuBLAS cannot use its aligned kernels), then the head with its
 loss, forward and backward, in the ways the step could run it. Prints tables; writes OUT/gemm_probe.json. Not a
 record: the e2e benchmark makes those; this finds what to fix (notes/train_step.md).
+``--graph``: each product captured in a CUDA graph, as the step's blocks run, timed by its replays, and the memsets
+cuBLAS puts before its kernel counted (torch.profiler; the step's kernel table has one before ~240 products a step,
+each with a gap: notes/train_step.md, session 49). cuBLAS's settings (``CUBLAS_WORKSPACE_CONFIG``,
+``TORCH_BLAS_PREFER_CUBLASLT``) are the environment's, kept in the output's provenance: a run per setting.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from analysis.records import provenance
 from parallelism_calc.specs import get_model
 from torch_impl.model import cross_entropy
-from torch_impl.timing import median_ms
+from torch_impl.timing import capture_step, median_ms
 
 
 # the step's weights as (name, N, K, uses per step, whether the step's dx takes W column-major); names in
@@ -38,7 +43,17 @@ def weights(spec, pad: int) -> list[tuple[str, int, int, int, bool]]:
             ("(q|k|v apart)", d, d, 3 * layers, False), (f"(head padded {padded})", padded, d, 1, False)]
 
 
-def gemm_rows(spec, tokens: int, pad: int, reps: int) -> list[dict]:
+def memsets_per_call(fn, calls: int = 5) -> float:
+    """GPU memsets per ``fn()`` call (torch.profiler's "Memset" events over ``calls`` calls)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum("Memset" in e.name for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA) / calls
+
+
+def gemm_rows(spec, tokens: int, pad: int, reps: int, graph: bool = False) -> list[dict]:
     rows = []
     for name, n, k, uses, column_major_dx in weights(spec, pad):
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
@@ -52,13 +67,14 @@ def gemm_rows(spec, tokens: int, pad: int, reps: int) -> list[dict]:
                             (f"(input grad, W {'in rows' if column_major_dx else 'column-major'})",
                              lambda: dy @ other_w)):
             try:
-                ms = median_ms(fn, reps)
+                ms = median_ms(fn, reps, graph=graph)
+                extra = {"memsets": memsets_per_call(capture_step(fn))} if graph else {}
             except RuntimeError as error:  # an alternative this torch or GPU lacks: a row that says so
                 rows.append({"weight": name, "product": product, "M": tokens, "N": n, "K": k, "uses": uses,
                              "error": (str(error).splitlines() or [repr(error)])[0]})
                 continue
             rows.append({"weight": name, "product": product, "M": tokens, "N": n, "K": k, "uses": uses, "ms": ms,
-                         "tflops": 2 * tokens * n * k / ms / 1e9, "ms_per_step": ms * uses})
+                         "tflops": 2 * tokens * n * k / ms / 1e9, "ms_per_step": ms * uses, **extra})
         del x, w, w_other, dx_w, other_w, dy
     return rows
 
@@ -116,29 +132,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per step (batch x sequence)")
     parser.add_argument("--pad", type=int, default=128, help="pad the vocabulary to a multiple of this")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--graph", action="store_true",
+                        help="time each product's CUDA graph replays and count cuBLAS's memsets a call")
+    parser.add_argument("--no-head", action="store_true", help="the products only: skip the LM head with its loss")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gemm_probe: needs a CUDA device", file=sys.stderr)
         return 2
     spec = get_model(args.model)
-    gemms = gemm_rows(spec, args.tokens, args.pad, args.reps)
-    print(f"{'weight':>22} {'product':>20} {'M x N x K':>20} {'ms':>8} {'TFLOP/s':>8} {'ms/step':>8}")
+    gemms = gemm_rows(spec, args.tokens, args.pad, args.reps, args.graph)
+    print(f"{'weight':>22} {'product':>20} {'M x N x K':>20} {'ms':>8} {'TFLOP/s':>8} {'ms/step':>8}"
+          + (f" {'memsets':>8}" if args.graph else ""))
     for r in gemms:
         if "error" in r:
             print(f"{r['weight']:>22} {r['product']:>20}: {r['error']}")
             continue
         print(f"{r['weight']:>22} {r['product']:>20} {r['M']}x{r['N']}x{r['K']:>6} {r['ms']:8.3f} {r['tflops']:8.1f}"
-              f" {r['ms_per_step']:8.2f}")
+              f" {r['ms_per_step']:8.2f}" + (f" {r['memsets']:8.1f}" if args.graph else ""))
     in_step = [r for r in gemms if "(" not in r["weight"] + r["product"] and "error" not in r]
     print(f"the step's GEMMs: {sum(r['ms_per_step'] for r in in_step):.1f} ms per step")
-    heads = head_rows(spec, args.tokens, args.pad, args.reps)
+    heads = [] if args.no_head else head_rows(spec, args.tokens, args.pad, args.reps)
     for r in heads:
         print(f"{r['variant']:>40} {r['ms']:8.3f} ms  loss diff {r['loss_diff']:.1e}  grad diff "
               f"{r['grad_max_rel_diff']:.1e}  peak {r['peak_gib']:.1f} GiB")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gemm_probe.json").write_text(json.dumps(
-        {"model": args.model, "tokens": args.tokens, "device": torch.cuda.get_device_name(),
-         "torch": torch.__version__, "gemms": gemms, "head_and_loss": heads}, indent=1))
+        {"model": args.model, "tokens": args.tokens, "graph": args.graph, "device": torch.cuda.get_device_name(),
+         "torch": torch.__version__, "gemms": gemms, "head_and_loss": heads,
+         "provenance": provenance(torch.cuda.get_device_name())}, indent=1))
     return 0
 
 
