@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lm_data import global_batch_starts, prepare_data
-from torch_impl.data import batch_at
+from lm_data import prepare_data
+from torch_impl.data import get_batch
 from torch_impl.model import TransformerLM, cross_entropy
 from torch_impl.step import autocast
 from torch_impl.train import TrainConfig, build, build_parser, run_training
@@ -152,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     data = prepare_data(cfg.data, cfg.cache_dir, builtin_bytes=int(cfg.builtin_mb * 2**20),
                         val_fraction=cfg.val_fraction)
     generator = np.random.default_rng(cfg.seed + 10_000)  # not a batch the training drew in the same order
-    batches = [batch_at(data.train, global_batch_starts(len(data.train), 1, 1, cfg.batch_size, cfg.seq_len,
-                                                        generator)[0, 0], cfg.seq_len, device)
-               for _ in range(args.batches)]
+    batches = [get_batch(data.train, cfg.batch_size, cfg.seq_len, device, generator) for _ in range(args.batches)]
 
     torch.set_float32_matmul_precision("highest")
     points = {}
