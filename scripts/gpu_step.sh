@@ -57,10 +57,14 @@
 # (OUT_DIR/gpu_tests_embedding.txt; ~5 minutes). embedding: the trainer at xl 4 x 2,048 for 200 steps at lr 1e-4
 # (OUT_DIR/train_embedding_<gpu>.jsonl), seeds 0 and 1: the index lookup the model used before session 50
 # (weight[ids], run "index_lookup") against F.embedding, and PyTorch's MLP against the Gluon one (~7 minutes).
+# packed_rope: flash_triton on the one q, k, v product (RoPE, the split and the product's gradient in the attention
+# op: tests/test_flash_packed_rope.py -m gpu -> OUT_DIR/gpu_tests_packed_rope.txt), then ours at xl 4 x 2,048 with
+# it off (FLASH_PACKED_ROPE=0: the packing pass of its own) and on, in turn, twice
+# (OUT_DIR/e2e_packed_rope_<gpu>.jsonl).
 set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
 flash_graphs|fidelity_ddp|fidelity_train|\
-fidelity_profile|fidelity_e2e|qkv|levers|swiglu|records_graphs|records_best|mlp|grads|\
+fidelity_profile|fidelity_e2e|qkv|levers|swiglu|records_graphs|records_best|mlp|grads|packed_rope|\
 embedding"
 out=${1:?$usage}
 phase=${2:?$usage}
@@ -138,6 +142,15 @@ from torch_impl.train import main; sys.exit(main(sys.argv[1:]))'
       --attention flash_triton --mlp "$mlp" --compile --cuda-graph blocks --epochs 1 --steps-per-epoch 200 \
       --val-batches 4 --lr 1e-4 --seed "$seed" --device cuda --no-progress --cache-dir /tmp/data \
       --out "$out/train_embedding_${GPU_TAG}.jsonl"
+  done ;;
+packed_rope)  # the GPU tests, then ours with flash_triton (each block's graph), without and with, twice (ABAB)
+  timeout -k 5 150 python3 -m pytest -q -rfE -m gpu tests/test_flash_packed_rope.py \
+    > "$out/gpu_tests_packed_rope.txt" 2>&1
+  echo "pytest rc=$?" >> "$out/gpu_tests_packed_rope.txt"
+  for packed in 0 1 0 1; do
+    FLASH_PACKED_ROPE=$packed timeout -k 10 150 python3 -m torch_impl.bench.e2e --model xl --batch-size 4 \
+      --seq-len 2048 --dtype bf16_mixed --attention flash_triton --compile --cuda-graph blocks --warmup 3 --steps 20 \
+      --out "$out/e2e_packed_rope_${GPU_TAG}.jsonl"
   done ;;
 records)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
@@ -233,7 +246,7 @@ fidelity_e2e)
   done ;;
 *) echo "unknown phase $phase; accepted: records, ddp, profile, mixed, mixed_large, probe, inductor, loops, host, \
 gaps, flash, flash_graphs, fidelity_ddp, fidelity_train, fidelity_profile, fidelity_e2e, qkv, levers, \
-swiglu, records_graphs, records_best, mlp, grads, embedding" >&2
+swiglu, records_graphs, records_best, mlp, grads, embedding, packed_rope" >&2
    exit 2 ;;
 esac
 if ls "$out"/*.jsonl >/dev/null 2>&1; then python3 -m analysis.reports "$out" --out "$out/reports"; fi

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from parallelism_calc.specs import MODELS
 from torch_impl.model import RotaryEmbedding, TransformerLM
 from torch_impl.qkv_pack_triton import launch_pack, launch_split
-from torch_impl.qkv_projection import QKVProjection, pack_rotated_grads, rotate_pairs, rotate_split
+from torch_impl.qkv_projection import QKVProduct, pack_rotated_grads, rotate_pairs, rotate_split
 
 TINY = MODELS["tiny"]
 
@@ -18,6 +18,11 @@ TINY = MODELS["tiny"]
 def fresh_generator() -> tuple[torch.Generator, int]:
     seed = int(np.random.SeedSequence().entropy % 2**31)
     return torch.Generator().manual_seed(seed), seed
+
+
+def qkv_projection(x, w_q, w_k, w_v, cos, sin, n_heads):
+    """The model's route: the one product, then RoPE and the split (whose backward packs the gradients)."""
+    return rotate_split(QKVProduct.apply(x, w_q, w_k, w_v), cos, sin, n_heads)
 
 
 def three_products(x, w_q, w_k, w_v, cos, sin, n_heads):
@@ -39,9 +44,9 @@ def test_one_product_is_the_three_products_in_float64(shuffled):
     generator, seed = fresh_generator()
     positions = torch.randperm(32, generator=generator)[:7] if shuffled else None
     x, weights, cos, sin, n_heads = inputs(generator, positions=positions)
-    assert torch.autograd.gradcheck(lambda *t: QKVProjection.apply(*t, cos, sin, n_heads), (x, *weights)), seed
+    assert torch.autograd.gradcheck(lambda *t: qkv_projection(*t, cos, sin, n_heads), (x, *weights)), seed
     grads_out = [torch.randn(2, 7, n_heads, 8, dtype=torch.float64, generator=generator) for _ in range(3)]
-    ours = QKVProjection.apply(x, *weights, cos, sin, n_heads)
+    ours = qkv_projection(x, *weights, cos, sin, n_heads)
     # v in an allocation of its own: a view would keep the whole product alive while the attention keeps v
     assert ours[2].untyped_storage().nbytes() == ours[2].numel() * ours[2].element_size()
     ours_grads = torch.autograd.grad(ours, (x, *weights), grads_out)
@@ -62,7 +67,7 @@ def test_under_autocast_it_is_as_near_float64_as_the_three_products():
     truth = three_products(*leaves64, cos.double(), sin.double(), n_heads)
     truth = (*truth, *torch.autograd.grad(truth, leaves64, [g.double() for g in grads_out]))
     errors = []
-    for route in (QKVProjection.apply, three_products):
+    for route in (qkv_projection, three_products):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = route(x, *weights, cos, sin, n_heads)
         got = (*out, *torch.autograd.grad(out, (x, *weights), grads_out))
@@ -221,7 +226,7 @@ def test_it_saves_the_weights_themselves_or_autocasts_one_copy(autocast):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            QKVProjection.apply(x, *weights, cos, sin, n_heads)
+            qkv_projection(x, *weights, cos, sin, n_heads)
     d = x.shape[-1]
     if autocast:
         assert [tuple(t.shape) for t in saved if t.dtype == torch.bfloat16] == [tuple(x.shape), (3 * d, d)]
@@ -239,7 +244,7 @@ def test_compiled_it_saves_the_weights_not_their_concatenation():
     weights = [torch.nn.Parameter(w.detach().to(torch.bfloat16)) for w in weights]  # a model's: Dynamo's parameters
     d = x.shape[-1]
     torch._dynamo.reset()
-    compiled = torch.compile(lambda x: QKVProjection.apply(x, *weights, cos, sin, n_heads),
+    compiled = torch.compile(lambda x: qkv_projection(x, *weights, cos, sin, n_heads),
                              backend="aot_eager_decomp_partition", fullgraph=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
@@ -254,8 +259,8 @@ def test_float64_under_autocast_stays_float64():
     generator, seed = fresh_generator()
     x, weights, cos, sin, n_heads = inputs(generator)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = QKVProjection.apply(x, *weights, cos, sin, n_heads)
-    for a, b in zip(got, QKVProjection.apply(x, *weights, cos, sin, n_heads)):
+        got = qkv_projection(x, *weights, cos, sin, n_heads)
+    for a, b in zip(got, qkv_projection(x, *weights, cos, sin, n_heads)):
         assert a.dtype == torch.float64 and torch.equal(a, b), seed
 
 
@@ -265,7 +270,7 @@ def test_weight_gradients_start_aligned(n_heads, d_head):
     (MasterAdamW's kernel needs it), else each its own allocation (d = 18: d^2 = 324)."""
     generator, _ = fresh_generator()
     x, weights, cos, sin, _ = inputs(generator, n_heads=n_heads, d_head=d_head, dtype=torch.float32)
-    grads = torch.autograd.grad(sum(t.sum() for t in QKVProjection.apply(x, *weights, cos, sin, n_heads)), weights)
+    grads = torch.autograd.grad(sum(t.sum() for t in qkv_projection(x, *weights, cos, sin, n_heads)), weights)
     shared = len({g.untyped_storage().data_ptr() for g in grads}) == 1
     assert shared == ((n_heads * d_head) ** 2 % 16 == 0)
     assert all(g.storage_offset() % 16 == 0 for g in grads)

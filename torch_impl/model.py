@@ -31,9 +31,9 @@ from torch.utils.hooks import RemovableHandle
 
 from parallelism_calc.specs import ModelSpec
 from torch_impl import nvtx
-from torch_impl.attention import get_attention
+from torch_impl.attention import get_attention, get_packed_attention
 from torch_impl.linear_cross_entropy import LOSSES, linear_cross_entropy
-from torch_impl.qkv_projection import Rotate, project_qkv
+from torch_impl.qkv_projection import Rotate, project_qkv, qkv_product
 
 MLPS = ("torch", "gluon")  # SwiGLU's MLP: PyTorch's ops (compiled: Inductor's), or torch_impl.swiglu_gluon's op
 
@@ -145,16 +145,20 @@ class CausalSelfAttention(nn.Module):
         self.rope = rope
         self.attention_name = attention
         self.attention = get_attention(attention)
+        self.packed_attention = get_packed_attention(attention)  # None: the backend takes q, k, v only
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, d_model = x.shape
         # q, k and v as one product (torch_impl.qkv_projection), RoPE in the (B, T, H, d_head) layout; the kernels
-        # take (B, H, T, d_head) views of it.
+        # take (B, H, T, d_head) views of it. A backend that takes the product applies RoPE and splits it itself.
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        heads = project_qkv(x, projections, self.n_heads, *self.rope.tables(seq, positions))
-        q, k, v = (t.transpose(1, 2) for t in heads)
-        with nvtx.range(f"attention {self.attention_name}"):
-            out = self.attention(q, k, v, is_causal=True)  # (B, H, T, d_head)
+        cos, sin = self.rope.tables(seq, positions)
+        product = None if self.packed_attention is None else qkv_product(x, projections)
+        if product is None:
+            q, k, v = (t.transpose(1, 2) for t in project_qkv(x, projections, self.n_heads, cos, sin))
+        with nvtx.range(f"attention {self.attention_name}"):  # (B, H, T, d_head)
+            out = (self.attention(q, k, v, is_causal=True) if product is None
+                   else self.packed_attention(product, cos, sin, self.n_heads))
         return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
 
     def extra_repr(self) -> str:

@@ -1,7 +1,9 @@
 """The Triton kernels of ``torch_impl.qkv_projection``, each one pass at the copy bandwidth: ``rotate_split`` (the
 forward) q and k of the one q, k, v product rotated by RoPE and v, each into a (B, T, H, d_head) tensor of its own;
 ``pack_rotated_grads`` (the backward) dq and dk rotated back and dv, packed side by side as the product's
-(B, T, 3, H, d_head) gradient."""
+(B, T, 3, H, d_head) gradient; ``launch_rotate_back``, dq or dk rotated back (and scaled) from any layout into any,
+in place too: what the FlashAttention backward that writes the product's gradient itself
+(``flash_triton.flash_backward_packed``) leaves of that packing."""
 
 from __future__ import annotations
 
@@ -55,6 +57,19 @@ def _pack_kernel(dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
     k_tile = _head_tile(dk, batch, position, head, k_b, k_t, k_h, cols, mask)
     tl.store(dst + row_width, _rotated_back(k_tile, cos_tile, sin_tile).to(out.dtype.element_ty), mask=mask)
     tl.store(dst + 2 * row_width, _head_tile(dv, batch, position, head, v_b, v_t, v_h, cols, mask), mask=mask)
+
+
+@triton.jit
+def _rotate_back_kernel(src, dst, cos, sin, n_rows, seq, n_heads, s_b, s_t, s_h, d_b, d_t, d_h, table_t, scale,
+                        HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head of BLOCK_ROWS rows (b, t): dst[b, t, head] = src[b, t, head] * scale rotated by minus RoPE's angles,
+    in the tables' precision, rounded once to dst's dtype (src and dst (B, T, H, d_head) of any strides, the last
+    contiguous; the same tensor: in place, each element read by the program that writes it)."""
+    rows, head, batch, position, cols, mask, cos_tile, sin_tile = _program_rows(
+        cos, sin, n_rows, seq, table_t, HEAD_DIM, BLOCK_ROWS, BLOCK_D)
+    tile = _head_tile(src, batch, position, head, s_b, s_t, s_h, cols, mask).to(cos.dtype.element_ty) * scale
+    out = dst + (batch * d_b + position * d_t + head * d_h)[:, None] + cols[None, :]
+    tl.store(out, _rotated_back(tile, cos_tile, sin_tile).to(dst.dtype.element_ty), mask=mask)
 
 
 PACK_BLOCK_ROWS = 64  # rows (b, t) of one head a program: 3 x 64 x d_head elements in and out
@@ -111,3 +126,20 @@ def launch_pack(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch
                        *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], cos.stride(0),
                        HEAD_DIM=d_head, BLOCK_ROWS=PACK_BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(d_head))
     return out
+
+
+def launch_rotate_back(src: torch.Tensor, dst: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       scale: float = 1.0) -> None:
+    """dst = src * scale rotated by minus RoPE's angles (tables cos, sin (T, d_head / 2)), src and dst (B, T, H,
+    d_head) of any strides whose last dim is contiguous (the same tensor: in place), computed in the wider of the
+    tables' and dst's precision and rounded once to dst's dtype."""
+    batch, seq, n_heads, d_head = dst.shape
+    if src.shape != dst.shape or src.stride(-1) != 1 or dst.stride(-1) != 1:
+        raise ValueError(f"launch_rotate_back: src and dst must be (B, T, H, d_head) alike, the last dim contiguous; "
+                         f"got {tuple(src.shape)} strides {src.stride()}, {tuple(dst.shape)} strides {dst.stride()}")
+    cos, sin = _tables(cos, sin, dst.dtype)
+    n_rows = batch * seq
+    grid = (triton.cdiv(n_rows, PACK_BLOCK_ROWS), n_heads)
+    _rotate_back_kernel[grid](src, dst, cos, sin, n_rows, seq, n_heads, *src.stride()[:3], *dst.stride()[:3],
+                              cos.stride(0), scale, HEAD_DIM=d_head, BLOCK_ROWS=PACK_BLOCK_ROWS,
+                              BLOCK_D=triton.next_power_of_2(d_head))

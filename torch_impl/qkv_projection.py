@@ -5,14 +5,18 @@ wider GEMM runs nearer the matmul ceiling, and the input's gradient is one GEMM 
 sum were. The backward of that product needs the gradient of the packed (B, T, 3, H, d_head) output: dq and dk
 rotated back by RoPE (a rotation's transpose is the rotation by minus the angle), dv beside them. Inductor writes
 that as a pointwise concatenation at a third of the copy bandwidth (7.2 ms a step at xl 4 x 2,048 where a copy takes
-~2.5: notes/train_step.md, sessions 8, 17 and 42), so the backward is written out here (``QKVProjection``) and the
-packing is one Triton kernel (``torch_impl.qkv_pack_triton``) behind ``pack_rotated_grads``, an opaque op to
-torch.compile (PyTorch's ops off CUDA).
+~2.5: notes/train_step.md, sessions 8, 17 and 42), so the product's backward is written out here (``QKVProduct``)
+and the packing is one Triton kernel (``torch_impl.qkv_pack_triton``) behind ``pack_rotated_grads``, an opaque op to
+torch.compile (PyTorch's ops off CUDA), the backward of ``rotate_split``.
 
-The forward's RoPE (q and k rotated, v copied out beside them) is one kernel too, behind ``rotate_split``.
+The forward's RoPE (q and k rotated, v copied out beside them) is one kernel too, behind ``rotate_split``. An
+attention backend that takes the product itself (``registry.register_packed_attention``: flash_triton) applies RoPE
+and splits it in its forward and writes the product's gradient in its backward, so that the packing pass goes
+(``qkv_product`` feeds it).
 
-The parameters stay the three projections' (their names cross to the Flax model); ``project_qkv`` takes the packed
-route only where nothing hooks the projections' own calls (our FSDP with per-layer units or a compute dtype does).
+The parameters stay the three projections' (their names cross to the Flax model); ``qkv_product`` and
+``project_qkv`` take the one product only where nothing hooks the projections' own calls (our FSDP with per-layer
+units or a compute dtype does).
 """
 
 from __future__ import annotations
@@ -152,10 +156,11 @@ def _autocast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.dtype in AUTOCAST_DTYPES else t
 
 
-class QKVProjection(torch.autograd.Function):
-    """(x, W_q, W_k, W_v, cos, sin, n_heads) -> (q, k, v), each (B, T, H, d_head): x [W_q; W_k; W_v]^T as one
-    product, q and k rotated by RoPE, v a tensor of its own. Under autocast x and the weights are cast as F.linear
-    casts them. Backward: ``pack_rotated_grads``, then the input's and the weights' gradients as one GEMM each.
+class QKVProduct(torch.autograd.Function):
+    """(x, W_q, W_k, W_v) -> x [W_q; W_k; W_v]^T (B, T, 3d): the three projections as one product. Under autocast x
+    and the weights are cast as F.linear casts them. Backward: the input's and the weights' gradients as one GEMM
+    each, from the product's gradient (``pack_rotated_grads``'s, through ``rotate_split``'s autograd, or that of an
+    attention of the product: ``registry.get_packed_attention``).
 
     Saved as three products save them: x once (they kept a cast copy each under autocast), and under autocast the
     weights' cast copy (here one, concatenated), else the weights themselves, concatenated again in the backward,
@@ -165,33 +170,30 @@ class QKVProjection(torch.autograd.Function):
     the forward's concatenation for a backward that repeated it."""
 
     @staticmethod
-    def forward(ctx, x, w_q, w_k, w_v, cos, sin, n_heads: int):
+    def forward(ctx, x, w_q, w_k, w_v):
         ctx.dtypes = x.dtype, w_q.dtype
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
         x, weight = _autocast(x, dtype), _autocast(torch.cat((w_q, w_k, w_v)), dtype)  # weight (3d, d)
         cast = weight.dtype != w_q.dtype
-        ctx.save_for_backward(x, *((weight,) if cast else (w_q, w_k, w_v)), cos, sin)
-        # v in an allocation of its own: as a view of the product it kept the whole product alive as long as the
-        # attention kept v, 3x its bytes (+2.5 GB at xl 4 x 2,048: notes/train_step.md, session 45)
-        return torch.ops.torch_impl.rotate_split(F.linear(x, weight), cos, sin, n_heads)
+        ctx.save_for_backward(x, *((weight,) if cast else (w_q, w_k, w_v)))
+        return F.linear(x, weight)
 
     @staticmethod
-    def backward(ctx, dq, dk, dv):
-        x, *weights, cos, sin = ctx.saved_tensors
+    def backward(ctx, dy):
+        x, *weights = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         # the concatenation again, as its transpose: compiled, the forward's (3d, d) cat would be shared with this one
         # and saved in place of the weights (AOTAutograd's partitioner), which a sharding wrapper could not free; cuBLAS
         # runs dx on this column-major weight faster than on its rows, 0.197 against 0.204 ms at xl 4 x 2,048 on an
         # H200 (scripts/gemm_probe.py; the rows through an op opaque to the partitioner: notes/train_step.md, 47)
         weight_t = weights[0].T if len(weights) == 1 else torch.cat([w.T for w in weights], dim=1)  # (d, 3d)
-        dy = torch.ops.torch_impl.pack_rotated_grads(dq, dk, dv, cos, sin).flatten(2)  # (B, T, 3d)
         dx = (dy @ weight_t.T).to(x_dtype) if ctx.needs_input_grad[0] else None
         dws = (None,) * 3
         if any(ctx.needs_input_grad[1:4]):
             dws = (dy.flatten(0, 1).T @ x.flatten(0, 1)).to(w_dtype).chunk(3)  # views of one (3d, d) product
             if dws[0].numel() % GRADIENT_ALIGN:  # a view would start unaligned: each its own allocation
                 dws = tuple(dw.clone() for dw in dws)
-        return (dx, *dws, None, None, None)
+        return (dx, *dws)
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -204,15 +206,24 @@ def _hooked(module: nn.Module) -> bool:
                 or module_hooks._global_backward_hooks)
 
 
+def qkv_product(x: torch.Tensor, projections: tuple[nn.Module, nn.Module, nn.Module]) -> torch.Tensor | None:
+    """x [W_q; W_k; W_v]^T (B, T, 3d) of x (B, T, d) by the three projection modules' weights as one product
+    (``QKVProduct``), or None where a projection's call is hooked (then each module is to be called as it is)."""
+    if any(_hooked(p) for p in projections):
+        return None
+    return QKVProduct.apply(x, *(p.weight for p in projections))
+
+
 def project_qkv(x: torch.Tensor, projections: tuple[nn.Module, nn.Module, nn.Module], n_heads: int,
                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v (B, T, H, d_head) of x (B, T, d) by the three projection modules, q and k rotated by RoPE's tables
-    cos, sin (T, d_head / 2): one product (``QKVProjection``) unless a projection's call is hooked, then each
-    module called as it is."""
-    if any(_hooked(p) for p in projections):
+    cos, sin (T, d_head / 2): one product (``qkv_product``) split by ``rotate_split`` unless a projection's call is
+    hooked, then each module called as it is."""
+    product = qkv_product(x, projections)
+    if product is None:
         q, k, v = (p(x).unflatten(-1, (n_heads, -1)) for p in projections)
         return Rotate.apply(q, cos, sin), Rotate.apply(k, cos, sin), v
-    return QKVProjection.apply(x, *(p.weight for p in projections), cos, sin, n_heads)
+    return torch.ops.torch_impl.rotate_split(product, cos, sin, n_heads)
 
 
 class Rotate(torch.autograd.Function):

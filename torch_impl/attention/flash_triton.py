@@ -63,7 +63,9 @@ import triton
 import triton.language as tl
 
 from torch_impl.activation_checkpointing import kept_attention
-from torch_impl.attention.registry import register_attention
+from torch_impl.attention.registry import register_attention, register_packed_attention
+from torch_impl.qkv_pack_triton import launch_rotate_back
+from torch_impl.qkv_projection import check_split_inputs
 
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -670,8 +672,35 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dK/dV pass and then a dQ pass of its own (no atomics, the same bits every run, 7/5 of the products)."""
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk, dv = empty_like_heads(k), empty_like_heads(v)
+    _backward_into(dq, dk, dv, do, q, k, v, o, lse, is_causal, tf32, deterministic)
+    return dq, dk, dv
+
+
+def flash_backward_packed(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                          lse: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_causal: bool, tf32: bool = False,
+                          deterministic: bool = False) -> torch.Tensor:
+    """The gradient (B, n, 3 H d) of the q, k, v product whose q and k RoPE rotated (``qkv_projection.rotate_split``,
+    tables cos, sin (n, d / 2)) into q, k (B, H, n, d), v its third part: ``flash_backward``'s passes writing dK and
+    dV into the product's gradient, then dQ (from its fp32 accumulator, scaled) and dK rotated back into it, two
+    passes where ``pack_rotated_grads`` read and wrote all three."""
+    batch, heads, n, d = q.shape
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"flash_backward_packed: q, k, v must be (B, H, n, d) alike (one product's three parts); "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    packed = q.new_empty(batch, n, 3, heads, d)
+    dq, dk, dv = packed.permute(2, 0, 3, 1, 4)  # (B, H, n, d) views of its three parts
+    _backward_into(dq, dk, dv, do, q, k, v, o, lse, is_causal, tf32, deterministic, rope=(cos, sin))
+    return packed.flatten(2)
+
+
+def _backward_into(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, do: torch.Tensor, q: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool, tf32: bool,
+                   deterministic: bool, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """``flash_backward``'s passes into dq, dk, dv (q's, k's, v's shapes, any strides the kernels write); with
+    ``rope`` (RoPE's tables cos, sin), dQ and dK rotated back by minus its angles (``launch_rotate_back``)."""
     if q.numel() == 0:  # no queries: nothing flows to the keys
-        return dq, dk.zero_(), dv.zero_()
+        dk.zero_(), dv.zero_()
+        return
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_heads(t) for t in (q, k, v, o, do, dq, dk, dv))
     lse = lse.contiguous()
     batch, heads, n_q, d = q4.shape
@@ -698,12 +727,13 @@ def flash_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         if not fused:
             _launch(_dq_tuned, _bwd_dq_kernel, "dq", n_q, "BLOCK_M", batch * heads,
                     q4, k4, v4, do4, lse, delta, dq4, sm_scale, *common, *_strides(dq4), *sizes, **meta)
-            return dq, dk, dv
-    # the fused passes add dS K: dQ is that over sqrt(d), cast (dq_acc and dq are both contiguous in q4's shape)
-    block = 1024 if INTERPRET else 8192
-    _scale_cast_kernel[(triton.cdiv(dq_acc.numel(), block),)](dq_acc, dq4, dq_acc.numel(), sm_scale, BLOCK=block,
-                                                              num_warps=8)
-    return dq, dk, dv
+    if rope is not None:  # dQ (scaled from its accumulator, or in place) and dK in place, rotated back
+        launch_rotate_back(dq_acc.transpose(1, 2), dq4.transpose(1, 2), *rope, sm_scale if fused else 1.0)
+        launch_rotate_back(dk4.transpose(1, 2), dk4.transpose(1, 2), *rope)
+    elif fused:  # the fused passes add dS K: dQ is that over sqrt(d), cast (dq_acc and dq both contiguous)
+        block = 1024 if INTERPRET else 8192
+        _scale_cast_kernel[(triton.cdiv(dq_acc.numel(), block),)](dq_acc, dq4, dq_acc.numel(), sm_scale,
+                                                                  BLOCK=block, num_warps=8)
 
 
 # ----------------------------------------------------------------------------------------- custom ops
@@ -770,6 +800,57 @@ def _op_backward(ctx, do, _dlse):  # the op's formula, which AOTAutograd traces:
 flash_attention_forward.register_autograd(_op_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("torch_impl::flash_attention_rope_forward", mutates_args=())
+def flash_attention_rope_forward(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+                                 is_causal: bool, tf32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor, torch.Tensor]:
+    """(O, L, q, k, v) of the (B, T, 3 H d) q, k, v product: q and k rotated by RoPE and v split off
+    (``rotate_split``, each (B, T, H, d)), then the forward of their (B, H, T, d) views; q, k, v for the backward."""
+    q, k, v = torch.ops.torch_impl.rotate_split(product, cos, sin, n_heads)
+    return (*_forward_or_kept(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal, tf32), q, k, v)
+
+
+@flash_attention_rope_forward.register_fake
+def _(product, cos, sin, n_heads, is_causal, tf32):
+    d = check_split_inputs(product, cos, sin, n_heads)
+    q, k, v = (product.new_empty(*product.shape[:2], n_heads, d) for _ in "qkv")
+    q_heads = q.transpose(1, 2)
+    return empty_like_heads(q_heads), q.new_empty(q_heads.shape[:-1], dtype=torch.float32), q, k, v
+
+
+@torch.library.custom_op("torch_impl::flash_attention_rope_backward", mutates_args=())
+def flash_attention_rope_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  o: torch.Tensor, lse: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                  is_causal: bool, tf32: bool, deterministic: bool) -> torch.Tensor:
+    """The product's gradient (B, T, 3 H d) from q, k, v (B, T, H, d) as ``flash_attention_rope_forward`` made them
+    (``flash_backward_packed``)."""
+    return flash_backward_packed(do, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o, lse, cos, sin,
+                                 is_causal, tf32, deterministic)
+
+
+@flash_attention_rope_backward.register_fake
+def _(do, q, k, v, o, lse, cos, sin, is_causal, tf32, deterministic):
+    return q.new_empty(*q.shape[:2], 3 * q.shape[2] * q.shape[3])
+
+
+def _rope_setup_context(ctx, inputs, output) -> None:
+    _, cos, sin, _, is_causal, tf32 = inputs
+    o, lse, q, k, v = output
+    ctx.mark_non_differentiable(lse, q, k, v)
+    ctx.save_for_backward(lse, q, k, v, o, cos, sin)
+    ctx.is_causal, ctx.tf32 = is_causal, tf32
+
+
+def _rope_backward(ctx, do, *_):  # the gradients of L, q, k, v (outputs for the backward only) are None
+    lse, q, k, v, o, cos, sin = ctx.saved_tensors
+    return (torch.ops.torch_impl.flash_attention_rope_backward(do, q, k, v, o, lse, cos, sin, ctx.is_causal,
+                                                               ctx.tf32, deterministic_backward()),
+            None, None, None, None, None)
+
+
+flash_attention_rope_forward.register_autograd(_rope_backward, setup_context=_rope_setup_context)
+
+
 # ------------------------------------------------------------------------------------- public entry points
 
 
@@ -786,6 +867,18 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
 def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> torch.Tensor:
     """The ``flash_triton`` backend of ``TransformerLM`` (causal by default, as every registered backend)."""
     return flash_attention(q, k, v, is_causal)
+
+
+# FLASH_PACKED_ROPE=0: the model splits the product and rotates q, k itself (``project_qkv``), as for every other
+# backend, and packs the three gradients in a pass of its own (``pack_rotated_grads``): the A/B of this route.
+if os.environ.get("FLASH_PACKED_ROPE", "1") != "0":
+    @register_packed_attention("flash_triton")
+    def flash_triton_attention_of_product(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                          n_heads: int) -> torch.Tensor:
+        """The ``flash_triton`` backend on the model's one q, k, v product (B, T, 3 H d): RoPE (tables cos, sin (T,
+        d / 2)) and the split in the forward, the product's gradient written by the backward, where dQ's cast and
+        dK's pass rotate them back (``flash_backward_packed``): no packing pass. Causal; -> (B, H, T, d)."""
+        return torch.ops.torch_impl.flash_attention_rope_forward(product, cos, sin, n_heads, True, tf32_allowed())[0]
 
 
 class FlashAttention2Triton(torch.autograd.Function):

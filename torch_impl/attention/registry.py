@@ -1,4 +1,7 @@
-"""The registry of attention backends: name -> function(q, k, v, is_causal) -> output."""
+"""The registry of attention backends: name -> function(q, k, v, is_causal) -> output; and, for a backend that also
+takes the model's one q, k, v product with RoPE's tables (applying RoPE and splitting it itself, its backward
+writing the product's gradient: ``torch_impl.qkv_projection.qkv_product`` makes it), name -> function(product, cos,
+sin, n_heads) -> output, causal."""
 
 from __future__ import annotations
 
@@ -13,7 +16,14 @@ class AttentionFn(Protocol):
         """q: (..., n_queries, d), k and v: (..., n_keys, d) -> (..., n_queries, d)."""
 
 
+class PackedAttentionFn(Protocol):
+    def __call__(self, product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """product (B, T, 3 H d), cos and sin (T, d / 2) -> causal attention (B, H, T, d) of q and k rotated by
+        RoPE and v, the product's three parts."""
+
+
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {}
+PACKED_ATTENTION: dict[str, PackedAttentionFn] = {}  # backend name -> its attention of the product
 _LAZY_MODULES: dict[str, str] = {}  # backend name -> the module that registers it when imported
 
 
@@ -46,3 +56,19 @@ def get_attention(name: str) -> AttentionFn:
         raise ValueError(
             f"unknown attention backend {name!r}; accepted: {', '.join(sorted(ATTENTION_BACKENDS))}"
         ) from None
+
+
+def register_packed_attention(name: str) -> Callable[[PackedAttentionFn], PackedAttentionFn]:
+    """Decorator: backend ``name`` also takes the q, k, v product (``get_packed_attention``)."""
+
+    def register(fn: PackedAttentionFn) -> PackedAttentionFn:
+        PACKED_ATTENTION[name] = fn
+        return fn
+
+    return register
+
+
+def get_packed_attention(name: str) -> PackedAttentionFn | None:
+    """Backend ``name``'s attention of the q, k, v product (its module imported if lazy), or None."""
+    get_attention(name)
+    return PACKED_ATTENTION.get(name)

@@ -1,0 +1,162 @@
+"""flash_triton on the model's one q, k, v product (``flash_triton_attention_of_product``): RoPE and the split in its
+forward, the product's gradient written by its backward (``flash_backward_packed``: dK and dV into the product's
+gradient by the kernels, dQ and dK rotated back by one pass each, no packing pass), against float64 on fresh random
+inputs: the reference rotates and splits the float64 product with PyTorch's ops (``rotate_split``), attends in
+float64 and takes the product's gradient by autograd.
+
+Without a GPU the kernels run under the Triton interpreter (conftest), fp32; ``@pytest.mark.gpu`` tests run bf16 at
+lengths where the op takes the Gluon backward (sm_90), in the model's layout. Bounds: fp32 as
+tests/test_flash_attention.py's (5e-6 relative, 1e-5 on the largest element: the rotations add one fp32 rounding);
+bf16 likewise (1e-2 / 2e-2), and the packed route within the same bound of the route that packs in a pass of its
+own (its dQ is rounded to bf16 once where the other rounds it twice)."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+
+from parallelism_calc.specs import MODELS
+from torch_impl.model import RotaryEmbedding, TransformerLM
+from torch_impl.qkv_projection import pack_rotated_grads, rotate_split
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BOUNDS = {torch.float32: (5e-6, 1e-5), torch.bfloat16: (1e-2, 2e-2)}  # (relative Frobenius, largest element)
+
+
+@pytest.fixture
+def seed() -> int:
+    value = secrets.randbelow(2**31)
+    torch.manual_seed(value)
+    return value
+
+
+def _flash():
+    from torch_impl.attention import flash_triton
+
+    return flash_triton
+
+
+def _inputs(batch, seq, heads, d, dtype, device):
+    product = torch.randn(batch, seq, 3 * heads * d, device=device).to(dtype)
+    cos, sin = RotaryEmbedding(d, seq, 10_000.0, device=device).tables(seq)
+    d_out = torch.randn(batch, heads, seq, d, device=device).to(dtype)
+    return product, cos, sin, d_out
+
+
+def _reference(product, cos, sin, heads, d_out):
+    """O (B, H, T, d) and the product's gradient in float64: rotate_split's PyTorch ops, causal softmax, autograd."""
+    product = product.detach().double().cpu().requires_grad_()
+    q, k, v = (t.transpose(1, 2) for t in rotate_split(product, cos.double().cpu(), sin.double().cpu(), heads))
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+    out = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+    out.backward(d_out.double().cpu())
+    return out.detach(), product.grad
+
+
+def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    diff = got.double().cpu() - want
+    return (diff.norm() / want.norm()).item(), (diff.abs().max() / want.abs().max()).item()
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    rel, big = _errors(got, want)
+    bound_rel, bound_big = BOUNDS[dtype]
+    assert rel < bound_rel and big < bound_big, f"{what}: {rel:.2e} / {big:.2e} against {bound_rel} / {bound_big}"
+
+
+def _packed_route(product, cos, sin, heads, d_out):
+    product = product.detach().requires_grad_()
+    out = _flash().flash_triton_attention_of_product(product, cos, sin, heads)
+    out.backward(d_out)
+    return out.detach(), product.grad
+
+
+# (batch, seq, heads, d): ragged tiles, one query (n = 1), a head dim between powers of two
+CPU_CASES = [(2, 17, 2, 16), (1, 1, 3, 32), (1, 24, 2, 24)]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "two-pass"])
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_packed_route_matches_float64(case, deterministic, seed):
+    batch, seq, heads, d = case
+    product, cos, sin, d_out = _inputs(batch, seq, heads, d, torch.float32, DEVICE)
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        out, grad = _packed_route(product, cos, sin, heads, d_out)
+    finally:
+        torch.use_deterministic_algorithms(saved)
+    want_out, want_grad = _reference(product, cos, sin, heads, d_out)
+    assert grad.shape == product.shape and grad.dtype == product.dtype
+    _check(out, want_out, torch.float32, f"O, seed {seed}")
+    _check(grad, want_grad, torch.float32, f"the product's gradient, seed {seed}")
+
+
+def test_ops_pass_opcheck(seed):
+    """The forward and backward ops' fakes, schemas and autograd registration (torch.library.opcheck)."""
+    flash = _flash()
+    product, cos, sin, d_out = _inputs(1, 9, 2, 16, torch.float32, DEVICE)
+    torch.library.opcheck(torch.ops.torch_impl.flash_attention_rope_forward.default,
+                          (product.requires_grad_(), cos, sin, 2, True, False))
+    o, lse, q, k, v = flash.flash_attention_rope_forward(product.detach(), cos, sin, 2, True, False)
+    torch.library.opcheck(torch.ops.torch_impl.flash_attention_rope_backward.default,
+                          (d_out, q, k, v, o, lse, cos, sin, True, False, False))
+
+
+def test_bad_product_is_a_one_line_error():
+    product, cos, sin, _ = _inputs(1, 8, 2, 16, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="rotate_split: the product must be"):
+        _flash().flash_triton_attention_of_product(product[..., :-8], cos, sin, 2)
+
+
+def test_the_model_takes_the_packed_route_unless_a_projection_is_hooked(seed):
+    """flash_triton's blocks attend over the one product (its attention of the product is registered) and match
+    the naive backend's logits and gradients in fp32; with a hook on a projection the model calls each module and
+    still matches (``project_qkv``'s route)."""
+    spec = MODELS["tiny"]
+    naive = TransformerLM(spec, attention="naive", device=DEVICE)
+    flash = TransformerLM(spec, attention="flash_triton", device=DEVICE)
+    flash.load_state_dict(naive.state_dict())
+    assert naive.layers[0].attn.packed_attention is None
+    assert flash.layers[0].attn.packed_attention is _flash().flash_triton_attention_of_product
+    tokens = torch.randint(0, spec.vocab_size, (2, 21), device=DEVICE)
+    targets = torch.randint(0, spec.vocab_size, (2, 21), device=DEVICE)
+
+    def run(model):
+        model.zero_grad()
+        loss = model(tokens, targets)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want_loss, want_grads = run(naive)
+    for hooked in (False, True):
+        handle = flash.layers[0].attn.q_proj.register_forward_hook(lambda *_: None) if hooked else None
+        loss, grads = run(flash)
+        if handle is not None:
+            handle.remove()
+        assert abs(loss - want_loss) < 1e-5, (hooked, seed)
+        for name, grad in grads.items():
+            rel, _ = _errors(grad, want_grads[name].double())
+            assert rel < 1e-4, f"{name} (hooked {hooked}): {rel:.2e}, seed {seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(2, 1024, 4, 64), (1, 2048, 2, 128), (2, 512, 3, 80)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_gpu_packed_route_bf16(case, seed):
+    """bf16 on the GPU (the Gluon backward from 512 keys on sm_90): the product's gradient against float64, and
+    against the route that packs in a pass of its own (rotate_split, flash_attention, pack_rotated_grads)."""
+    batch, seq, heads, d = case
+    product, cos, sin, d_out = _inputs(batch, seq, heads, d, torch.bfloat16, "cuda")
+    out, grad = _packed_route(product, cos, sin, heads, d_out)
+    want_out, want_grad = _reference(product, cos, sin, heads, d_out)
+    _check(out, want_out, torch.bfloat16, f"O, seed {seed}")
+    _check(grad, want_grad, torch.bfloat16, f"the product's gradient, seed {seed}")
+    q, k, v = (t.transpose(1, 2) for t in rotate_split(product, cos, sin, heads))
+    dq, dk, dv = _flash().flash_backward(d_out, q, k, v, *_flash().flash_forward(q, k, v, True), True)
+    unpacked = pack_rotated_grads(*(t.transpose(1, 2) for t in (dq, dk, dv)), cos, sin).flatten(2)
+    rel, big = _errors(grad, unpacked.double().cpu())
+    assert rel < BOUNDS[torch.bfloat16][0] and big < BOUNDS[torch.bfloat16][1], f"{rel:.2e} / {big:.2e}, seed {seed}"
