@@ -800,14 +800,28 @@ def _op_backward(ctx, do, _dlse):  # the op's formula, which AOTAutograd traces:
 flash_attention_forward.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("torch_impl::flash_attention_rope_forward", mutates_args=())
-def flash_attention_rope_forward(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
-                                 is_causal: bool, tf32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                       torch.Tensor, torch.Tensor]:
+def _forward_of_product(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, is_causal: bool,
+                        tf32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, L, q, k, v) of the (B, T, 3 H d) q, k, v product: q and k rotated by RoPE and v split off
     (``rotate_split``, each (B, T, H, d)), then the forward of their (B, H, T, d) views; q, k, v for the backward."""
     q, k, v = torch.ops.torch_impl.rotate_split(product, cos, sin, n_heads)
     return (*_forward_or_kept(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal, tf32), q, k, v)
+
+
+def _backward_of_product(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                         lse: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_causal: bool, tf32: bool,
+                         deterministic: bool) -> torch.Tensor:
+    """The product's gradient (B, T, 3 H d) from q, k, v (B, T, H, d) as ``_forward_of_product`` made them."""
+    return flash_backward_packed(do, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o, lse, cos, sin,
+                                 is_causal, tf32, deterministic)
+
+
+@torch.library.custom_op("torch_impl::flash_attention_rope_forward", mutates_args=())
+def flash_attention_rope_forward(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+                                 is_causal: bool, tf32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor, torch.Tensor]:
+    """``_forward_of_product`` as an op opaque to torch.compile."""
+    return _forward_of_product(product, cos, sin, n_heads, is_causal, tf32)
 
 
 @flash_attention_rope_forward.register_fake
@@ -822,10 +836,8 @@ def _(product, cos, sin, n_heads, is_causal, tf32):
 def flash_attention_rope_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   o: torch.Tensor, lse: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                   is_causal: bool, tf32: bool, deterministic: bool) -> torch.Tensor:
-    """The product's gradient (B, T, 3 H d) from q, k, v (B, T, H, d) as ``flash_attention_rope_forward`` made them
-    (``flash_backward_packed``)."""
-    return flash_backward_packed(do, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o, lse, cos, sin,
-                                 is_causal, tf32, deterministic)
+    """``_backward_of_product`` as an op opaque to torch.compile."""
+    return _backward_of_product(do, q, k, v, o, lse, cos, sin, is_causal, tf32, deterministic)
 
 
 @flash_attention_rope_backward.register_fake
@@ -833,19 +845,26 @@ def _(do, q, k, v, o, lse, cos, sin, is_causal, tf32, deterministic):
     return q.new_empty(*q.shape[:2], 3 * q.shape[2] * q.shape[3])
 
 
-def _rope_setup_context(ctx, inputs, output) -> None:
-    _, cos, sin, _, is_causal, tf32 = inputs
-    o, lse, q, k, v = output
-    ctx.mark_non_differentiable(lse, q, k, v)
+def _save_of_product(ctx, cos, sin, is_causal: bool, tf32: bool, o, lse, q, k, v) -> None:
+    """What both autograd routes of the product keep: (L, q, k, v, O, cos, sin)."""
     ctx.save_for_backward(lse, q, k, v, o, cos, sin)
     ctx.is_causal, ctx.tf32 = is_causal, tf32
 
 
-def _rope_backward(ctx, do, *_):  # the gradients of L, q, k, v (outputs for the backward only) are None
+def _product_grad(ctx, do: torch.Tensor, backward) -> torch.Tensor:
+    """The product's gradient by ``backward`` (the backward op, or ``_backward_of_product``)."""
     lse, q, k, v, o, cos, sin = ctx.saved_tensors
-    return (torch.ops.torch_impl.flash_attention_rope_backward(do, q, k, v, o, lse, cos, sin, ctx.is_causal,
-                                                               ctx.tf32, deterministic_backward()),
-            None, None, None, None, None)
+    return backward(do, q, k, v, o, lse, cos, sin, ctx.is_causal, ctx.tf32, deterministic_backward())
+
+
+def _rope_setup_context(ctx, inputs, output) -> None:
+    _, cos, sin, _, is_causal, tf32 = inputs
+    ctx.mark_non_differentiable(*output[1:])  # L, q, k, v: for the backward only
+    _save_of_product(ctx, cos, sin, is_causal, tf32, *output)
+
+
+def _rope_backward(ctx, do, *_):  # the op's formula, which AOTAutograd traces: always the backward op
+    return _product_grad(ctx, do, torch.ops.torch_impl.flash_attention_rope_backward), None, None, None, None, None
 
 
 flash_attention_rope_forward.register_autograd(_rope_backward, setup_context=_rope_setup_context)
@@ -869,16 +888,37 @@ def flash_triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is
     return flash_attention(q, k, v, is_causal)
 
 
+def flash_triton_attention_of_product(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                      n_heads: int) -> torch.Tensor:
+    """The ``flash_triton`` backend on the model's one q, k, v product (B, T, 3 H d): RoPE (tables cos, sin (T,
+    d / 2)) and the split in the forward, the product's gradient written by the backward, where dQ's cast and dK's
+    pass rotate them back (``flash_backward_packed``): no packing pass. Causal; -> (B, H, T, d). Traced by
+    torch.compile, the custom ops; in eager mode ``FlashAttentionOfProduct`` (without the ops' dispatch)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.torch_impl.flash_attention_rope_forward(product, cos, sin, n_heads, True, tf32_allowed())[0]
+    return FlashAttentionOfProduct.apply(product, cos, sin, n_heads)
+
+
 # FLASH_PACKED_ROPE=0: the model splits the product and rotates q, k itself (``project_qkv``), as for every other
 # backend, and packs the three gradients in a pass of its own (``pack_rotated_grads``): the A/B of this route.
 if os.environ.get("FLASH_PACKED_ROPE", "1") != "0":
-    @register_packed_attention("flash_triton")
-    def flash_triton_attention_of_product(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                                          n_heads: int) -> torch.Tensor:
-        """The ``flash_triton`` backend on the model's one q, k, v product (B, T, 3 H d): RoPE (tables cos, sin (T,
-        d / 2)) and the split in the forward, the product's gradient written by the backward, where dQ's cast and
-        dK's pass rotate them back (``flash_backward_packed``): no packing pass. Causal; -> (B, H, T, d)."""
-        return torch.ops.torch_impl.flash_attention_rope_forward(product, cos, sin, n_heads, True, tf32_allowed())[0]
+    register_packed_attention("flash_triton")(flash_triton_attention_of_product)
+
+
+class FlashAttentionOfProduct(torch.autograd.Function):
+    """``.apply(product, cos, sin, n_heads)``: ``flash_triton_attention_of_product`` in eager mode, the launches
+    themselves (as ``FlashAttention2Triton`` is ``flash_attention``'s)."""
+
+    @staticmethod
+    def forward(ctx, product, cos, sin, n_heads: int):
+        tf32 = tf32_allowed()
+        o, lse, q, k, v = _forward_of_product(product, cos, sin, n_heads, True, tf32)
+        _save_of_product(ctx, cos, sin, True, tf32, o, lse, q, k, v)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        return _product_grad(ctx, do, _backward_of_product), None, None, None
 
 
 class FlashAttention2Triton(torch.autograd.Function):
