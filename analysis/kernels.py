@@ -40,7 +40,7 @@ _PATTERNS = (  # checked in order: a GEMM kernel named "..._reduce..." is still 
     ("elementwise", r"elementwise|vectorized|unrolled|\badd|\bmul|\bdiv|\bsub|silu|sigmoid|\bexp|pow|rsqrt|copy|"
                     r"cast|fill|where|masked|\bneg|\bcat\b|stack|index|embedding|clone|_to_copy|foreach|adam|sqrt|lerp|"
                     r"tril|triu|addc|^loop_|dynamic.update.slice|dynamic.slice|transpose|convert|broadcast|select|"
-                    r"concatenate|scatter|gather|iota"),
+                    r"concatenate|scatter|gather|iota|rotate|_pack_kernel|_split_kernel"),  # RoPE's passes
 )
 
 

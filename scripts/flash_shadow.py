@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     calls: list[dict] = []
     forward, backward = flash_triton.flash_forward, flash_triton.flash_backward
+    backward_packed = flash_triton.flash_backward_packed  # the model's route with flash_triton
     gluon = flash_triton._gluon()
     if gluon is None:
         print("flash_shadow: the Gluon kernels cannot run here (an sm_90 GPU and Triton's Gluon are needed)")
@@ -66,16 +67,26 @@ def main(argv: list[str] | None = None) -> int:
                           "L": _error(lse, lse_t, relative=False)})
         return o, lse
 
-    def shadow_backward(do, q, k, v, o, lse, is_causal, tf32=False, deterministic=False):
-        grads = backward(do, q, k, v, o, lse, is_causal, tf32, deterministic)
+    def shadowed(run, split, do, q, k, v, is_causal, deterministic, *args):
+        """run(do, q, k, v, *args), and where the Gluon backward took it, run again with the Triton kernels: the
+        errors of dQ, dK, dV (``split``: the result's three gradients)."""
+        grads = run(do, q, k, v, *args)
         if not deterministic and gluon.backward_preferred(*(flash_triton._as_heads(t) for t in (do, q, k, v)),
                                                           is_causal):
-            want = _triton(backward, do, q, k, v, o, lse, is_causal, tf32, deterministic)
+            want = _triton(run, do, q, k, v, *args)
             calls.append({"call": len(calls), "pass": "backward", "shape": list(q.shape),
-                          **{name: _error(g, w) for name, g, w in zip(("dQ", "dK", "dV"), grads, want)}})
+                          **{name: _error(g, w) for name, g, w in zip(("dQ", "dK", "dV"), split(grads), split(want))}})
         return grads
 
+    def shadow_backward(do, q, k, v, o, lse, is_causal, tf32=False, deterministic=False):
+        return shadowed(backward, tuple, do, q, k, v, is_causal, deterministic, o, lse, is_causal, tf32, deterministic)
+
+    def shadow_backward_packed(do, q, k, v, o, lse, cos, sin, is_causal, tf32=False, deterministic=False):
+        return shadowed(backward_packed, lambda g: g.unflatten(-1, (3, -1)).unbind(2), do, q, k, v, is_causal,
+                        deterministic, o, lse, cos, sin, is_causal, tf32, deterministic)
+
     flash_triton.flash_forward, flash_triton.flash_backward = shadow_forward, shadow_backward
+    flash_triton.flash_backward_packed = shadow_backward_packed
     from torch_impl.bench.e2e import main as e2e
 
     code = e2e([*(e2e_args or DEFAULT_E2E), "--out", str(args.out / "e2e.jsonl")])

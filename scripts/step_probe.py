@@ -39,7 +39,7 @@ from torch_impl.timing import capture_step
 # +ind:triton.mix_order_reduction=0; several may be given), +skipguard (after the warm-up, Dynamo checks only the
 # guards that tell its compiled graphs apart: torch.compiler.set_stance(skip_guard_eval_unsafe=True)), +apart (ours
 # with q, k and v as three products, the model before torch_impl.qkv_projection: its route when a projection's call
-# is hooked), +gsw (SwiGLU's W1 and W3 products with SiLU(h1) h3 in the epilogue of one persistent Gluon GEMM:
+# is hooked; with flash_triton also without its attention of the one product, which needs that product), +gsw (SwiGLU's W1 and W3 products with SiLU(h1) h3 in the epilogue of one persistent Gluon GEMM:
 # torch_impl.swiglu_gluon.swiglu_product, sm_90; its backward cuBLAS's and Inductor's), +gsw2 (the model's
 # mlp="gluon": the whole MLP as one op, +gsw's forward and SwiGLU's backward in the epilogue of dg = dy W2)
 VARIANTS = ("stock_block", "ours_block", "stock_whole", "ours_whole", "ours_eager", "stock_eager",

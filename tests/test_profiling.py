@@ -24,6 +24,8 @@ FLAGS = ["--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--warmup", 
     ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "reduction-softmax"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
     ("aten::silu", "elementwise"),
+    ("_rotate_back_kernel", "elementwise"),  # RoPE's passes (torch_impl.qkv_pack_triton)
+    ("_pack_kernel", "elementwise"),
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "other"),
     # XLA's names (jax.profiler traces)
     ("loop_multiply_fusion_12", "elementwise"),

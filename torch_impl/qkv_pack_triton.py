@@ -63,7 +63,7 @@ def _pack_kernel(dq, dk, dv, cos, sin, out, n_rows, seq, n_heads,
 def _rotate_back_kernel(src, dst, cos, sin, n_rows, seq, n_heads, s_b, s_t, s_h, d_b, d_t, d_h, table_t, scale,
                         HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """One head of BLOCK_ROWS rows (b, t): dst[b, t, head] = src[b, t, head] * scale rotated by minus RoPE's angles,
-    in the tables' precision, rounded once to dst's dtype (src and dst (B, T, H, d_head) of any strides, the last
+    in the tables' precision (at least src's: ``launch_rotate_back``), rounded once to dst's dtype (src and dst (B, T, H, d_head) of any strides, the last
     contiguous; the same tensor: in place, each element read by the program that writes it)."""
     rows, head, batch, position, cols, mask, cos_tile, sin_tile = _program_rows(
         cos, sin, n_rows, seq, table_t, HEAD_DIM, BLOCK_ROWS, BLOCK_D)
@@ -131,13 +131,13 @@ def launch_pack(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch
 def launch_rotate_back(src: torch.Tensor, dst: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        scale: float = 1.0) -> None:
     """dst = src * scale rotated by minus RoPE's angles (tables cos, sin (T, d_head / 2)), src and dst (B, T, H,
-    d_head) of any strides whose last dim is contiguous (the same tensor: in place), computed in the wider of the
-    tables' and dst's precision and rounded once to dst's dtype."""
+    d_head) of any strides whose last dim is contiguous (the same tensor: in place), computed in the widest of the
+    tables', src's and dst's precisions and rounded once to dst's dtype."""
     batch, seq, n_heads, d_head = dst.shape
     if src.shape != dst.shape or src.stride(-1) != 1 or dst.stride(-1) != 1:
         raise ValueError(f"launch_rotate_back: src and dst must be (B, T, H, d_head) alike, the last dim contiguous; "
                          f"got {tuple(src.shape)} strides {src.stride()}, {tuple(dst.shape)} strides {dst.stride()}")
-    cos, sin = _tables(cos, sin, dst.dtype)
+    cos, sin = _tables(cos, sin, torch.promote_types(src.dtype, dst.dtype))
     n_rows = batch * seq
     grid = (triton.cdiv(n_rows, PACK_BLOCK_ROWS), n_heads)
     _rotate_back_kernel[grid](src, dst, cos, sin, n_rows, seq, n_heads, *src.stride()[:3], *dst.stride()[:3],

@@ -5,8 +5,9 @@
 kernels load on first use (``get_attention("flash_triton")`` or ``FlashAttention2Triton``), not with the model.
 """
 
-from torch_impl.attention.registry import (ATTENTION_BACKENDS, AttentionFn, get_attention, get_packed_attention,
-                                           register_attention, register_lazy_attention, register_packed_attention)
+from torch_impl.attention.registry import (ATTENTION_BACKENDS, AttentionFn, PackedAttentionFn, get_attention,
+                                           get_packed_attention, register_attention, register_lazy_attention,
+                                           register_packed_attention)
 from torch_impl.attention import naive as _naive  # noqa: F401  (registers "naive" and "sdpa")
 from torch_impl.attention.flash_torch import FlashAttention2Torch  # registers "flash_torch"
 
@@ -20,5 +21,6 @@ def __getattr__(name: str):
     return FlashAttention2Triton
 
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionFn", "FlashAttention2Torch", "FlashAttention2Triton", "get_attention",
-           "get_packed_attention", "register_attention", "register_lazy_attention", "register_packed_attention"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionFn", "FlashAttention2Torch", "FlashAttention2Triton", "PackedAttentionFn",
+           "get_attention", "get_packed_attention", "register_attention", "register_lazy_attention",
+           "register_packed_attention"]

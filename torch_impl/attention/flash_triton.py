@@ -10,9 +10,12 @@ D = rowsum(dO * O); then
 
 Reads top to bottom: the Triton kernels -> tile configurations -> the launchers, which check the inputs, pick
 tiles and allocate outputs -> the custom ops ``torch.ops.torch_impl.flash_attention_forward`` / ``_backward``
-(fake implementations for tracing, the backward registered as the forward's autograd formula) -> the public
+(fake implementations for tracing, the backward registered as the forward's autograd formula), and
+``flash_attention_rope_forward`` / ``_backward``, the same on the model's one q, k, v product (RoPE and the split in
+the forward, the product's gradient written by the backward: ``flash_backward_packed``) -> the public
 ``flash_attention`` function (the ``flash_triton`` backend of ``TransformerLM``) and ``FlashAttention2Triton``,
-the ``torch.autograd.Function`` of DESIGN.md, both routed to the same ops.
+the ``torch.autograd.Function`` of DESIGN.md, both routed to the same ops; ``flash_triton_attention_of_product``
+(the backend's attention of the product: ``registry.register_packed_attention``) and ``FlashAttentionOfProduct``.
 
 Inputs: q (..., H, n_q, d), k and v (..., H_kv, n_k, d), the same leading dims.
 * Grouped-query attention: H must be a multiple of H_kv; query head h reads key/value head h // (H / H_kv)
@@ -681,8 +684,9 @@ def flash_backward_packed(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                           deterministic: bool = False) -> torch.Tensor:
     """The gradient (B, n, 3 H d) of the q, k, v product whose q and k RoPE rotated (``qkv_projection.rotate_split``,
     tables cos, sin (n, d / 2)) into q, k (B, H, n, d), v its third part: ``flash_backward``'s passes writing dK and
-    dV into the product's gradient, then dQ (from its fp32 accumulator, scaled) and dK rotated back into it, two
-    passes where ``pack_rotated_grads`` read and wrote all three."""
+    dV into the product's gradient, then dQ and dK rotated back into it, two passes where ``pack_rotated_grads`` read
+    and wrote all three. The fused backward's dQ is rotated from its fp32 accumulator (rounded once); the two-pass
+    one's dQ, written in q's dtype, in place."""
     batch, heads, n, d = q.shape
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"flash_backward_packed: q, k, v must be (B, H, n, d) alike (one product's three parts); "
@@ -774,16 +778,18 @@ def _(do, q, k, v, o, lse, is_causal, tf32, deterministic):
     return q.new_empty(q.shape), empty_like_heads(k), empty_like_heads(v)
 
 
-def _save_for_backward(ctx, q, k, v, is_causal: bool, tf32: bool, o, lse) -> None:
-    """What both autograd routes keep: (L, q, k, v, O), L first and the only tensor shaped (..., n_q)."""
-    ctx.save_for_backward(lse, q, k, v, o)
+def _save_for_backward(ctx, q, k, v, is_causal: bool, tf32: bool, o, lse, *tables) -> None:
+    """What every autograd route keeps: (L, q, k, v, O), L first and the only tensor shaped (..., n_q), then RoPE's
+    tables where the route takes the q, k, v product (``flash_triton_attention_of_product``)."""
+    ctx.save_for_backward(lse, q, k, v, o, *tables)
     ctx.is_causal, ctx.tf32 = is_causal, tf32
 
 
-def _grads(ctx, do: torch.Tensor, backward) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) by ``backward`` (the backward op, or ``flash_backward``) from what ``_save_for_backward`` kept."""
-    lse, q, k, v, o = ctx.saved_tensors
-    return backward(do, q, k, v, o, lse, ctx.is_causal, ctx.tf32, deterministic_backward())
+def _grads(ctx, do: torch.Tensor, backward):
+    """``backward`` (the backward op, ``flash_backward``, or their product's) of what ``_save_for_backward`` kept:
+    (dQ, dK, dV), or the product's gradient."""
+    lse, q, k, v, o, *tables = ctx.saved_tensors
+    return backward(do, q, k, v, o, lse, *tables, ctx.is_causal, ctx.tf32, deterministic_backward())
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -829,6 +835,7 @@ def _(product, cos, sin, n_heads, is_causal, tf32):
     d = check_split_inputs(product, cos, sin, n_heads)
     q, k, v = (product.new_empty(*product.shape[:2], n_heads, d) for _ in "qkv")
     q_heads = q.transpose(1, 2)
+    check_inputs(q_heads, k.transpose(1, 2), v.transpose(1, 2))  # bad inputs fail at trace time, as the forward's
     return empty_like_heads(q_heads), q.new_empty(q_heads.shape[:-1], dtype=torch.float32), q, k, v
 
 
@@ -845,26 +852,15 @@ def _(do, q, k, v, o, lse, cos, sin, is_causal, tf32, deterministic):
     return q.new_empty(*q.shape[:2], 3 * q.shape[2] * q.shape[3])
 
 
-def _save_of_product(ctx, cos, sin, is_causal: bool, tf32: bool, o, lse, q, k, v) -> None:
-    """What both autograd routes of the product keep: (L, q, k, v, O, cos, sin)."""
-    ctx.save_for_backward(lse, q, k, v, o, cos, sin)
-    ctx.is_causal, ctx.tf32 = is_causal, tf32
-
-
-def _product_grad(ctx, do: torch.Tensor, backward) -> torch.Tensor:
-    """The product's gradient by ``backward`` (the backward op, or ``_backward_of_product``)."""
-    lse, q, k, v, o, cos, sin = ctx.saved_tensors
-    return backward(do, q, k, v, o, lse, cos, sin, ctx.is_causal, ctx.tf32, deterministic_backward())
-
-
 def _rope_setup_context(ctx, inputs, output) -> None:
     _, cos, sin, _, is_causal, tf32 = inputs
     ctx.mark_non_differentiable(*output[1:])  # L, q, k, v: for the backward only
-    _save_of_product(ctx, cos, sin, is_causal, tf32, *output)
+    o, lse, q, k, v = output
+    _save_for_backward(ctx, q, k, v, is_causal, tf32, o, lse, cos, sin)
 
 
 def _rope_backward(ctx, do, *_):  # the op's formula, which AOTAutograd traces: always the backward op
-    return _product_grad(ctx, do, torch.ops.torch_impl.flash_attention_rope_backward), None, None, None, None, None
+    return _grads(ctx, do, torch.ops.torch_impl.flash_attention_rope_backward), None, None, None, None, None
 
 
 flash_attention_rope_forward.register_autograd(_rope_backward, setup_context=_rope_setup_context)
@@ -906,19 +902,20 @@ if os.environ.get("FLASH_PACKED_ROPE", "1") != "0":
 
 
 class FlashAttentionOfProduct(torch.autograd.Function):
-    """``.apply(product, cos, sin, n_heads)``: ``flash_triton_attention_of_product`` in eager mode, the launches
-    themselves (as ``FlashAttention2Triton`` is ``flash_attention``'s)."""
+    """``.apply(product, cos, sin, n_heads)``: ``flash_triton_attention_of_product`` in eager mode only, the launches
+    themselves (as ``FlashAttention2Triton`` is ``flash_attention``'s); torch.compile traces the custom ops, which
+    ``flash_triton_attention_of_product`` calls while compiling."""
 
     @staticmethod
     def forward(ctx, product, cos, sin, n_heads: int):
         tf32 = tf32_allowed()
         o, lse, q, k, v = _forward_of_product(product, cos, sin, n_heads, True, tf32)
-        _save_of_product(ctx, cos, sin, True, tf32, o, lse, q, k, v)
+        _save_for_backward(ctx, q, k, v, True, tf32, o, lse, cos, sin)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        return _product_grad(ctx, do, _backward_of_product), None, None, None
+        return _grads(ctx, do, _backward_of_product), None, None, None
 
 
 class FlashAttention2Triton(torch.autograd.Function):
