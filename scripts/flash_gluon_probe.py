@@ -55,10 +55,12 @@ os.environ["FLASH_GLUON"] = "0"  # the "triton" rows: flash_triton.flash_forward
 # at its first call)
 
 SHAPES = ("1x16x16384x64", "4x32x2048x64", "1x16x16384x128", "4x32x2048x128")
-CHECKS = (  # (B, H, H_kv, n, causal, layout); the last three give the persistent grid several items a program
+# (B, H, H_kv, n, causal, layout): the 16-head ones give the persistent grid several items a program; 3 x 4 heads end
+# in a part of a group of 8 (the backward's ``head_group``)
+CHECKS = (
     (2, 4, 4, 1024, True, "bhnd"), (2, 4, 4, 512, False, "bhnd"), (1, 4, 2, 1024, True, "bnhd"),
     (2, 4, 4, 768, True, "bnhd"), (4, 16, 16, 1024, True, "bnhd"), (2, 16, 8, 2048, True, "bhnd"),
-    (4, 16, 16, 512, False, "bhnd"),
+    (4, 16, 16, 512, False, "bhnd"), (3, 4, 4, 512, True, "bnhd"),
 )
 # forward's options by variant name: flash_gluon.OPTIONS, and the persistent grid instead of one program per work item
 VARIANTS = {"gluon" + ("_" + name if name else ""): options for name, options in fg.OPTIONS.items()}
@@ -77,6 +79,11 @@ BACKWARD_VARIANTS["gluon_persistent_64_64_2_240"] = {"persistent": True, "config
 # each tile's dQ product a tile later (``_bwd_consume_item``) or not: the defaults' other choice
 BACKWARD_VARIANTS["gluon_no_dq_lag"] = {"dq_lag": False}
 BACKWARD_VARIANTS["gluon_persistent_dq_lag"] = {"persistent": True, "dq_lag": True}
+# items from a counter (``flash_gluon.BWD_ORDERS``), and the items of a few heads at a time (``_bwd_item``)
+BACKWARD_VARIANTS["gluon_dynamic"] = {"persistent": True, "order": "dynamic"}
+for _group in (4, 8):
+    BACKWARD_VARIANTS[f"gluon_groups{_group}"] = {"head_group": _group}
+    BACKWARD_VARIANTS[f"gluon_dynamic_groups{_group}"] = {**BACKWARD_VARIANTS["gluon_dynamic"], "head_group": _group}
 # at tile width 256 (``_bwd_wide_kernel``): BWD_WIDE_CONFIGS
 BACKWARD_VARIANTS.update({f"gluon_wide_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_WIDE_CONFIGS})
 

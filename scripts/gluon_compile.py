@@ -151,13 +151,13 @@ def compile_config(d: int, config, is_causal: bool = True, programs: int | None 
 
 
 def compile_backward(d: int, is_causal: bool = True, programs: int | None = None, dq_lag: bool | None = None,
-                     side_by_side: bool = False):
+                     side_by_side: bool = False, order: str = "heads"):
     """The compiled backward (two query heads a k/v head; dO and O contiguous), as ``compile_config`` compiles the
     forward."""
     q, k, do = _heads(1, 4, d, side_by_side), _heads(1, 2, d, side_by_side), _heads(1, 4, d, False)
     with _side_by_side(side_by_side):
         kernel, grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(
-            do, q, k, k, do, torch.empty(1, 4, 1024), is_causal, programs=programs, dq_lag=dq_lag)
+            do, q, k, k, do, torch.empty(1, 4, 1024), is_causal, programs=programs, dq_lag=dq_lag, order=order)
     return kernel.warmup(*args, grid=grid, **constexprs)
 
 
@@ -178,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         for lag in (None,) if args.first or flash_gluon._bwd_wide(d) else (False, True):
             name = f"backward_d{d}{'' if lag is None else '_dq_lag' if lag else '_no_dq_lag'}"
             kernels.append((name, functools.partial(compile_backward, d, dq_lag=lag)))
-            if not flash_gluon._epilogue_in_stages(d):  # the persistent grid
-                kernels.append((f"{name}_persistent", functools.partial(compile_backward, d, programs=132, dq_lag=lag)))
+            if not flash_gluon._epilogue_in_stages(d):  # the persistent grid, in each order
+                for order in flash_gluon.BWD_ORDERS:
+                    kernels.append((f"{name}_persistent_{order}",
+                                    functools.partial(compile_backward, d, programs=132, dq_lag=lag, order=order)))
     if not args.first:  # the model's (B, n, H, d) heads below the tile: 3-D views (flash_gluon.SIDE_BY_SIDE_3D)
         kernels.append((f"backward_d{PADDED_HEAD_DIM}_side_by_side",
                         functools.partial(compile_backward, PADDED_HEAD_DIM, side_by_side=True)))

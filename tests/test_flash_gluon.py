@@ -427,6 +427,24 @@ def test_backward_schedule_and_its_persistent_grid(monkeypatch):
             flash_gluon.backward_launch_arguments(wide, wide, wide, wide, wide, lse, True, programs=132)
 
 
+def test_backward_items_from_a_counter_a_few_heads_at_a_time():
+    """``order="dynamic"``: a persistent grid fed by a fresh int32 zero counter; ``head_group`` goes to the kernel as
+    it is; a grid of a program per item ignores the order; anything else is a usage error."""
+    q = torch.zeros(4, 25, 2048, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(4, 25, 2048)
+    kernel, grid, args, options, _ = flash_gluon.backward_launch_arguments(q, q, q, q, q, lse, True, programs=132,
+                                                                          order="dynamic", head_group=8)
+    named = dict(zip(kernel.arg_names, args))
+    assert options["PERSISTENT"] and options["DYNAMIC"] and grid == (132, 1, 1)
+    assert named["counter_ptr"].dtype == torch.int32 and named["counter_ptr"].tolist() == [0]
+    assert named["head_group"] == 8 and named["n_bkv"] == 100
+    _, grid, _, options, _ = flash_gluon.backward_launch_arguments(q, q, q, q, q, lse, True, order="dynamic")
+    assert not options["DYNAMIC"] and grid == (16, 100, 1)
+    for bad in ({"order": "blocks"}, {"head_group": 0}):
+        with pytest.raises(ValueError, match="order must be one of .*head_group at least 1"):
+            flash_gluon.backward_launch_arguments(q, q, q, q, q, lse, True, programs=132, **bad)
+
+
 def test_op_ab_timeline_rows_are_each_kernels_median_time_and_gap():
     """scripts/flash_op_ab.py's timeline: per kernel of a step, the median over the steps after the first of its
     time (ms) and of the idle time before it (us: from the last kernel's end, the last step's for the first)."""

@@ -598,18 +598,27 @@ def _takes_dq(t, s_item, TILE: gl.constexpr, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_item(item, n_kv_heads, n_kb, BLOCK_KEYS: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              PERSISTENT: gl.constexpr):
-    """Work item ``item`` of the backward -> (batch, k/v head, first key, first query tile that sees its keys): head
-    by head, each head's key blocks in order (causal: the heaviest first); without PERSISTENT, the program's own
-    (key block, batch x k/v head) from its 2-D grid index. A key block block-major order, every head's heaviest
-    first, was 1.34x slower at 4 x 32 x 2,048 x 64: the running programs then read every head's Q and dO (0f0351f)."""
-    if PERSISTENT:
-        bh = item // n_kb
-        key_start = (item % n_kb) * BLOCK_KEYS
-    else:
-        bh = gl.program_id(1)
-        key_start = gl.program_id(0) * BLOCK_KEYS
+def _program_item():
+    """A grid of a program per item: this program's item, its index in launch order (x fastest)."""
+    return gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+
+
+@gluon.jit
+def _bwd_item(item, n_bkv, n_kv_heads, n_kb, head_group, BLOCK_KEYS: gl.constexpr, BLOCK_M: gl.constexpr,
+              IS_CAUSAL: gl.constexpr):
+    """Work item ``item`` of the backward -> (batch, k/v head, first key, first query tile that sees its keys): the
+    n_bkv batch x k/v heads ``head_group`` at a time (the last group those left), a group's key blocks in order
+    (causal: the heaviest first), each block head by head. head_group 1: head by head. Every head's heaviest first
+    (head_group n_bkv) was 1.34x slower at 4 x 32 x 2,048 x 64: the running programs then read every head's Q and
+    dO (0f0351f); a few heads at a time keep theirs in L2 and put the light blocks of all but the last group before
+    the end, so that the heavy ones do not run last (a grid of a program per item starts the programs in order, as
+    a counter hands them out)."""
+    per_group = n_kb * head_group
+    first = item // per_group * head_group  # the group's first batch x k/v head
+    heads = gl.minimum(n_bkv - first, head_group)
+    r = item % per_group
+    bh = first + r % heads
+    key_start = r // heads * BLOCK_KEYS
     i_first = key_start // BLOCK_M if IS_CAUSAL else 0  # query tiles wholly above the diagonal see none of its keys
     return bh // n_kv_heads, bh % n_kv_heads, key_start, i_first
 
@@ -617,8 +626,8 @@ def _bwd_item(item, n_kv_heads, n_kb, BLOCK_KEYS: gl.constexpr, BLOCK_M: gl.cons
 @gluon.jit
 def _bwd_load_item(item, t, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs,
                    k_bufs, v_bufs, kv_ready, kv_free, ready, free, n_kb, n_kv_heads, group, n_heads, n_m, q_rows_b,
-                   q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h,
-                   IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr):
+                   q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, n_bkv,
+                   head_group, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
     """The producer's part of work item ``item`` (``_bwd_item``), the program's t-th (its tiles counted from s;
     returned: s past them): its K and V (both consumers' keys, one tile each) into K/V buffer t % KV_BUFS once both
     consumers are done with that buffer's last item, then Q_i, dO_i, L_i and D_i of every query tile i >= i_first of
@@ -627,7 +636,8 @@ def _bwd_load_item(item, t, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_
     stages: gl.constexpr = q_bufs.type.shape[0]
     kv_bufs: gl.constexpr = k_bufs.type.shape[0]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
-    b, h_kv, key_start, i_first = _bwd_item(item, n_kv_heads, n_kb, BLOCK_KEYS, BLOCK_M, IS_CAUSAL, PERSISTENT)
+    b, h_kv, key_start, i_first = _bwd_item(item, n_bkv, n_kv_heads, n_kb, head_group, BLOCK_KEYS, BLOCK_M,
+                                            IS_CAUSAL)
     kv = t % kv_bufs
     row = b * kv_rows_b + h_kv * kv_rows_h + key_start
     mbarrier.wait(kv_free.index(kv), ((t // kv_bufs) & 1) ^ 1)  # a new barrier passes the parity-1 wait
@@ -653,14 +663,28 @@ def _bwd_load_item(item, t, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_
 
 @gluon.jit
 def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs,
-              kv_ready, kv_free, ready, free, n_items, n_kb, n_kv_heads, group, n_heads, n_m, q_rows_b, q_rows_h,
-              q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr,
-              BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr):
+              kv_ready, kv_free, ready, free, ids, id_ready, id_free, counter_ptr, n_items, n_kb, n_kv_heads, group,
+              n_heads, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h,
+              kv_cols_h, n_bkv, head_group, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+              PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
     """The producer warp (``_bwd_load_item``): the program's item, or (PERSISTENT) each of its items in the order
-    ``_position`` deals them, its tiles counted on over the items (so a persistent program's next item's loads run
+    ``_position`` deals them, or (DYNAMIC) as a counter hands them out, passed to the consumers as the forward's
+    ``_load`` passes them; its tiles counted on over the items (so a persistent program's next item's loads run
     under the last one's end)."""
     s = gl.to_tensor(0)
-    if PERSISTENT:
+    if DYNAMIC:
+        t = 0
+        item = gl.program_id(0)
+        while item < n_items:
+            _publish(ids, id_ready, id_free, t, item)
+            s = _bwd_load_item(item, t, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs,
+                               stat_bufs, k_bufs, v_bufs, kv_ready, kv_free, ready, free, n_kb, n_kv_heads, group,
+                               n_heads, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b,
+                               kv_rows_h, kv_cols_h, n_bkv, head_group, IS_CAUSAL, BLOCK_M)
+            item = gl.num_programs(0) + _fetch_add(counter_ptr)  # under the item's last tiles (its round trip)
+            t += 1
+        _publish(ids, id_ready, id_free, t, n_items)
+    elif PERSISTENT:
         t = 0
         for k in range(gl.cdiv(n_items, gl.num_programs(0))):
             item = _position(k)
@@ -668,20 +692,20 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_
                 s = _bwd_load_item(item, t, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs,
                                    do_bufs, stat_bufs, k_bufs, v_bufs, kv_ready, kv_free, ready, free, n_kb,
                                    n_kv_heads, group, n_heads, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b,
-                                   do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M,
-                                   PERSISTENT)
+                                   do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, n_bkv, head_group,
+                                   IS_CAUSAL, BLOCK_M)
                 t += 1
     else:
-        _bwd_load_item(gl.program_id(0), 0, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs,
+        _bwd_load_item(_program_item(), 0, s, q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs,
                        stat_bufs, k_bufs, v_bufs, kv_ready, kv_free, ready, free, n_kb, n_kv_heads, group, n_heads,
                        n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h,
-                       kv_cols_h, IS_CAUSAL, BLOCK_M, PERSISTENT)
+                       kv_cols_h, n_bkv, head_group, IS_CAUSAL, BLOCK_M)
 
 
 @gluon.jit
 def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem,
                       kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_kb, group,
-                      n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h,
+                      n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, n_bkv, head_group,
                       TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
                       HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr,
                       EXACT_SCALE: gl.constexpr):
@@ -718,8 +742,8 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     SPLIT: gl.constexpr = _dq_split(HEAD_DIM)
     DQ_COLS: gl.constexpr = HEAD_DIM // TILES if SPLIT else HEAD_DIM  # of dQ_i a consumer computes
     zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=_wgmma_layout(DQ_COLS))
-    b, h_kv, key_start, i_first = _bwd_item(item, n_kv_heads, n_kb, TILES * BLOCK_K, BLOCK_M, IS_CAUSAL,
-                                            PERSISTENT)
+    b, h_kv, key_start, i_first = _bwd_item(item, n_bkv, n_kv_heads, n_kb, head_group, TILES * BLOCK_K, BLOCK_M,
+                                            IS_CAUSAL)
     kv = t % kv_bufs
     k_smem = k_bufs.index(kv)
     k = k_smem.slice(TILE * BLOCK_K, BLOCK_K)
@@ -804,16 +828,28 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
 
 @gluon.jit
 def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready, kv_free,
-                 ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q,
-                 n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, TILE: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr,
-                 EXACT_SCALE: gl.constexpr):
+                 ready, free, ds_ready, ds_free, done, ids, id_ready, id_free, dq_desc, dk_desc, dv_desc, n_items,
+                 n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, n_bkv,
+                 head_group, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr,
+                 DQ_LAG: gl.constexpr, EXACT_SCALE: gl.constexpr):
     """One consumer warpgroup (``_bwd_consume_item``): the program's item, or (PERSISTENT) each of its items in the
-    order ``_position`` deals them, as ``_bwd_load`` takes them. (A program of one item runs no loop around it: the
-    loop's values cost the d 128 backward spills in its MMA loop.)"""
+    order ``_position`` deals them, or (DYNAMIC) as the producer hands them over (``_take``) until n_items, as
+    ``_bwd_load`` takes them. (A program of one item runs no loop around it: the loop's values cost the d 128
+    backward spills in its MMA loop.)"""
     s = gl.to_tensor(0)  # tiles so far (a loop-carried value in the item's loops)
-    if PERSISTENT:
+    if DYNAMIC:
+        t = 0
+        item = _take(ids, id_ready, id_free, t)
+        while item < n_items:
+            s = _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem,
+                                  dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc,
+                                  dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b,
+                                  dkv_rows_h, dkv_cols_h, n_bkv, head_group, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K,
+                                  HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)
+            t += 1
+            item = _take(ids, id_ready, id_free, t)
+    elif PERSISTENT:
         t = 0
         for k in range(gl.cdiv(n_items, gl.num_programs(0))):
             item = _position(k)
@@ -821,28 +857,29 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, d
                 s = _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                                       dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done,
                                       dq_desc, dk_desc, dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads,
-                                      dkv_rows_b, dkv_rows_h, dkv_cols_h, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K,
-                                      HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)
+                                      dkv_rows_b, dkv_rows_h, dkv_cols_h, n_bkv, head_group, TILE, IS_CAUSAL, BLOCK_M,
+                                      BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)
                 t += 1
     else:
-        _bwd_consume_item(gl.program_id(0), 0, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
+        _bwd_consume_item(_program_item(), 0, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                           dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc,
                           dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h,
-                          dkv_cols_h, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)
+                          dkv_cols_h, n_bkv, head_group, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT,
+                          DQ_LAG, EXACT_SCALE)
     tma.store_wait(0)  # TMA has read shared memory (dQ's last tile too) before the program's shared memory goes
 
 
 @gluon.jit
-def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, sm_scale, n_heads,
-                n_kv_heads, n_bkv, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h,
-                kv_rows_b, kv_rows_h, kv_cols_h, dkv_rows_b, dkv_rows_h, dkv_cols_h, IS_CAUSAL: gl.constexpr,
-                STAGES: gl.constexpr,
-                CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr,
-                EXACT_SCALE: gl.constexpr, num_warps: gl.constexpr):
+def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, counter_ptr,
+                sm_scale, n_heads, n_kv_heads, n_bkv, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h,
+                do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, dkv_rows_b, dkv_rows_h, dkv_cols_h, head_group,
+                IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
+                DYNAMIC: gl.constexpr, DQ_LAG: gl.constexpr, EXACT_SCALE: gl.constexpr, num_warps: gl.constexpr):
     """Work item (key block of TILES x BLOCK_K keys, one of n_bkv batch x k/v heads; ``_bwd_item``): dK, dV of its
-    keys summed over the query heads of the group, and their part of dQ. A program per item, or (PERSISTENT, d 64)
-    a program per SM taking items in the order ``_position`` deals them, its K and V in two buffers so that the next
-    item's load runs under the last one's end. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
+    keys summed over the query heads of the group, and their part of dQ, the items ``head_group`` batch x k/v heads
+    at a time (``_bwd_item``). A program per item, or (PERSISTENT, d 64) a program per SM taking items in the order
+    ``_position`` deals them, or (DYNAMIC, with PERSISTENT) from a counter (``counter_ptr``, an int32 zero) as the
+    forward's do, its K and V in two buffers so that the next item's load runs under the last one's end. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
     column h * q_cols_h of its descriptor's 2-D view (dO, K, V, and dK, dV with dkv_*, likewise, K and V one block of
     the item's keys); L, D (B, H, n_q; ``lse_desc``, ``delta_desc`` their rows of BLOCK_M) and dQ (B, H, n_q, d,
     fp32; ``dq_desc`` its (B H n_q, d) view) are contiguous. EXACT_SCALE: ``_exact_scale`` of the head dim (not of
@@ -869,6 +906,7 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     IN_STAGES: gl.constexpr = _epilogue_in_stages(HEAD_DIM)
     gl.static_assert(not IN_STAGES or (STAGES >= TILES and BLOCK_M == BLOCK_K), "dK, dV tiles must fit the stages")
     gl.static_assert(not (IN_STAGES and PERSISTENT), "dK, dV through the stages: a program of one item")
+    gl.static_assert(PERSISTENT or not DYNAMIC, "items from the counter: a persistent grid")
     dkdv_bufs = _tile_buffers(dk_desc, 1 if IN_STAGES else 2 * TILES)  # each consumer's dK, dV (one unused in stages)
     kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
@@ -877,6 +915,12 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # DYNAMIC
+    id_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    id_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for u in gl.static_range(2):
+        mbarrier.init(id_ready.index(u), count=1)
+        mbarrier.init(id_free.index(u), count=TILES)  # both consumers took the item
     for u in gl.static_range(KV_BUFS):
         mbarrier.init(kv_ready.index(u), count=1)
         mbarrier.init(kv_free.index(u), count=TILES)  # both consumers done with the item's K and V
@@ -893,19 +937,21 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
         (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs.index(0),
                         q_bufs.index(0) if IN_STAGES else dkdv_bufs.index(0),
                         do_bufs.index(0) if IN_STAGES else dkdv_bufs.index(1), kv_ready, kv_free, ready, free,
-                        ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
-                        sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, 0, IS_CAUSAL, BLOCK_M, BLOCK_K,
-                        HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)),
+                        ds_ready, ds_free, done, ids, id_ready, id_free, dq_desc, dk_desc, dv_desc, n_items, n_kb,
+                        group, n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, n_bkv,
+                        head_group, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DYNAMIC, DQ_LAG,
+                        EXACT_SCALE)),
         (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs.index(1),
                         q_bufs.index(1) if IN_STAGES else dkdv_bufs.index(2),
                         do_bufs.index(1) if IN_STAGES else dkdv_bufs.index(3), kv_ready, kv_free, ready, free,
-                        ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_items, n_kb, group, n_heads, n_q, n_m,
-                        sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, 1, IS_CAUSAL, BLOCK_M, BLOCK_K,
-                        HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)),
+                        ds_ready, ds_free, done, ids, id_ready, id_free, dq_desc, dk_desc, dv_desc, n_items, n_kb,
+                        group, n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, n_bkv,
+                        head_group, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DYNAMIC, DQ_LAG,
+                        EXACT_SCALE)),
         (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs,
-                     kv_ready, kv_free, ready, free, n_items, n_kb, n_kv_heads, group, n_heads, n_m, q_rows_b,
-                     q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL,
-                     BLOCK_M, PERSISTENT)),
+                     kv_ready, kv_free, ready, free, ids, id_ready, id_free, counter_ptr, n_items, n_kb, n_kv_heads,
+                     group, n_heads, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b,
+                     kv_rows_h, kv_cols_h, n_bkv, head_group, IS_CAUSAL, BLOCK_M, PERSISTENT, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -926,7 +972,8 @@ def _bwd_wide_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs
     consumers are done with its last."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
-    b, h_kv, key_start, i_first = _bwd_item(0, n_kv_heads, 0, BLOCK_KEYS, BLOCK_M, IS_CAUSAL, False)
+    b, h_kv, key_start, i_first = _bwd_item(_program_item(), gl.num_programs(1), n_kv_heads, gl.num_programs(0), 1,
+                                            BLOCK_KEYS, BLOCK_M, IS_CAUSAL)
     row = b * kv_rows_b + h_kv * kv_rows_h + key_start
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     _load_tile(k_desc, row, h_kv * kv_cols_h, kv_ready, k_smem)
@@ -976,7 +1023,8 @@ def _bwd_wide_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, pds_bufs, dq_s
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # a row of L or D seen as a vector
     zero_st = gl.zeros([BLOCK_KEYS, ROWS], gl.float32, layout=st_layout)
     zero_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=_wgmma_layout(DQ_COLS))
-    b, h_kv, key_start, i_first = _bwd_item(0, n_kv_heads, 0, BLOCK_KEYS, BLOCK_M, IS_CAUSAL, False)
+    b, h_kv, key_start, i_first = _bwd_item(_program_item(), gl.num_programs(1), n_kv_heads, gl.num_programs(0), 1,
+                                            BLOCK_KEYS, BLOCK_M, IS_CAUSAL)
     offs_key = key_start + gl.arange(0, BLOCK_KEYS, layout=key_rows)
     dk = gl.zeros([BLOCK_KEYS, COLS], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_KEYS, COLS], gl.float32, layout=acc_layout)
@@ -1108,6 +1156,7 @@ BWD_CONFIGS = (BWD_CONFIG, (64, 64, 2, 240), (64, 64, 4, 240))  # what scripts/f
 BWD_WIDE_CONFIG = (64, 64, 2, 240)
 BWD_WIDE_CONFIGS = (BWD_WIDE_CONFIG, )
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
+BWD_ORDERS = ("heads", "dynamic")  # a persistent backward's items: dealt in turn (``_position``), or from a counter
 # By tile width (``tile_dim``), the fewest keys the op runs the backward from: faster than the Triton backward there
 # (d 64: 02900c9; d 128: bcf08a2; d 256: 7b289bb; ``backward_preferred``)
 BWD_MIN_KEYS = {64: 512, 128: 512, 256: 512}
@@ -1125,7 +1174,8 @@ def _bwd_keys(width: int, config) -> int:
 
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
-                              programs: int | None = None, dq_lag: bool | None = None):
+                              programs: int | None = None, dq_lag: bool | None = None, order: str = "heads",
+                              head_group: int = 1):
     """What ``backward`` launches: (kernel, grid, positional arguments, constexprs and launch options, (dQ fp32, dK,
     dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
@@ -1133,8 +1183,10 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     layout TMA can write: ``_rows_and_columns``; made in k's: ``flash_triton.empty_like_heads``). Inputs as
     ``backward_supports`` takes them; ``config`` one of BWD_CONFIGS (None: BWD_CONFIG; at tile width 256
     BWD_WIDE_CONFIG's form, and its default);
-    ``programs``: a persistent grid of that many (d 64; None: a program per work item); ``dq_lag``: each tile's dQ
-    product a tile later (``_bwd_consume_item``; None: on a program per item, where it is faster)."""
+    ``programs``: a persistent grid of that many (d 64; None: a program per work item), taking the items in
+    ``order`` (one of BWD_ORDERS); ``head_group``: the batch x k/v heads whose items go together (``_bwd_item``);
+    ``dq_lag``: each tile's dQ product a tile later (``_bwd_consume_item``; None: on a program per item, where it is
+    faster)."""
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     width = tile_dim(d)
@@ -1145,6 +1197,9 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     if width not in BWD_MIN_KEYS or n_q % block_m or n_k % keys:
         raise ValueError(f"the Gluon backward takes d a multiple of 8 from 40 to 256 (``tile_dim``), n_q a multiple "
                          f"of {block_m} and n_k of {keys}; got d {d}, n_q {n_q}, n_k {n_k}")
+    if order not in BWD_ORDERS or head_group < 1:
+        raise ValueError(f"the Gluon backward's order must be one of {BWD_ORDERS} and head_group at least 1; got "
+                         f"{order!r}, {head_group}")
     if programs is not None and _epilogue_in_stages.fn(width):  # .fn: without the constexpr wrapper (~4 us a call)
         raise ValueError(f"the Gluon backward's persistent grid takes d 64 only (above, dK and dV go out through the "
                          f"stages: a program of one item); got d {d}")
@@ -1170,23 +1225,30 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     (dk_desc, dkv_where), (dv_desc, _) = (_descriptor(t, *out_block) for t in (dk, dv))
     n_kb = n_k // keys
     grid = (n_kb, batch * kv_heads, 1) if programs is None else (min(n_kb * batch * kv_heads, programs), 1, 1)
-    args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, 1 / math.sqrt(d), heads,
-            kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where, *dkv_where)
+    dynamic = programs is not None and order == "dynamic"
+    # the items handed out past the grid's first (unread without ``dynamic``: D stands in)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else delta
+    args = (q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc)
+    args += () if wide else (counter, )
+    args += (1 / math.sqrt(d), heads, kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where,
+             *dkv_where)
+    args += () if wide else (head_group, )
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs)  # in the kernel's order
     if not wide:
-        constexprs.update(PERSISTENT=programs is not None, DQ_LAG=int(programs is None if dq_lag is None else dq_lag))
+        constexprs.update(PERSISTENT=programs is not None, DYNAMIC=dynamic,
+                          DQ_LAG=int(programs is None if dq_lag is None else dq_lag))
     constexprs.update(EXACT_SCALE=_exact_scale.fn(d), num_warps=4, enable_fp_fusion=False)
     return (_bwd_wide_kernel if wide else _bwd_kernel), grid, args, constexprs, (dq_acc, dk, dv)
 
 
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
-             persistent: bool = False, dq_lag: bool | None = None):
+             persistent: bool = False, dq_lag: bool | None = None, order: str = "heads", head_group: int = 1):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ like q, or, with
     ``dq_acc`` (fp32) given, dS K added into it (dQ times sqrt(d), as flash_triton's fused backward leaves it); dK,
     dV (B, H_kv, n_k, d) in k's layout (in ``dkdv`` when given); ``config`` as ``backward_launch_arguments`` takes it;
     ``persistent``: a program per SM (d 64), else a program per item (the op's choice: ``backward_schedule``);
-    ``dq_lag`` as ``backward_launch_arguments`` takes it.
+    ``order``, ``head_group`` and ``dq_lag`` as ``backward_launch_arguments`` takes them.
     Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
     where ``backward_preferred`` (so that scripts/flash_gluon_probe.py --backward, which checks it against float64,
     times what the op runs)."""
@@ -1196,7 +1258,7 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
         delta = flash_triton.backward_preprocess(o, do, dq_acc)
     kernel, grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(
         do, q, k, v, o, lse, is_causal, config, delta, dq_acc, dkdv, _programs(q.device) if persistent else None,
-        dq_lag)
+        dq_lag, order, head_group)
     _run(kernel, grid, args, constexprs)
     return (dq if given else torch.mul(dq, 1 / math.sqrt(q.shape[-1]), out=torch.empty_like(q))), dk, dv
 
