@@ -169,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
                                        options.get("tma_store", False), False, options.get("order", "blocks"))
 
         fwd_launch = fwd_arguments()  # made once: Triton's launcher alone
+        bwd_options = fg.backward_schedule(q, k, True)
         bwd_launch = fg.backward_launch_arguments(d_out, q, k, v, o, lse, True, None, delta, dq_acc, (dk, dv),
-                                                  fg._programs(q.device) if fg.backward_schedule(q, k, True) else None)
+                                                  fg._programs(q.device) if bwd_options.get("persistent") else None,
+                                                  None, bwd_options.get("order", "heads"),
+                                                  bwd_options.get("head_group", 1))
         parts = {"op forward + backward": fresh_step, "cudnn forward + backward": cudnn_step,
                  "autograd floor (the op's allocations, no launches)": lambda: _Floor.apply(q, k, v).backward(d_out),
                  "gluon forward launch arguments": fwd_arguments,

@@ -61,11 +61,15 @@
 # op: tests/test_flash_packed_rope.py -m gpu -> OUT_DIR/gpu_tests_packed_rope.txt), then ours at xl 4 x 2,048 with
 # it off (FLASH_PACKED_ROPE=0: the packing pass of its own) and on, in turn, twice
 # (OUT_DIR/e2e_packed_rope_<gpu>.jsonl).
+# bwd_schedule: the Gluon backward's items from a counter a few heads at a time (flash_gluon.backward_schedule): the
+# op's GPU tests with the Gluon kernels (OUT_DIR/gpu_tests_bwd_schedule.txt), then ours with flash_triton at xl
+# 4 x 2,048 without it (FLASH_GLUON_BWD_SCHEDULE=0) and with it in turn, twice, and at 2.7B 2 x 2,048 once each
+# (OUT_DIR/e2e_bwd_schedule_<gpu>.jsonl).
 set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
 flash_graphs|fidelity_ddp|fidelity_train|\
 fidelity_profile|fidelity_e2e|qkv|levers|swiglu|records_graphs|records_best|mlp|grads|packed_rope|\
-embedding"
+embedding|bwd_schedule"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -151,6 +155,17 @@ packed_rope)  # the GPU tests, then ours with flash_triton (each block's graph),
     FLASH_PACKED_ROPE=$packed timeout -k 10 150 python3 -m torch_impl.bench.e2e --model xl --batch-size 4 \
       --seq-len 2048 --dtype bf16_mixed --attention flash_triton --compile --cuda-graph blocks --warmup 3 --steps 20 \
       --out "$out/e2e_packed_rope_${GPU_TAG}.jsonl"
+  done ;;
+bwd_schedule)  # the op's GPU tests with the Gluon kernels, then ours without and with the schedule (ABAB, then AB)
+  timeout -k 5 200 python3 -m pytest -q -rfE -m gpu tests/test_flash_attention.py \
+    -k "model_layout or (gluon_in_the_op and bf16)" > "$out/gpu_tests_bwd_schedule.txt" 2>&1
+  echo "pytest rc=$?" >> "$out/gpu_tests_bwd_schedule.txt"
+  for model in xl:4 xl:4 2.7B:2; do
+    for schedule in 0 1; do
+      FLASH_GLUON_BWD_SCHEDULE=$schedule timeout -k 10 120 python3 -m torch_impl.bench.e2e --model "${model%:*}" \
+        --batch-size "${model#*:}" --seq-len 2048 --dtype bf16_mixed --attention flash_triton --compile \
+        --cuda-graph blocks --warmup 3 --steps 20 --out "$out/e2e_bwd_schedule_${GPU_TAG}.jsonl"
+    done
   done ;;
 records)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step

@@ -406,12 +406,17 @@ def test_op_schedule_deals_the_items_where_shares_are_even(monkeypatch):
 
 
 def test_backward_schedule_and_its_persistent_grid(monkeypatch):
-    """The backward's persistent grid (d 64 only) where its programs' shares are even; its grid of one program per SM
-    at most."""
+    """The backward's persistent grid (d 64 only) dealt where its programs' shares are even, else fed by a counter, a
+    few heads at a time where that ends the last program sooner (xl's 100 heads: 4, the 2.7B preset's 64 at d 80:
+    8, a program per item); its grid of one program per SM at most."""
     monkeypatch.setattr(flash_gluon, "_programs", lambda device: 132)
     short, long = torch.empty(4, 32, 2048, 64), torch.empty(1, 16, 16384, 64)
+    xl, big = torch.empty(4, 25, 2048, 64), torch.empty(2, 32, 2048, 80)
     assert flash_gluon.backward_schedule(short, short, True) == {"persistent": True}
-    assert flash_gluon.backward_schedule(long, long, True) == {}
+    dynamic = {"persistent": True, "order": "dynamic"}
+    assert flash_gluon.backward_schedule(long, long, True) == {**dynamic, "head_group": 1}
+    assert flash_gluon.backward_schedule(xl, xl, True) == {**dynamic, "head_group": 4}
+    assert flash_gluon.backward_schedule(big, big, True) == {"head_group": 8}
     q = torch.zeros(2, 4, 1024, 64, dtype=torch.bfloat16)
     lse = torch.zeros(2, 4, 1024)
     _, grid, _, options, _ = flash_gluon.backward_launch_arguments(q, q, q, q, q, lse, True, programs=132)
@@ -420,11 +425,43 @@ def test_backward_schedule_and_its_persistent_grid(monkeypatch):
     _, grid, _, _, _ = flash_gluon.backward_launch_arguments(big, big, big, big, big, torch.zeros(4, 32, 2048), True,
                                                              programs=132)
     assert grid == (132, 1, 1)
-    for d in (128, 256):  # dK, dV through the stages: a program per item
+    for d in (128, 256):  # dK, dV through the stages: a program per item (at 256 head by head)
         wide = torch.zeros(2, 4, 1024, d, dtype=torch.bfloat16)
-        assert flash_gluon.backward_schedule(wide, wide, True) == {}
+        assert flash_gluon.backward_schedule(wide, wide, True) == ({} if d == 256 else {"head_group": 1})
         with pytest.raises(ValueError, match="persistent grid takes d 64 only"):
             flash_gluon.backward_launch_arguments(wide, wide, wide, wide, wide, lse, True, programs=132)
+
+
+def _bwd_item(item: int, n_bkv: int, n_kb: int, head_group: int) -> tuple[int, int]:
+    """The kernel's ``_bwd_item`` written out: item -> (batch x k/v head, key block)."""
+    per_group = n_kb * head_group
+    first = item // per_group * head_group
+    heads = min(n_bkv - first, head_group)
+    r = item % per_group
+    return first + r % heads, r // heads
+
+
+@pytest.mark.parametrize("n_bkv,n_kb,head_group,programs", [(100, 16, 4, 132), (64, 16, 8, 132), (12, 4, 8, 5),
+                                                            (3, 7, 1, 4), (5, 3, 2, 132)])
+def test_greedy_share_is_the_list_schedule_of_the_kernels_order(n_bkv, n_kb, head_group, programs):
+    """Every (head, key block) once in ``_bwd_item``'s order, groups of ``head_group`` heads (the last one short),
+    each group's heaviest block first; ``_greedy_share`` is the share of programs that each take the next item as
+    soon as they are free, simulated here clock tick by clock tick."""
+    order = [_bwd_item(item, n_bkv, n_kb, head_group) for item in range(n_bkv * n_kb)]
+    assert sorted(order) == [(bh, block) for bh in range(n_bkv) for block in range(n_kb)]
+    for item in range(1, len(order)):
+        (bh0, block0), (bh1, block1) = order[item - 1], order[item]
+        assert bh1 // head_group > bh0 // head_group or block1 >= block0  # within a group, block by block
+    costs = [2 * (n_kb - block) + 1 for _, block in order]  # causal: 2 query tiles of 64 a block of 128 keys
+    ends, pending, clock = [0] * min(programs, len(costs)), list(costs), 0
+    while pending:
+        for p in range(len(ends)):
+            if ends[p] <= clock and pending:
+                ends[p] = clock + pending.pop(0)
+        clock += 1
+    want = max(ends) * len(ends) / sum(costs)
+    share = flash_gluon._greedy_share(n_bkv, n_kb, 2 * n_kb, True, 128, 64, programs, head_group)
+    assert share == pytest.approx(want)
 
 
 def test_backward_items_from_a_counter_a_few_heads_at_a_time():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 import os
 
@@ -1157,6 +1158,12 @@ BWD_WIDE_CONFIG = (64, 64, 2, 240)
 BWD_WIDE_CONFIGS = (BWD_WIDE_CONFIG, )
 _STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a row of L or D, in order
 BWD_ORDERS = ("heads", "dynamic")  # a persistent backward's items: dealt in turn (``_position``), or from a counter
+# The backward's choices of heads whose items go together (``_bwd_item``, ``backward_schedule``): every head at once
+# was 1.34x slower at 4 x 32 x 2,048 x 64 (its running programs read more Q and dO than L2 holds)
+HEAD_GROUPS = (1, 2, 4, 8)
+# FLASH_GLUON_BWD_SCHEDULE=0: ``backward_schedule`` as before 5603016 (dealt where even, else a program per item head
+# by head), for A/B runs of the step
+BWD_SCHEDULE = os.environ.get("FLASH_GLUON_BWD_SCHEDULE", "1") != "0"
 # By tile width (``tile_dim``), the fewest keys the op runs the backward from: faster than the Triton backward there
 # (d 64: 02900c9; d 128: bcf08a2; d 256: 7b289bb; ``backward_preferred``)
 BWD_MIN_KEYS = {64: 512, 128: 512, 256: 512}
@@ -1197,9 +1204,9 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     if width not in BWD_MIN_KEYS or n_q % block_m or n_k % keys:
         raise ValueError(f"the Gluon backward takes d a multiple of 8 from 40 to 256 (``tile_dim``), n_q a multiple "
                          f"of {block_m} and n_k of {keys}; got d {d}, n_q {n_q}, n_k {n_k}")
-    if order not in BWD_ORDERS or head_group < 1:
-        raise ValueError(f"the Gluon backward's order must be one of {BWD_ORDERS} and head_group at least 1; got "
-                         f"{order!r}, {head_group}")
+    if order not in BWD_ORDERS or head_group < 1 or (wide and head_group > 1):
+        raise ValueError(f"the Gluon backward's order must be one of {BWD_ORDERS} and head_group at least 1 (at tile "
+                         f"width 256: 1); got {order!r}, {head_group} at d {d}")
     if programs is not None and _epilogue_in_stages.fn(width):  # .fn: without the constexpr wrapper (~4 us a call)
         raise ValueError(f"the Gluon backward's persistent grid takes d 64 only (above, dK and dV go out through the "
                          f"stages: a program of one item); got d {d}")
@@ -1276,19 +1283,30 @@ def backward_supports(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def backward_schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> dict:
-    """``backward``'s options for the op: the persistent grid (d 64) where it gives every program an even share
-    (``_share`` at most EVEN_SHARE, as ``schedule``), else a program per item. The op's forward + backward at
-    4 x 32 x 2,048 x 64 on one H100 (3e99f6b, the launch cached: ``_run``): 0.681-0.701 ms against 0.729-0.741.
-    Taking the items from a counter as the forward does where the shares are uneven was no faster (f4fe35c: 3.031
-    against 3.038 ms at 1 x 16 x 16,384 x 64; notes/flash_attention.md, session 24)."""
-    block_m, block_k = (config or BWD_CONFIG)[:2]
-    if _epilogue_in_stages.fn(tile_dim(k.shape[-1])):
+    """``backward``'s options for the op: at d 64 the persistent grid, its items dealt in turn where that gives every
+    program an even share (``_share`` at most EVEN_SHARE, as ``schedule``), else handed out by a counter; above d 64
+    a program per item. Either of the latter takes the items HEAD_GROUPS[i] heads at a time, the fewest whose
+    programs end soonest (``_greedy_share``, within 1%).
+    On one H200 (5603016, the backward alone, medians of 3 rounds: ``flash_gluon_probe.py --backward``): at
+    4 x 32 x 2,048 x 64 dealt 0.518 ms against 0.537 from the counter, 0.571 a program per item; at xl's
+    4 x 25 x 2,048 x 64 (shares up to 1.14x dealt) from the counter 0.427 (4 heads at a time 0.424) against 0.435 dealt
+    and 0.455 a program per item; at the 2.7B preset's 2 x 32 x 2,048 x 80 a program per item 8 heads at a time
+    0.401 against 0.434 head by head; at 1 x 16 x 16,384 x 64 all within 1% but dealt (1.40x)."""
+    width = tile_dim(k.shape[-1])
+    if _bwd_wide(width):
         return {}
+    block_m, block_k = (config or BWD_CONFIG)[:2]
     batch, kv_heads, n_k, _ = k.shape
     keys = TILES.value * block_k
-    share = _share(batch * kv_heads, n_k // keys, q.shape[2] // block_m, is_causal, keys, block_m,
-                   _programs(q.device))
-    return {"persistent": True} if share <= EVEN_SHARE else {}
+    shape = (batch * kv_heads, n_k // keys, q.shape[2] // block_m, is_causal, keys, block_m, _programs(q.device))
+    persistent = not _epilogue_in_stages.fn(width)
+    if persistent and _share(*shape) <= EVEN_SHARE:
+        return {"persistent": True}
+    if not BWD_SCHEDULE:
+        return {}
+    shares = {group: _greedy_share(*shape, group) for group in HEAD_GROUPS}
+    group = min(group for group, share in shares.items() if share <= 1.01 * min(shares.values()))
+    return {"head_group": group, **({"persistent": True, "order": "dynamic"} if persistent else {})}
 
 
 def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
@@ -1376,13 +1394,18 @@ FOLDED_HEAD_DIMS = (64,)
 EVEN_SHARE = 1.05  # ``schedule``: the largest program's share of a persistent grid's work over the mean, at most
 
 
+def _costs(n_m: int, n_k_blocks: int, is_causal: bool, rows: int, block_n: int) -> list[int]:
+    """A head's n_m work items, the heaviest first, each costing its tiles and one more for its start and end. The
+    forward's items (``_tile``): ``rows`` queries against key tiles of ``block_n`` (n_k_blocks without the causal
+    mask); the backward's (``_bwd_item``): ``rows`` keys against query tiles of ``block_n``."""
+    return [(-(-(n_m - j) * rows // block_n) if is_causal else n_k_blocks) + 1 for j in range(n_m)]
+
+
 @functools.cache
 def _share(n_bh: int, n_m: int, n_k_blocks: int, is_causal: bool, rows: int, block_n: int, programs: int) -> float:
-    """The largest program's share of the work over the mean when ``programs`` take n_bh x n_m items head by head,
-    each head's heaviest first, in the order ``_position`` deals them; an item costs its tiles and one more for its
-    start and end. The forward's items (``_tile``): ``rows`` queries against key tiles of ``block_n`` (n_k_blocks
-    without the causal mask); the backward's (``_bwd_item``): ``rows`` keys against query tiles of ``block_n``."""
-    costs = [(-(-(n_m - j) * rows // block_n) if is_causal else n_k_blocks) + 1 for j in range(n_m)] * n_bh
+    """The largest program's share of the work over the mean when ``programs`` take n_bh x n_m items (``_costs``)
+    head by head, each head's heaviest first, in the order ``_position`` deals them."""
+    costs = _costs(n_m, n_k_blocks, is_causal, rows, block_n) * n_bh
     programs = min(programs, len(costs))  # the grid's size (``launch_arguments``)
     totals = [0] * programs
     for first in range(0, len(costs), programs):
@@ -1392,6 +1415,22 @@ def _share(n_bh: int, n_m: int, n_k_blocks: int, is_causal: bool, rows: int, blo
         for p, cost in enumerate(dealt):
             totals[p] += cost
     return max(totals) * programs / sum(costs)
+
+
+@functools.cache
+def _greedy_share(n_bh: int, n_m: int, n_k_blocks: int, is_causal: bool, rows: int, block_n: int, programs: int,
+                  head_group: int) -> float:
+    """The last program's end over the mean share when ``programs`` take n_bh x n_m items (``_costs``) in the
+    backward's order (``_bwd_item``: ``head_group`` heads at a time, block by block) each as soon as it is free: a
+    grid of a program per item, whose programs the hardware starts in order, or a persistent grid fed by a
+    counter. (Graham's list scheduling; the heaviest items late in the order make the tail.)"""
+    costs = _costs(n_m, n_k_blocks, is_causal, rows, block_n)
+    free = [0] * min(programs, n_bh * n_m)  # each program's end so far, a heap
+    for first in range(0, n_bh, head_group):
+        for cost in costs:
+            for _ in range(min(head_group, n_bh - first)):
+                heapq.heapreplace(free, free[0] + cost)
+    return max(free) * len(free) / (sum(costs) * n_bh)
 
 
 def schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> dict:
