@@ -45,8 +45,9 @@
 # against cuBLAS's two products and the
 # compiled SwiGLU, xl (scripts/swiglu_probe.py: OUT_DIR/swiglu_probe.{json,log}), then ours at xl 4 x 2,048 without
 # and with the Gluon kernel in the step (+gsw; OUT_DIR/step_probe.{json,log}; ~5 minutes).
-# records_graphs: the records phase's three configurations with each block's graph only, then ours with our
-# FlashAttention (flash_triton) at xl 4 x 2,048 against its own stock reference (~8 minutes). records_best: xl
+# records_graphs: the records phase's three configurations with each block's graph only, in one process each: the
+# stock reference, ours with cuDNN, then ours at its best (flash_triton, --mlp gluon: e2e --also) against the same
+# stock run (~8 minutes). records_best: xl
 # 4 x 2,048 with each block's graph, stock then ours with cuDNN, stock then ours at its best (flash_triton, --mlp
 # gluon). mlp: the Gluon MLP's GPU tests (OUT_DIR/gpu_tests_mlp.txt), then the trainer at xl 4 x 2,048 for 200 steps
 # on the built-in corpus (bf16 weights with fp32 masters, each block's graph; OUT_DIR/train_<gpu>.jsonl) with
@@ -116,8 +117,9 @@ swiglu)  # each part under a timeout: a kernel new to the device may hang, and t
   timeout -k 10 240 python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 \
     --variants ours_span4+ro+mixed,ours_span4+ro+mixed+gsw,ours_span4+ro+mixed+gsw2 2>&1 | tee "$out/step_probe.log" ;;
 records_graphs)
-  for config in "xl 4 2048" "2.7B 2 2048" "xl 4 512"; do step $config --dtype bf16_mixed --cuda-graph blocks; done
-  step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks --attention flash_triton ;;
+  for config in "xl 4 2048" "2.7B 2 2048" "xl 4 512"; do
+    step $config --dtype bf16_mixed --cuda-graph blocks --also flash_triton:gluon
+  done ;;
 records_best)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks
   step xl 4 2048 --dtype bf16_mixed --cuda-graph blocks --attention flash_triton --mlp gluon ;;

@@ -66,6 +66,24 @@ def test_bad_flags_give_one_line_errors():
         torch_e2e.main([*FLAGS, "--attention", "flash"])
 
 
+def test_also_times_ours_again_against_the_same_stock_run(tmp_path):
+    """``--also``: ours with each named attention backend (and MLP) after ``--attention``'s, one stock run first, every
+    one of ours with its ratio to that run; a bad entry is a one-line error before anything runs."""
+    out = tmp_path / "runs.jsonl"
+    argv = [*FLAGS, "--stock", "sdpa", "--attention", "naive", "--also", "sdpa,flash_torch:torch", "--out", str(out)]
+    assert torch_e2e.main(argv) == 0
+    stock, *ours = read_records(out)
+    assert stock.implementation == "stock eager sdpa"
+    assert [run.implementation for run in ours] == ["eager naive", "eager sdpa", "eager flash_torch"]
+    for run in ours:
+        assert run.status == "ok" and run.metrics["x_stock"] == stock.timing["median_ms"] / run.timing["median_ms"]
+        assert run.metrics["loss_first"] == pytest.approx(ours[0].metrics["loss_first"], rel=1e-5)  # same weights
+    for bad in ("flash", "sdpa:mlp"):
+        with pytest.raises(SystemExit, match=f"--also '{bad}': comma-separated ATTENTION.:MLP., attention one of "):
+            torch_e2e.main([*FLAGS, "--also", bad, "--out", str(out)])
+    assert len(read_records(out)) == 4
+
+
 def torch_e2e_args(argv: list[str]):
     """The torch e2e benchmark's flags parsed as ``torch_e2e.main`` parses them, without running a step."""
     from analysis.harness import add_step_arguments

@@ -13,6 +13,8 @@ stall the step it times.
 
 ``--stock BACKEND`` first times the stock reference (``torch_impl.stock``, compiled as a whole with
 ``--compile``) in the same process with the same flags and weights; ours then carries ``metrics.x_stock``.
+``--also ATTENTION[:MLP],...`` times ours again with each of those attention backends (and MLPs) after
+``--attention``'s, against the same stock run: e.g. ``--attention sdpa_cudnn --also flash_triton:gluon``.
 ``--dtype bf16_mixed`` trains ours with bf16 weights and ``torch_impl.optim.MasterAdamW`` (fp32 master weights
 and moments, one Triton kernel) instead of autocast and torch's AdamW; the stock reference beside it trains
 bf16 the stock way (autocast, fused AdamW) and its record says ``bf16``.
@@ -51,6 +53,7 @@ from analysis.records import Record
 from parallelism_calc.checkpointing import checkpointed_activation_bytes
 from parallelism_calc.memory import activation_bytes_per_token, per_device_memory
 from torch_impl import nvtx
+from torch_impl.attention.registry import ATTENTION_BACKENDS
 from torch_impl.device import device_name, pick_device
 from torch_impl.linear_cross_entropy import LOSSES
 from torch_impl.model import MLPS, TransformerLM, cross_entropy
@@ -87,21 +90,35 @@ def measure(args: TorchStepConfig) -> Iterator[Record]:
     """Ours, once per ``--cuda-graph`` mode, and first the stock reference with ``--stock BACKEND``, one after
     the other in this process, each record yielded as soon as it is made; each of ours then carries
     ``metrics.x_stock`` = stock's median step time / ours (> 1: ours is faster)."""
-    graphs = check_flags(args)
+    graphs, runs = check_flags(args)
     stock = None
     if args.stock:  # the stock model trains bf16 the stock way, under autocast, also beside ours with bf16_mixed
         stock_dtype = "bf16" if args.dtype == "bf16_mixed" else args.dtype
         stock = measure_one(dataclasses.replace(args, dtype=stock_dtype), stock=True, graph="off")
         yield stock
-    for graph in graphs:
-        record = measure_one(args, stock=False, graph=graph)
+    for run, graph in ((run, graph) for run in runs for graph in graphs):
+        record = measure_one(run, stock=False, graph=graph)
         if stock is not None and stock.status == "ok" and record.status == "ok":
             record.metrics["x_stock"] = stock.timing["median_ms"] / record.timing["median_ms"]
         yield record
 
 
-def check_flags(args: TorchStepConfig) -> list[str]:
-    """Rejects flags that cannot go together; returns the ``--cuda-graph`` modes in order."""
+def also_runs(args: TorchStepConfig) -> list[TorchStepConfig]:
+    """Ours as ``--attention`` and ``--mlp`` say, then as each ``--also ATTENTION[:MLP]`` says (its MLP ``--mlp``'s
+    if not named)."""
+    runs = [args]
+    for item in filter(None, (args.also or "").split(",")):
+        attention, _, mlp = item.partition(":")
+        if attention not in ATTENTION_BACKENDS or (mlp or args.mlp) not in MLPS:
+            raise ValueError(f"--also {item!r}: comma-separated ATTENTION[:MLP], attention one of "
+                             f"{', '.join(sorted(ATTENTION_BACKENDS))}, MLP one of {', '.join(MLPS)}")
+        runs.append(dataclasses.replace(args, attention=attention, mlp=mlp or args.mlp))
+    return runs
+
+
+def check_flags(args: TorchStepConfig) -> tuple[list[str], list[TorchStepConfig]]:
+    """Rejects flags that cannot go together; returns the ``--cuda-graph`` modes and ours' runs (``also_runs``) in
+    order."""
     device = pick_device(args.device)
     graphs = args.cuda_graph.split(",")
     unknown = [g for g in graphs if g not in CUDA_GRAPH_MODES]
@@ -119,7 +136,7 @@ def check_flags(args: TorchStepConfig) -> list[str]:
         check_cuda_graph(graph, args.compile, device.type, whole_step=True)
     if args.stock and args.stock not in SDPA_BACKENDS:
         raise ValueError(f"--stock {args.stock!r}: the stock model runs SDPA; accepted: {', '.join(SDPA_BACKENDS)}")
-    return graphs
+    return graphs, also_runs(args)
 
 
 def measure_one(args: TorchStepConfig, stock: bool, graph: str) -> Record:
@@ -291,6 +308,7 @@ class TorchStepConfig(StepConfig):
     compile: bool = False
     cuda_graph: str = "off"  # a comma list of CUDA_GRAPH_MODES
     stock: str | None = None
+    also: str | None = None  # ours' other runs: ATTENTION[:MLP],... (``also_runs``)
     checkpoint_every: int | None = None  # --ac-every
     nested_checkpoint: bool = False
     fused_adamw: str = "auto"
@@ -312,6 +330,9 @@ def add_torch_arguments(parser: argparse.ArgumentParser) -> None:
     torch_flags.add_argument("--stock", metavar="SDPA_BACKEND",
                              help="first time the stock reference with this SDPA backend (e.g. sdpa_cudnn) in the "
                                   f"same process, same flags: {', '.join(SDPA_BACKENDS)}")
+    torch_flags.add_argument("--also", metavar="ATTENTION[:MLP],...",
+                             help="then time ours again with each of these attention backends (and MLPs, e.g. "
+                                  "flash_triton:gluon), in order, against the same stock run")
     # dest stays checkpoint_every: the records' metrics and analysis.single_gpu read that key
     torch_flags.add_argument("--ac-every", "--checkpoint-every", dest="checkpoint_every", type=int, metavar="K",
                              help="activation checkpointing (recomputation): recompute every segment of K blocks; "
