@@ -816,13 +816,8 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     if _epilogue_in_stages(HEAD_DIM):  # both consumers are done with every stage before either overwrites one
         mbarrier.arrive(done, count=1)
         mbarrier.wait(done, 0)
-    if PERSISTENT:  # the last item's dK, dV stores have read their tiles
-        if SPLIT or s - s_item >= TILES or (s - s_item == 1 and s_item % TILES == TILE):
-            # already: this one added a dQ part since, and each addition waits for every store before it
-            # (``_tma_add_tile``); the last addition, still reading its own buffer, is not waited for
-            tma.store_wait(1)
-        else:
-            tma.store_wait(0)
+    if PERSISTENT:  # the last item's dK, dV stores (and dQ's additions) have read them
+        tma.store_wait(0)
     dk_smem.store((dk * sm_scale).to(dtype))
     dv_smem.store(dv.to(dtype))
     fence_async_shared()
