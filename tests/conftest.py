@@ -4,11 +4,15 @@
   before any test module imports jax (a GPU machine still gets its GPUs as the default backend).
 * ``@pytest.mark.gpu`` tests are skipped where CUDA is not available (CI has no GPU), and there Triton
   kernels run under the interpreter (``TRITON_INTERPRET=1``).
+* ``seed``: a fresh random seed each test, torch seeded with it (the test prints it where it fails); a module may
+  define its own (e.g. one an environment variable fixes).
 """
 
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import secrets  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -31,3 +35,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def seed() -> int:
+    value = secrets.randbelow(2**31)
+    torch.manual_seed(value)
+    return value

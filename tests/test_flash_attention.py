@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,13 +82,6 @@ def load_impl(name: str) -> Impl:
 @pytest.fixture(params=["torch", "triton"])
 def impl(request) -> Impl:
     return load_impl(request.param)
-
-
-@pytest.fixture
-def seed() -> int:
-    value = secrets.randbelow(2**31)
-    torch.manual_seed(value)
-    return value
 
 
 # ------------------------------------------------------------------------------------------- tolerances

@@ -13,7 +13,6 @@ own (with the fused backward its dQ is rounded to bf16 once where the other roun
 from __future__ import annotations
 
 import os
-import secrets
 
 import pytest
 import torch
@@ -22,15 +21,10 @@ from parallelism_calc.specs import MODELS
 from torch_impl.model import RotaryEmbedding, TransformerLM
 from torch_impl.qkv_projection import pack_rotated_grads, rotate_split
 
+from tests.test_flash_attention import errors
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUNDS = {torch.float32: (5e-6, 1e-5), torch.bfloat16: (1e-2, 2e-2)}  # (relative Frobenius, largest element)
-
-
-@pytest.fixture
-def seed() -> int:
-    value = secrets.randbelow(2**31)
-    torch.manual_seed(value)
-    return value
 
 
 def _flash():
@@ -57,13 +51,8 @@ def _reference(product, cos, sin, heads, d_out):
     return out.detach(), product.grad
 
 
-def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    diff = got.double().cpu() - want
-    return (diff.norm() / want.norm()).item(), (diff.abs().max() / want.abs().max()).item()
-
-
 def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    rel, big = _errors(got, want)
+    rel, big = errors(got.cpu(), want)
     bound_rel, bound_big = BOUNDS[dtype]
     assert rel < bound_rel and big < bound_big, f"{what}: {rel:.2e} / {big:.2e} against {bound_rel} / {bound_big}"
 
@@ -148,7 +137,7 @@ def test_the_model_takes_the_packed_route_unless_a_projection_is_hooked(monkeypa
         assert sorted(passes) == ["_backward_of_product"] * blocks + ["_forward_of_product"] * blocks, passes
         assert abs(loss - want_loss) < 1e-5, (hooked, seed)
         for name, grad in grads.items():
-            rel, _ = _errors(grad, want_grads[name].double())
+            rel, _ = errors(grad.cpu(), want_grads[name].double().cpu())
             assert rel < 1e-4, f"{name} (hooked {hooked}): {rel:.2e}, seed {seed}"
 
 
@@ -167,5 +156,5 @@ def test_gpu_packed_route_bf16(case, seed):
     q, k, v = (t.transpose(1, 2) for t in rotate_split(product, cos, sin, heads))
     dq, dk, dv = _flash().flash_backward(d_out, q, k, v, *_flash().flash_forward(q, k, v, True), True)
     unpacked = pack_rotated_grads(*(t.transpose(1, 2) for t in (dq, dk, dv)), cos, sin).flatten(2)
-    rel, big = _errors(grad, unpacked.double().cpu())
+    rel, big = errors(grad.cpu(), unpacked.double().cpu())
     assert rel < BOUNDS[torch.bfloat16][0] and big < BOUNDS[torch.bfloat16][1], f"{rel:.2e} / {big:.2e}, seed {seed}"

@@ -10,7 +10,6 @@ compiler needed); ``@pytest.mark.gpu`` repeats the compile tests with Inductor o
 from __future__ import annotations
 
 import os
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -27,13 +26,6 @@ REPO = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FORWARD = torch.ops.torch_impl.flash_attention_forward.default
 BACKWARD = torch.ops.torch_impl.flash_attention_backward.default
-
-
-@pytest.fixture
-def seed() -> int:
-    value = secrets.randbelow(2**31)
-    torch.manual_seed(value)
-    return value
 
 
 def inputs(heads=4, kv_heads=2, n_q=9, n_k=13, d=16, device=DEVICE, dtype=torch.float32):

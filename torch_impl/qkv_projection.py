@@ -74,9 +74,10 @@ def check_split_inputs(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 def rotate_split(product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (B, T, 3 d) product of x and [W_q; W_k; W_v] -> q, k, v, each (B, T, H, d_head) in an allocation of its
-    own: q and k rotated by RoPE (tables cos, sin of shape (T, d_head / 2)), v as it is. PyTorch's ops here; one
-    Triton kernel on CUDA, where Inductor wrote RoPE at half the copy bandwidth and copied v in a kernel of its own
-    (notes/train_step.md, session 46)."""
+    own: q and k rotated by RoPE (tables cos, sin of shape (T, d_head / 2)), v as it is. v is copied, not a view: the
+    attention saves it for its backward, and a view would keep the whole product alive beside q and k (2.5 GB more at
+    xl 4 x 2,048, notes/train_step.md session 45). PyTorch's ops here; one Triton kernel on CUDA, where Inductor
+    wrote RoPE at half the copy bandwidth and copied v in a kernel of its own (session 46)."""
     check_split_inputs(product, cos, sin, n_heads)
     q, k, v = product.unflatten(-1, (3, n_heads, -1)).unbind(2)
     cos, sin = cos[:, None], sin[:, None]  # (T, 1, d/2): broadcast over the heads
