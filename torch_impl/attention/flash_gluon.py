@@ -880,11 +880,11 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     keys summed over the query heads of the group, and their part of dQ, the items ``head_group`` batch x k/v heads
     at a time (``_bwd_item``). A program per item, or (PERSISTENT, d 64) a program per SM taking items in the order
     ``_position`` deals them, or (DYNAMIC, with PERSISTENT) from a counter (``counter_ptr``, an int32 zero) as the
-    forward's do, its K and V in two buffers so that the next item's load runs under the last one's end. Q's (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n,
-    column h * q_cols_h of its descriptor's 2-D view (dO, K, V, and dK, dV with dkv_*, likewise, K and V one block of
-    the item's keys); L, D (B, H, n_q; ``lse_desc``, ``delta_desc`` their rows of BLOCK_M) and dQ (B, H, n_q, d,
-    fp32; ``dq_desc`` its (B H n_q, d) view) are contiguous. EXACT_SCALE: ``_exact_scale`` of the head dim (not of
-    the tile it is padded to)."""
+    forward's do, its K and V in two buffers so that the next item's load runs under the last one's end. Q's
+    (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n, column h * q_cols_h of its descriptor's 2-D
+    view (dO, K, V, and dK, dV with dkv_*, likewise, K and V one block of the item's keys); L, D (B, H, n_q;
+    ``lse_desc``, ``delta_desc`` their rows of BLOCK_M) and dQ (B, H, n_q, d, fp32; ``dq_desc`` its (B H n_q, d)
+    view) are contiguous. EXACT_SCALE: ``_exact_scale`` of the head dim (not of the tile it is padded to)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
