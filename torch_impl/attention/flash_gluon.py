@@ -1291,7 +1291,7 @@ def backward_schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=
     4 x 32 x 2,048 x 64 dealt 0.518 ms against 0.537 from the counter, 0.571 a program per item; at xl's
     4 x 25 x 2,048 x 64 (shares up to 1.14x dealt) from the counter 0.427 (4 heads at a time 0.424) against 0.435 dealt
     and 0.455 a program per item; at the 2.7B preset's 2 x 32 x 2,048 x 80 a program per item 8 heads at a time
-    0.401 against 0.434 head by head; at 1 x 16 x 16,384 x 64 all within 1% but dealt (1.40x)."""
+    0.401 against 0.434 head by head; at 1 x 16 x 16,384 x 64 all within 1.3% but dealt (1.40x)."""
     width = tile_dim(k.shape[-1])
     if _bwd_wide(width):
         return {}
