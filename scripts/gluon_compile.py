@@ -151,13 +151,15 @@ def compile_config(d: int, config, is_causal: bool = True, programs: int | None 
 
 
 def compile_backward(d: int, is_causal: bool = True, programs: int | None = None, dq_lag: bool | None = None,
-                     side_by_side: bool = False, order: str = "heads"):
+                     side_by_side: bool = False, order: str = "heads", rope: bool = False):
     """The compiled backward (two query heads a k/v head; dO and O contiguous), as ``compile_config`` compiles the
-    forward."""
+    forward; ``rope``: dK rotated back in its epilogue (the op's, on the model's q, k, v product)."""
     q, k, do = _heads(1, 4, d, side_by_side), _heads(1, 2, d, side_by_side), _heads(1, 4, d, False)
+    tables = (torch.empty(1024, d // 2), torch.empty(1024, d // 2)) if rope else None
     with _side_by_side(side_by_side):
         kernel, grid, args, constexprs, _ = flash_gluon.backward_launch_arguments(
-            do, q, k, k, do, torch.empty(1, 4, 1024), is_causal, programs=programs, dq_lag=dq_lag, order=order)
+            do, q, k, k, do, torch.empty(1, 4, 1024), is_causal, programs=programs, dq_lag=dq_lag, order=order,
+            rope=tables)
     return kernel.warmup(*args, grid=grid, **constexprs)
 
 
@@ -182,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
                 for order in flash_gluon.BWD_ORDERS:
                     kernels.append((f"{name}_persistent_{order}",
                                     functools.partial(compile_backward, d, programs=132, dq_lag=lag, order=order)))
+        if not flash_gluon._bwd_wide(d):  # the op's on the model's product: dK rotated back in the epilogue
+            kernels.append((f"backward_d{d}_rope", functools.partial(compile_backward, d, rope=True)))
+            if not flash_gluon._epilogue_in_stages(d):
+                kernels.append((f"backward_d{d}_rope_persistent_dynamic",
+                                functools.partial(compile_backward, d, programs=132, order="dynamic", rope=True)))
     if not args.first:  # the model's (B, n, H, d) heads below the tile: 3-D views (flash_gluon.SIDE_BY_SIDE_3D)
         kernels.append((f"backward_d{PADDED_HEAD_DIM}_side_by_side",
                         functools.partial(compile_backward, PADDED_HEAD_DIM, side_by_side=True)))

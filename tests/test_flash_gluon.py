@@ -312,10 +312,11 @@ def test_exact_scale_is_the_power_of_two_head_dims():
 class _GluonBackwardStandIn:
     """flash_gluon as flash_triton's backward calls it, with the kernel replaced by float64 autograd: it checks the D
     and the zeroed fp32 dQ accumulator it is given, adds dS K (dQ times sqrt(d)) into the accumulator and writes dK,
-    dV into the outputs it is handed (``dkdv``, in k's layout: the model's heads as views)."""
+    dV into the outputs it is handed (``dkdv``, in k's layout: the model's heads as views); ``rotates``: what its
+    ``rotates_dk`` says (given RoPE's tables, it rotates dK back as it writes it)."""
 
-    def __init__(self):
-        self.calls = 0
+    def __init__(self, rotates: bool = False):
+        self.calls, self.rotates, self.rotated = 0, rotates, 0
 
     def preferred(self, q, k, v, is_causal):  # the forward: the Triton one
         return False
@@ -326,15 +327,25 @@ class _GluonBackwardStandIn:
     def backward_schedule(self, q, k, is_causal):
         return {"persistent": True}
 
-    def backward(self, do, q, k, v, o, lse, is_causal, delta=None, dq_acc=None, dkdv=None, persistent=False):
+    def rotates_dk(self, d):
+        return self.rotates
+
+    def backward(self, do, q, k, v, o, lse, is_causal, delta=None, dq_acc=None, dkdv=None, persistent=False,
+                 rope=None):
         self.calls += 1
+        assert rope is None or self.rotates  # only where it said it rotates dK
         assert torch.allclose(delta, (do.double() * o.double()).sum(-1).float(), atol=1e-5)
         assert dq_acc.dtype == torch.float32 and dq_acc.is_contiguous() and not dq_acc.any()
-        assert all(t.shape == k.shape and t.stride() == k.stride() for t in dkdv)
+        assert all(t.shape == k.shape and t.stride() == dkdv[0].stride() for t in dkdv)  # (the product's: packed)
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
         out = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=is_causal)
         dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), do.double())
         dq_acc += dq.float() * math.sqrt(q.shape[-1])  # dS K: the caller scales it
+        if rope is not None:  # dK rotated back by minus RoPE's angles, as the kernel's epilogue does
+            self.rotated += 1
+            cos, sin = (t.double() for t in rope)
+            even, odd = dk[..., 0::2], dk[..., 1::2]
+            dk = torch.stack((even * cos + odd * sin, odd * cos - even * sin), dim=-1).flatten(-2)
         dkdv[0].copy_(dk)
         dkdv[1].copy_(dv)
         return None, *dkdv
@@ -359,6 +370,27 @@ def test_flash_triton_backward_hands_the_gluon_kernel_its_inputs_and_outputs(mon
         assert torch.allclose(got.double(), ref, atol=1e-4, rtol=1e-4)
     flash_triton.flash_backward(do, q, k, v, o, lse, True, deterministic=True)  # the two-pass backward: not Gluon
     assert stand_in.calls == 1
+
+
+@pytest.mark.parametrize("rotates", [True, False], ids=["epilogue", "pass"])
+def test_packed_backward_rotates_dk_once_in_the_kernel_or_a_pass(rotates, monkeypatch):
+    """On the model's q, k, v product (``flash_backward_packed``) dK is rotated back once: by the Gluon kernel where
+    its ``rotates_dk`` holds (then only dQ's pass runs), else by a pass of its own; the product's gradient matches
+    float64 either way."""
+    from torch_impl.attention import flash_triton
+    from tests.test_flash_packed_rope import _inputs, _reference
+
+    stand_in = _GluonBackwardStandIn(rotates)
+    monkeypatch.setattr(flash_triton, "_gluon", lambda: stand_in)
+    passes = []
+    rotate_back = flash_triton.launch_rotate_back
+    monkeypatch.setattr(flash_triton, "launch_rotate_back", lambda *a, **kw: passes.append(1) or rotate_back(*a, **kw))
+    product, cos, sin, d_out = _inputs(2, 64, 3, 16, torch.float32, "cpu")
+    _, want = _reference(product, cos, sin, 3, d_out)
+    out, lse, q, k, v = flash_triton.flash_attention_rope_forward(product, cos, sin, 3, True, False)
+    grad = flash_triton._backward_of_product(d_out, q, k, v, out, lse, cos, sin, True, False, False)
+    assert stand_in.calls == 1 and stand_in.rotated == rotates and len(passes) == 2 - rotates
+    assert torch.allclose(grad.double(), want, atol=1e-4, rtol=1e-4)
 
 
 def _dealt_shares(costs: list[int], programs: int) -> list[int]:

@@ -1,8 +1,8 @@
 """flash_triton on the model's one q, k, v product (``flash_triton_attention_of_product``): RoPE and the split in its
 forward, the product's gradient written by its backward (``flash_backward_packed``: dK and dV into the product's
-gradient by the kernels, dQ and dK rotated back by one pass each, no packing pass), against float64 on fresh random
-inputs: the reference rotates and splits the float64 product with PyTorch's ops (``rotate_split``), attends in
-float64 and takes the product's gradient by autograd.
+gradient by the kernels, dQ rotated back by a pass, dK by the Gluon kernel's epilogue or a pass, no packing pass),
+against float64 on fresh random inputs: the reference rotates and splits the float64 product with PyTorch's ops
+(``rotate_split``), attends in float64 and takes the product's gradient by autograd.
 
 Without a GPU the kernels run under the Triton interpreter (conftest), fp32; ``@pytest.mark.gpu`` tests run bf16 at
 lengths where the op takes the Gluon backward (sm_90), in the model's layout. Bounds: fp32 as
@@ -142,11 +142,16 @@ def test_the_model_takes_the_packed_route_unless_a_projection_is_hooked(monkeypa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", [True, False], ids=["dk_in_epilogue", "dk_pass"])
 @pytest.mark.parametrize("case", [(2, 1024, 4, 64), (1, 2048, 2, 128), (2, 512, 3, 80)],
                          ids=lambda c: "x".join(map(str, c)))
-def test_gpu_packed_route_bf16(case, seed):
-    """bf16 on the GPU (the Gluon backward from 512 keys on sm_90): the product's gradient against float64, and
-    against the route that packs in a pass of its own (rotate_split, flash_attention, pack_rotated_grads)."""
+def test_gpu_packed_route_bf16(case, epilogue, seed, monkeypatch):
+    """bf16 on the GPU (the Gluon backward from 512 keys on sm_90, dK rotated back in its epilogue or by a pass:
+    ``flash_gluon.rotates_dk``): the product's gradient against float64, and against the route that packs in a pass
+    of its own (rotate_split, flash_attention, pack_rotated_grads)."""
+    from torch_impl.attention import flash_gluon
+
+    monkeypatch.setattr(flash_gluon, "EPILOGUE_ROPE", epilogue)
     batch, seq, heads, d = case
     product, cos, sin, d_out = _inputs(batch, seq, heads, d, torch.bfloat16, "cuda")
     out, grad = _packed_route(product, cos, sin, heads, d_out)

@@ -584,11 +584,74 @@ def _tma_add_tile(tile, smem, desc, row, col):
 
 
 @gluon.jit
-def _dq_part(ds, k_cols, zero_dq):
-    """A consumer's part of dQ_i (unscaled): dS (the transpose of ``ds``'s dS^T, both consumers' keys) times its
-    columns of K, waited (with every product issued before it)."""
+def _rotated_back(x, cos, sin, first_row, half):
+    """A (rows, d) fp32 tile of dK at positions first_row + r rotated by minus RoPE's angles (tables cos, sin
+    (positions, half) fp32, contiguous; columns past 2 half get 0): even column x_2k cos + x_2k+1 sin, odd
+    x_2k+1 cos - x_2k sin, as ``qkv_pack_triton.launch_rotate_back`` rotates it (in a wgmma accumulator both columns
+    of a pair are one thread's)."""
+    ROWS: gl.constexpr = x.type.shape[0]
+    PAIRS: gl.constexpr = x.type.shape[1] // 2
+    even, odd = gl.split(gl.reshape(x, [ROWS, PAIRS, 2]))
+    layout: gl.constexpr = even.type.layout
+    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, PAIRS, layout=gl.SliceLayout(0, layout))
+    offs = gl.expand_dims(rows, 1) * half + gl.expand_dims(cols, 0)
+    mask = (gl.expand_dims(rows, 1) >= 0) & (gl.expand_dims(cols, 0) < half)
+    c = gl.load(cos + offs, mask=mask, other=0.0)
+    s = gl.load(sin + offs, mask=mask, other=0.0)
+    return gl.reshape(gl.join(even * c + odd * s, odd * c - even * s), [ROWS, 2 * PAIRS])
+
+
+@gluon.jit
+def _dq_part(t_dq, ds_bufs, ds_ready, k_cols, zero_dq):
+    """A consumer's part of tile t_dq's dQ_i (unscaled), once both halves of its dS^T are in buffer t_dq % 2: dS
+    (the transpose of dS^T, both consumers' keys) times its columns of K, waited (with every product issued before
+    it)."""
+    mbarrier.wait(ds_ready.index(t_dq % 2), (t_dq // 2) & 1)
+    ds = ds_bufs.index(t_dq % 2)
     dq = warpgroup_mma(ds.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+
+
+@gluon.jit
+def _share_ds(dst_lo, s, ds_bufs, ds_ready, ds_free, TILE: gl.constexpr):
+    """This consumer's half of tile s's dS^T (its keys' rows) into buffer s % 2, once tile s - 2's dQ has read it."""
+    BLOCK_K: gl.constexpr = dst_lo.type.shape[0]
+    buf = s % 2
+    mbarrier.wait(ds_free.index(buf), ((s // 2) & 1) ^ 1)
+    ds_bufs.index(buf).slice(TILE * BLOCK_K, BLOCK_K).store(dst_lo)
+    fence_async_shared()
+    _thread_barrier()  # every thread's part of dS^T is in shared memory before the MMAs read it
+    mbarrier.arrive(ds_ready.index(buf), count=1)
+
+
+@gluon.jit
+def _add_dq(t_dq, stage_free, ds_bufs, ds_ready, ds_free, k_cols, zero_dq, dq_smem, dq_desc, row, col):
+    """This consumer's turn at tile t_dq's dQ part (``_dq_part``): the stage (``stage_free``, or None) and the dS^T
+    buffer released once the product has read them, then its fp32 sum added at (row, col) of dq_desc."""
+    dq = _dq_part(t_dq, ds_bufs, ds_ready, k_cols, zero_dq)  # its wait retires every product issued before it
+    if stage_free is not None:
+        mbarrier.arrive(stage_free, count=1)
+    mbarrier.arrive(ds_free.index(t_dq % 2), count=1)
+    _tma_add_tile(dq, dq_smem, dq_desc, row, col)
+
+
+@gluon.jit
+def _bwd_unseen_tile(s, s_item, row, dq_row, ready, free, ds_bufs, ds_ready, ds_free, k_cols, zero_ds, zero_dq,
+                     dq_smem, dq_desc, dq_col, TILE: gl.constexpr, SPLIT: gl.constexpr, DQ_LAG: gl.constexpr):
+    """Tile s, a query tile that sees none of this consumer's keys (causal: above the diagonal, the second
+    consumer's first tile of each item and head): no products, zeros for its half of dS^T, and its turn at a dQ part
+    as on any tile. (Its stage's loads are waited as any tile's, so that its release comes after them.)"""
+    stages: gl.constexpr = ready.type.shape[0]
+    stage = s % stages
+    mbarrier.wait(ready.index(stage), (s // stages) & 1)
+    _share_ds(zero_ds, s, ds_bufs, ds_ready, ds_free, TILE)
+    t_dq = s - DQ_LAG
+    if _takes_dq(t_dq, s_item, TILE, SPLIT):
+        _add_dq(t_dq, free.index(stage), ds_bufs, ds_ready, ds_free, k_cols, zero_dq, dq_smem, dq_desc,
+                dq_row if DQ_LAG else row, dq_col)
+    else:
+        mbarrier.arrive(free.index(stage), count=1)
 
 
 @gluon.jit
@@ -707,9 +770,9 @@ def _bwd_load(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_
 def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem,
                       kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc, dv_desc, n_kb, group,
                       n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, n_bkv, head_group,
-                      TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr,
-                      EXACT_SCALE: gl.constexpr):
+                      cos, sin, rope_cols, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DQ_LAG: gl.constexpr,
+                      EXACT_SCALE: gl.constexpr, SKIP_UNSEEN: gl.constexpr, ROPE: gl.constexpr):
     """One consumer warpgroup's part of work item ``item`` (``_bwd_item``), the program's t-th (its tiles counted
     from s; returned: s past them): keys key_start + TILE * BLOCK_K .. + BLOCK_K, in K/V buffer t % KV_BUFS
     (released once its last product is done).
@@ -729,7 +792,9 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     Every product is waited within the iteration (no wgmma in flight across a back edge: see ``_consume``). dK and dV
     go out through ``dk_smem``, ``dv_smem`` and TMA stores that run on under the next item; when those are stage
     buffers (``_epilogue_in_stages``, a program of one item), once both consumers have arrived at ``done`` (the other
-    may still read its last Q_i, dO_i)."""
+    may still read its last Q_i, dO_i). SKIP_UNSEEN (causal): the query tiles that see none of this consumer's keys
+    (the second's first of each item and head) run no products (``_bwd_unseen_tile``). ROPE: dK rotated back by minus
+    RoPE's angles on its way out (``_rotated_back``; tables cos, sin (n_k, rope_cols)), dV stored first."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     kv_bufs: gl.constexpr = k_bufs.type.shape[0]
     dtype: gl.constexpr = q_bufs.dtype
@@ -756,10 +821,19 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
     dq_col = TILE * DQ_COLS if SPLIT else 0
     s_item = s
     dq_row = 0  # DQ_LAG: the last tile's row of dQ
+    zero_ds = gl.zeros([BLOCK_K, BLOCK_M], dtype, layout=st_layout)
+    # causal: the query tiles before i_seen see none of this consumer's keys (the second's first tile)
+    i_seen = gl.minimum((key_start + TILE * BLOCK_K) // BLOCK_M, n_m) if IS_CAUSAL and SKIP_UNSEEN else i_first
     mbarrier.wait(kv_ready.index(kv), (t // kv_bufs) & 1)
     for g in range(group):
         h = h_kv * group + g
-        for i in range(i_first, n_m):
+        for i in range(i_first, i_seen):
+            row = (b * n_heads + h) * n_q + i * BLOCK_M  # of dQ_i in dq_desc's (B H n_q, d) view
+            _bwd_unseen_tile(s, s_item, row, dq_row, ready, free, ds_bufs, ds_ready, ds_free, k_cols, zero_ds,
+                             zero_dq, dq_smem, dq_desc, dq_col, TILE, SPLIT, DQ_LAG)
+            dq_row = row
+            s += 1
+        for i in range(i_seen, n_m):
             stage = s % stages
             mbarrier.wait(ready.index(stage), (s // stages) & 1)
             lse = _reinterpret(stat_bufs.index(2 * stage), gl.float32, [BLOCK_M], flat).load(query_cols)
@@ -782,24 +856,15 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
             dst_a = gl.convert_layout(dst_lo, a_layout)
             if DQ_LAG:  # dK's product first: dS^T's store and fences run under it (no one reads it this tile)
                 dk = warpgroup_mma(dst_a, q, dk, is_async=True)
-            buf = s % 2
-            ds = ds_bufs.index(buf)
-            mbarrier.wait(ds_free.index(buf), ((s // 2) & 1) ^ 1)  # tile s - 2's dQ has read the buffer
-            ds.slice(TILE * BLOCK_K, BLOCK_K).store(dst_lo)
-            fence_async_shared()
-            _thread_barrier()  # every thread's part of dS^T is in shared memory before the MMAs read it
-            mbarrier.arrive(ds_ready.index(buf), count=1)
+            _share_ds(dst_lo, s, ds_bufs, ds_ready, ds_free, TILE)
             if not DQ_LAG:
                 dk = warpgroup_mma(dst_a, q, dk, is_async=True)
             row = (b * n_heads + h) * n_q + i * BLOCK_M  # of dQ_i in dq_desc's (B H n_q, d) view
             t_dq = s - DQ_LAG  # the tile whose dQ part is taken now, queued behind dK
             take = _takes_dq(t_dq, s_item, TILE, SPLIT)
-            if take:  # dQ over both halves of the keys: this one's columns, or its turn
-                mbarrier.wait(ds_ready.index(t_dq % 2), (t_dq // 2) & 1)
-                dq = _dq_part(ds_bufs.index(t_dq % 2), k_cols, zero_dq)  # its wait retires dV's and dK's products
-                mbarrier.arrive(free.index(stage), count=1)
-                mbarrier.arrive(ds_free.index(t_dq % 2), count=1)
-                _tma_add_tile(dq, dq_smem, dq_desc, dq_row if DQ_LAG else row, dq_col)
+            if take:  # dQ over both halves of the keys: this one's columns, or its turn (retires dV's, dK's)
+                _add_dq(t_dq, free.index(stage), ds_bufs, ds_ready, ds_free, k_cols, zero_dq, dq_smem, dq_desc,
+                        dq_row if DQ_LAG else row, dq_col)
             dv, dk, pt_a, dst_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_a, dst_a))
             if not take:
                 mbarrier.arrive(free.index(stage), count=1)
@@ -807,10 +872,7 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
             s += 1
     t_dq = s - 1  # DQ_LAG: the item's last tile's dQ part, if it is this one's
     if DQ_LAG and _takes_dq(t_dq, s_item, TILE, SPLIT):  # (not taken in the loop)
-        mbarrier.wait(ds_ready.index(t_dq % 2), (t_dq // 2) & 1)
-        dq = _dq_part(ds_bufs.index(t_dq % 2), k_cols, zero_dq)
-        mbarrier.arrive(ds_free.index(t_dq % 2), count=1)
-        _tma_add_tile(dq, dq_smem, dq_desc, dq_row, dq_col)
+        _add_dq(t_dq, None, ds_bufs, ds_ready, ds_free, k_cols, zero_dq, dq_smem, dq_desc, dq_row, dq_col)
     mbarrier.arrive(kv_free.index(kv), count=1)  # every product reading this item's K and V is done
     key_row = b * dkv_rows_b + h_kv * dkv_rows_h + key_start + TILE * BLOCK_K  # of dK, dV (``_load_tile``'s row)
     if _epilogue_in_stages(HEAD_DIM):  # both consumers are done with every stage before either overwrites one
@@ -818,8 +880,11 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
         mbarrier.wait(done, 0)
     if PERSISTENT:  # the last item's dK, dV stores (and dQ's additions) have read them
         tma.store_wait(0)
-    dk_smem.store((dk * sm_scale).to(dtype))
     dv_smem.store(dv.to(dtype))
+    dk = dk * sm_scale
+    if ROPE:
+        dk = _rotated_back(dk, cos, sin, key_start + TILE * BLOCK_K, rope_cols)
+    dk_smem.store(dk.to(dtype))
     fence_async_shared()
     _thread_barrier()  # every thread's part of both tiles is in shared memory before TMA reads them
     _store_tile(dk_desc, key_row, h_kv * dkv_cols_h, 0, dk_smem)
@@ -831,9 +896,9 @@ def _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds
 def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem, dv_smem, kv_ready, kv_free,
                  ready, free, ds_ready, ds_free, done, ids, id_ready, id_free, dq_desc, dk_desc, dv_desc, n_items,
                  n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, n_bkv,
-                 head_group, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 head_group, cos, sin, rope_cols, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr,
-                 DQ_LAG: gl.constexpr, EXACT_SCALE: gl.constexpr):
+                 DQ_LAG: gl.constexpr, EXACT_SCALE: gl.constexpr, SKIP_UNSEEN: gl.constexpr, ROPE: gl.constexpr):
     """One consumer warpgroup (``_bwd_consume_item``): the program's item, or (PERSISTENT) each of its items in the
     order ``_position`` deals them, or (DYNAMIC) as the producer hands them over (``_take``) until n_items, as
     ``_bwd_load`` takes them. (A program of one item runs no loop around it: the loop's values cost the d 128
@@ -846,8 +911,8 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, d
             s = _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, dk_smem,
                                   dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc,
                                   dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b,
-                                  dkv_rows_h, dkv_cols_h, n_bkv, head_group, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K,
-                                  HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)
+                                  dkv_rows_h, dkv_cols_h, n_bkv, head_group, cos, sin, rope_cols, TILE, IS_CAUSAL,
+                                  BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE, SKIP_UNSEEN, ROPE)
             t += 1
             item = _take(ids, id_ready, id_free, t)
     elif PERSISTENT:
@@ -858,24 +923,26 @@ def _bwd_consume(q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem, d
                 s = _bwd_consume_item(item, t, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                                       dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done,
                                       dq_desc, dk_desc, dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads,
-                                      dkv_rows_b, dkv_rows_h, dkv_cols_h, n_bkv, head_group, TILE, IS_CAUSAL, BLOCK_M,
-                                      BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE)
+                                      dkv_rows_b, dkv_rows_h, dkv_cols_h, n_bkv, head_group, cos, sin, rope_cols, TILE,
+                                      IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE,
+                                      SKIP_UNSEEN, ROPE)
                 t += 1
     else:
         _bwd_consume_item(_program_item(), 0, s, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_smem,
                           dk_smem, dv_smem, kv_ready, kv_free, ready, free, ds_ready, ds_free, done, dq_desc, dk_desc,
                           dv_desc, n_kb, group, n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h,
-                          dkv_cols_h, n_bkv, head_group, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT,
-                          DQ_LAG, EXACT_SCALE)
+                          dkv_cols_h, n_bkv, head_group, cos, sin, rope_cols, TILE, IS_CAUSAL, BLOCK_M, BLOCK_K,
+                          HEAD_DIM, PERSISTENT, DQ_LAG, EXACT_SCALE, SKIP_UNSEEN, ROPE)
     tma.store_wait(0)  # TMA has read shared memory (dQ's last tile too) before the program's shared memory goes
 
 
 @gluon.jit
 def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, dk_desc, dv_desc, counter_ptr,
                 sm_scale, n_heads, n_kv_heads, n_bkv, n_q, n_k, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h,
-                do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, dkv_rows_b, dkv_rows_h, dkv_cols_h, head_group,
-                IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
-                DYNAMIC: gl.constexpr, DQ_LAG: gl.constexpr, EXACT_SCALE: gl.constexpr, num_warps: gl.constexpr):
+                do_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, dkv_rows_b, dkv_rows_h, dkv_cols_h, head_group, cos, sin,
+                rope_cols, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, DQ_LAG: gl.constexpr, EXACT_SCALE: gl.constexpr,
+                SKIP_UNSEEN: gl.constexpr, ROPE: gl.constexpr, num_warps: gl.constexpr):
     """Work item (key block of TILES x BLOCK_K keys, one of n_bkv batch x k/v heads; ``_bwd_item``): dK, dV of its
     keys summed over the query heads of the group, and their part of dQ, the items ``head_group`` batch x k/v heads
     at a time (``_bwd_item``). A program per item, or (PERSISTENT, d 64) a program per SM taking items in the order
@@ -884,7 +951,8 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
     (b, h, n, :) element sits at row b * q_rows_b + h * q_rows_h + n, column h * q_cols_h of its descriptor's 2-D
     view (dO, K, V, and dK, dV with dkv_*, likewise, K and V one block of the item's keys); L, D (B, H, n_q;
     ``lse_desc``, ``delta_desc`` their rows of BLOCK_M) and dQ (B, H, n_q, d, fp32; ``dq_desc`` its (B H n_q, d)
-    view) are contiguous. EXACT_SCALE: ``_exact_scale`` of the head dim (not of the tile it is padded to)."""
+    view) are contiguous. EXACT_SCALE: ``_exact_scale`` of the head dim (not of the tile it is padded to).
+    SKIP_UNSEEN, ROPE (dK rotated back by RoPE's tables cos, sin (n_k, rope_cols)): ``_bwd_consume_item``."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[-1]
     BLOCK_KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -940,15 +1008,15 @@ def _bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_desc, delta_desc, 
                         do_bufs.index(0) if IN_STAGES else dkdv_bufs.index(1), kv_ready, kv_free, ready, free,
                         ds_ready, ds_free, done, ids, id_ready, id_free, dq_desc, dk_desc, dv_desc, n_items, n_kb,
                         group, n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, n_bkv,
-                        head_group, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DYNAMIC, DQ_LAG,
-                        EXACT_SCALE)),
+                        head_group, cos, sin, rope_cols, 0, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT,
+                        DYNAMIC, DQ_LAG, EXACT_SCALE, SKIP_UNSEEN, ROPE)),
         (_bwd_consume, (q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs, ds_bufs, dq_bufs.index(1),
                         q_bufs.index(1) if IN_STAGES else dkdv_bufs.index(2),
                         do_bufs.index(1) if IN_STAGES else dkdv_bufs.index(3), kv_ready, kv_free, ready, free,
                         ds_ready, ds_free, done, ids, id_ready, id_free, dq_desc, dk_desc, dv_desc, n_items, n_kb,
                         group, n_heads, n_q, n_m, sm_scale, n_kv_heads, dkv_rows_b, dkv_rows_h, dkv_cols_h, n_bkv,
-                        head_group, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT, DYNAMIC, DQ_LAG,
-                        EXACT_SCALE)),
+                        head_group, cos, sin, rope_cols, 1, IS_CAUSAL, BLOCK_M, BLOCK_K, HEAD_DIM, PERSISTENT,
+                        DYNAMIC, DQ_LAG, EXACT_SCALE, SKIP_UNSEEN, ROPE)),
         (_bwd_load, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, stat_bufs, k_bufs, v_bufs,
                      kv_ready, kv_free, ready, free, ids, id_ready, id_free, counter_ptr, n_items, n_kb, n_kv_heads,
                      group, n_heads, n_m, q_rows_b, q_rows_h, q_cols_h, do_rows_b, do_rows_h, do_cols_h, kv_rows_b,
@@ -1164,6 +1232,9 @@ HEAD_GROUPS = (1, 2, 4, 8)
 # FLASH_GLUON_BWD_SCHEDULE=0: ``backward_schedule`` as before 5603016 (dealt where even, else a program per item head
 # by head), for A/B runs of the step
 BWD_SCHEDULE = os.environ.get("FLASH_GLUON_BWD_SCHEDULE", "1") != "0"
+# FLASH_GLUON_EPILOGUE_ROPE=0: the op's dK rotated back by a pass of its own, not in the backward's epilogue
+# (``rotates_dk``), for A/B runs of the step
+EPILOGUE_ROPE = os.environ.get("FLASH_GLUON_EPILOGUE_ROPE", "1") != "0"
 # By tile width (``tile_dim``), the fewest keys the op runs the backward from: faster than the Triton backward there
 # (d 64: 02900c9; d 128: bcf08a2; d 256: 7b289bb; ``backward_preferred``)
 BWD_MIN_KEYS = {64: 512, 128: 512, 256: 512}
@@ -1179,10 +1250,16 @@ def _bwd_keys(width: int, config) -> int:
     return config[1] if _bwd_wide(width) else TILES.value * config[1]
 
 
+def rotates_dk(d: int) -> bool:
+    """Whether ``backward`` takes RoPE's tables at head dim d (``rope``) and rotates dK back in its epilogue: below
+    tile width 256 (the wide kernel's epilogue does not), unless FLASH_GLUON_EPILOGUE_ROPE=0."""
+    return EPILOGUE_ROPE and not _bwd_wide(tile_dim(d))
+
+
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
                               programs: int | None = None, dq_lag: bool | None = None, order: str = "heads",
-                              head_group: int = 1):
+                              head_group: int = 1, skip_unseen: bool = True, rope=None):
     """What ``backward`` launches: (kernel, grid, positional arguments, constexprs and launch options, (dQ fp32, dK,
     dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
@@ -1193,7 +1270,9 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ``programs``: a persistent grid of that many (d 64; None: a program per work item), taking the items in
     ``order`` (one of BWD_ORDERS); ``head_group``: the batch x k/v heads whose items go together (``_bwd_item``);
     ``dq_lag``: each tile's dQ product a tile later (``_bwd_consume_item``; None: on a program per item, where it is
-    faster)."""
+    faster); ``skip_unseen``: no products on the query tiles a consumer's keys are all after (causal; False for A/B
+    runs); ``rope``: RoPE's tables (cos, sin) (n_k, d / 2), by which dK is rotated back as it is written
+    (``rotates_dk``; None: not rotated)."""
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     width = tile_dim(d)
@@ -1207,6 +1286,9 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     if order not in BWD_ORDERS or head_group < 1 or (wide and head_group > 1):
         raise ValueError(f"the Gluon backward's order must be one of {BWD_ORDERS} and head_group at least 1 (at tile "
                          f"width 256: 1); got {order!r}, {head_group} at d {d}")
+    if rope is not None and (wide or rope[0].shape != (n_k, d // 2) or rope[1].shape != (n_k, d // 2)):
+        raise ValueError(f"the Gluon backward rotates dK by tables (n_k, d / 2) = ({n_k}, {d // 2}) below tile width "
+                         f"256; got {tuple(rope[0].shape)}, {tuple(rope[1].shape)} at d {d}")
     if programs is not None and _epilogue_in_stages.fn(width):  # .fn: without the constexpr wrapper (~4 us a call)
         raise ValueError(f"the Gluon backward's persistent grid takes d 64 only (above, dK and dV go out through the "
                          f"stages: a program of one item); got d {d}")
@@ -1239,23 +1321,29 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     args += () if wide else (counter, )
     args += (1 / math.sqrt(d), heads, kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where,
              *dkv_where)
-    args += () if wide else (head_group, )
+    if not wide:  # RoPE's tables in fp32 (unread without ``rope``: D stands in)
+        cos, sin = (delta, delta) if rope is None else (t.to(torch.float32).contiguous() for t in rope)
+        args += (head_group, cos, sin, d // 2)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs)  # in the kernel's order
     if not wide:
         constexprs.update(PERSISTENT=programs is not None, DYNAMIC=dynamic,
                           DQ_LAG=int(programs is None if dq_lag is None else dq_lag))
-    constexprs.update(EXACT_SCALE=_exact_scale.fn(d), num_warps=4, enable_fp_fusion=False)
+    constexprs.update(EXACT_SCALE=_exact_scale.fn(d))
+    if not wide:
+        constexprs.update(SKIP_UNSEEN=skip_unseen, ROPE=rope is not None)
+    constexprs.update(num_warps=4, enable_fp_fusion=False)
     return (_bwd_wide_kernel if wide else _bwd_kernel), grid, args, constexprs, (dq_acc, dk, dv)
 
 
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
-             persistent: bool = False, dq_lag: bool | None = None, order: str = "heads", head_group: int = 1):
+             persistent: bool = False, dq_lag: bool | None = None, order: str = "heads", head_group: int = 1,
+             skip_unseen: bool = True, rope=None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ like q, or, with
     ``dq_acc`` (fp32) given, dS K added into it (dQ times sqrt(d), as flash_triton's fused backward leaves it); dK,
     dV (B, H_kv, n_k, d) in k's layout (in ``dkdv`` when given); ``config`` as ``backward_launch_arguments`` takes it;
     ``persistent``: a program per SM (d 64), else a program per item (the op's choice: ``backward_schedule``);
-    ``order``, ``head_group`` and ``dq_lag`` as ``backward_launch_arguments`` takes them.
+    ``order``, ``head_group``, ``dq_lag``, ``skip_unseen`` and ``rope`` as ``backward_launch_arguments`` takes them.
     Without D and ``dq_acc``, both come from flash_triton's preprocess pass, as in its backward, which runs this one
     where ``backward_preferred`` (so that scripts/flash_gluon_probe.py --backward, which checks it against float64,
     times what the op runs)."""
@@ -1265,7 +1353,7 @@ def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_a
         delta = flash_triton.backward_preprocess(o, do, dq_acc)
     kernel, grid, args, constexprs, (dq, dk, dv) = backward_launch_arguments(
         do, q, k, v, o, lse, is_causal, config, delta, dq_acc, dkdv, _programs(q.device) if persistent else None,
-        dq_lag, order, head_group)
+        dq_lag, order, head_group, skip_unseen, rope)
     _run(kernel, grid, args, constexprs)
     return (dq if given else torch.mul(dq, 1 / math.sqrt(q.shape[-1]), out=torch.empty_like(q))), dk, dv
 

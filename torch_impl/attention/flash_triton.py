@@ -41,8 +41,8 @@ Numerics:
 * fp32 inputs are computed in fp32 (``tl.dot(..., input_precision="ieee")``) unless PyTorch's own fp32
   matmuls may use TF32 (``torch.backends.cuda.matmul.fp32_precision == "tf32"``, or the legacy
   ``allow_tf32`` / ``torch.set_float32_matmul_precision("high" | "medium")``): then TF32, as cuBLAS would.
-  The decision is taken at the forward and reused by its backward (under torch.compile: when traced). bf16/fp16 products are exact with fp32
-  accumulation; P and dS are rounded to the input dtype before their products, as in FlashAttention-2.
+  The decision is taken at the forward and reused by its backward (under torch.compile: when traced). bf16/fp16
+  products are exact with fp32 accumulation; P and dS are rounded to the input dtype before their products, as in FlashAttention-2.
 * The forward saves O and one log-sum-exp L (..., n_q), natural log, fp32. The backward recomputes each
   score exactly as the forward rounded it, S = fl(fl(q k^T) * scale), and takes the exponent S - L in natural
   units before scaling it by log2(e) for exp2; FP fusion (mul + add -> FMA) is off in every kernel so the
@@ -684,9 +684,10 @@ def flash_backward_packed(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                           deterministic: bool = False) -> torch.Tensor:
     """The gradient (B, n, 3 H d) of the q, k, v product whose q and k RoPE rotated (``qkv_projection.rotate_split``,
     tables cos, sin (n, d / 2)) into q, k (B, H, n, d), v its third part: ``flash_backward``'s passes writing dK and
-    dV into the product's gradient, then dQ and dK rotated back into it, two passes where ``pack_rotated_grads`` read
-    and wrote all three. The fused backward's dQ is rotated from its fp32 accumulator (rounded once); the two-pass
-    one's dQ, written in q's dtype, in place."""
+    dV into the product's gradient, then dQ rotated back into it by a pass, and dK by the Gluon backward's epilogue
+    (``flash_gluon.rotates_dk``: rounded once) or a second pass, where ``pack_rotated_grads`` read and wrote all
+    three. The fused backward's dQ is rotated from its fp32 accumulator (rounded once); the two-pass one's dQ,
+    written in q's dtype, in place."""
     batch, heads, n, d = q.shape
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"flash_backward_packed: q, k, v must be (B, H, n, d) alike (one product's three parts); "
@@ -701,7 +702,8 @@ def _backward_into(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, do: tor
                    k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool, tf32: bool,
                    deterministic: bool, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """``flash_backward``'s passes into dq, dk, dv (q's, k's, v's shapes, any strides the kernels write); with
-    ``rope`` (RoPE's tables cos, sin), dQ and dK rotated back by minus its angles (``launch_rotate_back``)."""
+    ``rope`` (RoPE's tables cos, sin), dQ and dK rotated back by minus its angles (``launch_rotate_back``; dK by the
+    Gluon kernel where it rotates it)."""
     if q.numel() == 0:  # no queries: nothing flows to the keys
         dk.zero_(), dv.zero_()
         return
@@ -717,9 +719,11 @@ def _backward_into(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, do: tor
     # two-pass one never reads it.
     dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device) if fused else dq4
     delta = backward_preprocess(o4, do4, dq_acc if fused else None)
+    # the Gluon backward rotates dK back as it writes it where it can, else a pass does, as it does dQ
+    rope_dk = rope if gluon is not None and rope is not None and gluon.rotates_dk(d) else None
     if gluon is not None:  # the Gluon backward adds dS K into the same zeros and writes dK, dV in place
-        gluon.backward(do4, q4, k4, v4, o4, lse.view(q4.shape[:-1]), is_causal, delta=delta,
-                       dq_acc=dq_acc, dkdv=(dk4, dv4), **gluon.backward_schedule(q4, k4, is_causal))
+        gluon.backward(do4, q4, k4, v4, o4, lse.view(q4.shape[:-1]), is_causal, delta=delta, dq_acc=dq_acc,
+                       dkdv=(dk4, dv4), rope=rope_dk, **gluon.backward_schedule(q4, k4, is_causal))
     else:  # the Triton kernels (their arguments made only here: the Gluon path's host time matters at short lengths)
         sizes, meta = _shape_meta(q4, k4, is_causal, tf32)
         common = (*_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4))
@@ -733,7 +737,8 @@ def _backward_into(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, do: tor
                     q4, k4, v4, do4, lse, delta, dq4, sm_scale, *common, *_strides(dq4), *sizes, **meta)
     if rope is not None:  # dQ (scaled from its accumulator, or in place) and dK in place, rotated back
         launch_rotate_back(dq_acc.transpose(1, 2), dq4.transpose(1, 2), *rope, sm_scale if fused else 1.0)
-        launch_rotate_back(dk4.transpose(1, 2), dk4.transpose(1, 2), *rope)
+        if rope_dk is None:
+            launch_rotate_back(dk4.transpose(1, 2), dk4.transpose(1, 2), *rope)
     elif fused:  # the fused passes add dS K: dQ is that over sqrt(d), cast (dq_acc and dq both contiguous)
         block = 1024 if INTERPRET else 8192
         _scale_cast_kernel[(triton.cdiv(dq_acc.numel(), block),)](dq_acc, dq4, dq_acc.numel(), sm_scale,
