@@ -170,13 +170,14 @@ bwd_schedule)  # the op's GPU tests with the Gluon kernels, then ours without an
     done
   done ;;
 bwd_unseen)  # the op's GPU tests (dK rotated back in the Gluon backward's epilogue and by a pass), the backward alone
-  # with and without products on the query tiles a consumer's keys are all after (float64 checks, 3 rounds), then ours
-  # at its best profiled (OUT_DIR/step_probe.{json,log}: its kernel table)
+  # with and without products on the query tiles a consumer's keys are all after (3 rounds; the float64 checks of every
+  # variant take over 200 s: CHECKS=1 runs them), then ours at its best profiled (OUT_DIR/step_probe.{json,log})
   timeout -k 5 200 python3 -m pytest -q -rfE -m gpu tests/test_flash_packed_rope.py tests/test_flash_attention.py \
     -k "packed_route or model_layout or (gluon_in_the_op and bf16)" > "$out/gpu_tests_bwd_unseen.txt" 2>&1
   echo "pytest rc=$?" >> "$out/gpu_tests_bwd_unseen.txt"
   variants=gluon_64_64_3_240,gluon_persistent,gluon_dynamic,gluon_dynamic_groups4,gluon_groups8
   timeout -k 10 200 python3 scripts/flash_gluon_probe.py "$out" --backward --head-dims 64,128 --repeats 3 \
+    $([[ "${CHECKS:-0}" == 1 ]] || echo --no-checks) \
     --shapes 4x25x2048x64,2x32x2048x80,4x32x2048x64,1x16x16384x64 \
     --variants "$variants,${variants//,/_every_tile,}_every_tile" > "$out/flash_gluon_probe.log" 2>&1
   timeout -k 10 150 python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 --attention flash_triton \

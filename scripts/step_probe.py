@@ -105,7 +105,7 @@ def build(variant: str, spec, attention: str):
         stock = StockTransformerLM(spec, attention=attention, device="cuda")
         stock.load_state_dict(model.state_dict())
         model = stock
-    if "+bf16" in variant or "+mixed" in variant:  # bf16 parameters and gradients, no autocast casts
+    if "+bf16" in variant:  # bf16 parameters and gradients, no autocast casts (+mixed: MasterAdamW casts them)
         model.to(torch.bfloat16)
     mode = variant.split("+")[0].split("_")[1]
     if mode == "block" and "+cpp" in variant:  # Inductor's C++ wrapper (apply_compile has no such option)

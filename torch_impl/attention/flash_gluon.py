@@ -586,7 +586,7 @@ def _tma_add_tile(tile, smem, desc, row, col):
 @gluon.jit
 def _rotated_back(x, cos, sin, first_row, half):
     """A (rows, d) fp32 tile of dK at positions first_row + r rotated by minus RoPE's angles (tables cos, sin
-    (positions, half) fp32, contiguous; columns past 2 half get 0): even column x_2k cos + x_2k+1 sin, odd
+    (positions, half), contiguous, read in fp32; columns past 2 half get 0): even column x_2k cos + x_2k+1 sin, odd
     x_2k+1 cos - x_2k sin, as ``qkv_pack_triton.launch_rotate_back`` rotates it (in a wgmma accumulator both columns
     of a pair are one thread's)."""
     ROWS: gl.constexpr = x.type.shape[0]
@@ -597,8 +597,8 @@ def _rotated_back(x, cos, sin, first_row, half):
     cols = gl.arange(0, PAIRS, layout=gl.SliceLayout(0, layout))
     offs = gl.expand_dims(rows, 1) * half + gl.expand_dims(cols, 0)
     mask = (gl.expand_dims(rows, 1) >= 0) & (gl.expand_dims(cols, 0) < half)
-    c = gl.load(cos + offs, mask=mask, other=0.0)
-    s = gl.load(sin + offs, mask=mask, other=0.0)
+    c = gl.load(cos + offs, mask=mask, other=0.0).to(gl.float32)
+    s = gl.load(sin + offs, mask=mask, other=0.0).to(gl.float32)
     return gl.reshape(gl.join(even * c + odd * s, odd * c - even * s), [ROWS, 2 * PAIRS])
 
 
@@ -1321,8 +1321,8 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     args += () if wide else (counter, )
     args += (1 / math.sqrt(d), heads, kv_heads, batch * kv_heads, n_q, n_k, *q_where, *do_where, *kv_where,
              *dkv_where)
-    if not wide:  # RoPE's tables in fp32 (unread without ``rope``: D stands in)
-        cos, sin = (delta, delta) if rope is None else (t.to(torch.float32).contiguous() for t in rope)
+    if not wide:  # RoPE's tables as they are, contiguous (unread without ``rope``: D stands in)
+        cos, sin = (delta, delta) if rope is None else (t.contiguous() for t in rope)
         args += (head_group, cos, sin, d // 2)
     # FP fusion off, as in the Triton kernels: each score is rounded as the forward rounded it (S * scale, then - L).
     constexprs = dict(IS_CAUSAL=is_causal, STAGES=stages, CONSUMER_REGS=regs)  # in the kernel's order
