@@ -177,10 +177,12 @@ def test_runs_with_is_what_launch_arguments_accepts():
                     assert flash_gluon.runs_with(options, config, d, is_causal) == accepted, (d, config, options)
 
 
-@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_backward_launch_arguments_match_the_kernel_signature(d):
     """Both backward kernels: a program per 128 keys (two consumers' 64) below tile width 256, per 64 keys (shared by
-    the consumers, ``_bwd_wide_kernel``) at it; what is not a tile width is a usage error."""
+    the consumers, ``_bwd_wide_kernel``) at it, the unseen tiles skipped at width 64 only, dK rotated where RoPE's
+    tables (n_k, d / 2) are given below 256; what is not a tile width, or tables of another shape, is a usage
+    error."""
     q = torch.zeros(2, 4, 1024, d, dtype=torch.bfloat16)
     k = torch.zeros(2, 2, 1024, d, dtype=torch.bfloat16)
     lse = torch.zeros(2, 4, 1024)
@@ -191,6 +193,14 @@ def test_backward_launch_arguments_match_the_kernel_signature(d):
     assert len(args) + len(constexprs) == len(names) and constexprs == names[len(args):]
     assert grid == (1024 // (64 if d == 256 else flash_gluon.TILES.value * flash_gluon.BWD_CONFIG[1]), 2 * 2, 1)
     assert dq.dtype == torch.float32 and dq.shape == q.shape and dk.shape == dv.shape == k.shape
+    tables = (torch.zeros(1024, d // 2), torch.zeros(1024, d // 2))
+    if d != 256:
+        assert options["SKIP_UNSEEN"] == (d == 64) and not options["ROPE"]
+        _, _, args, options, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, lse, True, rope=tables)
+        assert options["ROPE"] and dict(zip(kernel.arg_names, args))["rope_cols"] == d // 2
+    for rope in (tables, ) if d == 256 else ((tables[0][:512], tables[1][:512]), ):
+        with pytest.raises(ValueError, match="rotates dK by tables"):
+            flash_gluon.backward_launch_arguments(q, q, k, k, q, lse, True, rope=rope)
     for d in (32, 264):
         with pytest.raises(ValueError, match="Gluon backward takes d a multiple of 8 from 40 to 256"):
             flash_gluon.backward_launch_arguments(*(torch.zeros(1, 2, 1024, d, dtype=torch.bfloat16),) * 5,

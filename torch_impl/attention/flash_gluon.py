@@ -1235,6 +1235,12 @@ BWD_SCHEDULE = os.environ.get("FLASH_GLUON_BWD_SCHEDULE", "1") != "0"
 # FLASH_GLUON_EPILOGUE_ROPE=0: the op's dK rotated back by a pass of its own, not in the backward's epilogue
 # (``rotates_dk``), for A/B runs of the step
 EPILOGUE_ROPE = os.environ.get("FLASH_GLUON_EPILOGUE_ROPE", "1") != "0"
+# The tile widths where the backward runs no products on the query tiles a consumer's keys are all after (the
+# second's first tile of each causal item: ``_bwd_unseen_tile``). On one H200 (e92c4980, the backward alone, 3 rounds)
+# at d 64 0.390 ms against 0.402 with them at xl's 4 x 25 x 2,048 (the op's items: a counter, 4 heads at a time), 0.484
+# against 0.492 at 4 x 32 x 2,048 (dealt), 2.988 against 3.050 at 1 x 16 x 16,384 (a counter, 4 heads); at the 2.7B's
+# d 80 (tile 128, dQ split between the consumers) 0.383 against 0.378 (8 heads at a time): slower there.
+SKIP_UNSEEN_WIDTHS = (64, )
 # By tile width (``tile_dim``), the fewest keys the op runs the backward from: faster than the Triton backward there
 # (d 64: 02900c9; d 128: bcf08a2; d 256: 7b289bb; ``backward_preferred``)
 BWD_MIN_KEYS = {64: 512, 128: 512, 256: 512}
@@ -1259,7 +1265,7 @@ def rotates_dk(d: int) -> bool:
 def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                               lse: torch.Tensor, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
                               programs: int | None = None, dq_lag: bool | None = None, order: str = "heads",
-                              head_group: int = 1, skip_unseen: bool = True, rope=None):
+                              head_group: int = 1, skip_unseen: bool | None = None, rope=None):
     """What ``backward`` launches: (kernel, grid, positional arguments, constexprs and launch options, (dQ fp32, dK,
     dV)).
     D = rowsum(dO O) ((B, H, n_q) fp32) and the fp32 dQ accumulator (zeros, contiguous like q) are made here unless
@@ -1270,8 +1276,8 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ``programs``: a persistent grid of that many (d 64; None: a program per work item), taking the items in
     ``order`` (one of BWD_ORDERS); ``head_group``: the batch x k/v heads whose items go together (``_bwd_item``);
     ``dq_lag``: each tile's dQ product a tile later (``_bwd_consume_item``; None: on a program per item, where it is
-    faster); ``skip_unseen``: no products on the query tiles a consumer's keys are all after (causal; False for A/B
-    runs); ``rope``: RoPE's tables (cos, sin) (n_k, d / 2), by which dK is rotated back as it is written
+    faster); ``skip_unseen``: no products on the query tiles a consumer's keys are all after (causal; None: at tile
+    width 64, where it is faster: ``SKIP_UNSEEN_WIDTHS``); ``rope``: RoPE's tables (cos, sin) (n_k, d / 2), by which dK is rotated back as it is written
     (``rotates_dk``; None: not rotated)."""
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
@@ -1331,14 +1337,15 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                           DQ_LAG=int(programs is None if dq_lag is None else dq_lag))
     constexprs.update(EXACT_SCALE=_exact_scale.fn(d))
     if not wide:
-        constexprs.update(SKIP_UNSEEN=skip_unseen, ROPE=rope is not None)
+        constexprs.update(SKIP_UNSEEN=width in SKIP_UNSEEN_WIDTHS if skip_unseen is None else skip_unseen,
+                          ROPE=rope is not None)
     constexprs.update(num_warps=4, enable_fp_fusion=False)
     return (_bwd_wide_kernel if wide else _bwd_kernel), grid, args, constexprs, (dq_acc, dk, dv)
 
 
 def backward(do, q, k, v, o, lse, is_causal: bool, config=None, delta=None, dq_acc=None, dkdv=None,
              persistent: bool = False, dq_lag: bool | None = None, order: str = "heads", head_group: int = 1,
-             skip_unseen: bool = True, rope=None):
+             skip_unseen: bool | None = None, rope=None):
     """(dQ, dK, dV) of ``forward``'s O and L (natural units) for the upstream gradient dO: dQ like q, or, with
     ``dq_acc`` (fp32) given, dS K added into it (dQ times sqrt(d), as flash_triton's fused backward leaves it); dK,
     dV (B, H_kv, n_k, d) in k's layout (in ``dkdv`` when given); ``config`` as ``backward_launch_arguments`` takes it;
