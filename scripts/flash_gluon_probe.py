@@ -72,6 +72,7 @@ VARIANTS["gluon_persistent_dynamic"] = {"persistent": True, "order": "dynamic"} 
 VARIANTS["gluon_dynamic"] = {**VARIANTS["gluon_persistent_dynamic"], "tma_store": True}  # and O's TMA store
 VARIANTS["gluon_dynamic_folded"] = {**VARIANTS["gluon_dynamic"], "folded": True}  # and the scale in the exponent's FMA
 VARIANTS["gluon_heads_folded"] = {**VARIANTS["gluon_persistent_heads_tma_store"], "folded": True}
+VARIANTS["gluon_dynamic_folded_groups4"] = {**VARIANTS["gluon_dynamic_folded"], "head_group": 4}  # 4 heads at a time
 # the backward's configurations by variant name (BWD_CONFIGS, the default first)
 BACKWARD_VARIANTS = {f"gluon_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_CONFIGS}
 BACKWARD_VARIANTS["gluon_persistent"] = {"persistent": True}  # a program per SM (d 64), the default configuration

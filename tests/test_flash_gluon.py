@@ -427,20 +427,26 @@ def test_persistent_share_is_the_dealt_maximum(n_bh, n_m, is_causal, programs):
 
 def test_op_schedule_deals_the_items_where_shares_are_even(monkeypatch):
     """Short sequences over many heads: the persistent grid's items dealt head by head; 1 x 16 x 16,384 (dealt
-    shares up to ~1.5x the mean on 132 SMs): handed out by a counter."""
+    shares up to ~1.5x the mean on 132 SMs) and xl's 4 x 25 x 2,048 (1.14x): handed out by a counter, the fewest heads
+    at a time whose modelled end is within 1% of the soonest (head by head at 16,384, 4 at xl's)."""
     monkeypatch.setattr(flash_gluon, "_programs", lambda device: 132)
     short = torch.empty(4, 32, 2048, 64, dtype=torch.bfloat16)
     long = torch.empty(1, 16, 16384, 64, dtype=torch.bfloat16)
+    xl = torch.empty(4, 25, 2048, 64, dtype=torch.bfloat16)
     options = {"persistent": True, "tma_store": True, "folded": 64 in flash_gluon.FOLDED_HEAD_DIMS}
     assert flash_gluon.schedule(short, short, True) == {**options, "order": "heads"}
-    assert flash_gluon.schedule(long, long, True) == {**options, "order": "dynamic"}
+    assert flash_gluon.schedule(long, long, True) == {**options, "order": "dynamic", "head_group": 1}
+    assert flash_gluon.schedule(xl, xl, True) == {**options, "order": "dynamic", "head_group": 4}
+    _, args, options, _ = flash_gluon.launch_arguments(xl, xl, xl, True, programs=132, order="dynamic", head_group=4)
+    assert dict(zip(flash_gluon._fwd_kernel.arg_names, args))["head_group"] == 4 and not options["BLOCK_MAJOR"]
     grid, args, options, _ = flash_gluon.launch_arguments(long, long, long, True, programs=132, order="dynamic")
     assert grid == (132, 1, 1) and options["DYNAMIC"] and not options["BLOCK_MAJOR"]
     counter = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32)
     assert counter.shape == (1,) and counter.item() == 0  # a fresh zero each launch
     flash_gluon.launch_arguments(short, short, short, True, programs=132, order="heads")
-    with pytest.raises(ValueError, match="order must be one of"):
-        flash_gluon.launch_arguments(short, short, short, True, programs=132, order="diagonal")
+    for bad in ({"order": "diagonal"}, {"order": "blocks", "head_group": 2}, {"head_group": 0}):
+        with pytest.raises(ValueError, match="order must be one of .*head_group at least 1"):
+            flash_gluon.launch_arguments(short, short, short, True, programs=132, **bad)
     wide = torch.empty(1, 8, 8192, 256, dtype=torch.bfloat16)
     assert flash_gluon.schedule(wide, wide, True) == {}  # d 256: a program per item, O stored from registers
     with pytest.raises(ValueError, match=r"tma_store takes tile widths \(64, 128\).*got d 256"):

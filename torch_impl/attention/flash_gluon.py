@@ -152,7 +152,7 @@ def _in_head(desc, col, offs):
 
 
 @gluon.jit
-def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, head_group, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
     """Work item ``tile`` -> (its first query, batch, head, k/v head, key tiles it reads). The heaviest query blocks
     (causal: those that see the most keys) come first. Head by head, so that the programs running at once read a few
@@ -161,13 +161,19 @@ def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL: gl.constexpr, 
     block, every head's heaviest block first, so that taking them in the order ``_position`` deals them gives every
     program an even share at any length (head by head, a program's share depends on which blocks its stride lands
     on: 1.43x the per-item grid's time at 1 x 16 x 16,384 x 64, call 1 of session 19), but the running programs
-    read every head's K and V (DRAM 68% busy against 16% at 4 x 32 x 2,048 x 64, 392a011)."""
+    read every head's K and V (DRAM 68% busy against 16% at 4 x 32 x 2,048 x 64, 392a011). Else ``head_group``
+    heads at a time (the last group those left), a group's blocks in order, each block head by head, as the
+    backward's ``_bwd_item`` takes its items (head_group 1: head by head)."""
     if BLOCK_MAJOR:
         m_block = tile // n_bh
         bh = tile % n_bh
     else:
-        bh = tile // n_m_blocks
-        m_block = tile % n_m_blocks
+        per_group = n_m_blocks * head_group
+        first = tile // per_group * head_group  # the group's first batch x head
+        r = tile % per_group
+        heads = gl.minimum(n_bh - first, head_group)
+        bh = first + r % heads
+        m_block = r // heads
     if IS_CAUSAL:
         m_block = n_m_blocks - 1 - m_block
     h = bh % n_heads
@@ -224,14 +230,14 @@ def _take(ids, id_ready, id_free, t):
 
 @gluon.jit
 def _load_item(tile, i, t, q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free,
-               v_free, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h,
-               kv_cols_h, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               v_free, n_bh, n_heads, group, n_m_blocks, n_k, head_group, q_rows_b, q_rows_h, q_cols_h, kv_rows_b,
+               kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                BLOCK_MAJOR: gl.constexpr):
     """The producer's part of work item ``tile``, the program's t-th, its key tiles counted from i (returned: i past
     them): ``_load``."""
     stages: gl.constexpr = k_bufs.type.shape[0]
-    m_start, b, h, h_kv, n_blocks = _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, IS_CAUSAL, BLOCK_M,
-                                          BLOCK_N, BLOCK_MAJOR)
+    m_start, b, h, h_kv, n_blocks = _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, head_group, IS_CAUSAL,
+                                          BLOCK_M, BLOCK_N, BLOCK_MAJOR)
     q_row = b * q_rows_b + h * q_rows_h + m_start
     kv_row = b * kv_rows_b + h_kv * kv_rows_h
     mbarrier.wait(q_free, (t & 1) ^ 1)  # a new barrier passes the parity-1 wait
@@ -253,8 +259,8 @@ def _load_item(tile, i, t, q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_rea
 
 @gluon.jit
 def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free, ids,
-          id_ready, id_free, counter_ptr, n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h,
-          q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+          id_ready, id_free, counter_ptr, n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, head_group, q_rows_b,
+          q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr):
     """The producer warp, for each work item of the program: both Q tiles once both consumers are done with the
     last item's (their last S is computed), then K_j and V_j into stage i % STAGES (i counts the program's key
@@ -272,8 +278,9 @@ def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_rea
         while tile < n_tiles:
             _publish(ids, id_ready, id_free, t, tile)
             i = _load_item(tile, i, t, q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready,
-                           v_ready, k_free, v_free, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h,
-                           q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_MAJOR)
+                           v_ready, k_free, v_free, n_bh, n_heads, group, n_m_blocks, n_k, head_group, q_rows_b,
+                           q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N,
+                           BLOCK_MAJOR)
             tile = gl.num_programs(0) + _fetch_add(counter_ptr)  # under the item's last tiles (its round trip)
             t += 1
         _publish(ids, id_ready, id_free, t, n_tiles)
@@ -282,8 +289,9 @@ def _load(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_rea
             tile = _position(k)
             if tile < n_tiles:  # the last round's items run out
                 i = _load_item(tile, i, t, q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready,
-                               v_ready, k_free, v_free, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b, q_rows_h,
-                               q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_MAJOR)
+                               v_ready, k_free, v_free, n_bh, n_heads, group, n_m_blocks, n_k, head_group, q_rows_b,
+                               q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N,
+                               BLOCK_MAJOR)
                 t += 1
 
 
@@ -329,8 +337,8 @@ def _their_turn(turn, TILE: gl.constexpr, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                  turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h,
-                  stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks, n_q, n_k, head_group, o_rows_b, o_rows_h,
+                  o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   FOLDED: gl.constexpr, TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
     """One consumer warpgroup's query tile of work item ``tile``, the program's t-th, its key tiles counted from i
@@ -345,7 +353,7 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
     scale2 = sm_scale * _LOG2E
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.index(TILE)
-    m_start, b, h, h_kv, n_blocks_program = _tile(tile, n_bh, n_heads, 1, n_m_blocks, n_k, IS_CAUSAL,
+    m_start, b, h, h_kv, n_blocks_program = _tile(tile, n_bh, n_heads, 1, n_m_blocks, n_k, head_group, IS_CAUSAL,
                                                   BLOCK_M, BLOCK_N, BLOCK_MAJOR)
     start_m = m_start + TILE * BLOCK_M  # this tile's first query
     if IS_CAUSAL:
@@ -435,8 +443,8 @@ def _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free
 
 @gluon.jit
 def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, turn, ids, id_ready,
-             id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, o_rows_b, o_rows_h,
-             o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+             id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k, head_group, o_rows_b,
+             o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
              FOLDED: gl.constexpr, TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr):
     """One consumer warpgroup: query tile TILE of each of the program's work items, its O and L written at the end.
@@ -454,7 +462,7 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
         while tile < n_tiles:
             i, r = _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready,
                                  k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks, n_q, n_k,
-                                 o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, TILE,
+                                 head_group, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, TILE,
                                  IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR)
             t += 1
             tile = _take(ids, id_ready, id_free, t)
@@ -464,7 +472,7 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
             if tile < n_tiles:  # the last round's items run out
                 i, r = _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready,
                                      v_ready, k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks,
-                                     n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on,
+                                     n_q, n_k, head_group, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on,
                                      sm_scale, TILE, IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N,
                                      HEAD_DIM, BLOCK_MAJOR)
                 t += 1
@@ -475,7 +483,7 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
 @gluon.jit
 def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_scale, n_heads, group, n_bh, n_q,
                 n_k, q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, o_rows_b, o_rows_h, o_cols_h,
-                stride_ob, stride_oh, stride_on, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
+                stride_ob, stride_oh, stride_on, head_group, IS_CAUSAL: gl.constexpr, FOLDED: gl.constexpr,
                 TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 BLOCK_MAJOR: gl.constexpr, DYNAMIC: gl.constexpr, num_warps: gl.constexpr):
     """A program takes work items (two query tiles of one batch x head, ``_tile``, in BLOCK_MAJOR's order) in the
@@ -518,14 +526,15 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_
     gl.warp_specialize([
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(0), q_ready, q_free, k_ready, v_ready, k_free, v_free, turn,
                     ids, id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
-                    o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED,
+                    head_group, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED,
                     TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(1 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
                     k_free, v_free, turn, ids, id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads,
-                    n_m_blocks, n_q, n_k, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1,
+                    n_m_blocks, n_q, n_k, head_group, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1,
                     IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
         (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                 ids, id_ready, id_free, counter_ptr, n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, q_rows_b,
+                 ids, id_ready, id_free, counter_ptr, n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, head_group,
+                 q_rows_b,
                  q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_MAJOR,
                  DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -1399,9 +1408,7 @@ def backward_schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=
         return {"persistent": True}
     if not BWD_SCHEDULE:
         return {}
-    shares = {group: _greedy_share(*shape, group) for group in HEAD_GROUPS}
-    group = min(group for group, share in shares.items() if share <= 1.01 * min(shares.values()))
-    return {"head_group": group, **({"persistent": True, "order": "dynamic"} if persistent else {})}
+    return {"head_group": _fewest_heads(shape), **({"persistent": True, "order": "dynamic"} if persistent else {})}
 
 
 def backward_preferred(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
@@ -1512,11 +1519,19 @@ def _share(n_bh: int, n_m: int, n_k_blocks: int, is_causal: bool, rows: int, blo
     return max(totals) * programs / sum(costs)
 
 
+def _fewest_heads(shape: tuple) -> int:
+    """The fewest of HEAD_GROUPS heads at a time whose programs end within 1% of the soonest (``_greedy_share`` of
+    ``shape``: n_bh, n_m, n_k_blocks, is_causal, rows, block_n, programs)."""
+    shares = {group: _greedy_share(*shape, group) for group in HEAD_GROUPS}
+    return min(group for group, share in shares.items() if share <= 1.01 * min(shares.values()))
+
+
 @functools.cache
 def _greedy_share(n_bh: int, n_m: int, n_k_blocks: int, is_causal: bool, rows: int, block_n: int, programs: int,
                   head_group: int) -> float:
     """The last program's end over the mean share when ``programs`` take n_bh x n_m items (``_costs``) in the
-    backward's order (``_bwd_item``: ``head_group`` heads at a time, block by block) each as soon as it is free: a
+    order of the backward's ``_bwd_item`` and the forward's ``_tile`` (``head_group`` heads at a time, block by
+    block) each as soon as it is free: a
     grid of a program per item, whose programs the hardware starts in order, or a persistent grid fed by a
     counter. (Graham's list scheduling; the heaviest items late in the order make the tail.)"""
     costs = _costs(n_m, n_k_blocks, is_causal, rows, block_n)
@@ -1531,7 +1546,8 @@ def _greedy_share(n_bh: int, n_m: int, n_k_blocks: int, is_causal: bool, rows: i
 def schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> dict:
     """``forward``'s options for the op: a persistent grid, O written by TMA, its items head by head, dealt in turn
     where that gives every program an even share (``_share`` at most EVEN_SHARE: short sequences over many heads),
-    else handed out by a counter (``order="dynamic"``). On one H100 (4c1d4d5, 52acdb8): dealt, 0.198 ms at
+    else handed out by a counter (``order="dynamic"``) a few heads at a time, as the backward's (``_fewest_heads``:
+    4 at xl's 4 x 25 x 2,048 x 64, where the modelled end goes from 1.086 to 1.060 of the mean). On one H100 (4c1d4d5, 52acdb8): dealt, 0.198 ms at
     4 x 32 x 2,048 x 64 against 0.236 for a program per item (whose programs' starts and ends do not overlap) and
     0.225 dealt block by block (whose running programs read every head's K and V); at 1 x 16 x 16,384 x 64, where
     the dealt shares reach 1.54x the mean (1.77 ms), from the counter 1.217-1.225 against 1.252-1.254 for a program
@@ -1544,10 +1560,12 @@ def schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> 
         return {}
     block_m, block_n = (config or CONFIGS[width][0])[:2]
     batch, heads, n_q, _ = q.shape
-    share = _share(batch * heads, n_q // (TILES.value * block_m), k.shape[2] // block_n, is_causal,
-                   TILES.value * block_m, block_n, _programs(q.device))
-    return {"persistent": True, "order": "heads" if share <= EVEN_SHARE else "dynamic",
-            "tma_store": True, "folded": q.shape[-1] in FOLDED_HEAD_DIMS}
+    shape = (batch * heads, n_q // (TILES.value * block_m), k.shape[2] // block_n, is_causal, TILES.value * block_m,
+             block_n, _programs(q.device))
+    options = {"persistent": True, "tma_store": True, "folded": q.shape[-1] in FOLDED_HEAD_DIMS}
+    if _share(*shape) <= EVEN_SHARE:
+        return {**options, "order": "heads"}
+    return {**options, "order": "dynamic", "head_group": _fewest_heads(shape)}
 
 
 @functools.cache
@@ -1652,15 +1670,18 @@ def _programs(device: torch.device) -> int:
 
 def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None,
                      folded: bool = False, programs: int | None = None, out=None, tma_store: bool = False,
-                     pingpong: bool = False, order: str = "blocks"):
+                     pingpong: bool = False, order: str = "blocks", head_group: int = 1):
     """What ``forward`` launches: (grid, positional arguments, constexprs, (O, L)), O and L allocated here unless
     ``out`` gives them (O in q's layout: ``flash_triton.empty_like_heads``; L (B, H, n_q) fp32 contiguous).
     ``programs``: the persistent grid's size (None: one program per work item), taking the items in ``order`` (one
-    of ORDERS: ``_tile``). Also used to compile the kernel on a machine without a GPU (scripts/gluon_compile.py)."""
+    of ORDERS: ``_tile``), ``head_group`` heads at a time (not block by block: ``order="blocks"`` on a persistent
+    grid). Also used to compile the kernel on a machine without a GPU (scripts/gluon_compile.py)."""
     block_m, block_n, stages, regs = config or CONFIGS[tile_dim(q.shape[-1])][0]
     batch, heads, n_q, d = q.shape
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
+    block_major = programs is not None and order == "blocks"
+    if order not in ORDERS or head_group < 1 or (block_major and head_group > 1):
+        raise ValueError(f"order must be one of {ORDERS} and head_group at least 1 (1 block by block: order "
+                         f"'blocks' on a persistent grid); got {order!r}, {head_group}")
     if tma_store and tile_dim(d) not in TMA_STORE_TILE_DIMS:
         raise ValueError(f"tma_store takes tile widths {TMA_STORE_TILE_DIMS} (O's tiles must fit the shared memory); "
                          f"got d {d}")
@@ -1680,25 +1701,27 @@ def launch_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     # the items handed out past the grid's first (unread without ``dynamic``: L stands in)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse
     args = (q_desc, k_desc, v_desc, o_desc, o, lse, counter, 1 / math.sqrt(d), heads, heads // k.shape[1],
-            batch * heads, n_q, k.shape[2], *q_where, *kv_where, *o_where, o.stride(0), o.stride(1), o.stride(2))
+            batch * heads, n_q, k.shape[2], *q_where, *kv_where, *o_where, o.stride(0), o.stride(1), o.stride(2),
+            head_group)
     constexprs = dict(IS_CAUSAL=is_causal, FOLDED=folded, TMA_STORE=tma_store, PINGPONG=pingpong, STAGES=stages,
-                      CONSUMER_REGS=regs, BLOCK_MAJOR=programs is not None and order == "blocks", DYNAMIC=dynamic,
+                      CONSUMER_REGS=regs, BLOCK_MAJOR=block_major, DYNAMIC=dynamic,
                       num_warps=4, enable_fp_fusion=False)  # each rounding as written (``_softmax_tile``)
     return grid, args, constexprs, (o, lse)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, config=None, folded: bool = False,
             persistent: bool = False, out=None, tma_store: bool = False, pingpong: bool = False,
-            order: str = "blocks"):
+            order: str = "blocks", head_group: int = 1):
     """O (q's shape and layout) and L (natural logsumexp, (B, H, n_q) fp32) of q (B, H, n_q, d) and k, v
     (B, H_kv, n_k, d); the inputs must pass ``supports``. ``config`` overrides CONFIGS[tile_dim(d)][0]; ``folded``
     folds the scale into the exponent's multiply-add (``_softmax_tile``); ``persistent`` launches one program per SM,
     each taking work items in turn in ``order`` (``_tile``; else one program per item: as fast or faster where
     measured);
     ``out``: (O, L) to write (``launch_arguments``); ``tma_store`` writes O through shared memory and TMA,
-    ``pingpong`` has the consumers take turns (``_consume``)."""
+    ``pingpong`` has the consumers take turns (``_consume``); ``head_group``: the items that many heads at a time
+    (``_tile``)."""
     grid, args, constexprs, outputs = launch_arguments(q, k, v, is_causal, config, folded,
                                                        _programs(q.device) if persistent else None, out, tma_store,
-                                                       pingpong, order)
+                                                       pingpong, order, head_group)
     _run(_fwd_kernel, grid, args, constexprs)
     return outputs
