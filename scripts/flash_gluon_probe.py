@@ -86,8 +86,8 @@ for _group in (4, 8):
     BACKWARD_VARIANTS[f"gluon_groups{_group}"] = {"head_group": _group}
     BACKWARD_VARIANTS[f"gluon_dynamic_groups{_group}"] = {**BACKWARD_VARIANTS["gluon_dynamic"], "head_group": _group}
 # the op's choices (``backward_schedule``) with products on every tile, those a consumer's keys are all after too
-for _name in (f"gluon_{'_'.join(map(str, fg.BWD_CONFIG))}", "gluon_persistent", "gluon_dynamic", "gluon_dynamic_groups4",
-              "gluon_groups8"):
+for _name in (f"gluon_{'_'.join(map(str, fg.BWD_CONFIG))}", "gluon_persistent", "gluon_dynamic",
+              "gluon_dynamic_groups4", "gluon_groups8"):
     BACKWARD_VARIANTS[f"{_name}_every_tile"] = {**BACKWARD_VARIANTS[_name], "skip_unseen": False}
 # at tile width 256 (``_bwd_wide_kernel``): BWD_WIDE_CONFIGS
 BACKWARD_VARIANTS.update({f"gluon_wide_{'_'.join(map(str, c))}": {"config": c} for c in fg.BWD_WIDE_CONFIGS})

@@ -462,8 +462,8 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
         while tile < n_tiles:
             i, r = _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready,
                                  k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks, n_q, n_k,
-                                 head_group, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, TILE,
-                                 IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR)
+                                 head_group, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale,
+                                 TILE, IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR)
             t += 1
             tile = _take(ids, id_ready, id_free, t)
     else:
@@ -472,9 +472,9 @@ def _consume(q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready, v_ready, 
             if tile < n_tiles:  # the last round's items run out
                 i, r = _consume_item(tile, i, t, r, q_smem, k_bufs, v_bufs, o_smem, q_ready, q_free, k_ready,
                                      v_ready, k_free, v_free, turn, o_desc, o_ptr, lse_ptr, n_bh, n_heads, n_m_blocks,
-                                     n_q, n_k, head_group, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on,
-                                     sm_scale, TILE, IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N,
-                                     HEAD_DIM, BLOCK_MAJOR)
+                                     n_q, n_k, head_group, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh,
+                                     stride_on, sm_scale, TILE, IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M,
+                                     BLOCK_N, HEAD_DIM, BLOCK_MAJOR)
                 t += 1
     if TMA_STORE:
         tma.store_wait(0)
@@ -526,12 +526,13 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_
     gl.warp_specialize([
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(0), q_ready, q_free, k_ready, v_ready, k_free, v_free, turn,
                     ids, id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads, n_m_blocks, n_q, n_k,
-                    head_group, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL, FOLDED,
-                    TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
+                    head_group, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 0, IS_CAUSAL,
+                    FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
         (_consume, (q_smem, k_bufs, v_bufs, o_bufs.index(1 if TMA_STORE else 0), q_ready, q_free, k_ready, v_ready,
                     k_free, v_free, turn, ids, id_ready, id_free, o_desc, o_ptr, lse_ptr, n_tiles, n_bh, n_heads,
-                    n_m_blocks, n_q, n_k, head_group, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on, sm_scale, 1,
-                    IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR, DYNAMIC)),
+                    n_m_blocks, n_q, n_k, head_group, o_rows_b, o_rows_h, o_cols_h, stride_ob, stride_oh, stride_on,
+                    sm_scale, 1, IS_CAUSAL, FOLDED, TMA_STORE, PINGPONG, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_MAJOR,
+                    DYNAMIC)),
         (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                  ids, id_ready, id_free, counter_ptr, n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, head_group,
                  q_rows_b,
@@ -1286,8 +1287,8 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ``order`` (one of BWD_ORDERS); ``head_group``: the batch x k/v heads whose items go together (``_bwd_item``);
     ``dq_lag``: each tile's dQ product a tile later (``_bwd_consume_item``; None: on a program per item, where it is
     faster); ``skip_unseen``: no products on the query tiles a consumer's keys are all after (causal; None: at tile
-    width 64, where it is faster: ``SKIP_UNSEEN_WIDTHS``); ``rope``: RoPE's tables (cos, sin) (n_k, d / 2), by which dK is rotated back as it is written
-    (``rotates_dk``; None: not rotated)."""
+    width 64, where it is faster: ``SKIP_UNSEEN_WIDTHS``); ``rope``: RoPE's tables (cos, sin) (n_k, d / 2), by which
+    dK is rotated back as it is written (``rotates_dk``; None: not rotated)."""
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     width = tile_dim(d)
@@ -1545,16 +1546,17 @@ def _greedy_share(n_bh: int, n_m: int, n_k_blocks: int, is_causal: bool, rows: i
 
 def schedule(q: torch.Tensor, k: torch.Tensor, is_causal: bool, config=None) -> dict:
     """``forward``'s options for the op: a persistent grid, O written by TMA, its items head by head, dealt in turn
-    where that gives every program an even share (``_share`` at most EVEN_SHARE: short sequences over many heads),
-    else handed out by a counter (``order="dynamic"``) a few heads at a time, as the backward's (``_fewest_heads``:
-    4 at xl's 4 x 25 x 2,048 x 64, where the modelled end goes from 1.086 to 1.060 of the mean). On one H100 (4c1d4d5, 52acdb8): dealt, 0.198 ms at
-    4 x 32 x 2,048 x 64 against 0.236 for a program per item (whose programs' starts and ends do not overlap) and
-    0.225 dealt block by block (whose running programs read every head's K and V); at 1 x 16 x 16,384 x 64, where
-    the dealt shares reach 1.54x the mean (1.77 ms), from the counter 1.217-1.225 against 1.252-1.254 for a program
-    per item (d 128: 1.78-1.80 against 1.80-1.85). The scale folded into the exponent (``_softmax_tile``) at the head
-    dims of FOLDED_HEAD_DIMS. Where O's TMA store does not fit (TMA_STORE_TILE_DIMS: d above 128), a program per
-    item, as fast or faster than the persistent grids without it (e92e164, d 256: 0.544 ms at 1 x 8 x 8,192 against
-    0.565 from the counter and 0.713 dealt head by head; 3.652 against 3.959 and 5.112 at 1 x 16 x 16,384)."""
+    where that gives every program an even share (``_share`` at most EVEN_SHARE: short sequences over many heads), else
+    handed out by a counter (``order="dynamic"``) a few heads at a time, as the backward's (``_fewest_heads``: 4 at xl's
+    4 x 25 x 2,048 x 64, where the modelled end goes from 1.086 to 1.060 of the mean; 0.1567 -> 0.1530 ms on an H200,
+    484c1e4). On one H100 (4c1d4d5, 52acdb8): dealt, 0.198 ms at 4 x 32 x 2,048 x 64 against 0.236 for a program per
+    item (whose programs' starts and ends do not overlap) and 0.225 dealt block by block (whose running programs read
+    every head's K and V); at 1 x 16 x 16,384 x 64, where the dealt shares reach 1.54x the mean (1.77 ms), from the
+    counter 1.217-1.225 against 1.252-1.254 for a program per item (d 128: 1.78-1.80 against 1.80-1.85). The scale
+    folded into the exponent (``_softmax_tile``) at the head dims of FOLDED_HEAD_DIMS. Where O's TMA store does not fit
+    (TMA_STORE_TILE_DIMS: d above 128), a program per item, as fast or faster than the persistent grids without it
+    (e92e164, d 256: 0.544 ms at 1 x 8 x 8,192 against 0.565 from the counter and 0.713 dealt head by head; 3.652
+    against 3.959 and 5.112 at 1 x 16 x 16,384)."""
     width = tile_dim(q.shape[-1])
     if width not in TMA_STORE_TILE_DIMS:
         return {}

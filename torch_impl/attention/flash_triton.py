@@ -42,7 +42,8 @@ Numerics:
   matmuls may use TF32 (``torch.backends.cuda.matmul.fp32_precision == "tf32"``, or the legacy
   ``allow_tf32`` / ``torch.set_float32_matmul_precision("high" | "medium")``): then TF32, as cuBLAS would.
   The decision is taken at the forward and reused by its backward (under torch.compile: when traced). bf16/fp16
-  products are exact with fp32 accumulation; P and dS are rounded to the input dtype before their products, as in FlashAttention-2.
+  products are exact with fp32 accumulation; P and dS are rounded to the input dtype before their products, as in
+  FlashAttention-2.
 * The forward saves O and one log-sum-exp L (..., n_q), natural log, fp32. The backward recomputes each
   score exactly as the forward rounded it, S = fl(fl(q k^T) * scale), and takes the exponent S - L in natural
   units before scaling it by log2(e) for exp2; FP fusion (mul + add -> FMA) is off in every kernel so the
