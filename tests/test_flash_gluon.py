@@ -198,9 +198,10 @@ def test_backward_launch_arguments_match_the_kernel_signature(d):
         assert options["SKIP_UNSEEN"] == (d == 64) and not options["ROPE"]
         _, _, args, options, _ = flash_gluon.backward_launch_arguments(q, q, k, k, q, lse, True, rope=tables)
         assert options["ROPE"] and dict(zip(kernel.arg_names, args))["rope_cols"] == d // 2
-    for rope in (tables, ) if d == 256 else ((tables[0][:512], tables[1][:512]), ):
-        with pytest.raises(ValueError, match="rotates dK by tables"):
-            flash_gluon.backward_launch_arguments(q, q, k, k, q, lse, True, rope=rope)
+    rope, error = ((tables, "rotates dK by RoPE's tables below tile width 256") if d == 256 else
+                   ((tables[0][:512], tables[1][:512]), r"cos and sin must be \(T, d_head / 2\)"))
+    with pytest.raises(ValueError, match=error):
+        flash_gluon.backward_launch_arguments(q, q, k, k, q, lse, True, rope=rope)
     for d in (32, 264):
         with pytest.raises(ValueError, match="Gluon backward takes d a multiple of 8 from 40 to 256"):
             flash_gluon.backward_launch_arguments(*(torch.zeros(1, 2, 1024, d, dtype=torch.bfloat16),) * 5,

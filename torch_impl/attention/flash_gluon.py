@@ -45,6 +45,7 @@ from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 
 from torch_impl.attention import flash_triton
+from torch_impl.qkv_projection import check_tables
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
@@ -152,6 +153,17 @@ def _in_head(desc, col, offs):
 
 
 @gluon.jit
+def _grouped(item, n_bh, n_blocks, head_group):
+    """Item ``item`` of n_bh heads x n_blocks blocks taken ``head_group`` heads at a time (the last group those
+    left), a group's blocks in order, each block head by head -> (head, block) (head_group 1: head by head)."""
+    per_group = n_blocks * head_group
+    first = item // per_group * head_group  # the group's first head
+    heads = gl.minimum(n_bh - first, head_group)
+    r = item % per_group
+    return first + r % heads, r // heads
+
+
+@gluon.jit
 def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, head_group, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, BLOCK_MAJOR: gl.constexpr):
     """Work item ``tile`` -> (its first query, batch, head, k/v head, key tiles it reads). The heaviest query blocks
@@ -162,18 +174,12 @@ def _tile(tile, n_bh, n_heads, group, n_m_blocks, n_k, head_group, IS_CAUSAL: gl
     program an even share at any length (head by head, a program's share depends on which blocks its stride lands
     on: 1.43x the per-item grid's time at 1 x 16 x 16,384 x 64, call 1 of session 19), but the running programs
     read every head's K and V (DRAM 68% busy against 16% at 4 x 32 x 2,048 x 64, 392a011). Else ``head_group``
-    heads at a time (the last group those left), a group's blocks in order, each block head by head, as the
-    backward's ``_bwd_item`` takes its items (head_group 1: head by head)."""
+    heads at a time (``_grouped``), as the backward's ``_bwd_item`` takes its items."""
     if BLOCK_MAJOR:
         m_block = tile // n_bh
         bh = tile % n_bh
     else:
-        per_group = n_m_blocks * head_group
-        first = tile // per_group * head_group  # the group's first batch x head
-        r = tile % per_group
-        heads = gl.minimum(n_bh - first, head_group)
-        bh = first + r % heads
-        m_block = r // heads
+        bh, m_block = _grouped(tile, n_bh, n_m_blocks, head_group)
     if IS_CAUSAL:
         m_block = n_m_blocks - 1 - m_block
     h = bh % n_heads
@@ -535,9 +541,8 @@ def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, sm_
                     DYNAMIC)),
         (_load, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                  ids, id_ready, id_free, counter_ptr, n_tiles, n_bh, n_heads, group, n_m_blocks, n_k, head_group,
-                 q_rows_b,
-                 q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N, BLOCK_MAJOR,
-                 DYNAMIC)),
+                 q_rows_b, q_rows_h, q_cols_h, kv_rows_b, kv_rows_h, kv_cols_h, IS_CAUSAL, BLOCK_M, BLOCK_N,
+                 BLOCK_MAJOR, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -687,12 +692,8 @@ def _bwd_item(item, n_bkv, n_kv_heads, n_kb, head_group, BLOCK_KEYS: gl.constexp
     dO (0f0351f); a few heads at a time keep theirs in L2 and put the light blocks of all but the last group before
     the end, so that the heavy ones do not run last (a grid of a program per item starts the programs in order, as
     a counter hands them out)."""
-    per_group = n_kb * head_group
-    first = item // per_group * head_group  # the group's first batch x k/v head
-    heads = gl.minimum(n_bkv - first, head_group)
-    r = item % per_group
-    bh = first + r % heads
-    key_start = r // heads * BLOCK_KEYS
+    bh, key_block = _grouped(item, n_bkv, n_kb, head_group)
+    key_start = key_block * BLOCK_KEYS
     i_first = key_start // BLOCK_M if IS_CAUSAL else 0  # query tiles wholly above the diagonal see none of its keys
     return bh // n_kv_heads, bh % n_kv_heads, key_start, i_first
 
@@ -1302,9 +1303,11 @@ def backward_launch_arguments(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     if order not in BWD_ORDERS or head_group < 1 or (wide and head_group > 1):
         raise ValueError(f"the Gluon backward's order must be one of {BWD_ORDERS} and head_group at least 1 (at tile "
                          f"width 256: 1); got {order!r}, {head_group} at d {d}")
-    if rope is not None and (wide or rope[0].shape != (n_k, d // 2) or rope[1].shape != (n_k, d // 2)):
-        raise ValueError(f"the Gluon backward rotates dK by tables (n_k, d / 2) = ({n_k}, {d // 2}) below tile width "
-                         f"256; got {tuple(rope[0].shape)}, {tuple(rope[1].shape)} at d {d}")
+    if rope is not None:
+        if wide:
+            raise ValueError(f"the Gluon backward rotates dK by RoPE's tables below tile width 256 (``rotates_dk``); "
+                             f"got d {d}")
+        check_tables("the Gluon backward", *rope, n_k, d)
     if programs is not None and _epilogue_in_stages.fn(width):  # .fn: without the constexpr wrapper (~4 us a call)
         raise ValueError(f"the Gluon backward's persistent grid takes d 64 only (above, dK and dV go out through the "
                          f"stages: a program of one item); got d {d}")
