@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--once", action="store_true", help="launch cuBLAS's products and the Gluon kernels' first "
                         "configurations (the backward's plain too) once each, untimed, for Nsight Compute")
+    parser.add_argument("--backward", action="store_true", help="the backward's rows only (the forward's skipped)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("swiglu_probe: needs a CUDA device", file=sys.stderr)
@@ -199,11 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.once:
         return _launch_once(x, w1, w3)
     expected = unfused()[2:]
-    add({"variant": "cuBLAS x2 + compiled SwiGLU", "ms": time_ms(unfused), "max_diff": 0.0}, flops)
-    add({"variant": "(cuBLAS x2 alone)", "ms": time_ms(lambda: (x @ w1.t(), x @ w3.t()))}, flops)
     h1, h3 = x @ w1.t(), x @ w3.t()
-    add({"variant": "(compiled SwiGLU alone)", "ms": time_ms(lambda: swiglu(h1, h3))})
-    for tma in (False, True):
+    if not args.backward:
+        add({"variant": "cuBLAS x2 + compiled SwiGLU", "ms": time_ms(unfused), "max_diff": 0.0}, flops)
+        add({"variant": "(cuBLAS x2 alone)", "ms": time_ms(lambda: (x @ w1.t(), x @ w3.t()))}, flops)
+        add({"variant": "(compiled SwiGLU alone)", "ms": time_ms(lambda: swiglu(h1, h3))})
+    for tma in () if args.backward else (False, True):
         for config in CONFIGS:
             fused(f"fused {'TMA' if tma else 'pointers'} {'x'.join(map(str, config[:3]))} w{config[3]} s{config[4]}",
                   lambda: swiglu_gemm(x, w1, w3, config, tma), expected)
@@ -216,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         return (f"gluon {'x'.join(map(str, config[0]))} s{config[1]} r{config[2]} b{config[3]} "
                 f"{'cooperative' if config[4] else 'ping-pong'}")
 
-    for config in configs:
+    for config in () if args.backward else configs:
         fused(gluon_name(config), lambda: gluon_gemm(x, w1, w3, config), expected)
-    for group_m in (1, 4, 16) if configs else ():  # the first configuration's tile order (8 above)
+    for group_m in (1, 4, 16) if configs and not args.backward else ():  # the first configuration's tile order (8 above)
         fused(f"{gluon_name(configs[0])} group_m {group_m}", lambda: gluon_gemm(x, w1, w3, configs[0], group_m),
               expected)
     if not configs:
