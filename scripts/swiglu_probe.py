@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--once", action="store_true", help="launch cuBLAS's products and the Gluon kernels' first "
                         "configurations (the backward's plain too) once each, untimed, for Nsight Compute")
     parser.add_argument("--backward", action="store_true", help="the backward's rows only (the forward's skipped)")
+    parser.add_argument("--gluon-only", action="store_true", help="no Triton-written fused forwards (their rows)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("swiglu_probe: needs a CUDA device", file=sys.stderr)
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         add({"variant": "cuBLAS x2 + compiled SwiGLU", "ms": time_ms(unfused), "max_diff": 0.0}, flops)
         add({"variant": "(cuBLAS x2 alone)", "ms": time_ms(lambda: (x @ w1.t(), x @ w3.t()))}, flops)
         add({"variant": "(compiled SwiGLU alone)", "ms": time_ms(lambda: swiglu(h1, h3))})
-    for tma in () if args.backward else (False, True):
+    for tma in () if args.backward or args.gluon_only else (False, True):
         for config in CONFIGS:
             fused(f"fused {'TMA' if tma else 'pointers'} {'x'.join(map(str, config[:3]))} w{config[3]} s{config[4]}",
                   lambda: swiglu_gemm(x, w1, w3, config, tma), expected)
@@ -220,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for config in () if args.backward else configs:
         fused(gluon_name(config), lambda: gluon_gemm(x, w1, w3, config), expected)
-    for group_m in (1, 4, 16) if configs and not args.backward else ():  # the first configuration's tile order (8 above)
+    # the first configuration's tile order (8 above)
+    for group_m in (1, 4, 16) if configs and not (args.backward or args.gluon_only) else ():
         fused(f"{gluon_name(configs[0])} group_m {group_m}", lambda: gluon_gemm(x, w1, w3, configs[0], group_m),
               expected)
     if not configs:

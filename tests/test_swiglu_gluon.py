@@ -141,6 +141,28 @@ def test_gpu_gluon_swiglu_backward_gemm_matches_float64(config, shape):
     _assert_within_bf16(got, want, (config, shape, seed))  # dg's rounding too
 
 
+@pytest.mark.gpu
+@sm90
+def test_gpu_the_kernels_sigmoid_holds_far_from_zero():
+    """Both kernels' sigmoid (``_sigmoid``: the special function unit's approximate ex2 and rcp, denormals flushed)
+    where SiLU's gate reaches +-150: its exponential overflows to inf or flushes to 0 there, and the outputs must
+    still be within bf16's rounding of float64, element by element."""
+    m, n, k = 2048, 1664, 256
+    seed = random.randrange(2**31)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    x, w1, w3 = (torch.randn(*size, generator=generator, device="cuda", dtype=torch.bfloat16)
+                 for size in ((m, k), (n, k), (n, k)))
+    w1 *= 4  # h1 = x W1^T: standard deviation 64
+    got = swiglu_gluon.swiglu_gemm(x, w1, w3)
+    ref1, ref3 = x.double() @ w1.double().T, x.double() @ w3.double().T
+    assert ref1.abs().max() > 150, ref1.abs().max()
+    _assert_within_bf16(got, (ref1, ref3, F.silu(ref1) * ref3), ("forward", seed))
+    dy, w2 = (torch.randn(*size, generator=generator, device="cuda", dtype=torch.bfloat16) for size in ((m, k), (k, n)))
+    h1, h3 = got[0], got[1]
+    want = swiglu_gluon.swiglu_grads(dy.double() @ w2.double(), h1.double(), h3.double())
+    _assert_within_bf16(swiglu_gluon.swiglu_backward_gemm(dy, w2, h1, h3), want, ("backward", seed))
+
+
 def test_swiglu_mlp_passes_opcheck_and_gradcheck():
     """The whole MLP's op and its backward's op: opcheck, and every output's gradient against finite differences
     (y's alone: the fused backward's branch; all four, and g's alone: the unfused one)."""

@@ -110,7 +110,7 @@ def _consume(x_bufs, w_bufs, ready, free, turn, out_bufs, h1_desc, h3_desc, g_de
                         i * k_tiles, k_tiles, r, CONSUMER, COOPERATIVE, False)
         h1, h3 = _halves(acc.to(dtype))
         gate = h1.to(gl.float32)
-        g = (gate / (1.0 + gl.exp(-gate)) * h3.to(gl.float32)).to(dtype)
+        g = (gate * _sigmoid(gate) * h3.to(gl.float32)).to(dtype)
         off_m = pid_m * block_m + (CONSUMER * rows if COOPERATIVE else 0)
         _store_out(h1, h1_desc, out_bufs, 3 * r, off_m, pid_n * block_n)
         _store_out(h3, h3_desc, out_bufs, 3 * r + 1, off_m, pid_n * block_n)
@@ -218,12 +218,25 @@ def _dswiglu(grad, bufs, dgate_desc, dup_desc, off_m, off_n):
     grad = grad.to(gl.float32)
     gate = bufs.index(0).load(grad.type.layout).to(gl.float32)
     up = bufs.index(1).load(grad.type.layout).to(gl.float32)
-    sigmoid = 1.0 / (1.0 + gl.exp(-gate))
-    bufs.index(0).store((grad * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))).to(dgate_desc.dtype))
-    bufs.index(1).store((grad * gate * sigmoid).to(dup_desc.dtype))
+    sigmoid = _sigmoid(gate)
+    grad_sigmoid = grad * sigmoid
+    bufs.index(0).store((grad_sigmoid * up * (1.0 + gate * (1.0 - sigmoid))).to(dgate_desc.dtype))
+    bufs.index(1).store((grad_sigmoid * gate).to(dup_desc.dtype))
     fence_async_shared()
     _tma_store(dgate_desc, [off_m, off_n], bufs.index(0))
     _tma_store(dup_desc, [off_m, off_n], bufs.index(1))
+
+
+@gluon.jit
+def _sigmoid(x):
+    """1 / (1 + 2^(-x log2(e))) by the special function unit's approximate ex2 and rcp (PTX ``.approx.ftz``, each
+    within 2 ulp of fp32, far below bf16's rounding of what it feeds): 4 instructions an element, where ``gl.exp``
+    and the division's range checks took ~12, and the backward's epilogue was as long as its products
+    (notes/train_step.md, session 54)."""
+    e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -1.4426950408889634], dtype=gl.float32,
+                                  is_pure=True, pack=1)
+    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=gl.float32,
+                                     is_pure=True, pack=1)
 
 
 @gluon.jit
