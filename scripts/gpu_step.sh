@@ -182,6 +182,13 @@ bwd_unseen)  # the op's GPU tests (dK rotated back in the Gluon backward's epilo
     --variants "$variants,${variants//,/_every_tile,}_every_tile" > "$out/flash_gluon_probe.log" 2>&1
   timeout -k 10 150 python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 --attention flash_triton \
     --variants ours_span4+ro+mixed+gsw2 > "$out/step_probe.log" 2>&1 ;;
+mlp_epilogue)  # the Gluon MLP's GPU tests, its kernels alone against cuBLAS's (and the plain GEMM) from CUDA graphs,
+  # then ours at its best profiled (OUT_DIR/swiglu_probe.json, step_probe.{json,log})
+  timeout -k 5 150 python3 -m pytest -q -rfE -m gpu tests/test_swiglu_gluon.py > "$out/gpu_tests_mlp.txt" 2>&1
+  echo "pytest rc=$?" >> "$out/gpu_tests_mlp.txt"
+  timeout -k 10 150 python3 scripts/swiglu_probe.py "$out" --gluon-only --reps 30 > "$out/swiglu_probe.log" 2>&1
+  timeout -k 10 150 python3 scripts/step_probe.py "$out" --configs xl:4:2048 --steps 10 --attention flash_triton \
+    --variants ours_span4+ro+mixed+gsw2 > "$out/step_probe.log" 2>&1 ;;
 records)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
   step 2.7B 2 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
