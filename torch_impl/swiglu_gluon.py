@@ -37,6 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # TMA's copies: Triton 3.6's names (the GPU image), then 3.7's
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+_thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the warps' barrier: 3.6's name, then 3.9's
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups a program
 
 
@@ -185,13 +186,18 @@ def _consume_backward(dy_bufs, w_bufs, ready, free, turn, epi_bufs, epi_bar, h1_
             fence_async_shared()
             _tma_store(dgate_desc, [off_m, off_n], epi_bufs.index(0))
             _tma_store(dgate_desc, [off_m, off_n + half], epi_bufs.index(1))
-        else:
+        else:  # the right half's h1 and h3 land while the left half's gradients are computed
             mbarrier.wait(epi_bar, 0)  # two loads a tile: the first's phase is 0, the second's 1
-            _dswiglu(gl.convert_layout(left, half_layout), epi_bufs, dgate_desc, dup_desc, off_m, off_n)
-            tma.store_wait(pendings=0)
+            gate, up = epi_bufs.index(0).load(half_layout), epi_bufs.index(1).load(half_layout)
+            _thread_barrier()  # every thread has read the left half before TMA writes the right one over it
             _load_pair(h1_desc, h3_desc, epi_bufs, epi_bar, off_m, off_n + half)
+            d_gate, d_up = _dswiglu(gl.convert_layout(left, half_layout), gate, up)
             mbarrier.wait(epi_bar, 1)
-            _dswiglu(gl.convert_layout(right, half_layout), epi_bufs, dgate_desc, dup_desc, off_m, off_n + half)
+            gate, up = epi_bufs.index(0).load(half_layout), epi_bufs.index(1).load(half_layout)
+            _store_pair(d_gate, d_up, epi_bufs, dgate_desc, dup_desc, off_m, off_n)
+            d_gate, d_up = _dswiglu(gl.convert_layout(right, half_layout), gate, up)
+            tma.store_wait(pendings=0)  # the left half's stores have read the buffers
+            _store_pair(d_gate, d_up, epi_bufs, dgate_desc, dup_desc, off_m, off_n + half)
         i += CONSUMERS
         r += 1
     tma.store_wait(pendings=0)
@@ -212,16 +218,21 @@ def _halves(t):
 
 
 @gluon.jit
-def _dswiglu(grad, bufs, dgate_desc, dup_desc, off_m, off_n):
-    """SwiGLU's backward on one block from dg (``grad``) and the forward's h1, h3 in ``bufs``, in fp32 as
-    ``swiglu_grads``; d_gate and d_up written over h1 and h3, then out by TMA to (off_m, off_n)."""
-    grad = grad.to(gl.float32)
-    gate = bufs.index(0).load(grad.type.layout).to(gl.float32)
-    up = bufs.index(1).load(grad.type.layout).to(gl.float32)
+def _dswiglu(grad, h1, h3):
+    """SwiGLU's backward on one block, (d_gate, d_up) in h1's dtype, from dg (``grad``) and the forward's h1, h3, in
+    fp32 as ``swiglu_grads``."""
+    grad, gate, up = grad.to(gl.float32), h1.to(gl.float32), h3.to(gl.float32)
     sigmoid = _sigmoid(gate)
     grad_sigmoid = grad * sigmoid
-    bufs.index(0).store((grad_sigmoid * up * (1.0 + gate * (1.0 - sigmoid))).to(dgate_desc.dtype))
-    bufs.index(1).store((grad_sigmoid * gate).to(dup_desc.dtype))
+    return ((grad_sigmoid * up * (1.0 + gate * (1.0 - sigmoid))).to(h1.dtype),
+            (grad_sigmoid * gate).to(h1.dtype))
+
+
+@gluon.jit
+def _store_pair(d_gate, d_up, bufs, dgate_desc, dup_desc, off_m, off_n):
+    """d_gate and d_up into ``bufs`` (whose h1 and h3 every thread has read), then out by TMA to (off_m, off_n)."""
+    bufs.index(0).store(d_gate)
+    bufs.index(1).store(d_up)
     fence_async_shared()
     _tma_store(dgate_desc, [off_m, off_n], bufs.index(0))
     _tma_store(dup_desc, [off_m, off_n], bufs.index(1))
