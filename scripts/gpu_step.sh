@@ -70,7 +70,7 @@ set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
 flash_graphs|fidelity_ddp|fidelity_train|\
 fidelity_profile|fidelity_e2e|qkv|levers|swiglu|records_graphs|records_best|mlp|grads|packed_rope|\
-embedding|bwd_schedule"
+embedding|bwd_schedule|bwd_unseen|mlp_epilogue"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
