@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         batch, seq = SHAPES[name]
         d, heads = spec.d_model, spec.n_heads
         tokens, flops = batch * seq, 2 * batch * seq * d * 3 * d
-        x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(batch, seq, d, device="cuda", dtype=torch.bfloat16)
         weights = [torch.randn(d, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5 for _ in range(3)]
         rope = RotaryEmbedding(d // heads, seq, spec.rope_theta, device="cuda")
         cos, sin = (t.contiguous() for t in rope.tables(seq))

@@ -1,5 +1,5 @@
 """Does SwiGLU pay in the epilogue of its GEMM? A one-call probe for the step issue (GPU):
-``python3 scripts/swiglu_probe.py OUT [--model xl] [--tokens 8192]``.
+``python3 scripts/swiglu_probe.py OUT [--model xl] [--tokens 8192] [--gluon-only] [--backward] [--once]``.
 
 The step computes h1 = x W1^T and h3 = x W3^T with cuBLAS, then g = SiLU(h1) * h3 in an Inductor kernel that reads
 both back (3.5 ms a step at xl 4 x 2,048 on an H200, at the copy bandwidth: notes/train_step.md, session 47). Here
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--once", action="store_true", help="launch cuBLAS's products and the Gluon kernels' first "
                         "configurations (the backward's plain too) once each, untimed, for Nsight Compute")
     parser.add_argument("--backward", action="store_true", help="the backward's rows only (the forward's skipped)")
-    parser.add_argument("--gluon-only", action="store_true", help="no Triton-written fused forwards (their rows)")
+    parser.add_argument("--gluon-only", action="store_true", help="the Gluon kernels' rows and their anchors only (no "
+                        "Triton-written fused forwards, no tile orders)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("swiglu_probe: needs a CUDA device", file=sys.stderr)

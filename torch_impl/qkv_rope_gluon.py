@@ -2,12 +2,13 @@
 (sm_90, Triton 3.6's Gluon), the structure of ``torch_impl.swiglu_gluon``'s (its producer, ring, ping-pong consumers
 and TMA stores, whose helpers it uses).
 
-``qkv_rope_gemm(x, W_q, W_k, W_v, cos, sin)`` is x [W_q; W_k; W_v]^T (M, 3 d) with the q and k columns rotated by
-RoPE: each head's adjacent pairs (2j, 2j + 1) of row r by the angles of position r mod T (tables cos, sin of shape
-(T, d_head / 2)), in fp32 from the accumulator, rounded to bf16 once. The model's path makes the product with cuBLAS
-(the weights concatenated first: ``qkv_projection.QKVProduct``), then rotates q and k and splits the three in a pass
-of their own (``qkv_projection.rotate_split``: 2.1 ms a step at xl 4 x 2,048 on an H200, notes/train_step.md session
-53): here the weights are read where they are (one TMA descriptor each) and the product leaves the kernel rotated.
+``qkv_rope_gemm(x, W_q, W_k, W_v, cos, sin)`` is x [W_q; W_k; W_v]^T (B, T, 3 d) for x (B, T, K) with the q and k
+columns rotated by RoPE: each head's adjacent pairs (2j, 2j + 1) at position t by the angles of the tables' row t
+(cos, sin of shape (T, d_head / 2)), in fp32 from the accumulator, rounded to bf16 once. The model's path makes the
+product with cuBLAS (the weights concatenated first: ``qkv_projection.QKVProduct``), then rotates q and k and splits
+the three in a pass of their own (``qkv_projection.rotate_split``: 2.1 ms a step at xl 4 x 2,048 on an H200,
+notes/train_step.md session 53): here the weights are read where they are (one TMA descriptor each) and the product
+leaves the kernel rotated.
 
 An output tile is one weight's (BLOCK_M, BLOCK_N); a weight whose rows are not whole tiles (xl's d 1,600 = 12.5 x 128)
 gets a last tile whose missing rows TMA reads as zeros and whose columns past d are not stored (they would be the
@@ -144,40 +145,48 @@ def qkv_rope_kernel(x_desc, wq_desc, wk_desc, wv_desc, out_desc, cos, sin, seq, 
 CONFIGS = (((128, 128, 64), 6, 232), ((128, 128, 64), 5, 232), ((128, 128, 64), 4, 232))
 
 
-def check_inputs(x: torch.Tensor, weights: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor,
-                 config=CONFIGS[0]) -> None:
-    """x (M, K), the three weights (d, K) alike, tables cos, sin (T, d_head / 2) fp32 with T dividing M, d a
-    multiple of half a tile and of d_head, K of BLOCK_K, M of BLOCK_M; bf16 on one CUDA device, contiguous."""
+def input_problem(x: torch.Tensor, weights: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor,
+                  config=CONFIGS[0]) -> str | None:
+    """What ``qkv_rope_gemm`` cannot take of these inputs, or None: x (B, T, K) and the three weights (d, K) bf16,
+    the tables cos, sin (T, d_head / 2) fp32 (``RotaryEmbedding.tables(T)``), all contiguous on one CUDA device; B T
+    a multiple of BLOCK_M, K of BLOCK_K, d of half a tile and of d_head."""
     (block_m, block_n, block_k), _, _ = config
-    (m, k), d = x.shape, weights[0].shape[0]
-    seq, d_head = cos.shape[0], 2 * cos.shape[-1] if cos.ndim == 2 else 0
+    if x.ndim != 3 or any(w.ndim != 2 for w in weights) or cos.ndim != 2 or sin.shape != cos.shape:
+        return "x must be (B, T, K), the weights (d, K), cos and sin (T, d_head / 2) alike"
+    (batch, seq, k), d, d_head = x.shape, weights[0].shape[0], 2 * cos.shape[1]
+    if any(w.shape != (d, k) for w in weights) or cos.shape[0] != seq or not batch * seq * d * k * d_head:
+        return "the weights must be (d, K) alike with x's K, the tables T rows long, no size 0"
+    for size, name, multiple in ((batch * seq, "B T", block_m), (k, "K", block_k), (d, "d", block_n // 2),
+                                 (d, "d", d_head)):
+        if size % multiple:
+            return f"{name} {size} must be a multiple of {multiple}"
+    if not (x.dtype == weights[0].dtype == weights[1].dtype == weights[2].dtype == torch.bfloat16
+            and cos.dtype == sin.dtype == torch.float32):
+        return "x and the weights must be bf16, the tables fp32"
     tensors = (x, *weights, cos, sin)
-    ok = (x.ndim == 2 and all(w.shape == (d, k) for w in weights) and cos.ndim == 2 and sin.shape == cos.shape
-          and d_head > 0 and seq > 0 and m * d * k > 0 and not (m % seq or d % d_head or d % (block_n // 2)
-                                                                or k % block_k or m % block_m)
-          and all(t.is_cuda and t.is_contiguous() and t.device == x.device for t in tensors)
-          and x.dtype == weights[0].dtype == weights[1].dtype == weights[2].dtype == torch.bfloat16
-          and cos.dtype == sin.dtype == torch.float32)
-    if not ok:
-        raise ValueError(f"qkv_rope_gemm: x (M, K) and W_q, W_k, W_v (d, K) bf16, cos and sin (T, d_head / 2) fp32, "
-                         f"contiguous on one CUDA device, with T dividing M, M a multiple of {block_m}, K of "
-                         f"{block_k}, d of {block_n // 2} and of d_head; got x {tuple(x.shape)} {x.dtype}, weights "
-                         f"{[tuple(w.shape) for w in weights]}, cos {tuple(cos.shape)} {cos.dtype}, sin "
-                         f"{tuple(sin.shape)}")
+    if not all(t.is_cuda and t.device == x.device and t.is_contiguous() for t in tensors):
+        return "every input must be contiguous on one CUDA device"
+    return None
 
 
 def qkv_rope_gemm(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, config=CONFIGS[0], group_m: int = 8) -> torch.Tensor:
-    """x [W_q; W_k; W_v]^T (M, 3 d) with row r's q and k columns rotated by RoPE at position r mod T (the module's
-    doc), for inputs ``check_inputs`` takes; ``group_m`` row tiles down a column before the next."""
-    check_inputs(x, (w_q, w_k, w_v), cos, sin, config)
+    """x [W_q; W_k; W_v]^T (B, T, 3 d) with q's and k's columns at position t rotated by RoPE (the module's doc),
+    for inputs ``input_problem`` finds nothing wrong with (else a one-line ValueError); ``group_m`` row tiles down a
+    column before the next."""
+    problem = input_problem(x, (w_q, w_k, w_v), cos, sin, config)
+    if problem is not None:
+        raise ValueError(f"qkv_rope_gemm: {problem}; got x {tuple(x.shape)} {x.dtype} on {x.device}, the weights "
+                         f"{[tuple(w.shape) for w in (w_q, w_k, w_v)]} {w_q.dtype}, cos {tuple(cos.shape)} "
+                         f"{cos.dtype}, sin {tuple(sin.shape)} {sin.dtype}")
     (block_m, block_n, block_k), stages, regs = config
-    (m, _), d = x.shape, w_q.shape[0]
-    out = x.new_empty(m, 3 * d)
-    n_tiles = (m // block_m) * 3 * -(-d // block_n)
+    (batch, seq, _), d = x.shape, w_q.shape[0]
+    out = x.new_empty(batch, seq, 3 * d)
+    rows = x.view(batch * seq, -1)
+    n_tiles = (batch * seq // block_m) * 3 * -(-d // block_n)
     programs = min(torch.cuda.get_device_properties(x.device).multi_processor_count, n_tiles)
     qkv_rope_kernel[(programs,)](
-        _descriptor(x, [block_m, block_k]), *(_descriptor(w, [block_n, block_k]) for w in (w_q, w_k, w_v)),
-        _descriptor(out, [block_m, block_n // 2]), cos, sin, cos.shape[0], GROUP_M=group_m, HEAD_DIM=2 * cos.shape[1],
-        STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
+        _descriptor(rows, [block_m, block_k]), *(_descriptor(w, [block_n, block_k]) for w in (w_q, w_k, w_v)),
+        _descriptor(out.view(batch * seq, -1), [block_m, block_n // 2]), cos, sin, seq, GROUP_M=group_m,
+        HEAD_DIM=2 * cos.shape[1], STAGES=stages, CONSUMER_REGS=regs, num_warps=4)
     return out

@@ -159,9 +159,10 @@ def _consume_backward(dy_bufs, w_bufs, ready, free, turn, epi_bufs, epi_bar, h1_
                       acc_layout: gl.constexpr, W_KN: gl.constexpr, PLAIN: gl.constexpr):
     """Consumer CONSUMER of the backward (ping-pong, ``_consume``): a tile of dg = dy W2 rounded to bf16 as the
     unfused step's product is, then SwiGLU's backward (``swiglu_grads``, in fp32) a half tile at a time: h1's and
-    h3's half tiles TMA-loaded into ``epi_bufs`` (the first half's while the tile's products run), read in the
-    accumulator's layout, d_gate and d_up written over them and TMA-stored (each thread's few columns a row,
-    coalesced by TMA, not loaded and stored one pair at a time). ``PLAIN``: dg itself out as d_gate,
+    h3's half tiles TMA-loaded into ``epi_bufs`` (the left half's while the tile's products run, the right half's
+    while the left half's gradients are computed), read in the accumulator's layout, d_gate and d_up written over
+    them and TMA-stored (each thread's few columns a row, coalesced by TMA, not loaded and stored one pair at a
+    time). ``PLAIN``: dg itself out as d_gate,
     no loads and no SwiGLU (the same GEMM without its epilogue's work, for the probe)."""
     block_m: gl.constexpr = dy_bufs.type.shape[1]
     half: gl.constexpr = h1_desc.block_type.shape[1]
@@ -404,7 +405,8 @@ def swiglu_gemm(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, config=CONF
 
 # The backward kernel's ((BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers, W2 read as W2^T (N, K)): a
 # consumer's tile is (BLOCK_M, BLOCK_N) of dg. Shared memory: the ring (32 KB a stage at 128 x 128 x 64) and each
-# consumer's h1 and h3 half tiles (32 KB). Compiled for sm_90 with Triton 3.6 on a CPU host: ~330 bytes of spills.
+# consumer's h1 and h3 half tiles (32 KB). Compiled for sm_90 with Triton 3.9 on a CPU host: no spills (360 bytes
+# before the sigmoid on the SFU and the right half's loads under the left half's arithmetic, session 54).
 BACKWARD_CONFIGS = (((128, 128, 64), 5, 240, False), ((128, 128, 64), 5, 240, True), ((128, 128, 64), 4, 240, True))
 
 
