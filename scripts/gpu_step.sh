@@ -70,7 +70,7 @@ set -uo pipefail
 usage="usage: scripts/gpu_step.sh OUT_DIR records|ddp|profile|mixed|mixed_large|probe|inductor|loops|host|gaps|flash|\
 flash_graphs|fidelity_ddp|fidelity_train|\
 fidelity_profile|fidelity_e2e|qkv|levers|swiglu|records_graphs|records_best|mlp|grads|packed_rope|\
-embedding|bwd_schedule|bwd_unseen|mlp_epilogue|qkv_rope"
+embedding|bwd_schedule|bwd_unseen|mlp_epilogue|qkv_rope|qkv_rope_route"
 out=${1:?$usage}
 phase=${2:?$usage}
 mkdir -p "$out"
@@ -193,6 +193,15 @@ qkv_rope)  # the q, k, v product with RoPE in its Gluon epilogue: its GPU tests,
   timeout -k 5 150 python3 -m pytest -q -rfE -m gpu tests/test_qkv_rope_gluon.py > "$out/gpu_tests_qkv_rope.txt" 2>&1
   echo "pytest rc=$?" >> "$out/gpu_tests_qkv_rope.txt"
   timeout -k 10 200 python3 scripts/qkv_rope_probe.py "$out" > "$out/qkv_rope_probe.log" 2>&1 ;;
+qkv_rope_route)  # flash_triton's attention of the input (the product rotated in its Gluon epilogue): the route's GPU
+  # tests, then ours at its best profiled without (FLASH_QKV_ROPE=0, the product route) and with it
+  timeout -k 5 200 python3 -m pytest -q -rfE -m gpu tests/test_flash_packed_rope.py tests/test_qkv_rope_gluon.py \
+    > "$out/gpu_tests_qkv_rope_route.txt" 2>&1
+  echo "pytest rc=$?" >> "$out/gpu_tests_qkv_rope_route.txt"
+  for route in 0 1; do
+    FLASH_QKV_ROPE=$route timeout -k 10 150 python3 scripts/step_probe.py "$out/route$route" --configs xl:4:2048 \
+      --steps 10 --attention flash_triton --variants ours_span4+ro+mixed+gsw2 > "$out/step_probe_route$route.log" 2>&1
+  done ;;
 records)
   step xl 4 2048 --dtype bf16_mixed --cuda-graph off,blocks,step
   step 2.7B 2 2048 --dtype bf16_mixed --cuda-graph off,blocks,step

@@ -1,4 +1,5 @@
-"""flash_triton on the model's one q, k, v product (``flash_triton_attention_of_product``): RoPE and the split in its
+"""flash_triton on the model's one q, k, v product (``flash_triton_attention_of_product``; and on the input and the
+weights, ``flash_triton_attention_of_input``, whose op makes the product rotated on sm_90): RoPE and the split in its
 forward, the product's gradient written by its backward (``flash_backward_packed``: dK and dV into the product's
 gradient by the kernels, dQ rotated back by a pass, dK by the Gluon kernel's epilogue or a pass, no packing pass),
 against float64 on fresh random inputs: the reference rotates and splits the float64 product with PyTorch's ops
@@ -13,13 +14,14 @@ own (with the fused backward its dQ is rounded to bf16 once where the other roun
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from parallelism_calc.specs import MODELS
 from torch_impl.model import RotaryEmbedding, TransformerLM
-from torch_impl.qkv_projection import pack_rotated_grads, rotate_split
+from torch_impl.qkv_projection import pack_rotated_grads, rotate_pairs, rotate_split
 
 from tests.test_flash_attention import errors
 
@@ -163,3 +165,97 @@ def test_gpu_packed_route_bf16(case, epilogue, seed, monkeypatch):
     unpacked = pack_rotated_grads(*(t.transpose(1, 2) for t in (dq, dk, dv)), cos, sin).flatten(2)
     rel, big = errors(grad.cpu(), unpacked.double().cpu())
     assert rel < BOUNDS[torch.bfloat16][0] and big < BOUNDS[torch.bfloat16][1], f"{rel:.2e} / {big:.2e}, seed {seed}"
+
+
+def _input_reference(x, weights, cos, sin, heads, d_out):
+    """O and the gradients of x and the three weights in float64: the product, then ``_reference``'s attention."""
+    x, *weights = (t.detach().double().cpu().requires_grad_() for t in (x, *weights))
+    product = x @ torch.cat(weights).T
+    q, k, v = (t.transpose(1, 2) for t in rotate_split(product, cos.double().cpu(), sin.double().cpu(), heads))
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+    out = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+    out.backward(d_out.double().cpu())
+    return out.detach(), [t.grad for t in (x, *weights)]
+
+
+def _input_route(x, weights, cos, sin, heads, d_out):
+    x, *weights = (t.detach().requires_grad_() for t in (x, *weights))
+    out = _flash().flash_triton_attention_of_input(x, tuple(weights), cos, sin, heads)
+    out.backward(d_out)
+    return out.detach(), [t.grad for t in (x, *weights)]
+
+
+def _input_inputs(batch, seq, heads, d, dtype, device):
+    width = heads * d
+    x = torch.randn(batch, seq, width, device=device).to(dtype)
+    weights = [(torch.randn(width, width, device=device) * width ** -0.5).to(dtype) for _ in range(3)]
+    cos, sin = RotaryEmbedding(d, seq, 10_000.0, device=device).tables(seq)
+    return x, weights, cos, sin, torch.randn(batch, heads, seq, d, device=device).to(dtype)
+
+
+@pytest.mark.parametrize("case", CPU_CASES[:2], ids=lambda c: "x".join(map(str, c)))
+def test_the_input_route_matches_float64(case, seed, monkeypatch):
+    """The attention of the input as one op (``FlashAttentionOfInput``: the product rotated by RoPE, the attention of
+    its views, the packed backward, then x's and the weights' GEMMs) with a stand-in for the Gluon product (PyTorch's
+    ops: the route itself runs on sm_90 only) against float64, O and the gradients of x and of each weight."""
+    flash = _flash()
+    batch, seq, heads, d = case
+    calls = []
+
+    def stand_in(x, w_q, w_k, w_v, cos, sin):
+        calls.append(x.shape)
+        q, k, v = (x @ w.T for w in (w_q, w_k, w_v))
+        c, s = cos[:, None], sin[:, None]
+        rotated = [rotate_pairs(t.unflatten(-1, (heads, -1)), c, s).flatten(2) for t in (q, k)]
+        return torch.cat((*rotated, v), dim=-1)
+
+    monkeypatch.setattr(flash, "rope_product_runs", lambda *_: True)
+    monkeypatch.setattr(flash, "_qkv_rope", lambda: SimpleNamespace(qkv_rope_gemm=stand_in))
+    x, weights, cos, sin, d_out = _input_inputs(batch, seq, heads, d, torch.float32, DEVICE)
+    out, grads = _input_route(x, weights, cos, sin, heads, d_out)
+    want_out, want_grads = _input_reference(x, weights, cos, sin, heads, d_out)
+    assert calls == [x.shape], calls  # the route was taken, its product made once
+    assert all(g.shape == w.shape and g.dtype == torch.float32 for g, w in zip(grads, want_grads, strict=True))
+    _check_input_grads(out, grads, want_out, want_grads, torch.float32, seed)
+
+
+def _check_input_grads(out, grads, want_out, want_grads, dtype, seed) -> None:
+    """O, x's gradient and the weights' as one (3 H d, d) gradient, as the product's is checked (at n = 1 dQ, so
+    W_q's gradient, is rounding noise around zero)."""
+    _check(out, want_out, dtype, f"O, seed {seed}")
+    _check(grads[0], want_grads[0], dtype, f"x's gradient, seed {seed}")
+    _check(torch.cat(grads[1:]), torch.cat(want_grads[1:]), dtype, f"the weights' gradient, seed {seed}")
+
+
+def test_the_input_ops_pass_opcheck(seed):
+    """The attention of the input's forward and backward ops (PyTorch's product here): fakes, schemas, autograd."""
+    flash = _flash()
+    x, weights, cos, sin, d_out = _input_inputs(1, 9, 2, 16, torch.float32, DEVICE)
+    torch.library.opcheck(torch.ops.torch_impl.flash_attention_input_forward.default,
+                          (x.requires_grad_(), *(w.requires_grad_() for w in weights), cos, sin, 2, True, False))
+    o, lse, product = flash.flash_attention_input_forward(x.detach(), *(w.detach() for w in weights), cos, sin, 2,
+                                                          True, False)
+    torch.library.opcheck(torch.ops.torch_impl.flash_attention_input_backward.default,
+                          (d_out, x.detach(), *(w.detach() for w in weights), product, o, lse, cos, sin, 2, True,
+                           False, False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon product needs sm_90")
+@pytest.mark.parametrize("case", [(2, 1024, 10, 64), (1, 1024, 8, 80)], ids=lambda c: "x".join(map(str, c)))
+def test_gpu_the_input_route_bf16(case, seed, monkeypatch):
+    """bf16 on sm_90, the Gluon product with RoPE in its epilogue (``qkv_rope_gemm``) under the attention of the
+    input: O and the gradients of x and each weight against float64, and the route taken (its product made once)."""
+    flash = _flash()
+    batch, seq, heads, d = case
+    x, weights, cos, sin, d_out = _input_inputs(batch, seq, heads, d, torch.bfloat16, "cuda")
+    assert flash.rope_product_runs(x, tuple(weights), cos, sin)
+    calls = []
+    run = flash._qkv_rope().qkv_rope_gemm
+    monkeypatch.setattr(flash._qkv_rope(), "qkv_rope_gemm", lambda *a: calls.append(1) or run(*a))
+    out, grads = _input_route(x, weights, cos, sin, heads, d_out)
+    want_out, want_grads = _input_reference(x, weights, cos, sin, heads, d_out)
+    assert calls == [1], calls
+    _check_input_grads(out, grads, want_out, want_grads, torch.bfloat16, seed)

@@ -33,7 +33,7 @@ from parallelism_calc.specs import ModelSpec
 from torch_impl import nvtx
 from torch_impl.attention import get_attention, get_packed_attention
 from torch_impl.linear_cross_entropy import LOSSES, linear_cross_entropy
-from torch_impl.qkv_projection import Rotate, project_qkv, qkv_product
+from torch_impl.qkv_projection import Rotate, project_qkv, qkv_weights
 
 MLPS = ("torch", "gluon")  # SwiGLU's MLP: PyTorch's ops (compiled: Inductor's), or torch_impl.swiglu_gluon's op
 
@@ -150,15 +150,16 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, d_model = x.shape
         # q, k and v as one product (torch_impl.qkv_projection), RoPE in the (B, T, H, d_head) layout; the kernels
-        # take (B, H, T, d_head) views of it. A backend that takes the product applies RoPE and splits it itself.
+        # take (B, H, T, d_head) views of it. A backend that takes the input and the weights makes the product,
+        # applies RoPE and splits it itself.
         projections = (self.q_proj, self.k_proj, self.v_proj)
         cos, sin = self.rope.tables(seq, positions)
-        product = None if self.packed_attention is None else qkv_product(x, projections)
-        if product is None:
+        weights = None if self.packed_attention is None else qkv_weights(projections)
+        if weights is None:
             q, k, v = (t.transpose(1, 2) for t in project_qkv(x, projections, self.n_heads, cos, sin))
         with nvtx.range(f"attention {self.attention_name}"):  # (B, H, T, d_head)
-            out = (self.attention(q, k, v, is_causal=True) if product is None
-                   else self.packed_attention(product, cos, sin, self.n_heads))
+            out = (self.attention(q, k, v, is_causal=True) if weights is None
+                   else self.packed_attention(x, weights, cos, sin, self.n_heads))
         return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
 
     def extra_repr(self) -> str:

@@ -10,9 +10,9 @@ and the packing is one Triton kernel (``torch_impl.qkv_pack_triton``) behind ``p
 torch.compile (PyTorch's ops off CUDA), the backward of ``rotate_split``.
 
 The forward's RoPE (q and k rotated, v copied out beside them) is one kernel too, behind ``rotate_split``. An
-attention backend that takes the product itself (``registry.register_packed_attention``: flash_triton) applies RoPE
-and splits it in its forward and writes the product's gradient in its backward, so that the packing pass goes
-(``qkv_product`` feeds it).
+attention backend that takes the input and the weights (``registry.register_packed_attention``: flash_triton, given
+``qkv_weights``) makes the product (``QKVProduct``, or on sm_90 with RoPE in its epilogue), applies RoPE and splits it
+in its forward and writes the product's gradient in its backward, so that the packing pass goes.
 
 The parameters stay the three projections' (their names cross to the Flax model); ``qkv_product`` and
 ``project_qkv`` take the one product only where nothing hooks the projections' own calls (our FSDP with per-layer
@@ -189,12 +189,22 @@ class QKVProduct(torch.autograd.Function):
         # H200 (scripts/gemm_probe.py; the rows through an op opaque to the partitioner: notes/train_step.md, 47)
         weight_t = weights[0].T if len(weights) == 1 else torch.cat([w.T for w in weights], dim=1)  # (d, 3d)
         dx = (dy @ weight_t.T).to(x_dtype) if ctx.needs_input_grad[0] else None
-        dws = (None,) * 3
-        if any(ctx.needs_input_grad[1:4]):
-            dws = (dy.flatten(0, 1).T @ x.flatten(0, 1)).to(w_dtype).chunk(3)  # views of one (3d, d) product
-            if dws[0].numel() % GRADIENT_ALIGN:  # a view would start unaligned: each its own allocation
-                dws = tuple(dw.clone() for dw in dws)
+        dws = split_weight_grad((dy.flatten(0, 1).T @ x.flatten(0, 1)).to(w_dtype)) if any(
+            ctx.needs_input_grad[1:4]) else (None,) * 3
         return (dx, *dws)
+
+
+def split_weight_grad(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (3d, d) gradient of [W_q; W_k; W_v] as the three weights' gradients: views of it, or each its own
+    allocation where a view would start unaligned (MasterAdamW's kernel needs GRADIENT_ALIGN)."""
+    grads = grad.chunk(3)
+    return tuple(g.clone() for g in grads) if grads[0].numel() % GRADIENT_ALIGN else grads
+
+
+def qkv_weights(projections: tuple[nn.Module, nn.Module, nn.Module]) -> tuple[torch.Tensor, ...] | None:
+    """The three projections' weights, or None where a projection's call is hooked (then each module is to be
+    called as it is: ``project_qkv``)."""
+    return None if any(_hooked(p) for p in projections) else tuple(p.weight for p in projections)
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -210,9 +220,8 @@ def _hooked(module: nn.Module) -> bool:
 def qkv_product(x: torch.Tensor, projections: tuple[nn.Module, nn.Module, nn.Module]) -> torch.Tensor | None:
     """x [W_q; W_k; W_v]^T (B, T, 3d) of x (B, T, d) by the three projection modules' weights as one product
     (``QKVProduct``), or None where a projection's call is hooked (then each module is to be called as it is)."""
-    if any(_hooked(p) for p in projections):
-        return None
-    return QKVProduct.apply(x, *(p.weight for p in projections))
+    weights = qkv_weights(projections)
+    return None if weights is None else QKVProduct.apply(x, *weights)
 
 
 def project_qkv(x: torch.Tensor, projections: tuple[nn.Module, nn.Module, nn.Module], n_heads: int,

@@ -15,7 +15,11 @@ tiles and allocate outputs -> the custom ops ``torch.ops.torch_impl.flash_attent
 the forward, the product's gradient written by the backward: ``flash_backward_packed``) -> the public
 ``flash_attention`` function (the ``flash_triton`` backend of ``TransformerLM``) and ``FlashAttention2Triton``,
 the ``torch.autograd.Function`` of DESIGN.md, both routed to the same ops; ``flash_triton_attention_of_product``
-(the backend's attention of the product: ``registry.register_packed_attention``) and ``FlashAttentionOfProduct``.
+and ``FlashAttentionOfProduct``; ``flash_attention_input_forward`` / ``_backward``, the model's input and q, k, v
+weights to the attention in one op (the product made rotated by RoPE in its Gluon epilogue: ``qkv_rope_gluon``),
+behind ``flash_triton_attention_of_input`` (the backend's attention of the input,
+``registry.register_packed_attention``; the product route where the Gluon product cannot run) and
+``FlashAttentionOfInput``.
 
 Inputs: q (..., H, n_q, d), k and v (..., H_kv, n_k, d), the same leading dims.
 * Grouped-query attention: H must be a multiple of H_kv; query head h reads key/value head h // (H / H_kv)
@@ -63,13 +67,14 @@ import math
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from torch_impl.activation_checkpointing import kept_attention
 from torch_impl.attention.registry import register_attention, register_packed_attention
 from torch_impl.qkv_pack_triton import launch_rotate_back
-from torch_impl.qkv_projection import check_split_inputs
+from torch_impl.qkv_projection import QKVProduct, check_split_inputs, rotate_pairs, split_weight_grad
 
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -534,13 +539,21 @@ def _as_heads(t: torch.Tensor) -> torch.Tensor:
 
 
 def empty_like_heads(t: torch.Tensor) -> torch.Tensor:
-    """An empty tensor of t's shape and dtype: in the model's layout where t (B, H, n, d) is a view of a contiguous
-    (B, n, H, d) (O's heads then merge for the output projection without a copy, and dV's for its product), else
-    contiguous."""
-    if t.ndim == 4 and t.transpose(1, 2).is_contiguous():
+    """An empty tensor of t's shape and dtype: in the model's layout where t (B, H, n, d) is a view of rows that
+    hold its heads side by side (a contiguous (B, n, H, d), or one part of the q, k, v product's (B, n, 3, H, d))
+    (O's heads then merge for the output projection without a copy, and dV's for its product), else contiguous."""
+    if t.ndim == 4 and _heads_side_by_side(t):
         _, heads, n, d = t.shape
         return torch.empty_strided(t.shape, (n * heads * d, d, heads * d, 1), dtype=t.dtype, device=t.device)
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _heads_side_by_side(t: torch.Tensor) -> bool:
+    """Whether t (B, H, n, d) is a view of rows that hold its heads side by side: head h at column h d of row
+    (b, i), the rows one after another (size-1 dims' strides do not matter, as for ``is_contiguous``)."""
+    (batch, heads, n, d), (sb, sh, sn, sd) = t.shape, t.stride()
+    return ((d == 1 or sd == 1) and (heads == 1 or sh == d) and (n == 1 or sn >= heads * d)
+            and (batch == 1 or sb == n * sn))
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -872,6 +885,123 @@ def _rope_backward(ctx, do, *_):  # the op's formula, which AOTAutograd traces: 
 flash_attention_rope_forward.register_autograd(_rope_backward, setup_context=_rope_setup_context)
 
 
+@functools.cache
+def _qkv_rope():
+    """``torch_impl.qkv_rope_gluon`` (the q, k, v product with RoPE in its epilogue) where it can run: a GPU, not
+    the interpreter, ``FLASH_QKV_ROPE`` not "0", a Triton with Gluon's Hopper API; else None."""
+    if INTERPRET or os.environ.get("FLASH_QKV_ROPE", "1") == "0" or not torch.cuda.is_available():
+        return None
+    try:
+        from torch_impl import qkv_rope_gluon
+    except (ImportError, AttributeError):  # a Triton without (this version of) Gluon
+        return None
+    return qkv_rope_gluon
+
+
+def rope_product_runs(x: torch.Tensor, weights: tuple[torch.Tensor, ...], cos: torch.Tensor,
+                      sin: torch.Tensor) -> bool:
+    """Whether ``qkv_rope_gluon.qkv_rope_gemm`` takes these inputs here (an sm_90 GPU, bf16, whole tiles: its
+    ``input_problem``), so that the backend's attention of the input makes the product rotated in its epilogue."""
+    gemm = _qkv_rope()
+    return (gemm is not None and x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and gemm.input_problem(x, weights, cos, sin) is None)
+
+
+def _rotated_product(x: torch.Tensor, weights: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor,
+                     n_heads: int) -> torch.Tensor:
+    """x [W_q; W_k; W_v]^T (B, T, 3 H d) with q's and k's heads rotated by RoPE: ``qkv_rope_gemm`` where it runs,
+    else PyTorch's ops (the product, then ``rotate_pairs``; CPU tests, other GPUs)."""
+    if rope_product_runs(x, weights, cos, sin):
+        return _qkv_rope().qkv_rope_gemm(x, *weights, cos, sin)
+    q, k, v = F.linear(x, torch.cat(weights)).unflatten(-1, (3, n_heads, -1)).unbind(2)
+    cos, sin = cos[:, None], sin[:, None]  # (T, 1, d / 2): broadcast over the heads
+    return torch.stack((rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin), v), dim=2).flatten(2)
+
+
+def _parts(product: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (B, T, H, d): views of the (B, T, 3 H d) product."""
+    return product.unflatten(-1, (3, n_heads, -1)).unbind(2)
+
+
+def _forward_of_input(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, n_heads: int, is_causal: bool,
+                      tf32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(O, L, the rotated product) of x (B, T, d): the product rotated by RoPE (``_rotated_product``), then the
+    forward of its q, k, v ((B, H, T, d) views of it, read in place)."""
+    product = _rotated_product(x, (w_q, w_k, w_v), cos, sin, n_heads)
+    return (*_forward_or_kept(*(t.transpose(1, 2) for t in _parts(product, n_heads)), is_causal, tf32), product)
+
+
+def _backward_of_input(do: torch.Tensor, x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
+                       product: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, n_heads: int, is_causal: bool, tf32: bool,
+                       deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, the (3 H d, d) gradient of [W_q; W_k; W_v]): the un-rotated product's gradient (``_backward_of_product``:
+    dQ and dK rotated back), then x's and the weights' as ``QKVProduct``'s backward makes them (one GEMM each)."""
+    grad = _backward_of_product(do, *_parts(product, n_heads), o, lse, cos, sin, is_causal, tf32, deterministic)
+    return grad @ torch.cat((w_q, w_k, w_v)), grad.flatten(0, 1).T @ x.flatten(0, 1)
+
+
+@torch.library.custom_op("torch_impl::flash_attention_input_forward", mutates_args=())
+def flash_attention_input_forward(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
+                                  cos: torch.Tensor, sin: torch.Tensor, n_heads: int, is_causal: bool,
+                                  tf32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_forward_of_input`` as an op opaque to torch.compile."""
+    return _forward_of_input(x, w_q, w_k, w_v, cos, sin, n_heads, is_causal, tf32)
+
+
+@flash_attention_input_forward.register_fake
+def _(x, w_q, w_k, w_v, cos, sin, n_heads, is_causal, tf32):
+    product = x.new_empty(*x.shape[:2], 3 * w_q.shape[0])
+    q, k, v = (t.transpose(1, 2) for t in _parts(product, n_heads))
+    check_inputs(q, k, v)  # bad inputs fail at trace time, as the forward's
+    return empty_like_heads(q), q.new_empty(q.shape[:-1], dtype=torch.float32), product
+
+
+@torch.library.custom_op("torch_impl::flash_attention_input_backward", mutates_args=())
+def flash_attention_input_backward(do: torch.Tensor, x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor,
+                                   w_v: torch.Tensor, product: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                                   cos: torch.Tensor, sin: torch.Tensor, n_heads: int, is_causal: bool, tf32: bool,
+                                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_backward_of_input`` as an op opaque to torch.compile."""
+    return _backward_of_input(do, x, w_q, w_k, w_v, product, o, lse, cos, sin, n_heads, is_causal, tf32,
+                              deterministic)
+
+
+@flash_attention_input_backward.register_fake
+def _(do, x, w_q, w_k, w_v, product, o, lse, cos, sin, n_heads, is_causal, tf32, deterministic):
+    return torch.empty_like(x), w_q.new_empty(3 * w_q.shape[0], w_q.shape[1])
+
+
+def _save_input(ctx, inputs: tuple, output: tuple) -> None:
+    """What the attention of the input keeps: L, the rotated product (its q, k, v), O, and the inputs."""
+    x, w_q, w_k, w_v, cos, sin, n_heads, is_causal, tf32 = inputs
+    o, lse, product = output
+    ctx.save_for_backward(lse, product, o, x, w_q, w_k, w_v, cos, sin)
+    ctx.n_heads, ctx.is_causal, ctx.tf32 = n_heads, is_causal, tf32
+
+
+def _input_setup_context(ctx, inputs, output) -> None:
+    ctx.mark_non_differentiable(*output[1:])  # L and the product: for the backward only
+    _save_input(ctx, inputs, output)
+
+
+def _input_grads(ctx, do: torch.Tensor, backward) -> tuple:
+    """(dx, dW_q, dW_k, dW_v) by ``backward`` (the backward op or ``_backward_of_input``) of what
+    ``_input_setup_context`` kept."""
+    lse, product, o, x, w_q, w_k, w_v, cos, sin = ctx.saved_tensors
+    dx, dw = backward(do, x, w_q, w_k, w_v, product, o, lse, cos, sin, ctx.n_heads, ctx.is_causal, ctx.tf32,
+                      deterministic_backward())
+    return dx, *split_weight_grad(dw)
+
+
+def _input_backward(ctx, do, *_):  # the op's formula, which AOTAutograd traces: always the backward op
+    return *_input_grads(ctx, do, torch.ops.torch_impl.flash_attention_input_backward), *(None,) * 5
+
+
+flash_attention_input_forward.register_autograd(_input_backward, setup_context=_input_setup_context)
+
+
 # ------------------------------------------------------------------------------------- public entry points
 
 
@@ -901,10 +1031,43 @@ def flash_triton_attention_of_product(product: torch.Tensor, cos: torch.Tensor, 
     return FlashAttentionOfProduct.apply(product, cos, sin, n_heads)
 
 
+def flash_triton_attention_of_input(x: torch.Tensor, weights: tuple[torch.Tensor, ...], cos: torch.Tensor,
+                                    sin: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The ``flash_triton`` backend on the model's input x (B, T, d) and its q, k, v projections' weights (d, d)
+    (``registry.register_packed_attention``): where ``rope_product_runs`` (sm_90, bf16; ``FLASH_QKV_ROPE=0`` never),
+    the product made rotated by RoPE in its Gluon epilogue and the attention as one op, whose backward is the product
+    route's and then x's and the weights' GEMMs (an op of the rotated product alone would owe the product's
+    gradient unrotated, a rotation pass more); else the one product by ``QKVProduct`` (cast as F.linear is under
+    autocast) and ``flash_triton_attention_of_product``. Causal; -> (B, H, T, d). Traced by torch.compile, the
+    custom ops; in eager mode ``FlashAttentionOfInput`` (without the ops' dispatch)."""
+    if not rope_product_runs(x, weights, cos, sin):
+        return flash_triton_attention_of_product(QKVProduct.apply(x, *weights), cos, sin, n_heads)
+    if torch.compiler.is_compiling():
+        return torch.ops.torch_impl.flash_attention_input_forward(x, *weights, cos, sin, n_heads, True,
+                                                                  tf32_allowed())[0]
+    return FlashAttentionOfInput.apply(x, *weights, cos, sin, n_heads)
+
+
 # FLASH_PACKED_ROPE=0: the model splits the product and rotates q, k itself (``project_qkv``), as for every other
 # backend, and packs the three gradients in a pass of its own (``pack_rotated_grads``): the A/B of this route.
 if os.environ.get("FLASH_PACKED_ROPE", "1") != "0":
-    register_packed_attention("flash_triton")(flash_triton_attention_of_product)
+    register_packed_attention("flash_triton")(flash_triton_attention_of_input)
+
+
+class FlashAttentionOfInput(torch.autograd.Function):
+    """``.apply(x, w_q, w_k, w_v, cos, sin, n_heads)``: ``flash_triton_attention_of_input``'s op in eager mode only,
+    the launches themselves; torch.compile traces the custom ops."""
+
+    @staticmethod
+    def forward(ctx, x, w_q, w_k, w_v, cos, sin, n_heads: int):
+        inputs = (x, w_q, w_k, w_v, cos, sin, n_heads, True, tf32_allowed())
+        output = _forward_of_input(*inputs)
+        _save_input(ctx, inputs, output)
+        return output[0]
+
+    @staticmethod
+    def backward(ctx, do):
+        return *_input_grads(ctx, do, _backward_of_input), None, None, None
 
 
 class FlashAttentionOfProduct(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """The registry of attention backends: name -> function(q, k, v, is_causal) -> output; and, for a backend that also
-takes the model's one q, k, v product with RoPE's tables (applying RoPE and splitting it itself, its backward
-writing the product's gradient: ``torch_impl.qkv_projection.qkv_product`` makes it), name -> function(product, cos,
-sin, n_heads) -> output, causal."""
+takes the model's input and its q, k, v projections' weights with RoPE's tables (making the one q, k, v product,
+applying RoPE and splitting it itself, its backward writing the product's gradient: ``flash_triton``), name ->
+function(x, weights, cos, sin, n_heads) -> output, causal."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ class AttentionFn(Protocol):
 
 
 class PackedAttentionFn(Protocol):
-    def __call__(self, product: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -> torch.Tensor:
-        """product (B, T, 3 H d), cos and sin (T, d / 2) -> causal attention (B, H, T, d) of q and k rotated by
-        RoPE and v, the product's three parts."""
+    def __call__(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor,
+                 n_heads: int) -> torch.Tensor:
+        """x (B, T, d), the weights (W_q, W_k, W_v) (H d, d), cos and sin (T, d / 2) -> causal attention (B, H, T, d)
+        of q and k rotated by RoPE and v, the three parts of the product x [W_q; W_k; W_v]^T."""
 
 
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {}
@@ -59,7 +60,7 @@ def get_attention(name: str) -> AttentionFn:
 
 
 def register_packed_attention(name: str) -> Callable[[PackedAttentionFn], PackedAttentionFn]:
-    """Decorator: backend ``name`` also takes the q, k, v product (``get_packed_attention``)."""
+    """Decorator: backend ``name`` also takes the input and the q, k, v weights (``get_packed_attention``)."""
 
     def register(fn: PackedAttentionFn) -> PackedAttentionFn:
         PACKED_ATTENTION[name] = fn
@@ -69,6 +70,6 @@ def register_packed_attention(name: str) -> Callable[[PackedAttentionFn], Packed
 
 
 def get_packed_attention(name: str) -> PackedAttentionFn | None:
-    """Backend ``name``'s attention of the q, k, v product (its module imported if lazy), or None."""
+    """Backend ``name``'s attention of the input and the q, k, v weights (its module imported if lazy), or None."""
     get_attention(name)
     return PACKED_ATTENTION.get(name)
