@@ -141,8 +141,10 @@ def qkv_rope_kernel(x_desc, wq_desc, wk_desc, wv_desc, out_desc, cos, sin, seq, 
 
 
 # ((BLOCK_M, BLOCK_N, BLOCK_K), stages, a consumer's registers): the ring's stages hold x's and one weight's k-tiles
-# (32 KB at 128 x 128 x 64), each consumer one output block (16 KB).
-CONFIGS = (((128, 128, 64), 6, 232), ((128, 128, 64), 5, 232), ((128, 128, 64), 4, 232))
+# (32 KB at 128 x 128 x 64), each consumer one output block (16 KB). On one H200 (53db535, 04645e3; from CUDA graphs)
+# at xl's 8,192 x 1,600 -> 3 x 1,600: 0.195-0.199 ms with 4 stages, 0.210 with 5, 0.214 with 6; at the 2.7B's
+# 4,096 x 2,560 -> 3 x 2,560: 0.233-0.236, 0.221-0.224, 0.221-0.225.
+CONFIGS = (((128, 128, 64), 4, 232), ((128, 128, 64), 5, 232), ((128, 128, 64), 6, 232))
 
 
 def input_problem(x: torch.Tensor, weights: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor,

@@ -74,7 +74,7 @@ import triton.language as tl
 from torch_impl.activation_checkpointing import kept_attention
 from torch_impl.attention.registry import register_attention, register_packed_attention
 from torch_impl.qkv_pack_triton import launch_rotate_back
-from torch_impl.qkv_projection import QKVProduct, check_split_inputs, rotate_pairs, split_weight_grad
+from torch_impl.qkv_projection import QKVProduct, check_split_inputs, input_grad, rotate_pairs, split_weight_grad
 
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -939,7 +939,7 @@ def _backward_of_input(do: torch.Tensor, x: torch.Tensor, w_q: torch.Tensor, w_k
     """(dx, the (3 H d, d) gradient of [W_q; W_k; W_v]): the un-rotated product's gradient (``_backward_of_product``:
     dQ and dK rotated back), then x's and the weights' as ``QKVProduct``'s backward makes them (one GEMM each)."""
     grad = _backward_of_product(do, *_parts(product, n_heads), o, lse, cos, sin, is_causal, tf32, deterministic)
-    return grad @ torch.cat((w_q, w_k, w_v)), grad.flatten(0, 1).T @ x.flatten(0, 1)
+    return input_grad(grad, (w_q, w_k, w_v)), grad.flatten(0, 1).T @ x.flatten(0, 1)
 
 
 @torch.library.custom_op("torch_impl::flash_attention_input_forward", mutates_args=())
