@@ -194,14 +194,10 @@ def _input_inputs(batch, seq, heads, d, dtype, device):
     return x, weights, cos, sin, torch.randn(batch, heads, seq, d, device=device).to(dtype)
 
 
-@pytest.mark.parametrize("case", CPU_CASES[:2], ids=lambda c: "x".join(map(str, c)))
-def test_the_input_route_matches_float64(case, seed, monkeypatch):
-    """The attention of the input as one op (``FlashAttentionOfInput``: the product rotated by RoPE, the attention of
-    its views, the packed backward, then x's and the weights' GEMMs) with a stand-in for the Gluon product (PyTorch's
-    ops: the route itself runs on sm_90 only) against float64, O and the gradients of x and of each weight."""
-    flash = _flash()
-    batch, seq, heads, d = case
-    calls = []
+def _stand_in_product(monkeypatch, heads: int) -> list:
+    """flash_triton's attention of the input taken here, with PyTorch's ops standing in for the Gluon product
+    (``qkv_rope_gemm``: sm_90 only); returns the list of x's shapes it is called with."""
+    flash, calls = _flash(), []
 
     def stand_in(x, w_q, w_k, w_v, cos, sin):
         calls.append(x.shape)
@@ -212,6 +208,16 @@ def test_the_input_route_matches_float64(case, seed, monkeypatch):
 
     monkeypatch.setattr(flash, "rope_product_runs", lambda *_: True)
     monkeypatch.setattr(flash, "_qkv_rope", lambda: SimpleNamespace(qkv_rope_gemm=stand_in))
+    return calls
+
+
+@pytest.mark.parametrize("case", CPU_CASES[:2], ids=lambda c: "x".join(map(str, c)))
+def test_the_input_route_matches_float64(case, seed, monkeypatch):
+    """The attention of the input as one op (``FlashAttentionOfInput``: the product rotated by RoPE, the attention of
+    its views, the packed backward, then x's and the weights' GEMMs) with a stand-in for the Gluon product (PyTorch's
+    ops: the route itself runs on sm_90 only) against float64, O and the gradients of x and of each weight."""
+    batch, seq, heads, d = case
+    calls = _stand_in_product(monkeypatch, heads)
     x, weights, cos, sin, d_out = _input_inputs(batch, seq, heads, d, torch.float32, DEVICE)
     out, grads = _input_route(x, weights, cos, sin, heads, d_out)
     want_out, want_grads = _input_reference(x, weights, cos, sin, heads, d_out)
@@ -228,6 +234,28 @@ def _check_input_grads(out, grads, want_out, want_grads, dtype, seed) -> None:
     _check(torch.cat(grads[1:]), torch.cat(want_grads[1:]), dtype, f"the weights' gradient, seed {seed}")
 
 
+def test_the_compiled_model_takes_the_input_route_as_eager(seed, monkeypatch):
+    """The tiny model with flash_triton's attention of the input (a stand-in product), compiled whole (fullgraph,
+    AOTAutograd through the ops' fakes and their autograd formula, whose weights' transposes are made outside the
+    backward op) against eager: the same logits and gradients, each block's product made once a step."""
+    spec = MODELS["tiny"]
+    calls = _stand_in_product(monkeypatch, spec.n_heads)
+    model = TransformerLM(spec, attention="flash_triton", device=DEVICE)
+    tokens = torch.randint(0, spec.vocab_size, (2, 13), device=DEVICE)
+    torch._dynamo.reset()
+    results = []
+    for run_model in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        logits = run_model(tokens)
+        logits.square().mean().backward()
+        assert len(calls) == spec.n_layers, calls
+        results.append([logits.detach(), *(p.grad.clone() for p in model.parameters())])
+    for got, want in zip(*results, strict=True):
+        rel, _ = errors(got.cpu(), want.double().cpu())
+        assert rel < 1e-5, f"{rel:.2e}, seed {seed}"
+
+
 def test_the_input_ops_pass_opcheck(seed):
     """The attention of the input's forward and backward ops (PyTorch's product here): fakes, schemas, autograd."""
     flash = _flash()
@@ -236,9 +264,9 @@ def test_the_input_ops_pass_opcheck(seed):
                           (x.requires_grad_(), *(w.requires_grad_() for w in weights), cos, sin, 2, True, False))
     o, lse, product = flash.flash_attention_input_forward(x.detach(), *(w.detach() for w in weights), cos, sin, 2,
                                                           True, False)
+    weight_t = torch.cat([w.detach().T for w in weights], dim=1)
     torch.library.opcheck(torch.ops.torch_impl.flash_attention_input_backward.default,
-                          (d_out, x.detach(), *(w.detach() for w in weights), product, o, lse, cos, sin, 2, True,
-                           False, False))
+                          (d_out, x.detach(), weight_t, product, o, lse, cos, sin, 2, True, False, False))
 
 
 @pytest.mark.gpu

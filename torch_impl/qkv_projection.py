@@ -183,20 +183,21 @@ class QKVProduct(torch.autograd.Function):
     def backward(ctx, dy):
         x, *weights = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        dx = input_grad(dy, weights).to(x_dtype) if ctx.needs_input_grad[0] else None
+        dx = (dy @ transposed_weights(weights).T).to(x_dtype) if ctx.needs_input_grad[0] else None
         dws = split_weight_grad((dy.flatten(0, 1).T @ x.flatten(0, 1)).to(w_dtype)) if any(
             ctx.needs_input_grad[1:4]) else (None,) * 3
         return (dx, *dws)
 
 
-def input_grad(dy: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The product's input gradient dy [W_q; W_k; W_v] from the weights (or their one (3d, d) concatenation), on
-    their transposes concatenated, (d, 3d): compiled, a (3d, d) cat would be shared with the forward's and saved in
-    place of the weights (AOTAutograd's partitioner), which a sharding wrapper could not free; and cuBLAS runs dx on
-    this column-major weight faster than on its rows: 0.197 against 0.204 ms at xl 4 x 2,048 on an H200
-    (scripts/gemm_probe.py; notes/train_step.md, session 47), 0.186 against 0.208 in the step (session 54)."""
-    weight_t = weights[0].T if len(weights) == 1 else torch.cat([w.T for w in weights], dim=1)  # (d, 3d)
-    return dy @ weight_t.T
+def transposed_weights(weights: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """[W_q; W_k; W_v]^T (d, 3d) from the weights (or their one (3d, d) concatenation), for the product's input
+    gradient dy @ it.T: on these transposes concatenated, not on a (3d, d) cat, which compiled would be shared with
+    the forward's and saved in place of the weights (AOTAutograd's partitioner; a sharding wrapper could not free it),
+    and cuBLAS runs dx on this column-major weight faster than on its rows: 0.197 against 0.204 ms at xl 4 x 2,048 on
+    an H200 (scripts/gemm_probe.py; notes/train_step.md, session 47), 0.186 against 0.208 in the step (session 54).
+    Compiled, Inductor writes the concatenation in one kernel (0.45 ms a step at xl); eager, PyTorch's cat of
+    transposes takes 7x that."""
+    return weights[0].T if len(weights) == 1 else torch.cat([w.T for w in weights], dim=1)
 
 
 def split_weight_grad(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

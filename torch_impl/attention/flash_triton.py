@@ -74,7 +74,8 @@ import triton.language as tl
 from torch_impl.activation_checkpointing import kept_attention
 from torch_impl.attention.registry import register_attention, register_packed_attention
 from torch_impl.qkv_pack_triton import launch_rotate_back
-from torch_impl.qkv_projection import QKVProduct, check_split_inputs, input_grad, rotate_pairs, split_weight_grad
+from torch_impl.qkv_projection import (QKVProduct, check_split_inputs, rotate_pairs, split_weight_grad,
+                                      transposed_weights)
 
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -932,14 +933,14 @@ def _forward_of_input(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v
     return (*_forward_or_kept(*(t.transpose(1, 2) for t in _parts(product, n_heads)), is_causal, tf32), product)
 
 
-def _backward_of_input(do: torch.Tensor, x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
-                       product: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, n_heads: int, is_causal: bool, tf32: bool,
-                       deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, the (3 H d, d) gradient of [W_q; W_k; W_v]): the un-rotated product's gradient (``_backward_of_product``:
-    dQ and dK rotated back), then x's and the weights' as ``QKVProduct``'s backward makes them (one GEMM each)."""
+def _backward_of_input(do: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, product: torch.Tensor,
+                       o: torch.Tensor, lse: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+                       is_causal: bool, tf32: bool, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, the (3 H d, d) gradient of [W_q; W_k; W_v]) from ``weight_t``, [W_q; W_k; W_v]^T (``transposed_weights``,
+    made outside the op, where Inductor writes it): the un-rotated product's gradient (``_backward_of_product``: dQ and
+    dK rotated back), then x's and the weights' as ``QKVProduct``'s backward makes them (one GEMM each)."""
     grad = _backward_of_product(do, *_parts(product, n_heads), o, lse, cos, sin, is_causal, tf32, deterministic)
-    return input_grad(grad, (w_q, w_k, w_v)), grad.flatten(0, 1).T @ x.flatten(0, 1)
+    return grad @ weight_t.T, grad.flatten(0, 1).T @ x.flatten(0, 1)
 
 
 @torch.library.custom_op("torch_impl::flash_attention_input_forward", mutates_args=())
@@ -959,18 +960,17 @@ def _(x, w_q, w_k, w_v, cos, sin, n_heads, is_causal, tf32):
 
 
 @torch.library.custom_op("torch_impl::flash_attention_input_backward", mutates_args=())
-def flash_attention_input_backward(do: torch.Tensor, x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor,
-                                   w_v: torch.Tensor, product: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                                   cos: torch.Tensor, sin: torch.Tensor, n_heads: int, is_causal: bool, tf32: bool,
+def flash_attention_input_backward(do: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, product: torch.Tensor,
+                                   o: torch.Tensor, lse: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                   n_heads: int, is_causal: bool, tf32: bool,
                                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``_backward_of_input`` as an op opaque to torch.compile."""
-    return _backward_of_input(do, x, w_q, w_k, w_v, product, o, lse, cos, sin, n_heads, is_causal, tf32,
-                              deterministic)
+    return _backward_of_input(do, x, weight_t, product, o, lse, cos, sin, n_heads, is_causal, tf32, deterministic)
 
 
 @flash_attention_input_backward.register_fake
-def _(do, x, w_q, w_k, w_v, product, o, lse, cos, sin, n_heads, is_causal, tf32, deterministic):
-    return torch.empty_like(x), w_q.new_empty(3 * w_q.shape[0], w_q.shape[1])
+def _(do, x, weight_t, product, o, lse, cos, sin, n_heads, is_causal, tf32, deterministic):
+    return torch.empty_like(x), weight_t.new_empty(weight_t.shape[1], weight_t.shape[0])
 
 
 def _save_input(ctx, inputs: tuple, output: tuple) -> None:
@@ -989,9 +989,9 @@ def _input_setup_context(ctx, inputs, output) -> None:
 def _input_grads(ctx, do: torch.Tensor, backward) -> tuple:
     """(dx, dW_q, dW_k, dW_v) by ``backward`` (the backward op or ``_backward_of_input``) of what
     ``_input_setup_context`` kept."""
-    lse, product, o, x, w_q, w_k, w_v, cos, sin = ctx.saved_tensors
-    dx, dw = backward(do, x, w_q, w_k, w_v, product, o, lse, cos, sin, ctx.n_heads, ctx.is_causal, ctx.tf32,
-                      deterministic_backward())
+    lse, product, o, x, *weights, cos, sin = ctx.saved_tensors
+    dx, dw = backward(do, x, transposed_weights(weights), product, o, lse, cos, sin, ctx.n_heads, ctx.is_causal,
+                      ctx.tf32, deterministic_backward())
     return dx, *split_weight_grad(dw)
 
 
