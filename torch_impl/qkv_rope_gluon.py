@@ -22,8 +22,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from torch_impl.gluon_hopper import tma_load as _tma_load
 from torch_impl.swiglu_gluon import (CONSUMERS, _acc_layout, _barriers, _descriptor, _halves, _products, _store_out,
-                                     _tile_at, _tma_load)
+                                     _tile_at)
 
 
 @gluon.jit

@@ -34,10 +34,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# TMA's copies: Triton 3.6's names (the GPU image), then 3.7's
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-_thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the warps' barrier: 3.6's name, then 3.9's
+from torch_impl.gluon_hopper import thread_barrier as _thread_barrier
+from torch_impl.gluon_hopper import tma_load as _tma_load
+from torch_impl.gluon_hopper import tma_store as _tma_store
+
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups a program
 
 

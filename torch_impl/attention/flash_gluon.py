@@ -45,14 +45,13 @@ from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 
 from torch_impl.attention import flash_triton
+from torch_impl.gluon_hopper import thread_barrier as _thread_barrier
+from torch_impl.gluon_hopper import tma_load as _tma_load
+from torch_impl.gluon_hopper import tma_store as _tma_store
 from torch_impl.qkv_projection import check_tables
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
-# TMA's global -> shared copy: ``async_copy_global_to_shared`` in Triton 3.6 (the GPU image), ``async_load`` from 3.7.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # shared -> global, likewise
-_thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the warps' barrier: 3.6's name, then 3.9's
 
 
 @builtin

@@ -63,6 +63,7 @@ flash-attention repository's ``flash_attn_triton.py``; PyTorch's "Python custom 
 
 # No ``from __future__ import annotations``: the custom ops infer their schemas from real annotation objects.
 import functools
+import importlib
 import math
 import os
 
@@ -634,19 +635,24 @@ def _shape_meta(q4: torch.Tensor, k4: torch.Tensor, is_causal: bool, tf32: bool)
 
 
 @functools.cache
-def _gluon():
-    """``flash_gluon`` (FlashAttention-3's structure on sm_90, in Gluon) where it can run: a GPU, not the interpreter,
-    ``FLASH_GLUON`` not "0", and a Triton with Gluon's Hopper API; else None. Its forward takes the inputs where it
-    is ``preferred`` (bf16/fp16, head dim 40 to 256 in tiles of 64, 128 or 256, whole tiles, 1,024 keys or more), its
-    backward where it is ``backward_preferred``, the Triton kernels the rest; its O and L are what the Triton
-    backward reads (L exact for one-hot rows, as the Triton forward's), and the reverse."""
-    if INTERPRET or os.environ.get("FLASH_GLUON", "1") == "0" or not torch.cuda.is_available():
+def _gluon_module(module: str, switch: str):
+    """The Gluon module ``module`` where it can run: a GPU, not the interpreter, the environment variable ``switch``
+    not "0", and a Triton with Gluon's Hopper API; else None."""
+    if INTERPRET or os.environ.get(switch, "1") == "0" or not torch.cuda.is_available():
         return None
     try:
-        from torch_impl.attention import flash_gluon
+        return importlib.import_module(module)
     except (ImportError, AttributeError):  # a Triton without (this version of) Gluon
         return None
-    return flash_gluon
+
+
+def _gluon():
+    """``flash_gluon`` (FlashAttention-3's structure on sm_90, in Gluon; ``FLASH_GLUON=0``: never) or None
+    (``_gluon_module``). Its forward takes the inputs where it is ``preferred`` (bf16/fp16, head dim 40 to 256 in
+    tiles of 64, 128 or 256, whole tiles, 1,024 keys or more), its backward where it is ``backward_preferred``, the
+    Triton kernels the rest; its O and L are what the Triton backward reads (L exact for one-hot rows, as the Triton
+    forward's), and the reverse."""
+    return _gluon_module("torch_impl.attention.flash_gluon", "FLASH_GLUON")
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, tf32: bool = False):
@@ -886,17 +892,10 @@ def _rope_backward(ctx, do, *_):  # the op's formula, which AOTAutograd traces: 
 flash_attention_rope_forward.register_autograd(_rope_backward, setup_context=_rope_setup_context)
 
 
-@functools.cache
 def _qkv_rope():
-    """``torch_impl.qkv_rope_gluon`` (the q, k, v product with RoPE in its epilogue) where it can run: a GPU, not
-    the interpreter, ``FLASH_QKV_ROPE`` not "0", a Triton with Gluon's Hopper API; else None."""
-    if INTERPRET or os.environ.get("FLASH_QKV_ROPE", "1") == "0" or not torch.cuda.is_available():
-        return None
-    try:
-        from torch_impl import qkv_rope_gluon
-    except (ImportError, AttributeError):  # a Triton without (this version of) Gluon
-        return None
-    return qkv_rope_gluon
+    """``torch_impl.qkv_rope_gluon`` (the q, k, v product with RoPE in its epilogue; ``FLASH_QKV_ROPE=0``: never) or
+    None (``_gluon_module``)."""
+    return _gluon_module("torch_impl.qkv_rope_gluon", "FLASH_QKV_ROPE")
 
 
 def rope_product_runs(x: torch.Tensor, weights: tuple[torch.Tensor, ...], cos: torch.Tensor,
